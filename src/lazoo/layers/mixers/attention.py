@@ -1,0 +1,74 @@
+"""Softmax attention mixers: full causal attention and sliding-window attention (RoPE by default)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import ops
+from ..rope import apply_rotary, rotary_cos_sin
+from .base import TokenMixer
+
+
+class AttentionMixer(TokenMixer):
+    """Multi-head softmax attention; the KV cache is the op's state (`k`, `v`, `mask`).
+
+    Options: `use_rope`, `rope_theta`, `qk_norm` (unit-norm q and k with a learned per-head scale).
+    `config._attn_implementation` "eager" runs the explicit softmax, anything else runs SDPA.
+    """
+
+    defaults = {"use_rope": True, "rope_theta": 10000.0, "qk_norm": False}
+
+    def __init__(self, config, layer_idx, options):
+        super().__init__(config, layer_idx, options)
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.window = None
+        self._config = config  # read `_attn_implementation` at call time (it can change after init)
+        if options["qk_norm"]:
+            self.qk_scale = nn.Parameter(torch.full((self.num_heads,), math.sqrt(self.head_dim)))
+
+    def _init_lazoo_parameters(self, init):
+        if self.options["qk_norm"]:
+            init.constant_(self.qk_scale, math.sqrt(self.head_dim))
+
+    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None):
+        q = self.split_heads(self.q_proj(hidden_states))
+        k = self.split_heads(self.k_proj(hidden_states))
+        v = self.split_heads(self.v_proj(hidden_states))
+        scale = None
+        if self.options["qk_norm"]:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            scale = self.qk_scale
+        if self.options["use_rope"]:
+            cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.options["rope_theta"], q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        backend = "recurrent" if getattr(self._config, "_attn_implementation", None) == "eager" else "chunk"
+        o, state = ops.softmax_attention(
+            q, k, v, scale=scale, window=self.window, initial_state=self.read_state(cache),
+            output_final_state=cache is not None, mask=mask, backend=self.options.get("backend") or backend,
+        )
+        self.write_state(cache, state)
+        return self.o_proj(self.merge_heads(o))
+
+
+class SoftmaxAttentionMixer(AttentionMixer):
+    mechanism = "softmax"
+
+
+class SlidingWindowAttentionMixer(AttentionMixer):
+    """Softmax over the last `config.sliding_window` positions (the query's own included)."""
+
+    mechanism = "sliding_window"
+
+    def __init__(self, config, layer_idx, options):
+        super().__init__(config, layer_idx, options)
+        if not config.sliding_window or config.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int for sliding_window layers, got {config.sliding_window}")
+        self.window = int(config.sliding_window)

@@ -1,0 +1,73 @@
+"""The one interface every token mixer implements.
+
+A mixer maps hidden states `[B, T, hidden]` to `[B, T, hidden]`. It reads and writes its own entry of
+the cache (`cache.states[layer_idx]`, a dict of tensors whose content only the mixer knows: a KV window,
+S/A/z/t for VLA, a short-convolution tail, ...). `mask` `[B, T]` marks real tokens (None = all real);
+`position_ids` `[B, T]` count real tokens per sample (used by RoPE).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..short_conv import ShortConvolution
+
+
+class TokenMixer(nn.Module):
+    #: the mechanism name used in `config.layer_types`
+    mechanism: ClassVar[str] = ""
+    #: hyper-parameters with their defaults; any config can override them via `mixer_kwargs`
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, config, layer_idx: int, options: dict[str, Any]):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        if config.hidden_size % config.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={config.num_attention_heads}"
+            )
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.options = options
+
+    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- helpers shared by the mixers -------------------------------------------------------
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:2], self.num_heads, -1)
+
+    @staticmethod
+    def merge_heads(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(*x.shape[:2], -1)
+
+    def read_state(self, cache):
+        return None if cache is None else cache.states[self.layer_idx]
+
+    def write_state(self, cache, state):
+        if cache is not None:
+            cache.states[self.layer_idx] = state
+
+    def _init_lazoo_parameters(self, init) -> None:
+        """Initialise parameters that are not plain Linear/Embedding/Norm weights (called by the model's
+        `_init_weights` with transformers' guarded init functions, so loaded weights are never overwritten)."""
+
+
+class ShortConvProjections(nn.Module):
+    """Optional short causal convolutions on q, k and v (one per projection), with their cache entries."""
+
+    def __init__(self, dims: dict[str, int], kernel_size: int, activation: str | None = "silu"):
+        super().__init__()
+        self.convs = nn.ModuleDict({name: ShortConvolution(d, kernel_size, activation) for name, d in dims.items()})
+
+    def forward(self, tensors: dict[str, torch.Tensor], mask, state: dict | None, output_state: bool):
+        out, new_state = {}, {}
+        for name, x in tensors.items():
+            out[name], new_state[name] = self.convs[name](
+                x, mask=mask, state=None if state is None else state[name], output_state=output_state
+            )
+        return out, (new_state if output_state else None)

@@ -1,0 +1,57 @@
+"""Shared scaffolding of the recurrent (linear-time) mixers: projections, optional short convolution,
+per-head output norm and gate, and the cache entry `{"op": <op state>, "conv": <conv tails>}`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import ShortConvProjections, TokenMixer
+
+
+class RecurrentMixer(TokenMixer):
+    """Subclasses implement `mix(q, k, v, x, mask, state) -> (o, new_state)` on `[B, T, H, D]` tensors.
+
+    Options used here: `use_short_conv`, `conv_size`, `output_norm`, `output_gate`, `norm_eps`.
+    """
+
+    defaults = {"use_short_conv": False, "conv_size": 4, "output_norm": True, "output_gate": False, "norm_eps": 1e-6}
+
+    def __init__(self, config, layer_idx, options):
+        super().__init__(config, layer_idx, options)
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.short_conv = (
+            ShortConvProjections({"q": d, "k": d, "v": d}, options["conv_size"]) if options["use_short_conv"] else None
+        )
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=options["norm_eps"]) if options["output_norm"] else None
+        self.g_proj = nn.Linear(d, d, bias=False) if options["output_gate"] else None
+
+    def mix(self, q, k, v, x, *, mask, state, want_state: bool):
+        """Run the op; return `(o [B, T, H, dv], new op state or None)`."""
+        raise NotImplementedError
+
+    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None):
+        x = hidden_states
+        entry = self.read_state(cache) or {}
+        qkv = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+        conv_state = None
+        if self.short_conv is not None:
+            qkv, conv_state = self.short_conv(qkv, mask, entry.get("conv"), output_state=cache is not None)
+        q, k, v = (self.split_heads(qkv[n]) for n in "qkv")
+        o, op_state = self.mix(q, k, v, x, mask=mask, state=entry.get("op"), want_state=cache is not None)
+        if cache is not None:
+            self.write_state(cache, {"op": op_state, "conv": conv_state})
+        if self.o_norm is not None:
+            o = self.o_norm(o)
+        o = self.merge_heads(o)
+        if self.g_proj is not None:
+            o = o * F.silu(self.g_proj(x))
+        return self.o_proj(o)
+
+    def op_kwargs(self, mask, state, want_state: bool) -> dict:
+        return {"initial_state": state, "output_final_state": want_state, "mask": mask, "backend": self.options.get("backend")}

@@ -1,0 +1,141 @@
+"""Configurations: one `LazooConfig` base and one subclass per mechanism (`model_type = "lazoo_<name>"`).
+
+A model is a stack of decoder layers whose token mixers are listed in `layer_types` (a hybrid is a mixed
+list). Each mechanism's hyper-parameters have defaults in its mixer class (`lazoo.layers.mixers`); a
+mechanism's own config class exposes them as typed fields, and any config can set them for any mechanism
+it uses through `mixer_kwargs={"<name>": {...}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from ..layers.mixers import MIXERS, mixer_class
+
+
+class LazooConfig(PreTrainedConfig):
+    model_type = "lazoo_hybrid"
+    #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
+    #: transformers turns annotated config attributes into dataclass fields
+    mechanism = None
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 2048,
+        hidden_size: int = 256,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        intermediate_size: int | None = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = 64,
+        use_short_conv: bool | None = None,
+        mixer_kwargs: dict[str, dict[str, Any]] | None = None,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        max_position_embeddings: int = 1 << 20,
+        tie_word_embeddings: bool = True,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        **kwargs,
+    ):
+        # typed fields of the primary mechanism (e.g. `lambda0` on LazooVLAConfig)
+        if self.mechanism is not None:
+            for key, default in self._own_fields().items():
+                setattr(self, key, kwargs.pop(key, default))
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size if intermediate_size is not None else 4 * hidden_size
+        if layer_types is None:
+            if self.mechanism is None:
+                raise ValueError(
+                    "a lazoo_hybrid config needs `layer_types` (one mechanism name per layer); known mechanisms: "
+                    + ", ".join(MIXERS)
+                )
+            layer_types = [self.mechanism] * num_hidden_layers
+        layer_types = list(layer_types)
+        for name in layer_types:
+            mixer_class(name)  # raises ValueError listing the known names
+        if len(layer_types) != num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_hidden_layers}; give one per layer"
+            )
+        self.sliding_window = sliding_window
+        self.use_short_conv = use_short_conv
+        self.mixer_kwargs = {name: dict(opts) for name, opts in (mixer_kwargs or {}).items()}
+        for name, opts in self.mixer_kwargs.items():
+            unknown = set(opts) - set(mixer_class(name).defaults) - {"backend"}
+            if unknown:
+                raise ValueError(
+                    f"mixer_kwargs[{name!r}] has unknown keys {sorted(unknown)}; "
+                    f"known: {sorted(mixer_class(name).defaults)} and 'backend'"
+                )
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.max_position_embeddings = max_position_embeddings
+        self.tie_word_embeddings = tie_word_embeddings
+        self.use_cache = use_cache
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
+        # set after the base __init__, whose validation only knows transformers' own attention kinds
+        self.layer_types = layer_types
+
+    def validate(self):
+        """transformers' validators, except its `layer_types` check (which knows only its own attention
+        kinds): lazoo's entries are mechanism names, checked here."""
+        for validator in getattr(PreTrainedConfig, "__class_validators__", []):
+            if validator.__name__ != "validate_layer_type":
+                validator(self)
+        for name in self.layer_types or []:
+            mixer_class(name)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}")
+
+    @classmethod
+    def _own_fields(cls) -> dict[str, Any]:
+        """The primary mechanism's hyper-parameters that are not already standard config fields."""
+        return {k: v for k, v in mixer_class(cls.mechanism).defaults.items() if k != "use_short_conv"}
+
+    def mixer_options(self, name: str) -> dict[str, Any]:
+        """Resolved hyper-parameters for mechanism `name`: its defaults, then the typed fields (if `name` is
+        this config's mechanism), then `use_short_conv`, then `mixer_kwargs[name]`."""
+        options = dict(mixer_class(name).defaults)
+        options["backend"] = None
+        if name == self.mechanism:
+            options.update({k: getattr(self, k) for k in self._own_fields()})
+        if self.use_short_conv is not None and "use_short_conv" in options:
+            options["use_short_conv"] = self.use_short_conv
+        options.update(self.mixer_kwargs.get(name, {}))
+        return options
+
+
+def _mechanism_config(mechanism: str, class_name: str) -> type[LazooConfig]:
+    def __init__(self, **kwargs):
+        LazooConfig.__init__(self, **kwargs)
+
+    # an explicit __init__ keeps transformers from generating a dataclass one for the subclass
+    namespace = {"model_type": f"lazoo_{mechanism}", "mechanism": mechanism, "__init__": __init__,
+                 "__module__": __name__, "__qualname__": class_name,
+                 "__doc__": f"Configuration of a lazoo `{mechanism}` model."}
+    return type(class_name, (LazooConfig,), namespace)
+
+
+LazooSoftmaxConfig = _mechanism_config("softmax", "LazooSoftmaxConfig")
+LazooSlidingWindowConfig = _mechanism_config("sliding_window", "LazooSlidingWindowConfig")
+LazooLinearConfig = _mechanism_config("linear", "LazooLinearConfig")
+LazooGatedLinearConfig = _mechanism_config("gated_linear", "LazooGatedLinearConfig")
+LazooDeltaNetConfig = _mechanism_config("delta_net", "LazooDeltaNetConfig")
+LazooGatedDeltaNetConfig = _mechanism_config("gated_delta_net", "LazooGatedDeltaNetConfig")
+LazooVLAConfig = _mechanism_config("vla", "LazooVLAConfig")
+
+#: mechanism name -> its config class; `lazoo_hybrid` is `LazooConfig` itself
+MECHANISM_CONFIGS: dict[str, type[LazooConfig]] = {
+    c.mechanism: c
+    for c in (LazooSoftmaxConfig, LazooSlidingWindowConfig, LazooLinearConfig, LazooGatedLinearConfig,
+              LazooDeltaNetConfig, LazooGatedDeltaNetConfig, LazooVLAConfig)
+}

@@ -1,0 +1,30 @@
+"""lazoo.ops: pure tensor functions, one module per mechanism family.
+
+Layout everywhere: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, per-head scalars (gates, beta)
+``[B, T, H]``, states ``[B, H, dv, dk]`` (a state of several parts is a dict of tensors), mask
+``[B, T]`` (1 = real token; a pad leaves every part of the state untouched and outputs 0).
+Every op takes ``initial_state=None, output_final_state=False, mask=None, backend=None`` and
+returns ``(output [B, T, H, dv] in the input dtype, final_state or None)``. States are in the
+compute dtype: float64 for float64 inputs, float32 otherwise.
+Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-step reference),
+"chunk" (chunk-parallel PyTorch), "triton" (not written yet), None = auto (chunk for now).
+"""
+
+from ._common import BACKENDS
+from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
+from .linear import FEATURE_MAPS, chunk_gated_linear, gated_linear_attention, linear_attention
+from .softmax import softmax_attention
+from .vla import vla
+
+__all__ = [
+    "BACKENDS",
+    "FEATURE_MAPS",
+    "chunk_gated_linear",
+    "chunk_generalized_delta",
+    "delta_rule",
+    "gated_delta_rule",
+    "gated_linear_attention",
+    "linear_attention",
+    "softmax_attention",
+    "vla",
+]

@@ -1,0 +1,233 @@
+"""Shared helpers of the ops: backend choice, input validation, masks, dtypes, padding.
+
+Layout (all ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, per-head scalars ``[B, T, H]``,
+states ``[B, H, dv, dk]``, mask ``[B, T]`` (1 = real token).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("lazoo")
+
+BACKENDS = ("recurrent", "chunk", "triton")
+BACKEND_ENV = "LAZOO_BACKEND"
+
+# Ops for which the "no Triton kernel, using the chunk form" note was already logged.
+_FALLBACK_LOGGED: set[str] = set()
+
+
+# ----------------------------------------------------------------------------- backends
+def resolve_backend(op: str, backend: str | None, device: torch.device) -> str:
+    """Return "recurrent" or "chunk" for ``op``.
+
+    ``backend`` wins over the ``LAZOO_BACKEND`` environment variable; None (or an empty
+    variable) means auto. No op has a Triton kernel yet, so auto picks the PyTorch chunk form
+    and, on CUDA, says so once per op; a forced "triton" raises.
+    """
+    source = "backend"
+    if backend is None:
+        backend = os.environ.get(BACKEND_ENV) or None
+        source = f"the {BACKEND_ENV} environment variable"
+    if backend is None:
+        if device.type == "cuda" and op not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(op)
+            logger.warning(
+                "%s: no Triton kernel is available for this op yet; using the PyTorch chunk form.",
+                op,
+            )
+        return "chunk"
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(
+            f"{op}: unknown backend {backend!r} (from {source}); valid backends are "
+            f"{', '.join(repr(b) for b in BACKENDS)} or None for auto"
+        )
+    if backend == "triton":
+        raise NotImplementedError(
+            f"{op}: backend='triton' was requested (from {source}) but no Triton kernel exists "
+            "for this op yet; use backend='chunk', 'recurrent' or None (auto)"
+        )
+    return backend
+
+
+# ----------------------------------------------------------------------------- dtypes
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other float type is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- validation
+def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """Check q ``[B, T, H, dk]``, k like q, v ``[B, T, H, dv]``; return ``(B, T, H, dk, dv)``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{op}: {name} must have 4 dimensions [B, T, H, D], got shape {tuple(x.shape)}"
+            )
+    check_float(op, "q", q)
+    B, T, H, dk = q.shape
+    if k.shape != q.shape:
+        raise ValueError(
+            f"{op}: k must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"{op}: v must have shape [B, T, H, dv] with [B, T, H] = {tuple(q.shape[:3])} like q, "
+            f"got {tuple(v.shape)}"
+        )
+    if T == 0:
+        raise ValueError(f"{op}: the sequence is empty (T = 0)")
+    check_same_dtype(op, q, k=k, v=v)
+    check_same_device(op, q, k=k, v=v)
+    return B, T, H, dk, v.shape[-1]
+
+
+def check_float(op: str, name: str, x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_same_dtype(op: str, q: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, x in others.items():
+        if x.dtype != q.dtype:
+            raise TypeError(f"{op}: {name} has dtype {x.dtype} but q has dtype {q.dtype}; "
+                            "all inputs must share one dtype")
+
+
+def check_same_device(op: str, q: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, x in others.items():
+        if x.device != q.device:
+            raise ValueError(f"{op}: {name} is on {x.device} but q is on {q.device}")
+
+
+def check_head_scalar(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    """A per-head scalar (gate, beta) must be a float ``[B, T, H]`` tensor like q."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(q.shape[:3]):
+        raise ValueError(
+            f"{op}: {name} must have shape [B, T, H] = {tuple(q.shape[:3])}, got {tuple(x.shape)}"
+        )
+    check_float(op, name, x)
+    check_same_dtype(op, q, **{name: x})
+    check_same_device(op, q, **{name: x})
+
+
+def check_mask(op: str, mask: torch.Tensor | None, B: int, T: int,
+               device: torch.device) -> torch.Tensor | None:
+    """Validate a ``[B, T]`` mask (bool or 0/1 numbers) and return it as bool (or None)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{op}: mask must be a torch.Tensor [B, T] or None, got {type(mask).__name__}")
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"{op}: mask must have shape [B, T] = {(B, T)}, got {tuple(mask.shape)}")
+    if mask.is_complex():
+        raise TypeError(f"{op}: mask must be bool or real 0/1 numbers, got dtype {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"{op}: mask is on {mask.device} but q is on {device}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_scale(op: str, scale, dk: int) -> float:
+    """A scalar query scale; None means dk ** -0.5."""
+    if scale is None:
+        return dk ** -0.5
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        # Keep a 0-d tensor as is so that a learned scale stays differentiable.
+        return scale
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    raise TypeError(f"{op}: scale must be None or a number, got {type(scale).__name__}")
+
+
+def check_state_tensor(op: str, name: str, x, shape: Sequence[int], device: torch.device) -> None:
+    """One part of an initial state: a float tensor of an exact shape."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor of shape {tuple(shape)}, "
+                        f"got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    check_float(op, name, x)
+    if x.device != device:
+        raise ValueError(f"{op}: {name} is on {x.device} but q is on {device}")
+
+
+def check_state_dict(op: str, state, keys: Sequence[str]) -> None:
+    """A state of several parts must be a mapping with exactly ``keys``."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{op}: initial_state must be a dict with keys {sorted(keys)}, "
+                        f"got {type(state).__name__}")
+    if set(state.keys()) != set(keys):
+        raise ValueError(f"{op}: initial_state must have keys {sorted(keys)}, "
+                         f"got {sorted(state.keys())}")
+
+
+def check_matrix_state(op: str, state, shape: Sequence[int], device: torch.device) -> None:
+    """A one-part state ``S`` (a tensor)."""
+    if isinstance(state, Mapping):
+        raise TypeError(f"{op}: initial_state must be a tensor S of shape {tuple(shape)}, got a dict")
+    check_state_tensor(op, "initial_state", state, shape, device)
+
+
+# ----------------------------------------------------------------------------- tensors
+def pad_time(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad dim 1 (time) of ``x`` up to a multiple of ``multiple``."""
+    T = x.shape[1]
+    extra = (-T) % multiple
+    if extra == 0:
+        return x
+    # F.pad pads the last dims first: zeros for every dim after time, then `extra` after time.
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (0, extra))
+
+
+def time_mask(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Broadcast a ``[B, T]`` bool mask against a ``[B, T, ...]`` tensor (None -> ones)."""
+    if mask is None:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    return mask.view(mask.shape + (1,) * (x.dim() - 2))
+
+
+def zero_masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero ``x`` ``[B, T, ...]`` at padded positions (autograd-safe, never NaN)."""
+    if mask is None:
+        return x
+    return torch.where(time_mask(mask, x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def check_chunk_size(op: str, chunk_size) -> int:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+    return chunk_size
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dim: smooth at 0, so always differentiable."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def matrix_initial_state(op, state, B, H, dk, dv, device, cdt) -> torch.Tensor:
+    """A one-part state S: zeros by default, else validated and cast to the compute dtype."""
+    if state is None:
+        return torch.zeros(B, H, dv, dk, dtype=cdt, device=device)
+    check_matrix_state(op, state, (B, H, dv, dk), device)
+    return state.to(cdt)
+
+
+def split_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """``[B, N*C, H, d]`` -> ``[B, H, N, C, d]``."""
+    B, Tp, H, d = x.shape
+    return x.reshape(B, Tp // C, C, H, d).permute(0, 3, 1, 2, 4)
+
+
+def merge_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, N, C, d]`` -> ``[B, T, H, d]`` (the padding dropped)."""
+    B, H, N, C, d = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, d)[:, :T]

@@ -1,0 +1,80 @@
+"""Helpers to compare op backends in tests (forward, final state and all gradients).
+
+Kept in the package (not in a conftest) so that op tests and, later, kernel tests share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+
+def left_pad_mask(lengths: Sequence[int], T: int, holes: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    """``[B, T]`` bool mask with ``lengths[b]`` real tokens at the right end of each row,
+    plus optional interior pads ``(b, t)``."""
+    t = torch.arange(T)
+    mask = t[None, :] >= (T - torch.tensor(lengths))[:, None]
+    for b, i in holes:
+        mask[b, i] = False
+    return mask
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (absolute error where b is all zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    return err / scale if scale > 0 else err
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.isfinite(a).all(), f"{what}: non-finite values"
+    if a.dtype in (torch.bool, torch.int64, torch.int32):
+        assert torch.equal(a, b), f"{what}: {a} != {b}"
+        return
+    e = rel_err(a, b)
+    assert e <= rtol, f"{what}: relative error {e:.3e} > {rtol:.1e}"
+
+
+def state_parts(state) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every part of a state (tensor, dict or None), in a fixed order."""
+    if state is None:
+        return []
+    if isinstance(state, torch.Tensor):
+        return [("state", state)]
+    return [(f"state[{k!r}]", state[k]) for k in sorted(state)]
+
+
+def assert_state_close(a, b, rtol: float, what: str) -> None:
+    pa, pb = state_parts(a), state_parts(b)
+    assert [n for n, _ in pa] == [n for n, _ in pb], f"{what}: state parts differ"
+    for (name, x), (_, y) in zip(pa, pb):
+        assert_close(x, y, rtol, f"{what} {name}")
+
+
+def forward_and_grads(fn: Callable, leaves: Mapping[str, torch.Tensor], seed: int = 1234):
+    """Run ``fn() -> (o, state)`` and take the gradients of a random projection of the output
+    and of every float part of the final state w.r.t. ``leaves``."""
+    o, state = fn()
+    parts = [o] + [x for _, x in state_parts(state) if x.is_floating_point()]
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((p * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)).sum()
+               for p in parts)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return o, state, dict(zip(leaves, grads))
+
+
+def compare_backends(fn: Callable, leaves: Mapping[str, torch.Tensor], rtol: float,
+                     backends: tuple[str, str] = ("chunk", "recurrent")) -> None:
+    """``fn(backend)`` under two backends: outputs, final states and gradients must agree."""
+    test, ref = backends
+    o1, s1, g1 = forward_and_grads(lambda: fn(test), leaves)
+    o2, s2, g2 = forward_and_grads(lambda: fn(ref), leaves)
+    assert_close(o1, o2, rtol, f"output {test} vs {ref}")
+    assert_state_close(s1, s2, rtol, f"final {test} vs {ref}")
+    for name in leaves:
+        assert g2[name] is not None, f"no gradient reaches {name} ({ref})"
+        assert g1[name] is not None, f"no gradient reaches {name} ({test})"
+        assert_close(g1[name], g2[name], rtol, f"grad {name} {test} vs {ref}")

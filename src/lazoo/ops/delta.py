@@ -1,0 +1,170 @@
+"""DeltaNet and Gated DeltaNet, and the generalised (gated) delta rule they share with VLA.
+
+Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, beta/g ``[B, T, H]``, state S ``[B, H, dv, dk]``,
+mask ``[B, T]`` (1 = real token; a pad leaves the state untouched and outputs 0).
+
+    delta:        S_t = S_{t-1} (I - β_t k_t k_t^T) + β_t v_t k_t^T,            o_t = S_t (scale q_t)
+    gated delta:  S_t = exp(g_t) S_{t-1} (I - β_t k_t k_t^T) + β_t v_t k_t^T,   o_t = S_t (scale q_t)
+
+Both are the generalised gated delta rule with write key w_t = β_t k_t:
+    S_t = a_t S_{t-1} + (v_t - a_t S_{t-1} k_t) w_t^T,   a_t = exp(g_t),   o_t = S_t q_t,
+whose chunk form is ``chunk_generalized_delta`` (VLA uses it with w = α̂ and read key k̂).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    check_chunk_size,
+    check_head_scalar,
+    check_mask,
+    check_qkv,
+    check_scale,
+    compute_dtype,
+    l2norm,
+    matrix_initial_state,
+    merge_chunks,
+    pad_time,
+    resolve_backend,
+    split_chunks,
+    zero_masked,
+)
+
+
+# ============================================================================ public ops
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """DeltaNet: ``S_t = S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, ``o_t = S_t (scale q_t)``."""
+    return _delta("delta_rule", q, k, v, None, beta, scale, use_qk_l2norm, chunk_size,
+                  initial_state, output_final_state, mask, backend)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Gated DeltaNet: ``S_t = exp(g_t) S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, g the log decay."""
+    return _delta("gated_delta_rule", q, k, v, g, beta, scale, use_qk_l2norm, chunk_size,
+                  initial_state, output_final_state, mask, backend)
+
+
+def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state,
+           output_final_state, mask, backend):
+    B, T, H, dk, dv = check_qkv(op, q, k, v)
+    if g is not None:
+        check_head_scalar(op, "g", g, q)
+    check_head_scalar(op, "beta", beta, q)
+    mask = check_mask(op, mask, B, T, q.device)
+    scale = check_scale(op, scale, dk)
+    chunk_size = check_chunk_size(op, chunk_size)
+    backend = resolve_backend(op, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+
+    S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
+    q_c, k_c = q.to(cdt), k.to(cdt)
+    if use_qk_l2norm:
+        q_c, k_c = l2norm(q_c), l2norm(k_c)
+    q_c = q_c * scale
+    v_c = v.to(cdt)
+    beta_c = zero_masked(beta.to(cdt), mask)  # β = 0 and g = 0 at a pad: S untouched
+    g_c = None if g is None else zero_masked(g.to(cdt), mask)
+
+    if backend == "recurrent":
+        o, S = _recurrent_delta(q_c, k_c, v_c, g_c, beta_c, S0)
+    else:
+        o, S = chunk_generalized_delta(q_c, k_c, v_c, beta_c[..., None] * k_c, g_c, S0, chunk_size)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+# ============================================================================ recurrent form
+def _recurrent_delta(q, k, v, g, beta, S):
+    """Literal step-by-step reference (β = 0 and g = 0 at pads leave S unchanged)."""
+    outs = []
+    for t in range(q.shape[1]):
+        k_t, b_t = k[:, t], beta[:, t, :, None]  # [B, H, dk], [B, H, 1]
+        if g is not None:
+            S = g[:, t, :, None, None].exp() * S
+        Sk = torch.einsum("bhvk,bhk->bhv", S, k_t)
+        # S (I - β k k^T) + β v k^T = S + β (v - S k) k^T
+        S = S + (b_t * (v[:, t] - Sk))[..., None] * k_t[:, :, None, :]
+        outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, dim=1), S
+
+
+# ============================================================================ chunk form
+def chunk_generalized_delta(q, k, v, w, g, S0, chunk_size: int):
+    """Chunk-parallel generalised gated delta rule.
+
+        S_t = a_t S_{t-1} + (v_t - a_t S_{t-1} k_t) w_t^T,   a_t = exp(g_t),   o_t = S_t q_t
+
+    q, k, w ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]`` or None (no gate), S0
+    ``[B, H, dv, dk]``, all in the compute dtype; any T. A position with w = 0 and g = 0 leaves
+    the state untouched. Per chunk (rows = time, G = cumsum of g inside the chunk, γ = exp(G)):
+        L[t, i] = exp(G_t - G_i) (k_t · w_i) for i < t,   U = (I + L)^{-1} (V - diag(γ) K S0^T)
+        O       = diag(γ) Q S0^T + (tril ⊙ exp(G_t - G_i) ⊙ Q W^T) U
+        S_end   = γ_C S0 + U^T (exp(G_C - G) ⊙ W)
+    (U holds the pseudo-values u_t = v_t - a_t S_{t-1} k_t.) Returns ``(o [B, T, H, dv], S_end)``.
+    """
+    T = q.shape[1]
+    C = min(chunk_size, T)
+    Q, K, V, Wr = (split_chunks(pad_time(x, C), C) for x in (q, k, v, w))  # [B, H, N, C, d]
+    N = Q.shape[2]
+    ones = torch.ones(C, C, dtype=torch.bool, device=q.device)
+    tril, strict = ones.tril(), ones.tril(-1)
+
+    L = (K @ Wr.transpose(-1, -2)).masked_fill(~strict, 0.0)
+    P = (Q @ Wr.transpose(-1, -2)).masked_fill(~tril, 0.0)
+    if g is not None:
+        G = split_chunks(pad_time(g, C)[..., None], C)[..., 0].cumsum(-1)  # [B, H, N, C]
+        # exp only where i <= t, so exp(G_t - G_i) <= 1 and never overflows.
+        D = (G[..., :, None] - G[..., None, :]).masked_fill(~tril, 0.0).exp()
+        L, P = L * D, P * D
+        gamma = G.exp()[..., None]  # [B, H, N, C, 1]
+        K = K * gamma
+        Wr = Wr * (G[..., -1:] - G).exp()[..., None]  # exp(G_C - G_i) w_i
+
+    # (I + L)^{-1} applied to V and to γK, in parallel over all chunks.
+    I_L = L + torch.eye(C, dtype=L.dtype, device=L.device)
+    U_v = torch.linalg.solve_triangular(I_L, V, upper=False, unitriangular=True)
+    U_k = torch.linalg.solve_triangular(I_L, K, upper=False, unitriangular=True)
+
+    # Sequential over chunks: each chunk's pseudo-values depend on its start state.
+    starts, pseudo, S = [], [], S0
+    for n in range(N):
+        starts.append(S)
+        U = U_v[:, :, n] - U_k[:, :, n] @ S.transpose(-1, -2)  # [B, H, C, dv]
+        pseudo.append(U)
+        decay = 1.0 if g is None else G[:, :, n, -1].exp()[..., None, None]
+        S = decay * S + U.transpose(-1, -2) @ Wr[:, :, n]
+    S_start = torch.stack(starts, dim=2)  # [B, H, N, dv, dk]
+    U = torch.stack(pseudo, dim=2)  # [B, H, N, C, dv]
+
+    O_inter = Q @ S_start.transpose(-1, -2)
+    if g is not None:
+        O_inter = O_inter * gamma
+    return merge_chunks(O_inter + P @ U, T), S

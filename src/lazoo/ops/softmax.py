@@ -1,0 +1,150 @@
+"""Causal softmax attention, full or sliding-window, with a KV cache as state.
+
+Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token).
+State (the KV cache): ``{"k": [B, Tc, H, dk], "v": [B, Tc, H, dv], "mask": [B, Tc] bool}``.
+
+Positions are counted over the cache followed by the new tokens, pads included, so a window of
+W lets the query at absolute position p see the keys at positions in (p - W, p]; pad keys never
+take part. The "recurrent" backend is eager math (QK^T, masked softmax; float64-capable), the
+"chunk" backend is ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    check_mask,
+    check_qkv,
+    check_same_device,
+    check_state_dict,
+    check_state_tensor,
+    compute_dtype,
+    resolve_backend,
+    zero_masked,
+)
+
+_OP = "softmax_attention"
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | torch.Tensor | None = None,
+    window: int | None = None,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Causal (optionally sliding-window) softmax attention.
+
+    scale: None -> dk ** -0.5; a number; or a tensor ``[H]`` (a learned per-head scale, as with
+    QK-norm: q is multiplied by it and no further scale is applied).
+    window: None -> full causal attention; W -> the query at position p sees keys in (p - W, p].
+    Returns ``(o [B, T, H, dv], final_state)``; a final state with a window keeps only the last
+    W - 1 positions. Padded queries give 0.
+    """
+    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
+    mask = check_mask(_OP, mask, B, T, q.device)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
+    backend = resolve_backend(_OP, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+
+    q = q.to(cdt)
+    q, scale = _apply_scale(q, scale, H, dk)
+    keys, values, key_mask = _with_cache(initial_state, k.to(cdt), v.to(cdt), mask, B, H, dk, dv)
+    Tc = keys.shape[1] - T
+    query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+
+    allowed = _allowed(query_mask, key_mask, Tc, window)  # [B, T, S]
+    if backend == "recurrent":
+        o = _eager(q, keys, values, allowed, scale)
+    else:
+        o = _sdpa(q, keys, values, allowed, scale)
+    o = zero_masked(o, mask).to(v.dtype)
+
+    final_state = None
+    if output_final_state:
+        final_state = {"k": keys, "v": values, "mask": key_mask}
+        if window is not None:
+            keep = window - 1
+            final_state = {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in final_state.items()}
+    return o, final_state
+
+
+def _apply_scale(q: torch.Tensor, scale, H: int, dk: int) -> tuple[torch.Tensor, float]:
+    """Fold a per-head tensor scale into q; otherwise return the scalar scale."""
+    if scale is None:
+        return q, dk ** -0.5
+    if isinstance(scale, torch.Tensor) and scale.dim() > 0:
+        if tuple(scale.shape) != (H,):
+            raise ValueError(f"{_OP}: a tensor scale must have shape [H] = ({H},), got {tuple(scale.shape)}")
+        check_same_device(_OP, q, scale=scale)
+        return q * scale.to(q.dtype)[:, None], 1.0
+    if isinstance(scale, torch.Tensor):
+        return q * scale.to(q.dtype), 1.0
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return q, float(scale)
+    raise TypeError(f"{_OP}: scale must be None, a number or a tensor [H], got {type(scale).__name__}")
+
+
+def _with_cache(state, k, v, mask, B, H, dk, dv):
+    """Concatenate the cached keys/values/mask (if any) in front of the new ones."""
+    new_mask = mask if mask is not None else torch.ones(B, k.shape[1], dtype=torch.bool, device=k.device)
+    if state is None:
+        return k, v, new_mask
+    check_state_dict(_OP, state, ("k", "v", "mask"))
+    cached_k = state["k"]
+    if not isinstance(cached_k, torch.Tensor) or cached_k.dim() != 4:
+        got = tuple(cached_k.shape) if isinstance(cached_k, torch.Tensor) else type(cached_k).__name__
+        raise ValueError(f"{_OP}: initial_state['k'] must have shape [B, Tc, H, dk] = ({B}, Tc, {H}, {dk}), "
+                         f"got {got}")
+    Tc = cached_k.shape[1]
+    check_state_tensor(_OP, "initial_state['k']", state["k"], (B, Tc, H, dk), k.device)
+    check_state_tensor(_OP, "initial_state['v']", state["v"], (B, Tc, H, dv), k.device)
+    cache_mask = state["mask"]
+    if not isinstance(cache_mask, torch.Tensor) or tuple(cache_mask.shape) != (B, Tc):
+        got = tuple(cache_mask.shape) if isinstance(cache_mask, torch.Tensor) else type(cache_mask).__name__
+        raise ValueError(f"{_OP}: initial_state['mask'] must have shape [B, Tc] = {(B, Tc)}, got {got}")
+    cache_mask = cache_mask if cache_mask.dtype == torch.bool else cache_mask != 0
+    return (
+        torch.cat([state["k"].to(k.dtype), k], dim=1),
+        torch.cat([state["v"].to(v.dtype), v], dim=1),
+        torch.cat([cache_mask.to(k.device), new_mask], dim=1),
+    )
+
+
+def _allowed(query_mask, key_mask, Tc: int, window: int | None) -> torch.Tensor:
+    """``[B, T, S]`` bool: which keys each query may see (causal, window, real tokens only)."""
+    T, S = query_mask.shape[1], key_mask.shape[1]
+    device = key_mask.device
+    p = torch.arange(T, device=device)[:, None] + Tc  # absolute query positions
+    j = torch.arange(S, device=device)[None, :]
+    visible = j <= p
+    if window is not None:
+        visible = visible & (j > p - window)
+    return visible[None] & key_mask[:, None, :] & query_mask[:, :, None]
+
+
+def _eager(q, k, v, allowed, scale):
+    """Explicit softmax(QK^T) V; a row with no visible key gives 0 (finite min fill, no NaN)."""
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    allowed = allowed[:, None]  # [B, 1, T, S]
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    p = torch.softmax(scores, dim=-1) * allowed  # zeros a row that had no visible key
+    return torch.einsum("bhts,bshd->bthd", p, v)
+
+
+def _sdpa(q, k, v, allowed, scale):
+    """SDPA with a boolean mask; rows with no visible key are opened (finite) and then zeroed."""
+    has_key = allowed.any(-1, keepdim=True)  # [B, T, 1]
+    attn_mask = (allowed | ~has_key)[:, None]  # [B, 1, T, S]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
+    ).transpose(1, 2)
+    return torch.where(has_key[..., None], o, torch.zeros((), dtype=o.dtype, device=o.device))

@@ -1,0 +1,244 @@
+"""Variational Linear Attention (seed 000, Algorithm 1), per head.
+
+Layout: q/k/u ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token).
+State: ``{"S": [B, H, dv, dk], "A": [B, H, dk, dk], "z": [B, H, dk], "t": [B] int64}``;
+default S = 0, A = I / lambda0, z = 0, t = 0. q, k, v, u are the raw projections
+(u = W_u k_raw already applied). Per real token (a pad changes nothing, t included):
+
+    k_feat = elu(k) + 1;  k̂ = k_feat / |k_feat|;  û = normalize(u) / sqrt(dk)
+    z_sm = A û;  δ = max(1 + û·z_sm, eps);  A ← A - z_sm z_smᵀ / δ
+    t ← t + 1;  if refresh_period > 0 and t % refresh_period == 0:  A ← A + refresh_eta I
+    α̂ = A k̂ / |A k̂|                     (post-update A)
+    S ← S + (v - S k̂) α̂ᵀ
+    q_f = elu(q) + 1;  z ← z + k_feat;  o = S q_f / max(z·q_f, eps)
+
+Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
+S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    check_chunk_size,
+    check_mask,
+    check_qkv,
+    check_same_device,
+    check_same_dtype,
+    check_state_dict,
+    check_state_tensor,
+    compute_dtype,
+    resolve_backend,
+    zero_masked,
+)
+from .delta import chunk_generalized_delta
+
+_OP = "vla"
+_STATE_KEYS = ("S", "A", "z", "t")
+
+
+def vla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    u: torch.Tensor,
+    *,
+    lambda0: float = 0.1,
+    refresh_period: int = 20,
+    refresh_eta: float = 1e-3,
+    eps: float = 1e-4,
+    chunk_size: int = 64,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """VLA attention; returns ``(o [B, T, H, dv], final_state)`` (state dict S, A, z, t)."""
+    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
+    if not isinstance(u, torch.Tensor) or u.shape != q.shape:
+        got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+        raise ValueError(f"{_OP}: u must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {got}")
+    check_same_dtype(_OP, q, u=u)
+    check_same_device(_OP, q, u=u)
+    mask = check_mask(_OP, mask, B, T, q.device)
+    chunk_size = check_chunk_size(_OP, chunk_size)
+    if not isinstance(refresh_period, int) or isinstance(refresh_period, bool):
+        raise ValueError(f"{_OP}: refresh_period must be an int (<= 0: no refresh), got {refresh_period!r}")
+    if not lambda0 > 0:
+        raise ValueError(f"{_OP}: lambda0 must be > 0, got {lambda0!r}")
+    backend = resolve_backend(_OP, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+
+    state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
+    k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt))
+    q_f = F.elu(q.to(cdt)) + 1.0
+    v_c = v.to(cdt)
+    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    hp = dict(refresh_period=refresh_period, refresh_eta=refresh_eta, eps=eps)
+
+    if backend == "recurrent":
+        o, final = _recurrent_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, **hp)
+    else:
+        o, final = _chunk_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, chunk_size, **hp)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, (final if output_final_state else None)
+
+
+# ============================================================================ shared pieces
+def _key_features(k, u):
+    """k_feat = elu(k) + 1 (> 0), k̂ = k_feat / |k_feat|, û = normalize(u) / sqrt(dk)."""
+    k_feat = F.elu(k) + 1.0
+    k_hat = k_feat / k_feat.norm(dim=-1, keepdim=True)
+    u_hat = F.normalize(u, dim=-1) / k.shape[-1] ** 0.5
+    return k_feat, k_hat, u_hat
+
+
+def _initial_state(state, lambda0, B, H, dk, dv, device, cdt) -> dict[str, torch.Tensor]:
+    if state is None:
+        return {
+            "S": torch.zeros(B, H, dv, dk, dtype=cdt, device=device),
+            "A": torch.eye(dk, dtype=cdt, device=device).repeat(B, H, 1, 1) / lambda0,
+            "z": torch.zeros(B, H, dk, dtype=cdt, device=device),
+            "t": torch.zeros(B, dtype=torch.int64, device=device),
+        }
+    check_state_dict(_OP, state, _STATE_KEYS)
+    check_state_tensor(_OP, "initial_state['S']", state["S"], (B, H, dv, dk), device)
+    check_state_tensor(_OP, "initial_state['A']", state["A"], (B, H, dk, dk), device)
+    check_state_tensor(_OP, "initial_state['z']", state["z"], (B, H, dk), device)
+    t = state["t"]
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (B,) or t.is_floating_point() or t.is_complex():
+        got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{_OP}: initial_state['t'] must be an integer tensor of shape [B] = ({B},), got {got}")
+    A = state["A"].to(cdt)
+    return {
+        "S": state["S"].to(cdt),
+        # A is symmetric; symmetrising makes both forms the same function of A (and gradient).
+        "A": 0.5 * (A + A.transpose(-1, -2)),
+        "z": state["z"].to(cdt),
+        "t": t.to(device=device, dtype=torch.int64),
+    }
+
+
+def _refresh_flags(real, t0, refresh_period):
+    """``[B, T]`` bool: the A update at this (real) token is followed by the +ηI refresh."""
+    counts = t0[:, None] + real.long().cumsum(1)  # 1-based step count after each token
+    if refresh_period <= 0:
+        return torch.zeros_like(real)
+    return real & (counts % refresh_period == 0)
+
+
+# ============================================================================ recurrent form
+def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period, refresh_eta, eps):
+    """Algorithm 1, batched over samples and heads, one token at a time."""
+    S, A, z, t = state["S"], state["A"], state["z"], state["t"]
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    outs = []
+    for i in range(q_f.shape[1]):
+        m = real[:, i]  # [B]
+        mb = m[:, None, None]  # broadcast over [B, H, d]
+
+        # Sherman-Morrison update of A (δ >= 1 while A is positive definite; eps is a floor).
+        z_sm = torch.einsum("bhij,bhj->bhi", A, u_hat[:, i])
+        delta = (1.0 + (u_hat[:, i] * z_sm).sum(-1)).clamp_min(eps)
+        A_new = A - z_sm[..., :, None] * z_sm[..., None, :] / delta[..., None, None]
+        t = t + m.long()
+        if refresh_period > 0:
+            refresh = (m & (t % refresh_period == 0)).to(A.dtype)[:, None, None, None]
+            A_new = A_new + refresh * refresh_eta * eye
+        A = torch.where(mb[..., None], A_new, A)
+
+        # Residual S update along the normalised post-update direction α̂ = A k̂ / |A k̂|.
+        alpha = F.normalize(torch.einsum("bhij,bhj->bhi", A, k_hat[:, i]), dim=-1)
+        e = v[:, i] - torch.einsum("bhvk,bhk->bhv", S, k_hat[:, i])
+        S = torch.where(mb[..., None], S + e[..., :, None] * alpha[..., None, :], S)
+
+        # Normalised read-out.
+        z = torch.where(mb, z + k_feat[:, i], z)
+        num = torch.einsum("bhvk,bhk->bhv", S, q_f[:, i])
+        outs.append(num / (z * q_f[:, i]).sum(-1, keepdim=True).clamp_min(eps))
+    return torch.stack(outs, dim=1), {"S": S, "A": A, "z": z, "t": t}
+
+
+# ============================================================================ chunk form
+def _chunk_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period,
+               refresh_eta, eps):
+    """(a) α̂ for all tokens chunk-wise by Woodbury; (b) S by the generalised delta rule."""
+    alpha_hat, A = _chunk_alphas(k_hat, u_hat, real, state["A"], state["t"], chunk_size,
+                                 refresh_period, refresh_eta)
+    w = zero_masked(alpha_hat, real)  # a pad writes nothing
+    num, S = chunk_generalized_delta(q_f, k_hat, v, w, None, state["S"], chunk_size)
+    z_t = state["z"][:, None] + zero_masked(k_feat, real).cumsum(1)  # z after each token
+    o = num / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
+    t = state["t"] + real.long().sum(1)
+    return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
+
+
+def _chunk_alphas(k_hat, u_hat, real, A0, t0, chunk_size, refresh_period, refresh_eta):
+    """α̂ ``[B, T, H, dk]`` of every token and the final A, one A-chunk at a time.
+
+    The +ηI refresh is full rank and cannot enter a Woodbury update, so A-chunks have at most
+    ``refresh_period`` positions: then each sample refreshes at most once per A-chunk, at its
+    own position r_b (step counts differ per sample). Pass 1 takes the directions up to r_b
+    (all, if b does not refresh) and gives α before r_b and the A after r_b's update; ηI is
+    added; pass 2 takes the directions after r_b and gives α from r_b on (at r_b it is
+    (A + ηI) k̂, since pass 2 has no direction before then).
+    """
+    B, T = real.shape
+    C = min(chunk_size, refresh_period) if refresh_period > 0 else chunk_size
+    refresh = _refresh_flags(real, t0, refresh_period)  # [B, T]
+    # One host sync for the whole sequence: which A-chunks contain a refresh.
+    starts = list(range(0, T, C))
+    has_refresh = [bool(x) for x in torch.stack([refresh[:, s:s + C].any() for s in starts]).tolist()]
+    eye = torch.eye(A0.shape[-1], dtype=A0.dtype, device=A0.device)
+
+    alphas, A = [], A0
+    for s, any_refresh in zip(starts, has_refresh):
+        kh = k_hat[:, s:s + C].transpose(1, 2)  # [B, H, c, dk]
+        uh = u_hat[:, s:s + C].transpose(1, 2)
+        m, rf = real[:, s:s + C], refresh[:, s:s + C]
+        c = m.shape[1]
+        pos = torch.arange(c, device=m.device)
+        # r_b: the refresh position of sample b in this chunk, c if none.
+        r = torch.where(rf.any(1), rf.long().argmax(1), torch.full_like(t0, c))
+        first = m & (pos[None] <= r[:, None])  # [B, c]
+        alpha, A = _woodbury_alphas(A, uh * first[:, None, :, None], kh)
+        if any_refresh:
+            A = A + (rf.any(1).to(A.dtype) * refresh_eta)[:, None, None, None] * eye
+            second = m & (pos[None] > r[:, None])
+            alpha2, A = _woodbury_alphas(A, uh * second[:, None, :, None], kh)
+            after = (pos[None] >= r[:, None])[:, None, :, None]  # [B, 1, c, 1]
+            alpha = torch.where(after, alpha2, alpha)
+        alphas.append(alpha)
+    alpha = torch.cat(alphas, dim=2).transpose(1, 2)  # [B, T, H, dk]
+    return F.normalize(alpha, dim=-1), A
+
+
+def _woodbury_alphas(A0, U, K):
+    """α_t = A_t k̂_t for every t of a chunk, with A_t = A0 after the directions U_{≤t}.
+
+    A0 ``[B, H, d, d]`` (symmetric positive definite), U and K ``[B, H, C, d]`` with one
+    direction / key per row (a zero row is no update). With W = A0 Û, G = I + Ûᵀ W = R Rᵀ
+    (Cholesky, R lower) and B = Ûᵀ A0 K̂, the leading block G_{≤t} = R_{≤t} R_{≤t}ᵀ, so
+        X = triu(R^{-T} triu(R^{-1} triu(B))),   α_t = A0 k̂_t - W X[:, t],
+    and the chunk's final A = A0 - W G^{-1} Wᵀ. This equals the sequential Sherman-Morrison
+    recursion exactly: its clamp δ >= eps never binds, since δ = 1 + ûᵀ A û >= 1 while A is
+    positive definite, and A stays positive definite (rank-one downdates of an SPD inverse,
+    plus ηI). Returns (α unnormalised ``[B, H, C, d]``, final A).
+    """
+    C = U.shape[-2]
+    W = U @ A0.transpose(-1, -2)  # rows (A0 û_i)ᵀ
+    AK = K @ A0.transpose(-1, -2)  # rows (A0 k̂_t)ᵀ
+    G = torch.eye(C, dtype=A0.dtype, device=A0.device) + U @ W.transpose(-1, -2)
+    Bm = U @ AK.transpose(-1, -2)  # [i, t] = û_i · A0 k̂_t
+    R = torch.linalg.cholesky(G)
+    upper = torch.ones(C, C, dtype=torch.bool, device=A0.device).triu()  # rows i <= column t
+    X = torch.linalg.solve_triangular(R, Bm.masked_fill(~upper, 0.0), upper=False)
+    X = torch.linalg.solve_triangular(R.transpose(-1, -2), X.masked_fill(~upper, 0.0), upper=True)
+    X = X.masked_fill(~upper, 0.0)
+    alpha = AK - X.transpose(-1, -2) @ W
+    A_end = A0 - W.transpose(-1, -2) @ torch.cholesky_solve(W, R)
+    return alpha, A_end
