@@ -131,6 +131,17 @@ def test_vla_chunk_size_larger_than_period_and_sequence():
     assert_state_close(s1, s2, 1e-10, "state")
 
 
+@pytest.mark.parametrize("period", [16, 8])
+def test_vla_refresh_at_chunk_ends(period):
+    # From t = 0 without pads every refresh falls on the last token of an A-chunk (no pass 2).
+    q, k, v, u = make_inputs(37)
+    kw = dict(output_final_state=True, chunk_size=16, refresh_period=period)
+    o1, s1 = vla(q, k, v, u, backend="chunk", **kw)
+    o2, s2 = vla(q, k, v, u, backend="recurrent", **kw)
+    assert_close(o1, o2, 1e-10, "output")
+    assert_state_close(s1, s2, 1e-10, "state")
+
+
 def test_vla_default_state_and_step_count():
     q, k, v, u = make_inputs(9)
     mask = left_pad_mask([9, 4, 0], 9)

@@ -60,7 +60,7 @@ def forward_and_grads(fn: Callable, leaves: Mapping[str, torch.Tensor], seed: in
     o, state = fn()
     parts = [o] + [x for _, x in state_parts(state) if x.is_floating_point()]
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((p * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)).sum()
+    loss = sum((p * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, p.dtype)).sum()
                for p in parts)
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return o, state, dict(zip(leaves, grads))

@@ -53,7 +53,8 @@ def softmax_attention(
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
     backend = resolve_backend(_OP, backend, q.device)
-    cdt = compute_dtype(q.dtype)
+    # the reference computes in fp32/fp64; SDPA keeps the input dtype (and the cache in it) for its fast kernels
+    cdt = compute_dtype(q.dtype) if backend == "recurrent" else q.dtype
 
     q = q.to(cdt)
     q, scale = _apply_scale(q, scale, H, dk)
@@ -61,11 +62,11 @@ def softmax_attention(
     Tc = keys.shape[1] - T
     query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
 
-    allowed = _allowed(query_mask, key_mask, Tc, window)  # [B, T, S]
-    if backend == "recurrent":
-        o = _eager(q, keys, values, allowed, scale)
+    if backend != "recurrent" and Tc == 0 and mask is None and window is None:
+        o = _sdpa(q, keys, values, None, scale)  # plain causal: SDPA's flash/causal kernels
     else:
-        o = _sdpa(q, keys, values, allowed, scale)
+        allowed = _allowed(query_mask, key_mask, Tc, window)  # [B, T, S]
+        o = (_eager if backend == "recurrent" else _sdpa)(q, keys, values, allowed, scale)
     o = zero_masked(o, mask).to(v.dtype)
 
     final_state = None
@@ -141,10 +142,13 @@ def _eager(q, k, v, allowed, scale):
 
 
 def _sdpa(q, k, v, allowed, scale):
-    """SDPA with a boolean mask; rows with no visible key are opened (finite) and then zeroed."""
-    has_key = allowed.any(-1, keepdim=True)  # [B, T, 1]
-    attn_mask = (allowed | ~has_key)[:, None]  # [B, 1, T, S]
-    o = F.scaled_dot_product_attention(
+    """SDPA with a boolean mask (None = plain causal). A row with no visible key (only a pad query has none, as a
+    real query sees itself) is opened to all keys so that SDPA stays finite; the caller zeroes it."""
+    if allowed is None:
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+        ).transpose(1, 2)
+    attn_mask = (allowed | ~allowed.any(-1, keepdim=True))[:, None]  # [B, 1, T, S]
+    return F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
     ).transpose(1, 2)
-    return torch.where(has_key[..., None], o, torch.zeros((), dtype=o.dtype, device=o.device))

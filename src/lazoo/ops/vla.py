@@ -18,7 +18,6 @@ S then runs as the generalised delta rule (read key k̂, write key α̂, query q
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from ._common import (
     check_state_dict,
     check_state_tensor,
     compute_dtype,
+    pad_time,
     resolve_backend,
     zero_masked,
 )
@@ -187,16 +187,13 @@ def _chunk_alphas(k_hat, u_hat, real, A0, t0, chunk_size, refresh_period, refres
     added; pass 2 takes the directions after r_b and gives α from r_b on (at r_b it is
     (A + ηI) k̂, since pass 2 has no direction before then).
     """
-    B, T = real.shape
     C = min(chunk_size, refresh_period) if refresh_period > 0 else chunk_size
     refresh = _refresh_flags(real, t0, refresh_period)  # [B, T]
-    # One host sync for the whole sequence: which A-chunks contain a refresh.
-    starts = list(range(0, T, C))
-    has_refresh = [bool(x) for x in torch.stack([refresh[:, s:s + C].any() for s in starts]).tolist()]
+    has_refresh, has_later = _chunk_flags(refresh, real, C)
     eye = torch.eye(A0.shape[-1], dtype=A0.dtype, device=A0.device)
 
     alphas, A = [], A0
-    for s, any_refresh in zip(starts, has_refresh):
+    for n, s in enumerate(range(0, real.shape[1], C)):
         kh = k_hat[:, s:s + C].transpose(1, 2)  # [B, H, c, dk]
         uh = u_hat[:, s:s + C].transpose(1, 2)
         m, rf = real[:, s:s + C], refresh[:, s:s + C]
@@ -206,15 +203,30 @@ def _chunk_alphas(k_hat, u_hat, real, A0, t0, chunk_size, refresh_period, refres
         r = torch.where(rf.any(1), rf.long().argmax(1), torch.full_like(t0, c))
         first = m & (pos[None] <= r[:, None])  # [B, c]
         alpha, A = _woodbury_alphas(A, uh * first[:, None, :, None], kh)
-        if any_refresh:
-            A = A + (rf.any(1).to(A.dtype) * refresh_eta)[:, None, None, None] * eye
-            second = m & (pos[None] > r[:, None])
-            alpha2, A = _woodbury_alphas(A, uh * second[:, None, :, None], kh)
+        if has_refresh[n]:
+            bump = (rf.any(1).to(A.dtype) * refresh_eta)[:, None, None, None]  # η for refreshing samples
+            A = A + bump * eye
+            if has_later[n]:
+                second = m & (pos[None] > r[:, None])
+                alpha2, A = _woodbury_alphas(A, uh * second[:, None, :, None], kh)
+            else:  # no direction after any r_b: α = (A + ηI) k̂ from r_b on
+                alpha2 = alpha + bump * kh
             after = (pos[None] >= r[:, None])[:, None, :, None]  # [B, 1, c, 1]
             alpha = torch.where(after, alpha2, alpha)
         alphas.append(alpha)
     alpha = torch.cat(alphas, dim=2).transpose(1, 2)  # [B, T, H, dk]
     return F.normalize(alpha, dim=-1), A
+
+
+def _chunk_flags(refresh, real, C):
+    """Per A-chunk of length C: does any sample refresh in it, and does any sample have a real
+    token after its refresh (i.e. is pass 2 needed)? One host sync for the whole sequence."""
+    B, T = refresh.shape
+    rf = pad_time(refresh.long(), C).view(B, -1, C)
+    m = pad_time(real.long(), C).view(B, -1, C)
+    later = ((rf.cumsum(-1) - rf) > 0) & (m > 0)  # a refresh strictly earlier in the chunk
+    flags = torch.stack([(rf > 0).any(-1).any(0), later.any(-1).any(0)]).tolist()
+    return flags[0], flags[1]
 
 
 def _woodbury_alphas(A0, U, K):
@@ -234,11 +246,12 @@ def _woodbury_alphas(A0, U, K):
     AK = K @ A0.transpose(-1, -2)  # rows (A0 k̂_t)ᵀ
     G = torch.eye(C, dtype=A0.dtype, device=A0.device) + U @ W.transpose(-1, -2)
     Bm = U @ AK.transpose(-1, -2)  # [i, t] = û_i · A0 k̂_t
-    R = torch.linalg.cholesky(G)
+    R, _ = torch.linalg.cholesky_ex(G)  # G is SPD (>= I); _ex avoids a host sync on CUDA
     upper = torch.ones(C, C, dtype=torch.bool, device=A0.device).triu()  # rows i <= column t
-    X = torch.linalg.solve_triangular(R, Bm.masked_fill(~upper, 0.0), upper=False)
-    X = torch.linalg.solve_triangular(R.transpose(-1, -2), X.masked_fill(~upper, 0.0), upper=True)
-    X = X.masked_fill(~upper, 0.0)
+    # Only the middle triu is needed: R^{-1} is lower triangular, so rows i <= t of R^{-1} B
+    # use rows <= t of B only, and R^{-T} (upper) keeps rows i > t of a triu matrix at zero.
+    Y = torch.linalg.solve_triangular(R, Bm, upper=False).masked_fill(~upper, 0.0)
+    X = torch.linalg.solve_triangular(R.transpose(-1, -2), Y, upper=True)
     alpha = AK - X.transpose(-1, -2) @ W
     A_end = A0 - W.transpose(-1, -2) @ torch.cholesky_solve(W, R)
     return alpha, A_end

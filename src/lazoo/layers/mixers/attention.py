@@ -59,6 +59,8 @@ class AttentionMixer(TokenMixer):
 
 
 class SoftmaxAttentionMixer(AttentionMixer):
+    """Full causal softmax attention (optional QK-norm with a learned per-head scale)."""
+
     mechanism = "softmax"
 
 

@@ -13,6 +13,8 @@ from .recurrent import RecurrentMixer
 
 
 class VLAMixer(RecurrentMixer):
+    """Variational Linear Attention: Sherman–Morrison penalty geometry A_t, write direction α̂_t = A_t k̂ / ‖A_t k̂‖."""
+
     mechanism = "vla"
     defaults = {
         **RecurrentMixer.defaults,

@@ -1,0 +1,151 @@
+"""Conventions shared by every op: backend choice, errors naming the argument, dtypes, masks."""
+
+import logging
+
+import pytest
+import torch
+
+from lazoo import ops
+from lazoo.ops import _common
+
+B, T, H, DK, DV = 2, 5, 2, 4, 3
+
+
+def make(dtype=torch.float64):
+    torch.manual_seed(0)
+    q, k, u = (torch.randn(B, T, H, DK, dtype=dtype) for _ in range(3))
+    v = torch.randn(B, T, H, DV, dtype=dtype)
+    g = -torch.rand(B, T, H, dtype=dtype)
+    beta = torch.rand(B, T, H, dtype=dtype)
+    return dict(q=q, k=k, v=v, u=u, g=g, beta=beta)
+
+
+# Every op as f(inputs, **kwargs); the extra inputs (g, beta, u) come from the same dict.
+OPS = {
+    "softmax_attention": lambda x, **kw: ops.softmax_attention(x["q"], x["k"], x["v"], **kw),
+    "linear_attention": lambda x, **kw: ops.linear_attention(x["q"], x["k"], x["v"], **kw),
+    "gated_linear_attention": lambda x, **kw: ops.gated_linear_attention(x["q"], x["k"], x["v"], x["g"], **kw),
+    "delta_rule": lambda x, **kw: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], **kw),
+    "gated_delta_rule": lambda x, **kw: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw),
+    "vla": lambda x, **kw: ops.vla(x["q"], x["k"], x["v"], x["u"], **kw),
+}
+EXTRA = {"gated_linear_attention": ["g"], "delta_rule": ["beta"], "gated_delta_rule": ["g", "beta"], "vla": ["u"]}
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_backends_unknown_and_forced_triton(name, monkeypatch):
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    x = make()
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda'.*'recurrent', 'chunk', 'triton'"):
+        OPS[name](x, backend="cuda")
+    with pytest.raises(NotImplementedError, match=f"{name}: backend='triton'"):
+        OPS[name](x, backend="triton")
+    # The variable is read when backend is None, and an explicit backend wins over it.
+    monkeypatch.setenv("LAZOO_BACKEND", "triton")
+    with pytest.raises(NotImplementedError, match="LAZOO_BACKEND"):
+        OPS[name](x)
+    monkeypatch.setenv("LAZOO_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="LAZOO_BACKEND"):
+        OPS[name](x)
+    o_env_ok, _ = OPS[name](x, backend="recurrent")
+    monkeypatch.setenv("LAZOO_BACKEND", "chunk")
+    o_auto, _ = OPS[name](x)
+    assert torch.allclose(o_auto, o_env_ok, rtol=1e-10, atol=1e-12)
+
+
+def test_env_variable_selects_the_backend(monkeypatch):
+    called = []
+    real = ops.linear._recurrent_linear
+    monkeypatch.setattr(ops.linear, "_recurrent_linear", lambda *a: called.append(1) or real(*a))
+    x = make()
+    monkeypatch.setenv("LAZOO_BACKEND", "recurrent")
+    OPS["linear_attention"](x)
+    assert called == [1]
+    monkeypatch.delenv("LAZOO_BACKEND")
+    OPS["linear_attention"](x)  # auto -> chunk
+    assert called == [1]
+
+
+def test_auto_on_cuda_logs_once_per_op(caplog, monkeypatch):
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    monkeypatch.setattr(_common, "_FALLBACK_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="lazoo"):
+        assert _common.resolve_backend("some_op", None, torch.device("cpu")) == "chunk"
+        assert not caplog.records
+        for _ in range(3):
+            assert _common.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
+        _common.resolve_backend("other_op", None, torch.device("cuda"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "some_op" in messages[0] and "Triton" in messages[0]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_shape_dtype_and_mask_errors_name_the_argument(name):
+    x = make()
+    bad = dict(x, k=x["k"][:, :-1])
+    with pytest.raises(ValueError, match=r"k must have shape \[B, T, H, dk\] = \(2, 5, 2, 4\) like q, got \(2, 4, 2, 4\)"):
+        OPS[name](bad)
+    with pytest.raises(ValueError, match="v must have shape"):
+        OPS[name](dict(x, v=x["v"][:1]))
+    with pytest.raises(ValueError, match="q must have 4 dimensions"):
+        OPS[name](dict(x, q=x["q"][0]))
+    with pytest.raises(TypeError, match="floating-point"):
+        OPS[name](dict(x, q=x["q"].long(), k=x["k"].long(), v=x["v"].long()))
+    with pytest.raises(TypeError, match="v has dtype torch.float32"):
+        OPS[name](dict(x, v=x["v"].float()))
+    with pytest.raises(ValueError, match=r"mask must have shape \[B, T\]"):
+        OPS[name](x, mask=torch.ones(B, T + 1, dtype=torch.bool))
+    for arg in EXTRA.get(name, []):
+        with pytest.raises(ValueError, match=f"{arg} must have shape"):
+            OPS[name](dict(x, **{arg: x[arg][:, :-1]}))
+        with pytest.raises(TypeError, match=f"{arg} has dtype"):
+            OPS[name](dict(x, **{arg: x[arg].float()}))
+
+
+@pytest.mark.parametrize("name", [n for n in OPS if n != "softmax_attention"])
+def test_bad_initial_state_shape(name):
+    x = make()
+    _, state = OPS[name](x, output_final_state=True)
+    if isinstance(state, dict):
+        key = "S"
+        bad = dict(state, S=state["S"][:, :1])
+        match = r"initial_state\['S'\] must have shape"
+    else:
+        bad, match = state[..., :-1], "initial_state must have shape"
+    with pytest.raises(ValueError, match=match):
+        OPS[name](x, initial_state=bad)
+    if isinstance(state, dict):
+        with pytest.raises(ValueError, match="keys"):
+            OPS[name](x, initial_state={key: state[key]})
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_mask_dtypes_agree_and_none_equals_all_ones(name):
+    x = make()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :2] = False
+    o_bool, _ = OPS[name](x, mask=mask)
+    o_int, _ = OPS[name](x, mask=mask.long())
+    o_float, _ = OPS[name](x, mask=mask.double())
+    assert torch.equal(o_bool, o_int) and torch.equal(o_bool, o_float)
+    assert torch.all(o_bool[1, :2] == 0) and o_bool[1, 2:].abs().max() > 0
+    o_none, _ = OPS[name](x)
+    o_ones, _ = OPS[name](x, mask=torch.ones(B, T))
+    assert torch.allclose(o_none, o_ones, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_inputs_keep_their_dtype(name, dtype):
+    x64 = make()
+    x = {key: t.to(dtype) for key, t in x64.items()}
+    o, state = OPS[name](x, output_final_state=True)
+    ref, _ = OPS[name](x64)
+    assert o.dtype == dtype
+    parts = state.values() if isinstance(state, dict) else [state]
+    # recurrent states are fp32; the softmax KV cache keeps the input dtype (SDPA runs in it)
+    state_dtype = dtype if name == "softmax_attention" else torch.float32
+    assert all(p.dtype == state_dtype for p in parts if p.is_floating_point())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    err = (o.double() - ref).abs().max() / ref.abs().max()
+    assert err < tol, f"{name} {dtype}: relative error {err:.2e}"

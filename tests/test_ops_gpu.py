@@ -1,0 +1,103 @@
+"""Ops on CUDA (``-m gpu``): the chunk forms in fp32/bf16 against the float64 CPU reference."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lazoo import ops
+from lazoo.ops import _common
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+B, T, H, D = 2, 200, 2, 64
+
+
+def inputs():
+    torch.manual_seed(0)
+    q, k, u = (torch.randn(B, T, H, D, dtype=torch.float64) for _ in range(3))
+    v = torch.randn(B, T, H, D, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(B, T, H, dtype=torch.float64) + 3)
+    beta = torch.rand(B, T, H, dtype=torch.float64)
+    M = torch.randn(B, H, D, D, dtype=torch.float64)
+    states = {
+        "softmax_attention": {"k": torch.randn(B, 9, H, D, dtype=torch.float64),
+                              "v": torch.randn(B, 9, H, D, dtype=torch.float64),
+                              "mask": torch.ones(B, 9, dtype=torch.bool)},
+        "linear_attention": {"S": torch.randn(B, H, D, D, dtype=torch.float64),
+                             "z": torch.rand(B, H, D, dtype=torch.float64) * 3},
+        "matrix": torch.randn(B, H, D, D, dtype=torch.float64),
+        "vla": {"S": torch.randn(B, H, D, D, dtype=torch.float64),
+                "A": torch.eye(D, dtype=torch.float64) * 10 + 0.3 * M @ M.transpose(-1, -2) / D,
+                "z": torch.rand(B, H, D, dtype=torch.float64) * 3,
+                "t": torch.tensor([7, 0])},
+    }
+    return dict(q=q, k=k, v=v, u=u, g=g, beta=beta), states
+
+
+CASES = {
+    "softmax_attention": (lambda x, **kw: ops.softmax_attention(x["q"], x["k"], x["v"], window=64, **kw),
+                          "softmax_attention"),
+    "linear_attention": (lambda x, **kw: ops.linear_attention(x["q"], x["k"], x["v"], **kw), "linear_attention"),
+    "gated_linear_attention": (lambda x, **kw: ops.gated_linear_attention(x["q"], x["k"], x["v"], x["g"], **kw),
+                               "matrix"),
+    "delta_rule": (lambda x, **kw: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], **kw), "matrix"),
+    "gated_delta_rule": (lambda x, **kw: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw),
+                         "matrix"),
+    "vla": (lambda x, **kw: ops.vla(x["q"], x["k"], x["v"], x["u"], **kw), "vla"),
+}
+
+
+def to(obj, device, dtype=None):
+    if isinstance(obj, dict):
+        return {key: to(x, device, dtype) for key, x in obj.items()}
+    return obj.to(device=device, dtype=dtype if obj.is_floating_point() and dtype else obj.dtype)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cuda_chunk_fp32_matches_cpu_float64_reference(name):
+    fn, state_key = CASES[name]
+    x, states = inputs()
+    mask = left_pad_mask([T, T - 37], T)
+    state = states[state_key]
+    ref_leaves = {key: x[key].requires_grad_(True) for key in ("q", "k", "v")}
+    ref_o, ref_s, ref_g = forward_and_grads(
+        lambda: fn(x, initial_state=state, mask=mask, output_final_state=True, backend="recurrent"), ref_leaves)
+
+    xc = {key: t.detach().to("cuda", torch.float32) for key, t in x.items()}
+    leaves = {key: xc[key].requires_grad_(True) for key in ("q", "k", "v")}
+    o, s, grads = forward_and_grads(
+        lambda: fn(xc, initial_state=to(state, "cuda", torch.float32), mask=mask.cuda(),
+                   output_final_state=True, backend="chunk"), leaves)
+    assert o.is_cuda and o.dtype == torch.float32
+    assert_close(o.cpu(), ref_o, 1e-4, f"{name} output")
+    assert_state_close(to(s, "cpu"), ref_s, 1e-4, f"{name} state")
+    for key in leaves:
+        assert_close(grads[key].cpu(), ref_g[key], 1e-3, f"{name} grad {key}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cuda_bf16_keeps_dtype(name):
+    fn, _ = CASES[name]
+    x, _ = inputs()
+    ref, _ = fn(x, backend="recurrent")
+    o, s = fn({key: t.to("cuda", torch.bfloat16) for key, t in x.items()}, output_final_state=True)
+    assert o.dtype == torch.bfloat16
+    parts = s.values() if isinstance(s, dict) else [s]
+    assert all(p.dtype == torch.float32 for p in parts if p.is_floating_point())
+    err = (o.double().cpu() - ref).abs().max() / ref.abs().max()
+    assert err < 5e-2, f"{name} bf16: relative error {err:.2e}"
+
+
+def test_cuda_auto_backend_logs_once(caplog, monkeypatch):
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    monkeypatch.setattr(_common, "_FALLBACK_LOGGED", set())
+    x, _ = inputs()
+    xc = {key: t.to("cuda", torch.float32) for key, t in x.items()}
+    with caplog.at_level(logging.INFO, logger="lazoo"):
+        for _ in range(2):
+            CASES["vla"][0](xc)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["vla"]

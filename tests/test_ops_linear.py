@@ -1,0 +1,173 @@
+"""linear_attention and gated_linear_attention: recurrent vs chunk, quadratic form, pads, splits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lazoo.ops import gated_linear_attention, linear_attention
+from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
+
+F64 = torch.float64
+B, H, DK, DV = 3, 2, 6, 5
+
+
+def make_inputs(T, dtype=F64, b=B, seed=0):
+    torch.manual_seed(seed)
+    q, k = (torch.randn(b, T, H, DK, dtype=dtype) for _ in range(2))
+    v = torch.randn(b, T, H, DV, dtype=dtype)
+    g = F.logsigmoid(torch.randn(b, T, H, dtype=dtype) + 2)  # log decay in (-inf, 0)
+    return q, k, v, g
+
+
+def random_state(normalize, b=B, dtype=F64):
+    S = torch.randn(b, H, DV, DK, dtype=dtype)
+    return {"S": S, "z": torch.rand(b, H, DK, dtype=dtype) * 3} if normalize else S
+
+
+def state_leaves(state):
+    return {"S0": state["S"], "z0": state["z"]} if isinstance(state, dict) else {"S0": state}
+
+
+# ----------------------------------------------------------------------------- linear attention
+@pytest.mark.parametrize("T", [37, 1])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("feature_map,normalize", [("elu1", True), ("relu", True), ("identity", False)])
+def test_linear_chunk_matches_recurrent_with_grads(T, padded, feature_map, normalize):
+    q, k, v, _ = make_inputs(T)
+    state = random_state(normalize)
+    mask = left_pad_mask([T, max(T - 5, 0), max(T - 11, 0)], T, holes=[(0, T // 2)]) if padded else None
+    leaves = {"q": q, "k": k, "v": v, **state_leaves(state)}
+    for x in leaves.values():
+        x.requires_grad_(True)
+
+    def run(backend):
+        return linear_attention(q, k, v, feature_map=feature_map, normalize=normalize, chunk_size=16,
+                                initial_state=state, output_final_state=True, mask=mask, backend=backend)
+
+    compare_backends(run, leaves, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_linear_equals_quadratic_form(backend):
+    T = 23
+    q, k, v, _ = make_inputs(T)
+    o, _ = linear_attention(q, k, v, backend=backend, chunk_size=8)
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    kernel = torch.einsum("bthd,bshd->bhts", fq, fk).tril()  # φ(q_t)·φ(k_s), s <= t
+    ref = torch.einsum("bhts,bshv->bthv", kernel, v) / kernel.sum(-1).transpose(1, 2)[..., None]
+    assert_close(o, ref, 1e-12, "linear vs quadratic")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_linear_left_padded_batch_equals_samples_one_by_one(backend, normalize):
+    T, lengths = 21, [21, 14, 5]
+    q, k, v, _ = make_inputs(T)
+    state = random_state(normalize)
+    mask = left_pad_mask(lengths, T)
+    kw = dict(normalize=normalize, output_final_state=True, backend=backend, chunk_size=8)
+    o, s = linear_attention(q, k, v, mask=mask, initial_state=state, **kw)
+    assert torch.all(o[~mask] == 0)
+    for b, n in enumerate(lengths):
+        one = {key: x[b:b + 1] for key, x in state.items()} if normalize else state[b:b + 1]
+        ob, sb = linear_attention(q[b:b + 1, T - n:], k[b:b + 1, T - n:], v[b:b + 1, T - n:],
+                                  initial_state=one, **kw)
+        assert_close(o[b:b + 1, T - n:], ob, 1e-12, f"sample {b} output")
+        s_b = {key: x[b:b + 1] for key, x in s.items()} if normalize else s[b:b + 1]
+        assert_state_close(s_b, sb, 1e-12, f"sample {b} state")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_linear_split_sequence_equals_one_pass(backend):
+    T, cut = 29, 11
+    q, k, v, _ = make_inputs(T)
+    mask = left_pad_mask([T, T - 3, T - 17], T)
+    kw = dict(output_final_state=True, backend=backend, chunk_size=8)
+    o, s = linear_attention(q, k, v, mask=mask, **kw)
+    o1, s1 = linear_attention(q[:, :cut], k[:, :cut], v[:, :cut], mask=mask[:, :cut], **kw)
+    o2, s2 = linear_attention(q[:, cut:], k[:, cut:], v[:, cut:], mask=mask[:, cut:], initial_state=s1, **kw)
+    assert_close(torch.cat([o1, o2], 1), o, 1e-12, "split output")
+    assert_state_close(s2, s, 1e-12, "split final state")
+
+
+def test_linear_denominator_clamp_and_unknown_feature_map():
+    q, k, v, _ = make_inputs(6)
+    # identity features make φ(q)·z negative somewhere; the clamp keeps the output finite.
+    for backend in ("recurrent", "chunk"):
+        o, _ = linear_attention(q, k, v, feature_map="identity", normalize=True, eps=1e-3, backend=backend)
+        assert torch.isfinite(o).all()
+    with pytest.raises(ValueError, match=r"unknown feature_map 'softplus'.*elu1"):
+        linear_attention(q, k, v, feature_map="softplus")
+    with pytest.raises(TypeError, match="dict"):
+        linear_attention(q, k, v, initial_state=random_state(False))
+    with pytest.raises(ValueError, match=r"initial_state\['z'\]"):
+        bad = random_state(True)
+        bad["z"] = bad["z"][..., :-1]
+        linear_attention(q, k, v, initial_state=bad)
+
+
+# ----------------------------------------------------------------------------- gated linear
+@pytest.mark.parametrize("T", [37, 1])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gla_chunk_matches_recurrent_with_grads(T, padded):
+    q, k, v, g = make_inputs(T)
+    S0 = random_state(False)
+    mask = left_pad_mask([T, max(T - 5, 0), max(T - 11, 0)], T, holes=[(0, T // 2)]) if padded else None
+    leaves = {"q": q, "k": k, "v": v, "g": g, "S0": S0}
+    for x in leaves.values():
+        x.requires_grad_(True)
+
+    def run(backend):
+        return gated_linear_attention(q, k, v, g, chunk_size=16, initial_state=S0, output_final_state=True,
+                                      mask=mask, backend=backend)
+
+    compare_backends(run, leaves, rtol=1e-10)
+
+
+def test_gla_matches_closed_form():
+    # o_t = Σ_{s<=t} exp(Σ_{s<r<=t} g_r) (scale q_t·k_s) v_s + exp(Σ_{r<=t} g_r) S0 (scale q_t)
+    T = 19
+    q, k, v, g = make_inputs(T)
+    S0 = random_state(False)
+    G = g.cumsum(1).transpose(1, 2)  # [B, H, T]
+    decay = (G[..., :, None] - G[..., None, :]).tril().exp().tril()
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * DK ** -0.5 * decay
+    ref = torch.einsum("bhts,bshv->bthv", scores, v)
+    ref = ref + torch.einsum("bhvk,bthk->bthv", S0, q * DK ** -0.5) * G.exp().transpose(1, 2)[..., None]
+    o, _ = gated_linear_attention(q, k, v, g, initial_state=S0, chunk_size=8)
+    assert_close(o, ref, 1e-12, "gla vs closed form")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_gla_left_padded_batch_and_split(backend):
+    T, lengths, cut = 21, [21, 14, 5], 9
+    q, k, v, g = make_inputs(T)
+    mask = left_pad_mask(lengths, T)
+    kw = dict(output_final_state=True, backend=backend, chunk_size=8)
+    o, s = gated_linear_attention(q, k, v, g, mask=mask, **kw)
+    for b, n in enumerate(lengths):
+        sl = (slice(b, b + 1), slice(T - n, None))
+        ob, sb = gated_linear_attention(q[sl], k[sl], v[sl], g[sl], **kw)
+        assert_close(o[sl], ob, 1e-12, f"sample {b} output")
+        assert_close(s[b:b + 1], sb, 1e-12, f"sample {b} state")
+    o1, s1 = gated_linear_attention(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], mask=mask[:, :cut], **kw)
+    o2, s2 = gated_linear_attention(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], mask=mask[:, cut:],
+                                    initial_state=s1, **kw)
+    assert_close(torch.cat([o1, o2], 1), o, 1e-12, "split output")
+    assert_close(s2, s, 1e-12, "split state")
+
+
+def test_linear_ops_float32_close_to_float64():
+    q, k, v, g = make_inputs(37)
+    mask = left_pad_mask([37, 30, 20], 37)
+    ref, _ = linear_attention(q, k, v, mask=mask, backend="recurrent")
+    ref_g, _ = gated_linear_attention(q, k, v, g, mask=mask, backend="recurrent")
+    q32, k32, v32, g32 = (x.float() for x in (q, k, v, g))
+    for backend in ("chunk", "recurrent"):
+        o, s = linear_attention(q32, k32, v32, mask=mask, backend=backend, chunk_size=16, output_final_state=True)
+        assert o.dtype == torch.float32 and s["S"].dtype == torch.float32
+        assert_close(o, ref, 1e-4, f"linear fp32 {backend}")
+        o, _ = gated_linear_attention(q32, k32, v32, g32, mask=mask, backend=backend, chunk_size=16)
+        assert_close(o, ref_g, 1e-4, f"gla fp32 {backend}")
+    o, s = gated_linear_attention(*(x.half() for x in (q, k, v, g)), output_final_state=True)
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
