@@ -16,16 +16,35 @@ from .data import build_lm_datasets
 from .presets import build_config, known_layouts
 
 
+#: model sizes for a layout given by name; a config file's own sizes take their place
+DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "sliding_window": 64,
+                 "vocab_size": 4096}
+
+
+def model_sizes(args) -> dict:
+    """Sizes given on the command line, completed by DEFAULT_SIZES unless the layout is a config file."""
+    given = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+             "sliding_window": args.sliding_window, "vocab_size": args.vocab_size}
+    sizes = {} if args.mechanism.endswith(".json") else dict(DEFAULT_SIZES)
+    sizes.update({k: v for k, v in given.items() if v is not None})
+    if "hidden_size" in sizes and not args.mechanism.endswith(".json"):
+        sizes["intermediate_size"] = 2 * sizes["hidden_size"]
+    return sizes
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="lazoo demo", description=__doc__)
     p.add_argument("--mechanism", default="sw-vla",
                    help=f"layout: one of {', '.join(known_layouts())}, or a config .json (see configs/)")
     p.add_argument("--corpus", default=None, help="a .txt/.jsonl file or folder (default: the embedded King James Bible)")
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--sliding-window", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    def size_help(key):
+        return f"(default: the config file's, else {DEFAULT_SIZES[key]})"
+
+    p.add_argument("--hidden-size", type=int, default=None, help=size_help("hidden_size"))
+    p.add_argument("--layers", type=int, default=None, help=size_help("num_hidden_layers"))
+    p.add_argument("--heads", type=int, default=None, help=size_help("num_attention_heads"))
+    p.add_argument("--sliding-window", type=int, default=None, help=size_help("sliding_window"))
+    p.add_argument("--vocab-size", type=int, default=None, help=size_help("vocab_size"))
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=250)
@@ -49,17 +68,16 @@ def main(argv=None) -> dict:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     start = time.time()
 
-    data = build_lm_datasets(args.corpus, block_size=args.block_size, vocab_size=args.vocab_size,
+    sizes = model_sizes(args)
+    vocab_size = sizes.pop("vocab_size", None) or build_config(args.mechanism).vocab_size
+    data = build_lm_datasets(args.corpus, block_size=args.block_size, vocab_size=vocab_size,
                              max_eval_blocks=args.eval_blocks, seed=args.seed)
     tok = data.tokenizer
     print(f"[lazoo] corpus: {len(data.train)} train / {len(data.eval)} held-out blocks of {args.block_size} tokens, "
           f"vocab {len(tok)}")
 
-    config = build_config(
-        args.mechanism, vocab_size=len(tok), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, intermediate_size=2 * args.hidden_size, sliding_window=args.sliding_window,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
+    config = build_config(args.mechanism, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sizes)
     model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[lazoo] model: {config.model_type}, layers {config.layer_types}, {n_params / 1e6:.2f}M parameters")

@@ -18,39 +18,43 @@ logger = logging.getLogger("lazoo")
 BACKENDS = ("recurrent", "chunk", "triton")
 BACKEND_ENV = "LAZOO_BACKEND"
 
-# Ops for which the "no Triton kernel, using the chunk form" note was already logged.
+# Ops for which the "falling back to the chunk form" note was already logged.
 _FALLBACK_LOGGED: set[str] = set()
 
+#: the reason an op has no Triton path at all
+NO_KERNEL = "no Triton kernel is available for this op yet"
 
-# ----------------------------------------------------------------------------- backends
-def resolve_backend(op: str, backend: str | None, device: torch.device) -> str:
-    """Return "recurrent" or "chunk" for ``op``.
 
-    ``backend`` wins over the ``LAZOO_BACKEND`` environment variable; None (or an empty
-    variable) means auto. No op has a Triton kernel yet, so auto picks the PyTorch chunk form
-    and, on CUDA, says so once per op; a forced "triton" raises.
+def resolve_backend(op: str, backend: str | None, device: torch.device, triton_unsupported: str | None = NO_KERNEL) -> str:
+    """Return "recurrent", "chunk" or "triton" for ``op``.
+
+    ``backend`` wins over the ``LAZOO_BACKEND`` environment variable; None (or an empty variable)
+    means auto. ``triton_unsupported`` is None when the op's Triton kernel can run this case, else
+    the reason it cannot (head dim, dtype, no kernel). Auto picks Triton on CUDA tensors when it can
+    run, else the PyTorch chunk form, saying once per op why on CUDA; a forced "triton" that cannot
+    run raises with the reason. (A forced "triton" on CPU tensors runs under ``TRITON_INTERPRET=1``.)
     """
     source = "backend"
     if backend is None:
         backend = os.environ.get(BACKEND_ENV) or None
         source = f"the {BACKEND_ENV} environment variable"
     if backend is None:
-        if device.type == "cuda" and op not in _FALLBACK_LOGGED:
-            _FALLBACK_LOGGED.add(op)
-            logger.warning(
-                "%s: no Triton kernel is available for this op yet; using the PyTorch chunk form.",
-                op,
-            )
+        if device.type == "cuda":
+            if triton_unsupported is None:
+                return "triton"
+            if op not in _FALLBACK_LOGGED:
+                _FALLBACK_LOGGED.add(op)
+                logger.warning("%s: %s; using the PyTorch chunk form.", op, triton_unsupported)
         return "chunk"
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(
             f"{op}: unknown backend {backend!r} (from {source}); valid backends are "
             f"{', '.join(repr(b) for b in BACKENDS)} or None for auto"
         )
-    if backend == "triton":
+    if backend == "triton" and triton_unsupported is not None:
         raise NotImplementedError(
-            f"{op}: backend='triton' was requested (from {source}) but no Triton kernel exists "
-            "for this op yet; use backend='chunk', 'recurrent' or None (auto)"
+            f"{op}: backend='triton' was requested (from {source}) but {triton_unsupported}; "
+            "use backend='chunk', 'recurrent' or None (auto)"
         )
     return backend
 
