@@ -9,8 +9,9 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtyp
     """cos/sin tables `[B, T, 1, head_dim]` for integer positions `[B, T]`."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got head_dim={head_dim}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cdt = torch.promote_types(dtype, torch.float32)  # half types in fp32; float64 stays float64
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=cdt) / head_dim))
+    angles = position_ids.to(cdt)[..., None] * inv_freq  # [B, T, D/2]
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

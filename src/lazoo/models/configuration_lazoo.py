@@ -47,6 +47,10 @@ class LazooConfig(PreTrainedConfig):
         if self.mechanism is not None:
             for key, default in self._own_fields().items():
                 setattr(self, key, kwargs.pop(key, default))
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"hidden_size={hidden_size} must be divisible by num_attention_heads={num_attention_heads}"
+            )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers

@@ -53,5 +53,6 @@ class GatedDeltaNetMixer(DeltaNetMixer):
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         beta = torch.sigmoid(self.b_proj(x))
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        cdt = torch.promote_types(x.dtype, torch.float32)  # half types in fp32; float64 stays float64
+        g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
         return ops.gated_delta_rule(q, k, v, g.to(q.dtype), beta, **self.op_kwargs(mask, state, want_state))

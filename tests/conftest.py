@@ -1,0 +1,105 @@
+"""Shared helpers for the model-level tests: tiny configs and models, the corpus, a small tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may touch the Hub
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import lazoo
+import lazoo.data
+
+#: every mechanism, then "hybrid" (a `lazoo_hybrid` model mixing attention and a recurrent mixer)
+MECHANISMS = lazoo.list_mechanisms()
+ALL_MODELS = MECHANISMS + ["hybrid"]
+HYBRID_LAYERS = ["sliding_window", "vla"]
+ATTENTION = ("softmax", "sliding_window")
+
+VOCAB = 101
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    # smaller than the prompts + generations below, so the window (and the cache's trimming) matters
+    sliding_window=6,
+)
+
+
+def tiny_config(name: str, **overrides):
+    """`AutoConfig.for_model("lazoo_<name>", ...)` with tiny sizes ("hybrid": sliding window + VLA)."""
+    kwargs = {**TINY, **overrides}
+    if name == "vla":
+        # a refresh every 7 real tokens, strong enough to show in the logits: a step counter that counts
+        # pads (or misses tokens) then changes the outputs, not only the state's `t`
+        kwargs.setdefault("refresh_period", 7)
+        kwargs.setdefault("refresh_eta", 0.3)
+    if name == "hybrid":
+        kwargs.setdefault("layer_types", list(HYBRID_LAYERS))
+        kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
+    return AutoConfig.for_model(f"lazoo_{name}", **kwargs)
+
+
+@torch.no_grad()
+def perturb_(model, scale: float = 0.05, seed: int = 0):
+    """Add noise to every parameter, so no weight keeps its init value (identity maps, unit norms):
+    a loader that re-initialises instead of loading, or a path that skips a weight, then shows."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))
+    return model
+
+
+def tiny_model(name: str, seed: int = 0, perturb: bool = True, eval: bool = True, **overrides):
+    """A seeded fp32 tiny causal LM of mechanism `name` (or "hybrid")."""
+    attn = overrides.pop("attn_implementation", None)
+    config = tiny_config(name, **overrides)
+    torch.manual_seed(seed)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if perturb:
+        perturb_(model, seed=seed + 1)
+    return model.eval() if eval else model.train()
+
+
+def random_ids(*shape, seed: int, low: int = 1, high: int = VOCAB) -> torch.Tensor:
+    """Fresh random token ids (0 is kept free for padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=gen)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core CI machine OpenMP threads
+    that wait on each other make the run several times slower: use one thread, then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- corpus and tokenizer
+@pytest.fixture(scope="session")
+def chapters():
+    return lazoo.data.load_default_corpus()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(chapters):
+    """A byte-level BPE of 320 tokens trained on 300 KJV chapters."""
+    return lazoo.data.train_tokenizer(chapters[:300], vocab_size=320)
+
+
+@pytest.fixture(scope="session")
+def lm_blocks(chapters, tokenizer):
+    """256 real 32-token training blocks (input_ids + labels) from chapters the tokenizer saw."""
+    from datasets import Dataset
+
+    blocks = lazoo.data.tokenize_and_chunk(Dataset.from_dict({"text": chapters[:40]}), tokenizer, block_size=32)
+    assert len(blocks) >= 256, len(blocks)
+    return blocks.shuffle(seed=0).select(range(256))
