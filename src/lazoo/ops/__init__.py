@@ -12,7 +12,7 @@ Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-s
 
 from ._common import BACKENDS
 from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
-from .linear import FEATURE_MAPS, chunk_gated_linear, gated_linear_attention, linear_attention
+from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
 from .softmax import softmax_attention
 from .vla import vla
 
@@ -20,10 +20,12 @@ __all__ = [
     "BACKENDS",
     "FEATURE_MAPS",
     "chunk_gated_linear",
+    "chunk_gla",
     "chunk_generalized_delta",
     "delta_rule",
     "gated_delta_rule",
     "gated_linear_attention",
+    "gla",
     "linear_attention",
     "softmax_attention",
     "vla",

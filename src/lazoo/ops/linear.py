@@ -7,10 +7,18 @@ and outputs 0).
     linear:  S_t = S_{t-1} + v_t φ(k_t)^T,  z_t = z_{t-1} + φ(k_t),
              o_t = S_t φ(q_t) / max(φ(q_t)·z_t, eps)   (or S_t φ(q_t) without normaliser)
     gated:   S_t = exp(g_t) S_{t-1} + v_t k_t^T,  o_t = S_t (scale q_t),  g_t <= 0 (log decay)
+    gla:     S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T,  o_t = S_t (scale q_t),  g_t ``[B, T, H, dk]``
+             (a decay per key dim, GLA)
+
+Packed batches: ``cu_seqlens`` ``[N + 1]`` (int, starting at 0 and ending at T, B = 1) holds the
+boundaries of N sequences packed along time; states are then ``[N, ...]``, one per sequence.
+Backend "triton" (auto on CUDA) runs lazoo.kernels.linear: chunked forward and hand-written backward,
+and a fused recurrent kernel for decoding (T <= 16 without autograd).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,6 +26,8 @@ import torch.nn.functional as F
 
 from ._common import (
     check_chunk_size,
+    check_same_device,
+    check_same_dtype,
     check_head_scalar,
     check_mask,
     check_qkv,
@@ -63,15 +73,29 @@ def linear_attention(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Causal linear attention. State: ``{"S", "z"}`` if normalize else the tensor S."""
     op = "linear_attention"
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     phi = get_feature_map(feature_map, op)
     mask = check_mask(op, mask, B, T, q.device)
+    cu_seqlens = _check_cu_seqlens(op, cu_seqlens, mask, B, T, q.device)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
     chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device)
+    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
     cdt = compute_dtype(q.dtype)
+
+    if backend == "triton":
+        return _linear_triton(q, k, v, phi, normalize, eps, chunk_size, initial_state,
+                              output_final_state, mask, cu_seqlens, N)
+    if cu_seqlens is not None:
+        return _per_sequence(
+            lambda sl, st: linear_attention(
+                q[:, sl], k[:, sl], v[:, sl], feature_map=feature_map, normalize=normalize, eps=eps,
+                chunk_size=chunk_size, initial_state=st, output_final_state=True, backend=backend),
+            cu_seqlens, _linear_initial_state(op, initial_state, normalize, N, H, dk, dv, q.device, cdt),
+            normalize, output_final_state, q, v)
 
     S0, z0 = _linear_initial_state(op, initial_state, normalize, B, H, dk, dv, q.device, cdt)
     fq = phi(q.to(cdt))
@@ -107,16 +131,30 @@ def gated_linear_attention(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Linear attention with a scalar per-head decay exp(g_t), g ``[B, T, H]`` the log decay (<= 0)."""
     op = "gated_linear_attention"
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     check_head_scalar(op, "g", g, q)
     mask = check_mask(op, mask, B, T, q.device)
+    cu_seqlens = _check_cu_seqlens(op, cu_seqlens, mask, B, T, q.device)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device)
+    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
     cdt = compute_dtype(q.dtype)
+
+    if backend == "triton":
+        return _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_state,
+                             mask, cu_seqlens, N)
+    if cu_seqlens is not None:
+        return _per_sequence(
+            lambda sl, st: gated_linear_attention(
+                q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale=scale, chunk_size=chunk_size,
+                initial_state=st, output_final_state=True, backend=backend),
+            cu_seqlens, (matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt), None),
+            False, output_final_state, q, v)
 
     S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
     q_c = q.to(cdt) * scale
@@ -128,6 +166,270 @@ def gated_linear_attention(
         o, S = _recurrent_gated_linear(q_c, k_c, v_c, g_c, S0)
     else:
         o, S = chunk_gated_linear(q_c, k_c, v_c, g_c, S0, chunk_size)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 16,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """Gated linear attention with a decay per key dim (GLA): g ``[B, T, H, dk]`` the log decay (<= 0).
+
+    The chunk form materialises ``[C, C, dk]`` decays per chunk (hence the small default chunk);
+    the Triton backend is a fused recurrent kernel with a hand-written backward.
+    """
+    op = "gla"
+    B, T, H, dk, dv = check_qkv(op, q, k, v)
+    if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(q.shape):
+        raise ValueError(f"{op}: g must be a tensor of shape [B, T, H, dk] = {tuple(q.shape)}, "
+                         f"got {tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
+    check_same_dtype(op, q, g=g)
+    check_same_device(op, q, g=g)
+    mask = check_mask(op, mask, B, T, q.device)
+    cu_seqlens = _check_cu_seqlens(op, cu_seqlens, mask, B, T, q.device)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    scale = check_scale(op, scale, dk)
+    chunk_size = check_chunk_size(op, chunk_size)
+    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
+    cdt = compute_dtype(q.dtype)
+
+    if backend == "triton":
+        from ..kernels import linear as kl
+
+        S0 = None if initial_state is None else matrix_initial_state(op, initial_state, N, H, dk, dv,
+                                                                     q.device, torch.float32)
+        if isinstance(scale, torch.Tensor):  # a learned scale stays differentiable outside the kernel
+            q, scale = q * scale.to(q.dtype), 1.0
+        o, S = kl.fused_recurrent_gla(q, zero_masked(k, mask), v, zero_masked(g, mask), scale=scale,
+                                      initial_state=S0, output_final_state=output_final_state,
+                                      cu_seqlens=cu_seqlens)
+        return zero_masked(o, mask).to(v.dtype), (S if output_final_state else None)
+    if cu_seqlens is not None:
+        return _per_sequence(
+            lambda sl, st: gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale=scale, chunk_size=chunk_size,
+                               initial_state=st, output_final_state=True, backend=backend),
+            cu_seqlens, (matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt), None),
+            False, output_final_state, q, v)
+
+    S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
+    q_c = q.to(cdt) * scale
+    k_c = zero_masked(k.to(cdt), mask)  # a pad writes nothing ...
+    g_c = zero_masked(g.to(cdt), mask)  # ... and does not decay the state
+    v_c = v.to(cdt)
+    if backend == "recurrent":
+        outs, S = [], S0
+        for t in range(T):
+            S = S * g_c[:, t, :, None, :].exp() + v_c[:, t, :, :, None] * k_c[:, t, :, None, :]
+            outs.append(torch.einsum("bhvk,bhk->bhv", S, q_c[:, t]))
+        o = torch.stack(outs, dim=1)
+    else:
+        o, S = chunk_gla(q_c, k_c, v_c, g_c, S0, chunk_size)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def chunk_gla(q, k, v, g, S0, chunk_size: int):
+    """Chunk-parallel GLA ``S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T, o_t = S_t q_t`` (op layout,
+    compute dtype). Per chunk, G the cumulative log decay ``[C, dk]``:
+        O     = (Q ⊙ exp(G)) S0^T + A V,  A_ij = Σ_d q_id k_jd exp(G_id - G_jd)  (i >= j)
+        S_end = S0 diag(exp(G_C)) + V^T (K ⊙ exp(G_C - G))
+    The decays exp(G_i - G_j) are formed per pair (never split into exp(G_i) exp(-G_j)), so any gate
+    strength is stable. Returns ``(o [B, T, H, dv], S_end [B, H, dv, dk])``.
+    """
+    T = q.shape[1]
+    C = min(chunk_size, T)
+    Q, K, V, G = (split_chunks(pad_time(x, C), C) for x in (q, k, v, g))  # [B, H, N, C, d]
+    G = G.cumsum(-2)
+    N = Q.shape[2]
+    tril = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~tril[..., None], float("-inf")).exp()
+    A = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", Q, K, D)
+    Kd = K * (G[..., -1:, :] - G).exp()
+    dS = V.transpose(-1, -2) @ Kd  # [B, H, N, dv, dk]
+    starts, S = [], S0
+    for n in range(N):
+        starts.append(S)
+        S = S * G[:, :, n, -1, None, :].exp() + dS[:, :, n]
+    S_start = torch.stack(starts, dim=2)
+    O = (Q * G.exp()) @ S_start.transpose(-1, -2) + A @ V
+    return merge_chunks(O, T), S
+
+
+# ============================================================================ packed sequences
+def _check_cu_seqlens(op, cu_seqlens, mask, B, T, device):
+    """Validate ``cu_seqlens`` (None passes): 1-D ints from 0 to T, non-decreasing, with B = 1."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cu_seqlens must be an integer torch.Tensor [N + 1], "
+                        f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: cu_seqlens must have shape [N + 1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"{op}: cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"{op}: with cu_seqlens the sequences are packed along time, so B must be 1, got B={B}")
+    if mask is not None:
+        raise ValueError(f"{op}: pass either mask or cu_seqlens, not both")
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    bounds = cu.detach().cpu()
+    if bounds[0] != 0 or bounds[-1] != T or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"{op}: cu_seqlens must start at 0, end at T={T} and never decrease, "
+                         f"got {bounds.tolist()}")
+    return cu
+
+
+def _per_sequence(run, cu_seqlens, states, normalize, output_final_state, q, v):
+    """Run ``run(slice, state_n) -> (o, state)`` on each packed sequence (the PyTorch backends)."""
+    S0, z0 = states
+    bounds = cu_seqlens.tolist()
+    outs, Ss, zs = [], [], []
+    for n in range(len(bounds) - 1):
+        s, e = bounds[n], bounds[n + 1]
+        st = {"S": S0[n:n + 1], "z": z0[n:n + 1]} if normalize else S0[n:n + 1]
+        if e > s:
+            o, st = run(slice(s, e), st)
+            outs.append(o)
+        if normalize:
+            Ss.append(st["S"])
+            zs.append(st["z"])
+        else:
+            Ss.append(st)
+    o = torch.cat(outs, 1) if outs else q.new_zeros(1, 0, q.shape[2], v.shape[-1], dtype=v.dtype)
+    if not output_final_state:
+        return o, None
+    S = torch.cat(Ss, 0)
+    return o, ({"S": S, "z": torch.cat(zs, 0)} if normalize else S)
+
+
+# ============================================================================ Triton paths
+_TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.linear.MAX_HEAD_DIM (not imported here: lazy kernels)
+
+def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when lazoo.kernels.linear runs this case, else why not (imports no kernel on CPU)."""
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the Triton kernels take float32/float16/bfloat16 inputs, not {q.dtype}"
+    if max(q.shape[-1], v.shape[-1]) > _TRITON_MAX_HEAD_DIM:
+        return (f"the Triton kernels take head dims up to {_TRITON_MAX_HEAD_DIM}, "
+                f"got dk={q.shape[-1]}, dv={v.shape[-1]}")
+    if q.device.type not in ("cuda", "cpu"):
+        return f"the Triton kernels run on CUDA tensors, not {q.device.type}"
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
+    try:
+        from ..kernels.linear import check_supported
+    except ImportError as e:  # no triton installed
+        return f"Triton is not available ({e})"
+    return check_supported(q, v)
+
+
+def _decoding(T, cu_seqlens, *tensors) -> bool:
+    """Few tokens, no packed batch and no autograd: the fused recurrent kernel."""
+    if T > 16 or cu_seqlens is not None:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def _segment_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """Cumulative sum over time (dim 1), restarting at every packed sequence start."""
+    c = x.cumsum(1)
+    if cu_seqlens is None:
+        return c
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    bos = torch.repeat_interleave(cu_seqlens[:-1], lens, output_size=x.shape[1])
+    c_pad = torch.cat([torch.zeros_like(c[:, :1]), c], 1)
+    return c - c_pad[:, bos]
+
+
+def _linear_triton(q, k, v, phi, normalize, eps, chunk_size, initial_state, output_final_state,
+                   mask, cu_seqlens, N):
+    from ..kernels import linear as kl
+
+    op = "linear_attention"
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = _linear_initial_state(op, initial_state, normalize, N, H, dk, dv, q.device, torch.float32)
+    identity = phi is FEATURE_MAPS["identity"]
+    fq = q if identity else phi(q)  # the feature map in the input dtype, before the kernel
+    fk = zero_masked(k if identity else phi(k), mask)  # a pad adds nothing to S or z
+
+    if _decoding(T, cu_seqlens, q, k, v, S0, z0):
+        if normalize and S0 is None:
+            S0 = q.new_zeros(N, H, dv, dk, dtype=torch.float32)
+            z0 = q.new_zeros(N, H, dk, dtype=torch.float32)
+        o, S, z = kl.fused_recurrent_linear_attention(
+            fq, fk, v, None, scale=1.0, initial_state=S0, z0=z0, normalize=normalize, eps=eps,
+            output_final_state=output_final_state)
+    else:
+        o, S = kl.chunk_linear_attention(fq, fk, v, None, scale=1.0, initial_state=S0,
+                                         output_final_state=output_final_state,
+                                         cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        z = None
+        if normalize:
+            z_t = _segment_cumsum(fk.float(), cu_seqlens)  # [B, T, H, dk]: z after each step
+            if z0 is not None:
+                if cu_seqlens is None:
+                    z_t = z_t + z0[:, None]
+                else:
+                    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+                    z_t = z_t + z0[torch.repeat_interleave(torch.arange(N, device=q.device), lens,
+                                                           output_size=T)][None]
+            o = o.float() / _denominator(fq.float(), z_t, eps)
+            if output_final_state:
+                z = _sequence_ends(z_t, cu_seqlens, z0, (N, H, dk))
+    o = zero_masked(o, mask).to(v.dtype)
+    if not output_final_state:
+        return o, None
+    return o, ({"S": S, "z": z} if normalize else S)
+
+
+def _sequence_ends(x_t, cu_seqlens, x0, shape):
+    """The value after the last step of each sequence (x0, or zeros, for an empty one)."""
+    if cu_seqlens is None:
+        return x_t[:, -1]
+    ends = cu_seqlens[1:] - 1
+    empty = cu_seqlens[1:] == cu_seqlens[:-1]
+    out = x_t[0, ends.clamp_min(0)]
+    if bool(empty.any()):
+        base = x0 if x0 is not None else torch.zeros(shape, dtype=out.dtype, device=out.device)
+        out = torch.where(empty.view(-1, 1, 1), base, out)
+    return out
+
+
+def _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask,
+                  cu_seqlens, N):
+    from ..kernels import linear as kl
+
+    op = "gated_linear_attention"
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    S0 = None
+    if initial_state is not None:
+        S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, torch.float32)
+    if isinstance(scale, torch.Tensor):  # a learned scale: keep it differentiable outside the kernel
+        q, scale = q * scale.to(q.dtype), 1.0
+    k = zero_masked(k, mask)  # a pad writes nothing ...
+    g = zero_masked(g, mask)  # ... and does not decay the state
+    if _decoding(T, cu_seqlens, q, k, v, g, S0):
+        o, S, _ = kl.fused_recurrent_linear_attention(
+            q, k, v, g.float(), scale=scale, initial_state=S0, output_final_state=output_final_state)
+    else:
+        o, S = kl.chunk_linear_attention(q, k, v, g, scale=scale, initial_state=S0,
+                                         output_final_state=output_final_state,
+                                         cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     o = zero_masked(o, mask).to(v.dtype)
     return o, (S if output_final_state else None)
 

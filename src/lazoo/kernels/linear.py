@@ -1,0 +1,835 @@
+"""Triton kernels for linear attention and gated linear attention (scalar log decay per head).
+
+Recurrence, per sequence and head (``h = S^T`` is the state in the kernels' ``[dk, dv]`` layout):
+
+    h_t = exp(g_t) h_{t-1} + k_t v_t^T,        o_t = scale * h_t^T q_t         (g = 0: no decay)
+
+Chunk-parallel form with chunks of ``BT`` tokens, ``G`` the cumulative log decay inside a chunk,
+``H_n`` the state at the start of chunk ``n`` and ``Γ_ij = exp(G_i - G_j)`` for ``i >= j``:
+
+    O       = scale * (exp(G) ⊙ Q H_n + (Q K^T ⊙ Γ) V)
+    H_{n+1} = exp(G_C) H_n + (exp(G_C - G) ⊙ K)^T V
+
+Backward (``dH_n`` the gradient of the state at the end of chunk ``n``):
+
+    dH_{n-1} = exp(G_C) dH_n + scale * (exp(G) ⊙ Q)^T dO
+    dQ = scale * (exp(G) ⊙ dO H_n^T + (dO V^T ⊙ Γ) K)
+    dK = scale * (dO V^T ⊙ Γ)^T Q + exp(G_C - G) ⊙ V dH_n^T
+    dV = scale * (Q K^T ⊙ Γ)^T dO + exp(G_C - G) ⊙ K dH_n
+    dg = reverse cumsum over the sequence of (q·dq - k·dk), plus <dH_T, H_T> for the final state.
+
+Kernels: ``_fwd_h`` (states at chunk starts, sequential over chunks), ``_fwd_o`` (outputs, parallel
+over chunks), ``_bwd_dh`` (state gradients, sequential in reverse), ``_bwd_dqkv`` (parallel over
+chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd).
+
+Conventions (see lazoo.ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
+``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
+fp16 or bf16; every loaded value is cast to fp32 before element-wise arithmetic, ``tl.dot`` takes
+16-bit operands where the inputs are 16-bit and accumulates in fp32.
+
+Hopper + Triton 3.4-3.7.0 miscompiles ``tl.trans`` of a ``tl.dot`` result fed to another
+``tl.dot`` (flash-linear-attention issue #640, why fla refuses its gated backward there). These
+kernels never transpose a computed matrix: where a transposed product is needed (``dS^T``,
+``A^T``) it is computed directly from operands loaded in transposed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_pow2
+
+#: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ============================================================================ kernels
+@triton.jit
+def _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(bos, T_seq, NT, boh): first token, length, chunk count and first chunk of sequence i_n."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T_seq = (eos - bos).to(tl.int32)
+        NT = (T_seq + BT - 1) // BT
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+        NT = (T + BT - 1) // BT
+        boh = i_n.to(tl.int64) * NT
+    return bos, T_seq, NT, boh
+
+
+@triton.jit
+def _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    """(bos, T_seq, i_c, i_tg) for program chunk i_t: sequence start and length, chunk index in the
+    sequence, and global chunk index (into the state buffers)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T_seq = (eos - bos).to(tl.int32)
+        i_tg = i_t.to(tl.int64)
+    else:
+        bos = i_b.to(tl.int64) * T
+        T_seq = T
+        i_c = i_t
+        i_tg = i_b.to(tl.int64) * NT_b + i_t
+    return bos, T_seq, i_c, i_tg
+
+
+@triton.jit
+def _fwd_h_kernel(
+    k, v, g, h, h0, ht, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NK * NV, N * H): store the state at the start of every chunk, then the final state."""
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_k, i_v = i_kv // NV, i_kv % NV
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:  # states are [N, H, V, K]: element (k, v) sits at v * K + k
+        p_h0 = h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
+        b_h += tl.load(p_h0, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_t in range(NT):
+        p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T_seq
+        # k^T [BK, BT] and v [BT, BV] of this chunk
+        p_kt = k + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
+        b_kt = tl.load(p_kt, mask=m_t[None, :] & (o_k[:, None] < K), other=0.0)
+        p_v = v + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
+        if USE_G:
+            b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_G = tl.cumsum(b_g, axis=0)
+            g_last = tl.sum(b_g, axis=0)
+            b_h = b_h * tl.exp(g_last)
+            b_v = (b_v.to(tl.float32) * tl.exp(g_last - b_G)[:, None]).to(b_kt.dtype)
+        b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
+
+    if STORE_HT:
+        p_ht = ht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
+        tl.store(p_ht, b_h, mask=m_kv)
+
+
+@triton.jit
+def _fwd_o_kernel(
+    q, k, v, g, h, o, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NV, NT, B * H) or (NV, total chunks, H) with cu_seqlens: the outputs of one chunk."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT_b = (T + BT - 1) // BT
+    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        p_q = q + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+        b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        p_kt = k + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
+        b_kt = tl.load(p_kt, mask=m_t[None, :] & m_k[:, None], other=0.0)
+        p_h = h + (i_tg * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
+        b_s += tl.dot(b_q, b_kt, input_precision=PREC)
+
+    o_i = tl.arange(0, BT)
+    causal = o_i[:, None] >= o_i[None, :]
+    if USE_G:
+        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_G = tl.cumsum(b_g, axis=0)
+        b_o = b_o * tl.exp(b_G)[:, None]
+        b_s = b_s * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+    else:
+        b_s = tl.where(causal, b_s, 0.0)
+    p_v = v + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+    b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_o = (b_o + tl.dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)) * scale
+    p_o = o + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _bwd_dh_kernel(
+    q, do, g, dh, dht, dh0, cu_seqlens, chunk_offsets, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_k, i_v = i_kv // NV, i_kv % NV
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        p_dht = dht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
+        b_dh += tl.load(p_dht, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        p_dh = dh + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_dh, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T_seq
+        p_qt = q + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
+        b_qt = tl.load(p_qt, mask=m_t[None, :] & (o_k[:, None] < K), other=0.0)
+        p_do = do + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+        b_do = tl.load(p_do, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
+        if USE_G:
+            b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_G = tl.cumsum(b_g, axis=0)
+            g_last = tl.sum(b_g, axis=0)
+            b_dh = b_dh * tl.exp(g_last)
+            b_qt = (b_qt.to(tl.float32) * tl.exp(b_G)[None, :]).to(b_do.dtype)
+        b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty),
+                       input_precision=PREC) * scale
+
+    if STORE_DH0:
+        p_dh0 = dh0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
+        tl.store(p_dh0, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _bwd_dqkv_kernel(
+    q, k, v, g, h, do, dh, dq, dk, dv, dg, cu_seqlens, chunk_indices, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and q·dq - k·dk for dg) of one chunk.
+
+    BK >= K: the whole key dim is held; the value dim is walked in blocks of BV.
+    """
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT_b = (T + BT - 1) // BT
+    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_q = q + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    p_k = k + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    p_qt = q + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
+    b_q = tl.load(p_q, mask=m_tk, other=0.0)
+    b_k = tl.load(p_k, mask=m_tk, other=0.0)
+    b_qt = tl.load(p_qt, mask=m_t[None, :] & m_k[:, None], other=0.0)
+
+    o_i = tl.arange(0, BT)
+    causal = o_i[:, None] >= o_i[None, :]     # [i, j]: i >= j
+    causal_t = o_i[:, None] <= o_i[None, :]   # [j, i]: i >= j
+    # A^T[j, i] = k_j · q_i (i >= j), computed directly (no transpose of a dot result)
+    b_at = tl.dot(b_k, b_qt, input_precision=PREC)
+    if USE_G:
+        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_G = tl.cumsum(b_g, axis=0)
+        g_last = tl.sum(b_g, axis=0)
+        gam = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+        gam_t = tl.exp(tl.where(causal_t, b_G[None, :] - b_G[:, None], float("-inf")))
+        b_at = b_at * gam_t
+        decay_k = tl.exp(g_last - b_G)
+    else:
+        b_at = tl.where(causal_t, b_at, 0.0)
+    b_at = (b_at * scale).to(b_k.dtype)
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dst = tl.zeros([BT, BT], dtype=tl.float32)
+    p_h_base = h + (i_tg * H + i_h) * (K * V)
+    p_dh_base = dh + (i_tg * H + i_h) * (K * V)
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_vt = m_v[:, None] & m_t[None, :]
+        m_vk = m_v[:, None] & m_k[None, :]
+        p_v = v + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+        p_vt = v + (bos + o_t[None, :]) * (H * V) + i_h * V + o_v[:, None]
+        p_do = do + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+        p_dot = do + (bos + o_t[None, :]) * (H * V) + i_h * V + o_v[:, None]
+        b_v = tl.load(p_v, mask=m_tv, other=0.0)
+        b_vt = tl.load(p_vt, mask=m_vt, other=0.0)
+        b_do = tl.load(p_do, mask=m_tv, other=0.0)
+        b_dot = tl.load(p_dot, mask=m_vt, other=0.0)
+        # h^T and dh^T [BV, BK] (state buffers are [K, V]), dh [BK, BV]
+        b_ht = tl.load(p_h_base + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)
+        b_dht = tl.load(p_dh_base + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)
+        b_dh = tl.load(p_dh_base + o_k[:, None] * V + o_v[None, :],
+                       mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dq += tl.dot(b_do.to(b_ht.dtype), b_ht, input_precision=PREC)
+        b_dk += tl.dot(b_v.to(b_dht.dtype), b_dht, input_precision=PREC)
+        b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
+        b_dst += tl.dot(b_v, b_dot, input_precision=PREC)
+        b_dvi = tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
+        if USE_G:
+            b_dvi = b_dvi * decay_k[:, None]
+        b_dv = tl.dot(b_at, b_do, input_precision=PREC) + b_dvi
+        p_dv = dv + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+        tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+
+    if USE_G:
+        b_dq = b_dq * tl.exp(b_G)[:, None]
+        b_dk = b_dk * decay_k[:, None]
+        b_ds = b_ds * gam
+        b_dst = b_dst * gam_t
+    else:
+        b_ds = tl.where(causal, b_ds, 0.0)
+        b_dst = tl.where(causal_t, b_dst, 0.0)
+    b_dq = (b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)) * scale
+    b_dk = b_dk + tl.dot((b_dst * scale).to(b_q.dtype), b_q, input_precision=PREC)
+    p_dq = dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    p_dk = dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if USE_G:
+        b_dg = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
+        tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
+def _fused_recurrent_kernel(
+    q, k, v, g, s0, z0, o, st, zt, scale, eps, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_S0: tl.constexpr, NORMALIZE: tl.constexpr, STORE_ST: tl.constexpr,
+):
+    """Grid (NV, B * H): a few tokens against a state S ``[B, H, V, K]`` held in registers."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_vk = m_v[:, None] & m_k[None, :]
+    p_s = i_bh.to(tl.int64) * (V * K) + o_v[:, None] * K + o_k[None, :]
+    b_s = tl.zeros([BV, BK], dtype=tl.float32)
+    b_z = tl.zeros([BK], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + p_s, mask=m_vk, other=0.0).to(tl.float32)
+        if NORMALIZE:
+            b_z += tl.load(z0 + i_bh.to(tl.int64) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    bos = i_b.to(tl.int64) * T
+    for t in range(T):
+        row = (bos + t) * H + i_h
+        b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if USE_G:
+            b_s = b_s * tl.exp(tl.load(g + row).to(tl.float32))
+        b_s += b_v[:, None] * b_k[None, :]
+        b_o = tl.sum(b_s * b_q[None, :], axis=1) * scale
+        if NORMALIZE:
+            b_z += b_k
+            b_o = b_o / tl.maximum(tl.sum(b_q * b_z, axis=0), eps)
+        tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_ST:
+        tl.store(st + p_s, b_s, mask=m_vk)
+        if NORMALIZE:
+            if i_v == 0:
+                tl.store(zt + i_bh.to(tl.int64) * K + o_k, b_z, mask=m_k)
+
+
+# ============================================================================ launch helpers
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs get full-precision dots (the reference semantics); 16-bit ones use tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16 per-chunk states keep the fp32 range and halve their traffic; fp16 could overflow.
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _prepare_varlen(cu_seqlens: torch.Tensor, BT: int):
+    """(chunk_offsets [N+1], chunk_indices [NT, 2] of (sequence, chunk in sequence), NT)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    nchunks = (lens + BT - 1) // BT
+    chunk_offsets = torch.zeros(len(lens) + 1, dtype=torch.int64, device=cu_seqlens.device)
+    chunk_offsets[1:] = nchunks.cumsum(0)
+    counts = nchunks.tolist()
+    NT = int(sum(counts))
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=cu_seqlens.device), nchunks, output_size=NT)
+    within = torch.arange(NT, device=cu_seqlens.device) - chunk_offsets[:-1][seq]
+    chunk_indices = torch.stack([seq, within], 1).contiguous()
+    return chunk_offsets, chunk_indices, NT
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device):
+    """(BK, BV) for the sequential state kernels: small enough tiles to fill the GPU."""
+    BK = min(64, next_pow2(K))
+    BV = min(64, next_pow2(V))
+    if BV > 32 and n_seq_heads * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 2 * _num_sms(device):
+        BV = 32
+    return BK, BV
+
+
+_CONFIG_INDEX: dict = {}
+
+
+def _launch(kernel, grid, key, configs, *args, **meta):
+    """Launch with the first of ``configs`` (meta-parameters) that fits the GPU's resources,
+    remembering it per ``key`` (no benchmarking: device time is scarce, and shapes vary)."""
+    from triton.runtime.errors import OutOfResources
+
+    for i in range(_CONFIG_INDEX.get(key, 0), len(configs)):
+        try:
+            kernel[grid(configs[i])](*args, **meta, **configs[i])
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _CONFIG_INDEX[key] = i
+        return configs[i]
+
+
+class _Ctx:
+    """Shapes and launch parameters shared by the forward and the backward."""
+
+    def __init__(self, q, v, cu_seqlens, chunk_size):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
+        self.BT = chunk_size
+        self.varlen = cu_seqlens is not None
+        if self.varlen:
+            self.N = len(cu_seqlens) - 1
+            self.chunk_offsets, self.chunk_indices, self.NT = _prepare_varlen(cu_seqlens, chunk_size)
+            self.cu = cu_seqlens
+        else:
+            self.N = B
+            self.NT = B * triton.cdiv(T, chunk_size)
+            self.chunk_offsets = self.chunk_indices = self.cu = None
+        self.prec = _prec(q.dtype)
+        self.state_dtype = _state_dtype(q.dtype)
+        self.two_byte = q.element_size() == 2
+        self.key = (q.dtype, H, K, V, chunk_size, self.varlen, q.device.type)
+
+    def chunk_grid(self, nblocks: int):
+        if self.varlen:
+            return (nblocks, self.NT, self.H)
+        return (nblocks, triton.cdiv(self.T, self.BT), self.B * self.H)
+
+
+def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
+    dev = q.device
+    BK, BV = _state_blocks(c.K, c.V, c.N * c.H, dev)
+    h = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
+    ht = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if output_final_state else None
+    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
+    _fwd_h_kernel[grid](
+        k, v, g, h, h0, ht, c.cu, c.chunk_offsets, c.T,
+        H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV,
+        USE_G=g is not None, USE_H0=h0 is not None, STORE_HT=output_final_state,
+        IS_VARLEN=c.varlen, PREC=c.prec, num_warps=4, num_stages=2,
+    )
+    o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
+    BK = min(64, next_pow2(c.K))
+    configs = [dict(BV=min(128 if c.two_byte else 64, next_pow2(c.V)), num_warps=4, num_stages=2),
+               dict(BV=min(32, next_pow2(c.V)), num_warps=4, num_stages=1)]
+    _launch(_fwd_o_kernel, lambda cfg: c.chunk_grid(triton.cdiv(c.V, cfg["BV"])), ("fwd_o", c.key), configs,
+            q, k, v, g, h, o, c.cu, c.chunk_indices, scale, c.T,
+            H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
+    return o, h, ht
+
+
+def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
+    dev = q.device
+    BK, BV = _state_blocks(c.K, c.V, c.N * c.H, dev)
+    dh = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
+    dh0 = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if want_dh0 else None
+    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
+    _bwd_dh_kernel[grid](
+        q, do, g, dh, dht, dh0, c.cu, c.chunk_offsets, scale, c.T,
+        H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV,
+        USE_G=g is not None, USE_DHT=dht is not None, STORE_DH0=want_dh0,
+        IS_VARLEN=c.varlen, PREC=c.prec, num_warps=4, num_stages=2,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev) if g is not None else None
+    BK = next_pow2(c.K)
+    configs = [dict(BV=min(64 if c.two_byte or BK <= 64 else 32, next_pow2(c.V)),
+                    num_warps=8 if BK >= 128 else 4, num_stages=1),
+               dict(BV=min(32, next_pow2(c.V)), num_warps=8 if BK >= 128 else 4, num_stages=1),
+               dict(BV=16, num_warps=8, num_stages=1)]
+    _launch(_bwd_dqkv_kernel, lambda cfg: c.chunk_grid(1)[1:], ("bwd_dqkv", c.key), configs,
+            q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
+            H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
+    return dq, dk, dv, dg, dh0
+
+
+def _reverse_cumsum_dg(dG: torch.Tensor, cu_seqlens, BT: int = 64) -> torch.Tensor:
+    """dg_t = Σ_{s >= t, same sequence} dG_s, in float64 (dG ``[B, T, H]``).
+
+    Two levels with time as the innermost dim: a torch scan along dim 1 of ``[B, T, H]`` walks T
+    serially per column (measured 5 ms at T = 32k, H = 16 on an H100).
+    """
+    B, T, H = dG.shape
+    NT = triton.cdiv(T, BT)
+    x = torch.nn.functional.pad(dG.double(), (0, 0, 0, NT * BT - T))
+    x = x.view(B, NT, BT, H).permute(0, 3, 1, 2).contiguous()  # [B, H, NT, BT]
+    local = x.flip(-1).cumsum(-1).flip(-1)  # suffix sums inside each block
+    tot = local[..., 0]  # [B, H, NT]: each block's total
+    carry = tot.flip(-1).cumsum(-1).flip(-1) - tot  # the blocks after each one
+    full = (local + carry[..., None]).permute(0, 2, 3, 1).reshape(B, NT * BT, H)[:, :T]
+    if cu_seqlens is None:
+        return full
+    c = full[0]
+    c_pad = torch.cat([c, c.new_zeros(1, H)], 0)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    eos = torch.repeat_interleave(cu_seqlens[1:], lens, output_size=T)
+    return (c - c_pad[eos])[None]
+
+
+class ChunkLinearAttentionFunction(torch.autograd.Function):
+    """Chunked (gated) linear attention with hand-written backward; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, h0, scale, output_final_state, cu_seqlens, chunk_size):
+        c = _Ctx(q, v, cu_seqlens, chunk_size)
+        o, h, ht = _fwd(c, q, k, v, g, scale, h0, output_final_state)
+        ctx.c, ctx.scale = c, scale
+        ctx.h0_dtype = None if h0 is None else h0.dtype
+        ctx.g_dtype = None if g is None else g.dtype
+        ctx.save_for_backward(q, k, v, g, h, ht)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, h, ht = ctx.saved_tensors
+        c = ctx.c
+        do = do.contiguous()
+        if dht is not None:
+            dht = dht.contiguous().float()
+        want_dh0 = ctx.h0_dtype is not None
+        dq, dk, dv, dG, dh0 = _bwd(c, q, k, v, g, ctx.scale, h, do, dht, want_dh0)
+        dg = None
+        if g is not None:
+            if dht is not None:
+                # the final state H_T = exp(G_T) (...): d/dG_T gets <dH_T, H_T>, at each sequence end
+                term = (dht * ht).sum((-2, -1))  # [N, H]
+                if c.varlen:
+                    ends = c.cu[1:] - 1
+                    ok = c.cu[1:] > c.cu[:-1]
+                    dG[0].index_add_(0, ends[ok], term[ok])
+                else:
+                    dG[:, -1] += term
+            dg = _reverse_cumsum_dg(dG, c.cu).to(ctx.g_dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(ctx.h0_dtype)
+        return dq, dk, dv, dg, dh0, None, None, None, None
+
+
+# ============================================================================ public entry points
+def check_supported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when the kernels can run this case, else the reason (for ``resolve_backend``)."""
+    from ._utils import interpreter_ready, is_interpreting
+
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}"
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        return f"the Triton kernel takes head dims up to {MAX_HEAD_DIM}, got dk={dk}, dv={dv}"
+    if q.device.type == "cpu":
+        if not is_interpreting():
+            return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
+        if not interpreter_ready():
+            return "TRITON_INTERPRET=1 was set after triton was imported; set it before"
+    elif q.device.type != "cuda":
+        return f"the Triton kernel runs on CUDA tensors, not {q.device.type}"
+    return None
+
+
+def kernel_chunk_size(chunk_size: int) -> int:
+    """The op's chunk_size if it is a power of two in [16, 128], else 64 (same result either way)."""
+    if chunk_size in (16, 32, 64, 128):
+        return chunk_size
+    return 64
+
+
+def chunk_linear_attention(q, k, v, g=None, *, scale: float = 1.0, initial_state=None,
+                           output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+    """``(o [B, T, H, dv] in q's dtype, final state [N, H, dv, dk] float32 or None)``.
+
+    q, k ``[B, T, H, dk]``, v ``[B, T, H, dv]`` of one dtype; g ``[B, T, H]`` log decay or None;
+    initial_state ``[N, H, dv, dk]``; cu_seqlens ``[N + 1]`` int (B must be 1) or None.
+    Differentiable in q, k, v, g and initial_state.
+    """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if g is not None:
+        g = g.contiguous().float() if g.dtype != torch.float32 else g.contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
+    return ChunkLinearAttentionFunction.apply(q, k, v, g, initial_state, float(scale),
+                                              bool(output_final_state), cu_seqlens,
+                                              kernel_chunk_size(chunk_size))
+
+
+def fused_recurrent_linear_attention(q, k, v, g=None, *, scale: float = 1.0, initial_state=None,
+                                     z0=None, normalize: bool = False, eps: float = 1e-6,
+                                     output_final_state: bool = True):
+    """Decoding: a few tokens against a state, no autograd. Returns ``(o, S, z)``.
+
+    ``S`` ``[B, H, dv, dk]`` float32 (None unless output_final_state), ``z`` ``[B, H, dk]`` (None
+    unless normalize): with normalize, ``o_t = S_t q_t / max(q_t · z_t, eps)`` (z from z0).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if g is not None:
+        g = g.contiguous()
+    s0 = None if initial_state is None else initial_state.contiguous()
+    if z0 is not None:
+        z0 = z0.contiguous()
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    st = torch.empty(B, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
+    zt = (torch.empty(B, H, K, dtype=torch.float32, device=q.device)
+          if output_final_state and normalize else None)
+    BK = next_pow2(K)
+    BV = min(32 if BK <= 128 else 16, next_pow2(V))
+    _fused_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, s0, z0, o, st, zt, float(scale), float(eps), T,
+        H=H, K=K, V=V, BK=BK, BV=BV, USE_G=g is not None, USE_S0=s0 is not None,
+        NORMALIZE=normalize, STORE_ST=output_final_state, num_warps=4 if BK * BV >= 4096 else 2,
+    )
+    return o, st, zt
+
+
+# ============================================================================ GLA: a gate per key dim
+# S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T (g [B, T, H, dk]), o_t = scale * S_t q_t. Fused recurrent
+# kernels, parallel over (sequence, head, value block) and sequential in time, with a hand-written
+# backward: a forward pass recomputing the state for dq, a reverse pass carrying dS for dk, dv and
+# the initial state; dg = reverse cumsum of (q ⊙ dq - k ⊙ dk) plus (dS_T ⊙ S_T) summed over dv at
+# each sequence end (the same identity as the scalar gate, per key dim). Every per-pair decay is a
+# product of exp(g) <= 1 factors, so any gate strength is stable.
+@triton.jit
+def _gla_rec_fwd_kernel(
+    q, k, v, g, h0, o, ht, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Grid (NV, N * H): outputs and final state; the state [BK, BV] stays in registers."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
+                       mask=m_kv, other=0.0).to(tl.float32)
+    for t in range(T_seq):
+        row = (bos + t) * H + i_h
+        b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_h = b_h * tl.exp(b_g)[:, None] + b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
+        tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None], b_h, mask=m_kv)
+
+
+@triton.jit
+def _gla_rec_bwd_dq_kernel(
+    k, v, g, h0, do, dq, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Grid (NV, N * H): dq_t = scale * S_t do_t, the state recomputed; value blocks add up in dq
+    (float32, zeroed) atomically."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
+                       mask=m_kv, other=0.0).to(tl.float32)
+    for t in range(T_seq):
+        row = (bos + t) * H + i_h
+        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_do = tl.load(do + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_h = b_h * tl.exp(b_g)[:, None] + b_k[:, None] * b_v[None, :]
+        b_dq = tl.sum(b_h * b_do[None, :], axis=1) * scale
+        tl.atomic_add(dq + row * K + o_k, b_dq, mask=m_k)
+
+
+@triton.jit
+def _gla_rec_bwd_dkv_kernel(
+    q, k, v, g, do, dht, dk, dv, dh0, cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Grid (NV, N * H): reverse in time carrying dS; dk (float32, zeroed) gets value blocks
+    atomically, dv is written per block, dS at t = 0 is the initial state's gradient."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
+                        mask=m_kv, other=0.0).to(tl.float32)
+    for r in range(T_seq):
+        row = (bos + T_seq - 1 - r) * H + i_h
+        b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_do = tl.load(do + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_dh += (b_q * scale)[:, None] * b_do[None, :]
+        tl.atomic_add(dk + row * K + o_k, tl.sum(b_dh * b_v[None, :], axis=1), mask=m_k)
+        b_dv = tl.sum(b_dh * b_k[:, None], axis=0)
+        tl.store(dv + row * V + o_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+        b_dh = b_dh * tl.exp(b_g)[:, None]
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None], b_dh, mask=m_kv)
+
+
+def _gla_blocks(K, V, n_seq_heads, device):
+    BK = next_pow2(K)
+    BV = min(32 if BK <= 128 else 16, next_pow2(V))
+    # smaller value blocks when there are few (sequence, head) pairs, to fill the GPU
+    while BV > 16 and n_seq_heads * triton.cdiv(V, BV) < 2 * _num_sms(device):
+        BV //= 2
+    return BK, BV, (4 if BK * BV >= 4096 else 2)
+
+
+def _gla_n_seq(q, cu_seqlens):
+    return q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+
+
+class FusedRecurrentGLAFunction(torch.autograd.Function):
+    """GLA with a gate per key dim: fused recurrent forward and hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, h0, scale, output_final_state, cu_seqlens):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        N = _gla_n_seq(q, cu_seqlens)
+        BK, BV, warps = _gla_blocks(K, V, N * H, q.device)
+        o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
+        ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
+        _gla_rec_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+            q, k, v, g, h0, o, ht, cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
+            USE_H0=h0 is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+            num_warps=warps,
+        )
+        ctx.save_for_backward(q, k, v, g, h0, ht, cu_seqlens)
+        ctx.scale = scale
+        ctx.h0_dtype = None if h0 is None else h0.dtype
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, h0, ht, cu_seqlens = ctx.saved_tensors
+        scale = ctx.scale
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        N = _gla_n_seq(q, cu_seqlens)
+        BK, BV, warps = _gla_blocks(K, V, N * H, q.device)
+        do = do.contiguous()
+        if dht is not None:
+            dht = dht.contiguous().float()
+        varlen = cu_seqlens is not None
+        dq = torch.zeros(B, T, H, K, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(B, T, H, K, dtype=torch.float32, device=q.device)
+        dv = torch.empty_like(v)
+        dh0 = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if h0 is not None else None
+        grid = (triton.cdiv(V, BV), N * H)
+        _gla_rec_bwd_dq_kernel[grid](
+            k, v, g, h0, do, dq, cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
+            USE_H0=h0 is not None, IS_VARLEN=varlen, num_warps=warps,
+        )
+        _gla_rec_bwd_dkv_kernel[grid](
+            q, k, v, g, do, dht, dk, dv, dh0, cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
+            USE_DHT=dht is not None, STORE_DH0=h0 is not None, IS_VARLEN=varlen, num_warps=warps,
+        )
+        dG = q.float() * dq - k.float() * dk  # [B, T, H, K]
+        if dht is not None:
+            term = (dht * ht).sum(-2)  # [N, H, K]: d/dG_T of S_T = S_... diag(exp(G_T))
+            if varlen:
+                ok = cu_seqlens[1:] > cu_seqlens[:-1]
+                dG[0].index_add_(0, (cu_seqlens[1:] - 1)[ok], term[ok])
+            else:
+                dG[:, -1] += term
+        dg = _reverse_cumsum_dg(dG.view(B, T, H * K), cu_seqlens).view(B, T, H, K).to(g.dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(ctx.h0_dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dh0, None, None, None
+
+
+def fused_recurrent_gla(q, k, v, g, *, scale: float, initial_state=None, output_final_state: bool = False,
+                        cu_seqlens=None):
+    """GLA (gate per key dim): ``(o [B, T, H, dv], final state [N, H, dv, dk] float32 or None)``.
+
+    g ``[B, T, H, dk]`` log decay (cast to float32 here); differentiable in q, k, v, g and the
+    initial state. Also the decoding kernel (no autograd needed, any T).
+    """
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = g.contiguous().float() if g.dtype != torch.float32 else g.contiguous()
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
+    return FusedRecurrentGLAFunction.apply(q, k, v, g, initial_state, float(scale), bool(output_final_state),
+                                           cu_seqlens)
