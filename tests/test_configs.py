@@ -13,7 +13,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.json"))
 EXPECTED = {
     "lazoo_softmax", "lazoo_sliding_window", "lazoo_linear", "lazoo_gated_linear", "lazoo_delta_net",
-    "lazoo_gated_delta_net", "lazoo_vla", "lazoo_hybrid",
+    "lazoo_gated_delta_net", "lazoo_vla", "lazoo_ela", "lazoo_gla", "lazoo_delta_product", "lazoo_hybrid",
 }
 
 

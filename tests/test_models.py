@@ -487,6 +487,11 @@ VARIANTS = {
     "gated_linear-conv": ("gated_linear", dict(use_short_conv=True)),
     "delta_net-noconv": ("delta_net", dict(use_short_conv=False)),
     "vla-conv-refresh3": ("vla", dict(use_short_conv=True, refresh_period=3, lambda0=0.5)),
+    "ela-sum_sq_euclid-conv": ("ela", dict(use_short_conv=True, kernel="sum_sq_euclid")),
+    "ela-sub_sq_euclid": ("ela", dict(kernel="sub_sq_euclid")),
+    "ela-magnitude_direction": ("ela", dict(kernel="magnitude_direction")),
+    "delta_product-3-gated-negeig": ("delta_product", dict(num_householder=3, use_forget_gate=True,
+                                                           allow_neg_eigval=True)),
     "hybrid-all": ("hybrid", dict(layer_types=list(MECHANISMS))),
 }
 

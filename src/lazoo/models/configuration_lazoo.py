@@ -136,10 +136,14 @@ LazooGatedLinearConfig = _mechanism_config("gated_linear", "LazooGatedLinearConf
 LazooDeltaNetConfig = _mechanism_config("delta_net", "LazooDeltaNetConfig")
 LazooGatedDeltaNetConfig = _mechanism_config("gated_delta_net", "LazooGatedDeltaNetConfig")
 LazooVLAConfig = _mechanism_config("vla", "LazooVLAConfig")
+LazooELAConfig = _mechanism_config("ela", "LazooELAConfig")
+LazooGLAConfig = _mechanism_config("gla", "LazooGLAConfig")
+LazooDeltaProductConfig = _mechanism_config("delta_product", "LazooDeltaProductConfig")
 
 #: mechanism name -> its config class; `lazoo_hybrid` is `LazooConfig` itself
 MECHANISM_CONFIGS: dict[str, type[LazooConfig]] = {
     c.mechanism: c
     for c in (LazooSoftmaxConfig, LazooSlidingWindowConfig, LazooLinearConfig, LazooGatedLinearConfig,
-              LazooDeltaNetConfig, LazooGatedDeltaNetConfig, LazooVLAConfig)
+              LazooDeltaNetConfig, LazooGatedDeltaNetConfig, LazooVLAConfig, LazooELAConfig, LazooGLAConfig,
+              LazooDeltaProductConfig)
 }

@@ -218,6 +218,10 @@ LazooDeltaNetModel, LazooDeltaNetForCausalLM = _mechanism_classes(
 LazooGatedDeltaNetModel, LazooGatedDeltaNetForCausalLM = _mechanism_classes(
     "gated_delta_net", "LazooGatedDeltaNet", MECHANISM_CONFIGS["gated_delta_net"])
 LazooVLAModel, LazooVLAForCausalLM = _mechanism_classes("vla", "LazooVLA", MECHANISM_CONFIGS["vla"])
+LazooELAModel, LazooELAForCausalLM = _mechanism_classes("ela", "LazooELA", MECHANISM_CONFIGS["ela"])
+LazooGLAModel, LazooGLAForCausalLM = _mechanism_classes("gla", "LazooGLA", MECHANISM_CONFIGS["gla"])
+LazooDeltaProductModel, LazooDeltaProductForCausalLM = _mechanism_classes(
+    "delta_product", "LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
 
 #: model_type -> (config class, base model class, causal LM class)
 MODEL_CLASSES = {
@@ -229,4 +233,7 @@ MODEL_CLASSES = {
     "lazoo_delta_net": (MECHANISM_CONFIGS["delta_net"], LazooDeltaNetModel, LazooDeltaNetForCausalLM),
     "lazoo_gated_delta_net": (MECHANISM_CONFIGS["gated_delta_net"], LazooGatedDeltaNetModel, LazooGatedDeltaNetForCausalLM),
     "lazoo_vla": (MECHANISM_CONFIGS["vla"], LazooVLAModel, LazooVLAForCausalLM),
+    "lazoo_ela": (MECHANISM_CONFIGS["ela"], LazooELAModel, LazooELAForCausalLM),
+    "lazoo_gla": (MECHANISM_CONFIGS["gla"], LazooGLAModel, LazooGLAForCausalLM),
+    "lazoo_delta_product": (MECHANISM_CONFIGS["delta_product"], LazooDeltaProductModel, LazooDeltaProductForCausalLM),
 }

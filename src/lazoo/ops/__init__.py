@@ -12,17 +12,22 @@ Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-s
 
 from ._common import BACKENDS
 from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
+from .delta_product import delta_product
+from .ela import ELA_KERNELS, ela
 from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
 from .softmax import softmax_attention
 from .vla import vla
 
 __all__ = [
     "BACKENDS",
+    "ELA_KERNELS",
     "FEATURE_MAPS",
     "chunk_gated_linear",
     "chunk_gla",
     "chunk_generalized_delta",
+    "delta_product",
     "delta_rule",
+    "ela",
     "gated_delta_rule",
     "gated_linear_attention",
     "gla",

@@ -2,8 +2,8 @@
 
 from .attention import SlidingWindowAttentionMixer, SoftmaxAttentionMixer
 from .base import TokenMixer
-from .delta import DeltaNetMixer, GatedDeltaNetMixer
-from .linear import GatedLinearAttentionMixer, LinearAttentionMixer
+from .delta import DeltaNetMixer, DeltaProductMixer, GatedDeltaNetMixer
+from .linear import ELAMixer, GatedLinearAttentionMixer, GLAMixer, LinearAttentionMixer
 from .vla import VLAMixer
 
 MIXERS: dict[str, type[TokenMixer]] = {
@@ -16,6 +16,9 @@ MIXERS: dict[str, type[TokenMixer]] = {
         DeltaNetMixer,
         GatedDeltaNetMixer,
         VLAMixer,
+        ELAMixer,
+        GLAMixer,
+        DeltaProductMixer,
     )
 }
 

@@ -1,4 +1,4 @@
-"""DeltaNet and Gated DeltaNet mixers (short convolution and L2-normalised q/k by default)."""
+"""DeltaNet, Gated DeltaNet and DeltaProduct mixers (short convolution and L2-normalised q/k by default)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from .base import ShortConvProjections
 from .recurrent import RecurrentMixer
 
 
@@ -56,3 +57,51 @@ class GatedDeltaNetMixer(DeltaNetMixer):
         cdt = torch.promote_types(x.dtype, torch.float32)  # half types in fp32; float64 stays float64
         g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
         return ops.gated_delta_rule(q, k, v, g.to(q.dtype), beta, **self.op_kwargs(mask, state, want_state))
+
+
+class DeltaProductMixer(RecurrentMixer):
+    """DeltaProduct (seed 001): `num_householder` delta-rule (Householder) steps per token.
+
+    Each step has its own key, value and β (`S_t = α_t S_{t−1} Π_j (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) + …`);
+    short convolution, L2-normalised keys, per-head RMSNorm and SiLU output gate; an optional Mamba-2 style
+    forget gate (`use_forget_gate`); `allow_neg_eigval` doubles β (Householder eigenvalues in (−1, 1))."""
+
+    mechanism = "delta_product"
+    defaults = {**RecurrentMixer.defaults, "use_short_conv": True, "output_gate": True, "num_householder": 2,
+                "use_forget_gate": False, "allow_neg_eigval": False}
+
+    def __init__(self, config, layer_idx, options):
+        n = options["num_householder"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"delta_product: num_householder must be a positive int, got {n!r}")
+        super().__init__(config, layer_idx, options)
+        d = config.hidden_size
+        self.k_proj = nn.Linear(d, n * d, bias=False)  # one key and one value per Householder step
+        self.v_proj = nn.Linear(d, n * d, bias=False)
+        if self.short_conv is not None:
+            self.short_conv = ShortConvProjections({"q": d, "k": n * d, "v": n * d}, options["conv_size"])
+        self.b_proj = nn.Linear(d, self.num_heads * n, bias=True)
+        if options["use_forget_gate"]:
+            self.a_proj = nn.Linear(d, self.num_heads, bias=False)
+            self.A_log = nn.Parameter(torch.empty(self.num_heads))
+            self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+            self._init_lazoo_parameters(None)
+
+    def _init_lazoo_parameters(self, init):
+        if self.options["use_forget_gate"]:
+            GatedDeltaNetMixer._init_lazoo_parameters(self, init)
+
+    def mix(self, q, k, v, x, *, mask, state, want_state):
+        B, T, H, _ = q.shape
+        n = self.options["num_householder"]
+        k = k.view(B, T, H, n, -1)
+        v = v.view(B, T, H, n, -1)
+        beta = torch.sigmoid(self.b_proj(x)).view(B, T, H, n)
+        if self.options["allow_neg_eigval"]:  # β in (0, 2): Householder eigenvalues 1 − β in (−1, 1)
+            beta = 2 * beta
+        g = None
+        if self.options["use_forget_gate"]:
+            cdt = torch.promote_types(x.dtype, torch.float32)
+            g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
+            g = g.to(q.dtype)
+        return ops.delta_product(q, k, v, beta, g=g, **self.op_kwargs(mask, state, want_state))

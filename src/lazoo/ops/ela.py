@@ -1,0 +1,250 @@
+"""Exact Linear Attention (ELA, seed 003 eqs 3-13): kernel attention with an exactly decomposable kernel.
+
+A kernel pair (φ on queries, ψ on keys) with ``k(a, b) = φ(a)·ψ(b)`` turns the quadratic form
+``o_i = Σ_j k(q_i, k_j) v_j / Σ_j k(q_i, k_j)`` into linear attention, with no approximation:
+
+    S = Σ_j v_j ψ(k_j)^T,   C = Σ_j ψ(k_j),   o_i = S φ(q_i) / max(φ(q_i)·C, eps)
+
+over j <= i (``causal=True``: prefix sums, a recurrent state) or over the whole sequence
+(``causal=False``: bidirectional, no state). Kernels (D = head dim of q/k; feature dim F):
+
+    hadamard_exp         φ(a) = exp(a),               ψ(b) = exp(b)                  F = D
+                         k = Σ_d exp(a_d + b_d)
+    sum_sq_euclid        φ(a) = [a, ‖a‖², 1],         ψ(b) = [2b, 1, ‖b‖²]            F = D + 2
+                         k = ‖a + b‖²
+    sub_sq_euclid        φ(a) = [a, ‖a‖², 1],         ψ(b) = [-2b, 1, ‖b‖²]           F = D + 2
+                         k = ‖a - b‖²
+    magnitude_direction  φ(a) = (‖a‖²+1)[a; 1],       ψ(b) = (‖b‖²+1)[b; 1]           F = D + 1
+                         k = (‖a‖²+1)(‖b‖²+1)(a·b + 1)
+
+Layout: q/k ``[B, T, H, D]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token: a pad adds
+nothing to the sums and outputs 0). State (causal): ``{"S": [B, H, dv, F], "C": [B, H, F]}``, and
+for ``hadamard_exp`` also ``"m": [B, H, D]`` (the running key maximum per feature, below). States are
+in the compute dtype (float64 for float64 inputs, else float32); the features are formed in it too,
+so exp and the cubic magnitude_direction features never overflow in half precision.
+
+The denominator. ``max(φ(q)·C, eps)`` is the clamp in every form, the quadratic one included. For
+``sum_sq_euclid`` and ``hadamard_exp`` the kernel is positive, so the clamp only acts on sums that
+vanish. ``sub_sq_euclid`` is 0 at k = q (a query whose every visible key equals it has denominator
+0), and ``magnitude_direction`` is negative where a·b < -1, so its sum can be 0 or negative: those
+rows get the denominator eps (output ``S φ(q) / eps``: finite, possibly large; the sign of the
+numerator is kept). No |·| is taken: a negative sum is not a valid normaliser, and clamping it to
+eps is the documented, deterministic choice.
+
+Keeping ``hadamard_exp`` finite, exactly. ``k(a, b) = Σ_d exp(a_d + c_d) exp(b_d - c_d)`` for any
+per-feature constants c_d, and the ratio is invariant to a per-query factor on φ(q_i). The op uses
+    ψ̃(k_j) = exp(k_j - m_i),           m_{i,d} = max(m_{0,d}, max_{j<=i} k_{j,d})   (running, per feature)
+    φ̃(q_i) = exp(q_i + m_i - M_i),     M_i = max_d (q_{i,d} + m_{i,d})               (per query)
+(per sample and head; m_0 comes from the state, or is the first real key). Every factor is <= 1 and
+the largest term of φ̃(q_i)·C̃_i is exactly 1 (the key that set m_{i,d*} is visible to query i), so
+the scaled denominator is >= 1: nothing overflows and nothing underflows to 0/0, for any input
+range. Rescaling the prefix sums when the maximum grows is a decay per feature,
+``S̃_i = S̃_{i-1} diag(exp(m_{i-1} - m_i)) + v_i ψ̃(k_i)^T``: GLA (``ops.gla``) with log decay
+``m_{i-1} - m_i <= 0`` on the values ``[v, 1]`` (the extra row carries C̃). The clamp is applied to
+the true (unscaled) denominator: ``o_i = num_i / max(den_i, eps · exp(-M_i))``. The state stores
+S̃, C̃ and m (``S = S̃ diag(exp(m))``). The maxima carry no gradient (the output does not depend on
+them). The bidirectional form uses the largest real key per feature over the whole sequence.
+
+Backends: the causal forms run ``linear_attention`` (polynomial kernels, feature_map="identity",
+normalize=True) or ``gla`` (hadamard_exp) on the feature tensors, with ``backend`` passed through, so
+the chunk forms, the step-by-step references and the Triton kernels (auto on CUDA) are theirs. The
+bidirectional form is two matmuls on every backend except "recurrent", which sums token by token
+(the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    check_chunk_size,
+    check_mask,
+    check_qkv,
+    check_state_dict,
+    check_state_tensor,
+    compute_dtype,
+    resolve_backend,
+    zero_masked,
+)
+from .linear import gla, linear_attention
+
+ELA_KERNELS = ("hadamard_exp", "sum_sq_euclid", "sub_sq_euclid", "magnitude_direction")
+
+
+def ela_feature_dim(kernel: str, head_dim: int) -> int:
+    """The feature dim F of a kernel's φ/ψ for q/k of head dim ``head_dim``."""
+    _check_kernel("ela", kernel)
+    return head_dim + {"hadamard_exp": 0, "sum_sq_euclid": 2, "sub_sq_euclid": 2, "magnitude_direction": 1}[kernel]
+
+
+def ela_features(kernel: str, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(φ(q), ψ(k))`` for a polynomial kernel, or the plain ``(exp(q), exp(k))`` for hadamard_exp
+    (no shift: use it on small inputs only; the op shifts, see the module docstring)."""
+    _check_kernel("ela", kernel)
+    if kernel == "hadamard_exp":
+        return q.exp(), k.exp()
+    qq = (q * q).sum(-1, keepdim=True)
+    kk = (k * k).sum(-1, keepdim=True)
+    one_q, one_k = torch.ones_like(qq), torch.ones_like(kk)
+    if kernel == "magnitude_direction":
+        return (qq + 1) * torch.cat([q, one_q], -1), (kk + 1) * torch.cat([k, one_k], -1)
+    sign = 2.0 if kernel == "sum_sq_euclid" else -2.0
+    return torch.cat([q, qq, one_q], -1), torch.cat([sign * k, one_k, kk], -1)
+
+
+def ela_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The kernel itself, pairwise: ``[B, T, H, D] x [B, S, H, D] -> [B, H, T, S]``, computed directly
+    from its definition (not through the features), for checking the exactness claim."""
+    _check_kernel("ela", kernel)
+    if kernel == "hadamard_exp":  # Σ_d exp(a_d) exp(b_d)
+        return torch.einsum("bthd,bshd->bhts", q.exp(), k.exp())
+    if kernel in ("sum_sq_euclid", "sub_sq_euclid"):
+        sign = 1.0 if kernel == "sum_sq_euclid" else -1.0
+        diff = q.transpose(1, 2)[:, :, :, None, :] + sign * k.transpose(1, 2)[:, :, None, :, :]
+        return (diff * diff).sum(-1)
+    qq = (q * q).sum(-1).transpose(1, 2)  # [B, H, T]
+    kk = (k * k).sum(-1).transpose(1, 2)
+    dot = torch.einsum("bthd,bshd->bhts", q, k)
+    return (qq[..., :, None] + 1) * (kk[..., None, :] + 1) * (dot + 1)
+
+
+def ela(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    kernel: str = "hadamard_exp",
+    causal: bool = True,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Exact Linear Attention with kernel pair ``kernel`` (see the module docstring).
+
+    Returns ``(o [B, T, H, dv] in v's dtype, final_state or None)``. ``causal=False`` is the
+    bidirectional form: every real token attends to every real token; it has no state, so
+    ``initial_state``/``output_final_state`` must be left unset.
+    """
+    op = "ela"
+    B, T, H, D, dv = check_qkv(op, q, k, v)
+    _check_kernel(op, kernel)
+    mask = check_mask(op, mask, B, T, q.device)
+    chunk_size = check_chunk_size(op, chunk_size)
+    if not isinstance(eps, (int, float)) or eps <= 0:
+        raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
+    resolve_backend(op, backend, q.device, None)  # validates backend / LAZOO_BACKEND; the inner op picks
+    cdt = compute_dtype(q.dtype)
+    F_ = ela_feature_dim(kernel, D)
+    if not causal:
+        if initial_state is not None or output_final_state:
+            raise ValueError(f"{op}: the bidirectional form (causal=False) has no state; "
+                             "leave initial_state=None and output_final_state=False")
+        return _bidirectional(q, k, v, kernel, eps, mask, backend, cdt), None
+    state = _initial_state(op, initial_state, kernel, B, H, F_, dv, q.device, cdt)
+    q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
+    if kernel == "hadamard_exp":
+        o, final = _causal_exp(q_c, k_c, v_c, eps, chunk_size, state, output_final_state, mask, backend)
+    else:
+        fq, fk = ela_features(kernel, q_c, k_c)
+        inner = None if state is None else {"S": state["S"], "z": state["C"]}
+        o, st = linear_attention(fq, fk, v_c, feature_map="identity", normalize=True, eps=eps,
+                                 chunk_size=chunk_size, initial_state=inner,
+                                 output_final_state=output_final_state, mask=mask, backend=backend)
+        final = None if st is None else {"S": st["S"], "C": st["z"]}
+    return zero_masked(o, mask).to(v.dtype), final
+
+
+# ============================================================================ causal hadamard_exp
+def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backend):
+    """Running-max-shifted hadamard_exp as GLA (a decay per feature) on ``[v, 1]`` (module docstring)."""
+    dv = v.shape[-1]
+    with torch.no_grad():
+        kk = k if mask is None else k.masked_fill(~mask[..., None, None], float("-inf"))
+        run = kk.cummax(1).values  # [B, T, H, D]: -inf until the first real token
+        if state is not None:
+            m0 = state["m"]
+        else:  # the first real key (0 for a sample with no real token)
+            m0 = run.masked_fill(torch.isinf(run), float("inf")).amin(1)
+            m0 = torch.where(torch.isinf(m0), torch.zeros_like(m0), m0)
+        m = torch.maximum(run, m0[:, None])  # the per-feature shift seen by each query
+        g = torch.cat([m0[:, None], m[:, :-1]], 1) - m  # log decay <= 0; 0 at pads (m moves at real keys)
+        M = (q + m).amax(-1, keepdim=True)  # per-query scale: the largest term of φ̃·ψ̃ is exactly 1
+    fq = (q + m - M).exp()  # <= 1
+    fk = (k - m).exp()  # <= 1
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # the last row of the state is C̃
+    S0 = None
+    if state is not None:
+        S0 = torch.cat([state["S"], state["C"][:, :, None, :]], 2)
+    o1, S1 = gla(fq, fk, v1, g, scale=1.0, chunk_size=min(chunk_size, 16), initial_state=S0,
+                 output_final_state=output_final_state, mask=mask, backend=backend)
+    o1 = o1.to(q.dtype)
+    num, den = o1[..., :dv], o1[..., dv:]
+    floor = torch.exp(torch.log(torch.tensor(eps, dtype=q.dtype, device=q.device)) - M)
+    o = num / torch.maximum(den, floor)  # max(true denominator, eps), in the scaled units
+    final = None
+    if output_final_state:
+        final = {"S": S1[:, :, :dv], "C": S1[:, :, dv], "m": m[:, -1]}
+    return o, final
+
+
+# ============================================================================ bidirectional
+def _bidirectional(q, k, v, kernel, eps, mask, backend, cdt):
+    backend = resolve_backend("ela", backend, q.device, None)  # any backend runs the matmuls
+    out_dtype = v.dtype
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    real = None if mask is None else mask[..., None, None]  # [B, T, 1, 1]
+    if kernel == "hadamard_exp":
+        with torch.no_grad():
+            kk = k if real is None else k.masked_fill(~real, float("-inf"))
+            m = kk.amax(1, keepdim=True)  # [B, 1, H, D]: the largest real key per feature
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            M = (q + m).amax(-1, keepdim=True)  # [B, T, H, 1]
+        fq, fk = (q + m - M).exp(), (k - m).exp()
+        floor = torch.exp(torch.log(torch.tensor(eps, dtype=cdt, device=q.device)) - M)
+    else:
+        fq, fk = ela_features(kernel, q, k)
+        floor = eps
+    fk = zero_masked(fk, mask)
+    if backend == "recurrent":  # token-by-token sums (the reference)
+        S = torch.zeros(q.shape[0], q.shape[2], v.shape[-1], fk.shape[-1], dtype=cdt, device=q.device)
+        C = torch.zeros(q.shape[0], q.shape[2], fk.shape[-1], dtype=cdt, device=q.device)
+        for t in range(q.shape[1]):
+            S = S + v[:, t, :, :, None] * fk[:, t, :, None, :]
+            C = C + fk[:, t]
+    else:
+        S = torch.einsum("bthv,bthf->bhvf", v, fk)
+        C = fk.sum(1)
+    num = torch.einsum("bhvf,bthf->bthv", S, fq)
+    den = (fq * C[:, None]).sum(-1, keepdim=True)
+    if isinstance(floor, torch.Tensor):
+        den = torch.maximum(den, floor)
+    else:
+        den = den.clamp_min(floor)
+    return zero_masked(num / den, mask).to(out_dtype)
+
+
+# ============================================================================ checks
+def _check_kernel(op, kernel):
+    if kernel not in ELA_KERNELS:
+        raise ValueError(f"{op}: unknown kernel {kernel!r}; valid kernels are {', '.join(ELA_KERNELS)}")
+
+
+def _initial_state(op, state, kernel, B, H, F_, dv, device, cdt):
+    """Validated state cast to the compute dtype, or None."""
+    if state is None:
+        return None
+    keys = ("S", "C", "m") if kernel == "hadamard_exp" else ("S", "C")
+    check_state_dict(op, state, keys)
+    check_state_tensor(op, "initial_state['S']", state["S"], (B, H, dv, F_), device)
+    check_state_tensor(op, "initial_state['C']", state["C"], (B, H, F_), device)
+    out = {"S": state["S"].to(cdt), "C": state["C"].to(cdt)}
+    if kernel == "hadamard_exp":
+        check_state_tensor(op, "initial_state['m']", state["m"], (B, H, F_), device)
+        m = state["m"].to(cdt)
+        if not torch.isfinite(m).all():
+            raise ValueError(f"{op}: initial_state['m'] holds non-finite values")
+        out["m"] = m.detach()
+    return out
