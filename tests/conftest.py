@@ -11,7 +11,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lazoo
-import lazoo.data
 
 #: every mechanism, then "hybrid" (a `lazoo_hybrid` model mixing attention and a recurrent mixer)
 MECHANISMS = lazoo.list_mechanisms()
@@ -86,12 +85,16 @@ def single_thread():
 # ----------------------------------------------------------------------------- corpus and tokenizer
 @pytest.fixture(scope="session")
 def chapters():
+    import lazoo.data  # needs `datasets`, which the GPU machine lacks: imported only where used
+
     return lazoo.data.load_default_corpus()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(chapters):
     """A byte-level BPE of 320 tokens trained on 300 KJV chapters."""
+    import lazoo.data
+
     return lazoo.data.train_tokenizer(chapters[:300], vocab_size=320)
 
 
@@ -99,6 +102,8 @@ def tokenizer(chapters):
 def lm_blocks(chapters, tokenizer):
     """256 real 32-token training blocks (input_ids + labels) from chapters the tokenizer saw."""
     from datasets import Dataset
+
+    import lazoo.data
 
     blocks = lazoo.data.tokenize_and_chunk(Dataset.from_dict({"text": chapters[:40]}), tokenizer, block_size=32)
     assert len(blocks) >= 256, len(blocks)

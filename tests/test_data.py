@@ -6,7 +6,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the Hub
 
 import pytest
-from datasets import Dataset
+
+pytest.importorskip("datasets")
+from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer
 
 from lazoo.data import (

@@ -16,7 +16,7 @@ def _list(_args) -> int:
     print("hybrid presets (model_type lazoo_hybrid):")
     for name, pattern in HYBRIDS.items():
         print(f"  {name:<16} {' / '.join(pattern)} repeated")
-    print("backends: recurrent (float64 reference), chunk (PyTorch); Triton kernels are not built yet")
+    print("backends: recurrent (float64 reference), chunk (PyTorch), triton (CUDA, where the op has a kernel)")
     return 0
 
 

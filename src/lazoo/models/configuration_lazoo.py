@@ -15,6 +15,10 @@ from transformers import PreTrainedConfig
 from ..layers.mixers import MIXERS, mixer_class
 
 
+#: the layer pattern of a `lazoo_hybrid` config created without `layer_types`
+DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
+
+
 class LazooConfig(PreTrainedConfig):
     model_type = "lazoo_hybrid"
     #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
@@ -57,12 +61,10 @@ class LazooConfig(PreTrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.intermediate_size = intermediate_size if intermediate_size is not None else 4 * hidden_size
         if layer_types is None:
-            if self.mechanism is None:
-                raise ValueError(
-                    "a lazoo_hybrid config needs `layer_types` (one mechanism name per layer); known mechanisms: "
-                    + ", ".join(MIXERS)
-                )
-            layer_types = [self.mechanism] * num_hidden_layers
+            # a hybrid with no layer list is the sliding-window/VLA hybrid of the demo (transformers builds
+            # default configs with no arguments, e.g. to find the non-default fields when saving)
+            pattern = [self.mechanism] if self.mechanism is not None else list(DEFAULT_HYBRID_PATTERN)
+            layer_types = [pattern[i % len(pattern)] for i in range(num_hidden_layers)]
         layer_types = list(layer_types)
         for name in layer_types:
             mixer_class(name)  # raises ValueError listing the known names

@@ -25,13 +25,15 @@ _FALLBACK_LOGGED: set[str] = set()
 NO_KERNEL = "no Triton kernel is available for this op yet"
 
 
-def resolve_backend(op: str, backend: str | None, device: torch.device, triton_unsupported: str | None = NO_KERNEL) -> str:
+def resolve_backend(op: str, backend: str | None, device: torch.device, triton_unsupported: str | None = NO_KERNEL,
+                    log_fallback: bool = True) -> str:
     """Return "recurrent", "chunk" or "triton" for ``op``.
 
     ``backend`` wins over the ``LAZOO_BACKEND`` environment variable; None (or an empty variable)
     means auto. ``triton_unsupported`` is None when the op's Triton kernel can run this case, else
     the reason it cannot (head dim, dtype, no kernel). Auto picks Triton on CUDA tensors when it can
-    run, else the PyTorch chunk form, saying once per op why on CUDA; a forced "triton" that cannot
+    run, else the PyTorch chunk form, saying once per op why on CUDA (unless ``log_fallback`` is
+    False: an op whose chunk form is already the fast path); a forced "triton" that cannot
     run raises with the reason. (A forced "triton" on CPU tensors runs under ``TRITON_INTERPRET=1``.)
     """
     source = "backend"
@@ -42,7 +44,7 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, triton_u
         if device.type == "cuda":
             if triton_unsupported is None:
                 return "triton"
-            if op not in _FALLBACK_LOGGED:
+            if log_fallback and op not in _FALLBACK_LOGGED:
                 _FALLBACK_LOGGED.add(op)
                 logger.warning("%s: %s; using the PyTorch chunk form.", op, triton_unsupported)
         return "chunk"
@@ -235,3 +237,47 @@ def merge_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     """``[B, H, N, C, d]`` -> ``[B, T, H, d]`` (the padding dropped)."""
     B, H, N, C, d = x.shape
     return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, d)[:, :T]
+
+
+# ----------------------------------------------------------------------------- packed sequences
+def check_cu_seqlens(op: str, cu_seqlens, B: int, T: int, device, mask=None):
+    """Validate ``cu_seqlens`` (None passes): 1-D ints from 0 to T, non-decreasing, with B = 1.
+    Ops that cannot combine it with a mask pass theirs to have that refused."""
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cu_seqlens must be an integer torch.Tensor [N + 1], "
+                        f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: cu_seqlens must have shape [N + 1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"{op}: cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"{op}: with cu_seqlens the sequences are packed along time, so B must be 1, got B={B}")
+    if mask is not None:
+        raise ValueError(f"{op}: pass either mask or cu_seqlens, not both")
+    bounds = cu_seqlens.detach().to("cpu", torch.int64)
+    if bounds[0] != 0 or bounds[-1] != T or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"{op}: cu_seqlens must start at 0, end at T={T} and never decrease, "
+                         f"got {bounds.tolist()}")
+    return cu_seqlens.to(device=device, dtype=torch.int64)
+
+
+def run_per_sequence(run, cu_seqlens, initial_state, output_final_state: bool, q, v):
+    """The PyTorch backends on packed sequences: ``run(time_slice, state_n) -> (o, state_n)`` for each
+    sequence, with ``initial_state`` (a tensor or a dict of tensors) holding one entry per sequence."""
+    from torch.utils._pytree import tree_map
+
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for n in range(len(bounds) - 1):
+        s, e = bounds[n], bounds[n + 1]
+        state = tree_map(lambda x: x[n:n + 1], initial_state)
+        if e > s:
+            o, state = run(slice(s, e), state)
+            outs.append(o)
+        finals.append(state)
+    o = torch.cat(outs, 1) if outs else q.new_zeros(1, 0, q.shape[2], v.shape[-1], dtype=v.dtype)
+    if not output_final_state:
+        return o, None
+    return o, tree_map(lambda *parts: torch.cat(parts, 0), finals[0], *finals[1:])

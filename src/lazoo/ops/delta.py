@@ -9,13 +9,21 @@ mask ``[B, T]`` (1 = real token; a pad leaves the state untouched and outputs 0)
 Both are the generalised gated delta rule with write key w_t = β_t k_t:
     S_t = a_t S_{t-1} + (v_t - a_t S_{t-1} k_t) w_t^T,   a_t = exp(g_t),   o_t = S_t q_t,
 whose chunk form is ``chunk_generalized_delta`` (VLA uses it with w = α̂ and read key k̂).
+
+Packed batches: ``cu_seqlens`` ``[N + 1]`` (ints from 0 to T, B = 1) holds the boundaries of N sequences
+packed along time; states are then ``[N, H, dv, dk]``, one per sequence.
+Backend "triton" (auto on CUDA) runs lazoo.kernels.delta: the chunk-parallel WY form with a hand-written
+backward, and a fused recurrent kernel for decoding (at most 64 tokens per sequence, no autograd).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._common import (
+    check_cu_seqlens,
     check_chunk_size,
     check_head_scalar,
     check_mask,
@@ -29,6 +37,7 @@ from ._common import (
     resolve_backend,
     split_chunks,
     zero_masked,
+    run_per_sequence,
 )
 
 
@@ -46,10 +55,11 @@ def delta_rule(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """DeltaNet: ``S_t = S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, ``o_t = S_t (scale q_t)``."""
     return _delta("delta_rule", q, k, v, None, beta, scale, use_qk_l2norm, chunk_size,
-                  initial_state, output_final_state, mask, backend)
+                  initial_state, output_final_state, mask, backend, cu_seqlens)
 
 
 def gated_delta_rule(
@@ -66,25 +76,40 @@ def gated_delta_rule(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Gated DeltaNet: ``S_t = exp(g_t) S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, g the log decay."""
     return _delta("gated_delta_rule", q, k, v, g, beta, scale, use_qk_l2norm, chunk_size,
-                  initial_state, output_final_state, mask, backend)
+                  initial_state, output_final_state, mask, backend, cu_seqlens)
 
 
 def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state,
-           output_final_state, mask, backend):
+           output_final_state, mask, backend, cu_seqlens=None):
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     if g is not None:
         check_head_scalar(op, "g", g, q)
     check_head_scalar(op, "beta", beta, q)
     mask = check_mask(op, mask, B, T, q.device)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device)
+    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v, chunk_size))
     cdt = compute_dtype(q.dtype)
 
-    S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
+    if backend == "triton":  # no zero state allocated when none is given
+        S0 = None if initial_state is None else matrix_initial_state(op, initial_state, N, H, dk, dv,
+                                                                     q.device, cdt)
+        return _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state,
+                             mask, cu_seqlens)
+    S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt)
+    if cu_seqlens is not None:
+        return run_per_sequence(
+            lambda sl, st: _delta(op, q[:, sl], k[:, sl], v[:, sl], None if g is None else g[:, sl],
+                                  beta[:, sl], scale, use_qk_l2norm, chunk_size, st, True,
+                                  None if mask is None else mask[:, sl], backend),
+            cu_seqlens, S0, output_final_state, q, v)
+
     q_c, k_c = q.to(cdt), k.to(cdt)
     if use_qk_l2norm:
         q_c, k_c = l2norm(q_c), l2norm(k_c)
@@ -98,6 +123,57 @@ def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state
     else:
         o, S = chunk_generalized_delta(q_c, k_c, v_c, beta_c[..., None] * k_c, g_c, S0, chunk_size)
     o = zero_masked(o, mask).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+# ============================================================================ Triton path
+_TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.delta.MAX_HEAD_DIM (not imported: kernels load lazily)
+_TRITON_CHUNK_SIZES = (16, 32, 64)  # = lazoo.kernels.delta.CHUNK_SIZES
+_DECODE_MAX_T = 64  # fused recurrent kernel up to this many tokens per sequence (no autograd)
+
+
+def _triton_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str | None:
+    """None when lazoo.kernels.delta runs this case, else why not (imports no kernel)."""
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}"
+    if max(q.shape[-1], v.shape[-1]) > _TRITON_MAX_HEAD_DIM:
+        return (f"the Triton kernel takes head dims up to {_TRITON_MAX_HEAD_DIM}, "
+                f"got dk={q.shape[-1]}, dv={v.shape[-1]}")
+    if chunk_size not in _TRITON_CHUNK_SIZES:
+        return f"the Triton kernel takes chunk_size in {_TRITON_CHUNK_SIZES}, got {chunk_size}"
+    if q.device.type not in ("cuda", "cpu"):
+        return f"the Triton kernel runs on CUDA tensors, not {q.device.type}"
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)"
+    return None
+
+
+def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state, mask,
+                  cu_seqlens):
+    from ..kernels import delta as kd  # lazy: importing defines the kernels
+
+    B, T = q.shape[:2]
+    beta = zero_masked(beta, mask)  # β = 0 and g = 0 at a pad: S untouched
+    g = None if g is None else zero_masked(g, mask)
+    grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, S0, scale))
+    if cu_seqlens is None:
+        longest = T
+    else:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+    if not grad and longest <= _DECODE_MAX_T:
+        o, S = kd.fused_recurrent_delta_rule(
+            q, k, v, beta, g, scale=float(scale), initial_state=S0, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    else:
+        if use_qk_l2norm:  # one fused pass each way (the same formula as _common.l2norm)
+            q, k = kd.l2norm(q), kd.l2norm(k)
+        if isinstance(scale, torch.Tensor):  # a learned scale: keep it in autograd
+            q, scale = (q * scale).to(q.dtype), 1.0
+        o, S = kd.chunk_delta_rule(q, k, v, beta, g, scale=scale, initial_state=S0,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                   chunk_size=chunk_size)
+    o = zero_masked(o, mask)
     return o, (S if output_final_state else None)
 
 

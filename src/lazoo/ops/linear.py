@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ._common import (
     check_chunk_size,
+    check_cu_seqlens,
     check_same_device,
     check_same_dtype,
     check_head_scalar,
@@ -34,6 +35,7 @@ from ._common import (
     check_scale,
     check_state_dict,
     check_state_tensor,
+    run_per_sequence,
     compute_dtype,
     matrix_initial_state,
     merge_chunks,
@@ -80,7 +82,7 @@ def linear_attention(
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     phi = get_feature_map(feature_map, op)
     mask = check_mask(op, mask, B, T, q.device)
-    cu_seqlens = _check_cu_seqlens(op, cu_seqlens, mask, B, T, q.device)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     chunk_size = check_chunk_size(op, chunk_size)
     backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
@@ -90,12 +92,12 @@ def linear_attention(
         return _linear_triton(q, k, v, phi, normalize, eps, chunk_size, initial_state,
                               output_final_state, mask, cu_seqlens, N)
     if cu_seqlens is not None:
-        return _per_sequence(
+        return run_per_sequence(
             lambda sl, st: linear_attention(
                 q[:, sl], k[:, sl], v[:, sl], feature_map=feature_map, normalize=normalize, eps=eps,
                 chunk_size=chunk_size, initial_state=st, output_final_state=True, backend=backend),
-            cu_seqlens, _linear_initial_state(op, initial_state, normalize, N, H, dk, dv, q.device, cdt),
-            normalize, output_final_state, q, v)
+            cu_seqlens, _as_state(_linear_initial_state(op, initial_state, normalize, N, H, dk, dv, q.device, cdt),
+                                  normalize), output_final_state, q, v)
 
     S0, z0 = _linear_initial_state(op, initial_state, normalize, B, H, dk, dv, q.device, cdt)
     fq = phi(q.to(cdt))
@@ -138,7 +140,7 @@ def gated_linear_attention(
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     check_head_scalar(op, "g", g, q)
     mask = check_mask(op, mask, B, T, q.device)
-    cu_seqlens = _check_cu_seqlens(op, cu_seqlens, mask, B, T, q.device)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
@@ -149,12 +151,12 @@ def gated_linear_attention(
         return _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_state,
                              mask, cu_seqlens, N)
     if cu_seqlens is not None:
-        return _per_sequence(
+        return run_per_sequence(
             lambda sl, st: gated_linear_attention(
                 q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale=scale, chunk_size=chunk_size,
                 initial_state=st, output_final_state=True, backend=backend),
-            cu_seqlens, (matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt), None),
-            False, output_final_state, q, v)
+            cu_seqlens, matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt),
+            output_final_state, q, v)
 
     S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
     q_c = q.to(cdt) * scale
@@ -197,7 +199,7 @@ def gla(
     check_same_dtype(op, q, g=g)
     check_same_device(op, q, g=g)
     mask = check_mask(op, mask, B, T, q.device)
-    cu_seqlens = _check_cu_seqlens(op, cu_seqlens, mask, B, T, q.device)
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
@@ -216,11 +218,11 @@ def gla(
                                       cu_seqlens=cu_seqlens)
         return zero_masked(o, mask).to(v.dtype), (S if output_final_state else None)
     if cu_seqlens is not None:
-        return _per_sequence(
+        return run_per_sequence(
             lambda sl, st: gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale=scale, chunk_size=chunk_size,
                                initial_state=st, output_final_state=True, backend=backend),
-            cu_seqlens, (matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt), None),
-            False, output_final_state, q, v)
+            cu_seqlens, matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt),
+            output_final_state, q, v)
 
     S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
     q_c = q.to(cdt) * scale
@@ -264,53 +266,6 @@ def chunk_gla(q, k, v, g, S0, chunk_size: int):
     S_start = torch.stack(starts, dim=2)
     O = (Q * G.exp()) @ S_start.transpose(-1, -2) + A @ V
     return merge_chunks(O, T), S
-
-
-# ============================================================================ packed sequences
-def _check_cu_seqlens(op, cu_seqlens, mask, B, T, device):
-    """Validate ``cu_seqlens`` (None passes): 1-D ints from 0 to T, non-decreasing, with B = 1."""
-    if cu_seqlens is None:
-        return None
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{op}: cu_seqlens must be an integer torch.Tensor [N + 1], "
-                        f"got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{op}: cu_seqlens must have shape [N + 1] with N >= 1, got {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"{op}: cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
-    if B != 1:
-        raise ValueError(f"{op}: with cu_seqlens the sequences are packed along time, so B must be 1, got B={B}")
-    if mask is not None:
-        raise ValueError(f"{op}: pass either mask or cu_seqlens, not both")
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    bounds = cu.detach().cpu()
-    if bounds[0] != 0 or bounds[-1] != T or bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(f"{op}: cu_seqlens must start at 0, end at T={T} and never decrease, "
-                         f"got {bounds.tolist()}")
-    return cu
-
-
-def _per_sequence(run, cu_seqlens, states, normalize, output_final_state, q, v):
-    """Run ``run(slice, state_n) -> (o, state)`` on each packed sequence (the PyTorch backends)."""
-    S0, z0 = states
-    bounds = cu_seqlens.tolist()
-    outs, Ss, zs = [], [], []
-    for n in range(len(bounds) - 1):
-        s, e = bounds[n], bounds[n + 1]
-        st = {"S": S0[n:n + 1], "z": z0[n:n + 1]} if normalize else S0[n:n + 1]
-        if e > s:
-            o, st = run(slice(s, e), st)
-            outs.append(o)
-        if normalize:
-            Ss.append(st["S"])
-            zs.append(st["z"])
-        else:
-            Ss.append(st)
-    o = torch.cat(outs, 1) if outs else q.new_zeros(1, 0, q.shape[2], v.shape[-1], dtype=v.dtype)
-    if not output_final_state:
-        return o, None
-    S = torch.cat(Ss, 0)
-    return o, ({"S": S, "z": torch.cat(zs, 0)} if normalize else S)
 
 
 # ============================================================================ Triton paths
@@ -435,6 +390,12 @@ def _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_sta
 
 
 # ============================================================================ states
+def _as_state(S0_z0, normalize):
+    """(S0, z0) as the op's state: a dict {S, z} with the normaliser, else the tensor S."""
+    S0, z0 = S0_z0
+    return {"S": S0, "z": z0} if normalize else S0
+
+
 def _linear_initial_state(op, state, normalize, B, H, dk, dv, device, cdt):
     """Return (S0, z0); z0 is None without the normaliser."""
     if not normalize:

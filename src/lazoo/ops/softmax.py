@@ -52,7 +52,8 @@ def softmax_attention(
     mask = check_mask(_OP, mask, B, T, q.device)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
-    backend = resolve_backend(_OP, backend, q.device)
+    # SDPA (the "chunk" backend) is the fast path on GPU: no fallback to report
+    backend = resolve_backend(_OP, backend, q.device, "softmax attention runs on SDPA", log_fallback=False)
     # the reference computes in fp32/fp64; SDPA keeps the input dtype (and the cache in it) for its fast kernels
     cdt = compute_dtype(q.dtype) if backend == "recurrent" else q.dtype
 

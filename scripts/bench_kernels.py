@@ -1,0 +1,397 @@
+"""Benchmark lazoo's Triton kernels against SDPA and flash-linear-attention (fla), on a CUDA GPU.
+
+Training: forward and forward+backward median ms (triton.testing.do_bench) at B·T = 32k tokens,
+H = 16, D = 128, T in {1k, 8k, 32k}, plus D = 64 at T = 8k, bf16, for every op in ``OPS``, side by
+side with causal ``scaled_dot_product_attention`` and fla where installed and where it has the op.
+Decoding: per-token latency (CUDA-graph replays) at B = 8, H = 16, D = 128 against a state, and SDPA
+over a KV cache of 1k..64k tokens. Prints a table, writes JSON (--out) and a PNG plot (--plot).
+
+    PYTHONPATH=src python scripts/bench_kernels.py --out bench.json --plot bench.png
+
+Adding an op is one entry in ``OPS``: how to make its inputs, how to call it (ours and fla's), and
+its FLOP count per token and head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+TOKENS = 32 * 1024
+SHAPES = [(1024, 128), (8192, 128), (32768, 128), (8192, 64)]  # (T, D); B = TOKENS // T
+H = 16
+DECODE_B, DECODE_CONTEXTS = 8, [1024, 8192, 32768, 65536]
+CHUNK = 64
+
+
+# ----------------------------------------------------------------------------- inputs and FLOPs
+def qkv(B, T, H, D, dtype, device, gen):
+    q, k, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=gen) for _ in range(3))
+    return {"q": q * D ** -0.5, "k": k * D ** -0.5, "v": v}
+
+
+def qkv_g(B, T, H, D, dtype, device, gen):
+    x = qkv(B, T, H, D, dtype, device, gen)
+    x["g"] = F.logsigmoid(torch.randn(B, T, H, device=device, generator=gen) + 4).to(dtype)
+    return x
+
+
+def qkv_gk(B, T, H, D, dtype, device, gen):
+    x = qkv(B, T, H, D, dtype, device, gen)
+    x["g"] = (F.logsigmoid(torch.randn(B, T, H, D, device=device, generator=gen)) / 16).to(dtype)
+    return x
+
+
+def recurrent_flops(D):
+    """A fused recurrent pass with K = V = D: decay, outer product and read-out per token (~5 D²);
+    backward: recompute, dq, dS update, dk, dv and its decay (~12 D²)."""
+    return 5 * D * D, 12 * D * D
+
+
+def chunk_flops(D, C=CHUNK):
+    """(forward, backward) FLOPs per token and head of the chunked form with K = V = D, as executed
+    (full C×C blocks): fwd QKᵀ, PV, QH, KᵀV; bwd dh, Aᵀ, dS, dSᵀ, three C×C products, four K×V."""
+    fwd = 2 * C * (D + D) + 4 * D * D
+    bwd = 6 * C * (D + D) + 8 * D * D
+    return fwd, bwd
+
+
+def io_bytes(B, T, H, D, dtype, n_fwd, n_bwd):
+    """Bytes of the inputs and outputs, each read or written once (the floor, states excluded)."""
+    size = B * T * H * D * torch.finfo(dtype).bits // 8
+    return n_fwd * size, (n_fwd + n_bwd) * size
+
+
+@dataclass
+class Op:
+    make: Callable                      # (B, T, H, D, dtype, device, gen) -> dict of inputs
+    ours: Callable                      # inputs -> output tensor
+    fla: Callable | None = None         # (fla module namespace, inputs) -> output tensor
+    flops: Callable = chunk_flops       # D -> (fwd, bwd) FLOPs per token and head
+    io: tuple = (4, 7)                  # tensors read/written by (fwd, bwd), for io_bytes
+    grads: tuple = ("q", "k", "v")      # inputs that get gradients
+    extra: dict = field(default_factory=dict)
+
+
+def _ops():
+    from _bench_delta import delta_ops  # the delta-rule family's entries live beside this script
+
+    from lazoo import ops
+
+    return {
+        **delta_ops(Op),
+        "linear_attention": Op(
+            make=qkv,
+            ours=lambda x: ops.linear_attention(x["q"], x["k"], x["v"], feature_map="identity",
+                                                normalize=False, backend="triton")[0],
+            fla=lambda fla, x: fla.chunk_linear_attn(x["q"], x["k"], x["v"], scale=1.0, normalize=False)[0],
+        ),
+        "gated_linear_attention": Op(
+            make=qkv_g,
+            ours=lambda x: ops.gated_linear_attention(x["q"], x["k"], x["v"], x["g"], scale=1.0,
+                                                      backend="triton")[0],
+            fla=lambda fla, x: fla.chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], scale=1.0)[0],
+            io=(5, 9),
+            grads=("q", "k", "v", "g"),
+        ),
+        "gla": Op(  # a gate per key dim (fused recurrent kernels)
+            make=qkv_gk,
+            ours=lambda x: ops.gla(x["q"], x["k"], x["v"], x["g"], scale=1.0, backend="triton")[0],
+            fla=lambda fla, x: fla.chunk_gla(x["q"], x["k"], x["v"], x["g"], scale=1.0)[0],
+            flops=recurrent_flops,
+            io=(5, 9),
+            grads=("q", "k", "v", "g"),
+        ),
+    }
+
+
+def load_fla():
+    try:
+        import fla  # noqa: F401
+        from fla.ops.linear_attn import chunk_linear_attn
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as e:  # not installed, or it refuses this GPU/Triton
+        return None, f"{type(e).__name__}: {e}"
+    from _bench_delta import add_fla_delta
+
+    ns = argparse.Namespace(chunk_linear_attn=chunk_linear_attn, chunk_simple_gla=chunk_simple_gla,
+                            chunk_gla=chunk_gla)
+    return add_fla_delta(ns), getattr(sys.modules["fla"], "__version__", "?")
+
+
+# ----------------------------------------------------------------------------- timing
+def bench(fn, warmup=25, rep=100):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def time_fwd_bwd(fn, x, grads):
+    """(forward ms, forward+backward ms, error or None)."""
+    fwd = None
+    try:
+        with torch.no_grad():
+            fwd = bench(lambda: fn(x))
+        leaves = {n: t.detach().requires_grad_(n in grads) for n, t in x.items()}
+        o = fn(leaves)
+        do = torch.randn_like(o)
+
+        def step():
+            for n in grads:
+                leaves[n].grad = None
+            fn(leaves).backward(do)
+
+        both = bench(step)
+        return fwd, both, None
+    except Exception as e:
+        traceback.print_exc(limit=2)
+        return fwd, None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def sdpa_fn(x):
+    q, k, v = (t.transpose(1, 2) for t in (x["q"], x["k"], x["v"]))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- decoding
+def bench_decode(device, dtype, fla=None, D=128):
+    """Per-token decode rows at each context length: the linear family, SDPA over a KV cache, and the
+    delta-rule family (a fixed-size state: the same at every context length)."""
+    import triton
+    from _bench_delta import bench_decode_delta
+    from lazoo import ops
+    from lazoo.kernels.linear import fused_recurrent_linear_attention
+
+    B = DECODE_B
+    gen = torch.Generator(device=device).manual_seed(1)
+    rows = []
+    q, k, v = (torch.randn(B, 1, H, D, dtype=dtype, device=device, generator=gen) * D ** -0.5 for _ in range(3))
+    g = F.logsigmoid(torch.randn(B, 1, H, device=device, generator=gen) + 4).to(dtype)
+    S = torch.randn(B, H, D, D, device=device, generator=gen)
+    state_bytes = 2 * S.numel() * 4
+    graph = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")  # noqa: E731
+    with torch.no_grad():
+        for L in DECODE_CONTEXTS:  # ours carries a fixed-size state: timed again at each context
+            t_op = graph(lambda: ops.gated_linear_attention(q, k, v, g, initial_state=S, output_final_state=True,
+                                                            backend="triton"))
+            t_lin = graph(lambda: ops.linear_attention(q, k, v, initial_state={"S": S, "z": S[..., 0, :].abs()},
+                                                       output_final_state=True, backend="triton"))
+            t_kernel = graph(lambda: fused_recurrent_linear_attention(q, k, v, g.float(), scale=D ** -0.5,
+                                                                      initial_state=S, output_final_state=True))
+            kc, vc = (torch.randn(B, H, L, D, dtype=dtype, device=device, generator=gen) for _ in range(2))
+            qs = q.transpose(1, 2)
+            t_sdpa = graph(lambda: F.scaled_dot_product_attention(qs, kc, vc))
+            rows.append({"context": L, "ours_gated_op_ms": t_op, "ours_linear_normalised_op_ms": t_lin,
+                         "ours_kernel_ms": t_kernel, "sdpa_kv_cache_ms": t_sdpa,
+                         "ours_kernel_GBps": state_bytes / t_kernel / 1e6})
+            print("progress", rows[-1], flush=True)
+            del kc, vc
+    delta = bench_decode_delta(device, dtype, fla)
+    for r in rows:
+        r.update(delta)
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+class _OutOfTime(BaseException):  # not caught by time_fwd_bwd's `except Exception`
+    pass
+
+
+def _alarm(seconds):
+    """Raise _OutOfTime after ``seconds`` (fla autotunes dozens of configs per kernel on first use)."""
+    import signal
+
+    def handler(signum, frame):
+        raise _OutOfTime()
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.alarm(int(seconds))
+
+
+def breakdown(device, dtype, T, D=128):
+    """ms of lazoo's forward (states + outputs) and backward (state grads + dq/dk/dv) launchers."""
+    from lazoo.kernels import linear as kl
+
+    B = TOKENS // T
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = qkv_g(B, T, H, D, dtype, device, gen)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"].float()
+    c = kl._Ctx(q, v, None, CHUNK)
+    out = {"T": T, "D": D}
+    for name, gg in (("linear", None), ("gated", g)):
+        o, h, _ = kl._fwd(c, q, k, v, gg, 1.0, None, False)
+        do = torch.randn_like(o)
+        out[f"{name}_fwd_ms"] = bench(lambda: kl._fwd(c, q, k, v, gg, 1.0, None, False))
+        out[f"{name}_bwd_ms"] = bench(lambda: kl._bwd(c, q, k, v, gg, 1.0, h, do, None, False))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+    ap.add_argument("--ops", default=None, help="comma-separated subset of the ops")
+    ap.add_argument("--quick", action="store_true", help="T = 1k only")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA training rows")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-launcher timings")
+    ap.add_argument("--fla-budget", type=float, default=600.0,
+                    help="seconds for the fla runs (its first calls autotune for minutes); 0 skips fla")
+    args = ap.parse_args()
+
+    import triton
+
+    device, dtype = "cuda", torch.bfloat16
+    ops_table = _ops()
+    if args.ops:
+        ops_table = {n: ops_table[n] for n in args.ops.split(",")}
+    fla, fla_version = load_fla() if args.fla_budget > 0 else (None, "skipped (--fla-budget 0)")
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "fla": fla_version if fla else None,
+           "fla_error": None if fla else fla_version, "dtype": str(dtype), "H": H, "tokens": TOKENS,
+           "command": " ".join(sys.argv)}
+    print(json.dumps(env))
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    result = {"env": env, "training": [], "decode": [], "breakdown": []}
+    rows = result["training"]
+
+    def save():
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    for T, D in shapes:  # ours and SDPA first
+        B = TOKENS // T
+        gen = torch.Generator(device=device).manual_seed(0)
+        if not args.no_sdpa:
+            base = qkv(B, T, H, D, dtype, device, gen)
+            f, b, err = time_fwd_bwd(sdpa_fn, base, ("q", "k", "v"))
+            causal_flops = 4 * B * H * T * T * D / 2  # QKᵀ and PV, causal half
+            rows.append({"op": "sdpa_causal", "impl": "torch", "T": T, "D": D, "B": B, "fwd_ms": f,
+                         "fwd_bwd_ms": b, "error": err, "fwd_TFLOPs": causal_flops / f / 1e9 if f else None,
+                         "fwd_bwd_TFLOPs": 3.5 * causal_flops / b / 1e9 if b else None})
+            print("progress", rows[-1], flush=True)
+            del base
+        for name, op in ops_table.items():
+            x = op.make(B, T, H, D, dtype, device, gen)
+            f_tok, b_tok = op.flops(D)
+            n_th = B * T * H
+            io_f, io_fb = io_bytes(B, T, H, D, dtype, *op.io)
+            f, b, err = time_fwd_bwd(op.ours, x, op.grads)
+            row = {"op": name, "impl": "lazoo", "T": T, "D": D, "B": B, "fwd_ms": f, "fwd_bwd_ms": b, "error": err}
+            if f and b:
+                row.update(fwd_TFLOPs=f_tok * n_th / f / 1e9, fwd_bwd_TFLOPs=(f_tok + b_tok) * n_th / b / 1e9,
+                           fwd_GBps=io_f / f / 1e6, fwd_bwd_GBps=io_fb / b / 1e6)
+            rows.append(row)
+            print("progress", row, flush=True)
+            del x
+            torch.cuda.empty_cache()
+        save()
+    result["decode"] = bench_decode(device, dtype, fla)
+    save()
+    for T in () if args.no_breakdown else (1024, 32768):
+        result["breakdown"].append(breakdown(device, dtype, T))
+        print("progress", result["breakdown"][-1], flush=True)
+    save()
+
+    if fla is not None:  # fla last, under a time budget
+        _alarm(args.fla_budget)
+        try:
+            for T, D in shapes:
+                B = TOKENS // T
+                for name, op in ops_table.items():
+                    if op.fla is None:
+                        continue
+                    gen = torch.Generator(device=device).manual_seed(0)
+                    x = op.make(B, T, H, D, dtype, device, gen)
+                    ff, fb, ferr = time_fwd_bwd(lambda t: op.fla(fla, t), x, op.grads)
+                    frow = {"op": name, "impl": "fla", "T": T, "D": D, "B": B, "fwd_ms": ff, "fwd_bwd_ms": fb,
+                            "error": ferr}
+                    if ferr is None:
+                        with torch.no_grad():
+                            frow["rel_err_ours_vs_fla"] = rel_err(op.ours(x), op.fla(fla, x))
+                        ours = [r for r in rows if r["impl"] == "lazoo" and r["op"] == name and r["T"] == T
+                                and r["D"] == D and r["fwd_bwd_ms"]]
+                        if ours:
+                            ours[0]["fla_over_ours_fwd_bwd"] = fb / ours[0]["fwd_bwd_ms"]
+                    rows.append(frow)
+                    print("progress", frow, flush=True)
+                    save()
+                    del x
+        except _OutOfTime:
+            env["fla_note"] = f"fla runs stopped after the {args.fla_budget:.0f} s budget (autotuning)"
+            print(env["fla_note"], flush=True)
+        finally:
+            import signal
+
+            signal.alarm(0)
+        save()
+
+    print()
+    print(f"{'op':24s} {'impl':6s} {'T':>6s} {'D':>4s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s f+b':>11s}"
+          f" {'GB/s f+b':>9s}  note")
+    for r in sorted(rows, key=lambda r: (r["D"] != 128, r["T"], r["op"], r["impl"])):
+        fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        note = r.get("error") or ""
+        if "fla_over_ours_fwd_bwd" in r:
+            note = f"fla/ours = {r['fla_over_ours_fwd_bwd']:.2f}"
+        if "rel_err_ours_vs_fla" in r:
+            note = f"max rel diff vs ours {r['rel_err_ours_vs_fla']:.1e}"
+        print(f"{r['op']:24s} {r['impl']:6s} {r['T']:6d} {r['D']:4d} {fmt(r['fwd_ms']):>8s} {fmt(r['fwd_bwd_ms']):>8s}"
+              f" {fmt(r.get('fwd_bwd_TFLOPs'), 1):>11s} {fmt(r.get('fwd_bwd_GBps'), 0):>9s}  {note}")
+    print()
+    print(f"decode B={DECODE_B} H={H} D=128 (CUDA graph, ms per token):")
+    print(f"{'context':>8s} {'gated op':>9s} {'linear op':>9s} {'kernel':>8s} {'kernel GB/s':>11s} {'SDPA KV':>8s}")
+    for r in result["decode"]:
+        print(f"{r['context']:8d} {r['ours_gated_op_ms']:9.4f} {r['ours_linear_normalised_op_ms']:9.4f} "
+              f"{r['ours_kernel_ms']:8.4f} {r['ours_kernel_GBps']:11.0f} {r['sdpa_kv_cache_ms']:8.4f}")
+    print()
+    for r in result["breakdown"]:
+        print("lazoo launchers, ms:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    if args.plot:
+        plot(rows, result["decode"], args.plot)
+
+
+def plot(rows, decode, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = {}
+    for r in rows:
+        if r["D"] == 128 and r["fwd_bwd_ms"]:
+            series.setdefault(f"{r['op']} ({r['impl']})", []).append((r["T"], r["fwd_bwd_ms"]))
+    for label, pts in series.items():
+        a1.plot(*zip(*pts), marker="o", label=label)
+    a1.set(xscale="log", yscale="log", xlabel="T (B·T = 32k tokens, H=16, D=128, bf16)",
+           ylabel="forward+backward ms", title="training")
+    a1.legend(fontsize=7)
+    ctx = [r["context"] for r in decode]
+    for key, label in [("ours_kernel_ms", "lazoo fused recurrent kernel"), ("ours_gated_op_ms", "lazoo gated op"),
+                       ("sdpa_kv_cache_ms", "SDPA over KV cache")]:
+        a2.plot(ctx, [r[key] for r in decode], marker="o", label=label)
+    a2.set(xscale="log", yscale="log", xlabel="context", ylabel="ms per token", title="decoding B=8, H=16, D=128")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

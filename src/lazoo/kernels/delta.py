@@ -1,0 +1,1005 @@
+"""Triton kernels for the (gated) delta rule: chunk-parallel WY/UT form with a hand-written backward,
+and a fused recurrent kernel for decoding.
+
+Rule (per head; state ``S`` ``[dv, dk]``, write key ``w_t = β_t k_t``, ``a_t = exp(g_t)``):
+
+    S_t = a_t S_{t-1} + (v_t - a_t S_{t-1} k_t) w_t^T,        o_t = S_t (scale q_t)
+
+Chunk form (C rows per chunk, ``G`` = cumsum of g inside the chunk, ``γ = exp(G)``, ``E[t,i] = exp(G_t - G_i)``,
+``D_i = exp(G_C - G_i)``; ``S`` the chunk's start state):
+
+    L = strict_tril(E ⊙ K W^T),  A = (I + L)^{-1},  W~ = A diag(γ) K,  U~ = A V
+    U  = U~ - W~ S^T                              (pseudo-values v_t - a_t S_{t-1} k_t)
+    O  = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U)
+    S' = γ_C S + U^T diag(D) W
+
+Kernels (forward): ``_fwd_prep`` (G, A, W~ and U~, parallel over chunks), ``_fwd_h`` (the
+only sequential pass over chunks: start states and U), ``_fwd_o`` (outputs). Backward: ``_bwd_dv_local``
+(P^T dO), ``_bwd_dhu`` (sequential, reverse: state gradients and dU), ``_bwd_dqkw`` (dq, dW, dW~ and part
+of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg).
+
+Layout inside: tokens flattened, ``[TT, H, d]`` (B·T tokens, or the packed ``cu_seqlens`` batch); chunks
+never straddle sequences. Per-chunk states are stored transposed, ``[NT, H, dk, dv]``.
+
+Triton 3.4-3.7.0 on Hopper miscompiles ``tl.dot(tl.trans(x), y)`` when ``x`` is the register result of an
+earlier ``tl.dot`` (wgmma accumulator layout transposed into a "linear" layout): that is the bug behind
+flash-linear-attention's guard (fla #640, gated ``chunk_bwd_dqkwg``; #984, ``prepare_wy_repr_bwd``). These
+kernels never transpose a value that came out of a dot: every transposed operand is a tile loaded from
+memory (or computed elementwise from loads), and a transposed product that is needed (``dP^T``, ``dA^T``)
+is computed directly as its own dot of loaded tiles. The sequential kernels hold the state transposed
+(``S^T [dk, dv]``) for the same reason.
+
+Precision: matrix products take 16-bit operands for 16-bit inputs (fp32 accumulation; the state and
+the per-chunk states enter their products in the 16-bit type, as in fla); the triangular algebra (A,
+W~, U~ and their gradients) uses tf32 products for 16-bit inputs; fp32 inputs use tf32x3 (about fp32
+accuracy) for every product; the 16x16 triangular inverses are exact fp32; elementwise work, the
+state between chunks and all recurrences are fp32. Measured against float64 on an H100: bf16 <= 7e-3,
+fp16 <= 8e-4, fp32 <= 5e-6 (max relative error of outputs, states and gradients, T = 1000).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: chunk sizes the kernels support
+CHUNK_SIZES = (16, 32, 64)
+#: largest head dim (dk and dv) the kernels support
+MAX_HEAD_DIM = 256
+
+
+# ============================================================================ small jit helpers
+@triton.jit
+def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    """``a @ b`` with operands cast to DT (a no-op for tiles loaded raw) and fp32 accumulation."""
+    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
+    """``acc + a @ b`` accumulated in place."""
+    return tl.dot(a.to(DT), b.to(DT), acc, input_precision=PREC)
+
+
+@triton.jit
+def _dotf(a, b, PREC: tl.constexpr):
+    """``a @ b`` with fp32 operands (tf32 for 16-bit inputs, exact fp32 for fp32 inputs)."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _load_raw(ptr, row0, eos, stride, col0, ncols, R: tl.constexpr, BC: tl.constexpr):
+    """Rows ``row0 + [0, R)`` (masked to ``< eos``), columns ``col0 + [0, BC)`` (masked to ``< ncols``)
+    of a row-major tensor with row stride ``stride``, in its storage dtype (zeros outside): only for
+    dot operands. The (int64) row offset goes into the scalar base pointer; tile offsets stay int32."""
+    r = tl.arange(0, R)
+    c = col0 + tl.arange(0, BC)
+    if ncols % BC == 0:  # no column mask: keeps the mask constant along rows, so loads vectorise
+        m = (r < eos - row0)[:, None]
+    else:
+        m = (r < eos - row0)[:, None] & (c < ncols)[None, :]
+    return tl.load(ptr + row0 * stride + (r[:, None] * stride + c[None, :]), mask=m, other=0)
+
+
+@triton.jit
+def _load_tile(ptr, row0, eos, stride, col0, ncols, R: tl.constexpr, BC: tl.constexpr):
+    """``_load_raw`` cast to fp32 (for elementwise arithmetic)."""
+    return _load_raw(ptr, row0, eos, stride, col0, ncols, R, BC).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(ptr, x, row0, eos, stride, col0, ncols, R: tl.constexpr, BC: tl.constexpr):
+    r = tl.arange(0, R)
+    c = col0 + tl.arange(0, BC)
+    if ncols % BC == 0:
+        m = (r < eos - row0)[:, None]
+    else:
+        m = (r < eos - row0)[:, None] & (c < ncols)[None, :]
+    tl.store(ptr + row0 * stride + (r[:, None] * stride + c[None, :]), x.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _load_vec(ptr, row0, eos, stride, R: tl.constexpr):
+    r = tl.arange(0, R)
+    return tl.load(ptr + row0 * stride + r * stride, mask=r < eos - row0, other=0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(ptr, x, row0, eos, stride, R: tl.constexpr):
+    r = tl.arange(0, R)
+    tl.store(ptr + row0 * stride + r * stride, x, mask=r < eos - row0)
+
+
+@triton.jit
+def _chunk_info(chunks, cu, i_c):
+    """(start token, end of its sequence) of global chunk ``i_c``."""
+    i_n = tl.load(chunks + i_c * 2).to(tl.int64)
+    t0 = tl.load(chunks + i_c * 2 + 1).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    return t0, eos
+
+
+@triton.jit
+def _gate(Gc, i_h, t0, eos, H: tl.constexpr, C: tl.constexpr):
+    """(G of the chunk's rows, G of its last valid row). Rows past the end of the sequence take the
+    last valid row's G (as if their g were 0): with a fast decay G reaches -100s inside one chunk, and
+    a pad row with G = 0 would make exp(G_pad - G_i) overflow (inf * 0 = NaN in the products)."""
+    r = tl.arange(0, C)
+    last = tl.minimum(t0 + C, eos) - 1
+    g_last = tl.load(Gc + last * H + i_h).to(tl.float32)
+    b_G = tl.load(Gc + i_h + t0 * H + r * H, mask=r < eos - t0, other=0).to(tl.float32)
+    return tl.where(r < eos - t0, b_G, g_last), g_last
+
+
+@triton.jit
+def _inv_unit_lower16(L):
+    """``(I + L)^{-1}`` of a strictly lower-triangular 16x16 fp32 tile, by forward substitution."""
+    o = tl.arange(0, 16)
+    Y = -L
+    for i in tl.static_range(2, 16):
+        y = tl.sum(tl.where(o[:, None] == i, Y, 0.0), 0)  # row i (still -L[i, :])
+        y = y + tl.sum(y[:, None] * Y, 0)  # + sum_j (-L[i, j]) X[j, :] over finished rows j < i
+        Y = tl.where(o[:, None] == i, y[None, :], Y)
+    return Y + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _decay_tile(Gi, Gj, DIAG: tl.constexpr):
+    """``exp(G_t - G_i)`` for a 16x16 tile (rows t, cols i); on a diagonal tile only where t > i."""
+    if DIAG:
+        o = tl.arange(0, 16)
+        m = o[:, None] > o[None, :]
+        return tl.where(m, tl.exp(tl.where(m, Gi[:, None] - Gj[None, :], 0.0)), 0.0)
+    else:
+        return tl.exp(Gi[:, None] - Gj[None, :])
+
+
+@triton.jit
+def _store_a16(A, x, t0, eos, H: tl.constexpr, C: tl.constexpr, bi: tl.constexpr, bj: tl.constexpr):
+    o = tl.arange(0, 16)
+    r = bi * 16 + o
+    tl.store(A + t0 * (H * C) + (r[:, None] * (H * C) + bj * 16 + o[None, :]), x, mask=(r < eos - t0)[:, None])
+
+
+# ============================================================================ forward kernels
+@triton.jit
+def _fwd_prep_kernel(
+    k, v, beta, g, Gc, A, wt, ut, chunks, cu,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk: G (within-chunk cumsum of g), A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K), and
+    W~ = A Γ K, U~ = A V. The inverse is built from 16x16 diagonal blocks (forward substitution)
+    merged by block products; W~ and U~ are formed from its 16x16 tiles while they are in registers."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    NB: tl.constexpr = C // 16
+    k += i_h * K
+    beta += i_h
+    Z = tl.zeros([16, 16], dtype=tl.float32)
+    L00 = Z
+    L10 = Z
+    L11 = Z
+    L20 = Z
+    L21 = Z
+    L22 = Z
+    L30 = Z
+    L31 = Z
+    L32 = Z
+    L33 = Z
+    for kb in range(0, K, BK):  # K K^T blocks (β applied to the columns below)
+        k0 = _load_raw(k, t0, eos, H * K, kb, K, 16, BK)
+        L00 = _dot_acc(k0, tl.trans(k0), L00, DT, PREC)
+        if NB >= 2:
+            k1 = _load_raw(k, t0 + 16, eos, H * K, kb, K, 16, BK)
+            L10 = _dot_acc(k1, tl.trans(k0), L10, DT, PREC)
+            L11 = _dot_acc(k1, tl.trans(k1), L11, DT, PREC)
+        if NB >= 4:
+            k2 = _load_raw(k, t0 + 32, eos, H * K, kb, K, 16, BK)
+            k3 = _load_raw(k, t0 + 48, eos, H * K, kb, K, 16, BK)
+            L20 = _dot_acc(k2, tl.trans(k0), L20, DT, PREC)
+            L21 = _dot_acc(k2, tl.trans(k1), L21, DT, PREC)
+            L22 = _dot_acc(k2, tl.trans(k2), L22, DT, PREC)
+            L30 = _dot_acc(k3, tl.trans(k0), L30, DT, PREC)
+            L31 = _dot_acc(k3, tl.trans(k1), L31, DT, PREC)
+            L32 = _dot_acc(k3, tl.trans(k2), L32, DT, PREC)
+            L33 = _dot_acc(k3, tl.trans(k3), L33, DT, PREC)
+    b0 = _load_vec(beta, t0, eos, H, 16)[None, :]
+    if NB >= 2:
+        b1 = _load_vec(beta, t0 + 16, eos, H, 16)[None, :]
+    if NB >= 4:
+        b2 = _load_vec(beta, t0 + 32, eos, H, 16)[None, :]
+        b3 = _load_vec(beta, t0 + 48, eos, H, 16)[None, :]
+    o16 = tl.arange(0, 16)
+    strict = o16[:, None] > o16[None, :]
+    if HAS_G:  # G = within-chunk cumsum of g, one 16-row block at a time
+        g += i_h
+        b_gb = _load_vec(g, t0, eos, H, 16)
+        G0 = tl.cumsum(b_gb, 0)
+        tot = tl.sum(b_gb, 0)
+        _store_vec(Gc + i_h, G0, t0, eos, H, 16)
+        if NB >= 2:
+            b_gb = _load_vec(g, t0 + 16, eos, H, 16)
+            G1 = tl.cumsum(b_gb, 0) + tot
+            tot += tl.sum(b_gb, 0)
+            _store_vec(Gc + i_h, G1, t0 + 16, eos, H, 16)
+        if NB >= 4:
+            b_gb = _load_vec(g, t0 + 32, eos, H, 16)
+            G2 = tl.cumsum(b_gb, 0) + tot
+            tot += tl.sum(b_gb, 0)
+            _store_vec(Gc + i_h, G2, t0 + 32, eos, H, 16)
+            G3 = tl.cumsum(_load_vec(g, t0 + 48, eos, H, 16), 0) + tot
+            _store_vec(Gc + i_h, G3, t0 + 48, eos, H, 16)
+        L00 *= _decay_tile(G0, G0, True) * b0
+        if NB >= 2:
+            L10 *= _decay_tile(G1, G0, False) * b0
+            L11 *= _decay_tile(G1, G1, True) * b1
+        if NB >= 4:
+            L20 *= _decay_tile(G2, G0, False) * b0
+            L21 *= _decay_tile(G2, G1, False) * b1
+            L22 *= _decay_tile(G2, G2, True) * b2
+            L30 *= _decay_tile(G3, G0, False) * b0
+            L31 *= _decay_tile(G3, G1, False) * b1
+            L32 *= _decay_tile(G3, G2, False) * b2
+            L33 *= _decay_tile(G3, G3, True) * b3
+    else:
+        L00 = tl.where(strict, L00 * b0, 0.0)
+        if NB >= 2:
+            L10 *= b0
+            L11 = tl.where(strict, L11 * b1, 0.0)
+        if NB >= 4:
+            L20 *= b0
+            L21 *= b1
+            L22 = tl.where(strict, L22 * b2, 0.0)
+            L30 *= b0
+            L31 *= b1
+            L32 *= b2
+            L33 = tl.where(strict, L33 * b3, 0.0)
+
+    A += i_h * C
+    N00 = _inv_unit_lower16(L00)
+    _store_a16(A, N00, t0, eos, H, C, 0, 0)
+    if NB >= 2:
+        N11 = _inv_unit_lower16(L11)
+        N10 = -_dotf(N11, _dotf(L10, N00, "ieee"), "ieee")
+        _store_a16(A, N10, t0, eos, H, C, 1, 0)
+        _store_a16(A, N11, t0, eos, H, C, 1, 1)
+        _store_a16(A, Z, t0, eos, H, C, 0, 1)
+    if NB >= 4:
+        N22 = _inv_unit_lower16(L22)
+        N33 = _inv_unit_lower16(L33)
+        N21 = -_dotf(N22, _dotf(L21, N11, "ieee"), "ieee")
+        N32 = -_dotf(N33, _dotf(L32, N22, "ieee"), "ieee")
+        N20 = -_dotf(N22, _dotf(L20, N00, "ieee") + _dotf(L21, N10, "ieee"), "ieee")
+        N31 = -_dotf(N33, _dotf(L31, N11, "ieee") + _dotf(L32, N21, "ieee"), "ieee")
+        N30 = -_dotf(N33, _dotf(L30, N00, "ieee") + _dotf(L31, N10, "ieee") + _dotf(L32, N20, "ieee"), "ieee")
+        _store_a16(A, N20, t0, eos, H, C, 2, 0)
+        _store_a16(A, N21, t0, eos, H, C, 2, 1)
+        _store_a16(A, N22, t0, eos, H, C, 2, 2)
+        _store_a16(A, N30, t0, eos, H, C, 3, 0)
+        _store_a16(A, N31, t0, eos, H, C, 3, 1)
+        _store_a16(A, N32, t0, eos, H, C, 3, 2)
+        _store_a16(A, N33, t0, eos, H, C, 3, 3)
+        _store_a16(A, Z, t0, eos, H, C, 0, 2)
+        _store_a16(A, Z, t0, eos, H, C, 0, 3)
+        _store_a16(A, Z, t0, eos, H, C, 1, 2)
+        _store_a16(A, Z, t0, eos, H, C, 1, 3)
+        _store_a16(A, Z, t0, eos, H, C, 2, 3)
+
+    # W~ = A Γ K and U~ = A V, one 16-row block of the chunk at a time
+    if HAS_G:
+        e0 = tl.exp(G0)[:, None]
+        if NB >= 2:
+            e1 = tl.exp(G1)[:, None]
+        if NB >= 4:
+            e2 = tl.exp(G2)[:, None]
+            e3 = tl.exp(G3)[:, None]
+    wt += i_h * K
+    for kb in range(0, K, BK):
+        x0 = _load_tile(k, t0, eos, H * K, kb, K, 16, BK)
+        if HAS_G:
+            x0 = x0 * e0
+        _store_tile(wt, _dotf(N00, x0, PREC), t0, eos, H * K, kb, K, 16, BK)
+        if NB >= 2:
+            x1 = _load_tile(k, t0 + 16, eos, H * K, kb, K, 16, BK)
+            if HAS_G:
+                x1 = x1 * e1
+            _store_tile(wt, _dotf(N10, x0, PREC) + _dotf(N11, x1, PREC), t0 + 16, eos, H * K, kb, K, 16, BK)
+        if NB >= 4:
+            x2 = _load_tile(k, t0 + 32, eos, H * K, kb, K, 16, BK)
+            x3 = _load_tile(k, t0 + 48, eos, H * K, kb, K, 16, BK)
+            if HAS_G:
+                x2 = x2 * e2
+                x3 = x3 * e3
+            _store_tile(wt, _dotf(N20, x0, PREC) + _dotf(N21, x1, PREC) + _dotf(N22, x2, PREC),
+                        t0 + 32, eos, H * K, kb, K, 16, BK)
+            _store_tile(wt, _dotf(N30, x0, PREC) + _dotf(N31, x1, PREC) + _dotf(N32, x2, PREC)
+                        + _dotf(N33, x3, PREC), t0 + 48, eos, H * K, kb, K, 16, BK)
+    v += i_h * V
+    ut += i_h * V
+    for vb in range(0, V, BV):
+        y0 = _load_tile(v, t0, eos, H * V, vb, V, 16, BV)
+        _store_tile(ut, _dotf(N00, y0, PREC), t0, eos, H * V, vb, V, 16, BV)
+        if NB >= 2:
+            y1 = _load_tile(v, t0 + 16, eos, H * V, vb, V, 16, BV)
+            _store_tile(ut, _dotf(N10, y0, PREC) + _dotf(N11, y1, PREC), t0 + 16, eos, H * V, vb, V, 16, BV)
+        if NB >= 4:
+            y2 = _load_tile(v, t0 + 32, eos, H * V, vb, V, 16, BV)
+            y3 = _load_tile(v, t0 + 48, eos, H * V, vb, V, 16, BV)
+            _store_tile(ut, _dotf(N20, y0, PREC) + _dotf(N21, y1, PREC) + _dotf(N22, y2, PREC),
+                        t0 + 32, eos, H * V, vb, V, 16, BV)
+            _store_tile(ut, _dotf(N30, y0, PREC) + _dotf(N31, y1, PREC) + _dotf(N32, y2, PREC)
+                        + _dotf(N33, y3, PREC), t0 + 48, eos, H * V, vb, V, 16, BV)
+
+
+@triton.jit
+def _fwd_h_kernel(
+    k, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Sequential over a sequence's chunks: stores each chunk's start state (transposed) and the
+    pseudo-values U = U~ - W~ S^T, then S' = γ_C S + K^T diag(β D) U. State held as S^T [dk, dv]."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    NTn = tl.cdiv(eos - bos, C)
+    o_k = tl.arange(0, BKF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    FULL: tl.constexpr = K == BKF and V % BV == 0  # tiles need no mask
+    # S^T[k, v] = S[v, k]; a state [N, H, V, K] holds S[v, k] at v * K + k
+    p_s = o_v[None, :] * K + o_k[:, None]
+    b_s = tl.zeros([BKF, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + (i_n * H + i_h) * V * K + p_s, mask=m_s, other=0).to(tl.float32)
+    p_h = o_k[:, None] * V + o_v[None, :]
+    hb = h + (c0 * H + i_h) * K * V
+    for j in range(0, NTn):
+        t0 = bos + j * C
+        if FULL:
+            tl.store(hb + j * (H * K * V) + p_h, b_s.to(h.dtype.element_ty))
+        else:
+            tl.store(hb + j * (H * K * V) + p_h, b_s.to(h.dtype.element_ty), mask=m_s)
+        b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - _dot(b_wt, b_s, DT, PREC)
+        _store_tile(vnew + i_h * V, b_u, t0, eos, H * V, i_v * BV, V, C, BV)
+        b_f = _load_vec(beta + i_h, t0, eos, H, C)
+        if HAS_G:
+            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_f = b_f * tl.exp(g_last - b_G)
+            b_s = b_s * tl.exp(g_last)
+        b_kT = tl.trans(_load_raw(k + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_s = _dot_acc(b_kT, b_u * b_f[:, None], b_s, DT, PREC)
+    if STORE_S:
+        tl.store(sT + (i_n * H + i_h) * V * K + p_s, b_s, mask=m_s)
+
+
+@triton.jit
+def _fwd_o_kernel(
+    q, k, beta, Gc, h, vnew, o, chunks, cu, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """O = scale (diag(γ) Q S^T + tril(E ⊙ Q K^T) diag(β) U) for one chunk and one block of dv."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v = tl.program_id(0) % NV
+    i_c = tl.program_id(0) // NV
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    o_c = tl.arange(0, C)
+    b_o = tl.zeros([C, BV], dtype=tl.float32)
+    b_p = tl.zeros([C, C], dtype=tl.float32)
+    hb = h + (i_c.to(tl.int64) * H + i_h) * K * V
+    for kb in range(0, K, BK):
+        b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_h = _load_raw(hb + kb * V, 0, K - kb, V, i_v * BV, V, BK, BV)
+        b_o = _dot_acc(b_q, b_h, b_o, DT, PREC)
+        b_p = _dot_acc(b_q, tl.trans(b_k), b_p, DT, PREC)
+    tril = o_c[:, None] >= o_c[None, :]
+    b_b = _load_vec(beta + i_h, t0, eos, H, C)
+    if HAS_G:
+        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_o = b_o * tl.exp(b_G)[:, None]
+        b_p = tl.where(tril, b_p * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    else:
+        b_p = tl.where(tril, b_p, 0.0)
+    b_u = _load_raw(vnew + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+    b_o = _dot_acc(b_p * b_b[None, :], b_u, b_o, DT, PREC) * scale
+    _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
+
+
+# ============================================================================ backward kernels
+@triton.jit
+def _bwd_dv_local_kernel(
+    q, k, beta, Gc, do, du, chunks, cu, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """dU (local part) = P^T dO, P^T[i, t] = scale [i <= t] E[t, i] β_i (k_i . q_t), computed as its own
+    product (never as the transpose of one)."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_v = tl.program_id(0) % NV
+    i_c = tl.program_id(0) // NV
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    o_c = tl.arange(0, C)
+    b_pt = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_pt = _dot_acc(b_k, tl.trans(b_q), b_pt, DT, PREC)
+    triu = o_c[:, None] <= o_c[None, :]
+    b_f = _load_vec(beta + i_h, t0, eos, H, C) * scale
+    if HAS_G:
+        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+    else:
+        b_pt = tl.where(triu, b_pt, 0.0)
+    b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+    _store_tile(du + i_h * V, _dot(b_pt * b_f[:, None], b_do, DT, PREC), t0, eos, H * V, i_v * BV, V, C, BV)
+
+
+@triton.jit
+def _bwd_dhu_kernel(
+    q, k, beta, Gc, wt, do, du, dh, dsT, ds0, cu, coff, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse over a sequence's chunks: stores each chunk's end-state gradient dS' (transposed) and
+    dU = P^T dO + diag(β D) K dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    NTn = tl.cdiv(eos - bos, C)
+    o_k = tl.arange(0, BKF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    FULL: tl.constexpr = K == BKF and V % BV == 0  # tiles need no mask
+    p_s = o_v[None, :] * K + o_k[:, None]
+    b_ds = tl.zeros([BKF, BV], dtype=tl.float32)
+    if USE_DST:
+        b_ds += tl.load(dsT + (i_n * H + i_h) * V * K + p_s, mask=m_s, other=0).to(tl.float32)
+    p_h = o_k[:, None] * V + o_v[None, :]
+    dhb = dh + (c0 * H + i_h) * K * V
+    for jj in range(0, NTn):
+        j = NTn - 1 - jj
+        t0 = bos + j * C
+        if FULL:
+            tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty))
+        else:
+            tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty), mask=m_s)
+        b_f = _load_vec(beta + i_h, t0, eos, H, C)
+        b_fq = tl.full([C], 1.0, tl.float32) * scale
+        if HAS_G:
+            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_f = b_f * tl.exp(g_last - b_G)
+            b_fq = b_fq * tl.exp(b_G)
+        b_k = _load_raw(k + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
+            + _dot(b_k, b_ds, DT, PREC) * b_f[:, None]
+        _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
+        b_do = _load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
+        b_qT = tl.trans(_load_raw(q + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_wtT = tl.trans(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        if HAS_G:
+            b_ds = b_ds * tl.exp(g_last)
+        b_ds = _dot_acc(b_qT, b_do, b_ds, DT, PREC)
+        b_ds = _dot_acc(b_wtT, -b_du, b_ds, DT, PREC)
+    if STORE_DS0:
+        tl.store(ds0 + (i_n * H + i_h) * V * K + p_s, b_ds, mask=m_s)
+
+
+@triton.jit
+def _bwd_dqkw_kernel(
+    q, k, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, chunks, cu, scale, TT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """For one chunk and one block of dk: dq; the part of dW from the output and the state update;
+    dW~ = -dU S; and this block's share of dG (written to dgp[i_k])."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_k = tl.program_id(0) % NK
+    i_c = tl.program_id(0) // NK
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    kb = i_k * BK
+    o_c = tl.arange(0, C)
+    hb = h + (i_c.to(tl.int64) * H + i_h) * K * V + kb * V
+    dhb = dh + (i_c.to(tl.int64) * H + i_h) * K * V + kb * V
+    b_dp = tl.zeros([C, C], dtype=tl.float32)  # dP[t, i] = dO_t . u_i
+    b_dpt = tl.zeros([C, C], dtype=tl.float32)  # its transpose, computed as its own product
+    b_dos = tl.zeros([C, BK], dtype=tl.float32)  # dO S
+    b_uds = tl.zeros([C, BK], dtype=tl.float32)  # U dS'
+    b_dwt = tl.zeros([C, BK], dtype=tl.float32)  # dU S (negated below)
+    b_dgl = tl.zeros([BK], dtype=tl.float32)  # sum(S ⊙ dS') over this block's rows of S^T
+    for vb in range(0, V, BV):
+        b_do = _load_raw(do + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_u = _load_raw(vnew + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_du = _load_raw(du + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_sT = _load_raw(hb, 0, K - kb, V, vb, V, BK, BV)  # S^T [BK, BV]
+        b_dsT = _load_raw(dhb, 0, K - kb, V, vb, V, BK, BV)
+        b_dp = _dot_acc(b_do, tl.trans(b_u), b_dp, DT, PREC)
+        b_dpt = _dot_acc(b_u, tl.trans(b_do), b_dpt, DT, PREC)
+        b_dos = _dot_acc(b_do, tl.trans(b_sT), b_dos, DT, PREC)
+        b_uds = _dot_acc(b_u, tl.trans(b_dsT), b_uds, DT, PREC)
+        b_dwt = _dot_acc(b_du, tl.trans(b_sT), b_dwt, DT, PREC)
+        if HAS_G:
+            b_dgl += tl.sum(b_sT.to(tl.float32) * b_dsT.to(tl.float32), 1)
+    b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
+    b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+    b_b = _load_vec(beta + i_h, t0, eos, H, C)
+    tril = o_c[:, None] >= o_c[None, :]
+    triu = o_c[:, None] <= o_c[None, :]
+    if HAS_G:
+        b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+        gam = tl.exp(b_G)
+        last = tl.minimum(t0 + C, eos) - 1
+        b_m = tl.where(tril, b_dp * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0) * scale
+        b_mt = tl.where(triu, b_dpt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0) * scale
+        b_dqi = _dot(b_m * b_b[None, :], b_k, DT, PREC)  # through P's query side
+        b_dwi = _dot(b_mt, b_q, DT, PREC)  # through P's key side
+        b_dos = b_dos * (gam * scale)[:, None]
+        b_dq = b_dos + b_dqi
+        b_d = tl.exp(g_last - b_G)
+        b_uds = b_uds * b_d[:, None]
+        b_dw = b_dwi + b_uds
+        # dG: Γ in the inter-chunk output, E in P (sum_i dP_ti P_ti = q_t . b_dqi_t and
+        # sum_t dP_ti P_ti = β_i k_i . b_dwi_i), D and γ_C in the state update
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        b_dg = tl.sum(b_qf * b_dq, 1) - b_b * tl.sum(b_kf * b_dwi, 1)
+        b_x = b_b * tl.sum(b_kf * b_uds, 1)
+        b_dg -= b_x
+        dg_last = tl.sum(b_x, 0) + tl.exp(g_last) * tl.sum(b_dgl, 0)
+        b_dg += tl.where(t0 + o_c == last, dg_last, 0.0)
+        tl.store(dgp + i_k * TT * H + (t0 + o_c) * H + i_h, b_dg, mask=o_c < eos - t0)
+    else:
+        b_m = tl.where(tril, b_dp, 0.0) * scale
+        b_mt = tl.where(triu, b_dpt, 0.0) * scale
+        b_dq = _dot_acc(b_m * b_b[None, :], b_k, b_dos * scale, DT, PREC)
+        b_dw = _dot_acc(b_mt, b_q, b_uds, DT, PREC)
+    _store_tile(dq + i_h * K, b_dq, t0, eos, H * K, kb, K, C, BK)
+    _store_tile(dw + i_h * K, b_dw, t0, eos, H * K, kb, K, C, BK)
+    _store_tile(dwt + i_h * K, -b_dwt, t0, eos, H * K, kb, K, C, BK)
+
+
+@triton.jit
+def _bwd_wy_kernel(
+    k, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NK: tl.constexpr, HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ and (gated) dg.
+    dA and dA^T are each accumulated as their own products of loaded tiles."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    o_c = tl.arange(0, C)
+    b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)  # [t, i]
+    b_At = tl.trans(b_A)  # a loaded tile
+    b_b = _load_vec(beta + i_h, t0, eos, H, C)
+    # dA = dW~ (Γ K)^T + dU V^T and dA^T = (Γ K) dW~^T + V dU^T, each as its own products
+    b_da = tl.zeros([C, C], dtype=tl.float32)
+    b_dat = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_da = _dot_acc(b_dwt, tl.trans(b_k), b_da, DT, PREC)
+        b_dat = _dot_acc(b_k, tl.trans(b_dwt), b_dat, DT, PREC)
+    strict_l = o_c[:, None] > o_c[None, :]
+    strict_u = o_c[:, None] < o_c[None, :]
+    if HAS_G:
+        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        gam = tl.exp(b_G)
+        b_da = b_da * gam[None, :]
+        b_dat = b_dat * gam[:, None]
+    for vb in range(0, V, BV):
+        b_du = _load_raw(du + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_v = _load_raw(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_da = _dot_acc(b_du, tl.trans(b_v), b_da, DT, PREC)
+        b_dat = _dot_acc(b_v, tl.trans(b_du), b_dat, DT, PREC)
+        _store_tile(dv + i_h * V, _dotf(b_At, b_du, PREC), t0, eos, H * V, vb, V, C, BV)
+    b_da = tl.where(strict_l, b_da, 0.0)
+    b_dat = tl.where(strict_u, b_dat, 0.0)
+    # dL = -A^T dA A^T (strictly lower); its transpose -A dA^T A computed on its own
+    b_dl = tl.where(strict_l, -_dotf(b_At, _dotf(b_da, b_At, PREC), PREC), 0.0)
+    b_dlt = tl.where(strict_u, -_dotf(b_A, _dotf(b_dat, b_A, PREC), PREC), 0.0)
+    if HAS_G:
+        b_dl = b_dl * tl.exp(tl.where(strict_l, b_G[:, None] - b_G[None, :], 0.0))
+        b_dlt = b_dlt * tl.exp(tl.where(strict_u, b_G[None, :] - b_G[:, None], 0.0))
+        b_dg = tl.zeros([C], dtype=tl.float32)
+        for i_k in range(0, NK):
+            b_dg += _load_vec(dgp + i_k * TT * H + i_h, t0, eos, H, C)
+        b_At = b_At * gam[:, None]  # d(Γ K) = A^T dW~, then Γ: diag(γ) A^T
+    b_dl = b_dl * b_b[None, :]
+    b_db = tl.zeros([C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_kf = b_k.to(tl.float32)
+        b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dkg = _dotf(b_At, b_dwt, PREC)  # γ ⊙ (A^T dW~)
+        b_dkl = _dot(b_dl, b_k, DT, PREC)  # (E ⊙ dL) diag(β) K: through the read key of L
+        b_dwl = _dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
+        b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dk = b_dkl + b_dw * b_b[:, None] + b_dkg
+        if HAS_G:
+            # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = β_i k_i . b_dwl_i
+            b_dg += tl.sum(b_kf * (b_dkg + b_dkl - b_dwl * b_b[:, None]), 1)
+        b_db += tl.sum(b_dw * b_kf, 1)
+        _store_tile(dk + i_h * K, b_dk, t0, eos, H * K, kb, K, C, BK)
+    tl.store(dbeta + (t0 + o_c) * H + i_h, b_db, mask=o_c < eos - t0)
+    if HAS_G:
+        # g_t feeds G_s for every s >= t of its chunk: reverse cumulative sum
+        b_dg = tl.sum(tl.where(o_c[None, :] >= o_c[:, None], b_dg[None, :], 0.0), 1)
+        tl.store(dg + (t0 + o_c) * H + i_h, b_dg, mask=o_c < eos - t0)
+
+
+# ============================================================================ fused recurrent (decode)
+@triton.jit
+def _fused_recurrent_kernel(
+    q, k, v, beta, g, s0, o, sT, cu, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """Token by token against a state S [BV, dk] in registers (decoding: one or a few tokens)."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    o_k = tl.arange(0, BKF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_v[:, None] & m_k[None, :]
+    p_s = (i_n * H + i_h) * V * K + o_v[:, None] * K + o_k[None, :]
+    b_s = tl.zeros([BV, BKF], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + p_s, mask=m_s, other=0).to(tl.float32)
+    for t in range(bos, eos):
+        b_q = tl.load(q + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(v + t * H * V + i_h * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_b = tl.load(beta + t * H + i_h).to(tl.float32)
+        if L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+        if HAS_G:
+            b_s = b_s * tl.exp(tl.load(g + t * H + i_h).to(tl.float32))
+        b_u = (b_v - tl.sum(b_s * b_k[None, :], 1)) * b_b
+        b_s += b_u[:, None] * b_k[None, :]
+        b_o = tl.sum(b_s * b_q[None, :], 1) * scale
+        tl.store(o + t * H * V + i_h * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_S:
+        tl.store(sT + p_s, b_s, mask=m_s)
+
+
+# ============================================================================ L2 normalisation
+@triton.jit
+def _l2norm_fwd_kernel(x, y, rstd, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """y = x / sqrt(|x|^2 + 1e-6) over rows of length D (the ops' ``l2norm``); keeps 1/sqrt(.)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BD)
+    m = (r < NR)[:, None] & (c < D)[None, :]
+    p = r.to(tl.int64)[:, None] * D + c[None, :]
+    b_x = tl.load(x + p, mask=m, other=0).to(tl.float32)
+    b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) + 1e-6)
+    tl.store(y + p, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + r, b_r, mask=r < NR)
+
+
+@triton.jit
+def _l2norm_bwd_kernel(y, rstd, dy, dx, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """dx = (dy - y (y . dy)) / sqrt(|x|^2 + 1e-6)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BD)
+    m = (r < NR)[:, None] & (c < D)[None, :]
+    p = r.to(tl.int64)[:, None] * D + c[None, :]
+    b_y = tl.load(y + p, mask=m, other=0).to(tl.float32)
+    b_dy = tl.load(dy + p, mask=m, other=0).to(tl.float32)
+    b_r = tl.load(rstd + r, mask=r < NR, other=0)
+    b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
+    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+
+
+# ============================================================================ host side
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _Seqs:
+    """Sequence and chunk tables for a flattened token axis (uniform B x T, or packed cu_seqlens)."""
+
+    def __init__(self, B: int, T: int, cu_seqlens, C: int, device):
+        if cu_seqlens is None:
+            nts = triton.cdiv(T, C)
+            self.N, self.NT = B, B * nts
+            i = torch.arange(self.NT, device=device, dtype=torch.int64)
+            seq = i // nts
+            self.cu = (torch.arange(B + 1, device=device, dtype=torch.int64) * T).to(torch.int32)
+            self.coff = (torch.arange(B + 1, device=device, dtype=torch.int64) * nts).to(torch.int32)
+            start = seq * T + (i % nts) * C
+        else:
+            cu = cu_seqlens.to(device=device, dtype=torch.int64)
+            self.N = cu.numel() - 1
+            lens = cu[1:] - cu[:-1]
+            nts = (lens + C - 1) // C
+            coff = torch.cat([nts.new_zeros(1), nts.cumsum(0)])
+            self.NT = int(coff[-1].item())
+            seq = torch.repeat_interleave(torch.arange(self.N, device=device), nts)
+            i = torch.arange(self.NT, device=device, dtype=torch.int64)
+            start = cu[seq] + (i - coff[seq]) * C
+            self.cu, self.coff = cu.to(torch.int32), coff.to(torch.int32)
+        self.chunks = torch.stack([seq, start], 1).to(torch.int32).contiguous()
+
+
+def _dtypes(x: torch.Tensor):
+    """(Triton dot-operand dtype, precision of fp32 products) for inputs of x's dtype."""
+    if x.dtype == torch.float32:
+        return tl.float32, "tf32x3"  # three tf32 passes: about fp32 accuracy on the tensor cores
+    return (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _blocks(K: int, V: int, interpret: bool):
+    BKF = _pow2(K)
+    BK = BKF if interpret else min(64, BKF)
+    BV = _pow2(V) if interpret else min(64, _pow2(V))
+    return BKF, BK, BV
+
+
+def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool = False) -> int:
+    """dv block of the sequential kernels: small enough to keep S^T in registers and to give the
+    GPU enough programs when there are few sequences x heads."""
+    if interpret:
+        return _pow2(V)
+    BKF = _pow2(K)
+    bv = min(32 if fp32 else 64, _pow2(V), max(16, 8192 // BKF))
+    while bv > 16 and parallel * triton.cdiv(V, bv) < 2 * _num_sms(device):
+        bv //= 2
+    return bv
+
+
+#: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the
+#: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic.
+#: Measured on an H100 with Triton 3.6 (T = 32k, one sequence): num_stages=3 is the fastest for the
+#: sequential kernels; num_stages=1 made ``_bwd_dhu_kernel`` fault (illegal address): never use 1.
+CONFIGS = {
+    "prep": {"num_warps": 4},
+    "h": {"num_warps": 4, "num_stages": 3},
+    "o": {"num_warps": 4},
+    "dv_local": {"num_warps": 8},
+    "dhu": {"num_warps": 4, "num_stages": 3},
+    "dqkw": {"num_warps": 8},
+    "wy": {"num_warps": 4},
+    "recurrent": {"num_warps": 2},
+    "l2norm": {"num_warps": 4},
+}
+
+
+def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
+    if interpret:
+        return {}
+    opts = {key: val for key, val in CONFIGS[name].items() if key != "BV"}
+    if fp32:  # fp32 tiles take twice the shared memory: at most 2 stages
+        opts["num_stages"] = min(opts.get("num_stages", 3), 2)
+    return opts
+
+
+def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool):
+    """Forward on flattened inputs q/k ``[TT, H, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]``.
+    Returns ``(o, final_state or None, saved)``."""
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    interp = dev.type == "cpu"
+    DT, PREC = _dtypes(q)
+    FP32 = q.dtype == torch.float32
+    BKF, BK, BV = _blocks(K, V, interp)
+    HAS_G = g is not None
+    f32 = torch.float32
+    Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
+    A = torch.empty(TT, H, C, device=dev, dtype=f32)
+    wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+    ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
+    NT, N = seqs.NT, seqs.N
+    _fwd_prep_kernel[(NT, H)](
+        k, v, beta, g if HAS_G else beta, Gc, A, wt, ut, seqs.chunks, seqs.cu,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("prep", interp, FP32))
+    h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
+    sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
+    BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else _pow2(V)
+    _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
+        k, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
+        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, USE_S0=S0 is not None,
+        STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
+    o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
+    _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
+        q, k, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("o", interp, FP32))
+    return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
+
+
+def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool):
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    interp = dev.type == "cpu"
+    DT, PREC = _dtypes(q)
+    FP32 = q.dtype == torch.float32
+    BKF, BK, BV = _blocks(K, V, interp)
+    HAS_G = g is not None
+    Gc, A, wt, vnew, h = saved
+    Gc = Gc if HAS_G else beta
+    f32 = torch.float32
+    NT, N = seqs.NT, seqs.N
+    du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
+    _bwd_dv_local_kernel[(NT * triton.cdiv(V, BV), H)](
+        q, k, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("dv_local", interp, FP32))
+    dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+    ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
+    BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else _pow2(V)
+    _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
+        q, k, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
+        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, USE_DST=dsT is not None,
+        STORE_DS0=need_ds0, DT=DT, PREC=PREC, **_opts("dhu", interp, FP32))
+    BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
+    NK = triton.cdiv(K, BKq)
+    dq = torch.empty_like(q)
+    dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+    dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+    dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
+    _bwd_dqkw_kernel[(NT * NK, H)](
+        q, k, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
+        H=H, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("dqkw", interp, FP32))
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(TT, H, device=dev, dtype=f32)
+    dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
+    _bwd_wy_kernel[(NT, H)](
+        k, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu, TT,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("wy", interp, FP32))
+    return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
+
+
+def _l2norm_launch(x: torch.Tensor):
+    D = x.shape[-1]
+    NR = x.numel() // D
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(64, 2048 // BD))
+    return NR, D, BD, BR, (triton.cdiv(NR, BR),)
+
+
+class L2NormFunction(torch.autograd.Function):
+    """``x / sqrt(|x|^2 + 1e-6)`` over the last dim in one pass (and one pass back), in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        NR, D, BD, BR, grid = _l2norm_launch(x)
+        y = torch.empty_like(x)
+        rstd = torch.empty(NR, device=x.device, dtype=torch.float32)
+        _l2norm_fwd_kernel[grid](x, y, rstd, NR, D=D, BD=BD, BR=BR, **_opts("l2norm", x.device.type == "cpu"))
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, rstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        NR, D, BD, BR, grid = _l2norm_launch(y)
+        dx = torch.empty_like(y)
+        _l2norm_bwd_kernel[grid](y, rstd, dy, dx, NR, D=D, BD=BD, BR=BR, **_opts("l2norm", y.device.type == "cpu"))
+        return dx
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``x / sqrt(|x|^2 + 1e-6)`` over the last dim (= ``lazoo.ops._common.l2norm``)."""
+    return L2NormFunction.apply(x)
+
+
+class ChunkDeltaRuleFunction(torch.autograd.Function):
+    """Chunk-parallel (gated) delta rule with a hand-written backward.
+
+    Inputs: q, k ``[B, T, H, dk]`` (normalised and scaled by the caller or through ``scale``),
+    v ``[B, T, H, dv]``, beta ``[B, T, H]``, g ``[B, T, H]`` log decays or None, initial state
+    ``[N, H, dv, dk]`` (fp32) or None; with ``cu_seqlens`` B = 1 and N sequences are packed.
+    Returns ``(o [B, T, H, dv], final_state [N, H, dv, dk] fp32 or None)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, initial_state, scale, cu_seqlens, chunk_size, output_final_state):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        seqs = _Seqs(B, T, cu_seqlens, chunk_size, q.device)
+        qf, kf = q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous()
+        vf = v.reshape(B * T, H, V).contiguous()
+        bf = beta.reshape(B * T, H).contiguous()
+        gf = None if g is None else g.reshape(B * T, H).contiguous()
+        S0 = None if initial_state is None else initial_state.contiguous()
+        o, sT, saved = chunk_fwd(qf, kf, vf, bf, gf, S0, float(scale), seqs, chunk_size, output_final_state)
+        Gc, A, wt, vnew, h = saved
+        ctx.save_for_backward(qf, kf, vf, bf, gf, S0, Gc, A, wt, vnew, h)
+        ctx.seqs, ctx.scale, ctx.C = seqs, float(scale), chunk_size
+        ctx.shapes = (B, T, H, K, V)
+        ctx.dtypes = (beta.dtype, None if g is None else g.dtype,
+                      None if initial_state is None else initial_state.dtype)
+        return o.view(B, T, H, V), sT
+
+    @staticmethod
+    def backward(ctx, do, dsT):
+        qf, kf, vf, bf, gf, S0, Gc, A, wt, vnew, h = ctx.saved_tensors
+        B, T, H, K, V = ctx.shapes
+        do = do.reshape(B * T, H, V).contiguous()
+        dsT = None if dsT is None else dsT.contiguous().float()
+        need_ds0 = S0 is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, db, dg, ds0 = chunk_bwd(qf, kf, vf, bf, gf, S0, ctx.scale, ctx.seqs, ctx.C,
+                                            (Gc, A, wt, vnew, h), do, dsT, need_ds0)
+        b_dt, g_dt, s_dt = ctx.dtypes
+        return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
+                db.view(B, T, H).to(b_dt), None if dg is None else dg.view(B, T, H).to(g_dt),
+                None if ds0 is None else ds0.to(s_dt), None, None, None, None)
+
+
+def _check(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dims up to {MAX_HEAD_DIM}, got dk={q.shape[-1]}, dv={v.shape[-1]}")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"{op}: with cu_seqlens the batch is packed along time, so B must be 1, got {q.shape[0]}")
+
+
+def chunk_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
+                     output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+    """Chunk-parallel (gated) delta rule, differentiable: see ``ChunkDeltaRuleFunction``."""
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_delta_rule: chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    _check("chunk_delta_rule", q, v, cu_seqlens)
+    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, initial_state, scale, cu_seqlens, chunk_size,
+                                        output_final_state)
+
+
+def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
+                               output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False):
+    """Token-by-token (gated) delta rule against a state, forward only (decoding). Same layout as
+    ``chunk_delta_rule``; ``use_qk_l2norm`` normalises q and k inside the kernel (eps 1e-6)."""
+    _check("fused_recurrent_delta_rule", q, v, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    interp = dev.type == "cpu"
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu = (torch.arange(B + 1, device=dev, dtype=torch.int32) * T if cu_seqlens is None
+          else cu_seqlens.to(device=dev, dtype=torch.int32))
+    BKF = _pow2(K)
+    BV = _pow2(V) if interp else min(_pow2(V), max(16, 4096 // BKF))
+    if not interp:
+        while BV > 16 and N * H * triton.cdiv(V, BV) < 4 * _num_sms(dev):
+            BV //= 2
+    o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
+    sT = torch.empty(N, H, V, K, device=dev, dtype=torch.float32) if output_final_state else o
+    S0 = None if initial_state is None else initial_state.contiguous()
+    _fused_recurrent_kernel[(N, H, triton.cdiv(V, BV))](
+        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(),
+        g.contiguous() if g is not None else beta, S0 if S0 is not None else o, o, sT, cu, float(scale),
+        H=H, K=K, V=V, BKF=BKF, BV=BV, HAS_G=g is not None, USE_S0=S0 is not None,
+        STORE_S=output_final_state, L2NORM=use_qk_l2norm, **_opts("recurrent", interp))
+    return o, (sT if output_final_state else None)

@@ -1,0 +1,257 @@
+"""Triton kernels of the delta rule and gated delta rule (lazoo.kernels.delta) through the ops'
+``backend="triton"``, against the float64 references: outputs, final states and the gradients of
+q, k, v, beta, g and the initial state, at ragged T, with masks and with ``cu_seqlens``; and the fused
+recurrent (decoding) kernel against the same references.
+
+CPU (default run): the ``interp_*`` tests need the Triton interpreter, and ``TRITON_INTERPRET=1`` must be
+set before triton is first imported (conftest imports lazoo and transformers, which import triton), so
+``test_delta_kernels_in_subprocess`` runs them in a fresh process with the variable set. Running this
+file with ``TRITON_INTERPRET=1`` runs them in-process. GPU: ``-m gpu`` at real shapes
+(B=2, T=1000, H=4, D=128) in bf16/fp16/fp32 against float64.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lazoo import ops
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+INTERP = interpreter_ready()
+needs_interp = pytest.mark.skipif(
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_delta_kernels_in_subprocess runs it)")
+F64 = torch.float64
+
+
+def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0):
+    """float64 q, k, v, g (log decay), beta on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, dk, generator=gen, dtype=F64) for _ in range(2))
+    v = torch.randn(B, T, H, dv, generator=gen, dtype=F64)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=F64) + g_bias)
+    beta = torch.rand(B, T, H, generator=gen, dtype=F64)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+
+
+def call(op, x, **kw):
+    if op == "delta":
+        return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], **kw)
+    return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+def check_against_reference(op, x, S0, rtol, grad_rtol, device="cpu", dtype=torch.float32,
+                            ref_backend="recurrent", ref_device="cpu", **kw):
+    """``call(op)`` with backend="triton" on ``dtype``/``device`` copies of the float64 inputs (rounded
+    to ``dtype`` first, so the reference sees the same numbers) vs ``ref_backend`` in float64."""
+    names = ["q", "k", "v", "beta"] + (["g"] if op == "gated" else [])
+    x = {n: t.to(dtype).to(F64) for n, t in x.items()}
+    ref = {n: x[n].to(ref_device).requires_grad_(True) for n in names}
+    ref["S0"] = S0.to(ref_device).requires_grad_(True)
+    ref_kw = {key: (val.to(ref_device) if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+    ro, rs, rg = forward_and_grads(
+        lambda: call(op, {**x, **ref}, initial_state=ref["S0"], output_final_state=True,
+                     backend=ref_backend, **ref_kw), ref)
+    tst = {n: x[n].to(device=device, dtype=dtype).requires_grad_(True) for n in names}
+    tst["S0"] = S0.to(device=device, dtype=torch.float32).requires_grad_(True)
+    tst_kw = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+    to, ts, tg = forward_and_grads(
+        lambda: call(op, {**x, **tst}, initial_state=tst["S0"], output_final_state=True,
+                     backend="triton", **tst_kw), tst)
+    assert to.dtype == dtype and ts.dtype == torch.float32
+    errs = {"o": rel_err(to, ro), "state": rel_err(ts, rs)}
+    errs.update({f"d{n}": rel_err(tg[n], rg[n]) for n in tst if tg[n] is not None})
+    print(f"{op} {dtype} rel errors: " + " ".join(f"{key}={val:.1e}" for key, val in errs.items()))
+    assert_close(to.cpu(), ro.cpu(), rtol, f"{op} output")
+    assert_state_close(ts.cpu(), rs.cpu(), rtol, f"{op} final")
+    for n in tst:
+        assert tg[n] is not None, f"no gradient reaches {n}"
+        assert tg[n].dtype == tst[n].dtype
+        assert_close(tg[n].cpu(), rg[n].cpu(), grad_rtol, f"{op} grad {n}")
+
+
+# ============================================================================ dispatch
+def test_triton_refuses_clearly():
+    x = inputs(1, 5, 1, 8, 8)
+    with pytest.raises(NotImplementedError, match="float32/float16/bfloat16"):
+        call("delta", x, backend="triton")  # float64
+    xf = {n: t.float() for n, t in x.items()}
+    with pytest.raises(NotImplementedError, match="chunk_size"):
+        call("gated", xf, backend="triton", chunk_size=8)
+    big = {**xf, "q": torch.randn(1, 5, 1, 300), "k": torch.randn(1, 5, 1, 300)}
+    with pytest.raises(NotImplementedError, match="head dims"):
+        call("gated", big, backend="triton")
+
+
+# ============================================================================ interpreter (CPU)
+def test_delta_kernels_in_subprocess():
+    if INTERP:
+        pytest.skip("the interpreter tests run in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("LAZOO_BACKEND", None)
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+           "-m", "not gpu and not slow", "-k", "interp"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
+    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], tail
+
+
+@needs_interp
+@pytest.mark.parametrize("op,T,chunk", [("delta", 45, 16), ("gated", 45, 16), ("gated", 70, 64), ("delta", 40, 32)])
+def test_interp_delta_matches_reference(op, T, chunk):
+    B, H, dk, dv = 2, 2, 12, 10  # head dims below the 16-wide tiles: masked loads
+    x = inputs(B, T, H, dk, dv)
+    S0 = torch.randn(B, H, dv, dk, dtype=F64)
+    mask = left_pad_mask([T, T - 7], T, holes=[(0, 20)])
+    check_against_reference(op, x, S0, 1e-4, 1e-4, mask=mask, chunk_size=chunk)
+
+
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_delta_cu_seqlens(op):
+    # packed: lengths 17, 0 (empty), 30, 5 = 52 tokens; one state per sequence
+    H, dk, dv = 2, 16, 16
+    cu = torch.tensor([0, 17, 17, 47, 52])
+    x = inputs(1, 52, H, dk, dv, seed=3)
+    S0 = torch.randn(4, H, dv, dk, dtype=F64)
+    check_against_reference(op, x, S0, 1e-4, 1e-4, cu_seqlens=cu, chunk_size=16)
+
+
+@needs_interp
+def test_interp_gated_fp16_strong_decay():
+    B, T, H, dk, dv = 2, 45, 2, 16, 16
+    x = inputs(B, T, H, dk, dv, seed=5, g_bias=-1.0)  # fast decay: exp(G) spans many orders
+    S0 = torch.randn(B, H, dv, dk, dtype=F64)
+    check_against_reference("gated", x, S0, 3e-3, 6e-3, dtype=torch.float16, chunk_size=32)
+
+
+@needs_interp
+def test_interp_gated_very_fast_decay_ragged():
+    # G falls by ~300 inside a chunk: exp(G_t - G_i) must only ever be taken for t >= i, pad rows
+    # of the last (partial) chunk included, or inf * 0 turns into NaN
+    B, T, H, dk, dv = 1, 120, 1, 16, 16  # the last chunk: 56 real rows, 8 pads
+    x = inputs(B, T, H, dk, dv, seed=9, g_bias=-4.0)
+    S0 = torch.randn(B, H, dv, dk, dtype=F64)
+    check_against_reference("gated", x, S0, 1e-4, 1e-4, chunk_size=64)
+
+
+@needs_interp
+def test_interp_delta_without_l2norm_custom_scale():
+    B, T, H, dk, dv = 1, 33, 2, 16, 16
+    x = inputs(B, T, H, dk, dv, seed=7)
+    x["k"] = F.normalize(x["k"], dim=-1) * 0.9  # |k| < 1 keeps the unnormalised rule stable
+    S0 = torch.randn(B, H, dv, dk, dtype=F64)
+    check_against_reference("gated", x, S0, 1e-4, 1e-4, use_qk_l2norm=False, scale=0.37, chunk_size=16)
+
+
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_decode_matches_reference(op):
+    # no autograd and a few tokens per sequence: the fused recurrent kernel (q/k norm inside)
+    B, T, H, dk, dv = 3, 3, 2, 12, 20
+    x = inputs(B, T, H, dk, dv, seed=11)
+    S0 = torch.randn(B, H, dv, dk, dtype=F64)
+    mask = left_pad_mask([3, 2, 1], T)
+    with torch.no_grad():
+        ro, rs = call(op, x, initial_state=S0, output_final_state=True, mask=mask, backend="recurrent")
+        xf = {n: t.float() for n, t in x.items()}
+        o, s = call(op, xf, initial_state=S0.float(), output_final_state=True, mask=mask, backend="triton")
+        assert_close(o, ro, 1e-5, f"{op} decode output")
+        assert_close(s, rs, 1e-5, f"{op} decode state")
+        assert torch.all(o[~mask] == 0)
+        # packed decode: one token for each of two sequences
+        cu = torch.tensor([0, 1, 2])
+        o2, s2 = call(op, {n: t[:1, :2] for n, t in xf.items()}, initial_state=S0[:2].float(), output_final_state=True, cu_seqlens=cu,
+                      backend="triton")
+        r2, rs2 = call(op, {n: t[:1, :2] for n, t in x.items()}, initial_state=S0[:2], output_final_state=True,
+                       cu_seqlens=cu, backend="recurrent")
+        assert_close(o2, r2, 1e-5, "packed decode output")
+        assert_close(s2, rs2, 1e-5, "packed decode state")
+
+
+@needs_interp
+def test_interp_prefill_then_decode_equals_whole():
+    # a chunked prefill (with autograd on) then token-by-token decoding == one pass over everything
+    B, T, H, dk, dv = 2, 40, 2, 16, 16
+    x = inputs(B, T, H, dk, dv, seed=13)
+    xf = {n: t.float() for n, t in x.items()}
+    leaves = {n: t.clone().requires_grad_(True) for n, t in xf.items()}  # autograd on: the chunk kernels
+    whole, S_whole = call("gated", leaves, output_final_state=True, backend="triton", chunk_size=16)
+    cut = 37
+    first = {n: t[:, :cut].clone().requires_grad_(True) for n, t in xf.items()}
+    o1, S = call("gated", first, output_final_state=True, backend="triton", chunk_size=16)
+    outs = [o1.detach()]
+    with torch.no_grad():
+        for t in range(cut, T):
+            o, S = call("gated", {n: v[:, t:t + 1] for n, v in xf.items()}, initial_state=S,
+                        output_final_state=True, backend="triton")
+            outs.append(o)
+    assert_close(torch.cat(outs, 1), whole.detach(), 1e-5, "prefill + decode output")
+    assert_close(S, S_whole.detach(), 1e-5, "prefill + decode state")
+
+
+# ============================================================================ GPU (device)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# relative error (max |err| / max |ref|) against float64 on the same rounded inputs; measured on an H100
+# (Triton 3.6): bf16 <= 7e-3, fp16 <= 8e-4, fp32 <= 5e-6 (tf32x3 products)
+GPU_RTOL = {torch.float32: (5e-5, 5e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (1.5e-2, 2e-2)}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("g_bias", [2.0, -2.0], ids=["slow_decay", "fast_decay"])
+def test_gpu_delta_matches_float64(op, dtype, g_bias):
+    if op == "delta" and g_bias != 2.0:
+        pytest.skip("no gate")
+    B, T, H, D = 2, 1000, 4, 128
+    x = inputs(B, T, H, D, D, seed=21, g_bias=g_bias)
+    S0 = torch.randn(B, H, D, D, dtype=F64) * 0.5
+    rtol, grad_rtol = GPU_RTOL[dtype]
+    check_against_reference(op, x, S0, rtol, grad_rtol, device="cuda", dtype=dtype,
+                            ref_backend="chunk", ref_device="cuda", chunk_size=64)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_gpu_cu_seqlens_and_mask(op):
+    H, D = 4, 128
+    cu = torch.tensor([0, 300, 301, 1000, 1300, 2000])
+    x = inputs(1, 2000, H, D, D, seed=22)
+    S0 = torch.randn(5, H, D, D, dtype=F64) * 0.5
+    check_against_reference(op, x, S0, *GPU_RTOL[torch.bfloat16], device="cuda", dtype=torch.bfloat16,
+                            ref_backend="chunk", ref_device="cuda", cu_seqlens=cu)
+    x = inputs(2, 777, H, D, D, seed=23)
+    mask = left_pad_mask([777, 500], 777, holes=[(0, 100)])
+    check_against_reference(op, x, torch.randn(2, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
+                            mask=mask)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_decode_matches_float64(dtype):
+    B, H, D = 8, 16, 128
+    x = inputs(B, 4, H, D, D, seed=24)
+    S0 = torch.randn(B, H, D, D, dtype=F64) * 0.5
+    x = {n: t.to(dtype).to(F64) for n, t in x.items()}
+    with torch.no_grad():
+        ro, rs = call("gated", x, initial_state=S0, output_final_state=True, backend="recurrent")
+        xc = {n: t.to("cuda", dtype) for n, t in x.items()}
+        o, s = call("gated", xc, initial_state=S0.float().cuda(), output_final_state=True)  # auto -> triton
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert o.dtype == dtype
+    assert_close(o.cpu(), ro, tol, "decode output")
+    assert_close(s.cpu(), rs, tol, "decode state")
