@@ -50,6 +50,14 @@ def qkv_gk(B, T, H, D, dtype, device, gen):
     return x
 
 
+def qkv_householder(B, T, H, D, dtype, device, gen, n=2):
+    """DeltaProduct inputs: n keys, values and betas per token ([B, T, H, n, D])."""
+    x = qkv(B, T, H, D, dtype, device, gen)
+    x["k"], x["v"] = (torch.randn(B, T, H, n, D, dtype=dtype, device=device, generator=gen) for _ in range(2))
+    x["beta"] = torch.rand(B, T, H, n, device=device, generator=gen).to(dtype)
+    return x
+
+
 def recurrent_flops(D):
     """A fused recurrent pass with K = V = D: decay, outer product and read-out per token (~5 D²);
     backward: recompute, dq, dS update, dk, dv and its decay (~12 D²)."""
@@ -101,6 +109,21 @@ def _ops():
             fla=lambda fla, x: fla.chunk_simple_gla(x["q"], x["k"], x["v"], x["g"], scale=1.0)[0],
             io=(5, 9),
             grads=("q", "k", "v", "g"),
+        ),
+        "ela_sum_sq_euclid": Op(  # linear attention on D + 2 features (the kernel pads them)
+            make=qkv,
+            ours=lambda x: ops.ela(x["q"], x["k"], x["v"], kernel="sum_sq_euclid", backend="triton")[0],
+        ),
+        "ela_hadamard_exp": Op(  # a running max per feature: a per-feature decay, through gla's kernels
+            make=qkv,
+            ours=lambda x: ops.ela(x["q"], x["k"], x["v"], kernel="hadamard_exp", backend="triton")[0],
+            flops=recurrent_flops,
+        ),
+        "delta_product": Op(  # two Householder steps per token: the delta rule over 2T steps
+            make=qkv_householder,
+            ours=lambda x: ops.delta_product(x["q"], x["k"], x["v"], x["beta"], backend="triton")[0],
+            flops=lambda D: tuple(2 * f for f in chunk_flops(D)),
+            grads=("q", "k", "v", "beta"),
         ),
         "gla": Op(  # a gate per key dim (fused recurrent kernels)
             make=qkv_gk,
