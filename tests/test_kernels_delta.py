@@ -12,16 +12,13 @@ file with ``TRITON_INTERPRET=1`` runs them in-process. GPU: ``-m gpu`` at real s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
+from lazoo.ops._testing import run_interpreter_tests, assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -95,14 +92,7 @@ def test_triton_refuses_clearly():
 def test_delta_kernels_in_subprocess():
     if INTERP:
         pytest.skip("the interpreter tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("LAZOO_BACKEND", None)
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-           "-m", "not gpu and not slow", "-k", "interp"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
-    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], tail
+    run_interpreter_tests(__file__)
 
 
 @needs_interp

@@ -6,7 +6,7 @@ import torch
 
 from lazoo.ops import ELA_KERNELS, ela
 from lazoo.ops.ela import ela_feature_dim, ela_features, ela_kernel
-from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
+from lazoo.ops._testing import run_interpreter_tests, assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5
@@ -211,19 +211,9 @@ def _interpreting():
 @pytest.mark.skipif(_interpreting(), reason="already interpreting: the interp_ tests run in this process")
 def test_triton_backend_in_subprocess():
     """TRITON_INTERPRET=1 must be set before triton is imported: run the interp_ tests in a fresh process."""
-    import os
-    import subprocess
-    import sys
 
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("LAZOO_BACKEND", None)
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow",
-           "-k", "interp"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
-    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], tail
+    run_interpreter_tests(__file__)
 
 
 @pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (run via the subprocess test)")

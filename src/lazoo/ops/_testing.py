@@ -78,3 +78,22 @@ def compare_backends(fn: Callable, leaves: Mapping[str, torch.Tensor], rtol: flo
         assert g2[name] is not None, f"no gradient reaches {name} ({ref})"
         assert g1[name] is not None, f"no gradient reaches {name} ({test})"
         assert_close(g1[name], g2[name], rtol, f"grad {name} {test} vs {ref}")
+
+
+def run_interpreter_tests(test_file: str, timeout: int = 900) -> None:
+    """Run the ``interp`` tests of ``test_file`` in a fresh process with ``TRITON_INTERPRET=1``.
+
+    The variable must be set before triton is first imported, which `import lazoo` in the test process
+    has already done; the child process asserts that every selected test passed (none skipped)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("LAZOO_BACKEND", None)
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider",
+           "-m", "not gpu and not slow", "-k", "interp"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
+    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], tail
