@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from ..layers.mixers import MIXERS, mixer_class
+from ..layers.mixers import mixer_class
 
 
 #: the layer pattern of a `lazoo_hybrid` config created without `layer_types`

@@ -3,7 +3,6 @@ per-head output norm and gate, and the cache entry `{"op": <op state>, "conv": <
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
