@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Seed 000 MQAR capacity experiment (issue 4): train and evaluate lazoo models on multi-query recall.
+
+Protocol (seed 000 §5, Table 6): 2 layers, d = 128, H = 4 (d_h = 32), FFN 256, vocab 128, weight tying;
+AdamW β = (0.9, 0.999), ε = 1e-8, lr 3e-4 with cosine decay and 10 % linear warmup, weight decay 1e-2,
+global grad-norm clip 1.0, batch 64, 2 000 steps (1 000 for the capacity-overload tables); evaluation on
+15 held-out batches of 64 (960 samples), exact-match accuracy; seeds 42, 123, 999; float32 throughout.
+Task layout and targets: ``lazoo.data.mqar`` (T = 3n + 1, loss and accuracy only at the n query positions).
+
+Training draws a fresh batch every step from a generator seeded by the run seed (no fixed training set);
+evaluation batches come from a separate generator (seed + 10_000), the same for every mechanism.
+Accuracy is reported per query (``acc``, the seed's "exact-match accuracy" as we read it) and per sample
+with all n queries right (``sample_acc``).
+
+Usage:
+    python scripts/mqar.py --mechanisms softmax,linear,delta_net,vla --n-pairs 8,16,24 \
+        --steps 2000 --seeds 42,123,999 --out mqar.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+import lazoo
+from lazoo.presets import build_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    from lazoo.data.mqar import IGNORE_INDEX, mqar_batch
+except ImportError:  # `lazoo.data` imports `datasets`/`tokenizers`; the task itself needs only torch
+    _spec = importlib.util.spec_from_file_location("_lazoo_mqar", ROOT / "src" / "lazoo" / "data" / "mqar.py")
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    IGNORE_INDEX, mqar_batch = _mod.IGNORE_INDEX, _mod.mqar_batch
+
+MODEL = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+             intermediate_size=256, tie_word_embeddings=True)
+EVAL_SEED_OFFSET = 10_000
+
+
+def _csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mechanisms", type=_csv(str), default=["softmax", "linear", "delta_net", "vla"])
+    p.add_argument("--n-pairs", type=_csv(int), default=[8, 16, 24])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--seeds", type=_csv(int), default=[42])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--eval-batches", type=int, default=15)
+    p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=1e-2)
+    p.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the steps")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--vocab-size", type=int, default=128)
+    p.add_argument("--short-conv", choices=["default", "on", "off"], default="default",
+                   help="the recurrent mixers' short causal conv (softmax has none): each mechanism's "
+                        "default (delta_net: on; linear, vla: off), or forced on/off")
+    p.add_argument("--log-every", type=int, default=100, help="record the training loss every N steps")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path("mqar_results.json"))
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def masked_loss_and_hits(model, batch):
+    """Cross-entropy over the query positions (labels aligned with positions, not shifted) and the hits."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    mask = batch["labels"] != IGNORE_INDEX
+    loss = F.cross_entropy(logits[mask].float(), batch["labels"][mask])
+    hits = (logits.argmax(-1) == batch["labels"]) & mask
+    return loss, hits, mask
+
+
+@torch.no_grad()
+def evaluate(model, n_pairs, args, seed):
+    model.eval()
+    gen = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
+    hits_total = queries = samples_ok = samples = 0
+    loss_sum = 0.0
+    for _ in range(args.eval_batches):
+        batch = {k: v.to(args.device) for k, v in
+                 mqar_batch(n_pairs, args.eval_batch_size, args.vocab_size, generator=gen).items()}
+        loss, hits, mask = masked_loss_and_hits(model, batch)
+        loss_sum += loss.item()
+        hits_total += hits.sum().item()
+        queries += mask.sum().item()
+        samples_ok += (hits.sum(1) == mask.sum(1)).sum().item()
+        samples += mask.shape[0]
+    model.train()
+    return {"acc": hits_total / queries, "sample_acc": samples_ok / samples,
+            "eval_loss": loss_sum / args.eval_batches, "eval_queries": queries}
+
+
+def run_one(mechanism, n_pairs, seed, args, bar=None):
+    torch.manual_seed(seed)
+    overrides = {**MODEL, "vocab_size": args.vocab_size}
+    if args.short_conv != "default":
+        overrides["use_short_conv"] = args.short_conv == "on"
+    config = build_config(mechanism, **overrides)
+    model = AutoModelForCausalLM.from_config(config).to(args.device, torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=args.weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * args.steps), args.steps)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    curve, nonfinite = [], 0
+    for step in range(1, args.steps + 1):
+        batch = {k: v.to(args.device) for k, v in
+                 mqar_batch(n_pairs, args.batch_size, args.vocab_size, generator=gen).items()}
+        loss, hits, mask = masked_loss_and_hits(model, batch)
+        opt.zero_grad(set_to_none=True)
+        if torch.isfinite(loss):
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+        else:
+            nonfinite += 1
+        sched.step()
+        if step % args.log_every == 0 or step == args.steps:
+            curve.append({"step": step, "loss": loss.item(), "train_acc": (hits.sum() / mask.sum()).item()})
+        if bar is not None:
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(mech=mechanism, n=n_pairs, seed=seed, loss=f"{loss.item():.3f}")
+    train_s = time.perf_counter() - t0
+    result = {"mechanism": mechanism, "n_pairs": n_pairs, "seq_len": 3 * n_pairs + 1, "seed": seed,
+              "params": sum(p.numel() for p in model.parameters()), "nonfinite_steps": nonfinite,
+              "train_seconds": train_s, "final_train_loss": curve[-1]["loss"] if curve else math.nan,
+              "curve": curve, **evaluate(model, n_pairs, args, seed)}
+    return result
+
+
+def summarise(runs, mechanisms, n_pairs):
+    """mechanism -> n -> {mean, std, per-seed} of query accuracy (and sample accuracy)."""
+    table = {}
+    for mech in mechanisms:
+        for n in n_pairs:
+            accs = [r["acc"] for r in runs if r["mechanism"] == mech and r["n_pairs"] == n]
+            sacc = [r["sample_acc"] for r in runs if r["mechanism"] == mech and r["n_pairs"] == n]
+            mean = sum(accs) / len(accs)
+            std = (sum((a - mean) ** 2 for a in accs) / (len(accs) - 1)) ** 0.5 if len(accs) > 1 else 0.0
+            table.setdefault(mech, {})[str(n)] = {"acc_mean": mean, "acc_std": std, "acc": accs,
+                                                  "sample_acc_mean": sum(sacc) / len(sacc)}
+    return table
+
+
+def format_table(table, n_pairs):
+    head = f"{'mechanism':<16}" + "".join(f"{'n=' + str(n):>22}" for n in n_pairs)
+    lines = ["exact-match accuracy per query, mean ± std over seeds (all-correct samples in brackets)", head]
+    for mech, row in table.items():
+        cells = "".join(f"{row[str(n)]['acc_mean']:>8.3f} ± {row[str(n)]['acc_std']:.3f} "
+                        f"[{row[str(n)]['sample_acc_mean']:.3f}]" for n in n_pairs)
+        lines.append(f"{mech:<16}{cells}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    combos = [(m, n, s) for m in args.mechanisms for n in args.n_pairs for s in args.seeds]
+    runs = []
+    with tqdm(total=len(combos) * args.steps, disable=args.no_progress, desc="mqar") as bar:
+        for mech, n, seed in combos:
+            r = run_one(mech, n, seed, args, bar)
+            runs.append(r)
+            tqdm.write(f"{mech:<12} n={n:<3} seed={seed:<4} acc={r['acc']:.3f} sample_acc={r['sample_acc']:.3f} "
+                       f"loss={r['final_train_loss']:.3f} ({r['train_seconds']:.0f}s)")
+    table = summarise(runs, args.mechanisms, args.n_pairs)
+    report = {
+        "experiment": "seed 000 MQAR capacity (issue 4)",
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": MODEL,
+        "layout": "k1 v1 ... kn vn SEP kσ(1) ... kσ(n); keys 0..V/2-1, values V/2..V-2, SEP V-1; "
+                  "labels aligned with positions (target of the logits at each query position)",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "lazoo": getattr(lazoo, "__version__", None),
+                     "cuda": torch.version.cuda,
+                     "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else
+                     platform.processor() or platform.machine()},
+        "summary": table,
+        "runs": runs,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(format_table(table, args.n_pairs))
+    print(f"wrote {args.out} ({report['wall_seconds']:.0f}s)")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
