@@ -30,6 +30,20 @@ TINY = dict(
 )
 
 
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` as a module (scripts are not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_config(name: str, **overrides):
     """`AutoConfig.for_model("lazoo_<name>", ...)` with tiny sizes ("hybrid": sliding window + VLA)."""
     kwargs = {**TINY, **overrides}

@@ -1,25 +1,13 @@
 """The MQAR task (lazoo.data.mqar) and its driver scripts/mqar.py at tiny scale."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_script
 import torch
 
 from lazoo.data import mqar_batch, mqar_dataset
 from lazoo.data.mqar import IGNORE_INDEX, mqar_vocab
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mqar.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("mqar_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["mqar_script"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("n", [1, 4, 24, 63])
@@ -63,7 +51,7 @@ def test_dataset():
 
 
 def test_script_end_to_end(tmp_path, single_thread):
-    mqar = _load_script()
+    mqar = load_script("mqar")
     out = tmp_path / "r.json"
     report = mqar.main(["--mechanisms", "softmax,vla", "--n-pairs", "4", "--steps", "3", "--batch-size", "8",
                         "--eval-batches", "1", "--eval-batch-size", "8", "--seeds", "0,1", "--device", "cpu", "--short-conv", "off",
@@ -81,7 +69,7 @@ def test_script_end_to_end(tmp_path, single_thread):
 def test_delta_net_learns_tiny_mqar(tmp_path):
     # softmax (and linear, VLA) sit on the 1/n plateau (acc ~0.27 at n=4) for hundreds of steps at this size;
     # DeltaNet, with its default short conv, solves n=4 in ~200 steps (0.96 at lr 1e-3, batch 32; ~10 s)
-    mqar = _load_script()
+    mqar = load_script("mqar")
     report = mqar.main(["--mechanisms", "delta_net", "--n-pairs", "4", "--steps", "200", "--batch-size", "32",
                         "--lr", "1e-3", "--eval-batches", "4", "--device", "cpu",
                         "--out", str(tmp_path / "r.json"), "--no-progress"])

@@ -1,28 +1,15 @@
 """scripts/state_norms.py (seed 000 stability experiment) on a short run: files, sane values, the claim."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 pytest.importorskip("matplotlib")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "state_norms.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("state_norms", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["state_norms"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-state_norms = _load_script()
+state_norms = load_script("state_norms")
 
 
 @pytest.fixture(scope="module")
