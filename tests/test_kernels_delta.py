@@ -189,6 +189,73 @@ def test_interp_prefill_then_decode_equals_whole():
     assert_close(S, S_whole.detach(), 1e-5, "prefill + decode state")
 
 
+def generalized_reference(q, k, v, w, g, S0, scale, cu=None):
+    """Step-by-step generalised gated delta rule (float64), one sequence at a time when packed."""
+    B, T, H, _ = q.shape
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else [(0, int(cu[i]), int(cu[i + 1]))
+                                                                for i in range(len(cu) - 1)]
+    outs, finals = torch.zeros_like(v), []
+    for n, (b, s, e) in enumerate(bounds):
+        S = S0[n]
+        for t in range(s, e):
+            a = 1.0 if g is None else g[b, t].exp()[:, None, None]
+            S = a * S
+            u = v[b, t] - torch.einsum("hvk,hk->hv", S, k[b, t])
+            S = S + u[:, :, None] * w[b, t][:, None, :]
+            outs[b, t] = torch.einsum("hvk,hk->hv", S, q[b, t]) * scale
+        finals.append(S)
+    return outs, torch.stack(finals)
+
+
+def check_generalized(T, gated, chunk, dtype=torch.float32, rtol=1e-4, cu=None, seed=31, device="cpu"):
+    """The generalised rule (own write keys w) vs ``generalized_reference``; ``gated`` runs the kernels'
+    gated variant directly (not exposed by ``chunk_generalized_delta_rule``, see its docstring)."""
+    from lazoo.kernels.delta import ChunkDeltaRuleFunction
+
+    def chunk_generalized_delta_rule(q, k, v, w, g, *, scale, initial_state, output_final_state, cu_seqlens,
+                                     chunk_size):
+        return ChunkDeltaRuleFunction.apply(q, k, v, None, g, w, initial_state, scale, cu_seqlens, chunk_size,
+                                            output_final_state)
+
+    B = 2 if cu is None else 1
+    N = B if cu is None else len(cu) - 1
+    H, dk, dv = 2, 12, 20
+    x = inputs(B, T, H, dk, dv, seed=seed, g_bias=0.0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x["k"] = F.normalize(x["k"], dim=-1)
+    # VLA-like write keys: unit vectors near k (|I - k w^T| stays near 1); some rows zero (pads)
+    w = F.normalize(x["k"] + 0.5 * torch.randn(x["k"].shape, generator=gen, dtype=F64), dim=-1)
+    w[:, ::7] = 0.0
+    x = {"q": x["q"], "k": x["k"], "v": x["v"], "w": w, **({"g": x["g"]} if gated else {})}
+    x = {n: t.to(dtype).to(F64) for n, t in x.items()}
+    S0 = torch.randn(N, H, dv, dk, dtype=F64)
+    ref = {n: t.clone().requires_grad_(True) for n, t in {**x, "S0": S0}.items()}
+    ro, rs, rg = forward_and_grads(lambda: generalized_reference(
+        ref["q"], ref["k"], ref["v"], ref["w"], ref.get("g"), ref["S0"], 0.5, cu), ref)
+    tst = {n: t.to(device, dtype).requires_grad_(True) for n, t in x.items()}
+    tst["S0"] = S0.to(device, torch.float32).requires_grad_(True)
+    to, ts, tg = forward_and_grads(lambda: chunk_generalized_delta_rule(
+        tst["q"], tst["k"], tst["v"], tst["w"], tst.get("g"), scale=0.5, initial_state=tst["S0"],
+        output_final_state=True, cu_seqlens=None if cu is None else torch.tensor(cu, device=device),
+        chunk_size=chunk), tst)
+    assert_close(to.cpu(), ro, rtol, "generalised output")
+    assert_close(ts.cpu(), rs, rtol, "generalised final state")
+    for n in tst:
+        assert tg[n] is not None and tg[n].dtype == tst[n].dtype, n
+        assert_close(tg[n].cpu(), rg[n], rtol, f"generalised grad {n}")
+
+
+@needs_interp
+@pytest.mark.parametrize("gated,T,chunk", [(False, 45, 16), (True, 70, 64)])
+def test_interp_generalized_matches_reference(gated, T, chunk):
+    check_generalized(T, gated, chunk)
+
+
+@needs_interp
+def test_interp_generalized_cu_seqlens_fp16():
+    check_generalized(52, True, 32, dtype=torch.float16, rtol=3e-3, cu=[0, 17, 17, 47, 52])
+
+
 # ============================================================================ GPU (device)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # relative error (max |err| / max |ref|) against float64 on the same rounded inputs; measured on an H100
@@ -245,3 +312,10 @@ def test_gpu_decode_matches_float64(dtype):
     assert o.dtype == dtype
     assert_close(o.cpu(), ro, tol, "decode output")
     assert_close(s.cpu(), rs, tol, "decode state")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_generalized_matches_float64():
+    check_generalized(300, False, 64, dtype=torch.float32, rtol=5e-5, device="cuda")
+    check_generalized(300, False, 64, dtype=torch.bfloat16, rtol=2e-2, device="cuda", cu=[0, 100, 101, 300])

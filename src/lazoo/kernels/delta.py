@@ -112,6 +112,24 @@ def _store_vec(ptr, x, row0, eos, stride, R: tl.constexpr):
 
 
 @triton.jit
+def _load_beta(beta, row0, eos, H: tl.constexpr, HAS_W: tl.constexpr):
+    """β of 16 rows as a ``[1, 16]`` column factor (ones when the write keys are given)."""
+    if HAS_W:
+        return tl.full([1, 16], 1.0, tl.float32)
+    else:
+        return _load_vec(beta, row0, eos, H, 16)[None, :]
+
+
+@triton.jit
+def _load_factor(beta, row0, eos, H: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr):
+    """β of R rows (ones when the write keys are given)."""
+    if HAS_W:
+        return tl.full([R], 1.0, tl.float32)
+    else:
+        return _load_vec(beta, row0, eos, H, R)
+
+
+@triton.jit
 def _chunk_info(chunks, cu, i_c):
     """(start token, end of its sequence) of global chunk ``i_c``."""
     i_n = tl.load(chunks + i_c * 2).to(tl.int64)
@@ -165,18 +183,19 @@ def _store_a16(A, x, t0, eos, H: tl.constexpr, C: tl.constexpr, bi: tl.constexpr
 # ============================================================================ forward kernels
 @triton.jit
 def _fwd_prep_kernel(
-    k, v, beta, g, Gc, A, wt, ut, chunks, cu,
+    k, w, v, beta, g, Gc, A, wt, ut, chunks, cu,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk: G (within-chunk cumsum of g), A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K), and
-    W~ = A Γ K, U~ = A V. The inverse is built from 16x16 diagonal blocks (forward substitution)
-    merged by block products; W~ and U~ are formed from its 16x16 tiles while they are in registers."""
+    """Per chunk: G (within-chunk cumsum of g), A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
+    given write keys), and W~ = A Γ K, U~ = A V. The inverse is built from 16x16 diagonal blocks (forward
+    substitution) merged by block products; W~ and U~ are formed from its 16x16 tiles while in registers."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_info(chunks, cu, i_c)
     NB: tl.constexpr = C // 16
     k += i_h * K
+    w += i_h * K
     beta += i_h
     Z = tl.zeros([16, 16], dtype=tl.float32)
     L00 = Z
@@ -189,29 +208,33 @@ def _fwd_prep_kernel(
     L31 = Z
     L32 = Z
     L33 = Z
-    for kb in range(0, K, BK):  # K K^T blocks (β applied to the columns below)
+    for kb in range(0, K, BK):  # K W^T blocks (for W = β K: K K^T, β applied to the columns below)
         k0 = _load_raw(k, t0, eos, H * K, kb, K, 16, BK)
-        L00 = _dot_acc(k0, tl.trans(k0), L00, DT, PREC)
+        c0 = _load_raw(w, t0, eos, H * K, kb, K, 16, BK) if HAS_W else k0
+        L00 = _dot_acc(k0, tl.trans(c0), L00, DT, PREC)
         if NB >= 2:
             k1 = _load_raw(k, t0 + 16, eos, H * K, kb, K, 16, BK)
-            L10 = _dot_acc(k1, tl.trans(k0), L10, DT, PREC)
-            L11 = _dot_acc(k1, tl.trans(k1), L11, DT, PREC)
+            c1 = _load_raw(w, t0 + 16, eos, H * K, kb, K, 16, BK) if HAS_W else k1
+            L10 = _dot_acc(k1, tl.trans(c0), L10, DT, PREC)
+            L11 = _dot_acc(k1, tl.trans(c1), L11, DT, PREC)
         if NB >= 4:
             k2 = _load_raw(k, t0 + 32, eos, H * K, kb, K, 16, BK)
             k3 = _load_raw(k, t0 + 48, eos, H * K, kb, K, 16, BK)
-            L20 = _dot_acc(k2, tl.trans(k0), L20, DT, PREC)
-            L21 = _dot_acc(k2, tl.trans(k1), L21, DT, PREC)
-            L22 = _dot_acc(k2, tl.trans(k2), L22, DT, PREC)
-            L30 = _dot_acc(k3, tl.trans(k0), L30, DT, PREC)
-            L31 = _dot_acc(k3, tl.trans(k1), L31, DT, PREC)
-            L32 = _dot_acc(k3, tl.trans(k2), L32, DT, PREC)
-            L33 = _dot_acc(k3, tl.trans(k3), L33, DT, PREC)
-    b0 = _load_vec(beta, t0, eos, H, 16)[None, :]
+            c2 = _load_raw(w, t0 + 32, eos, H * K, kb, K, 16, BK) if HAS_W else k2
+            c3 = _load_raw(w, t0 + 48, eos, H * K, kb, K, 16, BK) if HAS_W else k3
+            L20 = _dot_acc(k2, tl.trans(c0), L20, DT, PREC)
+            L21 = _dot_acc(k2, tl.trans(c1), L21, DT, PREC)
+            L22 = _dot_acc(k2, tl.trans(c2), L22, DT, PREC)
+            L30 = _dot_acc(k3, tl.trans(c0), L30, DT, PREC)
+            L31 = _dot_acc(k3, tl.trans(c1), L31, DT, PREC)
+            L32 = _dot_acc(k3, tl.trans(c2), L32, DT, PREC)
+            L33 = _dot_acc(k3, tl.trans(c3), L33, DT, PREC)
+    b0 = _load_beta(beta, t0, eos, H, HAS_W)
     if NB >= 2:
-        b1 = _load_vec(beta, t0 + 16, eos, H, 16)[None, :]
+        b1 = _load_beta(beta, t0 + 16, eos, H, HAS_W)
     if NB >= 4:
-        b2 = _load_vec(beta, t0 + 32, eos, H, 16)[None, :]
-        b3 = _load_vec(beta, t0 + 48, eos, H, 16)[None, :]
+        b2 = _load_beta(beta, t0 + 32, eos, H, HAS_W)
+        b3 = _load_beta(beta, t0 + 48, eos, H, HAS_W)
     o16 = tl.arange(0, 16)
     strict = o16[:, None] > o16[None, :]
     if HAS_G:  # G = within-chunk cumsum of g, one 16-row block at a time
@@ -336,12 +359,14 @@ def _fwd_prep_kernel(
 
 @triton.jit
 def _fwd_h_kernel(
-    k, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
+    kw, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Sequential over a sequence's chunks: stores each chunk's start state (transposed) and the
-    pseudo-values U = U~ - W~ S^T, then S' = γ_C S + K^T diag(β D) U. State held as S^T [dk, dv]."""
+    pseudo-values U = U~ - W~ S^T, then S' = γ_C S + W^T diag(D) U (W = β K: ``kw`` is k and β is
+    applied here; else ``kw`` holds W). State held as S^T [dk, dv]."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -369,12 +394,12 @@ def _fwd_h_kernel(
         b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
         b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - _dot(b_wt, b_s, DT, PREC)
         _store_tile(vnew + i_h * V, b_u, t0, eos, H * V, i_v * BV, V, C, BV)
-        b_f = _load_vec(beta + i_h, t0, eos, H, C)
+        b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         if HAS_G:
             b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_s = b_s * tl.exp(g_last)
-        b_kT = tl.trans(_load_raw(k + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_kT = tl.trans(_load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, BKF))
         b_s = _dot_acc(b_kT, b_u * b_f[:, None], b_s, DT, PREC)
     if STORE_S:
         tl.store(sT + (i_n * H + i_h) * V * K + p_s, b_s, mask=m_s)
@@ -382,11 +407,12 @@ def _fwd_h_kernel(
 
 @triton.jit
 def _fwd_o_kernel(
-    q, k, beta, Gc, h, vnew, o, chunks, cu, scale,
+    q, kw, beta, Gc, h, vnew, o, chunks, cu, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """O = scale (diag(γ) Q S^T + tril(E ⊙ Q K^T) diag(β) U) for one chunk and one block of dv."""
+    """O = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U) for one chunk and one block of dv (W = β K, or
+    the given write keys in ``kw``)."""
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
     i_c = tl.program_id(0) // NV
@@ -398,12 +424,12 @@ def _fwd_o_kernel(
     hb = h + (i_c.to(tl.int64) * H + i_h) * K * V
     for kb in range(0, K, BK):
         b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_k = _load_raw(kw + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_h = _load_raw(hb + kb * V, 0, K - kb, V, i_v * BV, V, BK, BV)
         b_o = _dot_acc(b_q, b_h, b_o, DT, PREC)
         b_p = _dot_acc(b_q, tl.trans(b_k), b_p, DT, PREC)
     tril = o_c[:, None] >= o_c[None, :]
-    b_b = _load_vec(beta + i_h, t0, eos, H, C)
+    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     if HAS_G:
         b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
         b_o = b_o * tl.exp(b_G)[:, None]
@@ -418,11 +444,11 @@ def _fwd_o_kernel(
 # ============================================================================ backward kernels
 @triton.jit
 def _bwd_dv_local_kernel(
-    q, k, beta, Gc, do, du, chunks, cu, scale,
+    q, kw, beta, Gc, do, du, chunks, cu, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dU (local part) = P^T dO, P^T[i, t] = scale [i <= t] E[t, i] β_i (k_i . q_t), computed as its own
+    """dU (local part) = P^T dO, P^T[i, t] = scale [i <= t] E[t, i] (w_i . q_t), computed as its own
     product (never as the transpose of one)."""
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
@@ -432,11 +458,11 @@ def _bwd_dv_local_kernel(
     o_c = tl.arange(0, C)
     b_pt = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_k = _load_raw(kw + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_pt = _dot_acc(b_k, tl.trans(b_q), b_pt, DT, PREC)
     triu = o_c[:, None] <= o_c[None, :]
-    b_f = _load_vec(beta + i_h, t0, eos, H, C) * scale
+    b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
     if HAS_G:
         b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
         b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
@@ -448,12 +474,13 @@ def _bwd_dv_local_kernel(
 
 @triton.jit
 def _bwd_dhu_kernel(
-    q, k, beta, Gc, wt, do, du, dh, dsT, ds0, cu, coff, scale,
+    q, kw, beta, Gc, wt, do, du, dh, dsT, ds0, cu, coff, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse over a sequence's chunks: stores each chunk's end-state gradient dS' (transposed) and
-    dU = P^T dO + diag(β D) K dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T."""
+    dU = P^T dO + diag(D) W dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -478,13 +505,13 @@ def _bwd_dhu_kernel(
             tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty))
         else:
             tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty), mask=m_s)
-        b_f = _load_vec(beta + i_h, t0, eos, H, C)
+        b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         b_fq = tl.full([C], 1.0, tl.float32) * scale
         if HAS_G:
             b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_fq = b_fq * tl.exp(b_G)
-        b_k = _load_raw(k + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_k = _load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, BKF)
         b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
             + _dot(b_k, b_ds, DT, PREC) * b_f[:, None]
         _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
@@ -501,9 +528,9 @@ def _bwd_dhu_kernel(
 
 @triton.jit
 def _bwd_dqkw_kernel(
-    q, k, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, chunks, cu, scale, TT,
+    q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, chunks, cu, scale, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """For one chunk and one block of dk: dq; the part of dW from the output and the state update;
     dW~ = -dU S; and this block's share of dG (written to dgp[i_k])."""
@@ -536,8 +563,8 @@ def _bwd_dqkw_kernel(
         if HAS_G:
             b_dgl += tl.sum(b_sT.to(tl.float32) * b_dsT.to(tl.float32), 1)
     b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
-    b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
-    b_b = _load_vec(beta + i_h, t0, eos, H, C)
+    b_k = _load_raw(kw + i_h * K, t0, eos, H * K, kb, K, C, BK)  # (β applied below) write key
+    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     tril = o_c[:, None] >= o_c[None, :]
     triu = o_c[:, None] <= o_c[None, :]
     if HAS_G:
@@ -575,19 +602,20 @@ def _bwd_dqkw_kernel(
 
 @triton.jit
 def _bwd_wy_kernel(
-    k, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
+    k, w, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NK: tl.constexpr, HAS_G: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ and (gated) dg.
-    dA and dA^T are each accumulated as their own products of loaded tiles."""
+    """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ (or, for given write keys,
+    the full dW into ``dbeta``) and (gated) dg. dA and dA^T are each accumulated as their own products
+    of loaded tiles."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
     b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)  # [t, i]
     b_At = tl.trans(b_A)  # a loaded tile
-    b_b = _load_vec(beta + i_h, t0, eos, H, C)
+    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     # dA = dW~ (Γ K)^T + dU V^T and dA^T = (Γ K) dW~^T + V dU^T, each as its own products
     b_da = tl.zeros([C, C], dtype=tl.float32)
     b_dat = tl.zeros([C, C], dtype=tl.float32)
@@ -628,16 +656,22 @@ def _bwd_wy_kernel(
         b_kf = b_k.to(tl.float32)
         b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_dkg = _dotf(b_At, b_dwt, PREC)  # γ ⊙ (A^T dW~)
-        b_dkl = _dot(b_dl, b_k, DT, PREC)  # (E ⊙ dL) diag(β) K: through the read key of L
         b_dwl = _dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
         b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_dk = b_dkl + b_dw * b_b[:, None] + b_dkg
+        b_w = _load_raw(w + i_h * K, t0, eos, H * K, kb, K, C, BK) if HAS_W else b_k  # β in b_dl and b_b
+        b_dkl = _dot(b_dl, b_w, DT, PREC)  # (E ⊙ dL) W: through the read key of L
         if HAS_G:
-            # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = β_i k_i . b_dwl_i
-            b_dg += tl.sum(b_kf * (b_dkg + b_dkl - b_dwl * b_b[:, None]), 1)
-        b_db += tl.sum(b_dw * b_kf, 1)
+            # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = w_i . b_dwl_i
+            b_dg += tl.sum(b_kf * (b_dkg + b_dkl) - b_w.to(tl.float32) * b_b[:, None] * b_dwl, 1)
+        if HAS_W:
+            b_dk = b_dkl + b_dkg
+            _store_tile(dbeta + i_h * K, b_dw, t0, eos, H * K, kb, K, C, BK)
+        else:
+            b_dk = b_dkl + b_dw * b_b[:, None] + b_dkg
+            b_db += tl.sum(b_dw * b_kf, 1)
         _store_tile(dk + i_h * K, b_dk, t0, eos, H * K, kb, K, C, BK)
-    tl.store(dbeta + (t0 + o_c) * H + i_h, b_db, mask=o_c < eos - t0)
+    if not HAS_W:
+        tl.store(dbeta + (t0 + o_c) * H + i_h, b_db, mask=o_c < eos - t0)
     if HAS_G:
         # g_t feeds G_s for every s >= t of its chunk: reverse cumulative sum
         b_dg = tl.sum(tl.where(o_c[None, :] >= o_c[:, None], b_dg[None, :], 0.0), 1)
@@ -801,9 +835,9 @@ def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
     return opts
 
 
-def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool):
-    """Forward on flattened inputs q/k ``[TT, H, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]``.
-    Returns ``(o, final_state or None, saved)``."""
+def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool, w=None):
+    """Forward on flattened inputs q/k ``[TT, H, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]`` (or write
+    keys w ``[TT, H, dk]`` in place of β k, beta then unused). Returns ``(o, final_state or None, saved)``."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -811,7 +845,9 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     DT, PREC = _dtypes(q)
     FP32 = q.dtype == torch.float32
     BKF, BK, BV = _blocks(K, V, interp)
-    HAS_G = g is not None
+    HAS_G, HAS_W = g is not None, w is not None
+    beta = w if HAS_W else beta  # a placeholder pointer when unused
+    kw = w if HAS_W else k  # the write key (β applied in the kernels when it is k)
     f32 = torch.float32
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     A = torch.empty(TT, H, C, device=dev, dtype=f32)
@@ -819,24 +855,27 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     NT, N = seqs.NT, seqs.N
     _fwd_prep_kernel[(NT, H)](
-        k, v, beta, g if HAS_G else beta, Gc, A, wt, ut, seqs.chunks, seqs.cu,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("prep", interp, FP32))
+        k, kw, v, beta, g if HAS_G else beta, Gc, A, wt, ut, seqs.chunks, seqs.cu,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        **_opts("prep", interp, FP32))
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else _pow2(V)
     _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
-        k, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
-        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, USE_S0=S0 is not None,
+        kw, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
+        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=S0 is not None,
         STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
-        q, k, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("o", interp, FP32))
+        q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        **_opts("o", interp, FP32))
     return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
 
 
-def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool):
+def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool, w=None):
+    """Gradients ``(dq, dk, dv, dbeta, dg, ds0)``; with write keys w, ``dbeta`` is dw ``[TT, H, dk]``."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -844,21 +883,24 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     DT, PREC = _dtypes(q)
     FP32 = q.dtype == torch.float32
     BKF, BK, BV = _blocks(K, V, interp)
-    HAS_G = g is not None
+    HAS_G, HAS_W = g is not None, w is not None
+    beta = w if HAS_W else beta
+    kw = w if HAS_W else k
     Gc, A, wt, vnew, h = saved
     Gc = Gc if HAS_G else beta
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _bwd_dv_local_kernel[(NT * triton.cdiv(V, BV), H)](
-        q, k, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("dv_local", interp, FP32))
+        q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
+        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        **_opts("dv_local", interp, FP32))
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
     BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else _pow2(V)
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
-        q, k, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
-        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, USE_DST=dsT is not None,
+        q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
+        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
         STORE_DS0=need_ds0, DT=DT, PREC=PREC, **_opts("dhu", interp, FP32))
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     NK = triton.cdiv(K, BKq)
@@ -867,15 +909,17 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
     _bwd_dqkw_kernel[(NT * NK, H)](
-        q, k, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
-        H=H, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("dqkw", interp, FP32))
+        q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
+        H=H, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        **_opts("dqkw", interp, FP32))
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dbeta = torch.empty(TT, H, device=dev, dtype=f32)
+    dbeta = torch.empty_like(w) if HAS_W else torch.empty(TT, H, device=dev, dtype=f32)
     dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
     _bwd_wy_kernel[(NT, H)](
-        k, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu, TT,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, DT=DT, PREC=PREC, **_opts("wy", interp, FP32))
+        k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu,
+        TT, H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        **_opts("wy", interp, FP32))
     return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
 
 
@@ -919,42 +963,47 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     """Chunk-parallel (gated) delta rule with a hand-written backward.
 
     Inputs: q, k ``[B, T, H, dk]`` (normalised and scaled by the caller or through ``scale``),
-    v ``[B, T, H, dv]``, beta ``[B, T, H]``, g ``[B, T, H]`` log decays or None, initial state
+    v ``[B, T, H, dv]``, the write keys as beta ``[B, T, H]`` (w = β k) or as w ``[B, T, H, dk]``
+    (the generalised rule; beta None), g ``[B, T, H]`` log decays or None, initial state
     ``[N, H, dv, dk]`` (fp32) or None; with ``cu_seqlens`` B = 1 and N sequences are packed.
     Returns ``(o [B, T, H, dv], final_state [N, H, dv, dk] fp32 or None)``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, initial_state, scale, cu_seqlens, chunk_size, output_final_state):
+    def forward(ctx, q, k, v, beta, g, w, initial_state, scale, cu_seqlens, chunk_size, output_final_state):
         B, T, H, K = q.shape
         V = v.shape[-1]
         seqs = _Seqs(B, T, cu_seqlens, chunk_size, q.device)
         qf, kf = q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous()
         vf = v.reshape(B * T, H, V).contiguous()
-        bf = beta.reshape(B * T, H).contiguous()
+        bf = None if beta is None else beta.reshape(B * T, H).contiguous()
+        wf = None if w is None else w.reshape(B * T, H, K).contiguous()
         gf = None if g is None else g.reshape(B * T, H).contiguous()
         S0 = None if initial_state is None else initial_state.contiguous()
-        o, sT, saved = chunk_fwd(qf, kf, vf, bf, gf, S0, float(scale), seqs, chunk_size, output_final_state)
+        o, sT, saved = chunk_fwd(qf, kf, vf, bf, gf, S0, float(scale), seqs, chunk_size, output_final_state,
+                                 w=wf)
         Gc, A, wt, vnew, h = saved
-        ctx.save_for_backward(qf, kf, vf, bf, gf, S0, Gc, A, wt, vnew, h)
+        ctx.save_for_backward(qf, kf, vf, bf, gf, wf, S0, Gc, A, wt, vnew, h)
         ctx.seqs, ctx.scale, ctx.C = seqs, float(scale), chunk_size
         ctx.shapes = (B, T, H, K, V)
-        ctx.dtypes = (beta.dtype, None if g is None else g.dtype,
+        ctx.dtypes = (None if beta is None else beta.dtype, None if g is None else g.dtype,
                       None if initial_state is None else initial_state.dtype)
         return o.view(B, T, H, V), sT
 
     @staticmethod
     def backward(ctx, do, dsT):
-        qf, kf, vf, bf, gf, S0, Gc, A, wt, vnew, h = ctx.saved_tensors
+        qf, kf, vf, bf, gf, wf, S0, Gc, A, wt, vnew, h = ctx.saved_tensors
         B, T, H, K, V = ctx.shapes
         do = do.reshape(B * T, H, V).contiguous()
         dsT = None if dsT is None else dsT.contiguous().float()
-        need_ds0 = S0 is not None and ctx.needs_input_grad[5]
+        need_ds0 = S0 is not None and ctx.needs_input_grad[6]
         dq, dk, dv, db, dg, ds0 = chunk_bwd(qf, kf, vf, bf, gf, S0, ctx.scale, ctx.seqs, ctx.C,
-                                            (Gc, A, wt, vnew, h), do, dsT, need_ds0)
+                                            (Gc, A, wt, vnew, h), do, dsT, need_ds0, w=wf)
         b_dt, g_dt, s_dt = ctx.dtypes
+        dbeta = None if wf is not None else db.view(B, T, H).to(b_dt)
+        dw = None if wf is None else db.view(B, T, H, K)
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
-                db.view(B, T, H).to(b_dt), None if dg is None else dg.view(B, T, H).to(g_dt),
+                dbeta, None if dg is None else dg.view(B, T, H).to(g_dt), dw,
                 None if ds0 is None else ds0.to(s_dt), None, None, None, None)
 
 
@@ -970,11 +1019,33 @@ def _check(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
 def chunk_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
                      output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
     """Chunk-parallel (gated) delta rule, differentiable: see ``ChunkDeltaRuleFunction``."""
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_delta_rule: chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
-    _check("chunk_delta_rule", q, v, cu_seqlens)
-    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, initial_state, scale, cu_seqlens, chunk_size,
+    _check_chunk("chunk_delta_rule", q, v, cu_seqlens, chunk_size)
+    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, None, initial_state, scale, cu_seqlens, chunk_size,
                                         output_final_state)
+
+
+def chunk_generalized_delta_rule(q, k, v, w, *, scale: float = 1.0, initial_state=None,
+                                 output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+    """Chunk-parallel generalised delta rule with its own write keys w ``[B, T, H, dk]``:
+    ``S_t = S_{t-1} + (v_t - S_{t-1} k_t) w_t^T``, ``o_t = S_t (scale q_t)`` (VLA: w = α̂);
+    differentiable in q, k, v, w and the initial state.
+
+    Not exposed with a gate: the kernels compute it (``HAS_G`` with ``HAS_W``, and it matches the
+    float64 reference under the interpreter), but on an H100 with Triton 3.6 its backward faulted with
+    an illegal memory access at head dims <= 16 in fp16/bf16 (fine at 128 and in fp32); until that is
+    understood, no mechanism needs it."""
+    _check_chunk("chunk_generalized_delta_rule", q, v, cu_seqlens, chunk_size)
+    if w.shape != k.shape or w.dtype != k.dtype:
+        raise ValueError(f"chunk_generalized_delta_rule: w must match k ({tuple(k.shape)}, {k.dtype}), "
+                         f"got {tuple(w.shape)}, {w.dtype}")
+    return ChunkDeltaRuleFunction.apply(q, k, v, None, None, w, initial_state, scale, cu_seqlens, chunk_size,
+                                        output_final_state)
+
+
+def _check_chunk(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int) -> None:
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"{op}: chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    _check(op, q, v, cu_seqlens)
 
 
 def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
