@@ -14,6 +14,8 @@ default S = 0, A = I / lambda0, z = 0, t = 0. q, k, v, u are the raw projections
 
 Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
 S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f).
+Triton (auto on CUDA): the α̂ from ``lazoo.kernels.vla`` (a token-by-token scan of A in registers with a
+hand-written backward), then S by the chunk-parallel generalised delta rule kernel.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ._common import (
     resolve_backend,
     zero_masked,
 )
-from .delta import chunk_generalized_delta
+from .delta import _triton_unsupported as _delta_triton_unsupported, chunk_generalized_delta
 
 _OP = "vla"
 _STATE_KEYS = ("S", "A", "z", "t")
@@ -70,7 +72,7 @@ def vla(
         raise ValueError(f"{_OP}: refresh_period must be an int (<= 0: no refresh), got {refresh_period!r}")
     if not lambda0 > 0:
         raise ValueError(f"{_OP}: lambda0 must be > 0, got {lambda0!r}")
-    backend = resolve_backend(_OP, backend, q.device)
+    backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, chunk_size))
     cdt = compute_dtype(q.dtype)
 
     state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
@@ -82,6 +84,8 @@ def vla(
 
     if backend == "recurrent":
         o, final = _recurrent_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, **hp)
+    elif backend == "triton":
+        o, final = _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, **hp)
     else:
         o, final = _chunk_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, chunk_size, **hp)
     o = zero_masked(o, mask).to(v.dtype)
@@ -161,6 +165,33 @@ def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
         num = torch.einsum("bhvk,bhk->bhv", S, q_f[:, i])
         outs.append(num / (z * q_f[:, i]).sum(-1, keepdim=True).clamp_min(eps))
     return torch.stack(outs, dim=1), {"S": S, "A": A, "z": z, "t": t}
+
+
+# ============================================================================ Triton path
+_TRITON_MAX_DK = 128  # = lazoo.kernels.vla.MAX_HEAD_DIM (not imported: kernels load lazily)
+
+
+def _triton_unsupported(q, v, chunk_size) -> str | None:
+    if q.shape[-1] > _TRITON_MAX_DK:
+        return f"the Triton VLA scan holds A in registers: dk up to {_TRITON_MAX_DK}, got {q.shape[-1]}"
+    return _delta_triton_unsupported(q, v, chunk_size)
+
+
+def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period, refresh_eta, eps):
+    """α̂ by the scan kernel, S by the generalised delta rule kernel (operands in v's dtype)."""
+    from ..kernels.delta import chunk_generalized_delta_rule
+    from ..kernels.vla import vla_scan
+
+    flags = _refresh_flags(real, state["t"], refresh_period)
+    alpha_hat, A = vla_scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
+    dt = v.dtype
+    w = zero_masked(alpha_hat, real)  # a pad writes nothing
+    num, S = chunk_generalized_delta_rule(q_f.to(dt), k_hat.to(dt), v, w.to(dt), initial_state=state["S"],
+                                          output_final_state=True, chunk_size=chunk_size)
+    z_t = state["z"][:, None] + zero_masked(k_feat, real).cumsum(1)
+    o = num.float() / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
+    t = state["t"] + real.long().sum(1)
+    return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
 
 
 # ============================================================================ chunk form

@@ -1,0 +1,180 @@
+"""VLA latency on a CUDA GPU: forward and forward+backward vs T, beside DeltaNet, Gated DeltaNet and SDPA.
+
+Rows (bf16, H = 16, d = 128, median ms by triton.testing.do_bench):
+  * ``--scan`` (default): B = 1, T from 1k to 32k: VLA through Triton (the A scan kernel + the
+    generalised delta rule kernel), the scan alone, DeltaNet / Gated DeltaNet kernels and causal SDPA;
+    the PyTorch chunk form (Woodbury + WY, what CPUs run) up to ``--torch-max-t``; the crossover T
+    where VLA's forward+backward gets below SDPA's.
+  * 32k tokens per batch (T = 1k, 8k, 32k): VLA vs Gated DeltaNet (the issue's "within 2x" target).
+  * the per-token PyTorch loop (Algorithm 1, ``backend="recurrent"``) once at B = 4, T = 4096, forward
+    only, against the Triton forward at the same shape.
+
+    PYTHONPATH=src python scripts/bench_vla.py --out vla.json --plot vla.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+H, D = 16, 128
+
+
+def make(B, T, dtype, gen, device="cuda"):
+    q, k, u, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=gen) for _ in range(4))
+    beta = torch.rand(B, T, H, device=device, generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, device=device, generator=gen) + 4).to(dtype)
+    return {"q": q, "k": k, "v": v, "u": u, "beta": beta, "g": g}
+
+
+def impls():
+    from lazoo import ops
+    from lazoo.kernels.vla import vla_scan
+
+    def scan_only(x):
+        kf = F.elu(x["k"].float()) + 1
+        k_hat = kf / kf.norm(dim=-1, keepdim=True)
+        u_hat = F.normalize(x["u"].float(), dim=-1) / D ** 0.5
+        B, T = x["q"].shape[:2]
+        flags = torch.zeros(B, T, device=x["q"].device)
+        flags[:, 19::20] = 1
+        A0 = torch.eye(D, device=x["q"].device).repeat(B, H, 1, 1) * 10
+        return vla_scan(k_hat, u_hat, flags, A0, eta=1e-3)[0]
+
+    return {
+        "vla_triton": (lambda x: ops.vla(x["q"], x["k"], x["v"], x["u"], backend="triton")[0], "qkvu"),
+        "vla_scan_kernel": (scan_only, "ku"),
+        "vla_torch_chunk": (lambda x: ops.vla(x["q"], x["k"], x["v"], x["u"], backend="chunk")[0], "qkvu"),
+        "delta_net": (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], backend="triton")[0], "qkv"),
+        "gated_delta_net": (lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                           backend="triton")[0], "qkv"),
+        "sdpa": (lambda x: F.scaled_dot_product_attention(
+            *(x[n].transpose(1, 2) for n in "qkv"), is_causal=True).transpose(1, 2), "qkv"),
+    }
+
+
+def time_fwd_bwd(fn, x, grads, bwd=True):
+    import triton
+
+    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    with torch.no_grad():
+        fwd = bench(lambda: fn(x))
+    if not bwd:
+        return fwd, None
+    leaves = {n: t.detach().requires_grad_(n in grads) for n, t in x.items()}
+    do = torch.randn_like(fn(leaves))
+
+    def step():
+        for n in grads:
+            leaves[n].grad = None
+        fn(leaves).backward(do)
+
+    return fwd, bench(step)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_vla.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--torch-max-t", type=int, default=4096, help="longest T for the PyTorch chunk form")
+    ap.add_argument("--no-loop", action="store_true", help="skip the per-token PyTorch loop")
+    args = ap.parse_args()
+    import triton
+
+    dtype = torch.bfloat16
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "dtype": str(dtype), "H": H, "D": D, "command": " ".join(sys.argv)}
+    print(json.dumps(env), flush=True)
+    table = impls()
+    result = {"env": env, "by_length": [], "tokens_32k": [], "loop": None}
+
+    def save():
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    for T in map(int, args.lengths.split(",")):
+        x = make(1, T, dtype, torch.Generator(device="cuda").manual_seed(0))
+        for name, (fn, grads) in table.items():
+            if name == "vla_torch_chunk" and T > args.torch_max_t:
+                continue
+            f, b = time_fwd_bwd(fn, x, tuple(grads))
+            result["by_length"].append({"impl": name, "B": 1, "T": T, "fwd_ms": f, "fwd_bwd_ms": b})
+            print("progress", result["by_length"][-1], flush=True)
+        save()
+    for T in (1024, 8192, 32768):
+        B = 32768 // T
+        x = make(B, T, dtype, torch.Generator(device="cuda").manual_seed(1))
+        for name in ("vla_triton", "gated_delta_net", "delta_net"):
+            fn, grads = table[name]
+            f, b = time_fwd_bwd(fn, x, tuple(grads))
+            result["tokens_32k"].append({"impl": name, "B": B, "T": T, "fwd_ms": f, "fwd_bwd_ms": b})
+            print("progress", result["tokens_32k"][-1], flush=True)
+        save()
+    if not args.no_loop:
+        from lazoo import ops
+
+        x = make(4, 4096, dtype, torch.Generator(device="cuda").manual_seed(2))
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ops.vla(x["q"], x["k"], x["v"], x["u"], backend="recurrent")
+            torch.cuda.synchronize()
+            loop_ms = (time.perf_counter() - t0) * 1e3
+        tri_ms, _ = time_fwd_bwd(table["vla_triton"][0], x, (), bwd=False)
+        result["loop"] = {"B": 4, "T": 4096, "per_token_loop_fwd_ms": loop_ms, "triton_fwd_ms": tri_ms,
+                          "speedup": loop_ms / tri_ms}
+        print("progress", result["loop"], flush=True)
+    save()
+    report(result)
+    if args.plot:
+        plot(result, args.plot)
+
+
+def crossover(rows):
+    """The smallest T from which VLA (Triton) forward+backward stays below SDPA's."""
+    get = lambda impl: {r["T"]: r["fwd_bwd_ms"] for r in rows if r["impl"] == impl}  # noqa: E731
+    vla, sdpa = get("vla_triton"), get("sdpa")
+    Ts = sorted(set(vla) & set(sdpa))
+    for i, T in enumerate(Ts):
+        if all(vla[t] < sdpa[t] for t in Ts[i:]):
+            return T
+    return None
+
+
+def report(result):
+    print(f"\n{'impl':18s} {'B':>3s} {'T':>6s} {'fwd ms':>9s} {'f+b ms':>9s}")
+    for r in result["by_length"] + result["tokens_32k"]:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"{r['impl']:18s} {r['B']:3d} {r['T']:6d} {fmt(r['fwd_ms']):>9s} {fmt(r['fwd_bwd_ms']):>9s}")
+    print("crossover with SDPA (fwd+bwd, B=1):", crossover(result["by_length"]))
+    if result["loop"]:
+        print("per-token loop vs Triton (fwd, B=4, T=4096):", result["loop"])
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwd_bwd_ms", "forward+backward")):
+        for impl in dict.fromkeys(r["impl"] for r in result["by_length"]):
+            pts = [(r["T"], r[key]) for r in result["by_length"] if r["impl"] == impl and r[key]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="T (B=1, H=16, d=128, bf16)", ylabel="ms", title=title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
