@@ -125,11 +125,10 @@ def _ops():
             flops=lambda D: tuple(2 * f for f in chunk_flops(D)),
             grads=("q", "k", "v", "beta"),
         ),
-        "gla": Op(  # a gate per key dim (fused recurrent kernels)
+        "gla": Op(  # a gate per key dim: the op's Triton backend runs lazoo.kernels.gla.chunk_gla here
             make=qkv_gk,
             ours=lambda x: ops.gla(x["q"], x["k"], x["v"], x["g"], scale=1.0, backend="triton")[0],
             fla=lambda fla, x: fla.chunk_gla(x["q"], x["k"], x["v"], x["g"], scale=1.0)[0],
-            flops=recurrent_flops,
             io=(5, 9),
             grads=("q", "k", "v", "g"),
         ),

@@ -12,8 +12,8 @@ and outputs 0).
 
 Packed batches: ``cu_seqlens`` ``[N + 1]`` (int, starting at 0 and ending at T, B = 1) holds the
 boundaries of N sequences packed along time; states are then ``[N, ...]``, one per sequence.
-Backend "triton" (auto on CUDA) runs lazoo.kernels.linear: chunked forward and hand-written backward,
-and a fused recurrent kernel for decoding (T <= 16 without autograd).
+Backend "triton" (auto on CUDA) runs lazoo.kernels.linear (lazoo.kernels.gla for gla): chunked forward
+and hand-written backward, and a fused recurrent kernel for decoding (T <= 16 without autograd).
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def gla(
     """Gated linear attention with a decay per key dim (GLA): g ``[B, T, H, dk]`` the log decay (<= 0).
 
     The chunk form materialises ``[C, C, dk]`` decays per chunk (hence the small default chunk);
-    the Triton backend is a fused recurrent kernel with a hand-written backward.
+    the Triton backend is lazoo.kernels.gla (chunks of 64 in 16-row sub-chunks, hand-written backward;
+    chunk_size does not apply to it), or the fused recurrent kernel for decoding (T <= 16, no autograd).
     """
     op = "gla"
     B, T, H, dk, dv = check_qkv(op, q, k, v)
@@ -213,9 +214,15 @@ def gla(
                                                                      q.device, torch.float32)
         if isinstance(scale, torch.Tensor):  # a learned scale stays differentiable outside the kernel
             q, scale = q * scale.to(q.dtype), 1.0
-        o, S = kl.fused_recurrent_gla(q, zero_masked(k, mask), v, zero_masked(g, mask), scale=scale,
-                                      initial_state=S0, output_final_state=output_final_state,
-                                      cu_seqlens=cu_seqlens)
+        k, g = zero_masked(k, mask), zero_masked(g, mask)  # a pad writes nothing and does not decay
+        if _decoding(T, cu_seqlens, q, k, v, g, S0):
+            o, S = kl.fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=S0,
+                                          output_final_state=output_final_state)
+        else:
+            from ..kernels import gla as kg
+
+            o, S = kg.chunk_gla(q, k, v, g, scale=scale, initial_state=S0, output_final_state=output_final_state,
+                                cu_seqlens=cu_seqlens)
         return zero_masked(o, mask).to(v.dtype), (S if output_final_state else None)
     if cu_seqlens is not None:
         return run_per_sequence(
