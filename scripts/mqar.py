@@ -155,6 +155,8 @@ def summarise(runs, mechanisms, n_pairs):
         for n in n_pairs:
             accs = [r["acc"] for r in runs if r["mechanism"] == mech and r["n_pairs"] == n]
             sacc = [r["sample_acc"] for r in runs if r["mechanism"] == mech and r["n_pairs"] == n]
+            if not accs:  # not run (yet)
+                continue
             mean = sum(accs) / len(accs)
             std = (sum((a - mean) ** 2 for a in accs) / (len(accs) - 1)) ** 0.5 if len(accs) > 1 else 0.0
             table.setdefault(mech, {})[str(n)] = {"acc_mean": mean, "acc_std": std, "acc": accs,
@@ -167,7 +169,8 @@ def format_table(table, n_pairs):
     lines = ["exact-match accuracy per query, mean ± std over seeds (all-correct samples in brackets)", head]
     for mech, row in table.items():
         cells = "".join(f"{row[str(n)]['acc_mean']:>8.3f} ± {row[str(n)]['acc_std']:.3f} "
-                        f"[{row[str(n)]['sample_acc_mean']:.3f}]" for n in n_pairs)
+                        f"[{row[str(n)]['sample_acc_mean']:.3f}]" if str(n) in row else f"{'-':>22}"
+                        for n in n_pairs)
         lines.append(f"{mech:<16}{cells}")
     return "\n".join(lines)
 
@@ -177,30 +180,35 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     combos = [(m, n, s) for m in args.mechanisms for n in args.n_pairs for s in args.seeds]
     runs = []
+
+    def write_report():  # after every run, so an interrupted sweep keeps what it finished
+        report = {
+            "experiment": "seed 000 MQAR capacity (issue 4)",
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "model": MODEL,
+            "layout": "k1 v1 ... kn vn SEP kσ(1) ... kσ(n); keys 0..V/2-1, values V/2..V-2, SEP V-1; "
+                      "labels aligned with positions (target of the logits at each query position)",
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "lazoo": getattr(lazoo, "__version__", None),
+                         "cuda": torch.version.cuda,
+                         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else
+                         platform.processor() or platform.machine()},
+            "summary": summarise(runs, args.mechanisms, args.n_pairs),
+            "runs": runs,
+            "wall_seconds": time.perf_counter() - t0,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        return report
+
     with tqdm(total=len(combos) * args.steps, disable=args.no_progress, desc="mqar") as bar:
         for mech, n, seed in combos:
             r = run_one(mech, n, seed, args, bar)
             runs.append(r)
             tqdm.write(f"{mech:<12} n={n:<3} seed={seed:<4} acc={r['acc']:.3f} sample_acc={r['sample_acc']:.3f} "
                        f"loss={r['final_train_loss']:.3f} ({r['train_seconds']:.0f}s)")
-    table = summarise(runs, args.mechanisms, args.n_pairs)
-    report = {
-        "experiment": "seed 000 MQAR capacity (issue 4)",
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": MODEL,
-        "layout": "k1 v1 ... kn vn SEP kσ(1) ... kσ(n); keys 0..V/2-1, values V/2..V-2, SEP V-1; "
-                  "labels aligned with positions (target of the logits at each query position)",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "lazoo": getattr(lazoo, "__version__", None),
-                     "cuda": torch.version.cuda,
-                     "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else
-                     platform.processor() or platform.machine()},
-        "summary": table,
-        "runs": runs,
-        "wall_seconds": time.perf_counter() - t0,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+            report = write_report()
+    table = report["summary"]
     print(format_table(table, args.n_pairs))
     print(f"wrote {args.out} ({report['wall_seconds']:.0f}s)")
     return report
