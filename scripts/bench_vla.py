@@ -8,6 +8,8 @@ Rows (bf16, H = 16, d = 128, median ms by triton.testing.do_bench):
   * 32k tokens per batch (T = 1k, 8k, 32k): VLA vs Gated DeltaNet (the issue's "within 2x" target).
   * the per-token PyTorch loop (Algorithm 1, ``backend="recurrent"``) once at B = 4, T = 4096, forward
     only, against the Triton forward at the same shape.
+  * decoding: one token against a state (B = 8), the whole op (A scan + fused recurrent S update,
+    CUDA-graph replays when capture works, else plain launches), beside Gated DeltaNet's.
 
     PYTHONPATH=src python scripts/bench_vla.py --out vla.json --plot vla.png
 """
@@ -85,6 +87,7 @@ def main():
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--torch-max-t", type=int, default=4096, help="longest T for the PyTorch chunk form")
     ap.add_argument("--no-loop", action="store_true", help="skip the per-token PyTorch loop")
+    ap.add_argument("--decode-only", action="store_true", help="only the decoding rows")
     args = ap.parse_args()
     import triton
 
@@ -93,11 +96,17 @@ def main():
            "python": platform.python_version(), "dtype": str(dtype), "H": H, "D": D, "command": " ".join(sys.argv)}
     print(json.dumps(env), flush=True)
     table = impls()
-    result = {"env": env, "by_length": [], "tokens_32k": [], "loop": None}
+    result = {"env": env, "by_length": [], "tokens_32k": [], "loop": None, "decode": None}
 
     def save():
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
+
+    result["decode"] = bench_decode(dtype)
+    print("decode", result["decode"], flush=True)
+    save()
+    if args.decode_only:
+        return
 
     for T in map(int, args.lengths.split(",")):
         x = make(1, T, dtype, torch.Generator(device="cuda").manual_seed(0))
@@ -135,6 +144,32 @@ def main():
     report(result)
     if args.plot:
         plot(result, args.plot)
+
+
+def bench_decode(dtype, B=8):
+    """ms per decoded token (one token against a state) for VLA and Gated DeltaNet."""
+    import triton
+    from lazoo import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = make(B, 1, dtype, gen)
+    M = torch.randn(B, H, D, D, device="cuda", generator=gen)
+    state = {"S": torch.randn(B, H, D, D, device="cuda", generator=gen),
+             "A": torch.eye(D, device="cuda") * 10 + M @ M.transpose(-1, -2) / D,
+             "z": torch.rand(B, H, D, device="cuda", generator=gen), "t": torch.full((B,), 5, device="cuda")}
+    S = state["S"].clone()
+    fns = {"vla": lambda: ops.vla(x["q"], x["k"], x["v"], x["u"], initial_state=state, output_final_state=True),
+           "gated_delta_net": lambda: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                           initial_state=S, output_final_state=True)}
+    out = {"B": B}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            try:
+                out[f"{name}_graph_ms"] = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+            except Exception as e:  # capture needs no host syncs
+                out[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            out[f"{name}_ms"] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return out
 
 
 def crossover(rows):

@@ -108,3 +108,18 @@ def test_gpu_vla_matches_float64(dtype, tol):
 def test_gpu_vla_long_sequence():
     # 4096 tokens: 16 checkpoint segments of A in the backward
     check(1, 4096, 2, 64, 64, 1e-4, 1e-3, device="cuda", ref_backend="chunk")
+
+
+@needs_interp
+def test_interp_vla_decode_matches_algorithm1():
+    # no autograd, a few tokens against a carried state: the fused recurrent S update
+    x, state = inputs(3, 3, 2, 16, 12, seed=5)
+    mask = left_pad_mask([3, 2, 1], 3)
+    with torch.no_grad():
+        ro, rs = vla(*x.values(), initial_state=state, output_final_state=True, mask=mask, backend="recurrent")
+        st = {n: (t.float() if t.is_floating_point() else t) for n, t in state.items()}
+        o, s = vla(*(t.float() for t in x.values()), initial_state=st, output_final_state=True, mask=mask,
+                   backend="triton")
+    assert_close(o, ro.float(), 1e-5, "decode output")
+    for (name, a), (_, b) in zip(state_parts(s), state_parts(rs)):
+        assert_close(a, b.to(a.dtype) if not a.is_floating_point() else b.float(), 1e-5, name)

@@ -684,8 +684,10 @@ def _fused_recurrent_kernel(
     q, k, v, beta, g, s0, o, sT, cu, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, L2NORM: tl.constexpr,
+    HAS_W: tl.constexpr,
 ):
-    """Token by token against a state S [BV, dk] in registers (decoding: one or a few tokens)."""
+    """Token by token against a state S [BV, dk] in registers (decoding: one or a few tokens). With
+    HAS_W, ``beta`` holds the write keys w ``[TT, H, dk]`` (the generalised rule)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -704,14 +706,17 @@ def _fused_recurrent_kernel(
         b_q = tl.load(q + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
         b_k = tl.load(k + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
         b_v = tl.load(v + t * H * V + i_h * V + o_v, mask=m_v, other=0).to(tl.float32)
-        b_b = tl.load(beta + t * H + i_h).to(tl.float32)
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
         if HAS_G:
             b_s = b_s * tl.exp(tl.load(g + t * H + i_h).to(tl.float32))
-        b_u = (b_v - tl.sum(b_s * b_k[None, :], 1)) * b_b
-        b_s += b_u[:, None] * b_k[None, :]
+        b_u = b_v - tl.sum(b_s * b_k[None, :], 1)
+        if HAS_W:
+            b_w = tl.load(beta + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        else:
+            b_w = b_k * tl.load(beta + t * H + i_h).to(tl.float32)
+        b_s += b_u[:, None] * b_w[None, :]
         b_o = tl.sum(b_s * b_q[None, :], 1) * scale
         tl.store(o + t * H * V + i_h * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_S:
@@ -1048,8 +1053,17 @@ def _check_chunk(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_si
     _check(op, q, v, cu_seqlens)
 
 
+def fused_recurrent_generalized_delta_rule(q, k, v, w, *, scale: float = 1.0, initial_state=None,
+                                           output_final_state: bool = False, cu_seqlens=None):
+    """Token-by-token generalised delta rule (own write keys w, as ``chunk_generalized_delta_rule``)
+    against a state, forward only (decoding)."""
+    return fused_recurrent_delta_rule(q, k, v, w, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, _w=True)
+
+
 def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
-                               output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False):
+                               output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm: bool = False,
+                               _w: bool = False):
     """Token-by-token (gated) delta rule against a state, forward only (decoding). Same layout as
     ``chunk_delta_rule``; ``use_qk_l2norm`` normalises q and k inside the kernel (eps 1e-6)."""
     _check("fused_recurrent_delta_rule", q, v, cu_seqlens)
@@ -1072,5 +1086,5 @@ def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, ini
         q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(),
         g.contiguous() if g is not None else beta, S0 if S0 is not None else o, o, sT, cu, float(scale),
         H=H, K=K, V=V, BKF=BKF, BV=BV, HAS_G=g is not None, USE_S0=S0 is not None,
-        STORE_S=output_final_state, L2NORM=use_qk_l2norm, **_opts("recurrent", interp))
+        STORE_S=output_final_state, L2NORM=use_qk_l2norm, HAS_W=_w, **_opts("recurrent", interp))
     return o, (sT if output_final_state else None)

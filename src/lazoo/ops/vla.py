@@ -169,6 +169,7 @@ def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
 
 # ============================================================================ Triton path
 _TRITON_MAX_DK = 128  # = lazoo.kernels.vla.MAX_HEAD_DIM (not imported: kernels load lazily)
+_DECODE_MAX_T = 16  # fused recurrent S update up to this many tokens without autograd
 
 
 def _triton_unsupported(q, v, chunk_size) -> str | None:
@@ -179,15 +180,22 @@ def _triton_unsupported(q, v, chunk_size) -> str | None:
 
 def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period, refresh_eta, eps):
     """α̂ by the scan kernel, S by the generalised delta rule kernel (operands in v's dtype)."""
-    from ..kernels.delta import chunk_generalized_delta_rule
+    from ..kernels import delta as kd
     from ..kernels.vla import vla_scan
 
     flags = _refresh_flags(real, state["t"], refresh_period)
     alpha_hat, A = vla_scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
     dt = v.dtype
     w = zero_masked(alpha_hat, real)  # a pad writes nothing
-    num, S = chunk_generalized_delta_rule(q_f.to(dt), k_hat.to(dt), v, w.to(dt), initial_state=state["S"],
-                                          output_final_state=True, chunk_size=chunk_size)
+    args = (q_f.to(dt), k_hat.to(dt), v, w.to(dt))
+    decoding = q_f.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
+        x.requires_grad for x in (*args, state["S"])))
+    if decoding:  # one or a few tokens against the cache: token by token, no chunk machinery
+        num, S = kd.fused_recurrent_generalized_delta_rule(*args, initial_state=state["S"].contiguous(),
+                                                           output_final_state=True)
+    else:
+        num, S = kd.chunk_generalized_delta_rule(*args, initial_state=state["S"], output_final_state=True,
+                                                 chunk_size=chunk_size)
     z_t = state["z"][:, None] + zero_masked(k_feat, real).cumsum(1)
     o = num.float() / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
     t = state["t"] + real.long().sum(1)
