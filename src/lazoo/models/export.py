@@ -233,6 +233,24 @@ def auto_map_for(config) -> dict[str, str] | None:
     }
 
 
+#: lazoo's task heads beyond the causal LM: `modeling_lazoo` table of `model_type -> class` -> the Auto class
+#: that loads it. A model of one of these classes adds its own entry to `auto_map` when it is saved (a causal
+#: LM's `auto_map` keeps the three entries of `auto_map_for`).
+HEAD_AUTO_CLASSES = {"SEQUENCE_CLASSIFICATION_CLASSES": "AutoModelForSequenceClassification"}
+
+
+def head_auto_map(model) -> dict[str, str]:
+    """The `auto_map` entry of a lazoo task-head model (e.g. `{"AutoModelForSequenceClassification":
+    "modeling_lazoo.LazooVLAForSequenceClassification"}`), or {} for any other model."""
+    from . import modeling_lazoo
+
+    for table, auto_class in HEAD_AUTO_CLASSES.items():
+        cls = getattr(modeling_lazoo, table).get(model.config.model_type)
+        if cls is not None and type(model) is cls:
+            return {auto_class: f"modeling_lazoo.{cls.__name__}"}
+    return {}
+
+
 def export_remote_code(folder: str | os.PathLike, config=None) -> list[Path]:
     """Write the flat code modules into `folder`; given a config, also merge its `auto_map` into an existing
     `folder/config.json` (for a folder saved without it). Returns the files written."""

@@ -1,4 +1,5 @@
-"""GPT-style causal language models whose token mixers come from `config.layer_types`."""
+"""GPT-style causal language models whose token mixers come from `config.layer_types`, and sequence
+classifiers on the same stack (`...ForSequenceClassification`; ELA also as a bidirectional encoder)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
+                                           SequenceClassifierOutputWithPast)
 
 try:  # guarded init functions: never overwrite weights that were loaded
     from transformers import initialization as hf_init
 except ImportError:  # pragma: no cover - older transformers
     hf_init = nn.init
 
+from .. import ops
 from ..layers.mixers import TokenMixer, mixer_class
+from ..layers.mixers.linear import ELAMixer
 from ..layers.mlp import GatedMLP
 from .cache import LazooCache
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
@@ -69,6 +73,20 @@ class LazooPreTrainedModel(PreTrainedModel):
                 return result
             write_model_card(self, save_directory)
         return result
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        """`push_to_hub` saves into `working_dir`, then overwrites README.md with the Hub repo's card, or,
+        for a new repo, with transformers' generic template: in that case lazoo's card goes back in."""
+        readme = os.path.join(working_dir, "README.md")
+        generic = "This is the model card of a 🤗 transformers model that has been pushed on the Hub"
+        if os.path.exists(readme) and generic in open(readme, encoding="utf-8").read():
+            try:
+                from .card import write_model_card
+            except ImportError:  # the exported copy (trust_remote_code) has no card writer
+                pass
+            else:
+                write_model_card(self, working_dir)
+        return super()._upload_modified_files(working_dir, *args, **kwargs)
 
 
 def _new_token_mask(attention_mask, batch: int, length: int, past: int):
@@ -252,4 +270,162 @@ MODEL_CLASSES = {
     "lazoo_ela": (MECHANISM_CONFIGS["ela"], LazooELAModel, LazooELAForCausalLM),
     "lazoo_gla": (MECHANISM_CONFIGS["gla"], LazooGLAModel, LazooGLAForCausalLM),
     "lazoo_delta_product": (MECHANISM_CONFIGS["delta_product"], LazooDeltaProductModel, LazooDeltaProductForCausalLM),
+}
+
+
+# ============================================================================ sequence classification
+class _BidirectionalELAMixer(ELAMixer):
+    """ELA's bidirectional form (`ops.ela(causal=False)`): every real token attends to every real token of
+    its sequence (pads excluded through the mask). No state: a classifier encodes whole sequences. The optional
+    short convolution (`use_short_conv`) stays causal. Used only by `LazooForSequenceClassification` when
+    `config.bidirectional` is True."""
+
+    def mix(self, q, k, v, x, *, mask, state, want_state):
+        o, _ = ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"], causal=False,
+                       mask=mask, backend=self.options.get("backend"))
+        return o, None
+
+
+def _make_bidirectional(model: LazooModel, config: LazooConfig) -> None:
+    """Switch every ELA mixer of `model` to ELA's bidirectional form (same parameters, other op call)."""
+    others = sorted(set(config.layer_types) - {"ela"})
+    if others:
+        raise ValueError(
+            f"bidirectional=True needs every layer to be 'ela' (ELA has a bidirectional form); layer_types also "
+            f"has {others}. Use layer_types=['ela', ...] or leave bidirectional unset for a causal encoder"
+        )
+    for layer in model.layers:
+        if type(layer.mixer) is not ELAMixer:  # a subclass of ours would lose its own behaviour
+            raise TypeError(f"bidirectional=True: expected an ELAMixer, got {type(layer.mixer).__name__}")
+        layer.mixer.__class__ = _BidirectionalELAMixer
+
+
+class LazooForSequenceClassification(LazooPreTrainedModel):
+    """A lazoo model with a linear classification head (`score`) on a pooled hidden state.
+
+    Pooling, as transformers' LlamaForSequenceClassification: the hidden state of the last real token
+    (from `attention_mask` when given, else the last token that is not `config.pad_token_id`, else the last
+    position), so left and right padding both work. With `config.bidirectional=True` (ELA layers only) the
+    encoder runs ELA's bidirectional form and the head reads the mean over real tokens. `config.num_labels`
+    and `config.problem_type` ("regression", "single_label_classification", "multi_label_classification",
+    inferred from the labels when unset) choose the loss, as in transformers.
+    """
+
+    accepts_loss_kwargs = False  # the mean loss over the batch; Trainer must not rescale it
+
+    def __init__(self, config: LazooConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = LazooModel(config)
+        if getattr(config, "bidirectional", False):
+            _make_bidirectional(self.model, config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+    @property
+    def bidirectional(self) -> bool:
+        return bool(getattr(self.config, "bidirectional", False))
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`LazooPreTrainedModel.save_pretrained`, with this head added to the config's `auto_map`
+        (`AutoModelForSequenceClassification`, see `lazoo.models.export.head_auto_map`)."""
+        try:
+            from .export import head_auto_map
+        except ImportError:  # the exported copy (trust_remote_code): transformers writes its own auto_map
+            head_auto_map = None
+        if head_auto_map is not None:
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **head_auto_map(self)}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _real_tokens(self, input_ids, attention_mask, batch: int, length: int, device):
+        """`[B, T]` 0/1 of the real tokens, or None when every position counts."""
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+                raise ValueError(f"attention_mask must have shape [batch, sequence] = {(batch, length)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            return attention_mask.to(device=device, dtype=torch.long)
+        if self.config.pad_token_id is not None and input_ids is not None:
+            return (input_ids != self.config.pad_token_id).to(device=device, dtype=torch.long)
+        if batch != 1:
+            raise ValueError("cannot find the last real token of a batch of several sequences: pass attention_mask, "
+                             "or set config.pad_token_id (and pass input_ids)")
+        return None
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,  # a classifier reads whole sequences: no recurrent state to keep
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = outputs.last_hidden_state
+        B, T = hidden.shape[:2]
+        real = self._real_tokens(input_ids, attention_mask, B, T, hidden.device)
+        if self.bidirectional:  # mean over real tokens
+            weights = hidden.new_ones(B, T) if real is None else real.to(hidden.dtype)
+            pooled = (hidden * weights[..., None]).sum(1) / weights.sum(1, keepdim=True).clamp_min(1)
+        else:  # the last real token (the rightmost one, so left and right padding both work)
+            if real is None:
+                last = torch.full((B,), T - 1, dtype=torch.long, device=hidden.device)
+            else:
+                last = (torch.arange(T, device=hidden.device) * real).argmax(-1)
+            pooled = hidden[torch.arange(B, device=hidden.device), last]
+        logits = self.score(pooled)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+def _seqcls_class(prefix: str, config_class):
+    return type(f"{prefix}ForSequenceClassification", (LazooForSequenceClassification,),
+                {"config_class": config_class, "__module__": __name__})
+
+
+LazooSoftmaxForSequenceClassification = _seqcls_class("LazooSoftmax", MECHANISM_CONFIGS["softmax"])
+LazooSlidingWindowForSequenceClassification = _seqcls_class(
+    "LazooSlidingWindow", MECHANISM_CONFIGS["sliding_window"])
+LazooLinearForSequenceClassification = _seqcls_class("LazooLinear", MECHANISM_CONFIGS["linear"])
+LazooGatedLinearForSequenceClassification = _seqcls_class("LazooGatedLinear", MECHANISM_CONFIGS["gated_linear"])
+LazooDeltaNetForSequenceClassification = _seqcls_class("LazooDeltaNet", MECHANISM_CONFIGS["delta_net"])
+LazooGatedDeltaNetForSequenceClassification = _seqcls_class(
+    "LazooGatedDeltaNet", MECHANISM_CONFIGS["gated_delta_net"])
+LazooVLAForSequenceClassification = _seqcls_class("LazooVLA", MECHANISM_CONFIGS["vla"])
+LazooELAForSequenceClassification = _seqcls_class("LazooELA", MECHANISM_CONFIGS["ela"])
+LazooGLAForSequenceClassification = _seqcls_class("LazooGLA", MECHANISM_CONFIGS["gla"])
+LazooDeltaProductForSequenceClassification = _seqcls_class("LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
+
+#: model_type -> sequence classification class (registered on AutoModelForSequenceClassification)
+SEQUENCE_CLASSIFICATION_CLASSES = {
+    "lazoo_hybrid": LazooForSequenceClassification,
+    "lazoo_softmax": LazooSoftmaxForSequenceClassification,
+    "lazoo_sliding_window": LazooSlidingWindowForSequenceClassification,
+    "lazoo_linear": LazooLinearForSequenceClassification,
+    "lazoo_gated_linear": LazooGatedLinearForSequenceClassification,
+    "lazoo_delta_net": LazooDeltaNetForSequenceClassification,
+    "lazoo_gated_delta_net": LazooGatedDeltaNetForSequenceClassification,
+    "lazoo_vla": LazooVLAForSequenceClassification,
+    "lazoo_ela": LazooELAForSequenceClassification,
+    "lazoo_gla": LazooGLAForSequenceClassification,
+    "lazoo_delta_product": LazooDeltaProductForSequenceClassification,
 }
