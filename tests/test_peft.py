@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ALL_MODELS, MECHANISMS, random_ids, tiny_model
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -79,7 +79,8 @@ def test_every_adapted_projection_changes_the_output(name):
 @pytest.mark.parametrize("name", ALL_MODELS)
 def test_trainer_trains_the_adapter_only_and_it_round_trips(name, tmp_path):
     torch.manual_seed(0)
-    model = lora(tiny_model(name, eval=False), name)
+    tiny_model(name).save_pretrained(tmp_path / "base")  # fine-tune a saved model, as users do
+    model = lora(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), name)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable), sorted(trainable)[:5]
@@ -108,7 +109,7 @@ def test_trainer_trains_the_adapter_only_and_it_round_trips(name, tmp_path):
 
     model.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    fresh = tiny_model(name)  # the same seeded base weights the adapter was trained on
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, adapted), f"{name}: the reloaded adapter gives other logits"
