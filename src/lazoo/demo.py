@@ -9,8 +9,8 @@ import os
 import time
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments,
-                          default_data_collator, set_seed)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, Trainer,
+                          TrainingArguments, default_data_collator, set_seed)
 
 from .data import build_lm_datasets
 from .presets import build_config, known_layouts
@@ -67,17 +67,19 @@ def perplexity(trainer: Trainer) -> float:
 
 
 def use_all_cpu_threads() -> None:
+    """On CPU, all cores for torch, shared among the processes of this machine under `accelerate launch`."""
     if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, procs)))
 
 
 def load_lm_data(corpus, layout: str, sizes: dict, block_size: int, eval_blocks: int, seed: int,
-                 max_train_blocks: int | None = None):
-    """Corpus -> BPE tokenizer (vocab from `sizes`, else the layout's config) -> train/held-out blocks.
-    Pops "vocab_size" from `sizes` (the model takes the tokenizer's)."""
+                 max_train_blocks: int | None = None, tokenizer=None):
+    """Corpus -> BPE tokenizer (vocab from `sizes`, else the layout's config; or `tokenizer`, a tokenizer or a
+    folder, when given) -> train/held-out blocks. Pops "vocab_size" from `sizes` (the model takes the tokenizer's)."""
     vocab_size = sizes.pop("vocab_size", None) or build_config(layout).vocab_size
-    data = build_lm_datasets(corpus, block_size=block_size, vocab_size=vocab_size, max_eval_blocks=eval_blocks,
-                             max_train_blocks=max_train_blocks, seed=seed)
+    data = build_lm_datasets(corpus, tokenizer, block_size=block_size, vocab_size=vocab_size,
+                             max_eval_blocks=eval_blocks, max_train_blocks=max_train_blocks, seed=seed)
     print(f"[lazoo] corpus: {len(data.train)} train / {len(data.eval)} held-out blocks of {block_size} tokens, "
           f"vocab {len(data.tokenizer)}")
     return data
@@ -93,18 +95,79 @@ def build_model(layout: str, tokenizer, sizes: dict):
     return model
 
 
+class PackedDocumentsCollator:
+    """Blocks -> their documents (each block cut after every eos) packed in one row with `position_ids` that
+    restart at 0 per document and labels -100 at each document's first token (`DataCollatorWithFlattening`);
+    lazoo models keep packed documents apart. Same tokens per batch as the padded blocks."""
+
+    def __init__(self, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+        self.flatten = DataCollatorWithFlattening(return_tensors="pt")
+
+    def split(self, ids: list[int]) -> list[list[int]]:
+        cuts = [i + 1 for i, t in enumerate(ids[:-1]) if t == self.eos_token_id]
+        return [ids[s:e] for s, e in zip([0, *cuts], [*cuts, len(ids)])]
+
+    def __call__(self, features):
+        docs = [doc for f in features for doc in self.split(list(f["input_ids"]))]
+        return self.flatten([{"input_ids": doc, "labels": doc} for doc in docs])
+
+
+class _CheckpointConfigVersion:
+    """Stands in for `PreTrainedConfig` in `Trainer._load_from_checkpoint`, which builds the base config class
+    from the checkpoint's config.json only to compare `transformers_version`: the base class validates
+    `layer_types` against transformers' own attention kinds and refuses lazoo's mechanism names."""
+
+    @staticmethod
+    def from_json_file(path):
+        import json
+        from types import SimpleNamespace
+
+        with open(path, encoding="utf-8") as f:
+            return SimpleNamespace(transformers_version=json.load(f).get("transformers_version"))
+
+
+class LazooTrainer(Trainer):
+    """`Trainer` that can resume lazoo models from a checkpoint (`resume_from_checkpoint`)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        import transformers.trainer as trainer_module
+
+        names = [n for n in ("PreTrainedConfig", "PretrainedConfig") if hasattr(trainer_module, n)]
+        saved = {n: getattr(trainer_module, n) for n in names}
+        for n in names:
+            setattr(trainer_module, n, _CheckpointConfigVersion)
+        try:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        finally:
+            for n, cls in saved.items():
+                setattr(trainer_module, n, cls)
+
+
 def make_trainer(model, data, output_dir: str, steps: int, batch_size: int, lr: float, seed: int,
-                 progress: bool = True) -> Trainer:
-    """The `Trainer` of the demo and `lazoo train`: cosine schedule with 5% warm-up, AdamW, no checkpoints."""
+                 progress: bool = True, *, grad_accum: int = 1, bf16: bool = False, packing: bool = False,
+                 save_steps: int | None = None, save_total_limit: int | None = None,
+                 gradient_checkpointing: bool = False, logging_steps: int | None = None, callbacks=()) -> Trainer:
+    """The `Trainer` of the demo and `lazoo train`: cosine schedule with 5% warm-up, AdamW; by default padded
+    blocks, fp32, no checkpoints. `packing`: documents packed in one row (`PackedDocumentsCollator`);
+    `save_steps`: a checkpoint every N steps in `output_dir` (resume with `trainer.train(resume_from_checkpoint=True)`)."""
+    extra = {}
+    if gradient_checkpointing:  # transformers 5.23 renames the argument (5.17 has only the old name)
+        name = next(a for a in ("activation_checkpointing", "gradient_checkpointing")
+                    if a in TrainingArguments.__dataclass_fields__)
+        extra[name] = True
     training_args = TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=batch_size, learning_rate=lr, lr_scheduler_type="cosine",
-        warmup_steps=max(1, steps // 20), weight_decay=0.01, max_grad_norm=1.0, logging_steps=max(1, steps // 10),
-        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed,
-        dataloader_num_workers=0, disable_tqdm=not progress,
+        per_device_eval_batch_size=batch_size, gradient_accumulation_steps=grad_accum, learning_rate=lr,
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), weight_decay=0.01, max_grad_norm=1.0,
+        logging_steps=logging_steps or max(1, steps // 10), bf16=bf16,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, save_total_limit=save_total_limit,
+        report_to=[], use_cpu=not torch.cuda.is_available(), seed=seed,
+        dataloader_num_workers=0, disable_tqdm=not progress, **extra,
     )
-    return Trainer(model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
-                   data_collator=default_data_collator)
+    collator = PackedDocumentsCollator(data.tokenizer.eos_token_id) if packing else default_data_collator
+    return LazooTrainer(model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
+                        data_collator=collator, callbacks=list(callbacks) or None)
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, greedy: bool = False,

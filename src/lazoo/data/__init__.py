@@ -1,6 +1,8 @@
 """Data for lazoo: corpora, a small BPE tokenizer, and causal-LM blocks."""
 
 from .corpus import load_corpus, load_default_corpus, split_corpus
+from .icr import (icl_batch, icl_dataset, icr_batch, icr_dataset, icr_num_pairs, positional_icr_batch,
+                  positional_icr_dataset)
 from .lm import LMData, build_lm_datasets, tokenize_and_chunk
 from .mqar import mqar_batch, mqar_dataset
 from .tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
@@ -10,10 +12,17 @@ __all__ = [
     "PAD_TOKEN",
     "LMData",
     "build_lm_datasets",
+    "icl_batch",
+    "icl_dataset",
+    "icr_batch",
+    "icr_dataset",
+    "icr_num_pairs",
     "load_corpus",
     "load_default_corpus",
     "mqar_batch",
     "mqar_dataset",
+    "positional_icr_batch",
+    "positional_icr_dataset",
     "split_corpus",
     "tokenize_and_chunk",
     "train_tokenizer",

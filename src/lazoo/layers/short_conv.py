@@ -6,19 +6,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops._common import packed_offsets
+
 
 class ShortConvolution(nn.Conv1d):
     """`y_t = act(Σ_{i<K} w_i ⊙ x_{t−i})`, channels last: input and output `[B, T, C]`.
 
     Padded positions are zeroed before the convolution, so a left-padded sample sees the same
     zeros before its first token as it would unpadded. `state` holds the last K−1 inputs `[B, K−1, C]`.
+    Packed sequences (`cu_seqlens` `[N + 1]`, B = 1): a position sees only the inputs of its own sequence,
+    as if each sequence ran alone from a zero state (no state in or out).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu"):
         super().__init__(channels, channels, kernel_size, groups=channels, padding=0, bias=False)
         self.activation = activation
 
-    def forward(self, x, mask=None, state=None, output_state=False):
+    def forward(self, x, mask=None, state=None, output_state=False, cu_seqlens=None):
+        if cu_seqlens is not None:
+            if state is not None or output_state or mask is not None:
+                raise ValueError("ShortConvolution: packed sequences (cu_seqlens) take no mask and no state")
+            return self._packed(x, cu_seqlens), None
         if mask is not None:
             x = x * mask[..., None].to(x.dtype)
         K = self.kernel_size[0]
@@ -30,3 +38,17 @@ class ShortConvolution(nn.Conv1d):
             y = F.silu(y)
         new_state = padded[:, padded.shape[1] - (K - 1):] if output_state else None
         return y, new_state
+
+    def _packed(self, x, cu_seqlens):
+        """`y_t = act(Σ_{s<K} w_{K−1−s} ⊙ x_{t−s})` over the `s` that stay inside t's own sequence."""
+        K, T = self.kernel_size[0], x.shape[1]
+        offsets = packed_offsets(cu_seqlens.to(x.device), T)  # [T]: position within its sequence
+        w = self.weight[:, 0, :].to(x.dtype)  # [C, K]; conv1d's tap j multiplies x_{t−(K−1−j)}
+        y = x * w[:, K - 1]
+        for s in range(1, min(K, T)):
+            shifted = F.pad(x[:, : T - s], (0, 0, s, 0))  # x_{t−s}, zeros before the start
+            keep = (offsets >= s).to(x.dtype)[None, :, None]
+            y = y + shifted * keep * w[:, K - 1 - s]
+        if self.activation == "silu":
+            y = F.silu(y)
+        return y

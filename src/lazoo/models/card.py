@@ -50,6 +50,13 @@ MECHANISM_INFO: dict[str, tuple[str, str, str]] = {
     "delta_product": ("DeltaProduct", "S_t = S_{t−1} Π_j (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) + Σ_j β_{t,j} v_{t,j} k_{t,j}ᵀ "
                       "(n_h Householder steps per token); o_t = S_t q_t",
                       "Siems et al. 2025, DeltaProduct"),
+    "ovq": ("Online Vector-Quantized attention", "per chunk c: O_c = softmax(β Q_c [D_k; K_c]ᵀ + [log c; 0] + causal) "
+            "[D_v; V_c]; then n_new = N_{Lc} − N_{L(c−1)} (N_t = tN/(t+N)) lowest-similarity keys become centroids, "
+            "the others move theirs by (x − μ)/(c_old + c_chunk)",
+            "Online Vector Quantized Attention (2026), arXiv:2602.03922"),
+    "vq": ("VQ-attention (learned key codebook)", "o_t = softmax(β q_t Cᵀ + log c_t) D_v,t: causal softmax over keys "
+           "replaced by their nearest code; counts c_t and value means D_v,t per code",
+           "Lingle 2023, Transformer-VQ; Online Vector Quantized Attention (2026) §2.2"),
 }
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")

@@ -157,11 +157,15 @@ LazooVLAConfig = _mechanism_config("vla", "LazooVLAConfig")
 LazooELAConfig = _mechanism_config("ela", "LazooELAConfig")
 LazooGLAConfig = _mechanism_config("gla", "LazooGLAConfig")
 LazooDeltaProductConfig = _mechanism_config("delta_product", "LazooDeltaProductConfig")
+#: online vector-quantized attention (seed 002): typed fields chunk_size, max_dict_size (read at forward time)
+LazooOVQConfig = _mechanism_config("ovq", "LazooOVQConfig")
+#: VQ-attention with a learned codebook (seed 002 §2.2, the baseline): chunk_size, codebook_size, ...
+LazooVQConfig = _mechanism_config("vq", "LazooVQConfig")
 
 #: mechanism name -> its config class; `lazoo_hybrid` is `LazooConfig` itself
 MECHANISM_CONFIGS: dict[str, type[LazooConfig]] = {
     c.mechanism: c
     for c in (LazooSoftmaxConfig, LazooSlidingWindowConfig, LazooLinearConfig, LazooGatedLinearConfig,
               LazooDeltaNetConfig, LazooGatedDeltaNetConfig, LazooVLAConfig, LazooELAConfig, LazooGLAConfig,
-              LazooDeltaProductConfig)
+              LazooDeltaProductConfig, LazooOVQConfig, LazooVQConfig)
 }

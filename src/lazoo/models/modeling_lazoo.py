@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - older transformers
     hf_init = nn.init
 
 from .. import ops
+from ..ops._common import cu_seqlens_from_position_ids
 from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.mixers.linear import ELAMixer
 from ..layers.mlp import GatedMLP
@@ -36,10 +37,13 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         self.post_mixer_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hidden_states, mask=None, position_ids=None, past_key_values=None, **kwargs):
-        h = hidden_states + self.mixer(
-            self.input_norm(hidden_states), mask=mask, position_ids=position_ids, cache=past_key_values
-        )
+    def forward(self, hidden_states, mask=None, position_ids=None, past_key_values=None, cu_seqlens=None, **kwargs):
+        x = self.input_norm(hidden_states)
+        if cu_seqlens is None:
+            mixed = self.mixer(x, mask=mask, position_ids=position_ids, cache=past_key_values)
+        else:  # packed sequences: the mixer keeps them apart (natively or one sequence at a time)
+            mixed = self.mixer.forward_packed(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        h = hidden_states + mixed
         return h + self.mlp(self.post_mixer_norm(h))
 
 
@@ -110,6 +114,11 @@ def _new_token_mask(attention_mask, batch: int, length: int, past: int):
 
 
 class LazooModel(LazooPreTrainedModel):
+    """The decoder stack. Packed sequences (transformers' `DataCollatorWithFlattening`: one row, no attention
+    mask, `position_ids` restarting at 0 at each sequence start) are detected when B = 1, nothing is cached yet
+    and some `position_ids[0, t] == 0` for t > 0: the boundaries go to every layer as `cu_seqlens` and no
+    sequence sees another (logits equal those of the sequences run one by one). No cache is built then."""
+
     def __init__(self, config: LazooConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None)
@@ -145,6 +154,12 @@ class LazooModel(LazooPreTrainedModel):
             use_cache = False
         if past_key_values is not None and not isinstance(past_key_values, LazooCache):
             raise TypeError(f"past_key_values must be a LazooCache (or None), got {type(past_key_values).__name__}")
+        cu_seqlens = self._packed_boundaries(position_ids, attention_mask, past_key_values, inputs_embeds)
+        if cu_seqlens is not None:
+            if past_key_values is not None:
+                raise ValueError("packed sequences (position_ids restarting at 0 in one row) cannot use a cache: "
+                                 "pass past_key_values=None (use_cache is ignored for packed inputs)")
+            use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = LazooCache(self.config.num_hidden_layers)
         cache = past_key_values if use_cache else None
@@ -165,7 +180,8 @@ class LazooModel(LazooPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, mask=op_mask, position_ids=position_ids, past_key_values=cache)
+            hidden_states = layer(hidden_states, mask=op_mask, position_ids=position_ids, past_key_values=cache,
+                                  cu_seqlens=cu_seqlens)
             if output_hidden_states:
                 all_hidden += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -177,6 +193,18 @@ class LazooModel(LazooPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden
         )
+
+    @staticmethod
+    def _packed_boundaries(position_ids, attention_mask, past_key_values, inputs_embeds):
+        """`cu_seqlens` `[N + 1]` of packed sequences, or None: B = 1, no padding, no cached tokens, and
+        `position_ids` that restart at 0 after the first token."""
+        if position_ids is None or inputs_embeds.shape[0] != 1 or position_ids.dim() != 2:
+            return None
+        if past_key_values is not None and past_key_values.seen_positions:
+            return None  # decoding after a prompt: positions continue the cache
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return None  # a padded row (generate's position_ids put 1 on pads): not packing
+        return cu_seqlens_from_position_ids(position_ids.to(inputs_embeds.device))
 
 
 class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
@@ -256,6 +284,8 @@ LazooELAModel, LazooELAForCausalLM = _mechanism_classes("ela", "LazooELA", MECHA
 LazooGLAModel, LazooGLAForCausalLM = _mechanism_classes("gla", "LazooGLA", MECHANISM_CONFIGS["gla"])
 LazooDeltaProductModel, LazooDeltaProductForCausalLM = _mechanism_classes(
     "delta_product", "LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
+LazooOVQModel, LazooOVQForCausalLM = _mechanism_classes("ovq", "LazooOVQ", MECHANISM_CONFIGS["ovq"])
+LazooVQModel, LazooVQForCausalLM = _mechanism_classes("vq", "LazooVQ", MECHANISM_CONFIGS["vq"])
 
 #: model_type -> (config class, base model class, causal LM class)
 MODEL_CLASSES = {
@@ -270,6 +300,8 @@ MODEL_CLASSES = {
     "lazoo_ela": (MECHANISM_CONFIGS["ela"], LazooELAModel, LazooELAForCausalLM),
     "lazoo_gla": (MECHANISM_CONFIGS["gla"], LazooGLAModel, LazooGLAForCausalLM),
     "lazoo_delta_product": (MECHANISM_CONFIGS["delta_product"], LazooDeltaProductModel, LazooDeltaProductForCausalLM),
+    "lazoo_ovq": (MECHANISM_CONFIGS["ovq"], LazooOVQModel, LazooOVQForCausalLM),
+    "lazoo_vq": (MECHANISM_CONFIGS["vq"], LazooVQModel, LazooVQForCausalLM),
 }
 
 
@@ -414,6 +446,8 @@ LazooVLAForSequenceClassification = _seqcls_class("LazooVLA", MECHANISM_CONFIGS[
 LazooELAForSequenceClassification = _seqcls_class("LazooELA", MECHANISM_CONFIGS["ela"])
 LazooGLAForSequenceClassification = _seqcls_class("LazooGLA", MECHANISM_CONFIGS["gla"])
 LazooDeltaProductForSequenceClassification = _seqcls_class("LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
+LazooOVQForSequenceClassification = _seqcls_class("LazooOVQ", MECHANISM_CONFIGS["ovq"])
+LazooVQForSequenceClassification = _seqcls_class("LazooVQ", MECHANISM_CONFIGS["vq"])
 
 #: model_type -> sequence classification class (registered on AutoModelForSequenceClassification)
 SEQUENCE_CLASSIFICATION_CLASSES = {
@@ -428,4 +462,6 @@ SEQUENCE_CLASSIFICATION_CLASSES = {
     "lazoo_ela": LazooELAForSequenceClassification,
     "lazoo_gla": LazooGLAForSequenceClassification,
     "lazoo_delta_product": LazooDeltaProductForSequenceClassification,
+    "lazoo_ovq": LazooOVQForSequenceClassification,
+    "lazoo_vq": LazooVQForSequenceClassification,
 }

@@ -15,6 +15,7 @@ from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
 from .delta_product import delta_product
 from .ela import ELA_KERNELS, ela
 from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
+from .ovq import ovq_attention, ovq_dict_size, vq_attention
 from .softmax import softmax_attention
 from .vla import vla
 
@@ -32,6 +33,9 @@ __all__ = [
     "gated_linear_attention",
     "gla",
     "linear_attention",
+    "ovq_attention",
+    "ovq_dict_size",
     "softmax_attention",
     "vla",
+    "vq_attention",
 ]

@@ -281,3 +281,29 @@ def run_per_sequence(run, cu_seqlens, initial_state, output_final_state: bool, q
     if not output_final_state:
         return o, None
     return o, tree_map(lambda *parts: torch.cat(parts, 0), finals[0], *finals[1:])
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The boundaries ``[N + 1]`` (int64) of packed sequences whose ``position_ids`` ``[1, T]`` restart at 0
+    at every sequence start (transformers' ``DataCollatorWithFlattening``), or None when they never restart
+    (``position_ids[0, t] == 0`` for no ``t > 0``): a single sequence. The first token always starts one."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+        return None
+    starts = (position_ids[0, 1:] == 0).nonzero().flatten() + 1
+    if starts.numel() == 0:
+        return None
+    T = position_ids.shape[1]
+    edge = torch.tensor([0], dtype=torch.int64, device=position_ids.device)
+    return torch.cat([edge, starts.to(torch.int64), edge + T])
+
+
+def packed_offsets(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """``[T]`` int64: the offset of every packed position within its own sequence (0 at each start)."""
+    t = torch.arange(T, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:], t, right=True)  # the sequence each position belongs to
+    return t - cu_seqlens[seq]
+
+
+def packed_sequence_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """``[T]`` int64: the index of the packed sequence each position belongs to."""
+    return torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)

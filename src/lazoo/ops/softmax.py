@@ -5,7 +5,9 @@ State (the KV cache): ``{"k": [B, Tc, H, dk], "v": [B, Tc, H, dv], "mask": [B, T
 
 Positions are counted over the cache followed by the new tokens, pads included, so a window of
 W lets the query at absolute position p see the keys at positions in (p - W, p]; pad keys never
-take part. The "recurrent" backend is eager math (QK^T, masked softmax; float64-capable), the
+take part. Packed sequences: ``cu_seqlens`` ``[N + 1]`` (B = 1, no mask, no state) holds the boundaries
+of N sequences laid end to end along time; a query sees only keys of its own sequence (and, with a window,
+the last W of them). The "recurrent" backend is eager math (QK^T, masked softmax; float64-capable), the
 "chunk" backend is ``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
 """
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
+    check_cu_seqlens,
     check_mask,
     check_qkv,
     check_same_device,
@@ -22,6 +25,7 @@ from ._common import (
     check_state_tensor,
     compute_dtype,
     resolve_backend,
+    packed_sequence_ids,
     zero_masked,
 )
 
@@ -39,6 +43,7 @@ def softmax_attention(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """Causal (optionally sliding-window) softmax attention.
 
@@ -46,10 +51,13 @@ def softmax_attention(
     QK-norm: q is multiplied by it and no further scale is applied).
     window: None -> full causal attention; W -> the query at position p sees keys in (p - W, p].
     Returns ``(o [B, T, H, dv], final_state)``; a final state with a window keeps only the last
-    W - 1 positions. Padded queries give 0.
+    W - 1 positions. Padded queries give 0. ``cu_seqlens``: packed sequences (see the module docstring).
     """
     B, T, H, dk, dv = check_qkv(_OP, q, k, v)
     mask = check_mask(_OP, mask, B, T, q.device)
+    cu_seqlens = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device, mask)
+    if cu_seqlens is not None and (initial_state is not None or output_final_state):
+        raise ValueError(f"{_OP}: packed sequences (cu_seqlens) take no initial_state and give no final state")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
     # SDPA (the "chunk" backend) is the fast path on GPU: no fallback to report
@@ -63,10 +71,13 @@ def softmax_attention(
     Tc = keys.shape[1] - T
     query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
 
-    if backend != "recurrent" and Tc == 0 and mask is None and window is None:
+    if backend != "recurrent" and Tc == 0 and mask is None and window is None and cu_seqlens is None:
         o = _sdpa(q, keys, values, None, scale)  # plain causal: SDPA's flash/causal kernels
     else:
         allowed = _allowed(query_mask, key_mask, Tc, window)  # [B, T, S]
+        if cu_seqlens is not None:  # Tc == 0: keys and queries are the same positions
+            seq = packed_sequence_ids(cu_seqlens, T)
+            allowed = allowed & (seq[:, None] == seq[None, :])[None]
         o = (_eager if backend == "recurrent" else _sdpa)(q, keys, values, allowed, scale)
     o = zero_masked(o, mask).to(v.dtype)
 

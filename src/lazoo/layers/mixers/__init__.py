@@ -4,6 +4,7 @@ from .attention import SlidingWindowAttentionMixer, SoftmaxAttentionMixer
 from .base import TokenMixer
 from .delta import DeltaNetMixer, DeltaProductMixer, GatedDeltaNetMixer
 from .linear import ELAMixer, GatedLinearAttentionMixer, GLAMixer, LinearAttentionMixer
+from .ovq import OVQMixer, VQMixer
 from .vla import VLAMixer
 
 MIXERS: dict[str, type[TokenMixer]] = {
@@ -19,6 +20,8 @@ MIXERS: dict[str, type[TokenMixer]] = {
         ELAMixer,
         GLAMixer,
         DeltaProductMixer,
+        OVQMixer,
+        VQMixer,
     )
 }
 

@@ -21,6 +21,7 @@ class AttentionMixer(TokenMixer):
     """
 
     defaults = {"use_rope": True, "rope_theta": 10000.0, "qk_norm": False}
+    packing = "native"  # cu_seqlens: the op's attention mask keeps every query inside its own sequence
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
@@ -38,7 +39,7 @@ class AttentionMixer(TokenMixer):
         if self.options["qk_norm"]:
             init.constant_(self.qk_scale, math.sqrt(self.head_dim))
 
-    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None):
+    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None, cu_seqlens=None):
         q = self.split_heads(self.q_proj(hidden_states))
         k = self.split_heads(self.k_proj(hidden_states))
         v = self.split_heads(self.v_proj(hidden_states))
@@ -53,6 +54,7 @@ class AttentionMixer(TokenMixer):
         o, state = ops.softmax_attention(
             q, k, v, scale=scale, window=self.window, initial_state=self.read_state(cache),
             output_final_state=cache is not None, mask=mask, backend=self.options.get("backend") or backend,
+            **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}),
         )
         self.write_state(cache, state)
         return self.o_proj(self.merge_heads(o))

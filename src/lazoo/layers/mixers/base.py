@@ -4,6 +4,12 @@ A mixer maps hidden states `[B, T, hidden]` to `[B, T, hidden]`. It reads and wr
 the cache (`cache.states[layer_idx]`, a dict of tensors whose content only the mixer knows: a KV window,
 S/A/z/t for VLA, a short-convolution tail, ...). `mask` `[B, T]` marks real tokens (None = all real);
 `position_ids` `[B, T]` count real tokens per sample (used by RoPE).
+
+Packed sequences (B = 1, `cu_seqlens` `[N + 1]` the sequence boundaries, positions restarting at 0 in each):
+the model calls `mixer.forward_packed(x, position_ids=..., cu_seqlens=...)`. A mixer whose class sets
+`packing = "native"` gets `cu_seqlens` in `forward` (attention and the recurrent mixers: their ops take
+it or run per sequence); any other mixer (`packing = "split"`, the default) is run once per sequence,
+which is always correct, only slower. Packed inputs have no padding mask and no cache.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class TokenMixer(nn.Module):
     mechanism: ClassVar[str] = ""
     #: hyper-parameters with their defaults; any config can override them via `mixer_kwargs`
     defaults: ClassVar[dict[str, Any]] = {}
+    #: packed sequences: "native" = `forward` takes `cu_seqlens`; "split" = run once per sequence
+    packing: ClassVar[str] = "split"
 
     def __init__(self, config, layer_idx: int, options: dict[str, Any]):
         super().__init__()
@@ -36,6 +44,17 @@ class TokenMixer(nn.Module):
 
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_packed(self, hidden_states, *, position_ids, cu_seqlens) -> torch.Tensor:
+        """Packed sequences `[1, T, hidden]` with boundaries `cu_seqlens` `[N + 1]`: no sequence sees another."""
+        if self.packing == "native":
+            return self(hidden_states, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        bounds = cu_seqlens.tolist()
+        parts = [
+            self(hidden_states[:, s:e], position_ids=None if position_ids is None else position_ids[:, s:e])
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+        ]
+        return torch.cat(parts, dim=1)
 
     # --- helpers shared by the mixers -------------------------------------------------------
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,10 +83,12 @@ class ShortConvProjections(nn.Module):
         super().__init__()
         self.convs = nn.ModuleDict({name: ShortConvolution(d, kernel_size, activation) for name, d in dims.items()})
 
-    def forward(self, tensors: dict[str, torch.Tensor], mask, state: dict | None, output_state: bool):
+    def forward(self, tensors: dict[str, torch.Tensor], mask, state: dict | None, output_state: bool,
+                cu_seqlens=None):
         out, new_state = {}, {}
         for name, x in tensors.items():
             out[name], new_state[name] = self.convs[name](
-                x, mask=mask, state=None if state is None else state[name], output_state=output_state
+                x, mask=mask, state=None if state is None else state[name], output_state=output_state,
+                cu_seqlens=cu_seqlens,
             )
         return out, (new_state if output_state else None)

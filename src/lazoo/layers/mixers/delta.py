@@ -23,9 +23,9 @@ class DeltaNetMixer(RecurrentMixer):
         super().__init__(config, layer_idx, options)
         self.b_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True)
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         beta = torch.sigmoid(self.b_proj(x))
-        return ops.delta_rule(q, k, v, beta, **self.op_kwargs(mask, state, want_state))
+        return ops.delta_rule(q, k, v, beta, **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
 class GatedDeltaNetMixer(DeltaNetMixer):
@@ -52,11 +52,12 @@ class GatedDeltaNetMixer(DeltaNetMixer):
         copy(self.A_log, a.to(self.A_log.device, self.A_log.dtype))
         copy(self.dt_bias, dt_bias.to(self.dt_bias.device, self.dt_bias.dtype))
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         beta = torch.sigmoid(self.b_proj(x))
         cdt = torch.promote_types(x.dtype, torch.float32)  # half types in fp32; float64 stays float64
         g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
-        return ops.gated_delta_rule(q, k, v, g.to(q.dtype), beta, **self.op_kwargs(mask, state, want_state))
+        return ops.gated_delta_rule(q, k, v, g.to(q.dtype), beta,
+                                    **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
 class DeltaProductMixer(RecurrentMixer):

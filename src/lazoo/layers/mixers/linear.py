@@ -21,10 +21,10 @@ class LinearAttentionMixer(RecurrentMixer):
             options = {**options, "output_norm": not options["normalize"]}
         super().__init__(config, layer_idx, options)
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         return ops.linear_attention(
             q, k, v, feature_map=self.options["feature_map"], normalize=self.options["normalize"],
-            **self.op_kwargs(mask, state, want_state),
+            **self.op_kwargs(mask, state, want_state, cu_seqlens),
         )
 
 
@@ -38,9 +38,9 @@ class GatedLinearAttentionMixer(RecurrentMixer):
         super().__init__(config, layer_idx, options)
         self.gk_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True)
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         g = F.logsigmoid(self.gk_proj(x)) / self.options["gate_logit_normalizer"]
-        return ops.gated_linear_attention(q, k, v, g, **self.op_kwargs(mask, state, want_state))
+        return ops.gated_linear_attention(q, k, v, g, **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
 class ELAMixer(RecurrentMixer):
@@ -85,6 +85,6 @@ class GLAMixer(RecurrentMixer):
         d, r = config.hidden_size, options["gate_low_rank_dim"]
         self.gk_proj = nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, d, bias=True))
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         g = F.logsigmoid(self.split_heads(self.gk_proj(x))) / self.options["gate_logit_normalizer"]
-        return ops.gla(q, k, v, g.to(q.dtype), **self.op_kwargs(mask, state, want_state))
+        return ops.gla(q, k, v, g.to(q.dtype), **self.op_kwargs(mask, state, want_state, cu_seqlens))

@@ -1,0 +1,135 @@
+"""Online Vector-Quantized attention (seed 002) and VQ-attention (its baseline) mixers.
+
+Both use unit-norm queries and keys multiplied by a learned per-head scale β (QK-norm) and no
+positional encoding (NoPE), as in seed 002 §8.1–8.3; the op does the dictionary work. The cache entry
+is `{"op": <the op's state dict>, "conv": None}` (dictionaries, counts, partial chunk, token count for
+OVQ; value means and counts for VQ).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import ops
+from .recurrent import RecurrentMixer
+
+
+class OVQMixer(RecurrentMixer):
+    """Online VQ attention: per chunk, softmax over [key dictionary (log-count bias); the chunk's raw keys],
+    then spread-maximising growth (N_t = tN/(t+N)) and count-weighted centroid updates of both dictionaries.
+
+    `max_dict_size` is read from the config at every forward call, so it can be changed after loading
+    (`model.config.max_dict_size = 4096`, or `mixer_kwargs["ovq"]["max_dict_size"]`)."""
+
+    mechanism = "ovq"
+    defaults = {
+        **RecurrentMixer.defaults,
+        "output_norm": False,  # the softmax read-out is already an average of values
+        "chunk_size": 128,
+        "max_dict_size": 2048,
+    }
+
+    def __init__(self, config, layer_idx, options):
+        super().__init__(config, layer_idx, options)
+        self._config = config  # `max_dict_size` is read at call time
+        self.qk_scale = nn.Parameter(torch.full((self.num_heads,), math.sqrt(self.head_dim)))
+
+    def _init_lazoo_parameters(self, init):
+        if init is None:
+            with torch.no_grad():
+                self.qk_scale.fill_(math.sqrt(self.head_dim))
+        else:
+            init.constant_(self.qk_scale, math.sqrt(self.head_dim))
+
+    def current_options(self) -> dict:
+        """The options as the config says now (a field changed after loading takes effect)."""
+        resolve = getattr(self._config, "mixer_options", None)
+        return resolve(self.mechanism) if resolve is not None else self.options
+
+    def mix(self, q, k, v, x, *, mask, state, want_state):
+        o = self.current_options()
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        return ops.ovq_attention(q, k, v, scale=self.qk_scale, chunk_size=o["chunk_size"],
+                                 max_dict_size=o["max_dict_size"], **self.op_kwargs(mask, state, want_state))
+
+
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """Identity on `x`; the backward pass adds the gradient of `loss` (as if it were added to the model's
+    loss), so an auxiliary loss trains parameters without changing the model's forward code or output."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.loss_dtype, ctx.needs = loss.dtype, loss.requires_grad
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_loss = torch.ones((), dtype=ctx.loss_dtype, device=grad_output.device) if ctx.needs else None
+        return grad_output, grad_loss
+
+
+class VQMixer(RecurrentMixer):
+    """VQ-attention: keys replaced by their nearest entry of a learned per-head codebook (unit-norm, dot
+    product); causal softmax over the quantised keys in its linear form softmax(β q Cᵀ + log c_t) D_v,t.
+
+    Codebook training (the classic VQ-VAE recipe, not the seed's DiVeQ / SF-DiVeQ): the codebook gets the
+    task gradient through the attention logits, and during training a codebook loss ‖sg(k) − c‖² plus a
+    commitment loss `commit_weight`·‖k − sg(c)‖² (mean over real tokens and heads, times `vq_loss_weight`)
+    is added through the backward pass. Keys get no straight-through gradient from the op: the linear form
+    aggregates keys per code, so only the commitment loss shapes them."""
+
+    mechanism = "vq"
+    defaults = {
+        **RecurrentMixer.defaults,
+        "output_norm": False,
+        "chunk_size": 64,
+        "codebook_size": 1024,
+        "commit_weight": 0.25,
+        "vq_loss_weight": 1.0,
+    }
+
+    def __init__(self, config, layer_idx, options):
+        super().__init__(config, layer_idx, options)
+        n = options["codebook_size"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"vq: codebook_size must be a positive int, got {n!r}")
+        self.qk_scale = nn.Parameter(torch.full((self.num_heads,), math.sqrt(self.head_dim)))
+        self.codebook = nn.Parameter(torch.empty(self.num_heads, n, self.head_dim))
+        self._init_lazoo_parameters(None)
+
+    def _init_lazoo_parameters(self, init):
+        if init is None:
+            with torch.no_grad():
+                self.qk_scale.fill_(math.sqrt(self.head_dim))
+                self.codebook.normal_()
+        else:
+            init.constant_(self.qk_scale, math.sqrt(self.head_dim))
+            init.normal_(self.codebook)
+
+    def mix(self, q, k, v, x, *, mask, state, want_state):
+        o = self.options
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        codebook = F.normalize(self.codebook, dim=-1).to(q.dtype)
+        out, new_state = ops.vq_attention(q, k, v, codebook, scale=self.qk_scale, chunk_size=o["chunk_size"],
+                                          **self.op_kwargs(mask, state, want_state))
+        if self.training and torch.is_grad_enabled() and o["vq_loss_weight"]:
+            out = _AddAuxiliaryLoss.apply(out, self.vq_loss(k, codebook, mask))
+        return out, new_state
+
+    def vq_loss(self, k, codebook, mask=None):
+        """VQ-VAE codebook + commitment loss of unit keys `[B, T, H, d]` against their nearest codes."""
+        idx = torch.einsum("bthd,hnd->bthn", k.detach(), codebook.detach()).argmax(-1)
+        code = codebook[torch.arange(self.num_heads, device=k.device)[None, None], idx]
+        err_code = ((k.detach() - code) ** 2).sum(-1)  # moves the codebook
+        err_commit = ((k - code.detach()) ** 2).sum(-1)  # moves the keys
+        per_token = err_code + self.options["commit_weight"] * err_commit  # [B, T, H]
+        if mask is not None:
+            w = mask.to(per_token.dtype)[..., None]
+            loss = (per_token * w).sum() / (w.sum() * per_token.shape[-1]).clamp_min(1)
+        else:
+            loss = per_token.mean()
+        return self.options["vq_loss_weight"] * loss.float()

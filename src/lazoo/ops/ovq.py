@@ -1,0 +1,459 @@
+"""Online Vector-Quantized attention (OVQ, seed 002 §3.2, §8.3) and VQ-attention (its baseline, §2.2).
+
+Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token).
+
+OVQ, per head, chunks of L = ``chunk_size`` real tokens, N = ``max_dict_size``:
+
+    chunk c:  O_c = softmax(β Q_c [D_k; K_c]ᵀ + [log c; 0] + causal mask) [D_v; V_c]
+    then:     assign each key of the chunk to its most similar centroid (dot product with D_k);
+              the n_new keys with the lowest best-similarity become new centroids (count 1);
+              every other key moves its centroid, μ ← μ + Σ (x − μ) / (c_old + c_in_chunk), for
+              k on D_k and v on D_v (the exact running mean, a Newton step on the k-means loss);
+              counts add up.
+
+The raw keys/values of the current chunk are attended to unquantised; gradients flow through D_k
+and D_v (weighted means of keys and values), not through the discrete assignments or the counts.
+q and k are expected unit-norm (the mixer normalises them); ``scale`` is β (a number or a per-head
+tensor ``[H]``; None means dk ** -0.5 as in ``softmax_attention``) and multiplies q only: the
+assignments compare raw keys with centroids.
+
+Choices the seed leaves open, pinned here (docs/ovq.md says why):
+  * growth: after the chunk that ends at the t-th real token (t = L·c) the dictionary holds
+    ``ovq_dict_size(t, N) = max(floor(t·N / (t + N)), 1)`` centroids (integer arithmetic), so
+    ``n_new = min(L, max(0, ovq_dict_size(t, N) − current size))``. floor(N_t) < N always; the
+    max(…, 1) only matters for N = 1 or L = 1 (an empty dictionary would leave the first chunk's
+    keys nowhere to go). If ``max_dict_size`` is lowered below the current size, no centroid is
+    added or removed until N_t passes the current size.
+  * the first chunk (empty dictionary): every best-similarity is −inf, ties go to the earliest
+    position, so the first n_new keys of the chunk become the centroids and the remaining keys are
+    merged (count-weighted) into their most similar new centroid. In later chunks the non-new keys
+    merge into their most similar *old* centroid, as in the seed's pseudo-code. New centroids take the
+    slots size, size+1, … in order of increasing best-similarity.
+  * no re-normalisation of centroids (the seed lists it as optional): D_k holds exact means of unit
+    keys, whose norm ≤ 1 lowers the logit of a spread-out cluster; D_v holds exact means of values.
+  * a chunk is L *real* tokens of a sample: pads do not count, so a left-padded sample chunks exactly
+    as it does alone, and the dictionary update happens once the L-th real token of a chunk is seen.
+  * an update happens only for a complete chunk; the tokens of an incomplete last chunk are kept in
+    the state (the partial chunk) and attended to raw until the chunk completes.
+
+State: ``{"Dk": [B, H, M, dk], "Dv": [B, H, M, dv], "counts": [B, H, M] int64,
+"k": [B, L, H, dk], "v": [B, L, H, dv] (the partial chunk, zeros past t % L), "t": [B] int64
+(real tokens seen)}``. Active centroids are the prefix of slots with count > 0; the capacity
+M = max(N, size) is fixed by ``max_dict_size`` (a state of another capacity is padded/cut to it),
+so memory is O(N·d), independent of T. ``max_dict_size`` may change between calls.
+
+Backends: ``"recurrent"`` is the literal per-token form (each token is written into the partial
+chunk, attends over [dictionary; partial chunk], and the dictionary is updated when the chunk is
+complete); ``"chunk"`` packs each sample's real tokens (after its partial chunk) and processes whole
+chunks, L queries at a time. Both share the dictionary update (``_update_dictionary``), which is the
+definition. There is no Triton kernel yet: ``backend="triton"`` raises.
+
+VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
+C ``[H, N, dk]`` (dot product; the mixer normalises C and k), output = causal softmax attention over
+the quantised keys, which equals ``softmax(β q Cᵀ + log c_t) D_v,t`` with per-code counts c_t and
+value means D_v,t over the tokens up to t (Lingle 2023). State ``{"Dv": [B, H, N, dv], "counts":
+[B, H, N] int64}``. "recurrent": per token; "chunk": codes (counts at the chunk start) plus the chunk's
+quantised keys, causally. Gradients reach q, v and the codebook (through the logits); the assignment
+is discrete and k gets no gradient from the op (the mixer trains k and C with a VQ-VAE commitment /
+codebook loss, see ``lazoo.layers.mixers.ovq``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._common import (
+    check_chunk_size,
+    check_mask,
+    check_qkv,
+    check_same_device,
+    check_same_dtype,
+    check_state_dict,
+    check_state_tensor,
+    compute_dtype,
+    resolve_backend,
+    zero_masked,
+)
+
+_OP = "ovq_attention"
+_VQ_OP = "vq_attention"
+_STATE_KEYS = ("Dk", "Dv", "counts", "k", "v", "t")
+_VQ_STATE_KEYS = ("Dv", "counts")
+
+
+def ovq_dict_size(t, max_dict_size: int):
+    """Dictionary size after the chunk ending at real token t: ``max(floor(t·N/(t+N)), 1)`` (0 at t = 0).
+    Works on ints and on int64 tensors."""
+    N = max_dict_size
+    if isinstance(t, torch.Tensor):
+        size = torch.div(t * N, t + N, rounding_mode="floor").clamp_min(1)
+        return torch.where(t > 0, size, torch.zeros_like(size))
+    return 0 if t <= 0 else max((t * N) // (t + N), 1)
+
+
+# ============================================================================ OVQ
+def ovq_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | torch.Tensor | None = None,
+    chunk_size: int = 128,
+    max_dict_size: int = 2048,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """OVQ attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring)."""
+    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
+    mask = check_mask(_OP, mask, B, T, q.device)
+    L = check_chunk_size(_OP, chunk_size)
+    if not isinstance(max_dict_size, int) or isinstance(max_dict_size, bool) or max_dict_size < 1:
+        raise ValueError(f"{_OP}: max_dict_size must be a positive int, got {max_dict_size!r}")
+    backend = resolve_backend(_OP, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+
+    qs = _scaled(_OP, q.to(cdt), scale, H, dk)
+    kc, vc = k.to(cdt), v.to(cdt)
+    state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt)
+    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    run = _ovq_recurrent if backend == "recurrent" else _ovq_chunk
+    o, final = run(qs, kc, vc, real, state, L, max_dict_size)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, (final if output_final_state else None)
+
+
+def _scaled(op, q, scale, H, dk):
+    """q times β (None -> dk ** -0.5; a number; a tensor [H] or a 0-d tensor, kept differentiable)."""
+    if scale is None:
+        return q * dk ** -0.5
+    if isinstance(scale, torch.Tensor):
+        check_same_device(op, q, scale=scale)
+        if scale.dim() == 0:
+            return q * scale.to(q.dtype)
+        if tuple(scale.shape) != (H,):
+            raise ValueError(f"{op}: a tensor scale must have shape [H] = ({H},), got {tuple(scale.shape)}")
+        return q * scale.to(q.dtype)[:, None]
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return q * float(scale)
+    raise TypeError(f"{op}: scale must be None, a number or a tensor [H], got {type(scale).__name__}")
+
+
+def _check_int_tensor(op, name, x, shape, device):
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape) or x.is_floating_point() \
+            or x.is_complex() or x.dtype == torch.bool:
+        got = f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{op}: {name} must be an integer tensor of shape {tuple(shape)}, got {got}")
+    if x.device != device:
+        raise ValueError(f"{op}: {name} is on {x.device} but q is on {device}")
+
+
+def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt):
+    if state is None:
+        return {
+            "Dk": torch.zeros(B, H, N, dk, dtype=cdt, device=device),
+            "Dv": torch.zeros(B, H, N, dv, dtype=cdt, device=device),
+            "counts": torch.zeros(B, H, N, dtype=torch.int64, device=device),
+            "k": torch.zeros(B, L, H, dk, dtype=cdt, device=device),
+            "v": torch.zeros(B, L, H, dv, dtype=cdt, device=device),
+            "t": torch.zeros(B, dtype=torch.int64, device=device),
+        }
+    check_state_dict(_OP, state, _STATE_KEYS)
+    Dk = state["Dk"]
+    if not isinstance(Dk, torch.Tensor) or Dk.dim() != 4:
+        got = tuple(Dk.shape) if isinstance(Dk, torch.Tensor) else type(Dk).__name__
+        raise ValueError(f"{_OP}: initial_state['Dk'] must have shape [B, H, M, dk] = ({B}, {H}, M, {dk}), got {got}")
+    M0 = Dk.shape[2]
+    check_state_tensor(_OP, "initial_state['Dk']", Dk, (B, H, M0, dk), device)
+    check_state_tensor(_OP, "initial_state['Dv']", state["Dv"], (B, H, M0, dv), device)
+    _check_int_tensor(_OP, "initial_state['counts']", state["counts"], (B, H, M0), device)
+    buf_k = state["k"]
+    if isinstance(buf_k, torch.Tensor) and buf_k.dim() == 4 and buf_k.shape[1] != L:
+        raise ValueError(f"{_OP}: initial_state['k'] holds a partial chunk of length {buf_k.shape[1]}, but "
+                         f"chunk_size={L}; the chunk size is part of the state's definition and cannot change")
+    check_state_tensor(_OP, "initial_state['k']", buf_k, (B, L, H, dk), device)
+    check_state_tensor(_OP, "initial_state['v']", state["v"], (B, L, H, dv), device)
+    _check_int_tensor(_OP, "initial_state['t']", state["t"], (B,), device)
+    counts = state["counts"].to(torch.int64)
+    if bool((counts < 0).any()):
+        raise ValueError(f"{_OP}: initial_state['counts'] must be >= 0")
+    Dk, Dv = Dk.to(cdt), state["Dv"].to(cdt)
+    for name, x in (("Dk", Dk), ("Dv", Dv)):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{_OP}: initial_state[{name!r}] holds NaN or inf")
+    # capacity M = max(N, current size): pad with empty slots or drop empty ones
+    M = max(N, int((counts > 0).sum(-1).max()) if counts.numel() else 0)
+    if M0 < M:
+        Dk = F.pad(Dk, (0, 0, 0, M - M0))
+        Dv = F.pad(Dv, (0, 0, 0, M - M0))
+        counts = F.pad(counts, (0, M - M0))
+    elif M0 > M:
+        Dk, Dv, counts = Dk[:, :, :M], Dv[:, :, :M], counts[:, :, :M]
+    return {"Dk": Dk, "Dv": Dv, "counts": counts, "k": buf_k.to(cdt), "v": state["v"].to(cdt),
+            "t": state["t"].to(torch.int64)}
+
+
+def _max_size(counts) -> int:
+    """The largest number of active centroids over samples and heads (one host sync)."""
+    return int((counts > 0).sum(-1).max()) if counts.numel() else 0
+
+
+def _update_dictionary(Dk, Dv, counts, K, V, t_end, N):
+    """One complete chunk's update. Dk ``[B, H, W, dk]``, Dv ``[B, H, W, dv]``, counts ``[B, H, W]``
+    (active slots first, W >= size + L or the capacity), K ``[B, H, L, dk]``, V ``[B, H, L, dv]``,
+    t_end ``[B]`` the real-token count at the chunk's end. Returns the updated (Dk, Dv, counts)."""
+    B, H, W, _ = Dk.shape
+    L = K.shape[2]
+    dt = Dk.dtype
+    active = counts > 0
+    size = active.sum(-1)  # [B, H]
+    n_new = (ovq_dict_size(t_end, N)[:, None] - size).clamp(0, L)  # [B, H]
+
+    # nearest old centroid of each key (assignments are discrete: no gradient)
+    Kd = K.detach()
+    sim = (Kd @ Dk.detach().transpose(-1, -2)).masked_fill(~active[:, :, None, :], -math.inf)
+    best_sim, best_idx = sim.max(-1)  # [B, H, L]; -inf with an empty dictionary
+    # the n_new lowest best-similarities become new centroids (ties: earliest position first)
+    order = torch.sort(best_sim, dim=-1, stable=True).indices
+    ar = torch.arange(L, device=K.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, ar)
+    is_new = rank < n_new[..., None]
+    new_slot = size[..., None] + rank
+    no_old = size == 0
+    if bool(no_old.any()):  # first chunk: the other keys merge into their most similar new centroid
+        s2 = (Kd @ Kd.transpose(-1, -2)).masked_fill(~is_new[:, :, None, :], -math.inf)
+        nearest_new = new_slot.gather(-1, s2.max(-1).indices)
+        best_idx = torch.where(no_old[..., None], nearest_new, best_idx)
+
+    place = F.one_hot(torch.where(is_new, new_slot, 0).clamp_max(W - 1), W).to(dt) * is_new[..., None].to(dt)
+    merge = F.one_hot(best_idx.clamp(0, W - 1), W).to(dt) * (~is_new)[..., None].to(dt)  # [B, H, L, W]
+    place_t, merge_t = place.transpose(-1, -2), merge.transpose(-1, -2)
+    Dk0, Dv0 = Dk + place_t @ K, Dv + place_t @ V  # new centroids = their key / value, count 1
+    c0 = counts + place.sum(-2).round().to(torch.int64)
+    m = merge.sum(-2)  # keys merged into each slot
+    denom = (c0.to(dt) + m).clamp_min(1.0)[..., None]
+    Dk1 = Dk0 + (merge_t @ K - m[..., None] * Dk0) / denom
+    Dv1 = Dv0 + (merge_t @ V - m[..., None] * Dv0) / denom
+    return Dk1, Dv1, c0 + m.round().to(torch.int64)
+
+
+def _apply_update(state_dict, K, V, t_end, full, N):
+    """Update the dictionaries of the samples in ``full`` ``[B]`` with chunk K, V ``[B, H, L, d]``,
+    working on the active prefix of the slots (plus room for L new ones)."""
+    Dk, Dv, counts = state_dict["Dk"], state_dict["Dv"], state_dict["counts"]
+    M, L = Dk.shape[2], K.shape[2]
+    W = min(M, _max_size(counts) + L)
+    Dk1, Dv1, c1 = _update_dictionary(Dk[:, :, :W], Dv[:, :, :W], counts[:, :, :W], K, V, t_end, N)
+    if W < M:
+        Dk1 = torch.cat([Dk1, Dk[:, :, W:]], 2)
+        Dv1 = torch.cat([Dv1, Dv[:, :, W:]], 2)
+        c1 = torch.cat([c1, counts[:, :, W:]], 2)
+    f = full[:, None, None]
+    state_dict["Dk"] = torch.where(f[..., None], Dk1, Dk)
+    state_dict["Dv"] = torch.where(f[..., None], Dv1, Dv)
+    state_dict["counts"] = torch.where(f, c1, counts)
+
+
+def _dict_logits(Q, Dk, counts):
+    """Logits β q·μ + log c over the dictionary prefix and which slots are active."""
+    active = counts > 0
+    logc = torch.where(active, counts.clamp_min(1).to(Q.dtype).log(), torch.zeros((), dtype=Q.dtype, device=Q.device))
+    return Q @ Dk.transpose(-1, -2) + logc[:, :, None, :], active
+
+
+def _masked_softmax(scores, allowed):
+    """softmax over the allowed entries (a row with none gives zeros, never NaN)."""
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1) * allowed
+
+
+def _ovq_recurrent(q, k, v, real, state, L, N):
+    """Literal per-token form: write the token into the partial chunk, attend over [dictionary (log
+    counts); partial chunk up to this token], update the dictionary when the chunk is complete."""
+    B, T, H, dk = q.shape
+    st = dict(state)
+    bk, bv, t = st.pop("k"), st.pop("v"), st.pop("t")
+    slots = torch.arange(L, device=q.device)
+    outs = []
+    for i in range(T):
+        m = real[:, i]
+        nb = t % L
+        sel = (m[:, None] & (slots[None] == nb[:, None]))[:, :, None, None]  # [B, L, 1, 1]
+        bk = torch.where(sel, k[:, i, None], bk)
+        bv = torch.where(sel, v[:, i, None], bv)
+        S = _max_size(st["counts"])
+        qi = q[:, i, :, None, :]  # [B, H, 1, dk]
+        ld, active = _dict_logits(qi, st["Dk"][:, :, :S], st["counts"][:, :, :S])
+        lb = qi @ bk.permute(0, 2, 3, 1)  # [B, H, 1, L]
+        seen = (slots[None] <= nb[:, None])[:, None, None, :].expand(B, H, 1, L)
+        p = _masked_softmax(torch.cat([ld, lb], -1), torch.cat([active[:, :, None, :], seen], -1))
+        o = p[..., :S] @ st["Dv"][:, :, :S] + p[..., S:] @ bv.transpose(1, 2)  # [B, H, 1, dv]
+        outs.append(o[:, :, 0])
+        t = t + m.long()
+        full = m & (t % L == 0)
+        if bool(full.any()):
+            _apply_update(st, bk.transpose(1, 2), bv.transpose(1, 2), t, full, N)
+    keep = (slots[None] < (t % L)[:, None])[:, :, None, None]
+    zero = torch.zeros((), dtype=bk.dtype, device=bk.device)
+    st.update(k=torch.where(keep, bk, zero), v=torch.where(keep, bv, zero), t=t)
+    return torch.stack(outs, 1), st
+
+
+def _ovq_chunk(q, k, v, real, state, L, N):
+    """Chunk form: per sample, the partial chunk of the state followed by the real tokens, packed to
+    the left; then whole chunks: L queries against [dictionary; chunk (causal)], update when full."""
+    B, T, H, dk = q.shape
+    dev = q.device
+    st = dict(state)
+    bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
+    nb = t0 % L
+    n_real = real.long().sum(1)
+    total = nb + n_real  # packed length per sample
+    P = max(1, -(-int(total.max()) // L)) * L
+    slots = torch.arange(L, device=dev)
+    dest = torch.cat([torch.where(slots[None] < nb[:, None], slots[None], P),
+                      torch.where(real, nb[:, None] + real.long().cumsum(1) - 1, P)], 1)  # [B, L + T]
+
+    def pack(buf, x):
+        d = x.shape[-1]
+        idx = dest[:, :, None, None].expand(-1, -1, H, d)
+        out = torch.zeros(B, P + 1, H, d, dtype=x.dtype, device=dev)
+        return out.scatter(1, idx, torch.cat([buf, x], 1))[:, :P]
+
+    Qp, Kp, Vp = pack(torch.zeros_like(bk), q), pack(bk, k), pack(bv, v)
+    valid = torch.arange(P, device=dev)[None] < total[:, None]  # [B, P]
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    outs = []
+    for c in range(P // L):
+        s = c * L
+        Qc, Kc, Vc = (x[:, s:s + L].transpose(1, 2) for x in (Qp, Kp, Vp))  # [B, H, L, d]
+        vc = valid[:, s:s + L]
+        S = _max_size(st["counts"])
+        ld, active = _dict_logits(Qc, st["Dk"][:, :, :S], st["counts"][:, :, :S])
+        lc = Qc @ Kc.transpose(-1, -2)
+        allowed = torch.cat([active[:, :, None, :].expand(-1, -1, L, -1),
+                             (causal[None] & vc[:, None, :])[:, None].expand(-1, H, -1, -1)], -1)
+        p = _masked_softmax(torch.cat([ld, lc], -1), allowed)
+        outs.append(p[..., :S] @ st["Dv"][:, :, :S] + p[..., S:] @ Vc)
+        full = vc.all(1)
+        if bool(full.any()):
+            _apply_update(st, Kc, Vc, t0 - nb + s + L, full, N)
+    Op = torch.cat(outs, 2).transpose(1, 2)  # [B, P, H, dv]
+    pos = dest[:, L:].clamp_max(P - 1)
+    o = Op.gather(1, pos[:, :, None, None].expand(-1, -1, H, Op.shape[-1]))
+    # the partial chunk left at the end: packed positions [total // L * L, total)
+    start = (total // L) * L
+    idx = start[:, None] + slots[None]  # [B, L], at most P + L - 1
+    rem = (slots[None] < (total % L)[:, None])[:, :, None, None]
+
+    def tail(x):
+        ext = torch.cat([x, torch.zeros(B, L, H, x.shape[-1], dtype=x.dtype, device=dev)], 1)
+        part = ext.gather(1, idx[:, :, None, None].expand(-1, -1, H, x.shape[-1]))
+        return torch.where(rem, part, torch.zeros((), dtype=x.dtype, device=dev))
+
+    st.update(k=tail(Kp), v=tail(Vp), t=t0 + n_real)
+    return o, st
+
+
+# ============================================================================ VQ
+def vq_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    scale: float | torch.Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """VQ-attention with a learned codebook ``[H, N, dk]``; returns ``(o, final_state)`` (Dv, counts)."""
+    B, T, H, dk, dv = check_qkv(_VQ_OP, q, k, v)
+    if not isinstance(codebook, torch.Tensor) or codebook.dim() != 3 or codebook.shape[0] != H \
+            or codebook.shape[2] != dk or codebook.shape[1] < 1:
+        got = tuple(codebook.shape) if isinstance(codebook, torch.Tensor) else type(codebook).__name__
+        raise ValueError(f"{_VQ_OP}: codebook must have shape [H, N, dk] = ({H}, N, {dk}), got {got}")
+    check_same_dtype(_VQ_OP, q, codebook=codebook)
+    check_same_device(_VQ_OP, q, codebook=codebook)
+    mask = check_mask(_VQ_OP, mask, B, T, q.device)
+    C = check_chunk_size(_VQ_OP, chunk_size)
+    backend = resolve_backend(_VQ_OP, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+    N = codebook.shape[1]
+    cb = codebook.to(cdt)
+    qs = _scaled(_VQ_OP, q.to(cdt), scale, H, dk)
+    vc = v.to(cdt)
+    idx = torch.einsum("bthd,hnd->bthn", k.detach().to(cdt), cb.detach()).argmax(-1)  # [B, T, H]
+    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    if initial_state is None:
+        state = {"Dv": torch.zeros(B, H, N, dv, dtype=cdt, device=q.device),
+                 "counts": torch.zeros(B, H, N, dtype=torch.int64, device=q.device)}
+    else:
+        check_state_dict(_VQ_OP, initial_state, _VQ_STATE_KEYS)
+        check_state_tensor(_VQ_OP, "initial_state['Dv']", initial_state["Dv"], (B, H, N, dv), q.device)
+        _check_int_tensor(_VQ_OP, "initial_state['counts']", initial_state["counts"], (B, H, N), q.device)
+        state = {"Dv": initial_state["Dv"].to(cdt), "counts": initial_state["counts"].to(torch.int64)}
+    run = _vq_recurrent if backend == "recurrent" else _vq_chunk
+    o, final = run(qs, vc, idx, cb, real, state, C)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, (final if output_final_state else None)
+
+
+def _vq_add(Dv, counts, onehot, V):
+    """Add values to their codes: onehot ``[B, H, n, N]`` (0 rows for pads), V ``[B, H, n, dv]``."""
+    m = onehot.sum(-2)
+    c1 = counts + m.round().to(torch.int64)
+    Dv1 = Dv + (onehot.transpose(-1, -2) @ V - m[..., None] * Dv) / c1.clamp_min(1).to(Dv.dtype)[..., None]
+    return Dv1, c1
+
+
+def _vq_recurrent(q, v, idx, cb, real, state, C):
+    """Per token: add (code, v) to the counts and value means, then attend over the codes."""
+    Dv, counts = state["Dv"], state["counts"]
+    N = cb.shape[1]
+    logits_all = torch.einsum("bthd,hnd->bhtn", q, cb)  # [B, H, T, N]
+    outs = []
+    for i in range(q.shape[1]):
+        oh = F.one_hot(idx[:, i], N).to(q.dtype) * real[:, i, None, None].to(q.dtype)  # [B, H, N]
+        Dv, counts = _vq_add(Dv, counts, oh[:, :, None], v[:, i, :, None])
+        ld, active = _dict_logits_from(logits_all[:, :, i:i + 1], counts)
+        p = _masked_softmax(ld, active[:, :, None, :])
+        outs.append((p @ Dv)[:, :, 0])
+    return torch.stack(outs, 1), {"Dv": Dv, "counts": counts}
+
+
+def _dict_logits_from(logits, counts):
+    active = counts > 0
+    logc = torch.where(active, counts.clamp_min(1).to(logits.dtype).log(),
+                       torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return logits + logc[:, :, None, :], active
+
+
+def _vq_chunk(q, v, idx, cb, real, state, C):
+    """Per chunk: the codes with the counts/value means at the chunk start, plus the chunk's own
+    quantised keys (causal, real only); then the chunk is added to the counts and means."""
+    B, T, H, dk = q.shape
+    N = cb.shape[1]
+    Dv, counts = state["Dv"], state["counts"]
+    k_hat = cb[torch.arange(H, device=q.device)[None, None], idx]  # [B, T, H, dk], differentiable in cb
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    outs = []
+    for s in range(0, T, C):
+        Qc, Kc, Vc = (x[:, s:s + C].transpose(1, 2) for x in (q, k_hat, v))
+        n = Qc.shape[2]
+        m = real[:, s:s + C]
+        ld, active = _dict_logits_from(torch.einsum("bhtd,hnd->bhtn", Qc, cb), counts)
+        lc = Qc @ Kc.transpose(-1, -2)
+        allowed = torch.cat([active[:, :, None, :].expand(-1, -1, n, -1),
+                             (causal[:n, :n][None] & m[:, None, :])[:, None].expand(-1, H, -1, -1)], -1)
+        p = _masked_softmax(torch.cat([ld, lc], -1), allowed)
+        outs.append(p[..., :N] @ Dv + p[..., N:] @ Vc)
+        oh = F.one_hot(idx[:, s:s + C].transpose(1, 2), N).to(q.dtype) * m[:, None, :, None].to(q.dtype)
+        Dv, counts = _vq_add(Dv, counts, oh, Vc)
+    return torch.cat(outs, 2).transpose(1, 2), {"Dv": Dv, "counts": counts}
