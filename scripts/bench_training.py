@@ -1,0 +1,372 @@
+"""Training throughput (tokens/s) and peak GPU memory of ~125M-size causal LMs: lazoo vs Llama (SDPA) and fla.
+
+Every model has the same shape: hidden 768, 12 layers, 12 heads (head dim 64), a SwiGLU FFN of 3072
+(lazoo's default 4 x hidden; Llama given the same), vocab 32000, **tied** input/output embeddings (lazoo's
+default; Llama and fla set to tie too), so ~138M parameters for Llama (row ``params``; the mechanisms'
+own gates/convs/norms add or remove a few million). Rows, at each T of ``--lengths`` (default 2048, 8192)
+with a fixed ``--tokens`` per optimizer step (default 16384: batch = tokens // T):
+
+  * lazoo, one row per name of ``--mechanisms`` (default ``linear,gated_delta_net,vla,sw-ovq``): any
+    mechanism, hybrid preset or config .json that ``lazoo.presets.build_config`` takes (a preset's layer
+    pattern repeats over the 12 layers);
+  * ``llama_sdpa``: transformers' ``LlamaForCausalLM`` with ``attn_implementation="sdpa"``;
+  * fla's model for the same mechanism where ``fla.models`` has one (linear -> LinearAttentionForCausalLM,
+    gated_delta_net -> GatedDeltaNetForCausalLM, delta_net -> DeltaNetForCausalLM, gla -> GLAForCausalLM),
+    with the same sizes (fla's other defaults kept; GDN with head_dim 64 and expand_v 1 to match), last and
+    under ``--fla-budget`` seconds (its kernels autotune on first use); a missing or refusing fla is recorded
+    as the error string of its rows.
+
+Precision (``--dtype``): ``bf16`` (default on CUDA) = fp32 master weights, forward/backward under
+``torch.autocast(bfloat16)``, fused AdamW on the fp32 weights; ``bf16-weights`` = the model cast to bf16,
+no autocast, AdamW on bf16 weights; ``fp32`` (default on CPU). One step = forward with ``labels`` (the
+models' own shifted cross-entropy), backward, ``AdamW.step()``, ``zero_grad``. Per row: build on the device,
+``--warmup`` steps (Triton compilation happens here), then ``--steps`` timed steps (CUDA events around each
+step, synchronised at the end); tokens/s = B*T / median step time; peak memory =
+``torch.cuda.max_memory_allocated`` since the build (weights + AdamW state + activations). An OOM or any
+other error (or a row past ``--row-budget`` = 180 seconds, SIGALRM) is recorded in the row as ``error`` and the
+run goes on; the JSON (``--out``) is rewritten after every row: ``{"env": {GPU, torch, triton, transformers,
+fla versions, precision, sizes, command, ...}, "rows": [{impl, model, T, B, params, params_non_embedding,
+tokens_per_s, step_ms_median/min/max, peak_mem_GiB, loss, error, ...}]}``.
+
+    PYTHONPATH=src python scripts/bench_training.py --out bench_training.json
+
+On an H100 the default set (5 models x 2 lengths + up to 4 fla rows) should take about 4-6 minutes
+(lazoo's Triton kernels compile in the warm-up steps, sw-ovq runs OVQ's PyTorch chunk form, fla autotunes
+for up to ``--fla-budget`` = 120 s). To shrink it: ``--fla-budget 0`` (or ``--no-fla``), ``--steps 5``,
+``--lengths 2048``, or drop ``sw-ovq``/``vla`` from ``--mechanisms``; ``--row-budget`` caps any one row.
+
+CPU smoke test (tiny sizes, 2 steps): ``--device cpu --tiny --mechanisms linear,sw-ovq --lengths 32 --no-fla``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+try:
+    import lazoo  # noqa: F401  (registers lazoo_* on the Auto classes)
+except ImportError:  # a source checkout run without PYTHONPATH=src
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import lazoo  # noqa: F401
+
+#: the ~125M model every row uses (``--tiny``: TINY)
+SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=32000)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=256)
+TIE = True
+DEFAULT_MECHANISMS = "linear,gated_delta_net,vla,sw-ovq"
+
+#: lazoo mechanism -> (fla.models config class, fla-specific config fields); other fields are set from SIZES
+FLA_MODELS = {
+    "linear": ("LinearAttentionConfig", {}),
+    "gated_delta_net": ("GatedDeltaNetConfig", {"head_dim": None, "expand_v": 1}),  # head_dim: hidden // heads
+    "delta_net": ("DeltaNetConfig", {}),
+    "gla": ("GLAConfig", {}),
+}
+
+
+# ----------------------------------------------------------------------------- models
+def lazoo_model(name, sizes, max_len):
+    from transformers import AutoModelForCausalLM
+
+    from lazoo.presets import build_config
+
+    config = build_config(name, **sizes, tie_word_embeddings=TIE)
+    return AutoModelForCausalLM.from_config(config), {"model_type": config.model_type,
+                                                      "layer_types": list(config.layer_types)}
+
+
+def llama_model(sizes, max_len):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
+                         intermediate_size=sizes["intermediate_size"], num_hidden_layers=sizes["num_hidden_layers"],
+                         num_attention_heads=sizes["num_attention_heads"],
+                         num_key_value_heads=sizes["num_attention_heads"], max_position_embeddings=max(max_len, 2048),
+                         tie_word_embeddings=TIE, use_cache=False)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return model, {"model_type": "llama", "attn_implementation": model.config._attn_implementation}
+
+
+def load_fla():
+    """(fla.models module, version) or (None, error string)."""
+    try:
+        import fla
+        import fla.models
+    except Exception as e:  # not installed, or it refuses this GPU/Triton
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return fla.models, getattr(fla, "__version__", "?")
+
+
+def fla_model(fla_models, mechanism, sizes, max_len):
+    import inspect
+
+    cls_name, extra = FLA_MODELS[mechanism]
+    config_cls = getattr(fla_models, cls_name)
+    model_cls = getattr(fla_models, cls_name.replace("Config", "ForCausalLM"))
+    wanted = {"hidden_size": sizes["hidden_size"], "num_hidden_layers": sizes["num_hidden_layers"],
+              "num_heads": sizes["num_attention_heads"], "intermediate_size": sizes["intermediate_size"],
+              "vocab_size": sizes["vocab_size"], "tie_word_embeddings": TIE, "use_cache": False,
+              "max_position_embeddings": max(max_len, 2048), **extra}
+    if "head_dim" in wanted and wanted["head_dim"] is None:
+        wanted["head_dim"] = sizes["hidden_size"] // sizes["num_attention_heads"]
+    accepted = set(inspect.signature(config_cls.__init__).parameters)
+    fields = {k: v for k, v in wanted.items() if k in accepted or k in ("tie_word_embeddings", "use_cache")}
+    config = config_cls(**fields)
+    return model_cls(config), {"model_type": getattr(config, "model_type", cls_name), "fla_config": fields}
+
+
+def count_params(model):
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    embedding = emb.numel() + (out.weight.numel() if out is not None and out.weight is not emb else 0)
+    return total, total - embedding
+
+
+# ----------------------------------------------------------------------------- one row
+class _OutOfTime(BaseException):  # not caught by `except Exception`
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise _OutOfTime()
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(build, T, args, row):
+    """Fill ``row`` with params, step times, tokens/s and peak memory of the model ``build()`` returns."""
+    device = args.device
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with torch.device(device):  # initialise on the device (faster than on the CPU); .to() below moves any rest
+        model, info = build()
+    row.update(info)
+    row["params"], row["params_non_embedding"] = count_params(model)
+    if args.dtype == "bf16-weights":
+        model.to(torch.bfloat16)
+    model.to(device).train()
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab, (row["B"], T), device=device, generator=gen)
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
+    def step():
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(args.warmup):
+        step()
+    _sync(device)
+    row["build_warmup_s"] = round(time.perf_counter() - t0, 2)
+    times_ms = []
+    if device == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(args.steps)]
+        for start, end in events:
+            start.record()
+            loss = step()
+            end.record()
+        torch.cuda.synchronize()
+        times_ms = [s.elapsed_time(e) for s, e in events]
+        row["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    else:
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            loss = step()
+            times_ms.append((time.perf_counter() - t) * 1e3)
+        row["peak_mem_GiB"] = None
+    med = statistics.median(times_ms)
+    row.update(step_ms_median=med, step_ms_min=min(times_ms), step_ms_max=max(times_ms),
+               tokens_per_s=row["B"] * T / (med / 1e3), loss=float(loss))
+    if not math.isfinite(row["loss"]):
+        row["note"] = "non-finite loss"
+
+
+def run_row(impl, name, build, T, args, budget=None):
+    """One row; errors (OOM included) and timeouts are recorded, memory is freed either way."""
+    B = max(1, args.tokens // T)
+    row = {"impl": impl, "model": name, "T": T, "B": B, "tokens_per_step": B * T, "dtype": args.dtype,
+           "params": None, "tokens_per_s": None, "step_ms_median": None, "peak_mem_GiB": None, "error": None}
+    budget = args.row_budget if budget is None else min(budget, args.row_budget)
+    use_alarm = budget and budget > 0 and hasattr(signal, "SIGALRM")
+    if use_alarm:
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.alarm(max(1, int(budget)))
+    try:
+        measure(build, T, args, row)
+    except _OutOfTime:
+        row["error"] = f"timeout: stopped after {budget:.0f} s"
+    except torch.cuda.OutOfMemoryError as e:
+        row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
+        if args.device == "cuda":
+            row["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    except Exception as e:
+        traceback.print_exc(limit=3)
+        row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    finally:
+        if use_alarm:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+    gc.collect()  # the failed step's frames went with the exception
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    print("progress", json.dumps(row), flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- main
+def env_block(args, fla_info):
+    env = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),
+           "lazoo": getattr(lazoo, "__version__", "?"), "dtype": args.dtype,
+           "precision": {"bf16": "bf16 autocast, fp32 master weights, AdamW (fused on CUDA)",
+                         "bf16-weights": "bf16 weights, no autocast, AdamW on bf16",
+                         "fp32": "fp32 weights and compute, AdamW"}[args.dtype],
+           "sizes": args.sizes, "tie_word_embeddings": TIE, "tokens_per_step": args.tokens,
+           "lengths": args.lengths, "warmup": args.warmup, "steps": args.steps,
+           "LAZOO_BACKEND": os.environ.get("LAZOO_BACKEND"), "command": " ".join(args.argv)}
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    env["fla"], env["fla_error"] = fla_info
+    return env
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_training.json")
+    ap.add_argument("--mechanisms", default=DEFAULT_MECHANISMS,
+                    help="comma-separated lazoo mechanisms / hybrid presets / config .json paths")
+    ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths T")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per optimizer step, batch = tokens // T (default 16384; --tiny: 128)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3; --tiny: 1)")
+    ap.add_argument("--dtype", choices=("bf16", "bf16-weights", "fp32"), default=None,
+                    help="bf16 = autocast with fp32 master weights (default on CUDA); fp32 default on CPU")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny models (hidden 64, 2 layers) for a CPU smoke test")
+    ap.add_argument("--no-llama", action="store_true", help="skip the LlamaForCausalLM (SDPA) rows")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla's models")
+    ap.add_argument("--fla-budget", type=float, default=120.0,
+                    help="seconds for all fla rows (its kernels autotune on first use); 0 skips fla")
+    ap.add_argument("--row-budget", type=float, default=180.0, help="seconds per row before it is stopped; 0: none")
+    args = ap.parse_args(argv)
+    args.argv = sys.argv if argv is None else ["scripts/bench_training.py", *argv]
+    args.mechanisms = [m for m in args.mechanisms.split(",") if m]
+    args.lengths = [int(t) for t in str(args.lengths).split(",") if t]
+    args.tokens = args.tokens if args.tokens is not None else (128 if args.tiny else 16384)
+    args.steps = args.steps if args.steps is not None else (2 if args.tiny else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.sizes = dict(TINY if args.tiny else SIZES)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: use --device cpu (with --tiny)")
+    return args
+
+
+def report(rows):
+    llama = {r["T"]: r["tokens_per_s"] for r in rows if r["impl"] == "transformers" and r["tokens_per_s"]}
+    print()
+    print(f"{'impl':12s} {'model':18s} {'T':>6s} {'B':>3s} {'params':>8s} {'tokens/s':>10s} {'step ms':>9s}"
+          f" {'peak GiB':>8s} {'vs llama':>8s}  note")
+    for r in sorted(rows, key=lambda r: (r["T"], r["impl"] != "transformers", r["impl"] != "lazoo", r["model"])):
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        rel = r["tokens_per_s"] / llama[r["T"]] if r["tokens_per_s"] and r["T"] in llama else None
+        params = "-" if r["params"] is None else f"{r['params'] / 1e6:.1f}M"
+        print(f"{r['impl']:12s} {r['model']:18s} {r['T']:6d} {r['B']:3d} {params:>8s}"
+              f" {fmt(r['tokens_per_s'], ',.0f'):>10s} {fmt(r['step_ms_median'], '.1f'):>9s}"
+              f" {fmt(r['peak_mem_GiB'], '.2f'):>8s} {fmt(rel, '.2f'):>8s}  {r['error'] or r.get('note', '')}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in fp32
+    want_fla = not args.no_fla and args.fla_budget > 0 and any(m in FLA_MODELS for m in args.mechanisms)
+    if want_fla:
+        fla_models, fla_info = load_fla()
+        fla_info = (fla_info, None) if fla_models is not None else (None, fla_info)
+    else:
+        fla_models, fla_info = None, (None, "skipped (--no-fla / --fla-budget 0 / no mechanism fla has)")
+    env = env_block(args, fla_info)
+    print(json.dumps(env), flush=True)
+    result = {"env": env, "rows": []}
+    rows = result["rows"]
+    max_len = max(args.lengths)
+
+    def save():
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    for T in args.lengths:
+        if not args.no_llama:
+            rows.append(run_row("transformers", "llama_sdpa", lambda: llama_model(args.sizes, max_len), T, args))
+            save()
+        for name in args.mechanisms:
+            rows.append(run_row("lazoo", name, lambda name=name: lazoo_model(name, args.sizes, max_len), T, args))
+            save()
+
+    if want_fla:  # last, under one time budget (autotuning)
+        deadline = time.perf_counter() + args.fla_budget
+        for T in args.lengths:
+            for name in args.mechanisms:
+                if name not in FLA_MODELS:
+                    continue
+                left = deadline - time.perf_counter()
+                if fla_models is None or left < 1:
+                    B = max(1, args.tokens // T)
+                    error = env["fla_error"] if fla_models is None else f"fla budget ({args.fla_budget:.0f} s) spent"
+                    rows.append({"impl": "fla", "model": name, "T": T, "B": B, "tokens_per_step": B * T,
+                                 "dtype": args.dtype, "params": None, "tokens_per_s": None, "step_ms_median": None,
+                                 "peak_mem_GiB": None, "error": error})
+                    print("progress", json.dumps(rows[-1]), flush=True)
+                else:
+                    rows.append(run_row("fla", name, lambda name=name: fla_model(fla_models, name, args.sizes, max_len),
+                                        T, args, budget=left))
+                save()
+    save()
+    report(rows)
+    print(f"\nwrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""scripts/bench_training.py in its CPU smoke mode: tiny lazoo and Llama models train, the JSON has their rows."""
+
+import importlib.util
+import json
+
+from conftest import load_script
+
+bench_training = load_script("bench_training")
+
+
+def test_cpu_tiny_rows(tmp_path, single_thread):
+    out = tmp_path / "bench_training.json"
+    result = bench_training.main(["--device", "cpu", "--tiny", "--mechanisms", "linear,sw-ovq", "--lengths", "32",
+                                  "--steps", "1", "--warmup", "0", "--no-fla", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(result))
+    env = data["env"]
+    assert env["device"] == "cpu" and env["dtype"] == "fp32" and env["tie_word_embeddings"] is True
+    assert env["torch"] and env["transformers"] and env["lengths"] == [32]
+    rows = {(r["impl"], r["model"]): r for r in data["rows"]}
+    assert set(rows) == {("transformers", "llama_sdpa"), ("lazoo", "linear"), ("lazoo", "sw-ovq")}
+    for key, r in rows.items():
+        assert r["error"] is None, (key, r["error"])
+        assert r["T"] == 32 and r["B"] == r["tokens_per_step"] // 32 >= 1
+        assert r["tokens_per_s"] > 0 and r["step_ms_median"] > 0, key
+        assert r["params"] > r["params_non_embedding"] > 0, key
+        assert r["loss"] == r["loss"], key  # finite, not NaN
+    assert rows[("transformers", "llama_sdpa")]["attn_implementation"] == "sdpa"
+    assert rows[("lazoo", "sw-ovq")]["layer_types"] == ["sliding_window", "ovq"]
+
+
+def test_errors_are_rows_not_crashes(tmp_path, single_thread):
+    """An unknown mechanism and a missing (or skipped) fla end up as error strings in their rows."""
+    out = tmp_path / "bench_training.json"
+    bench_training.main(["--device", "cpu", "--tiny", "--mechanisms", "no_such_mechanism,linear", "--lengths", "16",
+                         "--steps", "1", "--warmup", "0", "--no-llama", "--fla-budget", "20", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    bad = [r for r in rows if r["model"] == "no_such_mechanism"]
+    assert len(bad) == 1 and "unknown layout" in bad[0]["error"] and bad[0]["tokens_per_s"] is None
+    assert [r["tokens_per_s"] > 0 for r in rows if r["impl"] == "lazoo" and r["model"] == "linear"] == [True]
+    fla = [r for r in rows if r["impl"] == "fla"]
+    assert [r["model"] for r in fla] == ["linear"]
+    if importlib.util.find_spec("fla") is None:
+        assert "fla" in fla[0]["error"]
