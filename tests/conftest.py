@@ -57,6 +57,14 @@ def tiny_config(name: str, **overrides):
         # dictionary updates (growth, merges, a partial chunk in the cache), not one incomplete chunk
         kwargs.setdefault("chunk_size", 4)
         kwargs.setdefault("max_dict_size", 12)
+    if name == "rls":
+        kwargs.setdefault("chunk_size", 16)  # several chunks (and a ragged last one) in the tests' sequences
+    if name in ("ttt_linear", "ttt_mlp", "titans"):
+        kwargs.setdefault("mini_batch_size", 4)  # many mini-batches (and partial ones in the cache)
+    if name == "ttt_mlp":
+        kwargs.setdefault("mlp_expansion", 2)
+    if name == "local_linear":
+        kwargs.setdefault("chunk_size", 16)  # several query blocks
     if name == "vq":
         kwargs.setdefault("chunk_size", 4)
         kwargs.setdefault("codebook_size", 8)

@@ -57,6 +57,21 @@ MECHANISM_INFO: dict[str, tuple[str, str, str]] = {
     "vq": ("VQ-attention (learned key codebook)", "o_t = softmax(β q_t Cᵀ + log c_t) D_v,t: causal softmax over keys "
            "replaced by their nearest code; counts c_t and value means D_v,t per code",
            "Lingle 2023, Transformer-VQ; Online Vector Quantized Attention (2026) §2.2"),
+    "rls": ("Recursive least squares (Mesa layer)", "S_t = argmin_S Σ_{i≤t} γ^{t−i}‖v_i − S k_i‖² + λ‖S‖_F² "
+            "= VK_t (KK_t + λI)^{-1} (exact ridge regression; Sherman–Morrison per token for γ = 1); o_t = S_t q_t",
+            "Wang et al. 2025, Test-time regression (eq 11); von Oswald et al. 2023/2025, MesaNet"),
+    "local_linear": ("Local-linear (p = 1) attention", "o_t = M⁰ of min Σ_{i≤t} w_i‖v_i − M⁰ − M¹(k_i − q_t)‖² + ρ‖M¹‖², "
+                     "w_i = softmax_i(β q_t·k_i) (KV cache, quadratic like softmax)",
+                     "Wang et al. 2025, Test-time regression (eqs 52–54)"),
+    "ttt_linear": ("TTT-Linear (test-time training)", "W_t = W_{t'} − Σ_{t'<s≤t} η_s (W_{t'} k_s − v_s) k_sᵀ (mini-batch GD "
+                   "on ½‖W k_s − v_s‖² from a learned W₀; t' = end of the previous mini-batch); o_t = W_t q_t",
+                   "Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hidden States"),
+    "ttt_mlp": ("TTT-MLP (test-time training)", "f(x) = W2 gelu(W1 x); W_t = W_{t'} − Σ_{t'<s≤t} η_s ∇ℓ_s(W_{t'}), "
+                "ℓ_s = ½‖f(k_s) − v_s‖², from learned W₀; o_t = f(q_t; W_t)",
+                "Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hidden States"),
+    "titans": ("Titans neural memory (linear memory)", "S_t = η_t S_{t−1} − θ_t (M_{t'} k_t − v_t) k_tᵀ, "
+               "M_t = (1 − α_t) M_{t−1} + S_t (gradients at the mini-batch start M_{t'}); o_t = M_t q_t",
+               "Behrouz, Zhong, Mirrokni 2024, Titans: Learning to Memorize at Test Time"),
 }
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")

@@ -161,11 +161,22 @@ LazooDeltaProductConfig = _mechanism_config("delta_product", "LazooDeltaProductC
 LazooOVQConfig = _mechanism_config("ovq", "LazooOVQConfig")
 #: VQ-attention with a learned codebook (seed 002 §2.2, the baseline): chunk_size, codebook_size, ...
 LazooVQConfig = _mechanism_config("vq", "LazooVQConfig")
+#: exact (γ-weighted) ridge-regression memory, RLS / Mesa (seed 004 eq 11): lambda_init, gamma, chunk_size
+LazooRLSConfig = _mechanism_config("rls", "LazooRLSConfig")
+#: local-linear (p = 1) attention (seed 004 eqs 52–54): ridge, window, chunk_size
+LazooLocalLinearConfig = _mechanism_config("local_linear", "LazooLocalLinearConfig")
+#: test-time training (seed 001): mini_batch_size, lr_scale, use_qk_l2norm (ttt_mlp: also mlp_expansion)
+LazooTTTLinearConfig = _mechanism_config("ttt_linear", "LazooTTTLinearConfig")
+LazooTTTMLPConfig = _mechanism_config("ttt_mlp", "LazooTTTMLPConfig")
+#: Titans neural memory with momentum and forgetting (seed 001): mini_batch_size, lr_scale, forget_bias, ...
+LazooTitansConfig = _mechanism_config("titans", "LazooTitansConfig")
 
 #: mechanism name -> its config class; `lazoo_hybrid` is `LazooConfig` itself
 MECHANISM_CONFIGS: dict[str, type[LazooConfig]] = {
     c.mechanism: c
     for c in (LazooSoftmaxConfig, LazooSlidingWindowConfig, LazooLinearConfig, LazooGatedLinearConfig,
               LazooDeltaNetConfig, LazooGatedDeltaNetConfig, LazooVLAConfig, LazooELAConfig, LazooGLAConfig,
-              LazooDeltaProductConfig, LazooOVQConfig, LazooVQConfig)
+              LazooDeltaProductConfig, LazooOVQConfig, LazooVQConfig,
+              LazooRLSConfig, LazooLocalLinearConfig,
+              LazooTTTLinearConfig, LazooTTTMLPConfig, LazooTitansConfig)
 }

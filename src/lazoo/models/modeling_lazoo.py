@@ -286,6 +286,13 @@ LazooDeltaProductModel, LazooDeltaProductForCausalLM = _mechanism_classes(
     "delta_product", "LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
 LazooOVQModel, LazooOVQForCausalLM = _mechanism_classes("ovq", "LazooOVQ", MECHANISM_CONFIGS["ovq"])
 LazooVQModel, LazooVQForCausalLM = _mechanism_classes("vq", "LazooVQ", MECHANISM_CONFIGS["vq"])
+LazooRLSModel, LazooRLSForCausalLM = _mechanism_classes("rls", "LazooRLS", MECHANISM_CONFIGS["rls"])
+LazooLocalLinearModel, LazooLocalLinearForCausalLM = _mechanism_classes(
+    "local_linear", "LazooLocalLinear", MECHANISM_CONFIGS["local_linear"])
+LazooTTTLinearModel, LazooTTTLinearForCausalLM = _mechanism_classes(
+    "ttt_linear", "LazooTTTLinear", MECHANISM_CONFIGS["ttt_linear"])
+LazooTTTMLPModel, LazooTTTMLPForCausalLM = _mechanism_classes("ttt_mlp", "LazooTTTMLP", MECHANISM_CONFIGS["ttt_mlp"])
+LazooTitansModel, LazooTitansForCausalLM = _mechanism_classes("titans", "LazooTitans", MECHANISM_CONFIGS["titans"])
 
 #: model_type -> (config class, base model class, causal LM class)
 MODEL_CLASSES = {
@@ -302,6 +309,11 @@ MODEL_CLASSES = {
     "lazoo_delta_product": (MECHANISM_CONFIGS["delta_product"], LazooDeltaProductModel, LazooDeltaProductForCausalLM),
     "lazoo_ovq": (MECHANISM_CONFIGS["ovq"], LazooOVQModel, LazooOVQForCausalLM),
     "lazoo_vq": (MECHANISM_CONFIGS["vq"], LazooVQModel, LazooVQForCausalLM),
+    "lazoo_rls": (MECHANISM_CONFIGS["rls"], LazooRLSModel, LazooRLSForCausalLM),
+    "lazoo_local_linear": (MECHANISM_CONFIGS["local_linear"], LazooLocalLinearModel, LazooLocalLinearForCausalLM),
+    "lazoo_ttt_linear": (MECHANISM_CONFIGS["ttt_linear"], LazooTTTLinearModel, LazooTTTLinearForCausalLM),
+    "lazoo_ttt_mlp": (MECHANISM_CONFIGS["ttt_mlp"], LazooTTTMLPModel, LazooTTTMLPForCausalLM),
+    "lazoo_titans": (MECHANISM_CONFIGS["titans"], LazooTitansModel, LazooTitansForCausalLM),
 }
 
 
@@ -448,6 +460,11 @@ LazooGLAForSequenceClassification = _seqcls_class("LazooGLA", MECHANISM_CONFIGS[
 LazooDeltaProductForSequenceClassification = _seqcls_class("LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
 LazooOVQForSequenceClassification = _seqcls_class("LazooOVQ", MECHANISM_CONFIGS["ovq"])
 LazooVQForSequenceClassification = _seqcls_class("LazooVQ", MECHANISM_CONFIGS["vq"])
+LazooRLSForSequenceClassification = _seqcls_class("LazooRLS", MECHANISM_CONFIGS["rls"])
+LazooLocalLinearForSequenceClassification = _seqcls_class("LazooLocalLinear", MECHANISM_CONFIGS["local_linear"])
+LazooTTTLinearForSequenceClassification = _seqcls_class("LazooTTTLinear", MECHANISM_CONFIGS["ttt_linear"])
+LazooTTTMLPForSequenceClassification = _seqcls_class("LazooTTTMLP", MECHANISM_CONFIGS["ttt_mlp"])
+LazooTitansForSequenceClassification = _seqcls_class("LazooTitans", MECHANISM_CONFIGS["titans"])
 
 #: model_type -> sequence classification class (registered on AutoModelForSequenceClassification)
 SEQUENCE_CLASSIFICATION_CLASSES = {
@@ -464,4 +481,9 @@ SEQUENCE_CLASSIFICATION_CLASSES = {
     "lazoo_delta_product": LazooDeltaProductForSequenceClassification,
     "lazoo_ovq": LazooOVQForSequenceClassification,
     "lazoo_vq": LazooVQForSequenceClassification,
+    "lazoo_rls": LazooRLSForSequenceClassification,
+    "lazoo_local_linear": LazooLocalLinearForSequenceClassification,
+    "lazoo_ttt_linear": LazooTTTLinearForSequenceClassification,
+    "lazoo_ttt_mlp": LazooTTTMLPForSequenceClassification,
+    "lazoo_titans": LazooTitansForSequenceClassification,
 }

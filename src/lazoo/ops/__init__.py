@@ -7,16 +7,22 @@ Every op takes ``initial_state=None, output_final_state=False, mask=None, backen
 returns ``(output [B, T, H, dv] in the input dtype, final_state or None)``. States are in the
 compute dtype: float64 for float64 inputs, float32 otherwise.
 Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-step reference),
-"chunk" (chunk-parallel PyTorch), "triton" (not written yet), None = auto (chunk for now).
+"chunk" (chunk-parallel PyTorch), "triton" (lazoo.kernels, where the op has one), None = auto (Triton
+on CUDA when it can run the case, else chunk). The ops run with autocast off: they pick their own
+compute dtypes (``_common.without_autocast``).
 """
 
-from ._common import BACKENDS
+from ._common import BACKENDS, without_autocast
 from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
 from .delta_product import delta_product
 from .ela import ELA_KERNELS, ela
 from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
 from .ovq import ovq_attention, ovq_dict_size, vq_attention
+from .local_linear import local_linear_attention
+from .rls import rls
 from .softmax import softmax_attention
+from .titans import titans
+from .ttt import ttt_linear, ttt_mlp
 from .vla import vla
 
 __all__ = [
@@ -33,9 +39,21 @@ __all__ = [
     "gated_linear_attention",
     "gla",
     "linear_attention",
+    "local_linear_attention",
     "ovq_attention",
     "ovq_dict_size",
+    "rls",
     "softmax_attention",
+    "titans",
+    "ttt_linear",
+    "ttt_mlp",
     "vla",
     "vq_attention",
 ]
+
+# The public ops run with autocast off (mixers call them as ``ops.<name>``).
+for _name in ("delta_product", "delta_rule", "ela", "gated_delta_rule", "gated_linear_attention", "gla",
+              "linear_attention", "local_linear_attention", "ovq_attention", "rls", "softmax_attention", "titans",
+              "ttt_linear", "ttt_mlp", "vla", "vq_attention"):
+    globals()[_name] = without_autocast(globals()[_name])
+del _name

@@ -4,7 +4,11 @@ from .attention import SlidingWindowAttentionMixer, SoftmaxAttentionMixer
 from .base import TokenMixer
 from .delta import DeltaNetMixer, DeltaProductMixer, GatedDeltaNetMixer
 from .linear import ELAMixer, GatedLinearAttentionMixer, GLAMixer, LinearAttentionMixer
+from .local_linear import LocalLinearMixer
 from .ovq import OVQMixer, VQMixer
+from .titans import TitansMixer
+from .ttt import TTTLinearMixer, TTTMLPMixer
+from .rls import RLSMixer
 from .vla import VLAMixer
 
 MIXERS: dict[str, type[TokenMixer]] = {
@@ -22,6 +26,11 @@ MIXERS: dict[str, type[TokenMixer]] = {
         DeltaProductMixer,
         OVQMixer,
         VQMixer,
+        TTTLinearMixer,
+        TTTMLPMixer,
+        TitansMixer,
+        RLSMixer,
+        LocalLinearMixer,
     )
 }
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
 from ..rope import apply_rotary, rotary_cos_sin
-from .base import TokenMixer
+from .base import TokenMixer, unit_norm
 
 
 class AttentionMixer(TokenMixer):
@@ -45,7 +44,7 @@ class AttentionMixer(TokenMixer):
         v = self.split_heads(self.v_proj(hidden_states))
         scale = None
         if self.options["qk_norm"]:
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            q, k = unit_norm(q), unit_norm(k)
             scale = self.qk_scale
         if self.options["use_rope"]:
             cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.options["rope_theta"], q.dtype)

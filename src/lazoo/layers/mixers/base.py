@@ -14,12 +14,30 @@ which is always correct, only slower. Packed inputs have no padding mask and no 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..short_conv import ShortConvolution
+
+
+def unit_norm(x: torch.Tensor) -> torch.Tensor:
+    """x / |x| over the last dim, computed in fp32 and returned in x's dtype: under CUDA autocast
+    `F.normalize` returns fp32, and the ops want q, k and v in one dtype."""
+    return torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype)
+
+
+def init_qk_scale(module: nn.Module, init) -> None:
+    """(Re)initialise a QK-norm mixer's learned per-head scale `qk_scale` to √head_dim (`init`: the
+    transformers init helper, or None at construction)."""
+    value = math.sqrt(module.head_dim)
+    if init is None:
+        with torch.no_grad():
+            module.qk_scale.fill_(value)
+    else:
+        init.constant_(module.qk_scale, value)
 
 
 class TokenMixer(nn.Module):

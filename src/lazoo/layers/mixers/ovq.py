@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from .base import init_qk_scale, unit_norm
 from .recurrent import RecurrentMixer
 
 
@@ -39,11 +40,7 @@ class OVQMixer(RecurrentMixer):
         self.qk_scale = nn.Parameter(torch.full((self.num_heads,), math.sqrt(self.head_dim)))
 
     def _init_lazoo_parameters(self, init):
-        if init is None:
-            with torch.no_grad():
-                self.qk_scale.fill_(math.sqrt(self.head_dim))
-        else:
-            init.constant_(self.qk_scale, math.sqrt(self.head_dim))
+        init_qk_scale(self, init)
 
     def current_options(self) -> dict:
         """The options as the config says now (a field changed after loading takes effect)."""
@@ -52,7 +49,7 @@ class OVQMixer(RecurrentMixer):
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         o = self.current_options()
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = unit_norm(q), unit_norm(k)
         return ops.ovq_attention(q, k, v, scale=self.qk_scale, chunk_size=o["chunk_size"],
                                  max_dict_size=o["max_dict_size"], **self.op_kwargs(mask, state, want_state))
 
@@ -102,17 +99,16 @@ class VQMixer(RecurrentMixer):
         self._init_lazoo_parameters(None)
 
     def _init_lazoo_parameters(self, init):
+        init_qk_scale(self, init)
         if init is None:
             with torch.no_grad():
-                self.qk_scale.fill_(math.sqrt(self.head_dim))
                 self.codebook.normal_()
         else:
-            init.constant_(self.qk_scale, math.sqrt(self.head_dim))
             init.normal_(self.codebook)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         o = self.options
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = unit_norm(q), unit_norm(k)
         codebook = F.normalize(self.codebook, dim=-1).to(q.dtype)
         out, new_state = ops.vq_attention(q, k, v, codebook, scale=self.qk_scale, chunk_size=o["chunk_size"],
                                           **self.op_kwargs(mask, state, want_state))

@@ -1,0 +1,53 @@
+"""Recursive least squares (RLS / Mesa layer, seeds 001 and 004) mixer: the exact ridge-regression memory
+`S_t = argmin_S Σ_{i≤t} γ^{t−i}‖v_i − S k_i‖² + λ‖S‖_F²`, `o_t = S_t q_t`.
+
+Short convolution on q, k, v (default on), L2-normalised q and k, a learned per-head ridge λ = exp(log_lambda)
+(initialised to `lambda_init`), a fixed forgetting factor `gamma` (1 = the unweighted RLS of seed 004 eq 11),
+no output norm by default (the read-out is already on the scale of v). The cache entry is `{"op": {"KK", "VK"}, "conv": <conv tails>}`: the weighted
+moments Σγ k kᵀ and Σγ v kᵀ, without the ridge, so the cache stays exact for any λ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import ops
+from .recurrent import RecurrentMixer
+
+
+class RLSMixer(RecurrentMixer):
+    """Exact (γ-weighted) online ridge regression of v on k, read out at q (`lazoo.ops.rls`)."""
+
+    mechanism = "rls"
+    defaults = {**RecurrentMixer.defaults, "use_short_conv": True, "lambda_init": 1.0, "gamma": 1.0,
+                "chunk_size": 64,
+                # the read-out S_t q_t is a regression prediction of v (value scale), not a sum growing with t:
+                # no output norm (an RMSNorm would blow up the small early-token outputs and their rounding)
+                "output_norm": False}
+
+    def __init__(self, config, layer_idx, options):
+        lam = options["lambda_init"]
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam > 0:
+            raise ValueError(f"rls: lambda_init must be a number > 0, got {lam!r}")
+        super().__init__(config, layer_idx, options)
+        self.log_lambda = nn.Parameter(torch.full((self.num_heads,), math.log(lam)))
+
+    def _init_lazoo_parameters(self, init):
+        value = math.log(self.options["lambda_init"])
+        if init is None:
+            with torch.no_grad():
+                self.log_lambda.fill_(value)
+        else:
+            init.constant_(self.log_lambda, value)
+
+    def mix(self, q, k, v, x, *, mask, state, want_state):
+        o = self.options
+        cdt = torch.promote_types(q.dtype, torch.float32)  # normalise in fp32 (bf16 norms add avoidable error)
+        q, k = (F.normalize(x.to(cdt), dim=-1).to(x.dtype) for x in (q, k))
+        lam = self.log_lambda.to(torch.promote_types(self.log_lambda.dtype, torch.float32)).exp()
+        return ops.rls(q, k, v, lam=lam, gamma=o["gamma"], chunk_size=o["chunk_size"],
+                       **self.op_kwargs(mask, state, want_state))

@@ -1,0 +1,177 @@
+"""Local-linear (p = 1) attention of seed 004 (eqs 52–54): softmax attention is the local *constant*
+regressor; this is the local *linear* one.
+
+Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token). Per head and query
+q = q_t, over the visible keys i (causal: i ≤ t; with a window W: i ∈ (t − W, t]; pads never):
+
+    s_i = exp(β q·k_i),  w_i = s_i / Σ_j s_j,  d_i = k_i − q
+    (M⁰, M¹) = argmin Σ_i w_i ‖v_i − M⁰ − M¹ d_i‖² + ρ ‖M¹‖_F²,        o_t = M⁰
+    ⇒  M⁰ = v̄ − M¹ d̄,  M¹ = C_vd (C_dd + ρI)^{-1},  v̄ = Σ w v, k̄ = Σ w k, d̄ = k̄ − q,
+       C_dd = Σ w k kᵀ − k̄ k̄ᵀ,  C_vd = Σ w v kᵀ − v̄ k̄ᵀ
+
+so o_t = v̄ − C_vd u with u = (C_dd + ρI)^{-1}(k̄ − q). The intercept is not penalised; the weights are
+normalised (the ridge is relative to a unit total weight, and a shift of the logits changes nothing), so
+ρ → ∞ gives M¹ → 0 and o_t → Σ w_i v_i, softmax attention. β is ``scale`` (a number, a 0-d tensor or a
+per-head tensor ``[H]``) and multiplies the logits only; q enters d_i unscaled (the mixer applies QK-norm:
+unit q and k, learned β). ``ridge`` is ρ > 0.
+
+It is quadratic in T like softmax attention. State: a KV cache ``{"k": [B, Tc, H, dk], "v": [B, Tc, H, dv],
+"mask": [B, Tc] bool}`` in the compute dtype (float32 for half inputs, float64 for float64); positions count
+over the cache and the new tokens, pads included (as ``softmax_attention``); a final state with a window keeps
+the last W − 1 positions.
+
+Backends (no Triton kernel: ``backend="triton"`` raises):
+  * ``"recurrent"``: the definition, per query: the (1 + dk)-dimensional weighted normal equations
+    (Xᵀ W X + diag(0, ρI)) [M⁰ M¹]ᵀ = Xᵀ W V with rows X_i = [1, (k_i − q)ᵀ], solved explicitly
+    (float64-capable), one query at a time.
+  * ``"chunk"``: all queries of a block of ``chunk_size`` at once from the per-query moments: v̄, k̄ (two
+    matmuls with the softmax weights), Σ w k kᵀ (the weights times the per-key outer products k kᵀ,
+    ``[S, dk²]``), one batched dk×dk solve per query, then C_vd u = Σ_i w_i v_i (k_i − k̄)·u as a second
+    weighted sum over the keys (no per-query ``[dv, dk]`` matrix is formed).
+Cost: O(T·S·dk²) flops (dk times softmax attention's) and O(B·H·S·dk² + B·H·chunk·dk²) memory for the outer
+products, plus one dk×dk solve per query: practical for head dims up to about 64 (128 works but the
+S·dk² outer products dominate memory: 64 KiB per key and head in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    check_chunk_size,
+    check_mask,
+    check_qkv,
+    check_same_device,
+    check_state_dict,
+    check_state_tensor,
+    compute_dtype,
+    resolve_backend,
+    zero_masked,
+)
+from .softmax import _allowed
+
+_OP = "local_linear_attention"
+
+
+def local_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | torch.Tensor,
+    ridge: float = 1e-3,
+    window: int | None = None,
+    chunk_size: int = 64,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Causal local-linear attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring)."""
+    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
+    mask = check_mask(_OP, mask, B, T, q.device)
+    C = check_chunk_size(_OP, chunk_size)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge > 0:
+        raise ValueError(f"{_OP}: ridge must be a number > 0, got {ridge!r}")
+    backend = resolve_backend(_OP, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+    beta = _scale(scale, H, q, cdt)  # [H]
+
+    qc = q.to(cdt)
+    keys, values, key_mask = _with_cache(initial_state, zero_masked(k.to(cdt), mask),
+                                         zero_masked(v.to(cdt), mask), mask, B, H, dk, dv)
+    Tc = keys.shape[1] - T
+    query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    allowed = _allowed(query_mask, key_mask, Tc, window)[:, None]  # [B, 1, T, S]
+    Qh, Kh, Vh = qc.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H, *, d]
+    run = _recurrent if backend == "recurrent" else _chunk
+    o = run(Qh, Kh, Vh, allowed, beta, float(ridge), C).transpose(1, 2)
+    o = zero_masked(o, mask).to(v.dtype)
+
+    final_state = None
+    if output_final_state:
+        final_state = {"k": keys, "v": values, "mask": key_mask}
+        if window is not None:
+            keep = window - 1
+            final_state = {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in final_state.items()}
+    return o, final_state
+
+
+def _scale(scale, H, q, cdt) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        check_same_device(_OP, q, scale=scale)
+        if scale.dim() == 0:
+            return scale.to(cdt).expand(H)
+        if tuple(scale.shape) != (H,):
+            raise ValueError(f"{_OP}: a tensor scale must be 0-d or have shape [H] = ({H},), got {tuple(scale.shape)}")
+        return scale.to(cdt)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{_OP}: scale must be a number or a tensor [H], got {type(scale).__name__}")
+    return torch.full((H,), float(scale), dtype=cdt, device=q.device)
+
+
+def _with_cache(state, k, v, mask, B, H, dk, dv):
+    """The cached keys/values/mask (if any) in front of the new ones (the cache holds zeros at pads)."""
+    new_mask = mask if mask is not None else torch.ones(B, k.shape[1], dtype=torch.bool, device=k.device)
+    if state is None:
+        return k, v, new_mask
+    check_state_dict(_OP, state, ("k", "v", "mask"))
+    ck = state["k"]
+    if not isinstance(ck, torch.Tensor) or ck.dim() != 4:
+        got = tuple(ck.shape) if isinstance(ck, torch.Tensor) else type(ck).__name__
+        raise ValueError(f"{_OP}: initial_state['k'] must have shape [B, Tc, H, dk] = ({B}, Tc, {H}, {dk}), got {got}")
+    Tc = ck.shape[1]
+    check_state_tensor(_OP, "initial_state['k']", state["k"], (B, Tc, H, dk), k.device)
+    check_state_tensor(_OP, "initial_state['v']", state["v"], (B, Tc, H, dv), k.device)
+    cm = state["mask"]
+    if not isinstance(cm, torch.Tensor) or tuple(cm.shape) != (B, Tc):
+        got = tuple(cm.shape) if isinstance(cm, torch.Tensor) else type(cm).__name__
+        raise ValueError(f"{_OP}: initial_state['mask'] must have shape [B, Tc] = {(B, Tc)}, got {got}")
+    cm = cm if cm.dtype == torch.bool else cm != 0
+    return (torch.cat([state["k"].to(k.dtype), k], 1), torch.cat([state["v"].to(v.dtype), v], 1),
+            torch.cat([cm.to(k.device), new_mask], 1))
+
+
+def _weights(Qh, Kh, allowed, beta):
+    """Normalised weights w ``[B, H, Tq, S]`` (0 where not allowed; a row with no visible key is all 0)."""
+    logits = torch.einsum("bhtd,bhsd->bhts", Qh, Kh) * beta[:, None, None]
+    logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, -1) * allowed
+
+
+def _chunk(Qh, Kh, Vh, allowed, beta, ridge, C):
+    B, H, T, dk = Qh.shape
+    outer = (Kh[..., :, None] * Kh[..., None, :]).flatten(-2)  # [B, H, S, dk²]
+    eye = torch.eye(dk, dtype=Qh.dtype, device=Qh.device)
+    outs = []
+    for s in range(0, T, C):
+        q = Qh[:, :, s:s + C]
+        w = _weights(q, Kh, allowed[:, :, s:s + C], beta)  # [B, H, c, S]
+        kbar, vbar = w @ Kh, w @ Vh
+        Ekk = (w @ outer).unflatten(-1, (dk, dk))
+        cov = Ekk - kbar[..., :, None] * kbar[..., None, :] + ridge * eye
+        u = torch.linalg.solve(cov, (kbar - q)[..., None])[..., 0]  # [B, H, c, dk]
+        a = w * (u @ Kh.transpose(-1, -2) - (kbar * u).sum(-1, keepdim=True))  # w_i (k_i − k̄)·u
+        outs.append(vbar - a @ Vh)
+    return torch.cat(outs, 2)
+
+
+def _recurrent(Qh, Kh, Vh, allowed, beta, ridge, C):
+    """Per query: the weighted ridge regression on [1, k_i − q] in its explicit normal equations."""
+    B, H, T, dk = Qh.shape
+    pen = torch.zeros(dk + 1, dtype=Qh.dtype, device=Qh.device)
+    pen[1:] = ridge  # the intercept is not penalised
+    outs = []
+    for t in range(T):
+        q = Qh[:, :, t]  # [B, H, dk]
+        w = _weights(q[:, :, None], Kh, allowed[:, :, t:t + 1], beta)[:, :, 0]  # [B, H, S]
+        ones = torch.ones_like(Kh[..., :1])
+        X = torch.cat([ones, Kh - q[:, :, None]], -1)  # [B, H, S, 1 + dk]
+        XtW = (X * w[..., None]).transpose(-1, -2)
+        A = XtW @ X + torch.diag_embed(pen.expand(B, H, -1))
+        A[..., 0, 0] += 1 - w.sum(-1)  # only a query with no visible key (a pad) has Σw = 0: keeps A invertible
+        coef = torch.linalg.solve(A, XtW @ Vh)  # [B, H, 1 + dk, dv]
+        outs.append(coef[..., 0, :])
+    return torch.stack(outs, 2)

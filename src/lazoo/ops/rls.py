@@ -1,0 +1,229 @@
+"""Recursive least squares (RLS) / Mesa layer: exact (exponentially weighted) ridge regression of v on k.
+
+Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token). Per head, with t
+counting real tokens (1-based) and the ridge λ not decaying:
+
+    S_t = argmin_S Σ_{i≤t} γ^{t−i} ‖v_i − S k_i‖² + λ‖S‖_F²  =  VK_t (KK_t + λI)^{-1},   o_t = S_t q_t
+    KK_t = γ KK_{t−1} + k_t k_tᵀ   [dk, dk],      VK_t = γ VK_{t−1} + v_t k_tᵀ   [dv, dk]
+
+(seed 004 eq 11 and its weighted version; MesaNet in seed 001). q, k, v are used as given (the mixer
+L2-normalises q and k). ``lam`` is λ > 0: a number, a 0-d tensor or a per-head tensor ``[H]`` (a learned
+λ stays differentiable); ``gamma`` is γ ∈ (0, 1], a number.
+
+State: ``{"KK": [B, H, dk, dk], "VK": [B, H, dv, dk]}``, the weighted moments *without* the ridge, so
+one state serves any λ (a learned λ may change between calls) and both backends hold exactly the same
+thing. A pad leaves both untouched and does not count as a step of the decay.
+
+Backends (no Triton kernel yet: ``backend="triton"`` raises):
+  * ``"recurrent"``, γ = 1: Sherman–Morrison per token on P_t = (KK_t + λI)^{-1} (P_0 = I/λ, or one solve
+    from an initial state) with the RLS update S_t = S_{t−1} + (v_t − S_{t−1}k_t)(P_t k_t)ᵀ; the moments are
+    accumulated alongside for the final state.
+    γ < 1: the isotropic ridge that does not decay makes KK_t + λI = γ(KK_{t−1} + λI) + k kᵀ + (1−γ)λI a
+    full-rank update, so there is no rank-1 recursion; the reference keeps KK_t, VK_t and solves
+    (KK_t + λI) z = q_t exactly per token (o_t = VK_t z), O(dk³) per token, float64-capable.
+  * ``"chunk"`` (chunks of ``chunk_size`` positions), γ = 1: Woodbury per chunk. With P_0 = (KK_0 + λI)^{-1}
+    at the chunk start (one fresh solve per chunk, so rounding does not accumulate across chunks), the
+    C×C matrix M = I + K P_0 Kᵀ = L Lᵀ (Cholesky) gives every position's leading principal inverse at once:
+    R = K P_0 Qᵀ, X = N ⊙ L⁻ᵀ(N ⊙ L⁻¹(N ⊙ R)) with N[i, t] = 1 for i ≤ t, z_t = P_0 q_t − P_0 Kᵀ X[:, t]
+    = (KK_t + λI)^{-1} q_t, and o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t).
+    γ < 1: the exact per-position solve batched over the chunk: KK_t = γ^{n_t} KK_0 + Σ_{i≤t} γ^{n_t−n_i} k_i k_iᵀ
+    (n = real tokens since the chunk start) for all t of the chunk at once, one batched dk×dk solve.
+Both give the closed form at every t to rounding (tests/test_ops_rls.py: 1e-6 relative in float64 is the
+stated bound; measured far below it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    check_chunk_size,
+    check_mask,
+    check_qkv,
+    check_same_device,
+    check_state_dict,
+    check_state_tensor,
+    compute_dtype,
+    pad_time,
+    resolve_backend,
+    split_chunks,
+    merge_chunks,
+    zero_masked,
+)
+
+_OP = "rls"
+_STATE_KEYS = ("KK", "VK")
+
+
+def rls(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lam: float | torch.Tensor,
+    gamma: float = 1.0,
+    chunk_size: int = 64,
+    initial_state: dict[str, torch.Tensor] | None = None,
+    output_final_state: bool = False,
+    mask: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Exact (γ-weighted) ridge regression memory; returns ``(o [B, T, H, dv], final_state)``
+    (see the module docstring)."""
+    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
+    mask = check_mask(_OP, mask, B, T, q.device)
+    C = check_chunk_size(_OP, chunk_size)
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 < float(gamma) <= 1.0):
+        raise ValueError(f"{_OP}: gamma must be a number in (0, 1], got {gamma!r}")
+    gamma = float(gamma)
+    backend = resolve_backend(_OP, backend, q.device)
+    cdt = compute_dtype(q.dtype)
+    lam_h = _lambda(lam, H, q, cdt)  # [H]
+
+    qc, kc, vc = q.to(cdt), zero_masked(k.to(cdt), mask), zero_masked(v.to(cdt), mask)
+    KK, VK = _initial_state(initial_state, B, H, dk, dv, q.device, cdt)
+    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    if backend == "recurrent":
+        run = _recurrent_sherman_morrison if gamma == 1.0 else _recurrent_solve
+        o, KK, VK = run(qc, kc, vc, real, lam_h, gamma, KK, VK)
+    else:
+        run = _chunk_woodbury if gamma == 1.0 else _chunk_solve
+        o, KK, VK = run(qc, kc, vc, real, lam_h, gamma, KK, VK, C)
+    o = zero_masked(o, mask).to(v.dtype)
+    return o, ({"KK": KK, "VK": VK} if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- inputs
+def _lambda(lam, H, q, cdt) -> torch.Tensor:
+    """λ as a ``[H]`` tensor in the compute dtype (differentiable when given as a tensor)."""
+    if isinstance(lam, torch.Tensor):
+        check_same_device(_OP, q, lam=lam)
+        if not lam.is_floating_point():
+            raise TypeError(f"{_OP}: lam must be a floating-point tensor, got dtype {lam.dtype}")
+        if lam.dim() == 0:
+            return lam.to(cdt).expand(H)
+        if tuple(lam.shape) != (H,):
+            raise ValueError(f"{_OP}: a tensor lam must be 0-d or have shape [H] = ({H},), got {tuple(lam.shape)}")
+        return lam.to(cdt)
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)):
+        raise TypeError(f"{_OP}: lam must be a positive number or a tensor [H], got {type(lam).__name__}")
+    if not lam > 0:
+        raise ValueError(f"{_OP}: lam (the ridge λ) must be > 0, got {lam!r}")
+    return torch.full((H,), float(lam), dtype=cdt, device=q.device)
+
+
+def _initial_state(state, B, H, dk, dv, device, cdt):
+    if state is None:
+        return (torch.zeros(B, H, dk, dk, dtype=cdt, device=device),
+                torch.zeros(B, H, dv, dk, dtype=cdt, device=device))
+    check_state_dict(_OP, state, _STATE_KEYS)
+    check_state_tensor(_OP, "initial_state['KK']", state["KK"], (B, H, dk, dk), device)
+    check_state_tensor(_OP, "initial_state['VK']", state["VK"], (B, H, dv, dk), device)
+    return state["KK"].to(cdt), state["VK"].to(cdt)
+
+
+def _ridged(KK, lam_h):
+    """KK + λI (λ per head)."""
+    eye = torch.eye(KK.shape[-1], dtype=KK.dtype, device=KK.device)
+    return KK + lam_h[:, None, None] * eye
+
+
+def _inverse(KK, lam_h):
+    """(KK + λI)^{-1}; exactly I/λ when KK is zero (no initial state), so λ's gradient is exact too."""
+    return torch.linalg.solve(_ridged(KK, lam_h), torch.eye(KK.shape[-1], dtype=KK.dtype, device=KK.device)
+                              .expand_as(KK))
+
+
+# ----------------------------------------------------------------------------- recurrent
+def _recurrent_sherman_morrison(q, k, v, real, lam_h, gamma, KK, VK):
+    """γ = 1: P_t = P − P k kᵀ P / (1 + kᵀ P k), S_t = S_{t−1} + (v − S_{t−1} k)(P_t k)ᵀ, o_t = S_t q_t.
+    Pads have k = v = 0 (zeroed by the caller): P and S stay as they are."""
+    T = q.shape[1]
+    if bool((KK != 0).any()):
+        P = _inverse(KK, lam_h)
+    else:  # P_0 = I/λ (the common case, no solve)
+        eye = torch.eye(KK.shape[-1], dtype=KK.dtype, device=KK.device)
+        P = (eye / lam_h[:, None, None]).expand_as(KK)
+    S = VK @ P
+    outs = []
+    for t in range(T):
+        kt, vt, qt = k[:, t], v[:, t], q[:, t]  # [B, H, d]
+        Pk = (P @ kt[..., None])[..., 0]  # [B, H, dk]
+        denom = 1.0 + (kt * Pk).sum(-1, keepdim=True)
+        gain = Pk / denom  # P_t k_t
+        P = P - Pk[..., :, None] * gain[..., None, :]
+        err = vt - (S @ kt[..., None])[..., 0]
+        S = S + err[..., :, None] * gain[..., None, :]
+        KK = KK + kt[..., :, None] * kt[..., None, :]
+        VK = VK + vt[..., :, None] * kt[..., None, :]
+        outs.append((S @ qt[..., None])[..., 0])
+    return torch.stack(outs, 1), KK, VK
+
+
+def _recurrent_solve(q, k, v, real, lam_h, gamma, KK, VK):
+    """γ < 1: KK ← γ KK + k kᵀ, VK ← γ VK + v kᵀ at real tokens only, then (KK + λI) z = q_t, o_t = VK z."""
+    T = q.shape[1]
+    g, one = (torch.tensor(x, dtype=KK.dtype, device=KK.device) for x in (gamma, 1.0))  # γ in the compute dtype
+    outs = []
+    for t in range(T):
+        kt, vt, qt = k[:, t], v[:, t], q[:, t]
+        decay = torch.where(real[:, t], g, one)[:, None, None, None]  # no decay at pads
+        KK = decay * KK + kt[..., :, None] * kt[..., None, :]
+        VK = decay * VK + vt[..., :, None] * kt[..., None, :]
+        z = torch.linalg.solve(_ridged(KK, lam_h), qt[..., None])  # [B, H, dk, 1]
+        outs.append((VK @ z)[..., 0])
+    return torch.stack(outs, 1), KK, VK
+
+
+# ----------------------------------------------------------------------------- chunk
+def _chunks(x, C):
+    return split_chunks(pad_time(x, C), C)  # [B, H, N, C, d]
+
+
+def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C):
+    """γ = 1: per chunk, z_t = (KK_0 + λI + K_{≤t}ᵀK_{≤t})^{-1} q_t by Woodbury around P_0 = (KK_0 + λI)^{-1},
+    all leading principal inverses of M = I + K P_0 Kᵀ from one Cholesky factor."""
+    T = q.shape[1]
+    Q, K, V = _chunks(q, C), _chunks(k, C), _chunks(v, C)  # padded positions have k = v = 0
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).triu()  # [i, t]: i ≤ t
+    eye_c = torch.eye(C, dtype=q.dtype, device=q.device)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    outs = []
+    for n in range(Q.shape[2]):
+        Qn, Kn, Vn = Q[:, :, n], K[:, :, n], V[:, :, n]  # [B, H, C, d]
+        P0 = _inverse(KK, lam_h)  # [B, H, dk, dk], symmetric
+        W = Kn @ P0  # rows k_iᵀ P_0
+        L = torch.linalg.cholesky(eye_c + W @ Kn.transpose(-1, -2))
+        R = torch.where(causal, W @ Qn.transpose(-1, -2), zero)  # [i, t] = k_iᵀ P_0 q_t, i ≤ t
+        Y = torch.where(causal, torch.linalg.solve_triangular(L, R, upper=False), zero)
+        X = torch.where(causal, torch.linalg.solve_triangular(L.transpose(-1, -2), Y, upper=True), zero)
+        Z = Qn @ P0 - X.transpose(-1, -2) @ W  # rows z_tᵀ = ((KK_t + λI)^{-1} q_t)ᵀ
+        A = torch.where(causal.T, Z @ Kn.transpose(-1, -2), zero)  # [t, i] = z_t·k_i, i ≤ t
+        outs.append(Z @ VK.transpose(-1, -2) + A @ Vn)
+        KK = KK + Kn.transpose(-1, -2) @ Kn
+        VK = VK + Vn.transpose(-1, -2) @ Kn
+    return merge_chunks(torch.stack(outs, 2), T), KK, VK
+
+
+def _chunk_solve(q, k, v, real, lam_h, gamma, KK, VK, C):
+    """γ < 1: the moments of every position of a chunk at once (decay counted in real tokens), one batched
+    solve of the dk×dk systems (KK_t + λI) z_t = q_t."""
+    T = q.shape[1]
+    Q, K, V = _chunks(q, C), _chunks(k, C), _chunks(v, C)
+    R = split_chunks(pad_time(real[..., None, None].expand(-1, -1, 1, 1).to(q.dtype), C), C)[:, 0, :, :, 0]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [t, i]: i ≤ t
+    log_g = torch.log(torch.tensor(gamma, dtype=q.dtype, device=q.device))
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    outs = []
+    for n in range(Q.shape[2]):
+        Qn, Kn, Vn = Q[:, :, n], K[:, :, n], V[:, :, n]  # [B, H, C, d]
+        cnt = R[:, n].cumsum(-1)  # [B, C]: real tokens of the chunk up to and including t
+        start = torch.exp(cnt * log_g)[:, None, :]  # γ^{n_t}: decay of the chunk-start moments, [B, 1, C]
+        D = torch.where(causal, torch.exp((cnt[:, :, None] - cnt[:, None, :]) * log_g), zero)[:, None]  # [B,1,t,i]
+        KKt = start[..., None, None] * KK[:, :, None] + torch.einsum("bhti,bhia,bhic->bhtac", D.expand(
+            -1, Kn.shape[1], -1, -1), Kn, Kn)  # [B, H, C, dk, dk]
+        z = torch.linalg.solve(_ridged(KKt, lam_h[:, None]), Qn[..., None])[..., 0]  # [B, H, C, dk]
+        A = D * (z @ Kn.transpose(-1, -2))  # [t, i] = γ^{n_t−n_i} z_t·k_i
+        outs.append(start[..., None] * (z @ VK.transpose(-1, -2)) + A @ Vn)
+        KK, VK = KKt[:, :, -1], start[..., -1, None, None] * VK + (D[..., -1, :, None] * Vn).transpose(-1, -2) @ Kn
+    return merge_chunks(torch.stack(outs, 2), T), KK, VK
