@@ -640,12 +640,9 @@ def fused_recurrent_linear_attention(q, k, v, g=None, *, scale: float = 1.0, ini
 
 
 # ============================================================================ GLA: a gate per key dim
-# S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T (g [B, T, H, dk]), o_t = scale * S_t q_t. Fused recurrent
-# kernels, parallel over (sequence, head, value block) and sequential in time, with a hand-written
-# backward: a forward pass recomputing the state for dq, a reverse pass carrying dS for dk, dv and
-# the initial state; dg = reverse cumsum of (q ⊙ dq - k ⊙ dk) plus (dS_T ⊙ S_T) summed over dv at
-# each sequence end (the same identity as the scalar gate, per key dim). Every per-pair decay is a
-# product of exp(g) <= 1 factors, so any gate strength is stable.
+# S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T (g [B, T, H, dk]), o_t = scale * S_t q_t. The decoding kernel:
+# parallel over (sequence, head, value block), sequential in time, forward only (training and prefill run
+# the chunk kernels of lazoo.kernels.gla). Every step decays by exp(g) <= 1, so any gate strength is stable.
 @triton.jit
 def _gla_rec_fwd_kernel(
     q, k, v, g, h0, o, ht, cu_seqlens, scale, T,
@@ -678,73 +675,6 @@ def _gla_rec_fwd_kernel(
         tl.store(ht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None], b_h, mask=m_kv)
 
 
-@triton.jit
-def _gla_rec_bwd_dq_kernel(
-    k, v, g, h0, do, dq, cu_seqlens, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """Grid (NV, N * H): dq_t = scale * S_t do_t, the state recomputed; value blocks add up in dq
-    (float32, zeroed) atomically."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
-                       mask=m_kv, other=0.0).to(tl.float32)
-    for t in range(T_seq):
-        row = (bos + t) * H + i_h
-        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_do = tl.load(do + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_h = b_h * tl.exp(b_g)[:, None] + b_k[:, None] * b_v[None, :]
-        b_dq = tl.sum(b_h * b_do[None, :], axis=1) * scale
-        tl.atomic_add(dq + row * K + o_k, b_dq, mask=m_k)
-
-
-@triton.jit
-def _gla_rec_bwd_dkv_kernel(
-    q, k, v, g, do, dht, dk, dv, dh0, cu_seqlens, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """Grid (NV, N * H): reverse in time carrying dS; dk (float32, zeroed) gets value blocks
-    atomically, dv is written per block, dS at t = 0 is the initial state's gradient."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(dht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
-                        mask=m_kv, other=0.0).to(tl.float32)
-    for r in range(T_seq):
-        row = (bos + T_seq - 1 - r) * H + i_h
-        b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_do = tl.load(do + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_dh += (b_q * scale)[:, None] * b_do[None, :]
-        tl.atomic_add(dk + row * K + o_k, tl.sum(b_dh * b_v[None, :], axis=1), mask=m_k)
-        b_dv = tl.sum(b_dh * b_k[:, None], axis=0)
-        tl.store(dv + row * V + o_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
-        b_dh = b_dh * tl.exp(b_g)[:, None]
-    if STORE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None], b_dh, mask=m_kv)
-
-
 def _gla_blocks(K, V, n_seq_heads, device):
     BK = next_pow2(K)
     BV = min(32 if BK <= 128 else 16, next_pow2(V))
@@ -758,78 +688,26 @@ def _gla_n_seq(q, cu_seqlens):
     return q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
 
 
-class FusedRecurrentGLAFunction(torch.autograd.Function):
-    """GLA with a gate per key dim: fused recurrent forward and hand-written backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, output_final_state, cu_seqlens):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        N = _gla_n_seq(q, cu_seqlens)
-        BK, BV, warps = _gla_blocks(K, V, N * H, q.device)
-        o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
-        ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
-        _gla_rec_fwd_kernel[(triton.cdiv(V, BV), N * H)](
-            q, k, v, g, h0, o, ht, cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
-            USE_H0=h0 is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-            num_warps=warps,
-        )
-        ctx.save_for_backward(q, k, v, g, h0, ht, cu_seqlens)
-        ctx.scale = scale
-        ctx.h0_dtype = None if h0 is None else h0.dtype
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, h0, ht, cu_seqlens = ctx.saved_tensors
-        scale = ctx.scale
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        N = _gla_n_seq(q, cu_seqlens)
-        BK, BV, warps = _gla_blocks(K, V, N * H, q.device)
-        do = do.contiguous()
-        if dht is not None:
-            dht = dht.contiguous().float()
-        varlen = cu_seqlens is not None
-        dq = torch.zeros(B, T, H, K, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(B, T, H, K, dtype=torch.float32, device=q.device)
-        dv = torch.empty_like(v)
-        dh0 = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if h0 is not None else None
-        grid = (triton.cdiv(V, BV), N * H)
-        _gla_rec_bwd_dq_kernel[grid](
-            k, v, g, h0, do, dq, cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
-            USE_H0=h0 is not None, IS_VARLEN=varlen, num_warps=warps,
-        )
-        _gla_rec_bwd_dkv_kernel[grid](
-            q, k, v, g, do, dht, dk, dv, dh0, cu_seqlens, scale, T, H=H, K=K, V=V, BK=BK, BV=BV,
-            USE_DHT=dht is not None, STORE_DH0=h0 is not None, IS_VARLEN=varlen, num_warps=warps,
-        )
-        dG = q.float() * dq - k.float() * dk  # [B, T, H, K]
-        if dht is not None:
-            term = (dht * ht).sum(-2)  # [N, H, K]: d/dG_T of S_T = S_... diag(exp(G_T))
-            if varlen:
-                ok = cu_seqlens[1:] > cu_seqlens[:-1]
-                dG[0].index_add_(0, (cu_seqlens[1:] - 1)[ok], term[ok])
-            else:
-                dG[:, -1] += term
-        dg = _reverse_cumsum_dg(dG.view(B, T, H * K), cu_seqlens).view(B, T, H, K).to(g.dtype)
-        if dh0 is not None:
-            dh0 = dh0.to(ctx.h0_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dh0, None, None, None
-
-
 def fused_recurrent_gla(q, k, v, g, *, scale: float, initial_state=None, output_final_state: bool = False,
                         cu_seqlens=None):
-    """GLA (gate per key dim): ``(o [B, T, H, dv], final state [N, H, dv, dk] float32 or None)``.
-
-    g ``[B, T, H, dk]`` log decay (cast to float32 here); differentiable in q, k, v, g and the
-    initial state. Also the decoding kernel (no autograd needed, any T).
-    """
+    """GLA (gate per key dim) token by token against a state, forward only (decoding; training runs
+    ``lazoo.kernels.gla.chunk_gla``): ``(o [B, T, H, dv], final state [N, H, dv, dk] float32 or None)``.
+    g ``[B, T, H, dk]`` log decay (cast to float32 here)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous().float() if g.dtype != torch.float32 else g.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
-    return FusedRecurrentGLAFunction.apply(q, k, v, g, initial_state, float(scale), bool(output_final_state),
-                                           cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = _gla_n_seq(q, cu_seqlens)
+    BK, BV, warps = _gla_blocks(K, V, N * H, q.device)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    ht = torch.empty(N, H, V, K, dtype=torch.float32, device=q.device) if output_final_state else None
+    _gla_rec_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+        q, k, v, g, initial_state, o, ht, cu_seqlens, float(scale), T, H=H, K=K, V=V, BK=BK, BV=BV,
+        USE_H0=initial_state is not None, STORE_HT=bool(output_final_state), IS_VARLEN=cu_seqlens is not None,
+        num_warps=warps,
+    )
+    return o, ht
