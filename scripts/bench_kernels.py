@@ -50,6 +50,14 @@ def qkv_gk(B, T, H, D, dtype, device, gen):
     return x
 
 
+def unit_qk(B, T, H, D, dtype, device, gen):
+    """Unit-norm q, k (RLS / MesaNet take them L2-normalised), a ridge λ = 1 per head and key dim."""
+    x = qkv(B, T, H, D, torch.float32, device, gen)
+    x = {"q": F.normalize(x["q"], dim=-1).to(dtype), "k": F.normalize(x["k"], dim=-1).to(dtype), "v": x["v"].to(dtype)}
+    x["lam"] = torch.ones(H, D, device=device)
+    return x
+
+
 def qkv_householder(B, T, H, D, dtype, device, gen, n=2):
     """DeltaProduct inputs: n keys, values and betas per token ([B, T, H, n, D])."""
     x = qkv(B, T, H, D, dtype, device, gen)
@@ -125,6 +133,14 @@ def _ops():
             flops=lambda D: tuple(2 * f for f in chunk_flops(D)),
             grads=("q", "k", "v", "beta"),
         ),
+        "rls": Op(  # exact ridge regression (γ = 1) vs fla's MesaNet (conjugate gradient, 30 iterations)
+            make=unit_qk,
+            ours=lambda x: ops.rls(x["q"], x["k"], x["v"], lam=x["lam"][:, 0], backend="triton")[0],
+            fla=lambda fla, x: fla.chunk_mesa_net(
+                x["q"], x["k"], x["v"], torch.zeros(x["q"].shape[:3], device=x["q"].device),
+                torch.ones(x["q"].shape[:3], device=x["q"].device), x["lam"])[0],
+            flops=recurrent_flops,
+        ),
         "gla": Op(  # a gate per key dim: the op's Triton backend runs lazoo.kernels.gla.chunk_gla here
             make=qkv_gk,
             ours=lambda x: ops.gla(x["q"], x["k"], x["v"], x["g"], scale=1.0, backend="triton")[0],
@@ -146,7 +162,13 @@ def load_fla():
     from _bench_delta import add_fla_delta
 
     ns = argparse.Namespace(chunk_linear_attn=chunk_linear_attn, chunk_simple_gla=chunk_simple_gla,
-                            chunk_gla=chunk_gla)
+                            chunk_gla=chunk_gla, chunk_mesa_net=None)
+    try:
+        from fla.ops.mesa_net import chunk_mesa_net
+
+        ns.chunk_mesa_net = chunk_mesa_net
+    except Exception:  # older fla: no MesaNet
+        pass
     return add_fla_delta(ns), getattr(sys.modules["fla"], "__version__", "?")
 
 

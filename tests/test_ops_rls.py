@@ -132,5 +132,5 @@ def test_bad_arguments_are_named():
         rls(q, k, v, lam=torch.ones(3, dtype=F64))
     with pytest.raises(ValueError, match="keys"):
         rls(q, k, v, lam=1.0, initial_state={"S": torch.zeros(B, H, DV, D)})
-    with pytest.raises(NotImplementedError, match="triton"):
-        rls(q, k, v, lam=1.0, backend="triton")
+    with pytest.raises(NotImplementedError, match="gamma"):
+        rls(q, k, v, lam=1.0, gamma=0.5, backend="triton")

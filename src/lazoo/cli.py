@@ -4,7 +4,7 @@
     lazoo train --config sw-vla --output DIR      train a causal LM with Trainer (text file or the KJV corpus)
     lazoo generate DIR --prompt "..."             sample (or --greedy) from a saved model
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
-    lazoo bench {kernels,vla} [args...]           run scripts/bench_kernels.py / bench_vla.py (CUDA)
+    lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training; CUDA)
     lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
 
@@ -27,7 +27,8 @@ from pathlib import Path
 
 #: where `lazoo bench` looks for the benchmark scripts: the repository's scripts/ folder (a source checkout)
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
-BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py"}
+BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py", "ovq": "bench_ovq.py",
+                 "local_linear": "bench_local_linear.py", "ttt": "bench_ttt.py", "training": "bench_training.py"}
 
 
 class CLIError(Exception):
@@ -37,14 +38,19 @@ class CLIError(Exception):
 # ============================================================================ lazoo list
 def _op_functions_of(mixer_cls) -> list[str]:
     """The `lazoo.ops` functions a mixer class calls: `ops.<name>(` in the source of the `mix` method it uses
-    (recurrent mixers) and of its `forward`."""
+    (recurrent mixers) and of its `forward`, or the op named after the mixer's mechanism when it calls
+    `getattr(ops, self.mechanism)` (mixers shared by several mechanisms)."""
     from .layers.mixers import TokenMixer
 
     names = []
     for method in (getattr(mixer_cls, "mix", None), mixer_cls.forward):
         if method is None or method is TokenMixer.forward:
             continue
-        for name in re.findall(r"\bops\.(\w+)\(", inspect.getsource(method)):
+        source = inspect.getsource(method)
+        found = re.findall(r"\bops\.(\w+)\(", source)
+        if "getattr(ops, self.mechanism)" in source:
+            found.append(mixer_cls.mechanism)
+        for name in found:
             if name not in names:
                 names.append(name)
     return names
@@ -477,11 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training-data", default=None, metavar="TEXT", help="a sentence about the training data")
     p.set_defaults(func=cmd_card)
 
-    p = sub.add_parser("bench", help="GPU kernel benchmarks (scripts/bench_kernels.py, scripts/bench_vla.py)",
+    p = sub.add_parser("bench", help="GPU benchmarks (scripts/bench_*.py)",
                        description="Run a benchmark script from the repository's scripts/ folder on a CUDA GPU; "
                        "the arguments after the name go to the script (`lazoo bench kernels --help`).")
     p.add_argument("which", choices=sorted(BENCH_SCRIPTS), help="kernels: every op against SDPA and fla; "
-                   "vla: VLA's Triton, chunk and per-token forms")
+                   "vla: VLA's Triton, chunk and per-token forms; ovq, local_linear, ttt: those kernels against "
+                   "SDPA / Gated DeltaNet; training: tokens/s of ~125M models")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_bench)
 

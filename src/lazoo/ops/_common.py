@@ -62,6 +62,25 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, triton_u
     return backend
 
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_unsupported(q: torch.Tensor, v: torch.Tensor, max_head_dim: int,
+                       dtypes: tuple = KERNEL_DTYPES) -> str | None:
+    """The checks every op's Triton path shares (input dtype, head dims, device, the interpreter on CPU):
+    None when they pass, else why not. Ops add their own checks after these."""
+    if q.dtype not in dtypes:
+        names = "/".join(str(d).split(".")[-1] for d in dtypes)
+        return f"the Triton kernels take {names} inputs, not {q.dtype}"
+    if max(q.shape[-1], v.shape[-1]) > max_head_dim:
+        return f"the Triton kernels take head dims up to {max_head_dim}, got dk={q.shape[-1]}, dv={v.shape[-1]}"
+    if q.device.type not in ("cuda", "cpu"):
+        return f"the Triton kernels run on CUDA tensors, not {q.device.type}"
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)"
+    return None
+
+
 # ----------------------------------------------------------------------------- dtypes
 def without_autocast(op):
     """Run ``op`` with autocast off: an op chooses its own compute dtypes (fp32 states and

@@ -18,7 +18,6 @@ backward, and a fused recurrent kernel for decoding (at most 64 tokens per seque
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -38,6 +37,7 @@ from ._common import (
     split_chunks,
     zero_masked,
     run_per_sequence,
+    triton_unsupported,
 )
 
 
@@ -134,18 +134,9 @@ _DECODE_MAX_T = 64  # fused recurrent kernel up to this many tokens per sequence
 
 def _triton_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str | None:
     """None when lazoo.kernels.delta runs this case, else why not (imports no kernel)."""
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}"
-    if max(q.shape[-1], v.shape[-1]) > _TRITON_MAX_HEAD_DIM:
-        return (f"the Triton kernel takes head dims up to {_TRITON_MAX_HEAD_DIM}, "
-                f"got dk={q.shape[-1]}, dv={v.shape[-1]}")
     if chunk_size not in _TRITON_CHUNK_SIZES:
         return f"the Triton kernel takes chunk_size in {_TRITON_CHUNK_SIZES}, got {chunk_size}"
-    if q.device.type not in ("cuda", "cpu"):
-        return f"the Triton kernel runs on CUDA tensors, not {q.device.type}"
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)"
-    return None
+    return triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
 
 
 def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state, mask,

@@ -18,7 +18,6 @@ and hand-written backward, and a fused recurrent kernel for decoding (T <= 16 wi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -43,6 +42,7 @@ from ._common import (
     resolve_backend,
     split_chunks,
     zero_masked,
+    triton_unsupported,
 )
 
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -280,15 +280,9 @@ _TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.linear.MAX_HEAD_DIM (not imported 
 
 def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when lazoo.kernels.linear runs this case, else why not (imports no kernel on CPU)."""
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"the Triton kernels take float32/float16/bfloat16 inputs, not {q.dtype}"
-    if max(q.shape[-1], v.shape[-1]) > _TRITON_MAX_HEAD_DIM:
-        return (f"the Triton kernels take head dims up to {_TRITON_MAX_HEAD_DIM}, "
-                f"got dk={q.shape[-1]}, dv={v.shape[-1]}")
-    if q.device.type not in ("cuda", "cpu"):
-        return f"the Triton kernels run on CUDA tensors, not {q.device.type}"
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
+    reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
+    if reason:
+        return reason
     try:
         from ..kernels.linear import check_supported
     except ImportError as e:  # no triton installed

@@ -46,7 +46,10 @@ Backends: ``"recurrent"`` is the literal per-token form (each token is written i
 chunk, attends over [dictionary; partial chunk], and the dictionary is updated when the chunk is
 complete); ``"chunk"`` packs each sample's real tokens (after its partial chunk) and processes whole
 chunks, L queries at a time. Both share the dictionary update (``_update_dictionary``), which is the
-definition. There is no Triton kernel yet: ``backend="triton"`` raises.
+definition. ``"triton"`` (auto on CUDA; fp32/fp16/bf16, head dims <= 128) runs the chunk attention of all
+chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (PyTorch,
+no gradient, ``_assign``), then every chunk's dictionary as differentiable running means (sums / counts)
+for a group of chunks at a time, then the kernel; decoding one token without autograd uses the chunk form.
 
 VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
 C ``[H, N, dk]`` (dot product; the mixer normalises C and k), output = causal softmax attention over
@@ -76,6 +79,7 @@ from ._common import (
     compute_dtype,
     resolve_backend,
     zero_masked,
+    triton_unsupported,
 )
 
 _OP = "ovq_attention"
@@ -114,15 +118,21 @@ def ovq_attention(
     L = check_chunk_size(_OP, chunk_size)
     if not isinstance(max_dict_size, int) or isinstance(max_dict_size, bool) or max_dict_size < 1:
         raise ValueError(f"{_OP}: max_dict_size must be a positive int, got {max_dict_size!r}")
-    backend = resolve_backend(_OP, backend, q.device)
+    backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v))
     cdt = compute_dtype(q.dtype)
 
     qs = _scaled(_OP, q.to(cdt), scale, H, dk)
     kc, vc = k.to(cdt), v.to(cdt)
     state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-    run = _ovq_recurrent if backend == "recurrent" else _ovq_chunk
-    o, final = run(qs, kc, vc, real, state, L, max_dict_size)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, kc, vc, state["Dk"], state["Dv"]))
+    if backend == "triton" and T == 1 and not needs_grad:
+        backend = "chunk"  # decoding one token: a matrix-vector product over the state, PyTorch suffices
+    if backend == "triton":
+        o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype)
+    else:
+        run = _ovq_recurrent if backend == "recurrent" else _ovq_chunk
+        o, final = run(qs, kc, vc, real, state, L, max_dict_size)
     o = zero_masked(o, mask).to(v.dtype)
     return o, (final if output_final_state else None)
 
@@ -185,6 +195,9 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt):
     for name, x in (("Dk", Dk), ("Dv", Dv)):
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{_OP}: initial_state[{name!r}] holds NaN or inf")
+    # an empty slot holds nothing (a new centroid placed there is its key alone, whatever the slot held)
+    empty = (counts == 0)[..., None]
+    Dk, Dv = Dk.masked_fill(empty, 0.0), Dv.masked_fill(empty, 0.0)
     # capacity M = max(N, current size): pad with empty slots or drop empty ones
     M = max(N, int((counts > 0).sum(-1).max()) if counts.numel() else 0)
     if M0 < M:
@@ -206,9 +219,27 @@ def _update_dictionary(Dk, Dv, counts, K, V, t_end, N):
     """One complete chunk's update. Dk ``[B, H, W, dk]``, Dv ``[B, H, W, dv]``, counts ``[B, H, W]``
     (active slots first, W >= size + L or the capacity), K ``[B, H, L, dk]``, V ``[B, H, L, dv]``,
     t_end ``[B]`` the real-token count at the chunk's end. Returns the updated (Dk, Dv, counts)."""
-    B, H, W, _ = Dk.shape
-    L = K.shape[2]
+    W = Dk.shape[2]
     dt = Dk.dtype
+    slot, is_new = _assign(Dk, counts, K, t_end, N)
+    place = F.one_hot(slot, W).to(dt) * is_new[..., None].to(dt)
+    merge = F.one_hot(slot, W).to(dt) * (~is_new)[..., None].to(dt)  # [B, H, L, W]
+    place_t, merge_t = place.transpose(-1, -2), merge.transpose(-1, -2)
+    Dk0, Dv0 = Dk + place_t @ K, Dv + place_t @ V  # new centroids = their key / value, count 1
+    c0 = counts + place.sum(-2).round().to(torch.int64)
+    m = merge.sum(-2)  # keys merged into each slot
+    denom = (c0.to(dt) + m).clamp_min(1.0)[..., None]
+    Dk1 = Dk0 + (merge_t @ K - m[..., None] * Dk0) / denom
+    Dv1 = Dv0 + (merge_t @ V - m[..., None] * Dv0) / denom
+    return Dk1, Dv1, c0 + m.round().to(torch.int64)
+
+
+def _assign(Dk, counts, K, t_end, N, sync=True):
+    """The slot each key of a complete chunk ends in (``[B, H, L]``, in [0, W)) and whether it opens a
+    new centroid, from the dictionary before the chunk (Dk, counts as in ``_update_dictionary``).
+    ``sync=False`` skips the host check for an empty dictionary (always computing the first-chunk rule)."""
+    W = Dk.shape[2]
+    L = K.shape[2]
     active = counts > 0
     size = active.sum(-1)  # [B, H]
     n_new = (ovq_dict_size(t_end, N)[:, None] - size).clamp(0, L)  # [B, H]
@@ -224,21 +255,12 @@ def _update_dictionary(Dk, Dv, counts, K, V, t_end, N):
     is_new = rank < n_new[..., None]
     new_slot = size[..., None] + rank
     no_old = size == 0
-    if bool(no_old.any()):  # first chunk: the other keys merge into their most similar new centroid
+    if not sync or bool(no_old.any()):  # first chunk: the other keys merge into their most similar new centroid
         s2 = (Kd @ Kd.transpose(-1, -2)).masked_fill(~is_new[:, :, None, :], -math.inf)
         nearest_new = new_slot.gather(-1, s2.max(-1).indices)
         best_idx = torch.where(no_old[..., None], nearest_new, best_idx)
-
-    place = F.one_hot(torch.where(is_new, new_slot, 0).clamp_max(W - 1), W).to(dt) * is_new[..., None].to(dt)
-    merge = F.one_hot(best_idx.clamp(0, W - 1), W).to(dt) * (~is_new)[..., None].to(dt)  # [B, H, L, W]
-    place_t, merge_t = place.transpose(-1, -2), merge.transpose(-1, -2)
-    Dk0, Dv0 = Dk + place_t @ K, Dv + place_t @ V  # new centroids = their key / value, count 1
-    c0 = counts + place.sum(-2).round().to(torch.int64)
-    m = merge.sum(-2)  # keys merged into each slot
-    denom = (c0.to(dt) + m).clamp_min(1.0)[..., None]
-    Dk1 = Dk0 + (merge_t @ K - m[..., None] * Dk0) / denom
-    Dv1 = Dv0 + (merge_t @ V - m[..., None] * Dv0) / denom
-    return Dk1, Dv1, c0 + m.round().to(torch.int64)
+    slot = torch.where(is_new, new_slot.clamp_max(W - 1), best_idx.clamp(0, W - 1))
+    return slot, is_new
 
 
 def _apply_update(state_dict, K, V, t_end, full, N):
@@ -303,16 +325,14 @@ def _ovq_recurrent(q, k, v, real, state, L, N):
     return torch.stack(outs, 1), st
 
 
-def _ovq_chunk(q, k, v, real, state, L, N):
-    """Chunk form: per sample, the partial chunk of the state followed by the real tokens, packed to
-    the left; then whole chunks: L queries against [dictionary; chunk (causal)], update when full."""
-    B, T, H, dk = q.shape
+def _pack(q, k, v, real, bk, bv, t0, L):
+    """Per sample, the partial chunk of the state followed by the real tokens, packed to the left into
+    whole chunks: (Qp, Kp, Vp ``[B, P, ...]``, valid ``[B, P]``, dest ``[B, L + T]`` where each input
+    row went (P = dropped), total ``[B]`` packed length, nb ``[B]`` tokens of the partial chunk)."""
+    B, T, H, _ = q.shape
     dev = q.device
-    st = dict(state)
-    bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
     nb = t0 % L
-    n_real = real.long().sum(1)
-    total = nb + n_real  # packed length per sample
+    total = nb + real.long().sum(1)  # packed length per sample
     P = max(1, -(-int(total.max()) // L)) * L
     slots = torch.arange(L, device=dev)
     dest = torch.cat([torch.where(slots[None] < nb[:, None], slots[None], P),
@@ -324,8 +344,38 @@ def _ovq_chunk(q, k, v, real, state, L, N):
         out = torch.zeros(B, P + 1, H, d, dtype=x.dtype, device=dev)
         return out.scatter(1, idx, torch.cat([buf, x], 1))[:, :P]
 
-    Qp, Kp, Vp = pack(torch.zeros_like(bk), q), pack(bk, k), pack(bv, v)
+    Qp, Kp, Vp = pack(torch.zeros(B, L, H, q.shape[-1], dtype=q.dtype, device=dev), q), pack(bk, k), pack(bv, v)
     valid = torch.arange(P, device=dev)[None] < total[:, None]  # [B, P]
+    return Qp, Kp, Vp, valid, dest, total, nb
+
+
+def _unpack(Op, dest, L):
+    """The packed outputs ``[B, P, H, dv]`` back at the input positions ``[B, T, H, dv]``."""
+    pos = dest[:, L:].clamp_max(Op.shape[1] - 1)
+    return Op.gather(1, pos[:, :, None, None].expand(-1, -1, Op.shape[2], Op.shape[-1]))
+
+
+def _partial_chunk(x, total, L):
+    """The partial chunk left at the end of packed rows x ``[B, P, H, d]``: rows [total // L * L, total),
+    zeros past them."""
+    B, _, H, d = x.shape
+    slots = torch.arange(L, device=x.device)
+    idx = ((total // L) * L)[:, None] + slots[None]  # [B, L], at most P + L - 1
+    rem = (slots[None] < (total % L)[:, None])[:, :, None, None]
+    ext = torch.cat([x, torch.zeros(B, L, H, d, dtype=x.dtype, device=x.device)], 1)
+    part = ext.gather(1, idx[:, :, None, None].expand(-1, -1, H, d))
+    return torch.where(rem, part, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _ovq_chunk(q, k, v, real, state, L, N):
+    """Chunk form: per sample, the partial chunk of the state followed by the real tokens, packed to
+    the left; then whole chunks: L queries against [dictionary; chunk (causal)], update when full."""
+    B, T, H, dk = q.shape
+    dev = q.device
+    st = dict(state)
+    bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
+    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
+    P = Qp.shape[1]
     causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     outs = []
     for c in range(P // L):
@@ -342,20 +392,178 @@ def _ovq_chunk(q, k, v, real, state, L, N):
         full = vc.all(1)
         if bool(full.any()):
             _apply_update(st, Kc, Vc, t0 - nb + s + L, full, N)
-    Op = torch.cat(outs, 2).transpose(1, 2)  # [B, P, H, dv]
-    pos = dest[:, L:].clamp_max(P - 1)
-    o = Op.gather(1, pos[:, :, None, None].expand(-1, -1, H, Op.shape[-1]))
-    # the partial chunk left at the end: packed positions [total // L * L, total)
-    start = (total // L) * L
-    idx = start[:, None] + slots[None]  # [B, L], at most P + L - 1
-    rem = (slots[None] < (total % L)[:, None])[:, :, None, None]
+    o = _unpack(torch.cat(outs, 2).transpose(1, 2), dest, L)
+    st.update(k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
+    return o, st
 
-    def tail(x):
-        ext = torch.cat([x, torch.zeros(B, L, H, x.shape[-1], dtype=x.dtype, device=dev)], 1)
-        part = ext.gather(1, idx[:, :, None, None].expand(-1, -1, H, x.shape[-1]))
-        return torch.where(rem, part, torch.zeros((), dtype=x.dtype, device=dev))
 
-    st.update(k=tail(Kp), v=tail(Vp), t=t0 + n_real)
+# ============================================================================ Triton path
+_TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.MAX_HEAD_DIM (not imported here: kernels load lazily)
+#: bytes of per-chunk dictionaries materialised at once (chunks run in groups that fit)
+_TRITON_GROUP_BYTES = 4 << 30
+
+
+def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when lazoo.kernels.ovq runs this case, else why not (imports no kernel)."""
+    reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
+    if reason:
+        return reason
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"Triton is not available ({e})"
+    return None
+
+
+def _slot_step(Sk, counts, Kc, t_end, full, N):
+    """One complete chunk's assignments against the running sums ``Sk`` and ``counts`` (both updated in
+    place; samples with ``full`` False are left unchanged); returns the slots (-1 where not full)."""
+    dk = Sk.shape[-1]
+    Dk = Sk / counts.clamp_min(1)[..., None].to(Sk.dtype)
+    slot, _ = _assign(Dk, counts, Kc, t_end, N, sync=False)
+    add = full[:, None, None].expand_as(slot)
+    Sk.scatter_add_(2, slot[..., None].expand(-1, -1, -1, dk), Kc * add[..., None].to(Kc.dtype))
+    counts.scatter_add_(2, slot, add.long())
+    return torch.where(add, slot, -1)
+
+
+class _SlotGraph:
+    """``STEPS`` chunk steps (``_slot_step``) captured in one CUDA graph. The loop over chunks is bound by
+    kernel launches (about 40 small ops per chunk); a replay costs one launch for ``STEPS`` chunks."""
+
+    STEPS = 16
+    _cache: dict = {}
+    _broken: set = set()
+
+    def __init__(self, B, H, L, M, dk, dtype, N, device):
+        S = self.STEPS
+        self.Sk = torch.zeros(B, H, M, dk, dtype=dtype, device=device)
+        self.counts = torch.zeros(B, H, M, dtype=torch.int64, device=device)
+        self.K = torch.zeros(S, B, H, L, dk, dtype=dtype, device=device)
+        self.t_end = torch.zeros(S, B, dtype=torch.int64, device=device)
+        self.full = torch.zeros(S, B, dtype=torch.bool, device=device)
+        self.N = N
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._run()  # warm-up outside the capture (library handles, allocator)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.before, self.slots = self._run()
+
+    def _run(self):
+        before, slots = [], []
+        for i in range(self.STEPS):
+            before.append(self.counts.clone())
+            slots.append(_slot_step(self.Sk, self.counts, self.K[i], self.t_end[i], self.full[i], self.N))
+        return torch.stack(before), torch.stack(slots)
+
+    @classmethod
+    def get(cls, B, H, L, M, dk, dtype, N, device):
+        key = (B, H, L, M, dk, dtype, N, device)
+        if key in cls._broken:
+            return None
+        if key not in cls._cache:
+            try:
+                if len(cls._cache) >= 8:
+                    cls._cache.pop(next(iter(cls._cache)))
+                cls._cache[key] = cls(B, H, L, M, dk, dtype, N, device)
+            except RuntimeError:  # an op that cannot be captured on this build: run eagerly
+                cls._broken.add(key)
+                return None
+        return cls._cache[key]
+
+
+@torch.no_grad()
+def _chunk_slots(Kp, valid, state, t0, nb, L, N):
+    """The discrete part of the update for every chunk, without gradients: the slot each key ends in
+    (``[C, B, H, L]``, -1 for keys of an incomplete chunk) and the counts before each chunk
+    (``[C, B, H, M]``) and after the last. The dictionary is tracked as sums / counts (its running
+    means, equal to the chunk form's up to rounding). On CUDA the steps run as CUDA-graph replays."""
+    B, P, H, dk = Kp.shape
+    C = P // L
+    counts = state["counts"].clone()
+    Sk = state["Dk"].detach() * counts[..., None].to(Kp.dtype)
+    Kd = Kp.detach().reshape(B, C, L, H, dk).permute(1, 0, 3, 2, 4)  # [C, B, H, L, dk]
+    full = valid[:, L - 1::L].transpose(0, 1)  # [C, B]: chunk c is complete
+    t_end = (t0 - nb)[None] + L * torch.arange(1, C + 1, device=Kp.device)[:, None]  # [C, B]
+    graph = None
+    if Kp.is_cuda and C > 1:
+        graph = _SlotGraph.get(B, H, L, Sk.shape[2], dk, Kp.dtype, N, Kp.device)
+    if graph is None:
+        slots, before = [], []
+        for c in range(C):
+            before.append(counts.clone())
+            slots.append(_slot_step(Sk, counts, Kd[c], t_end[c], full[c], N))
+        return torch.stack(slots), torch.stack(before), counts
+    S = graph.STEPS
+    graph.Sk.copy_(Sk)
+    graph.counts.copy_(counts)
+    slots, before = [], []
+    for c0 in range(0, C, S):
+        n = min(S, C - c0)
+        graph.K[:n].copy_(Kd[c0:c0 + n])
+        graph.t_end[:n].copy_(t_end[c0:c0 + n])
+        graph.full.zero_()  # steps past the last chunk change nothing
+        graph.full[:n].copy_(full[c0:c0 + n])
+        graph.graph.replay()
+        slots.append(graph.slots[:n].clone())
+        before.append(graph.before[:n].clone())
+    return torch.cat(slots), torch.cat(before), graph.counts.clone()
+
+
+def _ovq_triton(q, k, v, real, state, L, N, kdt):
+    """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
+    (sequential, PyTorch, no gradient); (2) every chunk's dictionary as differentiable running means,
+    sums of the keys / values assigned so far over the counts, materialised for a group of chunks at a
+    time; (3) one kernel launch per group for the attention of all its chunks. Gradients reach q, k, v
+    and the initial dictionaries through (2). ``kdt``: the dtype the kernel computes in."""
+    from ..kernels.ovq import ovq_chunk_attention  # lazy: importing defines the kernels
+
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    st = dict(state)
+    bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
+    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
+    P = Qp.shape[1]
+    C = P // L
+    slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
+    M = st["Dk"].shape[2]
+    c0 = st["counts"].to(q.dtype)[..., None]
+    Sk, Sv = st["Dk"] * c0, st["Dv"] * c0  # running sums (differentiable in the initial dictionaries)
+    # widths: the dictionary each chunk reads has at most size_before_last_chunk_of_group active slots
+    size_before = (before > 0).sum(-1).amax((1, 2)).tolist()  # [C], one host sync
+    per_chunk = B * H * M * (dk + dv) * 4 * 3
+    group = max(1, _TRITON_GROUP_BYTES // max(per_chunk, 1))
+    outs = []
+    for g0 in range(0, C, group):
+        g1 = min(C, g0 + group)
+        G = g1 - g0
+        W = max(size_before[g0:g1])
+        rows = slice(g0 * L, g1 * L)
+        Kg = Kp[:, rows].reshape(B, G, L, H, dk).permute(1, 0, 3, 2, 4)  # [G, B, H, L, dk]
+        Vg = Vp[:, rows].reshape(B, G, L, H, dv).permute(1, 0, 3, 2, 4)
+        sl = slots[g0:g1]
+        add = (sl >= 0)[..., None].to(q.dtype)
+        idx = sl.clamp_min(0)[..., None]
+        Ek = torch.zeros(G, B, H, M, dk, dtype=q.dtype, device=q.device).scatter_add(
+            3, idx.expand(-1, -1, -1, -1, dk), Kg * add)
+        Ev = torch.zeros(G, B, H, M, dv, dtype=q.dtype, device=q.device).scatter_add(
+            3, idx.expand(-1, -1, -1, -1, dv), Vg * add)
+        cnt = before[g0:g1, ..., :W]
+        inv = 1.0 / cnt.clamp_min(1).to(q.dtype)[..., None]
+        # the dictionary before chunk c: initial sums + the chunks before it (an exclusive prefix sum)
+        Dk_g = ((Sk[None] + Ek.cumsum(0) - Ek)[..., :W, :] * inv).to(kdt)
+        Dv_g = ((Sv[None] + Ev.cumsum(0) - Ev)[..., :W, :] * inv).to(kdt)
+        Sk, Sv = Sk + Ek.sum(0), Sv + Ev.sum(0)
+        length = (total - g0 * L).clamp(0, G * L)
+        outs.append(ovq_chunk_attention(Qp[:, rows].to(kdt), Kp[:, rows].to(kdt), Vp[:, rows].to(kdt),
+                                        Dk_g, Dv_g, cnt, L, length=length))
+    o = _unpack(torch.cat(outs, 1).to(q.dtype), dest, L)
+    ce = counts_end.to(q.dtype).clamp_min(1)[..., None]
+    st.update(Dk=Sk / ce, Dv=Sv / ce, counts=counts_end,
+              k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
     return o, st
 
 

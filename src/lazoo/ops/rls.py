@@ -14,18 +14,23 @@ State: ``{"KK": [B, H, dk, dk], "VK": [B, H, dv, dk]}``, the weighted moments *w
 one state serves any λ (a learned λ may change between calls) and both backends hold exactly the same
 thing. A pad leaves both untouched and does not count as a step of the decay.
 
-Backends (no Triton kernel yet: ``backend="triton"`` raises):
+Backends:
   * ``"recurrent"``, γ = 1: Sherman–Morrison per token on P_t = (KK_t + λI)^{-1} (P_0 = I/λ, or one solve
     from an initial state) with the RLS update S_t = S_{t−1} + (v_t − S_{t−1}k_t)(P_t k_t)ᵀ; the moments are
     accumulated alongside for the final state.
     γ < 1: the isotropic ridge that does not decay makes KK_t + λI = γ(KK_{t−1} + λI) + k kᵀ + (1−γ)λI a
     full-rank update, so there is no rank-1 recursion; the reference keeps KK_t, VK_t and solves
     (KK_t + λI) z = q_t exactly per token (o_t = VK_t z), O(dk³) per token, float64-capable.
-  * ``"chunk"`` (chunks of ``chunk_size`` positions), γ = 1: Woodbury per chunk. With P_0 = (KK_0 + λI)^{-1}
-    at the chunk start (one fresh solve per chunk, so rounding does not accumulate across chunks), the
-    C×C matrix M = I + K P_0 Kᵀ = L Lᵀ (Cholesky) gives every position's leading principal inverse at once:
-    R = K P_0 Qᵀ, X = N ⊙ L⁻ᵀ(N ⊙ L⁻¹(N ⊙ R)) with N[i, t] = 1 for i ≤ t, z_t = P_0 q_t − P_0 Kᵀ X[:, t]
-    = (KK_t + λI)^{-1} q_t, and o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t).
+  * ``"chunk"`` (chunks of ``chunk_size`` positions), γ = 1: Woodbury per chunk, parallel over chunks.
+    The moments at chunk starts are a prefix sum, so every chunk gets P_0 = (KK_0 + λI)^{-1} from its
+    own Cholesky factor (no rounding carried across chunks); the C×C matrix M = I + K P_0 Kᵀ = L Lᵀ
+    gives every position's leading principal inverse at once: R = K P_0 Qᵀ,
+    X = N ⊙ L⁻ᵀ(N ⊙ L⁻¹(N ⊙ R)) with N[i, t] = 1 for i ≤ t, z_t = P_0 q_t − P_0 Kᵀ X[:, t]
+    = (KK_t + λI)^{-1} q_t, and o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t), unnormalised linear attention
+    with queries z.
+  * ``"triton"`` (γ = 1): the same precision part (batched Cholesky solves and triangular solves, all
+    chunks at once), then the memory part on lazoo's Triton linear-attention kernel. γ < 1 has no
+    Triton path (auto uses the chunk form and says so once).
     γ < 1: the exact per-position solve batched over the chunk: KK_t = γ^{n_t} KK_0 + Σ_{i≤t} γ^{n_t−n_i} k_i k_iᵀ
     (n = real tokens since the chunk start) for all t of the chunk at once, one batched dk×dk solve.
 Both give the closed form at every t to rounding (tests/test_ops_rls.py: 1e-6 relative in float64 is the
@@ -50,6 +55,8 @@ from ._common import (
     merge_chunks,
     zero_masked,
 )
+from .linear import _triton_unsupported as _linear_triton_unsupported
+from .linear import chunk_gated_linear, linear_attention
 
 _OP = "rls"
 _STATE_KEYS = ("KK", "VK")
@@ -76,7 +83,7 @@ def rls(
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 < float(gamma) <= 1.0):
         raise ValueError(f"{_OP}: gamma must be a number in (0, 1], got {gamma!r}")
     gamma = float(gamma)
-    backend = resolve_backend(_OP, backend, q.device)
+    backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, gamma))
     cdt = compute_dtype(q.dtype)
     lam_h = _lambda(lam, H, q, cdt)  # [H]
 
@@ -86,11 +93,32 @@ def rls(
     if backend == "recurrent":
         run = _recurrent_sherman_morrison if gamma == 1.0 else _recurrent_solve
         o, KK, VK = run(qc, kc, vc, real, lam_h, gamma, KK, VK)
+    elif gamma < 1.0:
+        o, KK, VK = _chunk_solve(qc, kc, vc, real, lam_h, gamma, KK, VK, C)
     else:
-        run = _chunk_woodbury if gamma == 1.0 else _chunk_solve
-        o, KK, VK = run(qc, kc, vc, real, lam_h, gamma, KK, VK, C)
+        memory = _triton_memory(mask) if backend == "triton" else None
+        o, KK, VK = _chunk_woodbury(qc, kc, vc, real, lam_h, gamma, KK, VK, C, memory)
     o = zero_masked(o, mask).to(v.dtype)
     return o, ({"KK": KK, "VK": VK} if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- triton
+def _triton_unsupported(q, v, gamma) -> str | None:
+    """None when the Triton path runs this case (γ = 1: its memory part is the linear-attention kernel)."""
+    if gamma != 1.0:
+        return "the Triton path covers gamma = 1 only (gamma < 1 is solved exactly per position)"
+    return _linear_triton_unsupported(q, v)
+
+
+def _triton_memory(mask):
+    """o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) on lazoo's Triton linear-attention kernel (fp32 z)."""
+
+    def memory(z, k, v, VK):
+        o, VK_end = linear_attention(z, k.to(z.dtype), v.to(z.dtype), feature_map="identity", normalize=False,
+                                     initial_state=VK.float(), output_final_state=True, mask=mask, backend="triton")
+        return o.to(z.dtype), VK_end.to(z.dtype)
+
+    return memory
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -180,29 +208,35 @@ def _chunks(x, C):
     return split_chunks(pad_time(x, C), C)  # [B, H, N, C, d]
 
 
-def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C):
-    """γ = 1: per chunk, z_t = (KK_0 + λI + K_{≤t}ᵀK_{≤t})^{-1} q_t by Woodbury around P_0 = (KK_0 + λI)^{-1},
-    all leading principal inverses of M = I + K P_0 Kᵀ from one Cholesky factor."""
+def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C, memory=None):
+    """γ = 1: z_t = (KK_t + λI)^{-1} q_t for every position at once, then o_t = VK_t z_t.
+
+    The moments at every chunk start are a prefix sum (KK_c = KK_0 + Σ_{chunks before} KᵀK), so each
+    chunk's P_0 = (KK_c + λI)^{-1} comes from its own Cholesky factor, in parallel over chunks and
+    with no rounding carried from chunk to chunk. Inside a chunk, Woodbury around P_0: the C×C matrix
+    M = I + K P_0 Kᵀ = L Lᵀ gives every position's leading principal inverse at once,
+    R = K P_0 Qᵀ, X = N ⊙ L⁻ᵀ(N ⊙ L⁻¹(N ⊙ R)) with N[i, t] = 1 for i ≤ t, z_t = P_0 q_t − P_0 Kᵀ X[:, t].
+    o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) is unnormalised linear attention with queries z: ``memory``
+    runs it (the Triton kernel), else the PyTorch chunk form below."""
     T = q.shape[1]
-    Q, K, V = _chunks(q, C), _chunks(k, C), _chunks(v, C)  # padded positions have k = v = 0
+    Q, K = _chunks(q, C), _chunks(k, C)  # [B, H, N, C, d]; padded positions have k = 0
+    gram = K.transpose(-1, -2) @ K  # [B, H, N, dk, dk]
+    starts = KK[:, :, None] + gram.cumsum(2) - gram  # the moments before each chunk
+    KK_end = KK + gram.sum(2)
+    chol = torch.linalg.cholesky(_ridged(starts, lam_h[:, None]))
+    PK, PQ = torch.cholesky_solve(torch.cat([K, Q], -2).transpose(-1, -2), chol).split(C, -1)  # P_0 Kᵀ, P_0 Qᵀ
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).triu()  # [i, t]: i ≤ t
-    eye_c = torch.eye(C, dtype=q.dtype, device=q.device)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
-    outs = []
-    for n in range(Q.shape[2]):
-        Qn, Kn, Vn = Q[:, :, n], K[:, :, n], V[:, :, n]  # [B, H, C, d]
-        P0 = _inverse(KK, lam_h)  # [B, H, dk, dk], symmetric
-        W = Kn @ P0  # rows k_iᵀ P_0
-        L = torch.linalg.cholesky(eye_c + W @ Kn.transpose(-1, -2))
-        R = torch.where(causal, W @ Qn.transpose(-1, -2), zero)  # [i, t] = k_iᵀ P_0 q_t, i ≤ t
-        Y = torch.where(causal, torch.linalg.solve_triangular(L, R, upper=False), zero)
-        X = torch.where(causal, torch.linalg.solve_triangular(L.transpose(-1, -2), Y, upper=True), zero)
-        Z = Qn @ P0 - X.transpose(-1, -2) @ W  # rows z_tᵀ = ((KK_t + λI)^{-1} q_t)ᵀ
-        A = torch.where(causal.T, Z @ Kn.transpose(-1, -2), zero)  # [t, i] = z_t·k_i, i ≤ t
-        outs.append(Z @ VK.transpose(-1, -2) + A @ Vn)
-        KK = KK + Kn.transpose(-1, -2) @ Kn
-        VK = VK + Vn.transpose(-1, -2) @ Kn
-    return merge_chunks(torch.stack(outs, 2), T), KK, VK
+    L = torch.linalg.cholesky(torch.eye(C, dtype=q.dtype, device=q.device) + K @ PK)
+    R = torch.where(causal, K @ PQ, zero)  # [i, t] = k_iᵀ P_0 q_t, i ≤ t
+    Y = torch.where(causal, torch.linalg.solve_triangular(L, R, upper=False), zero)
+    X = torch.where(causal, torch.linalg.solve_triangular(L.transpose(-1, -2), Y, upper=True), zero)
+    z = merge_chunks((PQ - PK @ X).transpose(-1, -2), T)  # rows z_tᵀ, [B, T, H, dk]
+    if memory is not None:
+        o, VK_end = memory(z, k, v, VK)
+        return o, KK_end, VK_end
+    o, VK_end = chunk_gated_linear(z, k, v, None, VK, C)
+    return o, KK_end, VK_end
 
 
 def _chunk_solve(q, k, v, real, lam_h, gamma, KK, VK, C):

@@ -31,7 +31,12 @@ current weights, the weights the current mini-batch started from (where its grad
 state may omit the ``*_start`` parts and ``n`` (= the start of a mini-batch): that is how the mixer passes its
 learned initial weights W₀. ttt_linear's default initial state is W = 0; ttt_mlp needs one.
 Padding (mask ``[B, T]``): a pad changes no part of the state and outputs 0, so a left-padded batch equals its
-samples one by one. No Triton kernel.
+samples one by one.
+
+Triton (``backend="triton"``, auto on CUDA): ``ttt_linear`` runs ``lazoo.kernels.ttt`` (the dual form per
+mini-batch with a hand-written backward; b = 1 is the delta rule with β = η and runs the delta-rule kernels), with
+masks and partial-mini-batch states through the same slot grid as the chunk form; ``ttt_mlp`` has no kernel.
+Decoding: ``ttt_linear_decode_step`` / ``ttt_mlp_decode_step`` below, fused single-token steps in PyTorch.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from ._common import (
     compute_dtype,
     resolve_backend,
     zero_masked,
+    KERNEL_DTYPES,
+    triton_unsupported,
 )
 
 
@@ -70,7 +77,9 @@ def ttt_linear(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, o
     if initial_state is None:
         initial_state = {"W": torch.zeros(B, H, dv, dk, dtype=cdt, device=q.device)}
     state = _initial_state(op, initial_state, shapes, B, q.device, cdt, b)
-    mode = resolve_backend(op, backend, q.device)
+    mode = resolve_backend(op, backend, q.device, _linear_triton_unsupported(q, v, b, state))
+    if mode == "triton":
+        return _linear_triton(q, k, v, eta, state, b, mask, output_final_state)
     out_dtype = v.dtype
     q, k, v, eta = (x.to(cdt) for x in (q, k, v, eta))
     if mode == "recurrent":
@@ -110,6 +119,114 @@ def ttt_mlp(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, outp
         o, final = _chunked(_mlp_chunk, q, k, v, (eta,), (0.0,), state, ("W1", "W2"), mask, b,
                             output_final_state)
     return zero_masked(o, mask).to(out_dtype), (final if output_final_state else None)
+
+
+# ============================================================================ decode (one token, fused PyTorch)
+def _advance(n, real, b):
+    """Token count after one step: (new n, whether the mini-batch just filled)."""
+    n = n + real.long()
+    full = n == b
+    return torch.where(full, torch.zeros_like(n), n), full
+
+
+@torch.no_grad()
+def ttt_linear_decode_step(q, k, v, eta, state, *, mini_batch_size: int, real=None):
+    """One token of ``ttt_linear`` against a full state ``{"W", "W_start", "n"}`` (compute dtype): q/k
+    ``[B, H, dk]``, v ``[B, H, dv]``, eta ``[B, H]``, ``real`` ``[B]`` bool (False = pad) or None.
+    Returns ``(o [B, H, dv] in v's dtype, new state)``; no autograd (generation).
+
+    A few batched products, no torch.compile: e = W_start k − v, W ← W − η e kᵀ, o = W q, and W_start ← W when
+    the mini-batch fills. A pad changes nothing and outputs 0 (as the op)."""
+    W, Wg, n = state["W"], state["W_start"], state["n"]
+    out_dtype = v.dtype
+    q, k, v, eta = (x.to(W.dtype) for x in (q, k, v, eta))
+    e = torch.matmul(Wg, k.unsqueeze(-1)).squeeze(-1) - v
+    W_new = torch.addcmul(W, (eta.unsqueeze(-1) * e).unsqueeze(-1), k.unsqueeze(-2), value=-1.0)
+    o = torch.matmul(W_new, q.unsqueeze(-1)).squeeze(-1)
+    if real is not None:
+        W_new = _where(real, W_new, W)
+        o = o * real.view(-1, 1, 1).to(o.dtype)
+    else:
+        real = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    n, full = _advance(n, real, mini_batch_size)
+    return o.to(out_dtype), {"W": W_new, "W_start": _where(full, W_new, Wg), "n": n}
+
+
+@torch.no_grad()
+def ttt_mlp_decode_step(q, k, v, eta, state, *, mini_batch_size: int, real=None):
+    """One token of ``ttt_mlp`` against a full state ``{"W1", "W2", "W1_start", "W2_start", "n"}``, as
+    ``ttt_linear_decode_step`` (gradients at the start weights; exact GELU)."""
+    W1, W2, W1g, W2g, n = state["W1"], state["W2"], state["W1_start"], state["W2_start"], state["n"]
+    out_dtype = v.dtype
+    q, k, v, eta = (x.to(W1.dtype) for x in (q, k, v, eta))
+    z = torch.matmul(W1g, k.unsqueeze(-1)).squeeze(-1)  # [B, H, dh]
+    a, da = gelu_and_grad(z)
+    e = torch.matmul(W2g, a.unsqueeze(-1)).squeeze(-1) - v  # [B, H, dv]
+    g = torch.matmul(e.unsqueeze(-2), W2g).squeeze(-2) * da  # dℓ/dz
+    et = eta.unsqueeze(-1)
+    W2n = torch.addcmul(W2, (et * e).unsqueeze(-1), a.unsqueeze(-2), value=-1.0)
+    W1n = torch.addcmul(W1, (et * g).unsqueeze(-1), k.unsqueeze(-2), value=-1.0)
+    hq = F.gelu(torch.matmul(W1n, q.unsqueeze(-1)).squeeze(-1))
+    o = torch.matmul(W2n, hq.unsqueeze(-1)).squeeze(-1)
+    if real is not None:
+        W1n, W2n = _where(real, W1n, W1), _where(real, W2n, W2)
+        o = o * real.view(-1, 1, 1).to(o.dtype)
+    else:
+        real = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    n, full = _advance(n, real, mini_batch_size)
+    return o.to(out_dtype), {"W1": W1n, "W2": W2n, "W1_start": _where(full, W1n, W1g),
+                             "W2_start": _where(full, W2n, W2g), "n": n}
+
+
+# ============================================================================ Triton path (ttt_linear)
+_TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.ttt.MAX_HEAD_DIM (not imported: kernels load lazily)
+_TRITON_MAX_MINI_BATCH = 128  # = lazoo.kernels.ttt.MAX_MINI_BATCH
+
+
+def _linear_triton_unsupported(q, v, b, state) -> str | None:
+    """None when lazoo.kernels.ttt runs this case, else why not (imports no kernel)."""
+    # float64: the interpreter only (the tests' exact check of the hand-written backward)
+    ok = KERNEL_DTYPES + ((torch.float64,) if b > 1 and q.device.type == "cpu" else ())
+    if b > _TRITON_MAX_MINI_BATCH:
+        return f"the Triton kernel takes mini_batch_size up to {_TRITON_MAX_MINI_BATCH}, got {b}"
+    if b == 1 and not state.get("_fresh", False) and not torch.equal(state["W_start"], state["W"]):
+        return "with mini_batch_size=1 the Triton kernel (the delta rule) needs W_start = W in the initial state"
+    return triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM, ok)
+
+
+def _linear_triton(q, k, v, eta, state, b, mask, output_final_state):
+    """The op on lazoo.kernels.ttt. b = 1 (the delta rule): a pad is η = 0. b > 1 without padding from a fresh
+    mini-batch: the inputs as they are; otherwise the real tokens go to the mini-batch-aligned slot grid of
+    ``_chunked`` (empty slots: η = 0, k = 0, no update) and mini-batch 0 takes its gradients at W_start."""
+    from ..kernels.ttt import ttt_linear_triton  # lazy: importing defines the kernels
+
+    B, T = q.shape[:2]
+    dev = q.device
+    if b == 1 or (mask is None and state.get("_fresh", False)):
+        o, W, W_start = ttt_linear_triton(q, k, v, zero_masked(eta, mask), state["W"], b)
+        o = zero_masked(o, mask)
+        n = torch.full((B,), 0 if b == 1 else T % b, dtype=torch.long, device=dev)
+    else:
+        n0 = state["n"]
+        real = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask
+        slot = n0[:, None] + real.long().cumsum(1) - 1
+        total = n0 + real.long().sum(1)
+        L = max(1, -(-int(total.max().item()) // b)) * b
+        bi, ti = real.nonzero(as_tuple=True)
+        si = slot[bi, ti]
+
+        def to_slots(x):
+            return x.new_zeros((B, L) + x.shape[2:]).index_put((bi, si), x[bi, ti])
+
+        idx = torch.div(total, b, rounding_mode="floor")
+        fresh = state.get("_fresh", False)
+        o, W, W_start = ttt_linear_triton(*(to_slots(x) for x in (q, k, v, eta)), state["W"], b,
+                                          W_start=None if fresh else state["W_start"], idx=idx)
+        o = o.new_zeros((B, T) + o.shape[2:]).index_put((bi, ti), o[bi, si])
+        n = total - idx * b
+    if not output_final_state:
+        return o, None
+    return o, {"W": W, "W_start": W_start, "n": n}
 
 
 # ============================================================================ inner models

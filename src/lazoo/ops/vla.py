@@ -14,8 +14,10 @@ default S = 0, A = I / lambda0, z = 0, t = 0. q, k, v, u are the raw projections
 
 Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
 S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f).
-Triton (auto on CUDA): the α̂ from ``lazoo.kernels.vla`` (a token-by-token scan of A in registers with a
-hand-written backward), then S by the chunk-parallel generalised delta rule kernel.
+Triton (auto on CUDA): the α̂ from the scan kernel that ``TRITON_SCAN`` names: ``lazoo.kernels.vla`` (token by
+token, A in registers, hand-written backward; the default and the reference, and always for a few tokens) or
+``lazoo.kernels.vla_chunk`` (Woodbury per block of 16 tokens as matrix products), then S by the
+chunk-parallel generalised delta rule kernel.
 """
 
 from __future__ import annotations
@@ -170,6 +172,9 @@ def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
 # ============================================================================ Triton path
 _TRITON_MAX_DK = 128  # = lazoo.kernels.vla.MAX_HEAD_DIM (not imported: kernels load lazily)
 _DECODE_MAX_T = 16  # fused recurrent S update up to this many tokens without autograd
+#: the Triton kernel of the A scan: "chunk" (lazoo.kernels.vla_chunk) or "token" (lazoo.kernels.vla, the reference).
+#: "token" while the chunked scan is slower (H100, d = 128, T = 1k: 3.0 / 14.1 ms forward / +backward vs 2.2 / 8.0).
+TRITON_SCAN = "token"
 
 
 def _triton_unsupported(q, v, chunk_size) -> str | None:
@@ -182,9 +187,15 @@ def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refres
     """α̂ by the scan kernel, S by the generalised delta rule kernel (operands in v's dtype)."""
     from ..kernels import delta as kd
     from ..kernels.vla import vla_scan
+    from ..kernels.vla_chunk import vla_scan_chunked
 
     flags = _refresh_flags(real, state["t"], refresh_period)
-    alpha_hat, A = vla_scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
+    if TRITON_SCAN not in ("chunk", "token"):
+        raise ValueError(f"{_OP}: TRITON_SCAN must be 'chunk' or 'token', got {TRITON_SCAN!r}")
+    # a few tokens (decoding) fill less than one block of the chunked scan: the token scan is cheaper there
+    chunked = TRITON_SCAN == "chunk" and q_f.shape[1] > _DECODE_MAX_T
+    scan = vla_scan_chunked if chunked else vla_scan
+    alpha_hat, A = scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
     dt = v.dtype
     w = zero_masked(alpha_hat, real)  # a pad writes nothing
     args = (q_f.to(dt), k_hat.to(dt), v, w.to(dt))

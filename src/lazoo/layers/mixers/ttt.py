@@ -6,7 +6,8 @@ parameters, passed to the op as its initial state) and takes one gradient step p
 ``f(q_t; W_t)``. k_t (the corrupted view) and v_t (the target) are the usual key and value projections; q and k
 are L2-normalised by default. Gradients within a mini-batch of ``mini_batch_size`` tokens are taken at the
 mini-batch's start weights (TTT's mini-batch GD; 1 = per-token GD): see ``lazoo.ops.ttt``. The cache entry is
-``{"op": {W…, W…_start, n}, "conv": …}``. No LayerNorm/residual inside f.
+``{"op": {W…, W…_start, n}, "conv": …}``; a one-token call against it (decoding) takes the fused step
+``lazoo.ops.ttt.ttt_*_decode_step``. No LayerNorm/residual inside f.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import torch
 from torch import nn
 
 from ... import ops
+from ...ops.ttt import ttt_linear_decode_step, ttt_mlp_decode_step
 from .recurrent import RecurrentMixer
 
 
 def l2norm(x, eps: float = 1e-6):
     """``x / sqrt(|x|² + eps)`` over the last dim (as the delta-rule ops normalise q and k)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _needs_grad(*xs) -> bool:
+    return any(x.requires_grad for x in xs)
 
 
 class TTTLinearMixer(RecurrentMixer):
@@ -62,6 +68,13 @@ class TTTLinearMixer(RecurrentMixer):
         eta = self.inner_rate(x, q)
         if state is None:
             state = self.initial_weights(q.shape[0])
+        elif q.shape[1] == 1 and "n" in state and not (torch.is_grad_enabled() and _needs_grad(q, k, v, eta)):
+            # generation with the cache: one fused step (same function as the op, none of its chunk set-up)
+            step = ttt_linear_decode_step if self.mechanism == "ttt_linear" else ttt_mlp_decode_step
+            real = None if mask is None else mask[:, 0].bool()
+            o, new_state = step(q[:, 0], k[:, 0], v[:, 0], eta[:, 0], state,
+                                mini_batch_size=self.options["mini_batch_size"], real=real)
+            return o[:, None], (new_state if want_state else None)
         op = getattr(ops, self.mechanism)  # ops.ttt_linear / ops.ttt_mlp
         return op(q, k, v, eta, mini_batch_size=self.options["mini_batch_size"], **self.op_kwargs(mask, state, want_state))
 

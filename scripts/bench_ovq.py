@@ -1,0 +1,151 @@
+"""Benchmark OVQ attention (Triton) against causal SDPA on a CUDA GPU, and OVQ's state size vs length.
+
+For T in --lengths (default 1k, 4k, 16k, 64k), B = --batch, H = 8, d = 128, bf16, N = 2048, L = 128:
+  * forward and forward+backward median ms (triton.testing.do_bench) of
+      - ``ovq_attention(backend="triton")``: the whole op (assignments of every chunk, the running-mean
+        dictionaries, the chunk-attention kernel),
+      - the chunk-attention kernel alone (``lazoo.kernels.ovq.ovq_chunk_attention``) with every chunk's
+        dictionary given (the part that is flash attention over ≤ N + L keys per query),
+      - ``scaled_dot_product_attention(is_causal=True)``;
+  * bytes of OVQ's state after T tokens (dictionaries, counts, partial chunk: constant for fixed N) and
+    of a bf16 KV cache of T tokens.
+A case that does not fit in memory is recorded as "oom" and skipped. Prints a table, writes JSON (--out).
+
+    PYTHONPATH=src python scripts/bench_ovq.py --out docs/results/ovq_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+H, D, N, L = 8, 128, 2048, 128
+
+
+def inputs(B, T, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k = (F.normalize(torch.randn(B, T, H, D, device=device, generator=gen), dim=-1).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, H, D, device=device, generator=gen).to(dtype)
+    return q, k, v
+
+
+def state_bytes(state) -> int:
+    return sum(x.numel() * x.element_size() for x in state.values())
+
+
+def timed(fn, backward, leaves):
+    """Median ms of fn() (and of fn() + backward when asked), or "oom"."""
+    import triton.testing
+
+    def step():
+        if not backward:
+            with torch.no_grad():
+                return fn()
+        out = fn()
+        out.backward(grad)
+        for x in leaves:
+            x.grad = None
+        return out
+
+    try:
+        with torch.no_grad():
+            grad = torch.randn_like(fn())
+        ms = triton.testing.do_bench(step, warmup=3, rep=50, return_mode="median")
+        return round(float(ms), 4)
+    except torch.OutOfMemoryError:
+        return "oom"
+    finally:
+        torch.cuda.empty_cache()
+
+
+def bench_length(B, T, dtype, device):
+    from lazoo.kernels.ovq import ovq_chunk_attention
+    from lazoo.ops import ovq_attention
+
+    row = {"T": T, "B": B}
+    q, k, v = inputs(B, T, dtype, device)
+    scale = math.sqrt(D)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+
+    def ovq():
+        return ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, backend="triton")[0]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True).transpose(1, 2)
+
+    # every chunk's dictionary, as the op builds them: take the final state's size for the width
+    G = T // L
+    with torch.no_grad():
+        try:
+            _, st = ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, output_final_state=True,
+                                  backend="triton")
+            row["ovq_state_bytes"] = state_bytes(st)
+            row["ovq_dict_size"] = int((st["counts"] > 0).sum(-1).max())
+            del st
+        except torch.OutOfMemoryError:
+            row["ovq_state_bytes"] = "oom"
+        torch.cuda.empty_cache()
+    row["kv_cache_bytes"] = 2 * B * T * H * D * torch.empty((), dtype=dtype).element_size()
+    W = min(N, max(1, (T - L) * N // (T - L + N)))  # the widest dictionary a chunk reads
+    try:
+        gen = torch.Generator(device=device).manual_seed(1)
+        dk = F.normalize(torch.randn(G, B, H, W, D, device=device, generator=gen), dim=-1).to(dtype)
+        dv = torch.randn(G, B, H, W, D, device=device, generator=gen).to(dtype)
+        sizes = torch.tensor([min(W, c * L * N // (c * L + N)) for c in range(G)], device=device)
+        counts = (torch.arange(W, device=device) < sizes[:, None, None, None]).long().expand(G, B, H, W) * 3
+        kernel_leaves = leaves + [dk.requires_grad_(), dv.requires_grad_()]
+
+        def kernel():
+            return ovq_chunk_attention(q * scale, k, v, dk, dv, counts, L)
+    except torch.OutOfMemoryError:
+        kernel, kernel_leaves = None, leaves
+    for name, fn, lv in (("ovq", ovq, leaves), ("ovq_kernel", kernel, kernel_leaves), ("sdpa", sdpa, leaves)):
+        for mode, backward in (("fwd", False), ("fwdbwd", True)):
+            row[f"{name}_{mode}_ms"] = "oom" if fn is None else timed(fn, backward, lv)
+            print(f"  T={T} {name} {mode}: {row[f'{name}_{mode}_ms']}", flush=True)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_ovq.py needs a CUDA GPU")
+    import triton
+
+    device, dtype = "cuda", torch.bfloat16
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "H": H, "d": D, "N": N, "chunk_size": L, "dtype": "bfloat16",
+            "timing": "triton.testing.do_bench median, ms"}
+    rows = []
+    for T in args.lengths:
+        try:
+            rows.append(bench_length(args.batch, T, dtype, device))
+        except Exception:  # one length failing must not lose the others
+            traceback.print_exc()
+            rows.append({"T": T, "B": args.batch, "error": traceback.format_exc(limit=2)})
+        torch.cuda.empty_cache()
+    cols = ["T", "ovq_fwd_ms", "ovq_fwdbwd_ms", "ovq_kernel_fwd_ms", "ovq_kernel_fwdbwd_ms", "sdpa_fwd_ms",
+            "sdpa_fwdbwd_ms", "ovq_state_bytes", "kv_cache_bytes"]
+    print("\n" + " | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "-")) for c in cols))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""Flash-style Triton kernels for local-linear (p = 1) attention (lazoo.ops.local_linear_attention).
+
+Per head and query t, over the visible keys i (causal, optional window W, real keys only), with slope
+features f_i = P k_i and g_t = P q_t (r of them; P = I for the exact slope), logits s_i = q̃_t·k_i
+(q̃ = β q: the scale is folded into the queries) and weights p_i = softmax_i(s_i):
+
+    m = Σ p f,  S = Σ p f fᵀ,  A = S − m mᵀ + ρI (r×r),  b = m − g,  β = A⁻¹ b
+    o_t = v̄ − C_vf β = Σ_i p_i c_i v_i,   c_i = 1 − (f_i − m)·β = a − f_i·β,  a = 1 + m·β
+
+(C_vf β = Σ p (v − v̄)(f − m)·β = Σ p v (f − m)·β since Σ p (f − m) = 0.) So the forward is two passes
+over the key blocks of a query block: pass 1 keeps the online-softmax running max and sum and the running
+moments Σ e f (r) and Σ e f fᵀ (r², as one ``tl.dot`` of the weights with the keys' flattened outer
+products), then an r-step Gauss–Jordan solve per query (A is SPD: no pivoting), vectorised over the
+block; pass 2 is attention with the weights p_i c_i. Saved for the backward: the log-sum-exp, m and β
+per query (2r + 1 numbers, never r²).
+
+Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
+
+    dβ = D m − E,   λ = A⁻¹ dβ (A symmetric),   dg = −λ
+    dm = D β + λ + λ (β·m) + β (λ·m)                    (through c, b and −m mᵀ)
+    dp_i = c_i δ_i + f_i·dm − (f_i·λ)(f_i·β)           (through o, m and S)
+    ds_i = p_i (dp_i − Δ),  Δ = Σ p dp = a D − E·β + m·dm − λᵀ S β
+    dv_i = Σ_t p c do,  dq̃ = Σ_i ds k,  dk_i = Σ_t ds q̃,  df_i = Σ_t p (dm − (δ + f·λ) β − (f·β) λ)
+
+in three kernels: ``_bwd_prep`` (per query block: S, D, E again, then λ, dm, Δ), ``_bwd_dkv`` (per key
+block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per query block over its keys). The features
+are computed outside (f = k Pᵀ in PyTorch), so autograd carries their gradients to k and P.
+
+Layouts: q/k ``[B, T|S, H, dk]``, v ``[B, S, H, dv]``, features ``[B, T|S, H, R]`` float32 padded with
+zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact). Keys may run ahead of
+the queries (a KV cache): query t sits at position t + S − T. Loaded 16-bit values are cast to fp32
+before arithmetic; the logits and the value products take the input dtype on the tensor cores, the
+moments and the solve stay in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_pow2
+
+#: largest head dims (q/k and v) the kernels take
+MAX_HEAD_DIM = 128
+#: largest number of slope features (r×r moments per query live in registers)
+MAX_RANK = 32
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# ============================================================================ device helpers
+@triton.jit
+def _solve(A, b, BM: tl.constexpr, R: tl.constexpr):
+    """x = A⁻¹ b for every row of a block: A ``[BM, R, R]`` SPD, b ``[BM, R]`` (Gauss–Jordan)."""
+    o_r = tl.arange(0, R)
+    rows = o_r[None, :, None]
+    cols = o_r[None, None, :]
+    for j in range(R):
+        col = tl.sum(tl.where(cols == j, A, 0.0), 2)  # A[:, :, j]
+        row = tl.sum(tl.where(rows == j, A, 0.0), 1)  # A[:, j, :]
+        sel = o_r[None, :] == j
+        piv = tl.sum(tl.where(sel, col, 0.0), 1)
+        bj = tl.sum(tl.where(sel, b, 0.0), 1)
+        fac = tl.where(sel, 0.0, col / piv[:, None])
+        A = A - fac[:, :, None] * row[:, None, :]
+        b = b - fac * bj[:, None]
+    diag = tl.sum(tl.where(rows == cols, A, 0.0), 2)
+    return b / diag
+
+
+@triton.jit
+def _visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr):
+    """``[BM, BN]``: query o_m (position o_m + OFF) sees key o_n."""
+    pos = o_m + OFF
+    vis = (o_n[None, :] <= pos[:, None]) & (o_n[None, :] < S) & (o_m[:, None] < T)
+    if USE_WINDOW:
+        vis = vis & (o_n[None, :] > pos[:, None] - WINDOW)
+    if USE_KMASK:
+        km = tl.load(kmask_row + o_n, mask=o_n < S, other=0)
+        vis = vis & (km[None, :] != 0)
+    return vis
+
+
+@triton.jit
+def _visible_t(o_n, o_m, T, S, OFF, WINDOW, kmask_row, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr):
+    """``[BN, BM]``: the transpose of ``_visible`` (key o_n seen by query o_m)."""
+    pos = o_m + OFF
+    vis = (o_n[:, None] <= pos[None, :]) & (o_n[:, None] < S) & (o_m[None, :] < T)
+    if USE_WINDOW:
+        vis = vis & (o_n[:, None] > pos[None, :] - WINDOW)
+    if USE_KMASK:
+        km = tl.load(kmask_row + o_n, mask=o_n < S, other=0)
+        vis = vis & (km[:, None] != 0)
+    return vis
+
+
+@triton.jit
+def _key_range(i_m, T, S, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """[lo, hi): the key blocks a query block can see (lo a multiple of BN)."""
+    first = i_m * BM + OFF
+    last = tl.minimum(i_m * BM + BM, T) - 1 + OFF
+    hi = tl.minimum(last + 1, S)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first - WINDOW + 1, 0)
+        lo = (lo // BN) * BN
+    return lo, hi
+
+
+@triton.jit
+def _moments(p, b_f, BN: tl.constexpr, R: tl.constexpr, MPREC: tl.constexpr):
+    """Σ_i p_i f_i f_iᵀ flattened ``[BM, R*R]`` for weights p ``[BM, BN]`` and features f ``[BN, R]``."""
+    outer = tl.reshape(b_f[:, :, None] * b_f[:, None, :], [BN, R * R])
+    return tl.dot(p, outer, input_precision=MPREC)
+
+
+# ============================================================================ forward
+@triton.jit
+def _fwd_kernel(
+    q, k, v, fk, gq, kmask, o, lse, mbuf, bbuf, ridge, T, S, OFF, WINDOW,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+):
+    """Grid (cdiv(T, BM), B * H): outputs, log-sum-exp, m and β of one query block."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < T
+    o_dk = tl.arange(0, BK)
+    o_dv = tl.arange(0, BV)
+    o_r = tl.arange(0, R)
+    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h  # [BM] row index into [B, T, H, *]
+    k_base = i_b.to(tl.int64) * S * H + i_h
+    kmask_row = kmask + i_b.to(tl.int64) * S
+
+    b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
+    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
+
+    # pass 1: running max (log2 units), running sum, Σ e f and Σ e f fᵀ
+    b_mx = tl.full([BM], float("-inf"), tl.float32)
+    b_l = tl.zeros([BM], tl.float32)
+    b_f1 = tl.zeros([BM, R], tl.float32)
+    b_f2 = tl.zeros([BM, R * R], tl.float32)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < S
+        k_row = k_base + o_n * H
+        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
+        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
+        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        new_mx = tl.maximum(b_mx, tl.max(s, 1))
+        ref = tl.where(new_mx == float("-inf"), 0.0, new_mx)  # a row that sees nothing yet stays at 0
+        alpha = tl.exp2(b_mx - ref)
+        p = tl.exp2(s - ref[:, None])
+        b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
+        b_l = b_l * alpha + tl.sum(p, 1)
+        b_f1 = b_f1 * alpha[:, None] + tl.dot(p, b_f, input_precision=MPREC)
+        b_f2 = b_f2 * alpha[:, None] + _moments(p, b_f, BN, R, MPREC)
+        b_mx = new_mx
+
+    seen = b_l > 0
+    l_safe = tl.where(seen, b_l, 1.0)
+    b_lse = tl.where(seen, b_mx + tl.log2(l_safe), float("inf"))  # log2 units; p = exp2(s − lse)
+    b_m = b_f1 / l_safe[:, None]
+    eye = (o_r[None, :, None] == o_r[None, None, :]).to(tl.float32)
+    A = tl.reshape(b_f2 / l_safe[:, None], [BM, R, R]) - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
+    b_g = tl.load(gq + q_row[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
+    b_beta = _solve(A, b_m - b_g, BM, R)
+    b_a = 1.0 + tl.sum(b_m * b_beta, 1)
+
+    # pass 2: o = Σ p_i (a − f_i·β) v_i
+    acc = tl.zeros([BM, BV], tl.float32)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < S
+        k_row = k_base + o_n * H
+        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
+        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
+        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        p = tl.exp2(s - b_lse[:, None])
+        b_ft = tl.load(fk + k_row[None, :] * R + o_r[:, None], mask=m_n[None, :], other=0.0)
+        w = p * (b_a[:, None] - tl.dot(b_beta, b_ft, input_precision=MPREC))
+        b_v = tl.load(v + k_row[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
+        acc += tl.dot(w.to(b_v.dtype), b_v, input_precision=PREC)
+
+    tl.store(o + q_row[:, None] * DV + o_dv[None, :], acc.to(o.dtype.element_ty),
+             mask=m_m[:, None] & (o_dv[None, :] < DV))
+    stat = i_bh.to(tl.int64) * T + o_m  # [B, H, T, *] buffers
+    tl.store(lse + stat, b_lse, mask=m_m)
+    tl.store(mbuf + stat[:, None] * R + o_r[None, :], b_m, mask=m_m[:, None])
+    tl.store(bbuf + stat[:, None] * R + o_r[None, :], b_beta, mask=m_m[:, None])
+
+
+# ============================================================================ backward
+@triton.jit
+def _bwd_prep_kernel(
+    q, k, v, fk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, T, S, OFF, WINDOW,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+):
+    """Grid (cdiv(T, BM), B * H): λ, dm and Δ of one query block (S, D and E recomputed)."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < T
+    o_dk = tl.arange(0, BK)
+    o_dv = tl.arange(0, BV)
+    o_r = tl.arange(0, R)
+    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h
+    k_base = i_b.to(tl.int64) * S * H + i_h
+    kmask_row = kmask + i_b.to(tl.int64) * S
+    stat = i_bh.to(tl.int64) * T + o_m
+
+    b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
+    b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+    b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
+    b_m = tl.load(mbuf + stat[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
+    b_beta = tl.load(bbuf + stat[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
+    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
+
+    b_S = tl.zeros([BM, R * R], tl.float32)
+    b_D = tl.zeros([BM], tl.float32)
+    b_E = tl.zeros([BM, R], tl.float32)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < S
+        k_row = k_base + o_n * H
+        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
+        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
+        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        p = tl.exp2(s - b_lse[:, None])
+        b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
+        pd = p * tl.dot(b_do, b_vt, input_precision=PREC)  # p_i δ_i
+        b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
+        b_D += tl.sum(pd, 1)
+        b_E += tl.dot(pd, b_f, input_precision=MPREC)
+        b_S += _moments(p, b_f, BN, R, MPREC)
+
+    eye = (o_r[None, :, None] == o_r[None, None, :]).to(tl.float32)
+    S3 = tl.reshape(b_S, [BM, R, R])
+    A = S3 - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
+    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, R)
+    bm = tl.sum(b_beta * b_m, 1)
+    lm = tl.sum(b_lam * b_m, 1)
+    b_dm = b_D[:, None] * b_beta + b_lam * (1.0 + bm)[:, None] + b_beta * lm[:, None]
+    s_beta = tl.sum(S3 * b_beta[:, None, :], 2)  # S β
+    b_delta = ((1.0 + bm) * b_D - tl.sum(b_E * b_beta, 1) + tl.sum(b_m * b_dm, 1)
+               - tl.sum(b_lam * s_beta, 1))
+    tl.store(lbuf + stat[:, None] * R + o_r[None, :], b_lam, mask=m_m[:, None])
+    tl.store(dmbuf + stat[:, None] * R + o_r[None, :], b_dm, mask=m_m[:, None])
+    tl.store(delta + stat, b_delta, mask=m_m)
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    q, k, v, fk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, T, S, OFF, WINDOW,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+):
+    """Grid (cdiv(S, BN), B * H): dk, dv and df of one key block, over the queries that see it.
+
+    Everything is computed in the transposed ``[BN, BM]`` layout from operands loaded in both orders, so
+    no computed matrix is transposed."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < S
+    o_dk = tl.arange(0, BK)
+    o_dv = tl.arange(0, BV)
+    o_r = tl.arange(0, R)
+    k_row = (i_b.to(tl.int64) * S + o_n) * H + i_h
+    q_base = i_b.to(tl.int64) * T * H + i_h
+    kmask_row = kmask + i_b.to(tl.int64) * S
+    stat_base = i_bh.to(tl.int64) * T
+
+    b_k = tl.load(k + k_row[:, None] * DK + o_dk[None, :], mask=m_n[:, None] & (o_dk[None, :] < DK), other=0.0)
+    b_v = tl.load(v + k_row[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
+    b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
+
+    # queries at positions >= the block's first key (and, with a window, < its last key + W)
+    q_lo = tl.maximum(i_n * BN - OFF, 0)
+    q_lo = (q_lo // BM) * BM
+    q_hi = T
+    if USE_WINDOW:
+        q_hi = tl.minimum(T, i_n * BN + BN - 1 + WINDOW - OFF)
+    acc_k = tl.zeros([BN, BK], tl.float32)
+    acc_v = tl.zeros([BN, BV], tl.float32)
+    acc_f = tl.zeros([BN, R], tl.float32)
+    for start in range(q_lo, q_hi, BM):
+        o_m = start + tl.arange(0, BM)
+        m_m = o_m < T
+        q_row = q_base + o_m * H
+        stat = stat_base + o_m
+        b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
+        b_qt = tl.load(q + q_row[None, :] * DK + o_dk[:, None], mask=m_m[None, :] & (o_dk[:, None] < DK), other=0.0)
+        b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+        b_dot = tl.load(do + q_row[None, :] * DV + o_dv[:, None], mask=m_m[None, :] & (o_dv[:, None] < DV), other=0.0)
+        b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
+        b_delta = tl.load(delta + stat, mask=m_m, other=0.0)
+        p_stat = stat[:, None] * R + o_r[None, :]
+        p_stat_t = stat[None, :] * R + o_r[:, None]
+        b_beta = tl.load(bbuf + p_stat, mask=m_m[:, None], other=0.0)
+        b_lam = tl.load(lbuf + p_stat, mask=m_m[:, None], other=0.0)
+        b_dm = tl.load(dmbuf + p_stat, mask=m_m[:, None], other=0.0)
+        b_betat = tl.load(bbuf + p_stat_t, mask=m_m[None, :], other=0.0)
+        b_lamt = tl.load(lbuf + p_stat_t, mask=m_m[None, :], other=0.0)
+        b_dmt = tl.load(dmbuf + p_stat_t, mask=m_m[None, :], other=0.0)
+        b_mt = tl.load(mbuf + p_stat_t, mask=m_m[None, :], other=0.0)
+        b_a = 1.0 + tl.sum(b_mt * b_betat, 0)  # [BM]
+
+        st = tl.dot(b_k, b_qt, input_precision=PREC) * _LOG2E
+        st = tl.where(_visible_t(o_n, o_m, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), st, float("-inf"))
+        pt = tl.exp2(st - b_lse[None, :])
+        dlt = tl.dot(b_v, b_dot, input_precision=PREC)  # δ
+        fb = tl.dot(b_f, b_betat, input_precision=MPREC)  # f·β
+        fl = tl.dot(b_f, b_lamt, input_precision=MPREC)  # f·λ
+        fd = tl.dot(b_f, b_dmt, input_precision=MPREC)  # f·dm
+        ct = b_a[None, :] - fb
+        dst = pt * (ct * dlt + fd - fl * fb - b_delta[None, :])
+        acc_v += tl.dot((pt * ct).to(b_do.dtype), b_do, input_precision=PREC)
+        acc_k += tl.dot(dst.to(b_q.dtype), b_q, input_precision=PREC)
+        acc_f += (tl.dot(pt, b_dm, input_precision=MPREC) - tl.dot(pt * (dlt + fl), b_beta, input_precision=MPREC)
+                  - tl.dot(pt * fb, b_lam, input_precision=MPREC))
+
+    tl.store(dk + k_row[:, None] * DK + o_dk[None, :], acc_k.to(dk.dtype.element_ty),
+             mask=m_n[:, None] & (o_dk[None, :] < DK))
+    tl.store(dv + k_row[:, None] * DV + o_dv[None, :], acc_v.to(dv.dtype.element_ty),
+             mask=m_n[:, None] & (o_dv[None, :] < DV))
+    tl.store(dfk + k_row[:, None] * R + o_r[None, :], acc_f, mask=m_n[:, None])
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q, k, v, fk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, T, S, OFF, WINDOW,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+):
+    """Grid (cdiv(T, BM), B * H): dq̃ of one query block."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < T
+    o_dk = tl.arange(0, BK)
+    o_dv = tl.arange(0, BV)
+    o_r = tl.arange(0, R)
+    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h
+    k_base = i_b.to(tl.int64) * S * H + i_h
+    kmask_row = kmask + i_b.to(tl.int64) * S
+    stat = i_bh.to(tl.int64) * T + o_m
+    p_stat = stat[:, None] * R + o_r[None, :]
+
+    b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
+    b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+    b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + stat, mask=m_m, other=0.0)
+    b_m = tl.load(mbuf + p_stat, mask=m_m[:, None], other=0.0)
+    b_beta = tl.load(bbuf + p_stat, mask=m_m[:, None], other=0.0)
+    b_lam = tl.load(lbuf + p_stat, mask=m_m[:, None], other=0.0)
+    b_dm = tl.load(dmbuf + p_stat, mask=m_m[:, None], other=0.0)
+    b_a = 1.0 + tl.sum(b_m * b_beta, 1)
+    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
+
+    acc = tl.zeros([BM, BK], tl.float32)
+    for start in range(lo, hi, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < S
+        k_row = k_base + o_n * H
+        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
+        b_k = tl.load(k + k_row[:, None] * DK + o_dk[None, :], mask=m_n[:, None] & (o_dk[None, :] < DK), other=0.0)
+        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
+        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        p = tl.exp2(s - b_lse[:, None])
+        b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
+        dlt = tl.dot(b_do, b_vt, input_precision=PREC)
+        b_ft = tl.load(fk + k_row[None, :] * R + o_r[:, None], mask=m_n[None, :], other=0.0)
+        fb = tl.dot(b_beta, b_ft, input_precision=MPREC)
+        fl = tl.dot(b_lam, b_ft, input_precision=MPREC)
+        fd = tl.dot(b_dm, b_ft, input_precision=MPREC)
+        ds = p * ((b_a[:, None] - fb) * dlt + fd - fl * fb - b_delta[:, None])
+        acc += tl.dot(ds.to(b_k.dtype), b_k, input_precision=PREC)
+    tl.store(dq + q_row[:, None] * DK + o_dk[None, :], acc.to(dq.dtype.element_ty),
+             mask=m_m[:, None] & (o_dk[None, :] < DK))
+
+
+# ============================================================================ launch helpers
+class _Ctx:
+    """Shapes, block sizes and flags shared by the forward and the backward."""
+
+    def __init__(self, q, k, v, R, window, key_mask):
+        B, T, H, DK = q.shape
+        self.B, self.T, self.H, self.DK = B, T, H, DK
+        self.S, self.DV, self.R = k.shape[1], v.shape[-1], R
+        self.OFF = self.S - T
+        self.BK, self.BV = next_pow2(DK), next_pow2(self.DV)
+        self.window = window
+        self.kmask = key_mask
+        # fp32 inputs: full-precision logits (the reference semantics) and moments from three tf32 products
+        # ("tf32x3", about fp32 accuracy, on tensor cores: a plain fp32 dot runs on the FMA units, 4–8× slower
+        # at r² = 256 columns). 16-bit inputs: tensor cores throughout, the moments (fp32 weights × fp32
+        # features) in tf32: measured as accurate as tf32x3 against float64 at bf16 (the inputs' rounding
+        # dominates) and twice as fast.
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        interp = q.device.type == "cpu"
+        self.mprec = "ieee" if interp else ("tf32x3" if q.dtype == torch.float32 else "tf32")
+        # 4 warps: with 8 warps (and 64-row query blocks) Triton 3.6 on an H100 produced wrong outputs (tf32)
+        # or an illegal memory access (tf32x3). 64-row query blocks run the forward 1.9× faster than 32-row
+        # ones (H100, dk = 64, r = 16); the r² accumulator [BM, R²] must fit in registers.
+        self.stages = 1 if interp else 3  # the forward's software pipelining: 7.8 → 6.7 ms (T = 4k, as above)
+        if interp:
+            self.BM = self.BN = 16
+        elif R <= 16:
+            self.BM, self.BN = 64, 32
+        else:
+            self.BM, self.BN = 16, 32
+
+    def meta(self):
+        return dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, BK=self.BK, BV=self.BV, BM=self.BM, BN=self.BN,
+                    USE_WINDOW=self.window is not None, USE_KMASK=self.kmask is not None,
+                    PREC=self.prec, MPREC=self.mprec)
+
+    def kmask_arg(self, like):
+        return self.kmask if self.kmask is not None else like
+
+    def warps(self):
+        return 4
+
+
+def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
+    dev = q.device
+    o = torch.empty(c.B, c.T, c.H, c.DV, dtype=v.dtype, device=dev)
+    lse = torch.empty(c.B, c.H, c.T, dtype=torch.float32, device=dev)
+    mbuf = torch.empty(c.B, c.H, c.T, c.R, dtype=torch.float32, device=dev)
+    bbuf = torch.empty_like(mbuf)
+    grid = (triton.cdiv(c.T, c.BM), c.B * c.H)
+    _fwd_kernel[grid](q, k, v, fk, gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge, c.T, c.S, c.OFF,
+                      c.window or 0, **c.meta(), num_warps=c.warps(), num_stages=c.stages)
+    return o, lse, mbuf, bbuf
+
+
+def _bwd(c: _Ctx, q, k, v, fk, do, lse, mbuf, bbuf, ridge):
+    lbuf, dmbuf = torch.empty_like(mbuf), torch.empty_like(mbuf)
+    delta = torch.empty_like(lse)
+    W = c.window or 0
+    km = c.kmask_arg(q)
+    grid_q = (triton.cdiv(c.T, c.BM), c.B * c.H)
+    _bwd_prep_kernel[grid_q](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, c.T, c.S, c.OFF, W,
+                             **c.meta(), num_warps=c.warps(), num_stages=1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dfk = torch.empty(c.B, c.S, c.H, c.R, dtype=torch.float32, device=q.device)
+    _bwd_dkv_kernel[(triton.cdiv(c.S, c.BN), c.B * c.H)](
+        q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, c.T, c.S, c.OFF, W,
+        **c.meta(), num_warps=4, num_stages=1)
+    _bwd_dq_kernel[grid_q](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, c.T, c.S, c.OFF, W,
+                           **c.meta(), num_warps=4, num_stages=1)
+    return dq, dk, dv, dfk, -lbuf.transpose(1, 2)
+
+
+class LocalLinearAttentionFunction(torch.autograd.Function):
+    """Fused local-linear attention on scaled queries q̃, keys, values and the slope features of the keys
+    (fk) and queries (gq); see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fk, gq, key_mask, ridge, window):
+        c = _Ctx(q, k, v, fk.shape[-1], window, key_mask)
+        o, lse, mbuf, bbuf = _fwd(c, q, k, v, fk, gq, ridge)
+        ctx.c, ctx.ridge = c, ridge
+        ctx.save_for_backward(q, k, v, fk, lse, mbuf, bbuf)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, fk, lse, mbuf, bbuf = ctx.saved_tensors
+        dq, dk, dv, dfk, dgq = _bwd(ctx.c, q, k, v, fk, do.contiguous(), lse, mbuf, bbuf, ctx.ridge)
+        return dq, dk, dv, dfk, dgq, None, None, None
+
+
+# ============================================================================ public entry points
+def check_supported(q: torch.Tensor, v: torch.Tensor, r: int) -> str | None:
+    """None when the kernels can run this case (r slope features), else the reason."""
+    from ._utils import interpreter_ready, is_interpreting
+
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}"
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        return f"the Triton kernel takes head dims up to {MAX_HEAD_DIM}, got dk={dk}, dv={dv}"
+    if r > MAX_RANK:
+        return f"the Triton kernel takes up to {MAX_RANK} slope features, got r={r}"
+    if q.device.type == "cpu":
+        if not is_interpreting():
+            return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
+        if not interpreter_ready():
+            return "TRITON_INTERPRET=1 was set after triton was imported; set it before"
+    elif q.device.type != "cuda":
+        return f"the Triton kernel runs on CUDA tensors, not {q.device.type}"
+    return None
+
+
+def _slope_features(x: torch.Tensor, P: torch.Tensor | None, R: int) -> torch.Tensor:
+    """``[B, T, H, R]`` float32: P x (x itself without P), zero-padded to R features."""
+    x = x.float()
+    if P is None:
+        f = x
+    elif P.dim() == 2:
+        f = x @ P.float().transpose(0, 1)
+    else:
+        f = torch.einsum("bthd,hrd->bthr", x, P.float())
+    return torch.nn.functional.pad(f, (0, R - f.shape[-1])).contiguous()
+
+
+def local_linear_attention(q, k, v, *, scale, ridge: float, window: int | None = None, key_mask=None,
+                           rank_projection=None):
+    """``o [B, T, H, dv]`` in v's dtype. q ``[B, T, H, dk]``, k ``[B, S, H, dk]``, v ``[B, S, H, dv]`` of
+    one dtype (S ≥ T: the last T keys are the queries' own positions); scale: a number or a tensor ``[H]``
+    (the logits' β); key_mask ``[B, S]`` bool or None; rank_projection None (exact slope, dk ≤ 32) or
+    P ``[r, dk]`` / ``[H, r, dk]``. Differentiable in q, k, v, scale and P."""
+    DK = q.shape[3]
+    r = DK if rank_projection is None else rank_projection.shape[-2]
+    R = next_pow2(r)
+    if isinstance(scale, torch.Tensor):  # the product in the scale's precision, rounded once to q's dtype
+        sc = scale.reshape(-1, 1) if scale.dim() else scale
+        qs = (q.to(torch.promote_types(q.dtype, scale.dtype)) * sc).to(q.dtype)
+    else:
+        qs = q * float(scale)
+    fk = _slope_features(k, rank_projection, R)
+    gq = _slope_features(q, rank_projection, R)
+    km = None if key_mask is None else key_mask.to(torch.int8).contiguous()
+    return LocalLinearAttentionFunction.apply(qs.contiguous(), k.contiguous(), v.contiguous(), fk, gq, km,
+                                              float(ridge), window)

@@ -1,0 +1,322 @@
+"""Triton kernels for OVQ attention's chunk step (``lazoo.ops.ovq_attention``, backend "triton").
+
+For every chunk c of L tokens, per sample and head, the queries of the chunk attend to the chunk's
+dictionary followed by the chunk's own keys:
+
+    O_c = softmax(Q_c [Dk_c; K_c]ᵀ + [log counts_c; 0] + causal mask) [Dv_c; V_c]
+
+(q already carries the scale β). Dictionary slots with count 0 are empty and masked out; keys at
+positions >= ``length[b]`` are masked out too (the packed tail of a sample). All chunks of a call run
+in one launch: every chunk's dictionary is given (``dict_k [G, B, H, W, dk]``), so chunks do not
+depend on each other here; the sequential part of OVQ, the dictionary update, stays in PyTorch
+(``lazoo.ops.ovq``), which builds those dictionaries as differentiable running means.
+
+Kernels, flash-attention style (online softmax over key blocks, fp32 accumulators, the log-sum-exp
+of every query row saved for the backward):
+  * ``_fwd_kernel``: one program per (chunk, block of BM query rows, sample·head); loops over the
+    chunk's active dictionary rows (up to the last non-empty slot) and then its causal key blocks.
+  * ``_bwd_dq_kernel``: the same loops, accumulating dQ = Σ dS K.
+  * ``_bwd_dkv_kernel``: one program per block of BN key rows, either dictionary rows of one chunk
+    (DICT: all L queries of that chunk see them) or the chunk's own keys (the queries at or after
+    them); accumulates dK = dSᵀ Q and dV = Pᵀ dO. Dictionary gradients come back per chunk
+    (``[G, B, H, W, d]``); the op's autograd carries them into the keys and values that built them.
+
+bf16/fp16 inputs go to ``tl.dot`` as they are, with fp32 accumulation; fp32 inputs use the default
+dot precision (tf32 on GPUs). Under ``TRITON_INTERPRET=1`` the kernels run in fp32/fp16 only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import is_interpreting, next_pow2
+
+#: largest head dim (q/k tiles and the [BM, dv] accumulator are held whole)
+MAX_HEAD_DIM = 128
+#: a finite "minus infinity" for masked logits (keeps fully masked rows NaN-free)
+NEG_INF = -1.0e30
+NEG = tl.constexpr(NEG_INF)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _tile(ptr, rows, row_ok, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``rows`` (int64 row indices into a row-major [*, D] tensor) as a [len, BD] tile (0 past D)."""
+    o = tl.arange(0, BD)
+    return tl.load(ptr + rows[:, None] * D + o[None, :], mask=row_ok[:, None] & (o < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _dict_block(dk, dv, bias, dbase, j, n, DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+                BDV: tl.constexpr, BN: tl.constexpr):
+    """Dictionary rows j..j+BN of one (chunk, sample, head): keys, values, bias, and which are active."""
+    cols = j + tl.arange(0, BN)
+    ok = cols < n
+    bb = tl.load(bias + dbase + cols, mask=ok, other=NEG)
+    active = ok & (bb > NEG * 0.5)
+    return _tile(dk, dbase + cols, ok, DQK, BDK), _tile(dv, dbase + cols, ok, DV, BDV), bb, active
+
+
+@triton.jit
+def _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK: tl.constexpr, DV: tl.constexpr,
+                 BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+    """The chunk's own key rows j..j+BN: keys, values, their row in the chunk, and which are real."""
+    r = j + tl.arange(0, BN)
+    t = g * L + r
+    ok = (r < L) & (t < n_valid)
+    rows = (qkbase + t) * H + i_h
+    return _tile(k, rows, ok, DQK, BDK), _tile(v, rows, ok, DV, BDV), r, ok
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
+                DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    nqb = tl.cdiv(L, BM)
+    g = tl.program_id(0) // nqb
+    qb = tl.program_id(0) % nqb
+    bh = tl.program_id(1).to(tl.int64)
+    i_b = bh // H
+    i_h = bh % H
+    n_valid = tl.load(length + i_b)
+    rq = qb * BM + tl.arange(0, BM)  # query rows in the chunk
+    rq_ok = rq < L
+    qkbase = i_b * T  # row index base of this sample in [B, T, H, *], before * H + i_h
+    q_rows = (qkbase + g * L + rq) * H + i_h
+    b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
+    gbh = (g * B + i_b) * H + i_h
+    dbase = gbh * W
+    n = tl.load(size + gbh)
+
+    m_i = tl.full([BM], NEG, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    for j in range(0, n, BN):  # the dictionary (active prefix), bias log counts
+        b_k, b_v, bb, active = _dict_block(dk, dv, bias, dbase, j, n, DQK, DV, BDK, BDV, BN)
+        s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32) + bb[None, :]
+        allowed = active[None, :] & rq_ok[:, None]
+        s = tl.where(allowed, s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v).to(tl.float32)
+        m_i = m_new
+    for j in range(0, tl.minimum((qb + 1) * BM, L), BN):  # the chunk's keys, causal
+        b_k, b_v, rk, ok = _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK, DV, BDK, BDV, BN)
+        s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32)
+        allowed = ok[None, :] & (rk[None, :] <= rq[:, None]) & rq_ok[:, None]
+        s = tl.where(allowed, s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v).to(tl.float32)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    ov = tl.arange(0, BDV)
+    tl.store(o + q_rows[:, None] * DV + ov[None, :], out.to(o.dtype.element_ty),
+             mask=rq_ok[:, None] & (ov < DV)[None, :])
+    tl.store(lse + q_rows, tl.where(l_i > 0, m_i + tl.log(l_safe), 0.0), mask=rq_ok)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_dq_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, dq, B, T, H, W, L,
+                   DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+    nqb = tl.cdiv(L, BM)
+    g = tl.program_id(0) // nqb
+    qb = tl.program_id(0) % nqb
+    bh = tl.program_id(1).to(tl.int64)
+    i_b = bh // H
+    i_h = bh % H
+    n_valid = tl.load(length + i_b)
+    rq = qb * BM + tl.arange(0, BM)
+    rq_ok = rq < L
+    qkbase = i_b * T
+    q_rows = (qkbase + g * L + rq) * H + i_h
+    b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
+    b_do = _tile(do, q_rows, rq_ok, DV, BDV)
+    b_lse = tl.load(lse + q_rows, mask=rq_ok, other=0.0)
+    b_delta = tl.load(delta + q_rows, mask=rq_ok, other=0.0)
+    gbh = (g * B + i_b) * H + i_h
+    dbase = gbh * W
+    n = tl.load(size + gbh)
+
+    acc = tl.zeros([BM, BDK], tl.float32)
+    for j in range(0, n, BN):
+        b_k, b_v, bb, active = _dict_block(dk, dv, bias, dbase, j, n, DQK, DV, BDK, BDV, BN)
+        s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32) + bb[None, :]
+        allowed = active[None, :] & rq_ok[:, None]
+        p = tl.where(allowed, tl.exp(s - b_lse[:, None]), 0.0)
+        dp = tl.dot(b_do, tl.trans(b_v)).to(tl.float32)
+        ds = p * (dp - b_delta[:, None])
+        acc += tl.dot(ds.to(b_k.dtype), b_k).to(tl.float32)
+    for j in range(0, tl.minimum((qb + 1) * BM, L), BN):
+        b_k, b_v, rk, ok = _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK, DV, BDK, BDV, BN)
+        s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32)
+        allowed = ok[None, :] & (rk[None, :] <= rq[:, None]) & rq_ok[:, None]
+        p = tl.where(allowed, tl.exp(s - b_lse[:, None]), 0.0)
+        dp = tl.dot(b_do, tl.trans(b_v)).to(tl.float32)
+        ds = p * (dp - b_delta[:, None])
+        acc += tl.dot(ds.to(b_k.dtype), b_k).to(tl.float32)
+    od = tl.arange(0, BDK)
+    tl.store(dq + q_rows[:, None] * DQK + od[None, :], acc.to(dq.dtype.element_ty),
+             mask=rq_ok[:, None] & (od < DQK)[None, :])
+
+
+@triton.jit
+def _bwd_dkv_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, gk, gv, B, T, H, W, L,
+                    DICT: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+                    BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """One block of BN key rows: the dictionary's (DICT) or the chunk's own. Writes dK and dV of them
+    (fp32) into gk, gv: ``[G, B, H, W, d]`` for DICT, ``[B, T, H, d]`` otherwise."""
+    if DICT:
+        nkb = tl.cdiv(W, BN)
+    else:
+        nkb = tl.cdiv(L, BN)
+    g = tl.program_id(0) // nkb
+    kb = tl.program_id(0) % nkb
+    bh = tl.program_id(1).to(tl.int64)
+    i_b = bh // H
+    i_h = bh % H
+    n_valid = tl.load(length + i_b)
+    qkbase = i_b * T
+    gbh = (g * B + i_b) * H + i_h
+    dbase = gbh * W
+    j = kb * BN
+    if DICT:
+        n = tl.load(size + gbh)
+        b_k, b_v, bb, active = _dict_block(dk, dv, bias, dbase, j, n, DQK, DV, BDK, BDV, BN)
+        rk = j + tl.arange(0, BN)
+        k_rows = dbase + rk
+        k_ok = rk < W
+        q_start = 0
+        q_end = tl.where(j < n, L, 0)  # an empty block: no query sees it, its gradient is 0
+    else:
+        b_k, b_v, rk, active = _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK, DV, BDK, BDV, BN)
+        k_rows = (qkbase + g * L + rk) * H + i_h
+        bb = tl.zeros([BN], tl.float32)
+        k_ok = rk < L
+        q_start = (j // BM) * BM
+        q_end = L
+    acc_k = tl.zeros([BN, BDK], tl.float32)
+    acc_v = tl.zeros([BN, BDV], tl.float32)
+    for i in range(q_start, q_end, BM):
+        rq = i + tl.arange(0, BM)
+        rq_ok = rq < L
+        q_rows = (qkbase + g * L + rq) * H + i_h
+        b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
+        b_do = _tile(do, q_rows, rq_ok, DV, BDV)
+        b_lse = tl.load(lse + q_rows, mask=rq_ok, other=0.0)
+        b_delta = tl.load(delta + q_rows, mask=rq_ok, other=0.0)
+        s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32) + bb[None, :]
+        allowed = active[None, :] & rq_ok[:, None]
+        if not DICT:
+            allowed = allowed & (rk[None, :] <= rq[:, None])
+        p = tl.where(allowed, tl.exp(s - b_lse[:, None]), 0.0)
+        acc_v += tl.dot(tl.trans(p.to(b_do.dtype)), b_do).to(tl.float32)
+        dp = tl.dot(b_do, tl.trans(b_v)).to(tl.float32)
+        ds = p * (dp - b_delta[:, None])
+        acc_k += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q).to(tl.float32)
+    od = tl.arange(0, BDK)
+    ov = tl.arange(0, BDV)
+    tl.store(gk + k_rows[:, None] * DQK + od[None, :], acc_k.to(gk.dtype.element_ty),
+             mask=k_ok[:, None] & (od < DQK)[None, :])
+    tl.store(gv + k_rows[:, None] * DV + ov[None, :], acc_v.to(gv.dtype.element_ty),
+             mask=k_ok[:, None] & (ov < DV)[None, :])
+
+
+# ----------------------------------------------------------------------------- launch
+def _blocks(dk: int, dv: int) -> dict:
+    """Tile sizes and launch options (16-row tiles under the interpreter, where speed is not the point)."""
+    if is_interpreting():
+        return dict(BM=16, BN=16)
+    return dict(BM=64, BN=64, num_warps=4, num_stages=2)
+
+
+def _prepare(q, dict_k, counts, length):
+    """The log-count bias (NEG_INF on empty slots), the rows to visit per (chunk, sample, head), lengths."""
+    B, T, H, dk = q.shape
+    G, W = dict_k.shape[0], dict_k.shape[3]
+    active = counts > 0
+    bias = torch.where(active, counts.clamp_min(1).float().log(), torch.full((), NEG_INF, device=q.device))
+    # rows up to the last active slot (active slots are a prefix in OVQ; this only bounds the loop)
+    size = ((torch.arange(1, W + 1, device=q.device, dtype=torch.int32) * active).amax(-1)
+            if W else torch.zeros(G, B, H, dtype=torch.int32, device=q.device))
+    if length is None:
+        length = torch.full((B,), T, dtype=torch.int32, device=q.device)
+    return bias.contiguous(), size.to(torch.int32).contiguous(), length.to(torch.int32).contiguous()
+
+
+class _ChunkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, dict_k, dict_v, bias, size, length, chunk_size):
+        B, T, H, dk = q.shape
+        dv = v.shape[-1]
+        G, W = dict_k.shape[0], max(dict_k.shape[3], 1)
+        L = chunk_size
+        cfg = _blocks(dk, dv)
+        BDK, BDV = next_pow2(dk), next_pow2(dv)
+        o = torch.empty(B, T, H, dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        grid = (G * triton.cdiv(L, cfg["BM"]), B * H)
+        _fwd_kernel[grid](q, k, v, dict_k, dict_v, bias, size, length, o, lse, B, T, H, W, L,
+                          DQK=dk, DV=dv, BDK=BDK, BDV=BDV, **cfg)
+        ctx.save_for_backward(q, k, v, dict_k, dict_v, bias, size, length, o, lse)
+        ctx.chunk_size = L
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, dict_k, dict_v, bias, size, length, o, lse = ctx.saved_tensors
+        B, T, H, dk = q.shape
+        dv = v.shape[-1]
+        G, W = dict_k.shape[0], max(dict_k.shape[3], 1)
+        L = ctx.chunk_size
+        cfg = _blocks(dk, dv)
+        BDK, BDV = next_pow2(dk), next_pow2(dv)
+        do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1).contiguous()  # rowsum(dO ⊙ O)
+        # every row of every output is written (rows no query sees get zeros), in the inputs' dtypes
+        dq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        gdk, gdv = torch.empty_like(dict_k), torch.empty_like(dict_v)
+        args = (q, k, v, dict_k, dict_v, bias, size, length, do, lse, delta)
+        _bwd_dq_kernel[(G * triton.cdiv(L, cfg["BM"]), B * H)](*args, dq, B, T, H, W, L, DQK=dk, DV=dv,
+                                                                BDK=BDK, BDV=BDV, **cfg)
+        _bwd_dkv_kernel[(G * triton.cdiv(L, cfg["BN"]), B * H)](*args, gk, gv, B, T, H, W, L, DICT=False,
+                                                                 DQK=dk, DV=dv, BDK=BDK, BDV=BDV, **cfg)
+        if dict_k.shape[3]:
+            _bwd_dkv_kernel[(G * triton.cdiv(W, cfg["BN"]), B * H)](*args, gdk, gdv, B, T, H, W, L, DICT=True,
+                                                                     DQK=dk, DV=dv, BDK=BDK, BDV=BDV, **cfg)
+        return dq, gk, gv, gdk, gdv, None, None, None, None
+
+
+def ovq_chunk_attention(q, k, v, dict_k, dict_v, counts, chunk_size: int, length=None):
+    """Every chunk's attention over [its dictionary (bias log counts); its own keys (causal)].
+
+    q, k ``[B, G·L, H, dk]``, v ``[B, G·L, H, dv]`` (G whole chunks of L = ``chunk_size`` rows; q carries
+    the scale), dict_k ``[G, B, H, W, dk]``, dict_v ``[G, B, H, W, dv]`` (the dictionary each chunk
+    reads, in q's dtype), counts ``[G, B, H, W]`` (0 = empty slot; no gradient), length ``[B]`` or None
+    (keys at positions >= length[b] are ignored). Returns o ``[B, G·L, H, dv]`` in q's dtype, with
+    gradients to q, k, v, dict_k and dict_v."""
+    B, T, H, dk = q.shape
+    if T % chunk_size:
+        raise ValueError(f"ovq_chunk_attention: the length {T} is not a whole number of chunks of {chunk_size}")
+    G = T // chunk_size
+    if dict_k.shape[:3] != (G, B, H) or dict_k.shape[-1] != dk or dict_v.shape[:4] != dict_k.shape[:4]:
+        raise ValueError(f"ovq_chunk_attention: dict_k must be [G, B, H, W, dk] = ({G}, {B}, {H}, W, {dk}) with "
+                         f"dict_v [G, B, H, W, dv], got {tuple(dict_k.shape)} and {tuple(dict_v.shape)}")
+    if tuple(counts.shape) != tuple(dict_k.shape[:4]):
+        raise ValueError(f"ovq_chunk_attention: counts must have shape {tuple(dict_k.shape[:4])}, "
+                         f"got {tuple(counts.shape)}")
+    if dict_k.dtype != q.dtype or dict_v.dtype != q.dtype:
+        raise ValueError("ovq_chunk_attention: the dictionaries must have q's dtype")
+    bias, size, length = _prepare(q, dict_k, counts, length)
+    return _ChunkAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), dict_k.contiguous(),
+                                 dict_v.contiguous(), bias, size, length, chunk_size)

@@ -1,0 +1,218 @@
+"""Triton OVQ attention (lazoo.kernels.ovq): the chunk-attention kernel against a float64 softmax written
+out here (dictionaries with empty slots, a ragged last chunk, the log-count bias; gradients of q, k, v and
+both dictionaries), and ``ovq_attention(backend="triton")`` against the float64 recurrent form (outputs,
+every part of the final state, gradients of q, k, v, β and the initial dictionaries and partial chunk).
+
+CPU: the ``interp_*`` tests run in a fresh process with TRITON_INTERPRET=1 (see test_kernels_delta.py).
+GPU (``-m gpu``): T = 1024, d = 128, bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lazoo.ops import ovq_attention
+from lazoo.ops._testing import (assert_close, forward_and_grads, left_pad_mask, rel_err,
+                                run_interpreter_tests, state_parts)
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402
+
+INTERP = interpreter_ready()
+needs_interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- the chunk kernel
+def chunk_attention_reference(q, k, v, Dk, Dv, counts, L, length):
+    """Per chunk: softmax over [dictionary (bias log counts, empty slots excluded); the chunk's keys
+    (causal, positions < length)], written with dense float64 matrices."""
+    B, T, H, _ = q.shape
+    outs = []
+    for g in range(T // L):
+        Q, K, V = (x[:, g * L:(g + 1) * L].transpose(1, 2) for x in (q, k, v))  # [B, H, L, d]
+        bias = torch.where(counts[g] > 0, counts[g].clamp_min(1).to(q.dtype).log(),
+                           torch.full((), -math.inf, dtype=q.dtype, device=q.device))
+        pos = g * L + torch.arange(L, device=q.device)
+        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None] \
+            & (pos[None, :] < length[:, None])[:, None, None, :]
+        logits = torch.cat([Q @ Dk[g].transpose(-1, -2) + bias[:, :, None, :],
+                            (Q @ K.transpose(-1, -2)).masked_fill(~allowed, -math.inf)], -1)
+        p = torch.softmax(logits, -1)
+        W = Dk.shape[3]
+        outs.append((p[..., :W] @ Dv[g] + p[..., W:] @ V).transpose(1, 2))
+    return torch.cat(outs, 1)
+
+
+def chunk_inputs(B, G, L, H, W, dk, dv, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, G * L, H, dk, generator=gen, dtype=F64), dim=-1) * 3.0
+    k = F.normalize(torch.randn(B, G * L, H, dk, generator=gen, dtype=F64), dim=-1)
+    v = torch.randn(B, G * L, H, dv, generator=gen, dtype=F64)
+    Dk = F.normalize(torch.randn(G, B, H, W, dk, generator=gen, dtype=F64), dim=-1) * 0.8
+    Dv = torch.randn(G, B, H, W, dv, generator=gen, dtype=F64)
+    counts = torch.randint(1, 40, (G, B, H, W), generator=gen)
+    size = torch.randint(1, W + 1, (G, B, H), generator=gen)
+    size[0] = 0  # the first chunk has an empty dictionary
+    counts = counts * (torch.arange(W) < size[..., None])  # active prefix, empty slots after it
+    counts[-1, 0, 0, 1] = 0  # and one empty slot inside a prefix: masked by its count
+    return [x.to(device) for x in (q, k, v, Dk, Dv, counts)]
+
+
+def check_chunk_kernel(B, G, L, H, W, dk, dv, length, dtype, rtol, grad_rtol, device="cpu"):
+    from lazoo.kernels.ovq import ovq_chunk_attention
+
+    q, k, v, Dk, Dv, counts = chunk_inputs(B, G, L, H, W, dk, dv, device=device)
+    length = torch.tensor(length, device=device)
+    names = ("q", "k", "v", "Dk", "Dv")
+    ref = {n: x.clone().requires_grad_() for n, x in zip(names, (q, k, v, Dk, Dv))}
+    tst = {n: x.to(dtype).requires_grad_() for n, x in zip(names, (q, k, v, Dk, Dv))}
+    ro = chunk_attention_reference(*ref.values(), counts, L, length)
+    to = ovq_chunk_attention(*tst.values(), counts, L, length=length)
+    w = torch.randn(ro.shape, generator=torch.Generator().manual_seed(9), dtype=F64).to(device)
+    rg = torch.autograd.grad((ro * w).sum(), list(ref.values()))
+    tg = torch.autograd.grad((to.double() * w).sum(), list(tst.values()))
+    errs = {"o": rel_err(to, ro)} | {f"d{n}": rel_err(a, b) for n, a, b in zip(names, tg, rg)}
+    print("ovq chunk kernel rel errors: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    assert to.dtype == dtype
+    assert_close(to.double(), ro, rtol, "output")
+    for n, a, b in zip(names, tg, rg):
+        assert_close(a.double(), b, grad_rtol, f"grad {n}")
+
+
+def test_ovq_kernels_in_subprocess():
+    if INTERP:
+        pytest.skip("the interpreter tests run in this process")
+    run_interpreter_tests(__file__)
+
+
+@needs_interp
+def test_interp_chunk_kernel_matches_float64():
+    # 3 chunks of 20 (not a tile multiple), 37 slots (3 key blocks), a ragged end for sample 1
+    check_chunk_kernel(2, 3, 20, 2, 37, 24, 20, [60, 47], torch.float32, 1e-5, 1e-5)
+
+
+# ----------------------------------------------------------------------------- the op
+def op_inputs(B, T, H, dk, dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, dk, generator=gen, dtype=F64), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, dk, generator=gen, dtype=F64), dim=-1)
+    v = torch.randn(B, T, H, dv, generator=gen, dtype=F64)
+    beta = torch.linspace(2.0, 4.0, H, dtype=F64)
+    return dict(q=q, k=k, v=v, beta=beta)
+
+
+def check_op(x, L, N, mask, rtol, grad_rtol, state=None, dtype=torch.float32, device="cpu"):
+    state_leaves = ("Dk", "Dv", "k", "v") if state is not None else ()
+
+    def run(leaves, backend):
+        st = None
+        if state is not None:
+            st = {n: leaves[n] if n in state_leaves else state[n].to(device) for n in state}
+        return ovq_attention(leaves["q"], leaves["k_"], leaves["v_"], scale=leaves["beta"], chunk_size=L,
+                             max_dict_size=N, initial_state=st, output_final_state=True,
+                             mask=None if mask is None else mask.to(device), backend=backend)
+
+    def leaves(dt, dev, sdt):
+        out = {"q": x["q"], "k_": x["k"], "v_": x["v"], "beta": x["beta"]}
+        out = {n: t.to(dev, dt) for n, t in out.items()}
+        out |= {n: state[n].to(dev, sdt) for n in state_leaves}
+        return {n: t.clone().requires_grad_() for n, t in out.items()}
+
+    ref = leaves(F64, "cpu", F64)
+    ro, rs, rg = forward_and_grads(lambda: run(ref, "recurrent"), ref)
+    sdt = torch.float32 if dtype != F64 else F64
+    tst = leaves(dtype, device, sdt)
+    to, ts, tg = forward_and_grads(lambda: run(tst, "triton"), tst)
+    errs = {"o": rel_err(to, ro)} | {n: rel_err(a.double(), b.double())
+                                     for (n, a), (_, b) in zip(state_parts(ts), state_parts(rs))}
+    errs |= {f"d{n}": rel_err(tg[n], rg[n]) for n in tst}
+    print("ovq triton rel errors: " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    assert to.dtype == dtype
+    assert_close(to.cpu().double(), ro, rtol, "output")
+    for (name, a), (_, b) in zip(state_parts(ts), state_parts(rs)):
+        if a.is_floating_point():
+            assert_close(a.cpu().double(), b, rtol, name)
+        else:
+            assert torch.equal(a.cpu(), b), name
+    for n in tst:
+        assert tg[n] is not None, f"no gradient reaches {n}"
+        assert_close(tg[n].cpu().double(), rg[n], grad_rtol, f"grad {n}")
+
+
+@needs_interp
+def test_interp_op_matches_recurrent_with_padding_and_a_carried_state():
+    # a state with a dictionary and different partial chunks per sample (t = 21, 13, 6), then 45 tokens
+    # with left padding and a hole, and a bigger dictionary budget than the state was built with
+    x0 = op_inputs(3, 21, 2, 16, 12, seed=1)
+    with torch.no_grad():
+        _, state = ovq_attention(x0["q"], x0["k"], x0["v"], scale=x0["beta"], chunk_size=8, max_dict_size=9,
+                                 mask=left_pad_mask([21, 13, 6], 21), output_final_state=True, backend="chunk")
+    mask = left_pad_mask([45, 30, 17], 45, holes=[(0, 21)])
+    check_op(op_inputs(3, 45, 2, 16, 12), 8, 12, mask, 1e-5, 1e-5, state=state)
+
+
+@needs_interp
+def test_interp_op_decoding_one_token_uses_the_state():
+    x = op_inputs(2, 19, 1, 16, 16, seed=3)
+    with torch.no_grad():
+        whole, s_whole = ovq_attention(x["q"], x["k"], x["v"], chunk_size=8, max_dict_size=10,
+                                       output_final_state=True, backend="recurrent")
+        xf = {n: t.float() for n, t in x.items()}
+        o, st = ovq_attention(xf["q"][:, :17], xf["k"][:, :17], xf["v"][:, :17], chunk_size=8, max_dict_size=10,
+                              output_final_state=True, backend="triton")
+        outs = [o]
+        for t in (17, 18):
+            o, st = ovq_attention(xf["q"][:, t:t + 1], xf["k"][:, t:t + 1], xf["v"][:, t:t + 1], chunk_size=8,
+                                  max_dict_size=10, initial_state=st, output_final_state=True, backend="triton")
+            outs.append(o)
+    assert_close(torch.cat(outs, 1).double(), whole, 1e-5, "decoded output")
+    assert_close(st["Dk"].double(), s_whole["Dk"], 1e-5, "decoded Dk")
+    assert torch.equal(st["counts"], s_whole["counts"])
+
+
+def test_triton_backend_errors_are_clear():
+    x = op_inputs(1, 5, 1, 8, 8)
+    with pytest.raises(NotImplementedError, match="float64"):
+        ovq_attention(x["q"], x["k"], x["v"], chunk_size=4, backend="triton")
+    big = torch.randn(1, 5, 1, 160)
+    with pytest.raises(NotImplementedError, match="head dims up to 128"):
+        ovq_attention(big, big, big, chunk_size=4, backend="triton")
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_chunk_kernel_bf16_T1024_d128():
+    check_chunk_kernel(2, 8, 128, 4, 700, 128, 128, [1024, 1000], torch.bfloat16, 2e-2, 5e-2, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_op_bf16_T1024_d128():
+    # the float64 reference is the chunk form (same definition as the recurrent one, tested against it);
+    # bf16 inputs: logits carry ~1e-2 absolute error (β ≈ 11), assignments may flip on near ties
+    x = op_inputs(2, 1024, 4, 128, 128, seed=4)
+    x = {n: t.to(torch.bfloat16).to(F64) for n, t in x.items()}
+    x["beta"] = torch.full((4,), math.sqrt(128.0), dtype=F64)
+
+    def run(dt, backend):
+        leaves = {n: t.to("cuda", dt).requires_grad_() for n, t in x.items()}
+        o, s = ovq_attention(leaves["q"], leaves["k"], leaves["v"], scale=leaves["beta"], chunk_size=128,
+                             max_dict_size=2048, output_final_state=True, backend=backend)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=F64).to("cuda")
+        grads = torch.autograd.grad((o.double() * w).sum(), [leaves[n] for n in ("q", "k", "v")])
+        return o, s, grads
+
+    ro, rs, rg = run(F64, "chunk")
+    to, ts, tg = run(torch.bfloat16, "triton")
+    assert torch.equal(ts["counts"].sum(-1), rs["counts"].sum(-1))
+    assert_close(to.double(), ro, 3e-2, "output")
+    assert_close(ts["Dk"].double(), rs["Dk"], 2e-2, "Dk")
+    for n, a, b in zip("qkv", tg, rg):
+        assert_close(a.double(), b, 6e-2, f"grad {n}")

@@ -1,0 +1,92 @@
+"""RLS's Triton path (γ = 1): the precision part batched over chunks, the memory part on the Triton
+linear-attention kernel, against the float64 closed form and the float64 chunk form (outputs, final
+moments, gradients of q, k, v, λ and the initial moments), at ragged T with pads and an initial state.
+
+CPU (default run): ``test_rls_kernels_in_subprocess`` runs the ``interp`` tests with ``TRITON_INTERPRET=1``
+in a fresh process. GPU: ``-m gpu`` at real shapes in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lazoo.ops import rls
+from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask,
+                                run_interpreter_tests)
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+INTERP = interpreter_ready()
+needs_interp = pytest.mark.skipif(
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_rls_kernels_in_subprocess runs it)")
+F64 = torch.float64
+
+
+def inputs(B, T, H, dk, dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(B, T, H, dk, generator=gen, dtype=F64), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, dv, generator=gen, dtype=F64)
+    lam = 0.2 + torch.rand(H, generator=gen, dtype=F64)
+    KK = torch.randn(B, H, dk, 2 * dk, generator=gen, dtype=F64)
+    state = {"KK": KK @ KK.transpose(-1, -2) / dk, "VK": torch.randn(B, H, dv, dk, generator=gen, dtype=F64)}
+    return {"q": q, "k": k, "v": v, "lam": lam}, state
+
+
+def run(t, state, backend, mask=None, chunk_size=16):
+    return rls(t["q"], t["k"], t["v"], lam=t["lam"], chunk_size=chunk_size, initial_state=state,
+               output_final_state=True, mask=mask, backend=backend)
+
+
+def check(tensors, state, dtype, device, rtol, mask=None, chunk_size=16):
+    """The Triton path in ``dtype`` vs the float64 chunk form (itself tied to the closed form in test_ops_rls)."""
+    def leaves(d, dt):
+        return {n: x.detach().to(device, dt).requires_grad_(True) for n, x in d.items()}
+
+    m = None if mask is None else mask.to(device)
+    ref_t, ref_s = leaves(tensors, F64), leaves(state, F64)
+    o_r, s_r, g_r = forward_and_grads(lambda: run(ref_t, ref_s, "chunk", m, chunk_size), {**ref_t, **ref_s})
+    tri_t = {n: x.detach().to(device, dtype if n != "lam" else torch.float32).requires_grad_(True)
+             for n, x in tensors.items()}
+    tri_s = leaves(state, torch.float32)
+    o, s, g = forward_and_grads(lambda: run(tri_t, tri_s, "triton", m, chunk_size), {**tri_t, **tri_s})
+    assert o.dtype == dtype
+    assert_close(o, o_r, rtol, "output")
+    assert_state_close(s, s_r, rtol, "final state")
+    for name, gr in g_r.items():
+        assert_close(g[name], gr, rtol, f"grad {name}")
+
+
+# ============================================================================ interpreter (CPU)
+def test_rls_kernels_in_subprocess():
+    if INTERP:
+        pytest.skip("the interpreter tests run in this process")
+    run_interpreter_tests(__file__)
+
+
+@needs_interp
+@pytest.mark.parametrize("T", [37, 70])
+def test_interp_rls_triton_matches_float64(T):
+    tensors, state = inputs(2, T, 2, 16, 8, seed=T)
+    mask = left_pad_mask([T, T - 9], T, holes=[(1, 20)])
+    check(tensors, state, torch.float32, "cpu", 2e-4, mask=mask)
+
+
+@needs_interp
+def test_interp_rls_triton_refuses_gamma_below_one():
+    tensors, _ = inputs(1, 8, 1, 16, 8)
+    t = {n: x.float() for n, x in tensors.items()}
+    with pytest.raises(NotImplementedError, match="gamma"):
+        rls(t["q"], t["k"], t["v"], lam=1.0, gamma=0.9, backend="triton")
+
+
+# ============================================================================ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+def test_gpu_rls_triton_matches_float64(dtype, rtol):
+    T = 2000
+    tensors, state = inputs(2, T, 4, 128, 128, seed=5)
+    check(tensors, state, dtype, "cuda", rtol, mask=left_pad_mask([T, T - 300], T), chunk_size=64)
