@@ -1,7 +1,10 @@
-"""nn.Modules: token mixers (one per mechanism), short convolution, MLP, RoPE."""
+"""nn.Modules: token mixers (one per mechanism), short convolution, MLP, routed MoE, Memory Lobe, RoPE."""
 
 from .mixers import MIXERS, TokenMixer, list_mechanisms, mixer_class
+from .memory_lobe import MemoryLobe
 from .mlp import GatedMLP
+from .moe import RoutedMoE
 from .short_conv import ShortConvolution
 
-__all__ = ["MIXERS", "TokenMixer", "list_mechanisms", "mixer_class", "GatedMLP", "ShortConvolution"]
+__all__ = ["MIXERS", "TokenMixer", "list_mechanisms", "mixer_class", "GatedMLP", "MemoryLobe", "RoutedMoE",
+           "ShortConvolution"]

@@ -27,6 +27,8 @@ class LazooCache(Cache):
         # no super().__init__(): the base constructor's arguments differ across transformers 5.x
         self.layers = []
         self.states: list[dict | None] = [None] * num_layers
+        # per layer, the causal Memory Lobe's linear-attention state {"S", "z"} (lazoo.layers.memory_lobe)
+        self.lobe_states: list[dict | None] = [None] * num_layers
         self.seen_positions = 0  # positions processed, pads included
         self.real_tokens: torch.Tensor | None = None  # [B] real tokens seen per sample
 
@@ -55,6 +57,7 @@ class LazooCache(Cache):
 
     def _apply(self, fn):
         self.states = [_map_batch(s, fn) for s in self.states]
+        self.lobe_states = [_map_batch(s, fn) for s in self.lobe_states]
         if self.real_tokens is not None:
             self.real_tokens = fn(self.real_tokens)
 
@@ -70,6 +73,7 @@ class LazooCache(Cache):
 
     def reset(self):
         self.states = [None] * len(self.states)
+        self.lobe_states = [None] * len(self.states)
         self.seen_positions = 0
         self.real_tokens = None
 

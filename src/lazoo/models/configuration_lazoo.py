@@ -19,6 +19,35 @@ from ..layers.mixers import mixer_class
 DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
 
 
+MEMORY_LOBE_MODES = (None, "causal", "bidirectional")
+MOE_BIAS_MODES = (None, "eq14", "eq15")
+
+
+def check_decoder_options(config) -> None:
+    """Clear errors for the ELA-GPT decoder options (Hyper-Link, Memory Lobe, routed MoE)."""
+    from ..ops.linear import FEATURE_MAPS
+
+    if config.memory_lobe not in MEMORY_LOBE_MODES:
+        raise ValueError(f"memory_lobe must be one of {MEMORY_LOBE_MODES}, got {config.memory_lobe!r}")
+    if config.memory_lobe_feature_map not in FEATURE_MAPS or config.memory_lobe_feature_map == "identity":
+        raise ValueError(f"memory_lobe_feature_map must be a positive feature map ('elu1' or 'relu'), "
+                         f"got {config.memory_lobe_feature_map!r}")
+    E, k = config.moe_num_experts, config.moe_top_k
+    if not isinstance(E, int) or isinstance(E, bool) or E < 0:
+        raise ValueError(f"moe_num_experts must be an int >= 0 (0 = a dense MLP), got {E!r}")
+    if E and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E):
+        raise ValueError(f"moe_top_k must be an int in [1, moe_num_experts={E}], got {k!r}")
+    if config.moe_intermediate_size is not None and (
+            not isinstance(config.moe_intermediate_size, int) or config.moe_intermediate_size < 1):
+        raise ValueError(f"moe_intermediate_size must be a positive int or None, got {config.moe_intermediate_size!r}")
+    if config.moe_bias not in MOE_BIAS_MODES:
+        raise ValueError(f"moe_bias must be one of {MOE_BIAS_MODES} (seed 003 eqs 14/15, None = no bias), "
+                         f"got {config.moe_bias!r}")
+    coef = config.router_aux_loss_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+        raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
+
+
 class LazooConfig(PreTrainedConfig):
     model_type = "lazoo_hybrid"
     #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
@@ -45,6 +74,14 @@ class LazooConfig(PreTrainedConfig):
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        hyper_link: bool = False,
+        memory_lobe: str | None = None,
+        memory_lobe_feature_map: str = "elu1",
+        moe_num_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_intermediate_size: int | None = None,
+        moe_bias: str | None = "eq14",
+        router_aux_loss_coef: float = 0.01,
         **kwargs,
     ):
         # typed fields of the primary mechanism (e.g. `lambda0` on LazooVLAConfig)
@@ -87,6 +124,16 @@ class LazooConfig(PreTrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.tie_word_embeddings = tie_word_embeddings
         self.use_cache = use_cache
+        # decoder options of ELA-GPT (seed 003 §V), usable with any mechanism: see lazoo.layers.moe/memory_lobe
+        self.hyper_link = bool(hyper_link)
+        self.memory_lobe = memory_lobe
+        self.memory_lobe_feature_map = memory_lobe_feature_map
+        self.moe_num_experts = moe_num_experts
+        self.moe_top_k = moe_top_k
+        self.moe_intermediate_size = moe_intermediate_size
+        self.moe_bias = moe_bias
+        self.router_aux_loss_coef = router_aux_loss_coef
+        check_decoder_options(self)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
         # set after the base __init__, whose validation only knows transformers' own attention kinds
         self.layer_types = layer_types
@@ -101,6 +148,7 @@ class LazooConfig(PreTrainedConfig):
             mixer_class(name)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}")
+        check_decoder_options(self)
 
     @classmethod
     def _own_fields(cls) -> dict[str, Any]:

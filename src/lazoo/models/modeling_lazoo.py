@@ -4,11 +4,13 @@ classifiers on the same stack (`...ForSequenceClassification`; ELA also as a bid
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import logging
 from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
                                            SequenceClassifierOutputWithPast)
 
@@ -21,21 +23,61 @@ from .. import ops
 from ..ops._common import cu_seqlens_from_position_ids
 from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.mixers.linear import ELAMixer
+from ..layers.memory_lobe import MemoryLobe
 from ..layers.mlp import GatedMLP
+from ..layers.moe import RoutedMoE
 from .cache import LazooCache
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
 
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class LazooModelOutputWithPast(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus `aux_loss`: the MoE load-balancing loss (mean over layers; None
+    without MoE)."""
+
+    aux_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class LazooCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus `aux_loss` (the MoE load-balancing loss; `loss` already includes
+    `config.router_aux_loss_coef * aux_loss`, as in transformers' MoE models)."""
+
+    aux_loss: torch.FloatTensor | None = None
+
+
+def _feed_forward(config: LazooConfig) -> nn.Module:
+    """A gated MLP, or the routed MoE of seed 003 (eqs 14/15) when `config.moe_num_experts > 0`."""
+    experts = getattr(config, "moe_num_experts", 0)
+    if not experts:
+        return GatedMLP(config.hidden_size, config.intermediate_size)
+    size = config.moe_intermediate_size or config.intermediate_size
+    return RoutedMoE(config.hidden_size, size, experts, config.moe_top_k, config.moe_bias)
+
 
 class LazooDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: `h = x + mixer(norm(x))`, `out = h + mlp(norm(h))`."""
+    """Pre-norm block: `h = x + mixer(norm(x))`, `out = h + mlp(norm(h))`.
+
+    ELA-GPT options (seed 003 §V, any mechanism): `hyper_link` drops the mixer's residual and its norm,
+    `f = mlp(mixer(norm(x)))`, `out = x + f`; `memory_lobe` adds linear attention over the layer's flow
+    `ΔX` (f with Hyper-Link, `mixer + mlp` otherwise): `out = x + ΔX + lobe(ΔX)`; the MLP may be a routed
+    MoE (`moe_num_experts`), whose load-balancing loss is left in `mlp.aux_loss`."""
 
     def __init__(self, config: LazooConfig, layer_idx: int):
         super().__init__()
         name = config.layer_types[layer_idx]
+        self.hyper_link = bool(getattr(config, "hyper_link", False))
         self.input_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mixer = mixer_class(name)(config, layer_idx, config.mixer_options(name))
-        self.post_mixer_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        if not self.hyper_link:
+            self.post_mixer_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = _feed_forward(config)
+        lobe = getattr(config, "memory_lobe", None)
+        self.memory_lobe = None if lobe is None else MemoryLobe(
+            config.hidden_size, config.num_attention_heads, layer_idx, mode=lobe,
+            feature_map=config.memory_lobe_feature_map)
 
     def forward(self, hidden_states, mask=None, position_ids=None, past_key_values=None, cu_seqlens=None, **kwargs):
         x = self.input_norm(hidden_states)
@@ -43,8 +85,24 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             mixed = self.mixer(x, mask=mask, position_ids=position_ids, cache=past_key_values)
         else:  # packed sequences: the mixer keeps them apart (natively or one sequence at a time)
             mixed = self.mixer.forward_packed(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
-        h = hidden_states + mixed
-        return h + self.mlp(self.post_mixer_norm(h))
+        moe = isinstance(self.mlp, RoutedMoE)
+        if self.hyper_link:  # the whole layer is one transformation: no residual around the mixer
+            flow = self.mlp(mixed, mask) if moe else self.mlp(mixed)
+            out = hidden_states + flow
+        else:
+            h = hidden_states + mixed
+            normed = self.post_mixer_norm(h)
+            f = self.mlp(normed, mask) if moe else self.mlp(normed)
+            out = h + f
+            flow = mixed + f if self.memory_lobe is not None else None
+        if self.memory_lobe is not None:
+            out = out + self.memory_lobe(flow, mask=mask, cache=past_key_values, cu_seqlens=cu_seqlens)
+        return out
+
+    @property
+    def aux_loss(self):
+        """The MoE load-balancing loss of the last forward (None without MoE)."""
+        return getattr(self.mlp, "aux_loss", None)
 
 
 class LazooPreTrainedModel(PreTrainedModel):
@@ -179,9 +237,12 @@ class LazooModel(LazooPreTrainedModel):
 
         hidden_states = inputs_embeds
         all_hidden = (hidden_states,) if output_hidden_states else None
+        aux_losses = []
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask=op_mask, position_ids=position_ids, past_key_values=cache,
                                   cu_seqlens=cu_seqlens)
+            if layer.aux_loss is not None:
+                aux_losses.append(layer.aux_loss)
             if output_hidden_states:
                 all_hidden += (hidden_states,)
         hidden_states = self.norm(hidden_states)
@@ -190,8 +251,9 @@ class LazooModel(LazooPreTrainedModel):
         if cache is not None:
             cache.seen_positions = past + T
             cache.real_tokens = offset + real.sum(1)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden
+        aux_loss = torch.stack([a.to(hidden_states.device) for a in aux_losses]).mean() if aux_losses else None
+        return LazooModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden, aux_loss=aux_loss
         )
 
     @staticmethod
@@ -212,6 +274,9 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LazooConfig):
         super().__init__(config)
+        if getattr(config, "memory_lobe", None) == "bidirectional":
+            logger.warning("memory_lobe='bidirectional' in a causal LM: every position reads the flow of later "
+                           "positions, i.e. the tokens it predicts (future-token leakage; use 'causal')")
         self.model = LazooModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -258,8 +323,11 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         if labels is not None:
             # Trainer passes num_items_in_batch in kwargs: the loss is then sum / count over the whole batch
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            if outputs.aux_loss is not None:  # MoE load balancing, as in transformers' MoE models
+                loss = loss + self.config.router_aux_loss_coef * outputs.aux_loss.to(loss.device)
+        return LazooCausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+            aux_loss=outputs.aux_loss,
         )
 
 
@@ -438,6 +506,8 @@ class LazooForSequenceClassification(LazooPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=self.config)
+            if outputs.aux_loss is not None:  # MoE load balancing
+                loss = loss + self.config.router_aux_loss_coef * outputs.aux_loss.to(loss.device)
         return SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 

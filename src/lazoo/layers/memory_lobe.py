@@ -1,0 +1,96 @@
+"""Memory Lobe (seed 003 §V-C): linear attention over a decoder layer's "flow".
+
+The flow of layer k is what the layer adds to the residual stream, `ΔX = X_k − X_{k−1}` (with Hyper-Link:
+the feed-forward output f). The lobe projects it to queries, keys and values (`Q, K, V ∈ R^{D×D}`, split
+into the model's heads), applies a positive feature map φ and reads out normalised linear attention:
+
+    causal:         m_t = Σ_{s≤t} v_s φ(k_s)ᵀ φ(q_t) / Σ_{s≤t} φ(k_s)·φ(q_t)     (ops.linear_attention)
+    bidirectional:  the same sums over every real token of the sequence
+
+The seed describes the bidirectional form inside a causal LM. There, position t reads the flow of
+positions s > t, which carries the tokens it is asked to predict: future-token leakage (the "abrupt
+loss drop" it reports vanishes with a causal mask). A causal LM must use "causal"; "bidirectional" is for
+encoders and vision. The causal form keeps `{"S", "z"}` per layer in `cache.lobe_states`, so decoding
+with a cache equals a full recompute; the bidirectional form has no state and refuses a cached
+continuation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..ops.linear import get_feature_map
+
+MODES = ("causal", "bidirectional")
+
+
+def bidirectional_linear_attention(q, k, v, *, feature_map: str = "elu1", eps: float = 1e-6, mask=None):
+    """Normalised linear attention over the whole sequence: `o_t = S φ(q_t) / max(φ(q_t)·z, eps)` with
+    `S = Σ_s v_s φ(k_s)ᵀ`, `z = Σ_s φ(k_s)` over real tokens (mask `[B, T]`, 1 = real; a pad outputs 0).
+    q/k `[B, T, H, dk]`, v `[B, T, H, dv]`; computed in float32 (float64 for float64 inputs)."""
+    phi = get_feature_map(feature_map, "memory_lobe")
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    fq, fk, v_c = phi(q.to(cdt)), phi(k.to(cdt)), v.to(cdt)
+    if mask is not None:
+        real = mask.to(cdt)[:, :, None, None]
+        fk, v_c = fk * real, v_c * real
+    S = torch.einsum("bthv,bthk->bhvk", v_c, fk)
+    z = fk.sum(1)  # [B, H, dk]
+    num = torch.einsum("bhvk,bthk->bthv", S, fq)
+    den = torch.einsum("bhk,bthk->bth", z, fq).clamp_min(eps)[..., None]
+    o = num / den
+    if mask is not None:
+        o = o * mask.to(cdt)[:, :, None, None]
+    return o.to(v.dtype)
+
+
+class MemoryLobe(nn.Module):
+    """q/k/v projections of the flow and normalised linear attention over it (no output projection,
+    as in the seed's pseudocode). `mode`: "causal" or "bidirectional"."""
+
+    def __init__(self, hidden_size: int, num_heads: int, layer_idx: int, *, mode: str = "causal",
+                 feature_map: str = "elu1", eps: float = 1e-6, backend: str | None = None):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"memory_lobe: mode must be one of {MODES}, got {mode!r}")
+        if hidden_size % num_heads:
+            raise ValueError(f"memory_lobe: hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+        get_feature_map(feature_map, "memory_lobe")  # raises on an unknown name
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.mode = mode
+        self.feature_map = feature_map
+        self.eps = eps
+        self.backend = backend
+        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, flow: torch.Tensor, *, mask=None, cache=None, cu_seqlens=None) -> torch.Tensor:
+        B, T, D = flow.shape
+        q, k, v = (p(flow).view(B, T, self.num_heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.mode == "bidirectional":
+            o = self._bidirectional(q, k, v, mask, cache, cu_seqlens)
+        else:
+            state = None if cache is None else cache.lobe_states[self.layer_idx]
+            o, new_state = ops.linear_attention(
+                q, k, v, feature_map=self.feature_map, normalize=True, eps=self.eps, initial_state=state,
+                output_final_state=cache is not None, mask=mask, backend=self.backend, cu_seqlens=cu_seqlens)
+            if cache is not None:
+                cache.lobe_states[self.layer_idx] = new_state
+        return o.reshape(B, T, D)
+
+    def _bidirectional(self, q, k, v, mask, cache, cu_seqlens):
+        if cache is not None and cache.seen_positions:
+            raise ValueError(
+                "memory_lobe='bidirectional' has no recurrent state: it cannot continue a cached sequence "
+                "(and in a causal LM it reads future tokens). Use memory_lobe='causal' to generate")
+        run = lambda a, b, c, m: bidirectional_linear_attention(  # noqa: E731
+            a, b, c, feature_map=self.feature_map, eps=self.eps, mask=m)
+        if cu_seqlens is None:
+            return run(q, k, v, mask)
+        bounds = cu_seqlens.tolist()  # packed sequences: one sequence never reads another
+        return torch.cat([run(q[:, s:e], k[:, s:e], v[:, s:e], None)
+                          for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=1)
