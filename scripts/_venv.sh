@@ -36,5 +36,9 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
   [ -n "$EXTRAS" ] && spec="$ROOT[$EXTRAS]"
   echo "[lazoo] installing lazoo${EXTRAS:+[$EXTRAS]} (editable)"
   python -m pip install --quiet -e "$spec"
+  if [ "$EXTRAS" = "test" ] || [ "$EXTRAS" = "vision" ]; then
+    # aerial tree images with boxes (lazoo.data.vision); its own dependencies (a detection stack) are not needed
+    python -m pip install --quiet --no-deps "deepforest==2.1.0"
+  fi
   touch "$stamp"
 fi

@@ -1,0 +1,33 @@
+"""YOLO-LAT (seed 003 §VII): a light YOLO-style backbone/classifier/detector whose dense 3×3 block
+convolutions give way to depthwise-separable local mixing plus non-causal linear attention over the
+H×W positions ("lat"), next to a dense-conv baseline of the same layout ("conv")."""
+
+from transformers import (AutoBackbone, AutoConfig, AutoImageProcessor, AutoModel, AutoModelForImageClassification,
+                          AutoModelForObjectDetection)
+
+from .attention import GLOBAL_ATTENTIONS, GlobalAttention2d, bidirectional_linear_attention
+from .configuration_yolo_lat import YoloLatConfig
+from .image_processing_yolo_lat import YoloLatImageProcessor
+from .modeling_yolo_lat import (YoloLatBackbone, YoloLatForImageClassification, YoloLatForObjectDetection,
+                                YoloLatObjectDetectionOutput, YoloLatPreTrainedModel)
+
+
+def register_vision_auto_classes() -> None:
+    """Make `lazoo_yolo_lat` loadable through AutoConfig, AutoBackbone, AutoModel (the backbone),
+    AutoModelForObjectDetection, AutoModelForImageClassification and AutoImageProcessor.
+
+    AutoBackbone.from_pretrained of a local folder asks the Hub whether the path is a repo (transformers
+    5.23) and fails offline: load a saved backbone with AutoModel or YoloLatBackbone.from_pretrained."""
+    AutoConfig.register(YoloLatConfig.model_type, YoloLatConfig, exist_ok=True)
+    AutoBackbone.register(YoloLatConfig, YoloLatBackbone, exist_ok=True)
+    AutoModel.register(YoloLatConfig, YoloLatBackbone, exist_ok=True)
+    AutoModelForObjectDetection.register(YoloLatConfig, YoloLatForObjectDetection, exist_ok=True)
+    AutoModelForImageClassification.register(YoloLatConfig, YoloLatForImageClassification, exist_ok=True)
+    AutoImageProcessor.register(YoloLatConfig, slow_image_processor_class=YoloLatImageProcessor, exist_ok=True)
+
+
+__all__ = [
+    "GLOBAL_ATTENTIONS", "GlobalAttention2d", "YoloLatBackbone", "YoloLatConfig", "YoloLatForImageClassification",
+    "YoloLatForObjectDetection", "YoloLatImageProcessor", "YoloLatObjectDetectionOutput", "YoloLatPreTrainedModel",
+    "bidirectional_linear_attention", "register_vision_auto_classes",
+]
