@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mechanisms", type=_csv(str), default=["softmax", "linear", "delta_net", "vla"])
     p.add_argument("--n-pairs", type=_csv(int), default=[8, 16, 24])
+    p.add_argument("--seq-lens", type=_csv(int), default=None,
+                   help="long-context variant: these sequence lengths T (filler before SEP) for every n")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seeds", type=_csv(int), default=[42])
     p.add_argument("--batch-size", type=int, default=64)
@@ -90,14 +92,15 @@ def masked_loss_and_hits(model, batch):
 
 
 @torch.no_grad()
-def evaluate(model, n_pairs, args, seed):
+def evaluate(model, n_pairs, args, seed, seq_len=None):
     model.eval()
     gen = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
     hits_total = queries = samples_ok = samples = 0
     loss_sum = 0.0
     for _ in range(args.eval_batches):
         batch = {k: v.to(args.device) for k, v in
-                 mqar_batch(n_pairs, args.eval_batch_size, args.vocab_size, generator=gen).items()}
+                 mqar_batch(n_pairs, args.eval_batch_size, args.vocab_size, generator=gen,
+                            seq_len=seq_len).items()}
         loss, hits, mask = masked_loss_and_hits(model, batch)
         loss_sum += loss.item()
         hits_total += hits.sum().item()
@@ -109,7 +112,7 @@ def evaluate(model, n_pairs, args, seed):
             "eval_loss": loss_sum / args.eval_batches, "eval_queries": queries}
 
 
-def run_one(mechanism, n_pairs, seed, args, bar=None):
+def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
     torch.manual_seed(seed)
     overrides = {**MODEL, "vocab_size": args.vocab_size}
     if args.short_conv != "default":
@@ -124,7 +127,7 @@ def run_one(mechanism, n_pairs, seed, args, bar=None):
     curve, nonfinite = [], 0
     for step in range(1, args.steps + 1):
         batch = {k: v.to(args.device) for k, v in
-                 mqar_batch(n_pairs, args.batch_size, args.vocab_size, generator=gen).items()}
+                 mqar_batch(n_pairs, args.batch_size, args.vocab_size, generator=gen, seq_len=seq_len).items()}
         loss, hits, mask = masked_loss_and_hits(model, batch)
         opt.zero_grad(set_to_none=True)
         if torch.isfinite(loss):
@@ -141,20 +144,20 @@ def run_one(mechanism, n_pairs, seed, args, bar=None):
             if step % 10 == 0:
                 bar.set_postfix(mech=mechanism, n=n_pairs, seed=seed, loss=f"{loss.item():.3f}")
     train_s = time.perf_counter() - t0
-    result = {"mechanism": mechanism, "n_pairs": n_pairs, "seq_len": 3 * n_pairs + 1, "seed": seed,
+    result = {"mechanism": mechanism, "n_pairs": n_pairs, "seq_len": seq_len or 3 * n_pairs + 1, "seed": seed,
               "params": sum(p.numel() for p in model.parameters()), "nonfinite_steps": nonfinite,
               "train_seconds": train_s, "final_train_loss": curve[-1]["loss"] if curve else math.nan,
-              "curve": curve, **evaluate(model, n_pairs, args, seed)}
+              "curve": curve, **evaluate(model, n_pairs, args, seed, seq_len)}
     return result
 
 
-def summarise(runs, mechanisms, n_pairs):
-    """mechanism -> n -> {mean, std, per-seed} of query accuracy (and sample accuracy)."""
+def summarise(runs, mechanisms, n_pairs, key="n_pairs"):
+    """mechanism -> n (or T, with key="seq_len") -> {mean, std, per-seed} of query accuracy (and sample accuracy)."""
     table = {}
     for mech in mechanisms:
         for n in n_pairs:
-            accs = [r["acc"] for r in runs if r["mechanism"] == mech and r["n_pairs"] == n]
-            sacc = [r["sample_acc"] for r in runs if r["mechanism"] == mech and r["n_pairs"] == n]
+            accs = [r["acc"] for r in runs if r["mechanism"] == mech and r[key] == n]
+            sacc = [r["sample_acc"] for r in runs if r["mechanism"] == mech and r[key] == n]
             if not accs:  # not run (yet)
                 continue
             mean = sum(accs) / len(accs)
@@ -164,8 +167,8 @@ def summarise(runs, mechanisms, n_pairs):
     return table
 
 
-def format_table(table, n_pairs):
-    head = f"{'mechanism':<16}" + "".join(f"{'n=' + str(n):>22}" for n in n_pairs)
+def format_table(table, n_pairs, label="n"):
+    head = f"{'mechanism':<16}" + "".join(f"{label + '=' + str(n):>22}" for n in n_pairs)
     lines = ["exact-match accuracy per query, mean ± std over seeds (all-correct samples in brackets)", head]
     for mech, row in table.items():
         cells = "".join(f"{row[str(n)]['acc_mean']:>8.3f} ± {row[str(n)]['acc_std']:.3f} "
@@ -178,7 +181,10 @@ def format_table(table, n_pairs):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    combos = [(m, n, s) for m in args.mechanisms for n in args.n_pairs for s in args.seeds]
+    lens = args.seq_lens or [None]
+    combos = [(m, n, s, T) for m in args.mechanisms for n in args.n_pairs for T in lens for s in args.seeds]
+    # the summary's columns: n (capacity curve) or T (long-context variant, one n)
+    cols, key, label = (args.seq_lens, "seq_len", "T") if args.seq_lens else (args.n_pairs, "n_pairs", "n")
     runs = []
 
     def write_report():  # after every run, so an interrupted sweep keeps what it finished
@@ -193,7 +199,7 @@ def main(argv=None) -> dict:
                          "cuda": torch.version.cuda,
                          "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else
                          platform.processor() or platform.machine()},
-            "summary": summarise(runs, args.mechanisms, args.n_pairs),
+            "summary": summarise(runs, args.mechanisms, cols, key),
             "runs": runs,
             "wall_seconds": time.perf_counter() - t0,
         }
@@ -202,14 +208,14 @@ def main(argv=None) -> dict:
         return report
 
     with tqdm(total=len(combos) * args.steps, disable=args.no_progress, desc="mqar") as bar:
-        for mech, n, seed in combos:
-            r = run_one(mech, n, seed, args, bar)
+        for mech, n, seed, T in combos:
+            r = run_one(mech, n, seed, args, bar, T)
             runs.append(r)
-            tqdm.write(f"{mech:<12} n={n:<3} seed={seed:<4} acc={r['acc']:.3f} sample_acc={r['sample_acc']:.3f} "
+            tqdm.write(f"{mech:<12} n={n:<3} T={r['seq_len']:<4} seed={seed:<4} acc={r['acc']:.3f} sample_acc={r['sample_acc']:.3f} "
                        f"loss={r['final_train_loss']:.3f} ({r['train_seconds']:.0f}s)")
             report = write_report()
     table = report["summary"]
-    print(format_table(table, args.n_pairs))
+    print(format_table(table, cols, label))
     print(f"wrote {args.out} ({report['wall_seconds']:.0f}s)")
     return report
 

@@ -74,3 +74,19 @@ def test_delta_net_learns_tiny_mqar(tmp_path):
                         "--lr", "1e-3", "--eval-batches", "4", "--device", "cpu",
                         "--out", str(tmp_path / "r.json"), "--no-progress"])
     assert report["runs"][0]["acc"] > 0.5, report["runs"][0]
+
+
+def test_long_context_layout_puts_filler_between_pairs_and_separator():
+    n, T = 8, 64
+    b = mqar_batch(n, 16, 128, generator=torch.Generator().manual_seed(3), seq_len=T)
+    ids, labels = b["input_ids"], b["labels"]
+    assert ids.shape == labels.shape == (16, T)
+    assert (ids[:, T - n - 1] == 127).all() and (ids[:, : T - n - 1] != 127).all()
+    filler = ids[:, 2 * n: T - n - 1]
+    assert filler.shape[1] == T - 3 * n - 1 and ((filler >= 64) & (filler < 127)).all()  # values only
+    assert (labels[:, : T - n] == -100).all()
+    for s in range(16):  # every query's label is the value that followed that key in the context
+        pairs = dict(zip(ids[s, 0:2 * n:2].tolist(), ids[s, 1:2 * n:2].tolist()))
+        assert labels[s, T - n:].tolist() == [pairs[k] for k in ids[s, T - n:].tolist()]
+    with pytest.raises(ValueError, match="seq_len"):
+        mqar_batch(n, 2, 128, seq_len=3 * n)

@@ -21,6 +21,11 @@ tests "OOD, tokens {64,...,126}", which leaves 127 free; with vocab V = 128):
     values  [V//2, V-1)        = 64..126  (drawn uniformly, independently, i.e. with replacement)
     SEP     V - 1              = 127
 
+Long-context variant (seed 000 §5 (b): "fixed n = 8, varying T ∈ {64, 128, 256, 512}"; the seed does not
+say what fills the extra length): with ``seq_len = T > 3n + 1``, T − 3n − 1 filler tokens drawn uniformly from
+the value ids go between the last pair and SEP, so the distance from every pair to its query grows with T
+while the filler never looks like a key.
+
 Keys and values never share ids. ``key_range=(lo, hi)`` restricts keys to [lo, hi) (a sub-range of the key
 ids, e.g. for in/out-of-distribution key splits); n_pairs must not exceed the number of keys available.
 """
@@ -47,8 +52,10 @@ def mqar_batch(
     *,
     generator: torch.Generator | None = None,
     key_range: tuple[int, int] | None = None,
+    seq_len: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One batch of MQAR samples: ``input_ids`` and position-aligned ``labels``, both (batch_size, 3n+1) int64.
+    """One batch of MQAR samples: ``input_ids`` and position-aligned ``labels``, both (batch_size, T) int64
+    with T = ``seq_len`` or 3n + 1 (filler between the context and SEP; see the module docstring).
 
     See the module docstring for the layout. Deterministic given ``generator`` (a CPU ``torch.Generator``).
     """
@@ -60,6 +67,9 @@ def mqar_batch(
     if n_pairs < 1 or n_pairs > k_hi - k_lo:
         raise ValueError(f"n_pairs={n_pairs} needs 1 <= n_pairs <= {k_hi - k_lo} distinct keys")
     n, b = n_pairs, batch_size
+    T = 3 * n + 1 if seq_len is None else seq_len
+    if T < 3 * n + 1:
+        raise ValueError(f"seq_len={seq_len} is shorter than the 3n+1 = {3 * n + 1} tokens of {n} pairs")
     # keys without replacement: the first n of a random permutation of the key ids, per sample
     keys = torch.rand(b, k_hi - k_lo, generator=generator).argsort(dim=1)[:, :n] + k_lo
     values = torch.randint(v_lo, v_hi, (b, n), generator=generator)
@@ -68,9 +78,10 @@ def mqar_batch(
 
     context = torch.stack([keys, values], dim=2).reshape(b, 2 * n)  # k1 v1 k2 v2 ...
     sep = torch.full((b, 1), ids["sep"], dtype=torch.long)
-    input_ids = torch.cat([context, sep, queries], dim=1)
+    filler = torch.randint(v_lo, v_hi, (b, T - 3 * n - 1), generator=generator)
+    input_ids = torch.cat([context, filler, sep, queries], dim=1)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
-    labels[:, 2 * n + 1:] = targets
+    labels[:, T - n:] = targets
     return {"input_ids": input_ids, "labels": labels}
 
 

@@ -16,7 +16,9 @@ from .base import ShortConvProjections, TokenMixer
 class RecurrentMixer(TokenMixer):
     """Subclasses implement `mix(q, k, v, x, mask, state) -> (o, new_state)` on `[B, T, H, D]` tensors.
 
-    Options used here: `use_short_conv`, `conv_size`, `output_norm`, `output_gate`, `norm_eps`.
+    Options used here: `use_short_conv`, `conv_size`, `short_conv_targets` (which of q, k, v get the short
+    convolution: "qkv" by default, "k" for keys only as in seed 004 §6), `conv_activation` ("silu" or None for
+    the plain linear filter of seed 004 eq 56), `output_norm`, `output_gate`, `norm_eps`.
 
     Packed sequences (`cu_seqlens`): the short convolution stays inside each sequence; a `mix` that takes a
     `cu_seqlens` keyword (its op handles packing natively) gets it, any other `mix` runs once per sequence.
@@ -24,7 +26,8 @@ class RecurrentMixer(TokenMixer):
 
     packing = "native"
 
-    defaults = {"use_short_conv": False, "conv_size": 4, "output_norm": True, "output_gate": False, "norm_eps": 1e-6}
+    defaults = {"use_short_conv": False, "conv_size": 4, "short_conv_targets": "qkv", "conv_activation": "silu",
+                "output_norm": True, "output_gate": False, "norm_eps": 1e-6}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
@@ -33,8 +36,15 @@ class RecurrentMixer(TokenMixer):
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
+        targets = options.get("short_conv_targets", "qkv")
+        if not targets or not isinstance(targets, str) or set(targets) - set("qkv") or len(set(targets)) != len(targets):
+            raise ValueError(f"short_conv_targets must be a non-empty subset of 'qkv' (e.g. 'qkv', 'k'), got {targets!r}")
+        activation = options.get("conv_activation", "silu")
+        if activation not in ("silu", None):
+            raise ValueError(f"conv_activation must be 'silu' or None, got {activation!r}")
         self.short_conv = (
-            ShortConvProjections({"q": d, "k": d, "v": d}, options["conv_size"]) if options["use_short_conv"] else None
+            ShortConvProjections({n: d for n in "qkv" if n in targets}, options["conv_size"], activation)
+            if options["use_short_conv"] else None
         )
         self.o_norm = nn.RMSNorm(self.head_dim, eps=options["norm_eps"]) if options["output_norm"] else None
         self.g_proj = nn.Linear(d, d, bias=False) if options["output_gate"] else None
@@ -51,8 +61,10 @@ class RecurrentMixer(TokenMixer):
         qkv = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
         conv_state = None
         if self.short_conv is not None:
-            qkv, conv_state = self.short_conv(qkv, mask, entry.get("conv"), output_state=cache is not None,
-                                              cu_seqlens=cu_seqlens)
+            convolved, conv_state = self.short_conv({n: qkv[n] for n in self.short_conv.convs}, mask,
+                                                    entry.get("conv"), output_state=cache is not None,
+                                                    cu_seqlens=cu_seqlens)
+            qkv = {**qkv, **convolved}  # projections not in `short_conv_targets` pass through unchanged
         q, k, v = (self.split_heads(qkv[n]) for n in "qkv")
         if cu_seqlens is not None:
             o, op_state = self._mix_packed(q, k, v, x, cu_seqlens)
