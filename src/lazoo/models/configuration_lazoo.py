@@ -211,7 +211,7 @@ LazooOVQConfig = _mechanism_config("ovq", "LazooOVQConfig")
 LazooVQConfig = _mechanism_config("vq", "LazooVQConfig")
 #: exact (γ-weighted) ridge-regression memory, RLS / Mesa (seed 004 eq 11): lambda_init, gamma, chunk_size
 LazooRLSConfig = _mechanism_config("rls", "LazooRLSConfig")
-#: local-linear (p = 1) attention (seed 004 eqs 52–54): ridge, window, chunk_size
+#: local-linear (p = 1) attention (seed 004 eqs 52–54): ridge, window, chunk_size, slope_rank
 LazooLocalLinearConfig = _mechanism_config("local_linear", "LazooLocalLinearConfig")
 #: test-time training (seed 001): mini_batch_size, lr_scale, use_qk_l2norm (ttt_mlp: also mlp_expansion)
 LazooTTTLinearConfig = _mechanism_config("ttt_linear", "LazooTTTLinearConfig")
