@@ -119,7 +119,14 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--triton-assign", action="store_true",
+                    help="step 1 (the assignments) as the Triton kernel lazoo.kernels.ovq_assign "
+                         "(sets lazoo.ops.ovq.TRITON_ASSIGN)")
     args = ap.parse_args(argv)
+    if args.triton_assign:
+        import lazoo.ops.ovq
+
+        lazoo.ops.ovq.TRITON_ASSIGN = True
     if not torch.cuda.is_available():
         sys.exit("bench_ovq.py needs a CUDA GPU")
     import triton
@@ -127,7 +134,7 @@ def main(argv=None):
     device, dtype = "cuda", torch.bfloat16
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "H": H, "d": D, "N": N, "chunk_size": L, "dtype": "bfloat16",
-            "timing": "triton.testing.do_bench median, ms"}
+            "timing": "triton.testing.do_bench median, ms", "triton_assign": args.triton_assign}
     rows = []
     for T in args.lengths:
         try:

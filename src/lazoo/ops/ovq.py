@@ -401,6 +401,10 @@ def _ovq_chunk(q, k, v, real, state, L, N):
 _TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.MAX_HEAD_DIM (not imported here: kernels load lazily)
 #: bytes of per-chunk dictionaries materialised at once (chunks run in groups that fit)
 _TRITON_GROUP_BYTES = 4 << 30
+#: opt-in: step 1 (the assignments of every chunk) as one Triton launch (lazoo.kernels.ovq_assign) instead of
+#: ``_chunk_slots``; off until measured on a GPU. Used where chunk_size <= 128 (head dims are <= 128 here).
+TRITON_ASSIGN = False
+_TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq_assign.MAX_CHUNK
 
 
 def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -515,10 +519,11 @@ def _chunk_slots(Kp, valid, state, t0, nb, L, N):
 
 def _ovq_triton(q, k, v, real, state, L, N, kdt):
     """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
-    (sequential, PyTorch, no gradient); (2) every chunk's dictionary as differentiable running means,
-    sums of the keys / values assigned so far over the counts, materialised for a group of chunks at a
-    time; (3) one kernel launch per group for the attention of all its chunks. Gradients reach q, k, v
-    and the initial dictionaries through (2). ``kdt``: the dtype the kernel computes in."""
+    (sequential, PyTorch, no gradient; with TRITON_ASSIGN one launch of lazoo.kernels.ovq_assign); (2)
+    every chunk's dictionary as differentiable running means, sums of the keys / values assigned so far
+    over the counts, materialised for a group of chunks at a time; (3) one kernel launch per group for
+    the attention of all its chunks. Gradients reach q, k, v and the initial dictionaries through (2).
+    ``kdt``: the dtype the kernel computes in."""
     from ..kernels.ovq import ovq_chunk_attention  # lazy: importing defines the kernels
 
     B, T, H, dk = q.shape
@@ -528,7 +533,13 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt):
     Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
     P = Qp.shape[1]
     C = P // L
-    slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
+    if TRITON_ASSIGN and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
+        from ..kernels.ovq_assign import ovq_assign
+
+        slots, before, counts_end = ovq_assign(Kp.detach(), valid.sum(1) // L, t0 - nb, st["Dk"].detach(),
+                                               st["counts"], L, N)
+    else:
+        slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
     M = st["Dk"].shape[2]
     c0 = st["counts"].to(q.dtype)[..., None]
     Sk, Sv = st["Dk"] * c0, st["Dv"] * c0  # running sums (differentiable in the initial dictionaries)
