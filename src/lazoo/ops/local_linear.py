@@ -54,14 +54,12 @@ from ._common import (
     check_mask,
     check_qkv,
     check_same_device,
-    check_state_dict,
-    check_state_tensor,
     compute_dtype,
     resolve_backend,
     zero_masked,
     triton_unsupported,
 )
-from .softmax import _allowed
+from .softmax import _allowed, kv_cache_state, with_kv_cache
 
 _OP = "local_linear_attention"
 
@@ -103,7 +101,7 @@ def local_linear_attention(
     if plain_triton:
         o = _triton(q, k, v, None, beta, P, float(ridge), window)
     if not plain_triton or output_final_state:
-        keys, values, key_mask = _with_cache(initial_state, zero_masked(k.to(cdt), mask),
+        keys, values, key_mask = with_kv_cache(_OP, initial_state, zero_masked(k.to(cdt), mask),
                                              zero_masked(v.to(cdt), mask), mask, B, H, dk, dv)
         Tc = keys.shape[1] - T
     if backend == "triton" and not plain_triton:
@@ -118,13 +116,7 @@ def local_linear_attention(
         o = run(Qh, Kh, Vh, Fq, Fk, allowed, beta, float(ridge), C).transpose(1, 2)
     o = zero_masked(o, mask).to(v.dtype)
 
-    final_state = None
-    if output_final_state:
-        final_state = {"k": keys, "v": values, "mask": key_mask}
-        if window is not None:
-            keep = window - 1
-            final_state = {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in final_state.items()}
-    return o, final_state
+    return o, (kv_cache_state(keys, values, key_mask, window) if output_final_state else None)
 
 
 def _scale(scale, H, q, cdt) -> torch.Tensor:
@@ -190,28 +182,6 @@ def _triton(q, keys, values, key_mask, beta, P, ridge, window):
     from ..kernels.local_linear import local_linear_attention as kernel
 
     return kernel(q, keys, values, scale=beta, ridge=ridge, window=window, key_mask=key_mask, rank_projection=P)
-
-
-def _with_cache(state, k, v, mask, B, H, dk, dv):
-    """The cached keys/values/mask (if any) in front of the new ones (the cache holds zeros at pads)."""
-    new_mask = mask if mask is not None else torch.ones(B, k.shape[1], dtype=torch.bool, device=k.device)
-    if state is None:
-        return k, v, new_mask
-    check_state_dict(_OP, state, ("k", "v", "mask"))
-    ck = state["k"]
-    if not isinstance(ck, torch.Tensor) or ck.dim() != 4:
-        got = tuple(ck.shape) if isinstance(ck, torch.Tensor) else type(ck).__name__
-        raise ValueError(f"{_OP}: initial_state['k'] must have shape [B, Tc, H, dk] = ({B}, Tc, {H}, {dk}), got {got}")
-    Tc = ck.shape[1]
-    check_state_tensor(_OP, "initial_state['k']", state["k"], (B, Tc, H, dk), k.device)
-    check_state_tensor(_OP, "initial_state['v']", state["v"], (B, Tc, H, dv), k.device)
-    cm = state["mask"]
-    if not isinstance(cm, torch.Tensor) or tuple(cm.shape) != (B, Tc):
-        got = tuple(cm.shape) if isinstance(cm, torch.Tensor) else type(cm).__name__
-        raise ValueError(f"{_OP}: initial_state['mask'] must have shape [B, Tc] = {(B, Tc)}, got {got}")
-    cm = cm if cm.dtype == torch.bool else cm != 0
-    return (torch.cat([state["k"].to(k.dtype), k], 1), torch.cat([state["v"].to(v.dtype), v], 1),
-            torch.cat([cm.to(k.device), new_mask], 1))
 
 
 def _weights(Qh, Kh, allowed, beta):

@@ -67,7 +67,7 @@ def softmax_attention(
 
     q = q.to(cdt)
     q, scale = _apply_scale(q, scale, H, dk)
-    keys, values, key_mask = _with_cache(initial_state, k.to(cdt), v.to(cdt), mask, B, H, dk, dv)
+    keys, values, key_mask = with_kv_cache(_OP, initial_state, k.to(cdt), v.to(cdt), mask, B, H, dk, dv)
     Tc = keys.shape[1] - T
     query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
 
@@ -81,13 +81,7 @@ def softmax_attention(
         o = (_eager if backend == "recurrent" else _sdpa)(q, keys, values, allowed, scale)
     o = zero_masked(o, mask).to(v.dtype)
 
-    final_state = None
-    if output_final_state:
-        final_state = {"k": keys, "v": values, "mask": key_mask}
-        if window is not None:
-            keep = window - 1
-            final_state = {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in final_state.items()}
-    return o, final_state
+    return o, (kv_cache_state(keys, values, key_mask, window) if output_final_state else None)
 
 
 def _apply_scale(q: torch.Tensor, scale, H: int, dk: int) -> tuple[torch.Tensor, float]:
@@ -106,30 +100,40 @@ def _apply_scale(q: torch.Tensor, scale, H: int, dk: int) -> tuple[torch.Tensor,
     raise TypeError(f"{_OP}: scale must be None, a number or a tensor [H], got {type(scale).__name__}")
 
 
-def _with_cache(state, k, v, mask, B, H, dk, dv):
-    """Concatenate the cached keys/values/mask (if any) in front of the new ones."""
+def with_kv_cache(op: str, state, k, v, mask, B, H, dk, dv):
+    """Concatenate the cached keys/values/mask (if any) in front of the new ones: the KV-cache state
+    ``{"k", "v", "mask"}`` of the attention-like ops (softmax, sliding window, local-linear); errors name ``op``."""
     new_mask = mask if mask is not None else torch.ones(B, k.shape[1], dtype=torch.bool, device=k.device)
     if state is None:
         return k, v, new_mask
-    check_state_dict(_OP, state, ("k", "v", "mask"))
+    check_state_dict(op, state, ("k", "v", "mask"))
     cached_k = state["k"]
     if not isinstance(cached_k, torch.Tensor) or cached_k.dim() != 4:
         got = tuple(cached_k.shape) if isinstance(cached_k, torch.Tensor) else type(cached_k).__name__
-        raise ValueError(f"{_OP}: initial_state['k'] must have shape [B, Tc, H, dk] = ({B}, Tc, {H}, {dk}), "
+        raise ValueError(f"{op}: initial_state['k'] must have shape [B, Tc, H, dk] = ({B}, Tc, {H}, {dk}), "
                          f"got {got}")
     Tc = cached_k.shape[1]
-    check_state_tensor(_OP, "initial_state['k']", state["k"], (B, Tc, H, dk), k.device)
-    check_state_tensor(_OP, "initial_state['v']", state["v"], (B, Tc, H, dv), k.device)
+    check_state_tensor(op, "initial_state['k']", state["k"], (B, Tc, H, dk), k.device)
+    check_state_tensor(op, "initial_state['v']", state["v"], (B, Tc, H, dv), k.device)
     cache_mask = state["mask"]
     if not isinstance(cache_mask, torch.Tensor) or tuple(cache_mask.shape) != (B, Tc):
         got = tuple(cache_mask.shape) if isinstance(cache_mask, torch.Tensor) else type(cache_mask).__name__
-        raise ValueError(f"{_OP}: initial_state['mask'] must have shape [B, Tc] = {(B, Tc)}, got {got}")
+        raise ValueError(f"{op}: initial_state['mask'] must have shape [B, Tc] = {(B, Tc)}, got {got}")
     cache_mask = cache_mask if cache_mask.dtype == torch.bool else cache_mask != 0
     return (
         torch.cat([state["k"].to(k.dtype), k], dim=1),
         torch.cat([state["v"].to(v.dtype), v], dim=1),
         torch.cat([cache_mask.to(k.device), new_mask], dim=1),
     )
+
+
+def kv_cache_state(keys, values, key_mask, window: int | None) -> dict:
+    """The state to hand on: all keys/values/mask, or the last ``window − 1`` with a window."""
+    state = {"k": keys, "v": values, "mask": key_mask}
+    if window is None:
+        return state
+    keep = window - 1
+    return {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in state.items()}
 
 
 def _allowed(query_mask, key_mask, Tc: int, window: int | None) -> torch.Tensor:
