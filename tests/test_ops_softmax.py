@@ -167,3 +167,18 @@ def test_softmax_bad_inputs():
         cache = random_cache(3)
         cache["mask"] = cache["mask"][:, :2]
         softmax_attention(q, k, v, initial_state=cache)
+
+
+@pytest.mark.parametrize("T,window", [(24, 4), (23, 4), (11, 5), (40, 13)])
+def test_sliding_window_blocks_match_loop_with_grads(T, window):
+    """Long windowed inputs take SDPA over blocks of W queries (T > 2W): equal to the per-query loop, and its
+    gradients to the eager (recurrent) backend's, at T a multiple of W and not."""
+    q, k, v = make_inputs(T, seed=T)
+    o, _ = softmax_attention(q, k, v, window=window, backend="chunk")
+    ref = loop_reference(q, k, v, DK ** -0.5, window, None, torch.ones(B, T, dtype=torch.bool))
+    assert_close(o, ref, 1e-12, "windowed blocks vs loop")
+    leaves = {"q": q, "k": k, "v": v}
+    for x in leaves.values():
+        x.requires_grad_(True)
+    compare_backends(lambda backend: softmax_attention(q, k, v, window=window, backend=backend, output_final_state=True),
+                     leaves, rtol=1e-10)

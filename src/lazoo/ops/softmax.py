@@ -73,6 +73,8 @@ def softmax_attention(
 
     if backend != "recurrent" and Tc == 0 and mask is None and window is None and cu_seqlens is None:
         o = _sdpa(q, keys, values, None, scale)  # plain causal: SDPA's flash/causal kernels
+    elif backend != "recurrent" and Tc == 0 and mask is None and cu_seqlens is None and T > 2 * window:
+        o = _sdpa_window_blocks(q, keys, values, window, scale)  # O(T·W), not a [T, T] mask
     else:
         allowed = _allowed(query_mask, key_mask, Tc, window)  # [B, T, S]
         if cu_seqlens is not None:  # Tc == 0: keys and queries are the same positions
@@ -155,6 +157,38 @@ def _eager(q, k, v, allowed, scale):
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     p = torch.softmax(scores, dim=-1) * allowed  # zeros a row that had no visible key
     return torch.einsum("bhts,bshd->bthd", p, v)
+
+
+def _sdpa_window_blocks(q, k, v, window: int, scale):
+    """Causal sliding-window attention in blocks of W = window queries: the queries of block j see keys in
+    blocks j − 1 and j only, so SDPA runs on [B·T/W, H, W, 2W] tiles under one relative mask (block 0's
+    left neighbour is padding and is masked out). Time and memory O(T·W) instead of a [T, T] mask."""
+    B, T, H, dk = q.shape
+    W = window
+    nb = -(-T // W)
+    pad = nb * W - T
+
+    def blocks(x):  # [B, T, H, d] -> [B, nb, W, H, d], zero-padded at the end
+        return F.pad(x, (0, 0, 0, 0, 0, pad)).view(B, nb, W, H, x.shape[-1])
+
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    # keys of block j: block j − 1 (zeros before block 0) then block j
+    k2 = torch.cat([F.pad(kb, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1], kb], dim=2)
+    v2 = torch.cat([F.pad(vb, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1], vb], dim=2)
+    i = torch.arange(W, device=q.device)[:, None]  # query offset in its block
+    j = torch.arange(2 * W, device=q.device)[None, :] - W  # key offset relative to the block start
+    rel = (j <= i) & (j > i - W)  # [W, 2W]: causal, inside the window
+    first = rel & (j >= 0)  # block 0 has no left neighbour
+    attn_mask = torch.stack([first, rel]) if nb > 1 else first[None]
+    attn_mask = attn_mask[torch.clamp(torch.arange(nb, device=q.device), max=1)]  # [nb, W, 2W]
+    attn_mask = attn_mask[None, :, None].expand(B, nb, 1, W, 2 * W).reshape(B * nb, 1, W, 2 * W)
+
+    def heads_first(x):  # [B, nb, L, H, d] -> [B·nb, H, L, d]
+        return x.reshape(B * nb, x.shape[2], H, x.shape[-1]).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(heads_first(qb), heads_first(k2), heads_first(v2), attn_mask=attn_mask,
+                                       scale=scale)
+    return o.transpose(1, 2).reshape(B, nb * W, H, v.shape[-1])[:, :T]
 
 
 def _sdpa(q, k, v, allowed, scale):
