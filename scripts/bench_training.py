@@ -36,6 +36,16 @@ for up to ``--fla-budget`` = 120 s). To shrink it: ``--fla-budget 0`` (or ``--no
 ``--lengths 2048``, or drop ``sw-ovq``/``vla`` from ``--mechanisms``; ``--row-budget`` caps any one row.
 
 CPU smoke test (tiny sizes, 2 steps): ``--device cpu --tiny --mechanisms linear,sw-ovq --lengths 32 --no-fla``.
+
+Several GPUs (``--parallel ddp`` or ``fsdp``, started by ``accelerate launch``): each process trains on its own
+``--tokens`` per step (so one process is the one-GPU baseline of the same command), through
+``accelerate.Accelerator(mixed_precision="bf16")``: ``ddp`` = DistributedDataParallel, ``fsdp`` = FSDP2 with one
+unit per decoder layer (``_no_split_modules``: ``LazooDecoderLayer``, ``LlamaDecoderLayer``). tokens/s counts
+every process (world size x B x T over the slowest process's median step); fla rows and ``--row-budget`` are
+off (a stopped process would leave the others waiting in a collective); rank 0 writes the JSON:
+
+    accelerate launch --multi_gpu --num_processes 2 scripts/bench_training.py --parallel ddp --out ddp2.json
+    accelerate launch --num_processes 1 scripts/bench_training.py --parallel ddp --out ddp1.json   # baseline
 """
 
 from __future__ import annotations
@@ -152,6 +162,7 @@ def _sync(device):
 def measure(build, T, args, row):
     """Fill ``row`` with params, step times, tokens/s and peak memory of the model ``build()`` returns."""
     device = args.device
+    accelerator = args.accelerator
     if device == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
@@ -166,16 +177,27 @@ def measure(build, T, args, row):
     model.to(device).train()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     vocab = model.get_input_embeddings().weight.shape[0]
-    gen = torch.Generator(device=device).manual_seed(0)
+    # fused AdamW on plain CUDA tensors; FSDP2's sharded parameters (DTensors) take the foreach kernels
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                            fused=device == "cuda" and args.parallel != "fsdp")
+    rank = 0
+    if accelerator is not None:  # DDP / FSDP2 wrapping, and bf16 autocast (mixed_precision) inside the model
+        model, opt = accelerator.prepare(model, opt)
+        rank = accelerator.process_index
+    row["wrapper"] = type(model).__name__
+    gen = torch.Generator(device=device).manual_seed(rank)  # each process its own batch
     ids = torch.randint(0, vocab, (row["B"], T), device=device, generator=gen)
-    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16,
+                              enabled=args.dtype == "bf16" and accelerator is None)
 
     def step():
         with autocast:
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if accelerator is not None:
+            accelerator.backward(loss)
+        else:
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -201,17 +223,41 @@ def measure(build, T, args, row):
             loss = step()
             times_ms.append((time.perf_counter() - t) * 1e3)
         row["peak_mem_GiB"] = None
+    if args.profile:
+        row["profile_top"] = profile_step(step, device)
     med = statistics.median(times_ms)
-    row.update(step_ms_median=med, step_ms_min=min(times_ms), step_ms_max=max(times_ms),
-               tokens_per_s=row["B"] * T / (med / 1e3), loss=float(loss))
+    world = 1
+    if accelerator is not None:  # the slowest process sets the pace; tokens/s counts every process
+        world = accelerator.num_processes
+        per_rank = accelerator.gather(torch.tensor([med, row["peak_mem_GiB"] or 0.0], device=device)).view(world, 2)
+        row["step_ms_median_per_rank"] = per_rank[:, 0].tolist()
+        med, row["peak_mem_GiB"] = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
+        loss = accelerator.reduce(loss, reduction="mean")
+    row.update(step_ms_median=med, step_ms_min=min(times_ms), step_ms_max=max(times_ms), world_size=world,
+               tokens_per_s=world * row["B"] * T / (med / 1e3), loss=float(loss))
     if not math.isfinite(row["loss"]):
         row["note"] = "non-finite loss"
+
+
+def profile_step(step, device, top=15):
+    """The ``top`` operators of one more step by self time on the device (CUDA kernels; CPU ops on the CPU):
+    [name, calls, ms]. Where the time goes when tokens/s changes with T."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return [[e.key[:120], e.count, round(getattr(e, attr) / 1e3, 3)] for e in events]
 
 
 def run_row(impl, name, build, T, args, budget=None):
     """One row; errors (OOM included) and timeouts are recorded, memory is freed either way."""
     B = max(1, args.tokens // T)
     row = {"impl": impl, "model": name, "T": T, "B": B, "tokens_per_step": B * T, "dtype": args.dtype,
+           "parallel": args.parallel,
            "params": None, "tokens_per_s": None, "step_ms_median": None, "peak_mem_GiB": None, "error": None}
     budget = args.row_budget if budget is None else min(budget, args.row_budget)
     use_alarm = budget and budget > 0 and hasattr(signal, "SIGALRM")
@@ -233,12 +279,31 @@ def run_row(impl, name, build, T, args, budget=None):
         if use_alarm:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
+        if args.accelerator is not None:
+            args.accelerator.free_memory()  # drop the prepared model and optimizer before the next row
     gc.collect()  # the failed step's frames went with the exception
     if args.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    print("progress", json.dumps(row), flush=True)
+    if args.main_process:
+        print("progress", json.dumps(row), flush=True)
     return row
+
+
+def make_accelerator(args):
+    """The Accelerator of ``--parallel`` (None without): DDP, or FSDP2 wrapping each decoder layer."""
+    if args.parallel == "none":
+        return None
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    plugin = None
+    if args.parallel == "fsdp":
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+            state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False)
+    # cpu=True: gloo between the processes torchrun started (the CPU smoke test of this mode)
+    return Accelerator(mixed_precision="bf16" if args.dtype == "bf16" else "no", fsdp_plugin=plugin,
+                       cpu=args.device == "cpu")
 
 
 # ----------------------------------------------------------------------------- main
@@ -250,7 +315,9 @@ def env_block(args, fla_info):
                          "fp32": "fp32 weights and compute, AdamW"}[args.dtype],
            "sizes": args.sizes, "tie_word_embeddings": TIE, "tokens_per_step": args.tokens,
            "lengths": args.lengths, "warmup": args.warmup, "steps": args.steps,
-           "LAZOO_BACKEND": os.environ.get("LAZOO_BACKEND"), "command": " ".join(args.argv)}
+           "LAZOO_BACKEND": os.environ.get("LAZOO_BACKEND"), "command": " ".join(args.argv),
+           "parallel": args.parallel,
+           "world_size": args.accelerator.num_processes if args.accelerator is not None else 1}
     import transformers
 
     env["transformers"] = transformers.__version__
@@ -262,6 +329,7 @@ def env_block(args, fla_info):
         env["triton"] = None
     if args.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
+        env["gpus_visible"] = torch.cuda.device_count()
         env["cuda"] = torch.version.cuda
     env["fla"], env["fla_error"] = fla_info
     return env
@@ -286,6 +354,10 @@ def parse_args(argv=None):
     ap.add_argument("--fla-budget", type=float, default=120.0,
                     help="seconds for all fla rows (its kernels autotune on first use); 0 skips fla")
     ap.add_argument("--row-budget", type=float, default=180.0, help="seconds per row before it is stopped; 0: none")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more step per row: its top operators by device time go into the row")
+    ap.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default="none",
+                    help="under `accelerate launch`: data-parallel rows, DDP or FSDP2 (each process --tokens a step)")
     args = ap.parse_args(argv)
     args.argv = sys.argv if argv is None else ["scripts/bench_training.py", *argv]
     args.mechanisms = [m for m in args.mechanisms.split(",") if m]
@@ -299,6 +371,10 @@ def parse_args(argv=None):
         ap.error("--steps must be at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: use --device cpu (with --tiny)")
+    if args.parallel == "fsdp" and args.device != "cuda":
+        ap.error("--parallel fsdp needs CUDA (accelerate turns FSDP on for GPU processes only)")
+    if args.parallel != "none":
+        args.no_fla, args.row_budget = True, 0.0
     return args
 
 
@@ -318,7 +394,11 @@ def report(rows):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.accelerator = make_accelerator(args)
+    args.main_process = args.accelerator is None or args.accelerator.is_main_process
     if args.device == "cuda":
+        if args.accelerator is not None:
+            torch.cuda.set_device(args.accelerator.device)
         torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in fp32
     want_fla = not args.no_fla and args.fla_budget > 0 and any(m in FLA_MODELS for m in args.mechanisms)
     if want_fla:
@@ -327,14 +407,16 @@ def main(argv=None):
     else:
         fla_models, fla_info = None, (None, "skipped (--no-fla / --fla-budget 0 / no mechanism fla has)")
     env = env_block(args, fla_info)
-    print(json.dumps(env), flush=True)
+    if args.main_process:
+        print(json.dumps(env), flush=True)
     result = {"env": env, "rows": []}
     rows = result["rows"]
     max_len = max(args.lengths)
 
     def save():
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        if args.main_process:
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=1)
 
     for T in args.lengths:
         if not args.no_llama:
@@ -363,8 +445,11 @@ def main(argv=None):
                                         T, args, budget=left))
                 save()
     save()
-    report(rows)
-    print(f"\nwrote {args.out}")
+    if args.main_process:
+        report(rows)
+        print(f"\nwrote {args.out}")
+    if args.accelerator is not None:
+        args.accelerator.end_training()  # destroys the process group
     return result
 
 

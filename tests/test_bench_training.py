@@ -42,3 +42,34 @@ def test_errors_are_rows_not_crashes(tmp_path, single_thread):
     assert [r["model"] for r in fla] == ["linear"]
     if importlib.util.find_spec("fla") is None:
         assert "fla" in fla[0]["error"]
+
+
+def test_ddp_rows_count_every_process(tmp_path):
+    """--parallel ddp under `accelerate launch` (2 CPU processes, gloo): one JSON from rank 0 whose rows time
+    both processes and count both processes' tokens."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"),
+               PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(port), str(root / "scripts" / "bench_training.py"), "--device", "cpu", "--tiny", "--parallel", "ddp",
+           "--mechanisms", "linear", "--lengths", "32", "--steps", "2", "--warmup", "1", "--no-llama",
+           "--out", str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["parallel"] == "ddp" and data["env"]["world_size"] == 2
+    (row,) = data["rows"]
+    assert row["error"] is None and row["world_size"] == 2 and row["wrapper"] == "DistributedDataParallel"
+    assert len(row["step_ms_median_per_rank"]) == 2 and row["step_ms_median"] == max(row["step_ms_median_per_rank"])
+    assert abs(row["tokens_per_s"] - 2 * row["tokens_per_step"] / (row["step_ms_median"] / 1e3)) < 1e-6 * row["tokens_per_s"]
