@@ -50,7 +50,6 @@ import mqar as mqar_protocol  # noqa: E402  (scripts/mqar.py: data import fallba
 from lazoo.presets import build_config  # noqa: E402
 
 IGNORE_INDEX, mqar_batch = mqar_protocol.IGNORE_INDEX, mqar_protocol.mqar_batch
-masked_loss_and_hits = mqar_protocol.masked_loss_and_hits
 EVAL_SEED_OFFSET = mqar_protocol.EVAL_SEED_OFFSET
 
 D_MODEL = 64
@@ -93,6 +92,19 @@ def build_model(mechanism: str, vocab_size: int):
     with warnings.catch_warnings():  # the zero-width MLP's empty weights: "Initializing zero-element tensors"
         warnings.simplefilter("ignore", UserWarning)
         return AutoModelForCausalLM.from_config(config)
+
+
+def masked_loss_and_hits(model, batch):
+    """`scripts/mqar.py`'s loss and hits with the LM head applied at the query positions only (P of T per
+    row): the same numbers without a [B, T, vocab] logits tensor."""
+    mask = batch["labels"] != IGNORE_INDEX
+    hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
+    logits = model.lm_head(hidden[mask]).float()
+    labels = batch["labels"][mask]
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    hits = torch.zeros_like(mask)
+    hits[mask] = logits.argmax(-1) == labels
+    return loss, hits, mask
 
 
 @torch.no_grad()

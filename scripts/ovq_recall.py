@@ -14,6 +14,8 @@ against the KV cache of sw-nope.
 Resumable: every --ckpt-every steps a model's weights, optimizer, step and RNG state go to
 ``<out>/ckpt/<model>/`` (a torch.save file cut into parts of at most 16 MiB); a rerun continues from there,
 and skips the trainings and tests already in ``<out>/ovq_recall.json`` (rewritten after every test).
+Models can train in parallel processes, one --out folder each, combined afterwards with
+``--merge folder1,folder2,... --out folder``.
 Plots: ``<out>/ovq_recall_accuracy.png`` (accuracy vs length) and ``<out>/ovq_recall_state.png`` (state
 bytes vs length).
 
@@ -74,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/ovq_recall")
+    p.add_argument("--merge", type=_csv(str), default=None,
+                   help="comma list of earlier --out folders (e.g. one process per model): combine their runs "
+                        "into --out's JSON and plots, and train nothing")
     return p.parse_args(argv)
 
 
@@ -187,7 +192,7 @@ def train(name, args, out: Path, log):
         seconds += time.time() - t0
         losses.append(round(loss.item(), 4))
         if step % 50 == 0 or step == args.steps:
-            log(f"[{name}] step {step}/{args.steps} loss {float(loss):.3f} ({seconds:.0f} s)")
+            log(f"[{name}] step {step}/{args.steps} loss {losses[-1]:.3f} ({seconds:.0f} s)")
         if step % args.ckpt_every == 0 or step == args.steps:
             save_checkpoint(folder, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                      "scheduler": sched.state_dict(), "generator": gen.get_state(),
@@ -298,6 +303,14 @@ def main(argv=None) -> dict:
 
     def log(msg):
         print(msg, flush=True)
+
+    if args.merge:
+        for folder in args.merge:
+            part = json.loads((Path(folder) / "ovq_recall.json").read_text())
+            results["runs"].update(part["runs"])
+            results.setdefault("merged_meta", {})[folder] = part["meta"]
+        write()
+        return results
 
     for name in args.models:
         run = results["runs"].setdefault(name, {"tests": []})

@@ -180,3 +180,16 @@ def test_short_conv_options_are_checked(bad):
                           use_short_conv=True, mixer_kwargs={"linear": bad})
     with pytest.raises(ValueError, match=next(iter(bad))):
         AutoModelForCausalLM.from_config(config)
+
+
+def test_query_only_head_matches_full_logits(mqar_sc):
+    """The loss and hits from the LM head at the query positions equal scripts/mqar.py's full-logits ones."""
+    import mqar as mqar_protocol
+
+    torch.manual_seed(0)
+    model = mqar_sc.build_model("linear", 64).eval()
+    batch = mqar_sc.long_mqar_batch(4, 32, 3, 64, torch.Generator().manual_seed(1))
+    loss, hits, mask = mqar_sc.masked_loss_and_hits(model, batch)
+    ref_loss, ref_hits, ref_mask = mqar_protocol.masked_loss_and_hits(model, batch)
+    assert torch.equal(mask, ref_mask) and torch.equal(hits, ref_hits)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
