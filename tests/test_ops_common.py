@@ -149,3 +149,16 @@ def test_low_precision_inputs_keep_their_dtype(name, dtype):
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     err = (o.double() - ref).abs().max() / ref.abs().max()
     assert err < tol, f"{name} {dtype}: relative error {err:.2e}"
+
+
+def test_time_cumsum_equals_cumsum_over_dim_1():
+    """The normaliser's cumsum scanned with time innermost equals x.cumsum(1) (float64, exactly: same order)."""
+    from lazoo.ops._common import time_cumsum
+
+    x = torch.randn(3, 37, 2, 5, dtype=torch.float64, requires_grad=True)
+    got = time_cumsum(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, x.cumsum(1), rtol=0, atol=1e-12)
+    (g,) = torch.autograd.grad((got * torch.arange(5.0, dtype=torch.float64)).sum(), x)
+    (ref,) = torch.autograd.grad((x.cumsum(1) * torch.arange(5.0, dtype=torch.float64)).sum(), x)
+    torch.testing.assert_close(g, ref, rtol=0, atol=1e-12)

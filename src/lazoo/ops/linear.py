@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ._common import (
     check_chunk_size,
+    time_cumsum,
     check_cu_seqlens,
     check_same_device,
     check_same_dtype,
@@ -110,7 +111,7 @@ def linear_attention(
         o, S = chunk_gated_linear(fq, fk, v_c, None, S0, chunk_size)
         z = None
         if normalize:
-            z_t = z0[:, None] + fk.cumsum(1)  # [B, T, H, dk]: z after each step
+            z_t = z0[:, None] + time_cumsum(fk)  # [B, T, H, dk]: z after each step
             o = o / _denominator(fq, z_t, eps)
             z = z_t[:, -1]
     o = zero_masked(o, mask).to(v.dtype)
@@ -299,7 +300,7 @@ def _decoding(T, cu_seqlens, *tensors) -> bool:
 
 def _segment_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
     """Cumulative sum over time (dim 1), restarting at every packed sequence start."""
-    c = x.cumsum(1)
+    c = time_cumsum(x)
     if cu_seqlens is None:
         return c
     lens = cu_seqlens[1:] - cu_seqlens[:-1]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ._common import (
     check_chunk_size,
+    time_cumsum,
     check_mask,
     check_qkv,
     check_same_device,
@@ -207,7 +208,7 @@ def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refres
     else:
         num, S = kd.chunk_generalized_delta_rule(*args, initial_state=state["S"], output_final_state=True,
                                                  chunk_size=chunk_size)
-    z_t = state["z"][:, None] + zero_masked(k_feat, real).cumsum(1)
+    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, real))
     o = num.float() / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
     t = state["t"] + real.long().sum(1)
     return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
@@ -221,7 +222,7 @@ def _chunk_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh
                                  refresh_period, refresh_eta)
     w = zero_masked(alpha_hat, real)  # a pad writes nothing
     num, S = chunk_generalized_delta(q_f, k_hat, v, w, None, state["S"], chunk_size)
-    z_t = state["z"][:, None] + zero_masked(k_feat, real).cumsum(1)  # z after each token
+    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, real))  # z after each token
     o = num / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
     t = state["t"] + real.long().sum(1)
     return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
