@@ -65,7 +65,8 @@ def timed(fn, backward, leaves):
         torch.cuda.empty_cache()
 
 
-def bench_length(B, T, dtype, device):
+def bench_length(B, T, dtype, device, triton_assign=False):
+    import lazoo.ops.ovq as ovq_module
     from lazoo.kernels.ovq import ovq_chunk_attention
     from lazoo.ops import ovq_attention
 
@@ -107,7 +108,25 @@ def bench_length(B, T, dtype, device):
             return ovq_chunk_attention(q * scale, k, v, dk, dv, counts, L)
     except torch.OutOfMemoryError:
         kernel, kernel_leaves = None, leaves
-    for name, fn, lv in (("ovq", ovq, leaves), ("ovq_kernel", kernel, kernel_leaves), ("sdpa", sdpa, leaves)):
+    cases = [("ovq", ovq, leaves), ("ovq_kernel", kernel, kernel_leaves), ("sdpa", sdpa, leaves)]
+    if triton_assign:  # the op again with the assignments as one Triton launch, and how far its output moves
+        def ovq_triton_assign():
+            ovq_module.TRITON_ASSIGN = True
+            try:
+                return ovq()
+            finally:
+                ovq_module.TRITON_ASSIGN = False
+
+        try:  # a kernel that does not build here (resources) must not lose the row's other timings
+            with torch.no_grad():
+                a, b = ovq().float(), ovq_triton_assign().float()
+            row["triton_assign_max_abs_diff"] = float((a - b).abs().max())
+            row["triton_assign_rel_diff"] = float((a - b).norm() / a.norm())
+            cases.insert(1, ("ovq_triton_assign", ovq_triton_assign, leaves))
+        except Exception as err:  # noqa: BLE001  (recorded in the row)
+            row["triton_assign_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            print(f"  T={T} triton assign failed: {row['triton_assign_error']}", flush=True)
+    for name, fn, lv in cases:
         for mode, backward in (("fwd", False), ("fwdbwd", True)):
             row[f"{name}_{mode}_ms"] = "oom" if fn is None else timed(fn, backward, lv)
             print(f"  T={T} {name} {mode}: {row[f'{name}_{mode}_ms']}", flush=True)
@@ -120,13 +139,10 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--triton-assign", action="store_true",
-                    help="step 1 (the assignments) as the Triton kernel lazoo.kernels.ovq_assign "
-                         "(sets lazoo.ops.ovq.TRITON_ASSIGN)")
+                    help="also time the op with step 1 (the assignments) as the Triton kernel "
+                         "lazoo.kernels.ovq_assign (lazoo.ops.ovq.TRITON_ASSIGN), and record how far its output "
+                         "is from the PyTorch step's")
     args = ap.parse_args(argv)
-    if args.triton_assign:
-        import lazoo.ops.ovq
-
-        lazoo.ops.ovq.TRITON_ASSIGN = True
     if not torch.cuda.is_available():
         sys.exit("bench_ovq.py needs a CUDA GPU")
     import triton
@@ -138,12 +154,14 @@ def main(argv=None):
     rows = []
     for T in args.lengths:
         try:
-            rows.append(bench_length(args.batch, T, dtype, device))
+            rows.append(bench_length(args.batch, T, dtype, device, args.triton_assign))
         except Exception:  # one length failing must not lose the others
             traceback.print_exc()
             rows.append({"T": T, "B": args.batch, "error": traceback.format_exc(limit=2)})
         torch.cuda.empty_cache()
-    cols = ["T", "ovq_fwd_ms", "ovq_fwdbwd_ms", "ovq_kernel_fwd_ms", "ovq_kernel_fwdbwd_ms", "sdpa_fwd_ms",
+    cols = ["T", "ovq_fwd_ms", "ovq_fwdbwd_ms", *(["ovq_triton_assign_fwd_ms", "ovq_triton_assign_fwdbwd_ms",
+                                                   "triton_assign_rel_diff"] if args.triton_assign else []),
+            "ovq_kernel_fwd_ms", "ovq_kernel_fwdbwd_ms", "sdpa_fwd_ms",
             "sdpa_fwdbwd_ms", "ovq_state_bytes", "kv_cache_bytes"]
     print("\n" + " | ".join(cols))
     for r in rows:

@@ -32,8 +32,10 @@ work is one L×size×dk product (≤ 128×2048×128 multiply-adds; estimated at 
 measured), and it needs no host loop, no partial results in global memory and no CUDA graph. It uses
 only B·H SMs; splitting the similarities over slot blocks would be the next step if the measured time
 says so. Limits: chunk_size <= 128 and dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are
-held whole). Compiled for sm_90 at L = dk = 128, 8 warps: 255 registers, ~3 KB spilled per thread,
-~190 KB shared memory (ptxas -v; not yet run on a GPU).
+held whole). Compiled for sm_90 by Triton 3.6 at L = dk = 128, 8 warps, one stage, BN = 16: 255 registers,
+~2.9 KB spilled per thread, 213 KB shared memory (ptxas -v, without a GPU). The first GPU run (H200, with
+3 stages and BN = 32: 262 KB) failed to launch for want of shared memory; the fitted launch has not run on
+a GPU yet.
 """
 
 from __future__ import annotations
@@ -155,7 +157,10 @@ def _assign_kernel(k, sums, counts, before, slots, n_full, t_base, B, P, H, C, M
 def _blocks() -> dict:
     if is_interpreting():
         return dict(BN=16, BS=64, BR=16)
-    return dict(BN=32, BS=256, BR=16, num_warps=8)
+    # one pipeline stage and 16-slot similarity blocks: 213 KB of shared memory at L = dk = 128 under Triton 3.6
+    # (the tf32x3 operand copies of the L×dk keys dominate); the default 3 stages asked for 262 KB and did not
+    # launch on an H200 (232 KB per block)
+    return dict(BN=16, BS=256, BR=16, num_warps=8, num_stages=1)
 
 
 @torch.no_grad()
