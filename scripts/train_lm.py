@@ -18,7 +18,7 @@ An FSDP accelerate config (fsdp.yaml) that wraps each decoder layer (the model's
     fsdp_config:
       fsdp_version: 2
       fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP   # classes from model._no_split_modules
-      fsdp_state_dict_type: SHARDED_STATE_DICT        # checkpoints; save_model gathers the full weights
+      fsdp_state_dict_type: SHARDED_STATE_DICT        # sharded checkpoints; the final model is saved whole
       fsdp_activation_checkpointing: true             # instead of --gradient-checkpointing
       fsdp_cpu_ram_efficient_loading: false
 """

@@ -198,6 +198,19 @@ def _check_train_args(args) -> None:
                        "--resume alone for the last checkpoint in --output")
 
 
+def _save_final_model(trainer, output: str) -> None:
+    """trainer.save_model, except under FSDP with sharded state dicts, where it writes no weights (only the
+    checkpoints, which stay sharded): there every process joins in gathering the full weights and the main
+    one saves them as a plain `from_pretrained` folder."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        trainer.save_model(output)
+        return
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every rank calls it
+    if trainer.is_world_process_zero():
+        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(output, state_dict=state_dict)
+
+
 def run_training(args, callbacks=()) -> dict:
     """`lazoo train` (and scripts/train_lm.py, also under `accelerate launch`): corpus -> tokenizer -> blocks ->
     Trainer (padded blocks or packed documents, bf16, gradient accumulation, checkpoints and resume,
@@ -258,7 +271,7 @@ def run_training(args, callbacks=()) -> dict:
         raise
     eval_loss = trainer.evaluate()["eval_loss"]
     ppl = math.exp(eval_loss)
-    trainer.save_model(args.output)
+    _save_final_model(trainer, args.output)
     batch = args.batch_size * args.grad_accum * trainer.args.world_size  # blocks per optimizer step
     metrics = {"eval_perplexity": ppl, "eval_loss": eval_loss, "train_steps": args.steps, "seq_len": args.seq_len,
                "batch_size": batch, "eval_blocks": len(data.eval)}
