@@ -178,11 +178,14 @@ def measure(build, T, args, row):
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     vocab = model.get_input_embeddings().weight.shape[0]
-    # fused AdamW on plain CUDA tensors; FSDP2's sharded parameters (DTensors) take the foreach kernels
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                            fused=device == "cuda" and args.parallel != "fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device == "cuda")
     rank = 0
     if accelerator is not None:  # DDP / FSDP2 wrapping, and bf16 autocast (mixed_precision) inside the model
+        if args.parallel == "fsdp":  # accelerate resolves the wrapped layer class once per plugin: every row
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy  # is a new model class
+
+            plugin = accelerator.state.fsdp_plugin
+            plugin.auto_wrap_policy, plugin.transformer_cls_names_to_wrap = transformer_auto_wrap_policy, None
         model, opt = accelerator.prepare(model, opt)
         rank = accelerator.process_index
     row["wrapper"] = type(model).__name__
@@ -397,7 +400,7 @@ def main(argv=None):
     args.accelerator = make_accelerator(args)
     args.main_process = args.accelerator is None or args.accelerator.is_main_process
     if args.device == "cuda":
-        if args.accelerator is not None:
+        if args.accelerator is not None and args.accelerator.device.index is not None:
             torch.cuda.set_device(args.accelerator.device)
         torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in fp32
     want_fla = not args.no_fla and args.fla_budget > 0 and any(m in FLA_MODELS for m in args.mechanisms)
