@@ -3,9 +3,14 @@
 
 Each model in --models is trained on basic ICR (``lazoo.data.icr``: 8-token keys and values, a query section
 after a marker) at --train-len tokens, then tested at every length in --test-lens (per-token accuracy on the
-answer tokens, greedy, teacher-forced). Models (``lazoo.presets``): ``sw-ovq`` (sliding window 128 with RoPE /
-OVQ, tested under every dictionary budget in --test-dicts: ``max_dict_size`` is read from the config at every
-forward call, so the trained model runs with a larger or smaller N without reloading), ``sw-vq``, ``sw-nope``
+answer tokens, greedy, teacher-forced). Training starts with a length curriculum (--curriculum, 256/512/1024
+tokens by default): from scratch at 1-2k tokens the loss sits at chance, ln(vocab), for thousands of steps,
+while a model that has solved 256 tokens adapts to 1024 in about 100 steps. A stage moves on when the answer
+accuracy of its last 20 steps reaches --advance-acc, and the curriculum ends at --curriculum-share of
+--steps in any case; short stages use as many queries as fit (all pairs queried at 256 tokens).
+Models (``lazoo.presets``): ``sw-ovq`` (sliding window 128 with RoPE / OVQ, tested under every dictionary
+budget in --test-dicts: ``max_dict_size`` is read from the config at every forward call, so the trained
+model runs with a larger or smaller N without reloading), ``sw-vq``, ``sw-nope``
 (sliding window / full softmax without positions) and ``sw-linear`` (sliding window / linear attention); any
 other layout name of ``lazoo.presets`` works too. Also recorded: the bytes of each model's cache (its
 inference state) after a test sequence, measured from the cache, so the plot shows OVQ's constant state
@@ -58,6 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--models", type=_csv(str), default=["sw-ovq", "sw-vq", "sw-nope", "sw-linear"])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--train-len", type=int, default=2048)
+    p.add_argument("--curriculum", type=_csv(int), default=[256, 512, 1024],
+                   help="shorter lengths trained first, in order (lengths >= --train-len are skipped; '' for none)")
+    p.add_argument("--advance-acc", type=float, default=0.9,
+                   help="a curriculum stage ends when the answer accuracy of its last 20 steps reaches this")
+    p.add_argument("--curriculum-share", type=float, default=0.5,
+                   help="the curriculum ends after this share of --steps even if a stage is not solved")
     p.add_argument("--test-lens", type=_csv(int), default=[2048, 4096, 8192, 16384, 32768, 65536])
     p.add_argument("--test-dicts", type=_csv(int), default=[512, 2048, 8192],
                    help="OVQ dictionary budgets N tested (the model trains with --train-dict)")
@@ -139,11 +150,25 @@ def load_checkpoint(folder: Path):
 
 
 # ----------------------------------------------------------------------------- task
-def batch(n_tokens, size, args, gen):
-    n_pairs = icr_num_pairs(n_tokens, args.n_queries)
-    if n_pairs < args.n_queries:
-        raise SystemExit(f"{n_tokens} tokens hold {n_pairs} pairs, fewer than --n-queries={args.n_queries}")
-    return icr_batch(n_pairs, args.n_queries, size, args.vocab, generator=gen)
+def batch(n_tokens, size, args, gen, n_queries=None):
+    n_queries = n_queries or args.n_queries
+    n_pairs = icr_num_pairs(n_tokens, n_queries)
+    if n_pairs < n_queries:
+        raise SystemExit(f"{n_tokens} tokens hold {n_pairs} pairs, fewer than --n-queries={n_queries}")
+    return icr_batch(n_pairs, n_queries, size, args.vocab, generator=gen)
+
+
+def stage_queries(n_tokens, args):
+    """--n-queries, or fewer where n_tokens cannot hold that many context pairs (at most one query per pair)."""
+    fit = icr_num_pairs(n_tokens, 0) // 2
+    if fit < 1:
+        raise SystemExit(f"{n_tokens} tokens are too short for one query and its pair")
+    return min(args.n_queries, fit)
+
+
+def stage_lengths(args):
+    """The training lengths in order: the curriculum lengths below --train-len, then --train-len."""
+    return [t for t in args.curriculum if t < args.train_len] + [args.train_len]
 
 
 def answer_logits(model, ids, labels):
@@ -166,7 +191,9 @@ def train(name, args, out: Path, log):
     sched = get_cosine_schedule_with_warmup(opt, max(1, args.steps // 10), args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     folder = out / "ckpt" / name
-    step, seconds, losses = 0, 0.0, []
+    step, seconds, losses, accs = 0, 0.0, [], []
+    lengths = stage_lengths(args)
+    stage, stages = 0, [[lengths[0], 0]]  # stages: [length, first step] as trained
     ck = load_checkpoint(folder)
     if ck is not None:
         model.load_state_dict(ck["model"])
@@ -174,15 +201,20 @@ def train(name, args, out: Path, log):
         sched.load_state_dict(ck["scheduler"])
         gen.set_state(ck["generator"])
         step, seconds, losses = ck["step"], ck["seconds"], ck["losses"]
+        accs = ck.get("accs", [])
+        stages = ck.get("stages", [[args.train_len, 0]])  # older checkpoints trained at --train-len only
+        stage = lengths.index(stages[-1][0]) if stages[-1][0] in lengths else len(lengths) - 1
         log(f"[{name}] resumed at step {step}")
     model.train()
     while step < args.steps:
         t0 = time.time()
-        b = batch(args.train_len, args.batch, args, gen)
+        T = lengths[stage]
+        b = batch(T, args.batch, args, gen, stage_queries(T, args))
         ids, labels = b["input_ids"].to(device), b["labels"].to(device)
         with autocast(device):
             logits, target = answer_logits(model, ids, labels)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        accs.append(round((logits.detach().argmax(-1) == target).float().mean().item(), 4))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -192,13 +224,22 @@ def train(name, args, out: Path, log):
         seconds += time.time() - t0
         losses.append(round(loss.item(), 4))
         if step % 50 == 0 or step == args.steps:
-            log(f"[{name}] step {step}/{args.steps} loss {losses[-1]:.3f} ({seconds:.0f} s)")
+            log(f"[{name}] step {step}/{args.steps} T={T} loss {losses[-1]:.3f} acc {accs[-1]:.3f} ({seconds:.0f} s)")
+        if stage < len(lengths) - 1 and step < args.steps:  # a rerun with more --steps goes on in this stage
+            recent = accs[max(stages[-1][1], step - 20):]
+            solved = len(recent) == 20 and sum(recent) / 20 >= args.advance_acc
+            if solved or step >= args.curriculum_share * args.steps:
+                stage = stage + 1 if solved else len(lengths) - 1
+                stages.append([lengths[stage], step])
+                log(f"[{name}] step {step}: now training at {lengths[stage]} tokens")
         if step % args.ckpt_every == 0 or step == args.steps:
             save_checkpoint(folder, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                      "scheduler": sched.state_dict(), "generator": gen.get_state(),
-                                     "step": step, "seconds": seconds, "losses": losses})
+                                     "step": step, "seconds": seconds, "losses": losses, "accs": accs,
+                                     "stages": stages})
     info = {"steps": step, "train_seconds": round(seconds, 1), "final_loss": losses[-1] if losses else None,
-            "loss_every_50": losses[::50], "params": sum(p.numel() for p in model.parameters())}
+            "loss_every_50": losses[::50], "acc_every_50": accs[::50], "stages": stages,
+            "params": sum(p.numel() for p in model.parameters())}
     return model, info
 
 
