@@ -1,0 +1,39 @@
+"""scripts/kernel_resources.py: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
+block (shared memory) and do not spill at their launch settings; an oversized tile is reported as over the
+limit, so the check can fail."""
+
+import pytest
+
+from conftest import load_script
+
+pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend")
+kernel_resources = load_script("kernel_resources")
+
+
+def test_short_conv_kernels_fit_hopper(single_thread):
+    report = kernel_resources.short_conv_report()
+    assert set(report) == {"forward", "backward dpre, dw", "backward dx"}
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
+
+
+def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
+    """A matrix product over 256 × 256 fp32 tiles in 3 pipeline stages needs far more than a Hopper block has."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def matmul_tile(a, b, c, N: tl.constexpr):
+        r = tl.arange(0, N)
+        acc = tl.zeros([N, N], dtype=tl.float32)
+        for k in range(0, 4):
+            x = tl.load(a + k * N * N + r[:, None] * N + r[None, :])
+            y = tl.load(b + k * N * N + r[:, None] * N + r[None, :])
+            acc += tl.dot(x, y)
+        tl.store(c + r[:, None] * N + r[None, :], acc)
+
+    r = kernel_resources.measure(matmul_tile, {"a": "*fp32", "b": "*fp32", "c": "*fp32", "N": "constexpr"},
+                                 {"N": 256}, num_warps=8, num_stages=3)
+    assert r["shared"] > kernel_resources.SHARED_LIMIT, r
