@@ -91,6 +91,19 @@ def masked_loss_and_hits(model, batch):
     return loss, hits, mask
 
 
+def optimizer_step(model, opt, sched, loss, clip: float) -> bool:
+    """Backward, gradient clipping and an AdamW step, skipped for a non-finite loss (the schedule advances
+    either way); returns whether the step was taken."""
+    opt.zero_grad(set_to_none=True)
+    finite = bool(torch.isfinite(loss))
+    if finite:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    sched.step()
+    return finite
+
+
 @torch.no_grad()
 def evaluate(model, n_pairs, args, seed, seq_len=None):
     model.eval()
@@ -129,14 +142,7 @@ def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
         batch = {k: v.to(args.device) for k, v in
                  mqar_batch(n_pairs, args.batch_size, args.vocab_size, generator=gen, seq_len=seq_len).items()}
         loss, hits, mask = masked_loss_and_hits(model, batch)
-        opt.zero_grad(set_to_none=True)
-        if torch.isfinite(loss):
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
-        else:
-            nonfinite += 1
-        sched.step()
+        nonfinite += not optimizer_step(model, opt, sched, loss, args.clip)
         if step % args.log_every == 0 or step == args.steps:
             curve.append({"step": step, "loss": loss.item(), "train_acc": (hits.sum() / mask.sum()).item()})
         if bar is not None:

@@ -135,14 +135,7 @@ def train_one(mechanism, n_pairs, seq_len, lr, args):
         batch = {k: v.to(args.device) for k, v in
                  long_mqar_batch(n_pairs, seq_len, args.batch_size, args.vocab_size, gen).items()}
         loss, hits, mask = masked_loss_and_hits(model, batch)
-        opt.zero_grad(set_to_none=True)
-        if torch.isfinite(loss):
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        else:
-            nonfinite += 1
-        sched.step()
+        nonfinite += not mqar_protocol.optimizer_step(model, opt, sched, loss, clip=1.0)
         if step % args.log_every == 0 or step == args.steps:
             curve.append({"step": step, "loss": loss.item(), "train_acc": (hits.sum() / mask.sum()).item()})
     return {"mechanism": mechanism, "n_pairs": n_pairs, "seq_len": seq_len, "lr": lr, "seed": args.seed,
