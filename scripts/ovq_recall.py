@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import lazoo  # noqa: F401  (registers the model types)
 from lazoo.data.icr import IGNORE_INDEX, icr_batch, icr_num_pairs
@@ -50,6 +50,7 @@ from lazoo.presets import HYBRIDS, build_config
 #: layouts this script adds to lazoo.presets: the linear-attention baseline in the same hybrid layout
 EXTRA_LAYOUTS = {"sw-linear": ["sliding_window", "linear"]}
 PART_BYTES = 16 * 1024 * 1024
+TOKEN_LEN = 8  # tokens per key and per value (lazoo.data.icr's default)
 EVAL_SEED_OFFSET = 10_000
 
 
@@ -62,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", type=_csv(str), default=["sw-ovq", "sw-vq", "sw-nope", "sw-linear"])
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="seconds of training per model (0: none): training stops at --steps or this budget, "
+                        "whichever comes first; the warm-up, cosine decay and curriculum follow whichever "
+                        "fraction is larger, so a model stopped by the clock has still annealed")
     p.add_argument("--train-len", type=int, default=2048)
     p.add_argument("--curriculum", type=_csv(int), default=[256, 512, 1024],
                    help="shorter lengths trained first, in order (lengths >= --train-len are skipped; '' for none)")
@@ -188,10 +193,14 @@ def train(name, args, out: Path, log):
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(make_config(name, args)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    sched = get_cosine_schedule_with_warmup(opt, max(1, args.steps // 10), args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     folder = out / "ckpt" / name
     step, seconds, losses, accs = 0, 0.0, [], []
+
+    def progress():  # the share of the training done: of the steps or of the time budget, the larger
+        return max(step / args.steps, seconds / args.time_budget if args.time_budget > 0 else 0.0)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: warmup_cosine(progress()))
     lengths = stage_lengths(args)
     stage, stages = 0, [[lengths[0], 0]]  # stages: [length, first step] as trained
     ck = load_checkpoint(folder)
@@ -206,7 +215,7 @@ def train(name, args, out: Path, log):
         stage = lengths.index(stages[-1][0]) if stages[-1][0] in lengths else len(lengths) - 1
         log(f"[{name}] resumed at step {step}")
     model.train()
-    while step < args.steps:
+    while progress() < 1:
         t0 = time.time()
         T = lengths[stage]
         b = batch(T, args.batch, args, gen, stage_queries(T, args))
@@ -228,7 +237,7 @@ def train(name, args, out: Path, log):
         if stage < len(lengths) - 1 and step < args.steps:  # a rerun with more --steps goes on in this stage
             recent = accs[max(stages[-1][1], step - 20):]
             solved = len(recent) == 20 and sum(recent) / 20 >= args.advance_acc
-            if solved or step >= args.curriculum_share * args.steps:
+            if solved or progress() >= args.curriculum_share:
                 stage = stage + 1 if solved else len(lengths) - 1
                 stages.append([lengths[stage], step])
                 log(f"[{name}] step {step}: now training at {lengths[stage]} tokens")
@@ -237,10 +246,17 @@ def train(name, args, out: Path, log):
                                      "scheduler": sched.state_dict(), "generator": gen.get_state(),
                                      "step": step, "seconds": seconds, "losses": losses, "accs": accs,
                                      "stages": stages})
-    info = {"steps": step, "train_seconds": round(seconds, 1), "final_loss": losses[-1] if losses else None,
+    info = {"steps": step, "stopped_by_time_budget": step < args.steps, "train_seconds": round(seconds, 1), "final_loss": losses[-1] if losses else None,
             "loss_every_50": losses[::50], "acc_every_50": accs[::50], "stages": stages,
             "params": sum(p.numel() for p in model.parameters())}
     return model, info
+
+
+def warmup_cosine(progress: float, warmup: float = 0.1) -> float:
+    """Learning-rate factor at a share ``progress`` of the training: linear warm-up, then cosine decay to 0."""
+    if progress < warmup:
+        return progress / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
 def cache_bytes(cache) -> int:
@@ -268,7 +284,7 @@ def test(model, T, args):
     device = args.device
     model.eval()
     gen = torch.Generator().manual_seed(args.seed + EVAL_SEED_OFFSET + T)
-    hits = total = 0
+    hits = total = first_hits = first_total = 0
     state = None
     t0 = time.time()
     for i in range(args.eval_batches):
@@ -276,14 +292,21 @@ def test(model, T, args):
         ids, labels = b["input_ids"].to(device), b["labels"].to(device)
         with autocast(device):
             logits, target = answer_logits(model, ids, labels)
-        hits += int((logits.argmax(-1) == target).sum())
+        right = logits.argmax(-1) == target
+        hits += int(right.sum())
         total += target.numel()
+        # the first token of each value is the look-up proper; the other 7 can be copied from the context by
+        # matching the value token before them (teacher forcing gives it)
+        first = torch.arange(right.shape[1], device=right.device) % TOKEN_LEN == 0
+        first_hits += int(right[:, first].sum())
+        first_total += int(first.sum()) * right.shape[0]
         if i == 0:  # the inference state after a whole sequence of one sample
             with autocast(device):
                 out = model(input_ids=ids[:1], use_cache=True, logits_to_keep=1)
             state = cache_bytes(out.past_key_values)
             del out
-    return {"acc": hits / max(total, 1), "answer_tokens": total, "state_bytes": state,
+    return {"acc": hits / max(total, 1), "acc_first_token": first_hits / max(first_total, 1),
+            "answer_tokens": total, "state_bytes": state,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -336,7 +359,8 @@ def main(argv=None) -> dict:
     meta.update(torch=torch.__version__, python=platform.python_version(),
                 gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
     results = json.loads(path.read_text()) if path.exists() else {"runs": {}}
-    results["meta"] = meta
+    if not args.merge:
+        results["meta"] = meta
 
     def write():
         path.write_text(json.dumps(results, indent=1))
@@ -350,6 +374,7 @@ def main(argv=None) -> dict:
             part = json.loads((Path(folder) / "ovq_recall.json").read_text())
             results["runs"].update(part["runs"])
             results.setdefault("merged_meta", {})[folder] = part["meta"]
+            results.setdefault("meta", {**part["meta"], "merged_from": args.merge})  # the first part's settings
         write()
         return results
 
@@ -375,7 +400,8 @@ def main(argv=None) -> dict:
                 torch.cuda.empty_cache()
             r.update(T=T, N=n)
             run["tests"].append(r)
-            log(f"[{name}] T={T}" + (f" N={n}" if n else "") + f": acc {r['acc']}, state {r['state_bytes']} B")
+            log(f"[{name}] T={T}" + (f" N={n}" if n else "") + f": acc {r['acc']}, "
+                f"first token {r.get('acc_first_token')}, state {r['state_bytes']} B")
             write()
         del model
         if args.device.startswith("cuda"):

@@ -71,8 +71,20 @@ def test_copy_oracle_scores_one(single_thread):
     one position off is near chance."""
     args = ovq_recall.parse_args(["--device", "cpu", "--vocab", "64", "--n-queries", "4", "--eval-batch", "3",
                                   "--eval-batches", "2"])
-    assert ovq_recall.test(CopyOracle(64), 256, args)["acc"] == 1.0
+    scored = ovq_recall.test(CopyOracle(64), 256, args)
+    assert scored["acc"] == scored["acc_first_token"] == 1.0
     assert ovq_recall.test(CopyOracle(64, shift=1), 256, args)["acc"] < 0.2
+
+
+def test_first_token_accuracy_separates_lookup_from_copying(single_thread):
+    """A model that only copies the token that followed the previous token in the context (an induction head,
+    no key look-up) gets most of the last 7 tokens of a value under teacher forcing (not all: single tokens
+    repeat in the context) and misses the first one."""
+    args = ovq_recall.parse_args(["--device", "cpu", "--vocab", "1024", "--n-queries", "4", "--eval-batch", "3",
+                                  "--eval-batches", "2"])
+    scored = ovq_recall.test(CopyOracle(1024, token_len=0), 512, args)
+    rest = (8 * scored["acc"] - scored["acc_first_token"]) / 7  # the other 7 tokens of each value
+    assert scored["acc_first_token"] < 0.2 and rest > 0.6, scored
 
 
 def test_answer_logits_are_the_full_logits_at_answer_positions(single_thread):
@@ -115,3 +127,15 @@ def test_curriculum_advances_and_resumes(tmp_path, single_thread):
 
 def test_curriculum_share_ends_an_unsolved_curriculum(tmp_path, single_thread):
     assert _stages(tmp_path, "--advance-acc", "2", "--curriculum-share", "0.5", "--steps", "30") == [[64, 0], [256, 15]]
+
+
+def test_time_budget_stops_training_and_anneals(tmp_path, single_thread):
+    """A budget that the first step already spends: training stops after one step, marked as stopped by the
+    clock; the schedule warms up linearly, then decays by a cosine to 0 at the end of the budget."""
+    args = [*TOY, "--models", "sw-nope", "--test-lens", "256", "--steps", "50", "--time-budget", "1e-9",
+            "--out", str(tmp_path)]
+    run = ovq_recall.main(args)["runs"]["sw-nope"]
+    assert run["train"]["steps"] == 1 and run["train"]["stopped_by_time_budget"]
+    factors = [ovq_recall.warmup_cosine(p) for p in (0.0, 0.05, 0.1, 0.55, 1.0, 1.5)]
+    assert factors[:3] == [0.0, 0.5, 1.0]
+    assert abs(factors[3] - 0.5) < 1e-12 and abs(factors[4]) < 1e-12 and abs(factors[5]) < 1e-12
