@@ -35,6 +35,8 @@ moments and the solve stay in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,24 @@ MAX_HEAD_DIM = 128
 MAX_RANK = 32
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = tl.constexpr(1.4426950408889634)
+
+
+class Launch(NamedTuple):
+    """One kernel's launch: query-block rows BM, key-block rows BN, warps, software-pipeline stages."""
+    BM: int
+    BN: int
+    warps: int
+    stages: int
+
+
+#: launches on a GPU for up to 16 slope features. 4 warps: with 8 warps (and 64-row query blocks) Triton 3.6
+#: on an H100 produced wrong outputs (tf32) or an illegal memory access (tf32x3). 64-row query blocks run
+#: the forward 1.9× faster than 32-row ones (H100, dk = 64, r = 16), and its pipelining took 7.8 → 6.7 ms
+#: (T = 4k); the [BM, R²] moment accumulators must fit in registers.
+LAUNCH = {"fwd": Launch(64, 32, 4, 3), "prep": Launch(64, 32, 4, 1), "dkv": Launch(64, 32, 4, 1),
+          "dq": Launch(64, 32, 4, 1)}
+#: under TRITON_INTERPRET=1: blocks smaller than the test sequences (each kernel may take its own)
+INTERPRET_LAUNCH = {name: Launch(16, 16, 4, 1) for name in LAUNCH}
 
 
 # ============================================================================ device helpers
@@ -409,27 +429,25 @@ class _Ctx:
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
         interp = q.device.type == "cpu"
         self.mprec = "ieee" if interp else ("tf32x3" if q.dtype == torch.float32 else "tf32")
-        # 4 warps: with 8 warps (and 64-row query blocks) Triton 3.6 on an H100 produced wrong outputs (tf32)
-        # or an illegal memory access (tf32x3). 64-row query blocks run the forward 1.9× faster than 32-row
-        # ones (H100, dk = 64, r = 16); the r² accumulator [BM, R²] must fit in registers.
-        self.stages = 1 if interp else 3  # the forward's software pipelining: 7.8 → 6.7 ms (T = 4k, as above)
         if interp:
-            self.BM = self.BN = 16
+            self.launch = dict(INTERPRET_LAUNCH)
         elif R <= 16:
-            self.BM, self.BN = 64, 32
-        else:
-            self.BM, self.BN = 16, 32
+            self.launch = dict(LAUNCH)
+        else:  # the [BM, R²] moment accumulators of 32 features fit in registers only with 16-row query blocks
+            self.launch = {name: Launch(16, 32, 4, cfg.stages) for name, cfg in LAUNCH.items()}
 
-    def meta(self):
-        return dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, BK=self.BK, BV=self.BV, BM=self.BM, BN=self.BN,
+    def meta(self, kernel: str):
+        cfg = self.launch[kernel]
+        return dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, BK=self.BK, BV=self.BV, BM=cfg.BM, BN=cfg.BN,
                     USE_WINDOW=self.window is not None, USE_KMASK=self.kmask is not None,
-                    PREC=self.prec, MPREC=self.mprec)
+                    PREC=self.prec, MPREC=self.mprec, num_warps=cfg.warps, num_stages=cfg.stages)
+
+    def grid(self, kernel: str, over_keys: bool = False):
+        cfg = self.launch[kernel]
+        return (triton.cdiv(self.S, cfg.BN) if over_keys else triton.cdiv(self.T, cfg.BM), self.B * self.H)
 
     def kmask_arg(self, like):
         return self.kmask if self.kmask is not None else like
-
-    def warps(self):
-        return 4
 
 
 def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
@@ -438,9 +456,8 @@ def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
     lse = torch.empty(c.B, c.H, c.T, dtype=torch.float32, device=dev)
     mbuf = torch.empty(c.B, c.H, c.T, c.R, dtype=torch.float32, device=dev)
     bbuf = torch.empty_like(mbuf)
-    grid = (triton.cdiv(c.T, c.BM), c.B * c.H)
-    _fwd_kernel[grid](q, k, v, fk, gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge, c.T, c.S, c.OFF,
-                      c.window or 0, **c.meta(), num_warps=c.warps(), num_stages=c.stages)
+    _fwd_kernel[c.grid("fwd")](q, k, v, fk, gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge, c.T, c.S, c.OFF,
+                               c.window or 0, **c.meta("fwd"))
     return o, lse, mbuf, bbuf
 
 
@@ -449,16 +466,14 @@ def _bwd(c: _Ctx, q, k, v, fk, do, lse, mbuf, bbuf, ridge):
     delta = torch.empty_like(lse)
     W = c.window or 0
     km = c.kmask_arg(q)
-    grid_q = (triton.cdiv(c.T, c.BM), c.B * c.H)
-    _bwd_prep_kernel[grid_q](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, c.T, c.S, c.OFF, W,
-                             **c.meta(), num_warps=c.warps(), num_stages=1)
+    _bwd_prep_kernel[c.grid("prep")](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, c.T, c.S,
+                                     c.OFF, W, **c.meta("prep"))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dfk = torch.empty(c.B, c.S, c.H, c.R, dtype=torch.float32, device=q.device)
-    _bwd_dkv_kernel[(triton.cdiv(c.S, c.BN), c.B * c.H)](
-        q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, c.T, c.S, c.OFF, W,
-        **c.meta(), num_warps=4, num_stages=1)
-    _bwd_dq_kernel[grid_q](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, c.T, c.S, c.OFF, W,
-                           **c.meta(), num_warps=4, num_stages=1)
+    _bwd_dkv_kernel[c.grid("dkv", over_keys=True)](
+        q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, c.T, c.S, c.OFF, W, **c.meta("dkv"))
+    _bwd_dq_kernel[c.grid("dq")](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, c.T, c.S, c.OFF, W,
+                                 **c.meta("dq"))
     return dq, dk, dv, dfk, -lbuf.transpose(1, 2)
 
 
