@@ -246,7 +246,8 @@ def train(name, args, out: Path, log):
                                      "scheduler": sched.state_dict(), "generator": gen.get_state(),
                                      "step": step, "seconds": seconds, "losses": losses, "accs": accs,
                                      "stages": stages})
-    info = {"steps": step, "stopped_by_time_budget": step < args.steps, "train_seconds": round(seconds, 1), "final_loss": losses[-1] if losses else None,
+    info = {"steps": step, "stopped_by_time_budget": step < args.steps, "train_seconds": round(seconds, 1),
+            "final_loss": losses[-1] if losses else None,
             "loss_every_50": losses[::50], "acc_every_50": accs[::50], "stages": stages,
             "params": sum(p.numel() for p in model.parameters())}
     return model, info
