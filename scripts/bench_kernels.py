@@ -290,6 +290,7 @@ def main():
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--ops", default=None, help="comma-separated subset of the ops")
     ap.add_argument("--quick", action="store_true", help="T = 1k only")
+    ap.add_argument("--head-dims", default=None, help="comma-separated head dims to keep (default: every shape)")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA training rows")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-launcher timings")
     ap.add_argument("--fla-budget", type=float, default=600.0,
@@ -309,6 +310,8 @@ def main():
            "command": " ".join(sys.argv)}
     print(json.dumps(env))
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.head_dims:
+        shapes = [(T, D) for T, D in shapes if D in {int(d) for d in args.head_dims.split(",")}]
     result = {"env": env, "training": [], "decode": [], "breakdown": []}
     rows = result["training"]
 

@@ -67,11 +67,41 @@ def test_rls_kernels_in_subprocess():
 
 
 @needs_interp
-@pytest.mark.parametrize("T", [37, 70])
-def test_interp_rls_triton_matches_float64(T):
-    tensors, state = inputs(2, T, 2, 16, 8, seed=T)
+@pytest.mark.parametrize("T,dk", [(37, 16), (70, 16), (45, 24), (50, 32)])
+def test_interp_rls_triton_matches_float64(T, dk):
+    """dk = 24 runs padded to 32 on chip; dk = 32 takes two pivot blocks in the dk×dk inverse."""
+    tensors, state = inputs(2, T, 2, dk, 8, seed=T)
     mask = left_pad_mask([T, T - 9], T, holes=[(1, 20)])
     check(tensors, state, torch.float32, "cpu", 2e-4, mask=mask)
+
+
+@needs_interp
+@pytest.mark.parametrize("T,dk,chunk", [(37, 16, 16), (70, 32, 32), (45, 24, 32)])
+def test_interp_rls_solve_kernel_matches_float64_solves(T, dk, chunk):
+    """The kernel alone: z_t = (A_c + Σ_{i≤t in chunk c} k_i k_iᵀ)^{-1} r_t against one float64 solve per t,
+    with a random positive definite A_c per chunk (not a prefix of the keys)."""
+    from lazoo.kernels.rls import rls_solve
+
+    gen = torch.Generator().manual_seed(dk + T)
+    B, H = 2, 2
+    k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1)
+    r = torch.randn(B, T, H, dk, generator=gen)
+    N = -(-T // chunk)
+    X = torch.randn(B, H, N, dk, 3 * dk, generator=gen) / dk ** 0.5
+    A = X @ X.transpose(-1, -2) + 0.5 * torch.eye(dk)
+    z = rls_solve(A.float(), k, r, chunk)
+    ref = torch.empty(B, T, H, dk, dtype=F64)
+    for t in range(T):
+        c = t // chunk
+        Kc = k[:, c * chunk:t + 1].double().transpose(1, 2)  # [B, H, n, dk]
+        At = A[:, :, c].double() + Kc.transpose(-1, -2) @ Kc
+        ref[:, t] = torch.linalg.solve(At, r[:, t].double()[..., None])[..., 0]
+    assert_close(z, ref, 1e-5, "z")
+    # the backward's call: the kept factors and a new right-hand side give the same as a fresh solve
+    _, factors = rls_solve(A.float(), k, r, chunk, keep_factors=True)
+    r2 = torch.randn(B, T, H, dk, generator=gen)
+    assert_close(rls_solve(None, k, r2, chunk, factors=factors), rls_solve(A.float(), k, r2, chunk).double(),
+                 1e-6, "z from kept factors")
 
 
 @needs_interp
@@ -86,7 +116,8 @@ def test_interp_rls_triton_refuses_gamma_below_one():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
-def test_gpu_rls_triton_matches_float64(dtype, rtol):
+@pytest.mark.parametrize("chunk_size", [64, None])  # None: the kernel's own chunk (lazoo.kernels.rls.CHUNK)
+def test_gpu_rls_triton_matches_float64(dtype, rtol, chunk_size):
     T = 2000
     tensors, state = inputs(2, T, 4, 128, 128, seed=5)
-    check(tensors, state, dtype, "cuda", rtol, mask=left_pad_mask([T, T - 300], T), chunk_size=64)
+    check(tensors, state, dtype, "cuda", rtol, mask=left_pad_mask([T, T - 300], T), chunk_size=chunk_size)

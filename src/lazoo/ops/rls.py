@@ -28,9 +28,12 @@ Backends:
     X = N ⊙ L⁻ᵀ(N ⊙ L⁻¹(N ⊙ R)) with N[i, t] = 1 for i ≤ t, z_t = P_0 q_t − P_0 Kᵀ X[:, t]
     = (KK_t + λI)^{-1} q_t, and o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t), unnormalised linear attention
     with queries z.
-  * ``"triton"`` (γ = 1): the same precision part (batched Cholesky solves and triangular solves, all
-    chunks at once), then the memory part on lazoo's Triton linear-attention kernel. γ < 1 has no
-    Triton path (auto uses the chunk form and says so once).
+  * ``"triton"`` (γ = 1, dk <= 128): z_t = (KK_t + λI)^{-1} q_t on ``lazoo.kernels.rls`` (one program per chunk
+    of ``lazoo.kernels.rls.CHUNK`` positions unless ``chunk_size`` is given: the chunk-start inverse on chip,
+    then Woodbury BS = 16 positions at a time), then the memory part on lazoo's Triton linear-attention
+    kernel (in bf16/fp16 for such inputs). The backward is analytic: one more solve with ∂L/∂z gives
+    ∂q = y, ∂λ = −Σ y·z, ∂KK_0 = −sym(Σ y zᵀ) and ∂k_i = −Σ_{t≥i} [(z_t·k_i) y_t + (y_t·k_i) z_t] (two
+    anti-causal linear attentions). γ < 1 has no Triton path (auto uses the chunk form and says so once).
     γ < 1: the exact per-position solve batched over the chunk: KK_t = γ^{n_t} KK_0 + Σ_{i≤t} γ^{n_t−n_i} k_i k_iᵀ
     (n = real tokens since the chunk start) for all t of the chunk at once, one batched dk×dk solve.
 Both give the closed form at every t to rounding (tests/test_ops_rls.py: 1e-6 relative in float64 is the
@@ -59,6 +62,8 @@ from .linear import _triton_unsupported as _linear_triton_unsupported
 from .linear import chunk_gated_linear, linear_attention
 
 _OP = "rls"
+#: the PyTorch chunk forms' default chunk (the Triton path's is lazoo.kernels.rls.CHUNK)
+CHUNK_SIZE = 64
 _STATE_KEYS = ("KK", "VK")
 
 
@@ -69,7 +74,7 @@ def rls(
     *,
     lam: float | torch.Tensor,
     gamma: float = 1.0,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,  # None: 64 for the chunk form, lazoo.kernels.rls.CHUNK for Triton
     initial_state: dict[str, torch.Tensor] | None = None,
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
@@ -79,16 +84,21 @@ def rls(
     (see the module docstring)."""
     B, T, H, dk, dv = check_qkv(_OP, q, k, v)
     mask = check_mask(_OP, mask, B, T, q.device)
-    C = check_chunk_size(_OP, chunk_size)
+    C = None if chunk_size is None else check_chunk_size(_OP, chunk_size)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 < float(gamma) <= 1.0):
         raise ValueError(f"{_OP}: gamma must be a number in (0, 1], got {gamma!r}")
     gamma = float(gamma)
-    backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, gamma))
+    backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, gamma, C))
+    if C is None:  # each path's own default
+        C = _triton_chunk() if backend == "triton" else CHUNK_SIZE
     cdt = compute_dtype(q.dtype)
     lam_h = _lambda(lam, H, q, cdt)  # [H]
 
-    qc, kc, vc = q.to(cdt), zero_masked(k.to(cdt), mask), zero_masked(v.to(cdt), mask)
     KK, VK = _initial_state(initial_state, B, H, dk, dv, q.device, cdt)
+    if backend == "triton":
+        o, KK, VK = _rls_triton(q, k, v, mask, lam_h, KK, VK, C, output_final_state)
+        return zero_masked(o, mask).to(v.dtype), ({"KK": KK, "VK": VK} if output_final_state else None)
+    qc, kc, vc = q.to(cdt), zero_masked(k.to(cdt), mask), zero_masked(v.to(cdt), mask)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     if backend == "recurrent":
         run = _recurrent_sherman_morrison if gamma == 1.0 else _recurrent_solve
@@ -96,29 +106,108 @@ def rls(
     elif gamma < 1.0:
         o, KK, VK = _chunk_solve(qc, kc, vc, real, lam_h, gamma, KK, VK, C)
     else:
-        memory = _triton_memory(mask) if backend == "triton" else None
-        o, KK, VK = _chunk_woodbury(qc, kc, vc, real, lam_h, gamma, KK, VK, C, memory)
+        o, KK, VK = _chunk_woodbury(qc, kc, vc, real, lam_h, gamma, KK, VK, C)
     o = zero_masked(o, mask).to(v.dtype)
     return o, ({"KK": KK, "VK": VK} if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------- triton
-def _triton_unsupported(q, v, gamma) -> str | None:
-    """None when the Triton path runs this case (γ = 1: its memory part is the linear-attention kernel)."""
+def _triton_unsupported(q, v, gamma, chunk_size) -> str | None:
+    """None when the Triton path runs this case."""
+    try:
+        from ..kernels.rls import BS, MAX_HEAD_DIM
+    except ImportError as e:  # no Triton here, or a copy of the model code without the kernels
+        return f"lazoo.kernels.rls cannot be imported ({e})"
+
     if gamma != 1.0:
         return "the Triton path covers gamma = 1 only (gamma < 1 is solved exactly per position)"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"the Triton path takes head dims up to {MAX_HEAD_DIM} (got {q.shape[-1]})"
+    if chunk_size is not None and chunk_size % BS:
+        return f"the Triton path needs chunk_size to be a multiple of {BS} (got {chunk_size})"
     return _linear_triton_unsupported(q, v)
 
 
-def _triton_memory(mask):
-    """o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) on lazoo's Triton linear-attention kernel (fp32 z)."""
+def _triton_chunk() -> int:
+    from ..kernels.rls import CHUNK
 
-    def memory(z, k, v, VK):
-        o, VK_end = linear_attention(z, k.to(z.dtype), v.to(z.dtype), feature_map="identity", normalize=False,
-                                     initial_state=VK.float(), output_final_state=True, mask=mask, backend="triton")
-        return o.to(z.dtype), VK_end.to(z.dtype)
+    return CHUNK
 
-    return memory
+
+def _rls_triton(q, k, v, mask, lam_h, KK, VK, C, output_final_state):
+    """z = (KK_t + λI)^{-1} q_t by lazoo.kernels.rls (fp32), then o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) on the
+    Triton linear-attention kernel in the input's precision (bf16/fp16 inputs: z is rounded to it)."""
+    k = zero_masked(k, mask)
+    z = _TritonSolve.apply(q, k, lam_h, KK, C)
+    mem = _memory_dtype(v.dtype)
+    o, VK_end = linear_attention(z.to(mem), k.to(mem), v.to(mem), feature_map="identity", normalize=False,
+                                 initial_state=VK.float(), output_final_state=output_final_state, mask=mask,
+                                 backend="triton")
+    if not output_final_state:
+        return o, None, None
+    kf = k.float()
+    return o, KK + torch.einsum("bthd,bthe->bhde", kf, kf), VK_end
+
+
+def _start_moments(k, KK, lam_h, C):
+    """A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, fp32 ``[B, H, N, dk, dk]`` (the kernel's chunk starts)."""
+    from ..kernels.rls import chunk_gram
+
+    gram = chunk_gram(k, C)
+    return _ridged(KK.float()[:, :, None] + gram.cumsum(2) - gram, lam_h.float()[:, None])
+
+
+def _key_grad(k, z, y):
+    """With z_t = A_t^{-1} q_t and y_t = A_t^{-1} ∂L/∂z_t (A_t = KK_t + λI), ∂L/∂A_t = −y_t z_tᵀ, so
+    ∂L/∂k_i = −Σ_{t≥i} [(z_t·k_i) y_t + (y_t·k_i) z_t]: two anti-causal linear attentions (queries k), run as
+    2H heads of one causal call on the time-reversed sequence, in k's precision (fp32 for fp32 inputs)."""
+    H = k.shape[2]
+    mem = _memory_dtype(k.dtype)
+    rev = lambda *xs: torch.cat(xs, 2).flip(1).to(mem)  # noqa: E731
+    o, _ = linear_attention(rev(k, k), rev(z, y), rev(y, z), feature_map="identity", normalize=False,
+                            backend="triton")
+    o = o.flip(1).float()
+    return -(o[:, :, :H] + o[:, :, H:])
+
+
+def _memory_dtype(dtype):
+    """bf16/fp16 inputs run the linear-attention parts in their precision; everything else in fp32."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+class _TritonSolve(torch.autograd.Function):
+    """z_t = (KK_t + λI)^{-1} q_t on the Triton kernel; the backward solves again with ∂L/∂z (one more
+    kernel call, reusing the forward's factors) and forms ∂k, ∂λ = −Σ y·z and ∂KK_0 = −sym(Σ y zᵀ) from z
+    and that solve."""
+
+    @staticmethod
+    def forward(ctx, q, k, lam_h, KK, C):
+        from ..kernels.rls import rls_solve
+
+        A = _start_moments(k, KK, lam_h, C)
+        if not any(ctx.needs_input_grad):  # inference: keeping the factors costs ~1 ms at 32k tokens
+            return rls_solve(A, k, q, C)
+        z, factors = rls_solve(A, k, q, C, keep_factors=True)
+        ctx.save_for_backward(k, z, *factors)
+        ctx.C, ctx.dtypes = C, (q.dtype, k.dtype, lam_h.dtype, KK.dtype)
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        from ..kernels.rls import rls_solve
+
+        from ..kernels.rls import SolveFactors
+
+        k, z, *factors = ctx.saved_tensors
+        q_dt, k_dt, lam_dt, KK_dt = ctx.dtypes
+        y = rls_solve(None, k, dz, ctx.C, factors=SolveFactors(*factors))
+        dk = _key_grad(k, z, y).to(k_dt) if ctx.needs_input_grad[1] else None
+        dlam = -(y * z).sum((0, 1, 3)).to(lam_dt) if ctx.needs_input_grad[2] else None
+        dKK = None
+        if ctx.needs_input_grad[3]:
+            total = torch.einsum("bthd,bthe->bhde", y, z)  # Σ_t y_t z_tᵀ
+            dKK = (-0.5 * (total + total.transpose(-1, -2))).to(KK_dt)
+        return y.to(q_dt), dk, dlam, dKK, None
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -208,7 +297,7 @@ def _chunks(x, C):
     return split_chunks(pad_time(x, C), C)  # [B, H, N, C, d]
 
 
-def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C, memory=None):
+def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C):
     """γ = 1: z_t = (KK_t + λI)^{-1} q_t for every position at once, then o_t = VK_t z_t.
 
     The moments at every chunk start are a prefix sum (KK_c = KK_0 + Σ_{chunks before} KᵀK), so each
@@ -216,8 +305,7 @@ def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C, memory=None):
     with no rounding carried from chunk to chunk. Inside a chunk, Woodbury around P_0: the C×C matrix
     M = I + K P_0 Kᵀ = L Lᵀ gives every position's leading principal inverse at once,
     R = K P_0 Qᵀ, X = N ⊙ L⁻ᵀ(N ⊙ L⁻¹(N ⊙ R)) with N[i, t] = 1 for i ≤ t, z_t = P_0 q_t − P_0 Kᵀ X[:, t].
-    o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) is unnormalised linear attention with queries z: ``memory``
-    runs it (the Triton kernel), else the PyTorch chunk form below."""
+    o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) is unnormalised linear attention with queries z."""
     T = q.shape[1]
     Q, K = _chunks(q, C), _chunks(k, C)  # [B, H, N, C, d]; padded positions have k = 0
     gram = K.transpose(-1, -2) @ K  # [B, H, N, dk, dk]
@@ -232,9 +320,6 @@ def _chunk_woodbury(q, k, v, real, lam_h, gamma, KK, VK, C, memory=None):
     Y = torch.where(causal, torch.linalg.solve_triangular(L, R, upper=False), zero)
     X = torch.where(causal, torch.linalg.solve_triangular(L.transpose(-1, -2), Y, upper=True), zero)
     z = merge_chunks((PQ - PK @ X).transpose(-1, -2), T)  # rows z_tᵀ, [B, T, H, dk]
-    if memory is not None:
-        o, VK_end = memory(z, k, v, VK)
-        return o, KK_end, VK_end
     o, VK_end = chunk_gated_linear(z, k, v, None, VK, C)
     return o, KK_end, VK_end
 

@@ -24,7 +24,7 @@ class RLSMixer(RecurrentMixer):
 
     mechanism = "rls"
     defaults = {**RecurrentMixer.defaults, "use_short_conv": True, "lambda_init": 1.0, "gamma": 1.0,
-                "chunk_size": 64,
+                "chunk_size": None,  # the op's default for the backend that runs
                 # the read-out S_t q_t is a regression prediction of v (value scale), not a sum growing with t:
                 # no output norm (an RMSNorm would blow up the small early-token outputs and their rounding)
                 "output_norm": False}

@@ -1,0 +1,255 @@
+"""Triton kernel for RLS's precision part (γ = 1): z_t = (KK_t + λI)^{-1} r_t at every position, exactly.
+
+Per head, with A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK the ridged moments at the start of chunk c (a prefix sum
+computed outside), one program per (chunk, sample·head):
+
+  1. P = A_c^{-1} on chip by the symmetric block sweep (Gauss–Jordan without pivoting, which is stable for
+     a positive definite matrix): for each block j of BS columns, with c = A[:, j] and p = A_jj^{-1},
+     A ← A − (c p) cᵀ, then A[:, j] ← c p and A_jj ← −p (and the mirror rows); after every block A = −P.
+     The BS×BS pivots are inverted from their LDLᵀ factors (below).
+  2. The chunk's positions BS at a time, P carried along (Sherman–Morrison/Woodbury, exact for γ = 1): with
+     U = K_s P, W = R_s P, M = I + K_s Uᵀ = L D Lᵀ and Rm[i, t] = k_iᵀ P r_t, every position's leading
+     principal solve comes from L⁻¹ and D⁻¹ (matrix products only):
+         X = N ⊙ L⁻ᵀ D⁻¹ (N ⊙ L⁻¹ (N ⊙ Rm)),   N[i, t] = [i ≤ t],     z_t = W_t − Σ_i X[i, t] U_i
+     then P ← P − Uᵀ M⁻¹ U for the next BS positions. L and D come from a symmetric elimination of the
+     BS×BS matrix M in registers, L⁻¹ from a nilpotent product (``_ldl_inverse``).
+
+Everything is fp32; the products run at ``precision``: ``"tf32x3"`` (fp32-accurate on the tensor cores, the
+default: 3-4e-7 from a float64 solve at T = 1k; plain tf32 gave 1e-3) or ``"ieee"`` (fp32 FMAs, ~10× slower
+on an H100). A head dim below a power of two is padded on chip with an identity block (exact: the padded
+coordinates decouple). Limits: dk <= 128 (P is held in registers), the chunk a multiple of BS = 16.
+
+The backward of z needs the same solve with r = ∂L/∂z (A is symmetric), so ``lazoo.ops.rls`` calls this
+kernel twice per training step and forms the other gradients from z and that solve; the forward keeps the
+factors (every chunk's P and every block's L⁻¹, D⁻¹), so the backward's call does the products only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import is_interpreting, next_pow2
+
+#: rows of a sub-block (the pivot blocks of the sweep and the positions solved at once)
+BS = 16
+#: largest head dim: the dk×dk inverse lives in registers
+MAX_HEAD_DIM = 128
+#: positions per program (one dk×dk inverse each), product precision and warps per program (chosen from a
+#: sweep on an H100: docs/rls.md)
+CHUNK = 512
+PRECISION = "tf32x3"
+NUM_WARPS = 8
+#: warps for head dims <= 64: with 8 warps, Triton 3.6 compiled the block sweep's rank-16 product at DK = 64 into an
+#: invalid shared-memory read (compute-sanitizer on an H100, in the backward's fp32 variant); 4 warps run clean
+NUM_WARPS_SMALL = 4
+
+
+@triton.jit
+def _take_cols(X, j, R: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """Column block j (B wide) of X ``[R, NB·B]`` → ``[R, B]``."""
+    X3 = tl.reshape(X, [R, NB, B])
+    sel = (tl.arange(0, NB) == j)[None, :, None]
+    return tl.sum(tl.where(sel, X3, 0.0), axis=1)
+
+
+@triton.jit
+def _take_rows(X, j, NB: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """Row block j (B tall) of X ``[NB·B, C]`` → ``[B, C]``."""
+    X3 = tl.reshape(X, [NB, B, C])
+    sel = (tl.arange(0, NB) == j)[:, None, None]
+    return tl.sum(tl.where(sel, X3, 0.0), axis=0)
+
+
+@triton.jit
+def _put_cols(X, Y, j, R: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+    """X ``[R, NB·B]`` with column block j replaced by Y ``[R, B]``."""
+    X3 = tl.reshape(X, [R, NB, B])
+    sel = (tl.arange(0, NB) == j)[None, :, None]
+    return tl.reshape(tl.where(sel, Y[:, None, :], X3), [R, NB * B])
+
+
+@triton.jit
+def _put_rows(X, Y, j, NB: tl.constexpr, B: tl.constexpr, C: tl.constexpr):
+    """X ``[NB·B, C]`` with row block j replaced by Y ``[B, C]``."""
+    X3 = tl.reshape(X, [NB, B, C])
+    sel = (tl.arange(0, NB) == j)[:, None, None]
+    return tl.reshape(tl.where(sel, Y[None, :, :], X3), [NB * B, C])
+
+
+@triton.jit
+def _small_inverse(a, B: tl.constexpr, PREC: tl.constexpr):
+    """Inverse of a symmetric positive definite ``[B, B]`` matrix: L⁻ᵀ D⁻¹ L⁻¹ from its LDLᵀ factors."""
+    E, dinv = _ldl_inverse(a, B, PREC)
+    return tl.dot(tl.trans(E), dinv[:, None] * E, input_precision=PREC)
+
+
+@triton.jit
+def _spd_inverse(A, DK: tl.constexpr, B: tl.constexpr, PREC: tl.constexpr):
+    """Inverse of a symmetric positive definite ``[DK, DK]`` matrix by the block sweep (blocks of B)."""
+    NB: tl.constexpr = DK // B
+    for j in range(NB):
+        c = _take_cols(A, j, DK, NB, B)  # [DK, B]
+        p = _small_inverse(_take_rows(c, j, NB, B, B), B, PREC)
+        f = tl.dot(c, p, input_precision=PREC)
+        A = A - tl.dot(f, tl.trans(c), input_precision=PREC)
+        g = _put_rows(f, -p, j, NB, B, B)
+        A = _put_cols(A, g, j, DK, NB, B)
+        A = _put_rows(A, tl.trans(g), j, NB, B, DK)
+    return -A
+
+
+@triton.jit
+def _ldl_inverse(M, B: tl.constexpr, PREC: tl.constexpr):
+    """M = L D Lᵀ (symmetric positive definite ``[B, B]``): returns L⁻¹ (unit lower) and D⁻¹ ``[B]``.
+
+    Symmetric elimination: at step p the remaining matrix is symmetric, so its column p is also its row p
+    (one reduction along the rows, one broadcast of the pivot: the loop's only cross-warp traffic), and
+    M ← M − l cᵀ with l = c / d zeroes row and column p. L⁻¹ = (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
+    for the strictly lower N (nilpotent: N^B = 0), four products instead of a second sequential loop."""
+    r = tl.arange(0, B)
+    L = tl.zeros([B, B], dtype=tl.float32)
+    dvec = tl.zeros([B], dtype=tl.float32)
+    for p in range(B):
+        c = tl.sum(tl.where(r[None, :] == p, M, 0.0), axis=1)  # column p = row p
+        d = tl.sum(tl.where(r == p, c, 0.0), axis=0)
+        l = c / d
+        M = M - l[:, None] * c[None, :]
+        L = tl.where(r[None, :] == p, l[:, None], L)
+        dvec = tl.where(r == p, d, dvec)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    N = tl.where(r[:, None] > r[None, :], L, 0.0)
+    E = eye - N
+    Nk = N
+    for _ in tl.static_range(3):  # B <= 16: N^16 = 0
+        Nk = tl.dot(Nk, Nk, input_precision=PREC)
+        E = tl.dot(E, eye + Nk, input_precision=PREC)
+    return E, 1.0 / dvec
+
+
+@triton.jit
+def _solve_kernel(A, K, R, Z, P0, E_, D_, T, H, N, dk, BC: tl.constexpr, DK: tl.constexpr, B: tl.constexpr,
+                  PREC: tl.constexpr, SAVE: tl.constexpr, REUSE: tl.constexpr):
+    i_n, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = bh // H, bh % H
+    d = tl.arange(0, DK)
+    d_ok = d < dk
+    p_offs = (bh * N + i_n) * DK * DK + d[:, None] * DK + d[None, :]
+    if REUSE:  # the factors of an earlier call on the same keys (the backward's solve)
+        P = tl.load(P0 + p_offs)
+    else:
+        a = tl.load(A + (bh * N + i_n) * dk * dk + d[:, None] * dk + d[None, :],
+                    mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+        a = tl.where((d[:, None] == d[None, :]) & ~d_ok[:, None], 1.0, a)  # identity on the padded coordinates
+        P = _spd_inverse(a, DK, B, PREC)
+        if SAVE:
+            tl.store(P0 + p_offs, P)
+
+    s = tl.arange(0, B)
+    eye = tl.where(s[:, None] == s[None, :], 1.0, 0.0)
+    upto = s[:, None] <= s[None, :]  # [i, t]: i ≤ t
+    base = i_b * T * H * dk + i_h * dk
+    for s0 in range(0, BC, B):
+        t = i_n * BC + s0 + s
+        ok = (t < T)[:, None] & d_ok[None, :]
+        offs = base + t[:, None] * (H * dk) + d[None, :]
+        sb = (bh * N + i_n) * (BC // B) + s0 // B  # this sub-block's slot in the saved factors
+        Ks = tl.load(K + offs, mask=ok, other=0.0).to(tl.float32)
+        Rs = tl.load(R + offs, mask=ok, other=0.0).to(tl.float32)
+        U = tl.dot(Ks, P, input_precision=PREC)  # rows (P k_i)ᵀ
+        W = tl.dot(Rs, P, input_precision=PREC)  # rows (P r_t)ᵀ
+        if REUSE:
+            E = tl.load(E_ + sb * B * B + s[:, None] * B + s[None, :])
+            dinv = tl.load(D_ + sb * B + s)
+        else:
+            M = eye + tl.dot(Ks, tl.trans(U), input_precision=PREC)
+            E, dinv = _ldl_inverse(M, B, PREC)
+            if SAVE:
+                tl.store(E_ + sb * B * B + s[:, None] * B + s[None, :], E)
+                tl.store(D_ + sb * B + s, dinv)
+        Rm = tl.dot(U, tl.trans(Rs), input_precision=PREC)  # [i, t] = k_iᵀ P r_t
+        Y = tl.where(upto, tl.dot(E, tl.where(upto, Rm, 0.0), input_precision=PREC), 0.0)
+        X = tl.where(upto, tl.dot(tl.trans(E), dinv[:, None] * Y, input_precision=PREC), 0.0)
+        Zs = W - tl.dot(tl.trans(X), U, input_precision=PREC)
+        tl.store(Z + offs, Zs, mask=ok)
+        Minv = tl.dot(tl.trans(E), dinv[:, None] * E, input_precision=PREC)
+        P = P - tl.dot(tl.trans(U), tl.dot(Minv, U, input_precision=PREC), input_precision=PREC)
+
+
+@triton.jit
+def _gram_kernel(K, G, T, H, N, dk, BC: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    i_n, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = bh // H, bh % H
+    d = tl.arange(0, DK)
+    d_ok = d < dk
+    base = i_b * T * H * dk + i_h * dk
+    acc = tl.zeros([DK, DK], dtype=tl.float32)
+    for s0 in range(0, BC, BT):
+        t = i_n * BC + s0 + tl.arange(0, BT)
+        kb = tl.load(K + base + t[:, None] * (H * dk) + d[None, :], mask=(t < T)[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.dot(tl.trans(kb), kb, input_precision=PREC)  # bf16/fp16: exact products, fp32 sums
+    tl.store(G + (bh * N + i_n) * dk * dk + d[:, None] * dk + d[None, :], acc, mask=d_ok[:, None] & d_ok[None, :])
+
+
+def chunk_gram(k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Σ_{i in chunk c} k_i k_iᵀ for every chunk: fp32 ``[B, H, N, dk, dk]`` from ``k [B, T, H, dk]``."""
+    Bn, T, H, dk = k.shape
+    N = triton.cdiv(T, chunk)
+    k = k.contiguous()
+    G = torch.empty(Bn, H, N, dk, dk, dtype=torch.float32, device=k.device)
+    bt = min(64, chunk)
+    precision = "ieee" if is_interpreting() else PRECISION
+    _gram_kernel[(N, Bn * H)](k, G, T, H, N, dk, BC=chunk, DK=next_pow2(dk, BS), BT=bt, PREC=precision,
+                              num_warps=4, num_stages=2)
+    return G
+
+
+class SolveFactors(NamedTuple):
+    """What ``rls_solve`` can keep from one call for another on the same keys and chunk starts: every
+    chunk's start inverse ``P0 [B, H, N, DK, DK]`` (DK the padded head dim) and every 16-position block's
+    L⁻¹ ``E [B, H, N, chunk/16, 16, 16]`` and D⁻¹ ``dinv [B, H, N, chunk/16, 16]``, fp32 (≈ 17 + DK²/chunk
+    floats a position)."""
+
+    P0: torch.Tensor
+    E: torch.Tensor
+    dinv: torch.Tensor
+
+
+def rls_solve(A: torch.Tensor | None, k: torch.Tensor, r: torch.Tensor, chunk: int, *,
+              factors: SolveFactors | None = None, keep_factors: bool = False, precision: str | None = None,
+              num_warps: int | None = None):
+    """z_t = (A_c + Σ_{i ≤ t in chunk c} k_i k_iᵀ)^{-1} r_t for every position.
+
+    ``A [B, H, N, dk, dk]`` fp32: the ridged moments at every chunk start (N = ⌈T / chunk⌉, positive
+    definite); ``k``, ``r`` ``[B, T, H, dk]`` (any float dtype, k zero at pads). Returns z ``[B, T, H, dk]``
+    fp32, and its ``SolveFactors`` too with ``keep_factors``. Given ``factors`` from a call on the same k and
+    A (A may then be None), the call skips the inverses and eliminations: only the products remain."""
+    Bn, T, H, dk = k.shape
+    if dk > MAX_HEAD_DIM:
+        raise ValueError(f"rls_solve: head dim {dk} > {MAX_HEAD_DIM} (the dk×dk inverse is held in registers)")
+    if chunk % BS:
+        raise ValueError(f"rls_solve: chunk {chunk} is not a multiple of {BS}")
+    N = triton.cdiv(T, chunk)
+    DK = next_pow2(dk, BS)
+    if factors is None and (A is None or tuple(A.shape) != (Bn, H, N, dk, dk) or A.dtype != torch.float32):
+        raise ValueError(f"rls_solve: A must be fp32 [B, H, N, dk, dk] = {(Bn, H, N, dk, dk)}, got "
+                         f"{None if A is None else (A.dtype, tuple(A.shape))}")
+    shapes = ((Bn, H, N, DK, DK), (Bn, H, N, chunk // BS, BS, BS), (Bn, H, N, chunk // BS, BS))
+    if factors is not None and tuple(tuple(f.shape) for f in factors) != shapes:
+        raise ValueError(f"rls_solve: factors do not match these keys and chunk: expected shapes {shapes}")
+    k, r = k.contiguous(), r.contiguous()
+    z = torch.empty(Bn, T, H, dk, dtype=torch.float32, device=k.device)
+    out = factors
+    if out is None and keep_factors:
+        out = SolveFactors(*(torch.empty(sh, dtype=torch.float32, device=k.device) for sh in shapes))
+    dummy = z  # pointer arguments that a variant does not touch
+    P0, E, dinv = out if out is not None else (dummy, dummy, dummy)
+    precision = "ieee" if is_interpreting() else (precision or PRECISION)
+    num_warps = num_warps or (NUM_WARPS if DK > 64 else NUM_WARPS_SMALL)
+    _solve_kernel[(N, Bn * H)](A.contiguous() if A is not None else dummy, k, r, z, P0, E, dinv, T, H, N, dk,
+                               BC=chunk, DK=DK, B=BS, PREC=precision, SAVE=factors is None and keep_factors,
+                               REUSE=factors is not None, num_warps=num_warps, num_stages=1)
+    return (z, out) if keep_factors else z
