@@ -106,20 +106,53 @@ def _spd_inverse(A, DK: tl.constexpr, B: tl.constexpr, PREC: tl.constexpr):
 def _ldl_inverse(M, B: tl.constexpr, PREC: tl.constexpr):
     """M = L D Lᵀ (symmetric positive definite ``[B, B]``): returns L⁻¹ (unit lower) and D⁻¹ ``[B]``.
 
-    Symmetric elimination: at step p the remaining matrix is symmetric, so its column p is also its row p
-    (one reduction along the rows, one broadcast of the pivot: the loop's only cross-warp traffic), and
-    M ← M − l cᵀ with l = c / d zeroes row and column p. L⁻¹ = (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸)
-    for the strictly lower N (nilpotent: N^B = 0), four products instead of a second sequential loop."""
+    Symmetric elimination, four pivots a step (the loop is latency-bound: one round of reductions a step
+    instead of one a pivot): the remaining matrix is symmetric, so its columns c_j (j = p … p + 3) are also
+    its rows; the 4×4 pivot block's entries m_ij = c_j[p + i] give its LDLᵀ in scalars, each column is
+    cleared of the earlier pivots (c_j ← c_j − Σ_{i<j} l_i m'_ij), l_j = c_j / d_j, and
+    M ← M − Σ_j l_j c_jᵀ. L⁻¹ = (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸) for the strictly lower N
+    (nilpotent: N^B = 0), four products instead of a second sequential loop."""
     r = tl.arange(0, B)
     L = tl.zeros([B, B], dtype=tl.float32)
     dvec = tl.zeros([B], dtype=tl.float32)
-    for p in range(B):
-        c = tl.sum(tl.where(r[None, :] == p, M, 0.0), axis=1)  # column p = row p
-        d = tl.sum(tl.where(r == p, c, 0.0), axis=0)
-        l = c / d
-        M = M - l[:, None] * c[None, :]
-        L = tl.where(r[None, :] == p, l[:, None], L)
-        dvec = tl.where(r == p, d, dvec)
+    for p in range(0, B, 4):
+        c0 = tl.sum(tl.where(r[None, :] == p, M, 0.0), axis=1)
+        c1 = tl.sum(tl.where(r[None, :] == p + 1, M, 0.0), axis=1)
+        c2 = tl.sum(tl.where(r[None, :] == p + 2, M, 0.0), axis=1)
+        c3 = tl.sum(tl.where(r[None, :] == p + 3, M, 0.0), axis=1)
+        m00 = tl.sum(tl.where(r == p, c0, 0.0), axis=0)
+        m01 = tl.sum(tl.where(r == p, c1, 0.0), axis=0)
+        m02 = tl.sum(tl.where(r == p, c2, 0.0), axis=0)
+        m03 = tl.sum(tl.where(r == p, c3, 0.0), axis=0)
+        m11 = tl.sum(tl.where(r == p + 1, c1, 0.0), axis=0)
+        m12 = tl.sum(tl.where(r == p + 1, c2, 0.0), axis=0)
+        m13 = tl.sum(tl.where(r == p + 1, c3, 0.0), axis=0)
+        m22 = tl.sum(tl.where(r == p + 2, c2, 0.0), axis=0)
+        m23 = tl.sum(tl.where(r == p + 2, c3, 0.0), axis=0)
+        m33 = tl.sum(tl.where(r == p + 3, c3, 0.0), axis=0)
+        # the pivot block's LDLᵀ in scalars (primes: entries after the earlier pivots are out)
+        d0 = m00
+        d1 = m11 - m01 * m01 / d0
+        m12 = m12 - m01 * m02 / d0
+        m13 = m13 - m01 * m03 / d0
+        d2 = m22 - m02 * m02 / d0 - m12 * m12 / d1
+        m23 = m23 - m02 * m03 / d0 - m12 * m13 / d1
+        d3 = m33 - m03 * m03 / d0 - m13 * m13 / d1 - m23 * m23 / d2
+        l0 = c0 / d0
+        c1 = c1 - l0 * m01
+        l1 = c1 / d1
+        c2 = c2 - l0 * m02 - l1 * m12
+        l2 = c2 / d2
+        c3 = c3 - l0 * m03 - l1 * m13 - l2 * m23
+        l3 = c3 / d3
+        M = M - l0[:, None] * c0[None, :] - l1[:, None] * c1[None, :] - l2[:, None] * c2[None, :] \
+            - l3[:, None] * c3[None, :]
+        L = tl.where(r[None, :] == p, l0[:, None], L)
+        L = tl.where(r[None, :] == p + 1, l1[:, None], L)
+        L = tl.where(r[None, :] == p + 2, l2[:, None], L)
+        L = tl.where(r[None, :] == p + 3, l3[:, None], L)
+        dvec = tl.where(r == p, d0, tl.where(r == p + 1, d1, dvec))
+        dvec = tl.where(r == p + 2, d2, tl.where(r == p + 3, d3, dvec))
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     N = tl.where(r[:, None] > r[None, :], L, 0.0)
     E = eye - N

@@ -138,7 +138,8 @@ def _rls_triton(q, k, v, mask, lam_h, KK, VK, C, output_final_state):
     """z = (KK_t + λI)^{-1} q_t by lazoo.kernels.rls (fp32), then o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) on the
     Triton linear-attention kernel in the input's precision (bf16/fp16 inputs: z is rounded to it)."""
     k = zero_masked(k, mask)
-    z = _TritonSolve.apply(q, k, lam_h, KK, C)
+    keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, lam_h, KK))
+    z = _TritonSolve.apply(q, k, lam_h, KK, C, keep)
     mem = _memory_dtype(v.dtype)
     o, VK_end = linear_attention(z.to(mem), k.to(mem), v.to(mem), feature_map="identity", normalize=False,
                                  initial_state=VK.float(), output_final_state=output_final_state, mask=mask,
@@ -163,11 +164,12 @@ def _key_grad(k, z, y):
     2H heads of one causal call on the time-reversed sequence, in k's precision (fp32 for fp32 inputs)."""
     H = k.shape[2]
     mem = _memory_dtype(k.dtype)
-    rev = lambda *xs: torch.cat(xs, 2).flip(1).to(mem)  # noqa: E731
-    o, _ = linear_attention(rev(k, k), rev(z, y), rev(y, z), feature_map="identity", normalize=False,
+    kb, zb, yb = (x.to(mem) for x in (k, z, y))  # cast before the copies below
+    rev = lambda a, b: torch.cat((a, b), 2).flip(1)  # noqa: E731
+    o, _ = linear_attention(rev(kb, kb), rev(zb, yb), rev(yb, zb), feature_map="identity", normalize=False,
                             backend="triton")
-    o = o.flip(1).float()
-    return -(o[:, :, :H] + o[:, :, H:])
+    o = o.float()
+    return -(o[:, :, :H] + o[:, :, H:]).flip(1)
 
 
 def _memory_dtype(dtype):
@@ -181,11 +183,11 @@ class _TritonSolve(torch.autograd.Function):
     and that solve."""
 
     @staticmethod
-    def forward(ctx, q, k, lam_h, KK, C):
+    def forward(ctx, q, k, lam_h, KK, C, keep):
         from ..kernels.rls import rls_solve
 
         A = _start_moments(k, KK, lam_h, C)
-        if not any(ctx.needs_input_grad):  # inference: keeping the factors costs ~1 ms at 32k tokens
+        if not keep:  # no backward to come: keeping the factors costs ~1.4 ms at 32k tokens
             return rls_solve(A, k, q, C)
         z, factors = rls_solve(A, k, q, C, keep_factors=True)
         ctx.save_for_backward(k, z, *factors)
@@ -207,7 +209,7 @@ class _TritonSolve(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             total = torch.einsum("bthd,bthe->bhde", y, z)  # Σ_t y_t z_tᵀ
             dKK = (-0.5 * (total + total.transpose(-1, -2))).to(KK_dt)
-        return y.to(q_dt), dk, dlam, dKK, None
+        return y.to(q_dt), dk, dlam, dKK, None, None
 
 
 # ----------------------------------------------------------------------------- inputs
