@@ -76,7 +76,7 @@ def test_interp_rls_triton_matches_float64(T, dk):
 
 
 @needs_interp
-@pytest.mark.parametrize("T,dk,chunk", [(37, 16, 16), (70, 32, 32), (45, 24, 32)])
+@pytest.mark.parametrize("T,dk,chunk", [(37, 16, 16), (70, 32, 32), (45, 24, 32), (1, 16, 32)])
 def test_interp_rls_solve_kernel_matches_float64_solves(T, dk, chunk):
     """The kernel alone: z_t = (A_c + Σ_{i≤t in chunk c} k_i k_iᵀ)^{-1} r_t against one float64 solve per t,
     with a random positive definite A_c per chunk (not a prefix of the keys)."""

@@ -185,7 +185,7 @@ def _solve_kernel(A, K, R, Z, P0, E_, D_, T, H, N, dk, BC: tl.constexpr, DK: tl.
     eye = tl.where(s[:, None] == s[None, :], 1.0, 0.0)
     upto = s[:, None] <= s[None, :]  # [i, t]: i ≤ t
     base = i_b * T * H * dk + i_h * dk
-    for s0 in range(0, BC, B):
+    for s0 in range(0, tl.minimum(BC, T - i_n * BC), B):  # a short last chunk (decoding: one token) stops early
         t = i_n * BC + s0 + s
         ok = (t < T)[:, None] & d_ok[None, :]
         offs = base + t[:, None] * (H * dk) + d[None, :]
@@ -220,7 +220,7 @@ def _gram_kernel(K, G, T, H, N, dk, BC: tl.constexpr, DK: tl.constexpr, BT: tl.c
     d_ok = d < dk
     base = i_b * T * H * dk + i_h * dk
     acc = tl.zeros([DK, DK], dtype=tl.float32)
-    for s0 in range(0, BC, BT):
+    for s0 in range(0, tl.minimum(BC, T - i_n * BC), BT):
         t = i_n * BC + s0 + tl.arange(0, BT)
         kb = tl.load(K + base + t[:, None] * (H * dk) + d[None, :], mask=(t < T)[:, None] & d_ok[None, :], other=0.0)
         acc += tl.dot(tl.trans(kb), kb, input_precision=PREC)  # bf16/fp16: exact products, fp32 sums
