@@ -19,9 +19,10 @@ default: 3-4e-7 from a float64 solve at T = 1k; plain tf32 gave 1e-3) or ``"ieee
 on an H100). A head dim below a power of two is padded on chip with an identity block (exact: the padded
 coordinates decouple). Limits: dk <= 128 (P is held in registers), the chunk a multiple of BS = 16.
 
-The backward of z needs the same solve with r = ∂L/∂z (A is symmetric), so ``lazoo.ops.rls`` calls this
-kernel twice per training step and forms the other gradients from z and that solve; the forward keeps the
-factors (every chunk's P and every block's L⁻¹, D⁻¹), so the backward's call does the products only.
+The backward of z needs the same solve with r = ∂L/∂z (A is symmetric): ``RLSPrecisionFunction`` (below;
+``rls_precision``, used by ``lazoo.ops.rls``) calls the kernel twice per training step and forms the other
+gradients from z and that solve; the forward keeps the factors (every chunk's P and every block's L⁻¹, D⁻¹),
+so the backward's call does the products only.
 """
 
 from __future__ import annotations
@@ -286,3 +287,67 @@ def rls_solve(A: torch.Tensor | None, k: torch.Tensor, r: torch.Tensor, chunk: i
                                BC=chunk, DK=DK, B=BS, PREC=precision, SAVE=factors is None and keep_factors,
                                REUSE=factors is not None, num_warps=num_warps, num_stages=1)
     return (z, out) if keep_factors else z
+
+
+# ----------------------------------------------------------------------------- autograd
+def memory_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bf16/fp16 inputs run the linear-attention parts in their precision; everything else in fp32."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def chunk_start_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, fp32 ``[B, H, N, dk, dk]`` (``KK [B, H, dk, dk]``, λ ``[H]``)."""
+    gram = chunk_gram(k, chunk)
+    eye = torch.eye(k.shape[-1], dtype=torch.float32, device=k.device)
+    return KK.float()[:, :, None] + gram.cumsum(2) - gram + lam_h.float()[:, None, None, None] * eye
+
+
+def _key_grad(k, z, y):
+    """With z_t = A_t^{-1} q_t and y_t = A_t^{-1} ∂L/∂z_t (A_t = KK_t + λI), ∂L/∂A_t = −y_t z_tᵀ, so
+    ∂L/∂k_i = −Σ_{t≥i} [(z_t·k_i) y_t + (y_t·k_i) z_t]: two anti-causal linear attentions (queries k), run as
+    2H heads of one causal call on the time-reversed sequence, in k's precision (fp32 for fp32 inputs)."""
+    from .linear import chunk_linear_attention
+
+    H = k.shape[2]
+    mem = memory_dtype(k.dtype)
+    kb, zb, yb = (x.to(mem) for x in (k, z, y))  # cast before the copies below
+    rev = lambda a, b: torch.cat((a, b), 2).flip(1)  # noqa: E731
+    o, _ = chunk_linear_attention(rev(kb, kb), rev(zb, yb), rev(yb, zb))
+    o = o.float()
+    return -(o[:, :, :H] + o[:, :, H:]).flip(1)
+
+
+class RLSPrecisionFunction(torch.autograd.Function):
+    """z_t = (KK_t + λI)^{-1} q_t on the solve kernel; the backward solves again with ∂L/∂z (one more kernel
+    call, reusing the forward's factors) and forms ∂k, ∂λ = −Σ y·z and ∂KK_0 = −sym(Σ y zᵀ) from z and that
+    solve (no autograd through any factorisation)."""
+
+    @staticmethod
+    def forward(ctx, q, k, lam_h, KK, chunk, keep):
+        A = chunk_start_moments(k, KK, lam_h, chunk)
+        if not keep:  # no backward to come: keeping the factors costs ~1.4 ms at 32k tokens (H100)
+            return rls_solve(A, k, q, chunk)
+        z, factors = rls_solve(A, k, q, chunk, keep_factors=True)
+        ctx.save_for_backward(k, z, *factors)
+        ctx.chunk, ctx.dtypes = chunk, (q.dtype, k.dtype, lam_h.dtype, KK.dtype)
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        k, z, *factors = ctx.saved_tensors
+        q_dt, k_dt, lam_dt, KK_dt = ctx.dtypes
+        y = rls_solve(None, k, dz, ctx.chunk, factors=SolveFactors(*factors))
+        dk = _key_grad(k, z, y).to(k_dt) if ctx.needs_input_grad[1] else None
+        dlam = -(y * z).sum((0, 1, 3)).to(lam_dt) if ctx.needs_input_grad[2] else None
+        dKK = None
+        if ctx.needs_input_grad[3]:
+            total = torch.einsum("bthd,bthe->bhde", y, z)  # Σ_t y_t z_tᵀ
+            dKK = (-0.5 * (total + total.transpose(-1, -2))).to(KK_dt)
+        return y.to(q_dt), dk, dlam, dKK, None, None
+
+
+def rls_precision(q: torch.Tensor, k: torch.Tensor, lam_h: torch.Tensor, KK: torch.Tensor, chunk: int) -> torch.Tensor:
+    """z_t = (KK_0 + Σ_{i≤t} k_i k_iᵀ + λI)^{-1} q_t, fp32 ``[B, T, H, dk]``, differentiable in q, k, λ ``[H]``
+    and ``KK [B, H, dk, dk]`` (k zero at pads). The solve's factors are kept only when a backward will run."""
+    keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, lam_h, KK))
+    return RLSPrecisionFunction.apply(q, k, lam_h, KK, chunk, keep)

@@ -137,10 +137,11 @@ def _triton_chunk() -> int:
 def _rls_triton(q, k, v, mask, lam_h, KK, VK, C, output_final_state):
     """z = (KK_t + λI)^{-1} q_t by lazoo.kernels.rls (fp32), then o_t = VK_0 z_t + Σ_{i≤t} v_i (k_i·z_t) on the
     Triton linear-attention kernel in the input's precision (bf16/fp16 inputs: z is rounded to it)."""
+    from ..kernels.rls import memory_dtype, rls_precision
+
     k = zero_masked(k, mask)
-    keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, lam_h, KK))
-    z = _TritonSolve.apply(q, k, lam_h, KK, C, keep)
-    mem = _memory_dtype(v.dtype)
+    z = rls_precision(q, k, lam_h, KK, C)
+    mem = memory_dtype(v.dtype)
     o, VK_end = linear_attention(z.to(mem), k.to(mem), v.to(mem), feature_map="identity", normalize=False,
                                  initial_state=VK.float(), output_final_state=output_final_state, mask=mask,
                                  backend="triton")
@@ -148,68 +149,6 @@ def _rls_triton(q, k, v, mask, lam_h, KK, VK, C, output_final_state):
         return o, None, None
     kf = k.float()
     return o, KK + torch.einsum("bthd,bthe->bhde", kf, kf), VK_end
-
-
-def _start_moments(k, KK, lam_h, C):
-    """A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, fp32 ``[B, H, N, dk, dk]`` (the kernel's chunk starts)."""
-    from ..kernels.rls import chunk_gram
-
-    gram = chunk_gram(k, C)
-    return _ridged(KK.float()[:, :, None] + gram.cumsum(2) - gram, lam_h.float()[:, None])
-
-
-def _key_grad(k, z, y):
-    """With z_t = A_t^{-1} q_t and y_t = A_t^{-1} ∂L/∂z_t (A_t = KK_t + λI), ∂L/∂A_t = −y_t z_tᵀ, so
-    ∂L/∂k_i = −Σ_{t≥i} [(z_t·k_i) y_t + (y_t·k_i) z_t]: two anti-causal linear attentions (queries k), run as
-    2H heads of one causal call on the time-reversed sequence, in k's precision (fp32 for fp32 inputs)."""
-    H = k.shape[2]
-    mem = _memory_dtype(k.dtype)
-    kb, zb, yb = (x.to(mem) for x in (k, z, y))  # cast before the copies below
-    rev = lambda a, b: torch.cat((a, b), 2).flip(1)  # noqa: E731
-    o, _ = linear_attention(rev(kb, kb), rev(zb, yb), rev(yb, zb), feature_map="identity", normalize=False,
-                            backend="triton")
-    o = o.float()
-    return -(o[:, :, :H] + o[:, :, H:]).flip(1)
-
-
-def _memory_dtype(dtype):
-    """bf16/fp16 inputs run the linear-attention parts in their precision; everything else in fp32."""
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
-
-
-class _TritonSolve(torch.autograd.Function):
-    """z_t = (KK_t + λI)^{-1} q_t on the Triton kernel; the backward solves again with ∂L/∂z (one more
-    kernel call, reusing the forward's factors) and forms ∂k, ∂λ = −Σ y·z and ∂KK_0 = −sym(Σ y zᵀ) from z
-    and that solve."""
-
-    @staticmethod
-    def forward(ctx, q, k, lam_h, KK, C, keep):
-        from ..kernels.rls import rls_solve
-
-        A = _start_moments(k, KK, lam_h, C)
-        if not keep:  # no backward to come: keeping the factors costs ~1.4 ms at 32k tokens
-            return rls_solve(A, k, q, C)
-        z, factors = rls_solve(A, k, q, C, keep_factors=True)
-        ctx.save_for_backward(k, z, *factors)
-        ctx.C, ctx.dtypes = C, (q.dtype, k.dtype, lam_h.dtype, KK.dtype)
-        return z
-
-    @staticmethod
-    def backward(ctx, dz):
-        from ..kernels.rls import rls_solve
-
-        from ..kernels.rls import SolveFactors
-
-        k, z, *factors = ctx.saved_tensors
-        q_dt, k_dt, lam_dt, KK_dt = ctx.dtypes
-        y = rls_solve(None, k, dz, ctx.C, factors=SolveFactors(*factors))
-        dk = _key_grad(k, z, y).to(k_dt) if ctx.needs_input_grad[1] else None
-        dlam = -(y * z).sum((0, 1, 3)).to(lam_dt) if ctx.needs_input_grad[2] else None
-        dKK = None
-        if ctx.needs_input_grad[3]:
-            total = torch.einsum("bthd,bthe->bhde", y, z)  # Σ_t y_t z_tᵀ
-            dKK = (-0.5 * (total + total.transpose(-1, -2))).to(KK_dt)
-        return y.to(q_dt), dk, dlam, dKK, None, None
 
 
 # ----------------------------------------------------------------------------- inputs
