@@ -76,16 +76,19 @@ def test_interp_rls_triton_matches_float64(T, dk):
 
 
 @needs_interp
-@pytest.mark.parametrize("T,dk,chunk", [(37, 16, 16), (70, 32, 32), (45, 24, 32), (1, 16, 32)])
-def test_interp_rls_solve_kernel_matches_float64_solves(T, dk, chunk):
+@pytest.mark.parametrize("T,dk,chunk,dtype", [(37, 16, 16, torch.float32), (70, 32, 32, torch.float32),
+                                               (45, 24, 32, torch.float32), (1, 16, 32, torch.float32),
+                                               (37, 16, 16, torch.bfloat16), (45, 24, 32, torch.bfloat16)])
+def test_interp_rls_solve_kernel_matches_float64_solves(T, dk, chunk, dtype):
     """The kernel alone: z_t = (A_c + Σ_{i≤t in chunk c} k_i k_iᵀ)^{-1} r_t against one float64 solve per t,
-    with a random positive definite A_c per chunk (not a prefix of the keys)."""
+    with a random positive definite A_c per chunk (not a prefix of the keys). bf16 keys and right-hand sides
+    take the kernel's split-product variant (P split into tf32 hi/lo parts)."""
     from lazoo.kernels.rls import rls_solve
 
     gen = torch.Generator().manual_seed(dk + T)
     B, H = 2, 2
-    k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1)
-    r = torch.randn(B, T, H, dk, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1).to(dtype)
+    r = torch.randn(B, T, H, dk, generator=gen).to(dtype)
     N = -(-T // chunk)
     X = torch.randn(B, H, N, dk, 3 * dk, generator=gen) / dk ** 0.5
     A = X @ X.transpose(-1, -2) + 0.5 * torch.eye(dk)
@@ -99,7 +102,7 @@ def test_interp_rls_solve_kernel_matches_float64_solves(T, dk, chunk):
     assert_close(z, ref, 1e-5, "z")
     # the backward's call: the kept factors and a new right-hand side give the same as a fresh solve
     _, factors = rls_solve(A.float(), k, r, chunk, keep_factors=True)
-    r2 = torch.randn(B, T, H, dk, generator=gen)
+    r2 = torch.randn(B, T, H, dk, generator=gen).to(dtype)
     assert_close(rls_solve(None, k, r2, chunk, factors=factors), rls_solve(A.float(), k, r2, chunk).double(),
                  1e-6, "z from kept factors")
 

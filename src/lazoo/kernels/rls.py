@@ -165,8 +165,15 @@ def _ldl_inverse(M, B: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _split(x):
+    """x = hi + lo with hi exact in tf32 (the low 13 of fp32's 23 mantissa bits cleared) and lo the rest."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
 def _solve_kernel(A, K, R, Z, P0, E_, D_, T, H, N, dk, BC: tl.constexpr, DK: tl.constexpr, B: tl.constexpr,
-                  PREC: tl.constexpr, SAVE: tl.constexpr, REUSE: tl.constexpr):
+                  PREC: tl.constexpr, SAVE: tl.constexpr, REUSE: tl.constexpr, SPLIT: tl.constexpr):
     i_n, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = bh // H, bh % H
     d = tl.arange(0, DK)
@@ -193,8 +200,13 @@ def _solve_kernel(A, K, R, Z, P0, E_, D_, T, H, N, dk, BC: tl.constexpr, DK: tl.
         sb = (bh * N + i_n) * (BC // B) + s0 // B  # this sub-block's slot in the saved factors
         Ks = tl.load(K + offs, mask=ok, other=0.0).to(tl.float32)
         Rs = tl.load(R + offs, mask=ok, other=0.0).to(tl.float32)
-        U = tl.dot(Ks, P, input_precision=PREC)  # rows (P k_i)ᵀ
-        W = tl.dot(Rs, P, input_precision=PREC)  # rows (P r_t)ᵀ
+        if SPLIT:  # K and R exact in tf32 (bf16/fp16 in memory): P split once, two tf32 passes per product
+            P_hi, P_lo = _split(P)
+            U = tl.dot(Ks, P_hi, input_precision="tf32") + tl.dot(Ks, P_lo, input_precision="tf32")
+            W = tl.dot(Rs, P_hi, input_precision="tf32") + tl.dot(Rs, P_lo, input_precision="tf32")
+        else:
+            U = tl.dot(Ks, P, input_precision=PREC)  # rows (P k_i)ᵀ
+            W = tl.dot(Rs, P, input_precision=PREC)  # rows (P r_t)ᵀ
         if REUSE:
             E = tl.load(E_ + sb * B * B + s[:, None] * B + s[None, :])
             dinv = tl.load(D_ + sb * B + s)
@@ -281,11 +293,13 @@ def rls_solve(A: torch.Tensor | None, k: torch.Tensor, r: torch.Tensor, chunk: i
         out = SolveFactors(*(torch.empty(sh, dtype=torch.float32, device=k.device) for sh in shapes))
     dummy = z  # pointer arguments that a variant does not touch
     P0, E, dinv = out if out is not None else (dummy, dummy, dummy)
+    half = (torch.bfloat16, torch.float16)
+    split = (precision or PRECISION) == "tf32x3" and k.dtype in half and r.dtype in half
     precision = "ieee" if is_interpreting() else (precision or PRECISION)
     num_warps = num_warps or (NUM_WARPS if DK > 64 else NUM_WARPS_SMALL)
     _solve_kernel[(N, Bn * H)](A.contiguous() if A is not None else dummy, k, r, z, P0, E, dinv, T, H, N, dk,
                                BC=chunk, DK=DK, B=BS, PREC=precision, SAVE=factors is None and keep_factors,
-                               REUSE=factors is not None, num_warps=num_warps, num_stages=1)
+                               REUSE=factors is not None, SPLIT=split, num_warps=num_warps, num_stages=1)
     return (z, out) if keep_factors else z
 
 
@@ -305,16 +319,14 @@ def chunk_start_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, 
 def _key_grad(k, z, y):
     """With z_t = A_t^{-1} q_t and y_t = A_t^{-1} ∂L/∂z_t (A_t = KK_t + λI), ∂L/∂A_t = −y_t z_tᵀ, so
     ∂L/∂k_i = −Σ_{t≥i} [(z_t·k_i) y_t + (y_t·k_i) z_t]: two anti-causal linear attentions (queries k), run as
-    2H heads of one causal call on the time-reversed sequence, in k's precision (fp32 for fp32 inputs)."""
+    causal ones on the time-reversed sequence, in k's precision (fp32 for fp32 inputs), returned in it."""
     from .linear import chunk_linear_attention
 
-    H = k.shape[2]
     mem = memory_dtype(k.dtype)
-    kb, zb, yb = (x.to(mem) for x in (k, z, y))  # cast before the copies below
-    rev = lambda a, b: torch.cat((a, b), 2).flip(1)  # noqa: E731
-    o, _ = chunk_linear_attention(rev(kb, kb), rev(zb, yb), rev(yb, zb))
-    o = o.float()
-    return -(o[:, :, :H] + o[:, :, H:]).flip(1)
+    kr, zr, yr = (x.to(mem).flip(1) for x in (k, z, y))  # one copy each (the reversal)
+    o, _ = chunk_linear_attention(kr, zr, yr)
+    o2, _ = chunk_linear_attention(kr, yr, zr)
+    return o.add_(o2).flip(1).neg_()
 
 
 class RLSPrecisionFunction(torch.autograd.Function):
@@ -323,31 +335,36 @@ class RLSPrecisionFunction(torch.autograd.Function):
     solve (no autograd through any factorisation)."""
 
     @staticmethod
-    def forward(ctx, q, k, lam_h, KK, chunk, keep):
+    def forward(ctx, q, k, lam_h, KK, chunk, keep, out_dtype):
         A = chunk_start_moments(k, KK, lam_h, chunk)
         if not keep:  # no backward to come: keeping the factors costs ~1.4 ms at 32k tokens (H100)
-            return rls_solve(A, k, q, chunk)
+            return rls_solve(A, k, q, chunk).to(out_dtype)
         z, factors = rls_solve(A, k, q, chunk, keep_factors=True)
         ctx.save_for_backward(k, z, *factors)
         ctx.chunk, ctx.dtypes = chunk, (q.dtype, k.dtype, lam_h.dtype, KK.dtype)
-        return z
+        return z.to(out_dtype)
 
     @staticmethod
     def backward(ctx, dz):
         k, z, *factors = ctx.saved_tensors
         q_dt, k_dt, lam_dt, KK_dt = ctx.dtypes
+        # dz in z's output dtype: bf16/fp16 right-hand sides let the kernel use its cheaper products
         y = rls_solve(None, k, dz, ctx.chunk, factors=SolveFactors(*factors))
-        dk = _key_grad(k, z, y).to(k_dt) if ctx.needs_input_grad[1] else None
+        dq = y.to(q_dt)
+        y_mem = dq if q_dt == memory_dtype(k_dt) else y  # one rounding of y serves ∂q and the key gradient
+        dk = _key_grad(k, z, y_mem).to(k_dt) if ctx.needs_input_grad[1] else None
         dlam = -(y * z).sum((0, 1, 3)).to(lam_dt) if ctx.needs_input_grad[2] else None
         dKK = None
         if ctx.needs_input_grad[3]:
             total = torch.einsum("bthd,bthe->bhde", y, z)  # Σ_t y_t z_tᵀ
             dKK = (-0.5 * (total + total.transpose(-1, -2))).to(KK_dt)
-        return y.to(q_dt), dk, dlam, dKK, None, None
+        return dq, dk, dlam, dKK, None, None, None
 
 
-def rls_precision(q: torch.Tensor, k: torch.Tensor, lam_h: torch.Tensor, KK: torch.Tensor, chunk: int) -> torch.Tensor:
-    """z_t = (KK_0 + Σ_{i≤t} k_i k_iᵀ + λI)^{-1} q_t, fp32 ``[B, T, H, dk]``, differentiable in q, k, λ ``[H]``
-    and ``KK [B, H, dk, dk]`` (k zero at pads). The solve's factors are kept only when a backward will run."""
+def rls_precision(q: torch.Tensor, k: torch.Tensor, lam_h: torch.Tensor, KK: torch.Tensor, chunk: int,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """z_t = (KK_0 + Σ_{i≤t} k_i k_iᵀ + λI)^{-1} q_t, ``[B, T, H, dk]`` solved in fp32 and returned in
+    ``out_dtype``, differentiable in q, k, λ ``[H]`` and ``KK [B, H, dk, dk]`` (k zero at pads). The solve's
+    factors are kept only when a backward will run."""
     keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, lam_h, KK))
-    return RLSPrecisionFunction.apply(q, k, lam_h, KK, chunk, keep)
+    return RLSPrecisionFunction.apply(q, k, lam_h, KK, chunk, keep, out_dtype)

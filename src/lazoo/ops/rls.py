@@ -140,9 +140,9 @@ def _rls_triton(q, k, v, mask, lam_h, KK, VK, C, output_final_state):
     from ..kernels.rls import memory_dtype, rls_precision
 
     k = zero_masked(k, mask)
-    z = rls_precision(q, k, lam_h, KK, C)
     mem = memory_dtype(v.dtype)
-    o, VK_end = linear_attention(z.to(mem), k.to(mem), v.to(mem), feature_map="identity", normalize=False,
+    z = rls_precision(q, k, lam_h, KK, C, out_dtype=mem)
+    o, VK_end = linear_attention(z, k.to(mem), v.to(mem), feature_map="identity", normalize=False,
                                  initial_state=VK.float(), output_final_state=output_final_state, mask=mask,
                                  backend="triton")
     if not output_final_state:
