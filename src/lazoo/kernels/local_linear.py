@@ -10,7 +10,7 @@ features f_i = P k_i and g_t = P q_t (r of them; P = I for the exact slope), log
 (C_vf β = Σ p (v − v̄)(f − m)·β = Σ p v (f − m)·β since Σ p (f − m) = 0.) So the forward is two passes
 over the key blocks of a query block: pass 1 keeps the online-softmax running max and sum and the running
 moments Σ e f (r) and Σ e f fᵀ (r², as one ``tl.dot`` of the weights with the keys' flattened outer
-products), then an r-step Gauss–Jordan solve per query (A is SPD: no pivoting), vectorised over the
+products f fᵀ, formed once outside the kernels), then an r-step Gauss–Jordan solve per query (A is SPD: no pivoting), vectorised over the
 block; pass 2 is attention with the weights p_i c_i. Saved for the backward: the log-sum-exp, m and β
 per query (2r + 1 numbers, never r²).
 
@@ -27,10 +27,11 @@ block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per query block over i
 are computed outside (f = k Pᵀ in PyTorch), so autograd carries their gradients to k and P.
 
 Layouts: q/k ``[B, T|S, H, dk]``, v ``[B, S, H, dv]``, features ``[B, T|S, H, R]`` float32 padded with
-zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact). Keys may run ahead of
-the queries (a KV cache): query t sits at position t + S − T. Loaded 16-bit values are cast to fp32
-before arithmetic; the logits and the value products take the input dtype on the tensor cores, the
-moments and the solve stay in fp32.
+zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact), their outer products
+``[B, S, H, R²]`` in the moments' operand dtype. Keys may run ahead of the queries (a KV cache): query t
+sits at position t + S − T. The logits and the value products take the input dtype on the tensor cores;
+with 16-bit inputs so do the r² moments (weights and outer products rounded to it, fp32 sums: measured as
+accurate against float64 as tf32 operands, 1.2× faster for the whole step); the solve stays in fp32.
 """
 
 from __future__ import annotations
@@ -130,16 +131,20 @@ def _key_range(i_m, T, S, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_W
 
 
 @triton.jit
-def _moments(p, b_f, BN: tl.constexpr, R: tl.constexpr, MPREC: tl.constexpr):
-    """Σ_i p_i f_i f_iᵀ flattened ``[BM, R*R]`` for weights p ``[BM, BN]`` and features f ``[BN, R]``."""
-    outer = tl.reshape(b_f[:, :, None] * b_f[:, None, :], [BN, R * R])
-    return tl.dot(p, outer, input_precision=MPREC)
+def _moments(p, ff, k_row, m_n, R: tl.constexpr, MPREC: tl.constexpr):
+    """Σ_i p_i f_i f_iᵀ flattened ``[BM, R*R]`` for weights p ``[BM, BN]``, from the keys' outer products
+    ``ff [.., R*R]`` (rows k_row): 16-bit outer products take p in their dtype, fp32 ones MPREC."""
+    o_rr = tl.arange(0, R * R)
+    outer = tl.load(ff + k_row[:, None] * (R * R) + o_rr[None, :], mask=m_n[:, None], other=0.0)
+    if outer.dtype == tl.float32:
+        return tl.dot(p, outer, input_precision=MPREC)
+    return tl.dot(p.to(outer.dtype), outer)
 
 
 # ============================================================================ forward
 @triton.jit
 def _fwd_kernel(
-    q, k, v, fk, gq, kmask, o, lse, mbuf, bbuf, ridge, T, S, OFF, WINDOW,
+    q, k, v, fk, ffk, gq, kmask, o, lse, mbuf, bbuf, ridge, T, S, OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
@@ -178,7 +183,7 @@ def _fwd_kernel(
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         b_l = b_l * alpha + tl.sum(p, 1)
         b_f1 = b_f1 * alpha[:, None] + tl.dot(p, b_f, input_precision=MPREC)
-        b_f2 = b_f2 * alpha[:, None] + _moments(p, b_f, BN, R, MPREC)
+        b_f2 = b_f2 * alpha[:, None] + _moments(p, ffk, k_row, m_n, R, MPREC)
         b_mx = new_mx
 
     seen = b_l > 0
@@ -217,7 +222,7 @@ def _fwd_kernel(
 # ============================================================================ backward
 @triton.jit
 def _bwd_prep_kernel(
-    q, k, v, fk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, T, S, OFF, WINDOW,
+    q, k, v, fk, ffk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, T, S, OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
@@ -258,7 +263,7 @@ def _bwd_prep_kernel(
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         b_D += tl.sum(pd, 1)
         b_E += tl.dot(pd, b_f, input_precision=MPREC)
-        b_S += _moments(p, b_f, BN, R, MPREC)
+        b_S += _moments(p, ffk, k_row, m_n, R, MPREC)
 
     eye = (o_r[None, :, None] == o_r[None, None, :]).to(tl.float32)
     S3 = tl.reshape(b_S, [BM, R, R])
@@ -422,11 +427,11 @@ class _Ctx:
         self.BK, self.BV = next_pow2(DK), next_pow2(self.DV)
         self.window = window
         self.kmask = key_mask
+        self.dtype = q.dtype
         # fp32 inputs: full-precision logits (the reference semantics) and moments from three tf32 products
         # ("tf32x3", about fp32 accuracy, on tensor cores: a plain fp32 dot runs on the FMA units, 4–8× slower
-        # at r² = 256 columns). 16-bit inputs: tensor cores throughout, the moments (fp32 weights × fp32
-        # features) in tf32: measured as accurate as tf32x3 against float64 at bf16 (the inputs' rounding
-        # dominates) and twice as fast.
+        # at r² = 256 columns). 16-bit inputs: tensor cores throughout; the r² moments take 16-bit operands
+        # (``_outer_products``), the r-wide feature products tf32 (c = a − f·β can cancel, so β stays fp32).
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
         interp = q.device.type == "cpu"
         self.mprec = "ieee" if interp else ("tf32x3" if q.dtype == torch.float32 else "tf32")
@@ -434,8 +439,10 @@ class _Ctx:
             self.launch = dict(INTERPRET_LAUNCH)
         elif R <= 16:
             self.launch = dict(LAUNCH)
-        else:  # the [BM, R²] moment accumulators of 32 features fit in registers only with 16-row query blocks
+        else:  # the [BM, R²] moment accumulators of 32 features fit in registers only with 16-row query blocks;
+            # the [BN, R²] outer-product tiles of the moment kernels in shared memory only 16 rows at one stage
             self.launch = {name: Launch(16, 32, 4, cfg.stages) for name, cfg in LAUNCH.items()}
+            self.launch.update(fwd=Launch(16, 16, 4, 1), prep=Launch(16, 16, 4, 1))
 
     def meta(self, kernel: str):
         cfg = self.launch[kernel]
@@ -451,13 +458,20 @@ class _Ctx:
         return self.kmask if self.kmask is not None else like
 
 
+def _outer_products(c: _Ctx, fk):
+    """f fᵀ of every key, flattened ``[B, S, H, R²]``: in the input dtype for 16-bit inputs (the moments'
+    tensor-core operands), fp32 otherwise. Formed for each pass rather than saved (R² numbers a key)."""
+    dt = c.dtype if c.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    return (fk[..., :, None] * fk[..., None, :]).flatten(-2).to(dt)
+
+
 def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
     dev = q.device
     o = torch.empty(c.B, c.T, c.H, c.DV, dtype=v.dtype, device=dev)
     lse = torch.empty(c.B, c.H, c.T, dtype=torch.float32, device=dev)
     mbuf = torch.empty(c.B, c.H, c.T, c.R, dtype=torch.float32, device=dev)
     bbuf = torch.empty_like(mbuf)
-    _fwd_kernel[c.grid("fwd")](q, k, v, fk, gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge, c.T, c.S, c.OFF,
+    _fwd_kernel[c.grid("fwd")](q, k, v, fk, _outer_products(c, fk), gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge, c.T, c.S, c.OFF,
                                c.window or 0, **c.meta("fwd"))
     return o, lse, mbuf, bbuf
 
@@ -467,8 +481,8 @@ def _bwd(c: _Ctx, q, k, v, fk, do, lse, mbuf, bbuf, ridge):
     delta = torch.empty_like(lse)
     W = c.window or 0
     km = c.kmask_arg(q)
-    _bwd_prep_kernel[c.grid("prep")](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, c.T, c.S,
-                                     c.OFF, W, **c.meta("prep"))
+    _bwd_prep_kernel[c.grid("prep")](q, k, v, fk, _outer_products(c, fk), do, km, lse, mbuf, bbuf, lbuf, dmbuf,
+                                     delta, ridge, c.T, c.S, c.OFF, W, **c.meta("prep"))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dfk = torch.empty(c.B, c.S, c.H, c.R, dtype=torch.float32, device=q.device)
     _bwd_dkv_kernel[c.grid("dkv", over_keys=True)](
