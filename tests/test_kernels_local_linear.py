@@ -177,6 +177,28 @@ def test_interp_kernels_with_their_own_blocks(monkeypatch):
 
 
 @needs_interp
+def test_interp_rising_logits_move_the_running_reference():
+    """Logits that climb along the sequence by more than fp32's exponent range (β = 100, keys turning from −u
+    to +u, queries along u): the forward's running maximum must follow them and rescale what it has summed,
+    or exp2 overflows (a reference frozen at the first key block gives NaNs here). Against the explicit
+    solve, outputs and gradients."""
+    g = torch.Generator().manual_seed(21)
+    T, dk = 45, 16
+    u = F.normalize(torch.randn(dk, generator=g, dtype=F64), dim=0)
+    a = torch.linspace(-1.0, 1.0, T, dtype=F64)
+    k = F.normalize(a[None, :, None, None] * u + 0.05 * torch.randn(1, T, 2, dk, generator=g, dtype=F64), dim=-1)
+    q = F.normalize(u + 0.05 * torch.randn(1, T, 2, dk, generator=g, dtype=F64), dim=-1)
+    x = {"q": q, "k": k, "v": torch.randn(1, T, 2, 8, generator=g, dtype=F64),
+         "scale": torch.tensor([100.0, 80.0], dtype=F64), "P": torch.randn(4, dk, generator=g, dtype=F64) / 2}
+    o_r, g_r = forward_and_grads(ref_call(0.05), leaves(x, F64))
+    o, g = forward_and_grads(op_call(0.05), leaves(x, torch.float32))
+    assert torch.isfinite(o).all()
+    assert_close(o.double(), o_r, 2e-5, "output")
+    for n, gr in g_r.items():
+        assert_close(g[n].double(), gr, 5e-3, f"grad {n}")  # β = 100 amplifies fp32 rounding (β: 1.6e-3)
+
+
+@needs_interp
 def test_interp_small_ridge_sees_the_slope():
     """ρ = 1e-3 (the op's default): the slope is a real correction and the kernel still matches."""
     x = make(1, 33, 2, 16, 8, r=4, seed=5)
