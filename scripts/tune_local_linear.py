@@ -15,12 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 import triton
 
 from lazoo.kernels import local_linear as kernel
 from lazoo.ops import local_linear_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_local_linear import make_inputs  # noqa: E402  (the benchmark's inputs: unit q, k, P, β = √d)
 
 L = kernel.Launch
 CANDIDATES = {
@@ -52,12 +58,9 @@ def main(argv=None):
         raise SystemExit("tune_local_linear.py times the kernels on a CUDA GPU")
     T, H, D, R = args.seq, args.heads, args.head_dim, args.rank
     B = max(1, args.tokens // T)
-    torch.manual_seed(0)
-    q = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16().requires_grad_()
-    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16().requires_grad_()
-    v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    P = (torch.randn(R, D, device="cuda") * (2.0 / D) ** 0.5).bfloat16().requires_grad_()
-    scale = torch.full((H,), 8.0, device="cuda")
+    q, k, v, P, scale = make_inputs(B, T, H, D, R, torch.bfloat16, "cuda")
+    for x in (q, k, v, P):
+        x.requires_grad_()
     do = torch.randn_like(v)
 
     def run():
