@@ -27,6 +27,20 @@ def interpreter_ready() -> bool:
     return isinstance(std.cdiv, InterpretedFunction)
 
 
+def device_unsupported(x) -> str | None:
+    """Why a kernel cannot run on ``x``'s device in this process (None when it can): CUDA, or the CPU
+    under an interpreter that was switched on before triton's import."""
+    if x.device.type == "cpu":
+        if not is_interpreting():
+            return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
+        if not interpreter_ready():
+            return "TRITON_INTERPRET=1 was set after triton was imported; set it before"
+        return None
+    if x.device.type != "cuda":
+        return f"the Triton kernel runs on CUDA tensors, not {x.device.type}"
+    return None
+
+
 def autotune(configs, key, **kwargs):
     """``triton.autotune`` on a GPU; under the interpreter, the first config without benchmarking."""
     if not is_interpreting():

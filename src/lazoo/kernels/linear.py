@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
+from ._utils import device_unsupported, next_pow2
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
 MAX_HEAD_DIM = 256
@@ -565,21 +565,12 @@ class ChunkLinearAttentionFunction(torch.autograd.Function):
 # ============================================================================ public entry points
 def check_supported(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when the kernels can run this case, else the reason (for ``resolve_backend``)."""
-    from ._utils import interpreter_ready, is_interpreting
-
     if q.dtype not in SUPPORTED_DTYPES:
         return f"the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}"
     dk, dv = q.shape[-1], v.shape[-1]
     if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
         return f"the Triton kernel takes head dims up to {MAX_HEAD_DIM}, got dk={dk}, dv={dv}"
-    if q.device.type == "cpu":
-        if not is_interpreting():
-            return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
-        if not interpreter_ready():
-            return "TRITON_INTERPRET=1 was set after triton was imported; set it before"
-    elif q.device.type != "cuda":
-        return f"the Triton kernel runs on CUDA tensors, not {q.device.type}"
-    return None
+    return device_unsupported(q)
 
 
 def kernel_chunk_size(chunk_size: int) -> int:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
+from ._utils import device_unsupported, next_pow2
 
 #: largest head dims (q/k and v) the kernels take
 MAX_HEAD_DIM = 128
@@ -514,8 +514,6 @@ class LocalLinearAttentionFunction(torch.autograd.Function):
 # ============================================================================ public entry points
 def check_supported(q: torch.Tensor, v: torch.Tensor, r: int) -> str | None:
     """None when the kernels can run this case (r slope features), else the reason."""
-    from ._utils import interpreter_ready, is_interpreting
-
     if q.dtype not in SUPPORTED_DTYPES:
         return f"the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}"
     dk, dv = q.shape[-1], v.shape[-1]
@@ -523,14 +521,7 @@ def check_supported(q: torch.Tensor, v: torch.Tensor, r: int) -> str | None:
         return f"the Triton kernel takes head dims up to {MAX_HEAD_DIM}, got dk={dk}, dv={dv}"
     if r > MAX_RANK:
         return f"the Triton kernel takes up to {MAX_RANK} slope features, got r={r}"
-    if q.device.type == "cpu":
-        if not is_interpreting():
-            return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
-        if not interpreter_ready():
-            return "TRITON_INTERPRET=1 was set after triton was imported; set it before"
-    elif q.device.type != "cuda":
-        return f"the Triton kernel runs on CUDA tensors, not {q.device.type}"
-    return None
+    return device_unsupported(q)
 
 
 def _slope_features(x: torch.Tensor, P: torch.Tensor | None, R: int) -> torch.Tensor:
