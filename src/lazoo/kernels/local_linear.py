@@ -10,8 +10,8 @@ features f_i = P k_i and g_t = P q_t (r of them; P = I for the exact slope), log
 (C_vf β = Σ p (v − v̄)(f − m)·β = Σ p v (f − m)·β since Σ p (f − m) = 0.) So the forward is two passes
 over the key blocks of a query block: pass 1 keeps the online-softmax running max and sum and the running
 moments Σ e f (r) and Σ e f fᵀ (r², as one ``tl.dot`` of the weights with the keys' flattened outer
-products f fᵀ, formed once outside the kernels), then an r-step Gauss–Jordan solve per query (A is SPD: no pivoting), vectorised over the
-block; pass 2 is attention with the weights p_i c_i. Saved for the backward: the log-sum-exp, m and β
+products f fᵀ, formed once outside the kernels), then an r-step Gauss–Jordan solve per query (A is SPD: no
+pivoting), vectorised over the block; pass 2 is attention with the weights p_i c_i. Saved for the backward: the log-sum-exp, m and β
 per query (2r + 1 numbers, never r²).
 
 Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
@@ -131,6 +131,22 @@ def _key_range(i_m, T, S, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_W
 
 
 @triton.jit
+def _query_block(kmask, T, S, OFF, WINDOW, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 USE_WINDOW: tl.constexpr):
+    """The query block of a program on grid (cdiv(T, BM), B * H): its positions o_m and which are real (m_m),
+    their rows in ``[B, T, H, *]`` (q_row) and in the ``[B, H, T, *]`` statistics (stat), the sample's first
+    key row (k_base) and key-mask row, and [lo, hi) of the keys it can see."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_m = i_m * BM + tl.arange(0, BM)
+    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h
+    k_base = i_b.to(tl.int64) * S * H + i_h
+    stat = i_bh.to(tl.int64) * T + o_m
+    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
+    return o_m, o_m < T, q_row, k_base, kmask + i_b.to(tl.int64) * S, stat, lo, hi
+
+
+@triton.jit
 def _moments(p, ff, k_row, m_n, R: tl.constexpr, MPREC: tl.constexpr):
     """Σ_i p_i f_i f_iᵀ flattened ``[BM, R*R]`` for weights p ``[BM, BN]``, from the keys' outer products
     ``ff [.., R*R]`` (rows k_row): 16-bit outer products take p in their dtype, fp32 ones MPREC."""
@@ -150,19 +166,13 @@ def _fwd_kernel(
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), B * H): outputs, log-sum-exp, m and β of one query block."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_m = o_m < T
+    o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi = _query_block(kmask, T, S, OFF, WINDOW, H, BM, BN,
+                                                                     USE_WINDOW)
     o_dk = tl.arange(0, BK)
     o_dv = tl.arange(0, BV)
     o_r = tl.arange(0, R)
-    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h  # [BM] row index into [B, T, H, *]
-    k_base = i_b.to(tl.int64) * S * H + i_h
-    kmask_row = kmask + i_b.to(tl.int64) * S
 
     b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
-    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
 
     # pass 1: running max (log2 units), running sum, Σ e f and Σ e f fᵀ
     b_mx = tl.full([BM], float("-inf"), tl.float32)
@@ -213,7 +223,6 @@ def _fwd_kernel(
 
     tl.store(o + q_row[:, None] * DV + o_dv[None, :], acc.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
-    stat = i_bh.to(tl.int64) * T + o_m  # [B, H, T, *] buffers
     tl.store(lse + stat, b_lse, mask=m_m)
     tl.store(mbuf + stat[:, None] * R + o_r[None, :], b_m, mask=m_m[:, None])
     tl.store(bbuf + stat[:, None] * R + o_r[None, :], b_beta, mask=m_m[:, None])
@@ -228,24 +237,17 @@ def _bwd_prep_kernel(
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), B * H): λ, dm and Δ of one query block (S, D and E recomputed)."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_m = o_m < T
+    o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi = _query_block(kmask, T, S, OFF, WINDOW, H, BM, BN,
+                                                                     USE_WINDOW)
     o_dk = tl.arange(0, BK)
     o_dv = tl.arange(0, BV)
     o_r = tl.arange(0, R)
-    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h
-    k_base = i_b.to(tl.int64) * S * H + i_h
-    kmask_row = kmask + i_b.to(tl.int64) * S
-    stat = i_bh.to(tl.int64) * T + o_m
 
     b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
     b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
     b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
     b_m = tl.load(mbuf + stat[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
     b_beta = tl.load(bbuf + stat[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
-    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
 
     b_S = tl.zeros([BM, R * R], tl.float32)
     b_D = tl.zeros([BM], tl.float32)
@@ -369,17 +371,11 @@ def _bwd_dq_kernel(
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), B * H): dq̃ of one query block."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_m = i_m * BM + tl.arange(0, BM)
-    m_m = o_m < T
+    o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi = _query_block(kmask, T, S, OFF, WINDOW, H, BM, BN,
+                                                                     USE_WINDOW)
     o_dk = tl.arange(0, BK)
     o_dv = tl.arange(0, BV)
     o_r = tl.arange(0, R)
-    q_row = (i_b.to(tl.int64) * T + o_m) * H + i_h
-    k_base = i_b.to(tl.int64) * S * H + i_h
-    kmask_row = kmask + i_b.to(tl.int64) * S
-    stat = i_bh.to(tl.int64) * T + o_m
     p_stat = stat[:, None] * R + o_r[None, :]
 
     b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
@@ -391,7 +387,6 @@ def _bwd_dq_kernel(
     b_lam = tl.load(lbuf + p_stat, mask=m_m[:, None], other=0.0)
     b_dm = tl.load(dmbuf + p_stat, mask=m_m[:, None], other=0.0)
     b_a = 1.0 + tl.sum(b_m * b_beta, 1)
-    lo, hi = _key_range(i_m, T, S, OFF, WINDOW, BM, BN, USE_WINDOW)
 
     acc = tl.zeros([BM, BK], tl.float32)
     for start in range(lo, hi, BN):
@@ -471,8 +466,8 @@ def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
     lse = torch.empty(c.B, c.H, c.T, dtype=torch.float32, device=dev)
     mbuf = torch.empty(c.B, c.H, c.T, c.R, dtype=torch.float32, device=dev)
     bbuf = torch.empty_like(mbuf)
-    _fwd_kernel[c.grid("fwd")](q, k, v, fk, _outer_products(c, fk), gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge, c.T, c.S, c.OFF,
-                               c.window or 0, **c.meta("fwd"))
+    _fwd_kernel[c.grid("fwd")](q, k, v, fk, _outer_products(c, fk), gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge,
+                               c.T, c.S, c.OFF, c.window or 0, **c.meta("fwd"))
     return o, lse, mbuf, bbuf
 
 
