@@ -16,13 +16,17 @@ computed outside), one program per (chunk, sample·head):
 
 Everything is fp32; the products run at ``precision``: ``"tf32x3"`` (fp32-accurate on the tensor cores, the
 default: 3-4e-7 from a float64 solve at T = 1k; plain tf32 gave 1e-3) or ``"ieee"`` (fp32 FMAs, ~10× slower
-on an H100). A head dim below a power of two is padded on chip with an identity block (exact: the padded
-coordinates decouple). Limits: dk <= 128 (P is held in registers), the chunk a multiple of BS = 16.
+on an H100). With bf16/fp16 keys and right-hand sides, which tf32 holds exactly, U = K_s P and W = R_s P
+take two tf32 products with P split once per block into a tf32 part and its remainder (``_split``) instead of
+tf32x3's three (7.6e-7 from float64; the step 1.3× faster at T = 32k). A head dim below a power of two is
+padded on chip with an identity block (exact: the padded coordinates decouple). Limits: dk <= 128 (P is held
+in registers), the chunk a multiple of BS = 16.
 
 The backward of z needs the same solve with r = ∂L/∂z (A is symmetric): ``RLSPrecisionFunction`` (below;
 ``rls_precision``, used by ``lazoo.ops.rls``) calls the kernel twice per training step and forms the other
 gradients from z and that solve; the forward keeps the factors (every chunk's P and every block's L⁻¹, D⁻¹),
-so the backward's call does the products only.
+so the backward's call does the products only; z is handed on in the memory part's dtype, so ∂L/∂z arrives
+in bf16 for bf16 models and that call takes the split products too.
 """
 
 from __future__ import annotations
