@@ -457,7 +457,10 @@ def _outer_products(c: _Ctx, fk):
     """f fᵀ of every key, flattened ``[B, S, H, R²]``: in the input dtype for 16-bit inputs (the moments'
     tensor-core operands), fp32 otherwise. Formed for each pass rather than saved (R² numbers a key)."""
     dt = c.dtype if c.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    return (fk[..., :, None] * fk[..., None, :]).flatten(-2).to(dt)
+    out = torch.empty(*fk.shape, fk.shape[-1], dtype=dt, device=fk.device)
+    with torch.no_grad():  # the kernels differentiate the moments themselves (df)
+        torch.mul(fk[..., :, None], fk[..., None, :], out=out)  # fp32 products rounded once, no fp32 copy
+    return out.flatten(-2)
 
 
 def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
