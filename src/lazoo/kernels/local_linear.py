@@ -11,8 +11,8 @@ features f_i = P k_i and g_t = P q_t (r of them; P = I for the exact slope), log
 over the key blocks of a query block: pass 1 keeps the online-softmax running max and sum and the running
 moments Σ e f (r) and Σ e f fᵀ (r², as one ``tl.dot`` of the weights with the keys' flattened outer
 products f fᵀ, formed once outside the kernels), then an r-step Gauss–Jordan solve per query (A is SPD: no
-pivoting), vectorised over the block; pass 2 is attention with the weights p_i c_i. Saved for the backward: the log-sum-exp, m and β
-per query (2r + 1 numbers, never r²).
+pivoting), vectorised over the block; pass 2 is attention with the weights p_i c_i. Saved for the backward:
+the log-sum-exp, m and β per query (2r + 1 numbers, never r²).
 
 Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
 
