@@ -30,8 +30,8 @@ from bench_local_linear import make_inputs  # noqa: E402  (the benchmark's input
 
 L = kernel.Launch
 CANDIDATES = {
-    "fwd": [L(64, 16, 4, 1), L(64, 16, 4, 3), L(64, 64, 4, 2), L(32, 64, 4, 3), L(64, 32, 4, 2)],
-    "prep": [L(64, 16, 4, 1), L(64, 16, 4, 2), L(32, 32, 4, 1), L(32, 64, 4, 1), L(64, 32, 4, 2)],
+    "fwd": [L(64, 16, 4, 3), L(64, 64, 4, 2), L(32, 64, 4, 3), L(64, 32, 4, 2), L(128, 32, 8, 2), L(64, 32, 4, 4)],
+    "prep": [L(64, 16, 4, 2), L(32, 64, 4, 2), L(64, 32, 4, 3), L(64, 64, 4, 2), L(128, 32, 8, 2)],
     "dkv": [L(32, 64, 4, 1), L(32, 64, 4, 2), L(16, 64, 4, 2), L(16, 64, 4, 3), L(32, 16, 4, 2), L(64, 64, 4, 1)],
     "dq": [L(64, 16, 4, 1), L(64, 64, 4, 1), L(32, 64, 4, 2), L(64, 32, 4, 2), L(64, 16, 4, 3)],
 }
@@ -53,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--kernels", default=",".join(CANDIDATES), help="comma-separated kernels to sweep")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tune_local_linear.py times the kernels on a CUDA GPU")
@@ -81,7 +82,8 @@ def main(argv=None):
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:4]:
         print(f"   {e.key[:50]:<50} {e.device_time_total / 1000:.3f} ms")
     rows = []
-    for name, candidates in CANDIDATES.items():
+    for name in args.kernels.split(","):
+        candidates = CANDIDATES[name]
         best_ms, best = start[1], chosen[name]
         for cand in candidates:
             kernel.LAUNCH.update(chosen)

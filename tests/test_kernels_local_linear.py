@@ -232,6 +232,20 @@ def test_interp_pads_and_cache_match_the_reference():
 
 
 @needs_interp
+def test_interp_key_mask_inside_blocks_the_causal_order_leaves_whole():
+    """Pads and holes in key blocks that lie wholly in the queries' past (no window): the kernels skip the causal
+    mask there, the key mask must still apply."""
+    x = make(2, 50, 2, 16, 8, r=4, seed=13)
+    mask = left_pad_mask([50, 37], 50, holes=[(0, 3), (0, 20), (1, 17)])
+    o_r, g_r = forward_and_grads(ref_call(0.05, None, mask), leaves(x, F64))
+    o, g = forward_and_grads(op_call(0.05, None, mask), leaves(x, torch.float32))
+    assert (o[~mask] == 0).all()
+    assert_close(o.double(), o_r, 2e-5, "output")
+    for n, gr in g_r.items():
+        assert_close(g[n].double(), gr, 5e-5, f"grad {n}")
+
+
+@needs_interp
 def test_interp_fp16():
     x = make(1, 21, 2, 16, 16, r=4, seed=11)
     ref = explicit_reference(x["q"], x["k"], x["v"], x["scale"], 0.1, x["P"])

@@ -24,7 +24,9 @@ Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
 
 in three kernels: ``_bwd_prep`` (per query block: S, D, E again, then λ, dm, Δ), ``_bwd_dkv`` (per key
 block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per query block over its keys). The features
-are computed outside (f = k Pᵀ in PyTorch), so autograd carries their gradients to k and P.
+are computed outside (f = k Pᵀ in PyTorch), so autograd carries their gradients to k and P. The query-block
+kernels mask only the key blocks that hold a hidden pair (``_needs_mask``: the causal diagonal, window edges,
+key masks); the key-block kernel masks every block (skipping made it slower).
 
 Layouts: q/k ``[B, T|S, H, dk]``, v ``[B, S, H, dv]``, features ``[B, T|S, H, R]`` float32 padded with
 zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact), their outer products
@@ -73,22 +75,46 @@ INTERPRET_LAUNCH = {name: Launch(16, 16, 4, 1) for name in LAUNCH}
 
 # ============================================================================ device helpers
 @triton.jit
-def _solve(A, b, BM: tl.constexpr, R: tl.constexpr):
-    """x = A⁻¹ b for every row of a block: A ``[BM, R, R]`` SPD, b ``[BM, R]`` (Gauss–Jordan)."""
+def _eliminate(A, b, j, R: tl.constexpr):
+    """One Gauss–Jordan step on column j of every row's system (A ``[BM, R, R]``, b ``[BM, R]``)."""
     o_r = tl.arange(0, R)
-    rows = o_r[None, :, None]
-    cols = o_r[None, None, :]
-    for j in range(R):
-        col = tl.sum(tl.where(cols == j, A, 0.0), 2)  # A[:, :, j]
-        row = tl.sum(tl.where(rows == j, A, 0.0), 1)  # A[:, j, :]
-        sel = o_r[None, :] == j
-        piv = tl.sum(tl.where(sel, col, 0.0), 1)
-        bj = tl.sum(tl.where(sel, b, 0.0), 1)
-        fac = tl.where(sel, 0.0, col / piv[:, None])
-        A = A - fac[:, :, None] * row[:, None, :]
-        b = b - fac * bj[:, None]
-    diag = tl.sum(tl.where(rows == cols, A, 0.0), 2)
+    col = tl.sum(tl.where(o_r[None, None, :] == j, A, 0.0), 2)  # A[:, :, j]
+    row = tl.sum(tl.where(o_r[None, :, None] == j, A, 0.0), 1)  # A[:, j, :]
+    sel = o_r[None, :] == j
+    piv = tl.sum(tl.where(sel, col, 0.0), 1)
+    bj = tl.sum(tl.where(sel, b, 0.0), 1)
+    fac = tl.where(sel, 0.0, col / piv[:, None])
+    return A - fac[:, :, None] * row[:, None, :], b - fac * bj[:, None]
+
+
+@triton.jit
+def _solve(A, b, BM: tl.constexpr, R: tl.constexpr, UNROLL: tl.constexpr):
+    """x = A⁻¹ b for every row of a block: A ``[BM, R, R]`` SPD, b ``[BM, R]`` (Gauss–Jordan, no pivoting).
+    Unrolled, j is a constant and the selections of the rows held in registers cost nothing (half the
+    instructions), but the live ranges grow: unrolled where the registers allow (the backward prep)."""
+    if UNROLL:
+        for j in tl.static_range(R):
+            A, b = _eliminate(A, b, j, R)
+    else:
+        for j in range(R):
+            A, b = _eliminate(A, b, j, R)
+    o_r = tl.arange(0, R)
+    diag = tl.sum(tl.where(o_r[None, :, None] == o_r[None, None, :], A, 0.0), 2)
     return b / diag
+
+
+@triton.jit
+def _needs_mask(q_lo, k_lo, T, S, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr,
+                USE_KMASK: tl.constexpr):
+    """Whether some (query, key) pair of the query block from q_lo and the key block from k_lo is hidden (causal
+    order, the window, a key mask); blocks with every pair visible skip the mask. Query rows past
+    T need none: never stored, and their statistics load as an infinite log-sum-exp (zero weights)."""
+    need = k_lo + BN - 1 > q_lo + OFF  # (keys past S are past every query too)
+    if USE_WINDOW:
+        need = need | (k_lo <= q_lo + BM - 1 + OFF - WINDOW)
+    if USE_KMASK:
+        need = need | (k_lo >= 0)
+    return need
 
 
 @triton.jit
@@ -147,6 +173,23 @@ def _query_block(kmask, T, S, OFF, WINDOW, H: tl.constexpr, BM: tl.constexpr, BN
 
 
 @triton.jit
+def _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H: tl.constexpr, DK: tl.constexpr,
+                      BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr,
+                      USE_KMASK: tl.constexpr, PREC: tl.constexpr):
+    """For a query-block program, the key block from start: its positions o_n, which are real (m_n), their rows
+    (k_row) and the logits q̃·k in log2 units ``[BM, BN]``, hidden pairs at −inf."""
+    o_n = start + tl.arange(0, BN)
+    m_n = o_n < S
+    k_row = k_base + o_n * H
+    o_dk = tl.arange(0, BK)
+    b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
+    s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
+    if _needs_mask(tl.program_id(0) * BM, start, T, S, OFF, WINDOW, BM, BN, USE_WINDOW, USE_KMASK):
+        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+    return o_n, m_n, k_row, s
+
+
+@triton.jit
 def _moments(p, ff, k_row, m_n, R: tl.constexpr, MPREC: tl.constexpr):
     """Σ_i p_i f_i f_iᵀ flattened ``[BM, R*R]`` for weights p ``[BM, BN]``, from the keys' outer products
     ``ff [.., R*R]`` (rows k_row): 16-bit outer products take p in their dtype, fp32 ones MPREC."""
@@ -155,6 +198,18 @@ def _moments(p, ff, k_row, m_n, R: tl.constexpr, MPREC: tl.constexpr):
     if outer.dtype == tl.float32:
         return tl.dot(p, outer, input_precision=MPREC)
     return tl.dot(p.to(outer.dtype), outer)
+
+
+@triton.jit
+def _outer_products_kernel(f, out, N, R: tl.constexpr, BLOCK: tl.constexpr):
+    """out ``[N, R²]`` = f fᵀ of each row of f ``[N, R]``, flattened (fp32 products rounded once to out's dtype)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o_r = tl.arange(0, R)
+    o_rr = tl.arange(0, R * R)
+    m_n = rows[:, None] < N
+    b_f = tl.load(f + rows[:, None] * R + o_r[None, :], mask=m_n, other=0.0)
+    ff = tl.reshape(b_f[:, :, None] * b_f[:, None, :], [BLOCK, R * R])
+    tl.store(out + rows[:, None] * (R * R) + o_rr[None, :], ff.to(out.dtype.element_ty), mask=m_n)
 
 
 # ============================================================================ forward
@@ -180,12 +235,8 @@ def _fwd_kernel(
     b_f1 = tl.zeros([BM, R], tl.float32)
     b_f2 = tl.zeros([BM, R * R], tl.float32)
     for start in range(lo, hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < S
-        k_row = k_base + o_n * H
-        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
-        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
-        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        o_n, m_n, k_row, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK, BK,
+                                               BM, BN, USE_WINDOW, USE_KMASK, PREC)
         new_mx = tl.maximum(b_mx, tl.max(s, 1))
         ref = tl.where(new_mx == float("-inf"), 0.0, new_mx)  # a row that sees nothing yet stays at 0
         alpha = tl.exp2(b_mx - ref)
@@ -203,18 +254,14 @@ def _fwd_kernel(
     eye = (o_r[None, :, None] == o_r[None, None, :]).to(tl.float32)
     A = tl.reshape(b_f2 / l_safe[:, None], [BM, R, R]) - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
     b_g = tl.load(gq + q_row[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
-    b_beta = _solve(A, b_m - b_g, BM, R)
+    b_beta = _solve(A, b_m - b_g, BM, R, False)  # unrolled, it spilled ~0.9 KB here
     b_a = 1.0 + tl.sum(b_m * b_beta, 1)
 
     # pass 2: o = Σ p_i (a − f_i·β) v_i
     acc = tl.zeros([BM, BV], tl.float32)
     for start in range(lo, hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < S
-        k_row = k_base + o_n * H
-        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
-        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
-        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        o_n, m_n, k_row, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK, BK,
+                                               BM, BN, USE_WINDOW, USE_KMASK, PREC)
         p = tl.exp2(s - b_lse[:, None])
         b_ft = tl.load(fk + k_row[None, :] * R + o_r[:, None], mask=m_n[None, :], other=0.0)
         w = p * (b_a[:, None] - tl.dot(b_beta, b_ft, input_precision=MPREC))
@@ -253,12 +300,8 @@ def _bwd_prep_kernel(
     b_D = tl.zeros([BM], tl.float32)
     b_E = tl.zeros([BM, R], tl.float32)
     for start in range(lo, hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < S
-        k_row = k_base + o_n * H
-        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
-        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
-        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
+        o_n, m_n, k_row, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK, BK,
+                                               BM, BN, USE_WINDOW, USE_KMASK, PREC)
         p = tl.exp2(s - b_lse[:, None])
         b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
         pd = p * tl.dot(b_do, b_vt, input_precision=PREC)  # p_i δ_i
@@ -273,7 +316,7 @@ def _bwd_prep_kernel(
     # spilled: 347 of its 1449 instructions, sm_90 / Triton 3.6 compiled offline)
     s_beta = tl.sum(S3 * b_beta[:, None, :], 2)
     A = S3 - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
-    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, R)
+    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, R, True)
     bm = tl.sum(b_beta * b_m, 1)
     lm = tl.sum(b_lam * b_m, 1)
     b_dm = b_D[:, None] * b_beta + b_lam * (1.0 + bm)[:, None] + b_beta * lm[:, None]
@@ -390,13 +433,9 @@ def _bwd_dq_kernel(
 
     acc = tl.zeros([BM, BK], tl.float32)
     for start in range(lo, hi, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < S
-        k_row = k_base + o_n * H
-        b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
+        o_n, m_n, k_row, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK, BK,
+                                               BM, BN, USE_WINDOW, USE_KMASK, PREC)
         b_k = tl.load(k + k_row[:, None] * DK + o_dk[None, :], mask=m_n[:, None] & (o_dk[None, :] < DK), other=0.0)
-        s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
-        s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
         p = tl.exp2(s - b_lse[:, None])
         b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
         dlt = tl.dot(b_do, b_vt, input_precision=PREC)
@@ -457,10 +496,10 @@ def _outer_products(c: _Ctx, fk):
     """f fᵀ of every key, flattened ``[B, S, H, R²]``: in the input dtype for 16-bit inputs (the moments'
     tensor-core operands), fp32 otherwise. Formed for each pass rather than saved (R² numbers a key)."""
     dt = c.dtype if c.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    out = torch.empty(*fk.shape, fk.shape[-1], dtype=dt, device=fk.device)
-    with torch.no_grad():  # the kernels differentiate the moments themselves (df)
-        torch.mul(fk[..., :, None], fk[..., None, :], out=out)  # fp32 products rounded once, no fp32 copy
-    return out.flatten(-2)
+    out = torch.empty(*fk.shape[:-1], c.R * c.R, dtype=dt, device=fk.device)
+    n, block = fk.numel() // c.R, 8192 // (c.R * c.R)  # (a broadcast torch.mul took 4-5x as long on an H100)
+    _outer_products_kernel[(triton.cdiv(n, block),)](fk, out, n, R=c.R, BLOCK=block)
+    return out
 
 
 def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
