@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ._utils import next_pow2
-from .linear import _chunk_bounds, _prepare_varlen, _seq_bounds
+from .linear import _chunk_bounds, _end_state, _prepare_varlen, _state_program
 
 #: largest head dim (dk and dv) the kernels take
 MAX_HEAD_DIM = 256
@@ -89,20 +89,12 @@ def _fwd_h_kernel(
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): store the state at the start of every chunk, then the final state."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_k, i_v = i_kv // NV, i_kv % NV
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                    BV, IS_VARLEN)
     m_k = o_k < K
-    m_kv = m_k[:, None] & (o_v[None, :] < V)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:  # states are [N, H, V, K]: element (k, v) sits at v * K + k
-        b_h += tl.load(h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
-                       mask=m_kv, other=0.0).to(tl.float32)
+    if USE_H0:
+        b_h += tl.load(_end_state(h0, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
     for i_t in range(NT):
         p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
         tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
@@ -119,8 +111,7 @@ def _fwd_h_kernel(
         b_kt = b_kt * tl.exp(b_gl[:, None] - b_Gt)  # exponent <= 0 (k = 0 on masked rows)
         b_h = b_h * tl.exp(b_gl)[:, None] + tl.dot(b_kt.to(DT), b_v.to(DT), input_precision=PREC)
     if STORE_HT:
-        p_ht = ht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-        tl.store(p_ht, b_h, mask=m_kv)
+        tl.store(_end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 @triton.jit
@@ -233,20 +224,12 @@ def _bwd_dh_kernel(
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_k, i_v = i_kv // NV, i_kv % NV
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                    BV, IS_VARLEN)
     m_k = o_k < K
-    m_kv = m_k[:, None] & (o_v[None, :] < V)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        b_dh += tl.load(dht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
-                        mask=m_kv, other=0.0).to(tl.float32)
+        b_dh += tl.load(_end_state(dht, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         p_dh = dh + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
@@ -264,8 +247,7 @@ def _bwd_dh_kernel(
         b_qt = b_qt * tl.exp(b_Gt) * scale
         b_dh = b_dh * tl.exp(b_gl)[:, None] + tl.dot(b_qt.to(DT), b_do.to(DT), input_precision=PREC)
     if STORE_DH0:
-        p_dh0 = dh0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-        tl.store(p_dh0, b_dh, mask=m_kv)
+        tl.store(_end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
 
 
 @triton.jit

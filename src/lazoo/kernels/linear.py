@@ -65,6 +65,29 @@ def _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: 
 
 
 @triton.jit
+def _state_program(cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A state kernel's program on grid (NK * NV, N * H): (i_nh, i_h), its sequence (bos, T_seq, NT, boh as in
+    ``_seq_bounds``) and its [BK, BV] tile of the state (o_k, o_v, m_kv)."""
+    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_k, i_v = i_kv // NV, i_kv % NV
+    i_h = i_nh % H
+    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_nh // H, T, BT, IS_VARLEN)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    return i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv
+
+
+@triton.jit
+def _end_state(ptr, i_nh, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to a program's [BK, BV] tile of an initial or final state ``[N, H, V, K]`` (element (k, v) of head
+    i_nh at v * K + k: the layout the ops hand over)."""
+    return ptr + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
+
+
+@triton.jit
 def _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT: tl.constexpr,
                   IS_VARLEN: tl.constexpr):
     """(bos, T_seq, i_c, i_tg) for program chunk i_t: sequence start and length, chunk index in the
@@ -93,19 +116,11 @@ def _fwd_h_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): store the state at the start of every chunk, then the final state."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_k, i_v = i_kv // NV, i_kv % NV
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                    BV, IS_VARLEN)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:  # states are [N, H, V, K]: element (k, v) sits at v * K + k
-        p_h0 = h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-        b_h += tl.load(p_h0, mask=m_kv, other=0.0).to(tl.float32)
+    if USE_H0:
+        b_h += tl.load(_end_state(h0, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
 
     for i_t in range(NT):
         p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
@@ -126,8 +141,7 @@ def _fwd_h_kernel(
         b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
 
     if STORE_HT:
-        p_ht = ht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-        tl.store(p_ht, b_h, mask=m_kv)
+        tl.store(_end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 @triton.jit
@@ -186,19 +200,11 @@ def _bwd_dh_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_k, i_v = i_kv // NV, i_kv % NV
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
-
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                    BV, IS_VARLEN)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        p_dht = dht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-        b_dh += tl.load(p_dht, mask=m_kv, other=0.0).to(tl.float32)
+        b_dh += tl.load(_end_state(dht, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
 
     for i_r in range(NT):
         i_t = NT - 1 - i_r
@@ -220,8 +226,7 @@ def _bwd_dh_kernel(
                        input_precision=PREC) * scale
 
     if STORE_DH0:
-        p_dh0 = dh0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-        tl.store(p_dh0, b_dh, mask=m_kv)
+        tl.store(_end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
 
 
 @triton.jit
@@ -651,8 +656,7 @@ def _gla_rec_fwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += tl.load(h0 + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None],
-                       mask=m_kv, other=0.0).to(tl.float32)
+        b_h += tl.load(_end_state(h0, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
     for t in range(T_seq):
         row = (bos + t) * H + i_h
         b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -663,7 +667,7 @@ def _gla_rec_fwd_kernel(
         b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
         tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None], b_h, mask=m_kv)
+        tl.store(_end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 def _gla_blocks(K, V, n_seq_heads, device):
