@@ -358,6 +358,27 @@ def _fwd_prep_kernel(
 
 
 @triton.jit
+def _state_program(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                   BKF: tl.constexpr, BV: tl.constexpr):
+    """A chunk-state program on grid (N, H, NV): its (sequence, head) row i_nh, head i_h and value block i_v, the
+    sequence [bos, eos) of NTn chunks from chunk c0, the mask of its [BKF, BV] tile of Sᵀ and the tile's offsets
+    in one head's initial or final state [V, K] (S[v, k] at v * K + k; the head's at i_nh * V * K) and in a
+    per-chunk state [dk, dv]. (The head offset kept apart from the tile's: folded in, it cost 6 registers.)"""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    o_k = tl.arange(0, BKF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_end = o_v[None, :] * K + o_k[:, None]
+    p_h = o_k[:, None] * V + o_v[None, :]
+    return i_n * H + i_h, i_h, i_v, bos, eos, c0, tl.cdiv(eos - bos, C), m_s, p_end, p_h
+
+
+@triton.jit
 def _fwd_h_kernel(
     kw, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
@@ -367,23 +388,11 @@ def _fwd_h_kernel(
     """Sequential over a sequence's chunks: stores each chunk's start state (transposed) and the
     pseudo-values U = U~ - W~ S^T, then S' = γ_C S + W^T diag(D) U (W = β K: ``kw`` is k and β is
     applied here; else ``kw`` holds W). State held as S^T [dk, dv]."""
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    NTn = tl.cdiv(eos - bos, C)
-    o_k = tl.arange(0, BKF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
     FULL: tl.constexpr = K == BKF and V % BV == 0  # tiles need no mask
-    # S^T[k, v] = S[v, k]; a state [N, H, V, K] holds S[v, k] at v * K + k
-    p_s = o_v[None, :] * K + o_k[:, None]
     b_s = tl.zeros([BKF, BV], dtype=tl.float32)
     if USE_S0:
-        b_s += tl.load(s0 + (i_n * H + i_h) * V * K + p_s, mask=m_s, other=0).to(tl.float32)
-    p_h = o_k[:, None] * V + o_v[None, :]
+        b_s += tl.load(s0 + i_nh * V * K + p_end, mask=m_s, other=0).to(tl.float32)
     hb = h + (c0 * H + i_h) * K * V
     for j in range(0, NTn):
         t0 = bos + j * C
@@ -402,7 +411,7 @@ def _fwd_h_kernel(
         b_kT = tl.trans(_load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, BKF))
         b_s = _dot_acc(b_kT, b_u * b_f[:, None], b_s, DT, PREC)
     if STORE_S:
-        tl.store(sT + (i_n * H + i_h) * V * K + p_s, b_s, mask=m_s)
+        tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
 
 
 @triton.jit
@@ -481,22 +490,11 @@ def _bwd_dhu_kernel(
 ):
     """Reverse over a sequence's chunks: stores each chunk's end-state gradient dS' (transposed) and
     dU = P^T dO + diag(D) W dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T."""
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    NTn = tl.cdiv(eos - bos, C)
-    o_k = tl.arange(0, BKF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
     FULL: tl.constexpr = K == BKF and V % BV == 0  # tiles need no mask
-    p_s = o_v[None, :] * K + o_k[:, None]
     b_ds = tl.zeros([BKF, BV], dtype=tl.float32)
     if USE_DST:
-        b_ds += tl.load(dsT + (i_n * H + i_h) * V * K + p_s, mask=m_s, other=0).to(tl.float32)
-    p_h = o_k[:, None] * V + o_v[None, :]
+        b_ds += tl.load(dsT + i_nh * V * K + p_end, mask=m_s, other=0).to(tl.float32)
     dhb = dh + (c0 * H + i_h) * K * V
     for jj in range(0, NTn):
         j = NTn - 1 - jj
@@ -523,7 +521,7 @@ def _bwd_dhu_kernel(
         b_ds = _dot_acc(b_qT, b_do, b_ds, DT, PREC)
         b_ds = _dot_acc(b_wtT, -b_du, b_ds, DT, PREC)
     if STORE_DS0:
-        tl.store(ds0 + (i_n * H + i_h) * V * K + p_s, b_ds, mask=m_s)
+        tl.store(ds0 + i_nh * V * K + p_end, b_ds, mask=m_s)
 
 
 @triton.jit
