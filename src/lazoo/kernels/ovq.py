@@ -70,11 +70,11 @@ def _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK: tl.constexpr, DV: 
     return _tile(k, rows, ok, DQK, BDK), _tile(v, rows, ok, DV, BDV), r, ok
 
 
-# ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
-                DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr):
+def _query_block(size, length, B, T, H, W, L, BM: tl.constexpr):
+    """A query-block program on grid (chunks · query blocks, B · H): chunk g, query block qb, head i_h, the
+    sample's real length n_valid and row base qkbase in [B, T, H, *] (before * H + i_h), the block's rows in
+    the chunk rq (real: rq_ok) and in [B, T, H, *] (q_rows), and its dictionary's base and active size."""
     nqb = tl.cdiv(L, BM)
     g = tl.program_id(0) // nqb
     qb = tl.program_id(0) % nqb
@@ -82,14 +82,21 @@ def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
     i_b = bh // H
     i_h = bh % H
     n_valid = tl.load(length + i_b)
-    rq = qb * BM + tl.arange(0, BM)  # query rows in the chunk
+    rq = qb * BM + tl.arange(0, BM)
     rq_ok = rq < L
-    qkbase = i_b * T  # row index base of this sample in [B, T, H, *], before * H + i_h
+    qkbase = i_b * T
     q_rows = (qkbase + g * L + rq) * H + i_h
-    b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
     gbh = (g * B + i_b) * H + i_h
-    dbase = gbh * W
-    n = tl.load(size + gbh)
+    return g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, gbh * W, tl.load(size + gbh)
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
+                DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, dbase, n = _query_block(size, length, B, T, H, W, L, BM)
+    b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
 
     m_i = tl.full([BM], NEG, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -129,24 +136,11 @@ def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
 def _bwd_dq_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, dq, B, T, H, W, L,
                    DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
-    nqb = tl.cdiv(L, BM)
-    g = tl.program_id(0) // nqb
-    qb = tl.program_id(0) % nqb
-    bh = tl.program_id(1).to(tl.int64)
-    i_b = bh // H
-    i_h = bh % H
-    n_valid = tl.load(length + i_b)
-    rq = qb * BM + tl.arange(0, BM)
-    rq_ok = rq < L
-    qkbase = i_b * T
-    q_rows = (qkbase + g * L + rq) * H + i_h
+    g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, dbase, n = _query_block(size, length, B, T, H, W, L, BM)
     b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
     b_do = _tile(do, q_rows, rq_ok, DV, BDV)
     b_lse = tl.load(lse + q_rows, mask=rq_ok, other=0.0)
     b_delta = tl.load(delta + q_rows, mask=rq_ok, other=0.0)
-    gbh = (g * B + i_b) * H + i_h
-    dbase = gbh * W
-    n = tl.load(size + gbh)
 
     acc = tl.zeros([BM, BDK], tl.float32)
     for j in range(0, n, BN):
