@@ -102,17 +102,22 @@ def _out_tile(q, b_k, ee, wt, o, row, valid, rk, mk, rv, mv, K: tl.constexpr, V:
 
 
 @triton.jit
+def _weight_program(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A weight-carrying program on grid (NV, B * H): sample i_b, head i_h, its (sample, head) row bh, and its
+    [BK, BV] tile of Wᵀ: rows rk (real: mk), columns rv (real: mv), both mkv."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mv = rk < K, rv < V
+    return i_bh // H, i_bh % H, i_bh.to(tl.int64), rk, mk, rv, mv, mk[:, None] & mv[None, :]
+
+
+@triton.jit
 def _fwd_kernel(q, k, v, eta, w0, wg0, h, o, w_end, w_start, idx, T, N,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, MB: tl.constexpr, BC: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, HAS_WG: tl.constexpr,
                 DT: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mk, mv = rk < K, rv < V
-    mkv = mk[:, None] & mv[None, :]
-    bh = i_bh.to(tl.int64)
+    i_b, i_h, bh, rk, mk, rv, mv, mkv = _weight_program(H, K, V, BK, BV)
     wptr = bh * V * K + rv[None, :] * K + rk[:, None]  # Wᵀ [BK, BV] read from W [dv, dk]
     wt = tl.load(w0 + wptr, mask=mkv, other=0.0).to(CDT)
     wg = wt
@@ -154,13 +159,7 @@ def _bwd_dh_kernel(q, k, do, eta, dw_end, dw_start, idx, dh, dw0, dwg0, T, N,
     """Reverse pass. ``dw_start``: gradient of the final state's ``W_start``, the weights at the start of
     mini-batch ``idx[b]`` (N when the last mini-batch is full; 0: the initial W_start): added when the pass
     reaches that point. With HAS_WG, mini-batch 0's error gradient goes to ``dwg0`` (the initial W_start)."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    rk = tl.arange(0, BK)
-    rv = i_v * BV + tl.arange(0, BV)
-    mk, mv = rk < K, rv < V
-    mkv = mk[:, None] & mv[None, :]
-    bh = i_bh.to(tl.int64)
+    i_b, i_h, bh, rk, mk, rv, mv, mkv = _weight_program(H, K, V, BK, BV)
     sptr = bh * K * V + rk[:, None] * V + rv[None, :]
     g = tl.zeros([BK, BV], dtype=CDT)
     if HAS_DW_END:
