@@ -152,6 +152,18 @@ def _advance_segment(A, U, fl, r, s0, eta, eye, BC: tl.constexpr, PREC: tl.const
 
 
 @triton.jit
+def _state_program(D: tl.constexpr, BD: tl.constexpr):
+    """A program on grid (B, H): sample i_b, head i_h, and the [BD, BD] tile of a D×D matrix: mask m2, row-major
+    offsets p2, the identity eye."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    od = tl.arange(0, BD)
+    m2 = (od < D)[:, None] & (od < D)[None, :]
+    eye = tl.where((od[:, None] == od[None, :]) & m2, 1.0, 0.0)
+    return i_b, i_h, od, m2, od[:, None] * D + od[None, :], eye
+
+
+@triton.jit
 def _chunk_fwd_kernel(
     k, u, flags, A0, alpha, rnorm, A_out, ckpt, T, NB, NCK, eta,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, K: tl.constexpr,
@@ -159,12 +171,7 @@ def _chunk_fwd_kernel(
 ):
     """Blocks of BC tokens, each in segments that end at its flagged tokens; α̂ and 1/|a| of every token, the
     final A, and with SAVE the A at the start of every K-th block."""
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    od = tl.arange(0, BD)
-    m2 = (od < D)[:, None] & (od < D)[None, :]
-    p2 = od[:, None] * D + od[None, :]
-    eye = tl.where((od[:, None] == od[None, :]) & m2, 1.0, 0.0)
+    i_b, i_h, od, m2, p2, eye = _state_program(D, BD)
     A = tl.load(A0 + (i_b * H + i_h) * D * D + p2, mask=m2, other=0.0)
     for j in range(0, NB):
         if SAVE and j % K == 0:
@@ -228,12 +235,7 @@ def _chunk_bwd_kernel(
     USE_DA: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse over checkpoint intervals, their blocks and the blocks' segments; carries Ā (symmetric)."""
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    od = tl.arange(0, BD)
-    m2 = (od < D)[:, None] & (od < D)[None, :]
-    p2 = od[:, None] * D + od[None, :]
-    eye = tl.where((od[:, None] == od[None, :]) & m2, 1.0, 0.0)
+    i_b, i_h, od, m2, p2, eye = _state_program(D, BD)
     bh = i_b * H + i_h
     Ab = tl.zeros([BD, BD], dtype=tl.float32)
     if USE_DA:  # only the symmetric part of dA_end acts on the symmetric A
