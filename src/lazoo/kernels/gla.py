@@ -69,9 +69,7 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, T,
                    IS_VARLEN: tl.constexpr):
     """Grid (NK, NT, B * H): G = cumulative sum of g inside each chunk (float32)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]
@@ -128,9 +126,7 @@ def _fwd_A_kernel(
     i_i, i_j = i_ij // NC, i_ij % NC
     if i_i < i_j:
         return
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     t0 = i_c * BT + i_i * BC  # first row of sub-chunk I
     if t0 >= T_seq:
         return
@@ -185,9 +181,7 @@ def _fwd_o_kernel(
 ):
     """Grid (NV, NT, B * H): O = scale ((Q ⊙ exp(G)) H_n + A V) for one chunk."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
     o_t = i_c * BT + o_c
     m_t = o_t < T_seq
@@ -258,9 +252,7 @@ def _bwd_dA_kernel(
 ):
     """Grid (NT, B * H): dA = scale dO V^T (lower triangle; zeros above) ``[B, T, H, BT]``."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
     o_t = i_c * BT + o_c
     m_t = o_t < T_seq
@@ -286,9 +278,7 @@ def _bwd_dv_kernel(
 ):
     """Grid (NV, NT, B * H): dV = scale A^T dO + (K ⊙ exp(G_C - G)) dH_n."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
     o_t = i_c * BT + o_c
     m_t = o_t < T_seq
@@ -330,9 +320,7 @@ def _bwd_intra_kernel(
     i_k, i_tc, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i = i_tc // NC, i_tc % NC
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     t0 = i_c * BT + i_i * BC
     if t0 >= T_seq:
         return
@@ -415,9 +403,7 @@ def _bwd_inter_kernel(
     """Grid (NK, NT, B * H): dq += scale exp(G) ⊙ dO H_n^T, dk += exp(G_C - G) ⊙ V dH_n^T (in place,
     float32), and the reverse cumsum of q ⊙ dq - k ⊙ dk inside the chunk."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
     last = tl.minimum(i_c * BT + BT, T_seq) - 1

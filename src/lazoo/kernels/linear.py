@@ -88,10 +88,12 @@ def _end_state(ptr, i_nh, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT: tl.constexpr,
+def _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H: tl.constexpr, BT: tl.constexpr,
                   IS_VARLEN: tl.constexpr):
-    """(bos, T_seq, i_c, i_tg) for program chunk i_t: sequence start and length, chunk index in the
-    sequence, and global chunk index (into the state buffers)."""
+    """(i_h, bos, T_seq, i_c, i_tg) for program chunk i_t of row i_bh (sample or sequence, head): the head,
+    sequence start and length, chunk index in the sequence, and global chunk index (into the state buffers)."""
+    i_b, i_h = i_bh // H, i_bh % H
+    NT_b = (T + BT - 1) // BT
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
         i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
@@ -104,7 +106,7 @@ def _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT: tl.constexpr
         T_seq = T
         i_c = i_t
         i_tg = i_b.to(tl.int64) * NT_b + i_t
-    return bos, T_seq, i_c, i_tg
+    return i_h, bos, T_seq, i_c, i_tg
 
 
 @triton.jit
@@ -153,9 +155,7 @@ def _fwd_o_kernel(
 ):
     """Grid (NV, NT, B * H) or (NV, total chunks, H) with cu_seqlens: the outputs of one chunk."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
 
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -241,9 +241,7 @@ def _bwd_dqkv_kernel(
     BK >= K: the whole key dim is held; the value dim is walked in blocks of BV.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_b, T, NT_b, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
 
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
