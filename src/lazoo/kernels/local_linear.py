@@ -104,12 +104,12 @@ def _solve(A, b, BM: tl.constexpr, R: tl.constexpr, UNROLL: tl.constexpr):
 
 
 @triton.jit
-def _needs_mask(q_lo, k_lo, T, S, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr,
+def _needs_mask(q_lo, k_lo, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr,
                 USE_KMASK: tl.constexpr):
     """Whether some (query, key) pair of the query block from q_lo and the key block from k_lo is hidden (causal
-    order, the window, a key mask); blocks with every pair visible skip the mask. Query rows past
-    T need none: never stored, and their statistics load as an infinite log-sum-exp (zero weights)."""
-    need = k_lo + BN - 1 > q_lo + OFF  # (keys past S are past every query too)
+    order, the window, a key mask); blocks with every pair visible skip the mask. Keys past S are past every
+    query too; query rows past T need none (never stored; their statistics load as an infinite log-sum-exp)."""
+    need = k_lo + BN - 1 > q_lo + OFF
     if USE_WINDOW:
         need = need | (k_lo <= q_lo + BM - 1 + OFF - WINDOW)
     if USE_KMASK:
@@ -185,7 +185,7 @@ def _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, 
     o_dk = tl.arange(0, BK)
     b_kt = tl.load(k + k_row[None, :] * DK + o_dk[:, None], mask=m_n[None, :] & (o_dk[:, None] < DK), other=0.0)
     s = tl.dot(b_q, b_kt, input_precision=PREC) * _LOG2E
-    if _needs_mask(tl.program_id(0) * BM, start, T, S, OFF, WINDOW, BM, BN, USE_WINDOW, USE_KMASK):
+    if _needs_mask(tl.program_id(0) * BM, start, OFF, WINDOW, BM, BN, USE_WINDOW, USE_KMASK):
         s = tl.where(_visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), s, float("-inf"))
     return o_n, m_n, k_row, b_kt, s
 
