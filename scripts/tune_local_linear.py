@@ -55,6 +55,10 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--kernels", default=",".join(CANDIDATES), help="comma-separated kernels to sweep")
     args = ap.parse_args(argv)
+    kernels = args.kernels.split(",")
+    unknown = [k for k in kernels if k not in CANDIDATES]
+    if unknown:
+        ap.error(f"--kernels: unknown {unknown}; choose from {list(CANDIDATES)}")
     if not torch.cuda.is_available():
         raise SystemExit("tune_local_linear.py times the kernels on a CUDA GPU")
     T, H, D, R = args.seq, args.heads, args.head_dim, args.rank
@@ -82,7 +86,7 @@ def main(argv=None):
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:4]:
         print(f"   {e.key[:50]:<50} {e.device_time_total / 1000:.3f} ms")
     rows = []
-    for name in args.kernels.split(","):
+    for name in kernels:
         candidates = CANDIDATES[name]
         best_ms, best = start[1], chosen[name]
         for cand in candidates:
