@@ -24,9 +24,9 @@ Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
 
 in three kernels: ``_bwd_prep`` (per query block: S, D, E again, then λ, dm, Δ), ``_bwd_dkv`` (per key
 block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per query block over its keys). The features
-are computed outside (f = k Pᵀ in PyTorch), so autograd carries their gradients to k and P. The query-block
-kernels mask only the key blocks that hold a hidden pair (``_needs_mask``: the causal diagonal, window edges,
-key masks); the key-block kernel masks every block (skipping made it slower).
+are computed outside (``lazoo.kernels.slope_features``), so autograd carries their gradients to k and P.
+The query-block kernels mask only the key blocks that hold a hidden pair (``_needs_mask``: the causal
+diagonal, window edges, key masks); the key-block kernel masks every block (skipping made it slower).
 
 Layouts: q/k ``[B, T|S, H, dk]``, v ``[B, S, H, dv]``, features ``[B, T|S, H, R]`` float32 padded with
 zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact), their outer products
@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._utils import device_unsupported, next_pow2
+from .slope_features import slope_features
 
 #: largest head dims (q/k and v) the kernels take
 MAX_HEAD_DIM = 128
@@ -392,12 +393,14 @@ def _bwd_dkv_kernel(
         fb = tl.dot(b_f, b_betat, input_precision=MPREC)  # f·β
         fl = tl.dot(b_f, b_lamt, input_precision=MPREC)  # f·λ
         fd = tl.dot(b_f, b_dmt, input_precision=MPREC)  # f·dm
-        ct = b_a[None, :] - fb
-        dst = pt * (ct * dlt + fd - fl * fb - b_delta[None, :])
-        acc_v += tl.dot((pt * ct).to(b_do.dtype), b_do, input_precision=PREC)
+        # c δ + f·dm − (f·λ)(f·β) − Δ with c = a − f·β, grouped as a δ + (f·dm − Δ) − (f·β) u, u = δ + f·λ
+        u = dlt + fl
+        pfb = pt * fb
+        dst = pt * (b_a[None, :] * dlt + (fd - b_delta[None, :]) - fb * u)
+        acc_v += tl.dot((pt * b_a[None, :] - pfb).to(b_do.dtype), b_do, input_precision=PREC)
         acc_k += tl.dot(dst.to(b_q.dtype), b_q, input_precision=PREC)
-        acc_f += (tl.dot(pt, b_dm, input_precision=MPREC) - tl.dot(pt * (dlt + fl), b_beta, input_precision=MPREC)
-                  - tl.dot(pt * fb, b_lam, input_precision=MPREC))
+        acc_f += (tl.dot(pt, b_dm, input_precision=MPREC) - tl.dot(pt * u, b_beta, input_precision=MPREC)
+                  - tl.dot(pfb, b_lam, input_precision=MPREC))
 
     tl.store(dk + k_row[:, None] * DK + o_dk[None, :], acc_k.to(dk.dtype.element_ty),
              mask=m_n[:, None] & (o_dk[None, :] < DK))
@@ -443,7 +446,7 @@ def _bwd_dq_kernel(
         fb = tl.dot(b_beta, b_ft, input_precision=MPREC)
         fl = tl.dot(b_lam, b_ft, input_precision=MPREC)
         fd = tl.dot(b_dm, b_ft, input_precision=MPREC)
-        ds = p * ((b_a[:, None] - fb) * dlt + fd - fl * fb - b_delta[:, None])
+        ds = p * (b_a[:, None] * dlt + (fd - b_delta[:, None]) - fb * (dlt + fl))  # grouped as in _bwd_dkv
         acc += tl.dot(ds.to(b_k.dtype), b_k, input_precision=PREC)
     tl.store(dq + q_row[:, None] * DK + o_dk[None, :], acc.to(dq.dtype.element_ty),
              mask=m_m[:, None] & (o_dk[None, :] < DK))
@@ -563,14 +566,9 @@ def check_supported(q: torch.Tensor, v: torch.Tensor, r: int) -> str | None:
 
 def _slope_features(x: torch.Tensor, P: torch.Tensor | None, R: int) -> torch.Tensor:
     """``[B, T, H, R]`` float32: P x (x itself without P), zero-padded to R features."""
-    x = x.float()
-    if P is None:
-        f = x
-    elif P.dim() == 2:
-        f = x @ P.float().transpose(0, 1)
-    else:
-        f = torch.einsum("bthd,hrd->bthr", x, P.float())
-    return torch.nn.functional.pad(f, (0, R - f.shape[-1])).contiguous()
+    if P is not None:
+        return slope_features(x, P, R)
+    return torch.nn.functional.pad(x.float(), (0, R - x.shape[-1])).contiguous()
 
 
 def local_linear_attention(q, k, v, *, scale, ridge: float, window: int | None = None, key_mask=None,

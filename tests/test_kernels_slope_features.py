@@ -1,0 +1,87 @@
+"""Slope-feature kernels (lazoo.kernels.slope_features): f = P x padded to R columns, dx and dP, against float64
+autograd of the plain product, for a shared and a per-head P, r and dk not powers of two, and token counts that
+are not a multiple of the block. CPU: the ``interp_*`` tests run in a fresh ``TRITON_INTERPRET=1`` process.
+GPU: ``-m gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lazoo.ops._testing import assert_close, run_interpreter_tests
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+INTERP = interpreter_ready()
+needs_interp = pytest.mark.skipif(
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_kernels_in_subprocess runs it)")
+F64 = torch.float64
+
+
+def reference(x, P, R):
+    """Float64 features of x through P (per head if P is 3-D), zero-padded to R."""
+    f = x @ P.transpose(-1, -2) if P.dim() == 2 else torch.einsum("bthd,hrd->bthr", x, P)
+    return torch.nn.functional.pad(f, (0, R - f.shape[-1]))
+
+
+def check(B, T, H, dk, r, R, per_head, dtype, device, rtol):
+    from lazoo.kernels.slope_features import slope_features
+
+    g = torch.Generator().manual_seed(B * 100 + T + r)
+    x = torch.randn(B, T, H, dk, generator=g, dtype=F64)
+    P = torch.randn(*((H,) if per_head else ()), r, dk, generator=g, dtype=F64) / dk ** 0.5
+    probe = torch.randn(B, T, H, R, generator=g, dtype=F64)
+    xs = x.to(device, dtype).requires_grad_()
+    Ps = P.to(device, torch.float32).requires_grad_()
+    f = slope_features(xs, Ps, R)
+    assert f.dtype == torch.float32 and f.shape == (B, T, H, R)
+    assert torch.all(f[..., r:] == 0), "the padded features must be exactly zero"
+    dx, dP = torch.autograd.grad((f * probe.to(device, torch.float32)).sum(), (xs, Ps))
+    assert dx.dtype == dtype and dP.shape == P.shape
+    # against the float64 product of the rounded inputs, so only the kernels' arithmetic is measured
+    x_in, P_in = xs.detach().double().cpu().requires_grad_(), P.clone().requires_grad_()
+    f_in = reference(x_in, P_in, R)
+    dx_in, dP_in = torch.autograd.grad((f_in * probe).sum(), (x_in, P_in))
+    assert_close(f.double().cpu(), f_in, rtol, "features")
+    assert_close(dx.double().cpu(), dx_in, max(rtol, 4e-3 if dtype != torch.float32 else 0), "dx")
+    assert_close(dP.double().cpu(), dP_in, rtol, "dP")
+
+
+def test_kernels_in_subprocess():
+    run_interpreter_tests(__file__)
+
+
+@needs_interp
+@pytest.mark.parametrize("B,T,H,dk,r,R,per_head", [
+    (2, 37, 3, 24, 5, 16, False),   # ragged token count, dk and r not powers of two
+    (1, 70, 2, 16, 16, 16, True),   # per-head P, more than one token block
+    (2, 19, 2, 40, 20, 32, True),   # r padded to 32
+])
+def test_interp_features_match_float64(B, T, H, dk, r, R, per_head):
+    check(B, T, H, dk, r, R, per_head, torch.float32, "cpu", rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
+def test_gpu_features_match_float64(dtype, per_head):
+    check(2, 1000, 4, 64, 16, 16, per_head, dtype, "cuda", rtol=1e-6)
+
+
+@needs_interp
+@pytest.mark.parametrize("wrt", ["x", "P"])
+def test_interp_features_backward_to_one_input(wrt):
+    """A frozen P (or x) gets no gradient and the other one the same as with both."""
+    from lazoo.kernels.slope_features import slope_features
+
+    g = torch.Generator().manual_seed(3)
+    x, P = torch.randn(2, 21, 2, 24, generator=g), torch.randn(2, 7, 24, generator=g)
+    probe = torch.randn(2, 21, 2, 16, generator=g)
+    both = [x.clone().requires_grad_(), P.clone().requires_grad_()]
+    expected = torch.autograd.grad((slope_features(*both, 16) * probe).sum(), both)
+    one = [x.clone().requires_grad_(wrt == "x"), P.clone().requires_grad_(wrt == "P")]
+    i = 0 if wrt == "x" else 1
+    (got,) = torch.autograd.grad((slope_features(*one, 16) * probe).sum(), [one[i]])
+    assert torch.equal(got, expected[i])
