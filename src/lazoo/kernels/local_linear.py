@@ -66,8 +66,10 @@ class Launch(NamedTuple):
 #: launches on a GPU for up to 16 slope features, from a sweep per kernel (H100, bf16, T = 4k, B·T = 32k,
 #: H = 16, dk = 64, r = 16: fwd+bwd 27.1 → 19.2 ms, mostly the key-block kernel: 32-row query blocks against
 #: 64-row key blocks need no register spills there, 64 × 32 spilled ~330 B). 4 warps: with 8 warps (and 64-row
-#: query blocks) Triton 3.6 on an H100 produced wrong outputs (tf32) or an illegal memory access (tf32x3).
-#: The [BM, R²] moment accumulators of the query-block kernels must fit in registers.
+#: query blocks) Triton 3.6 on an H100 produced wrong outputs (tf32 moments) or an illegal memory access
+#: (tf32x3); with the bf16 moments 8 warps are correct but slower (forward 4.9 → 8.3 ms; prep, dq and key
+#: blocks +0.4 to +4 ms fwd+bwd). The [BM, R²] moment accumulators of the query-block kernels must fit in
+#: registers.
 LAUNCH = {"fwd": Launch(64, 32, 4, 3), "prep": Launch(64, 32, 4, 2), "dkv": Launch(32, 64, 4, 1),
           "dq": Launch(64, 32, 4, 2)}
 #: under TRITON_INTERPRET=1: blocks smaller than the test sequences (each kernel may take its own)
