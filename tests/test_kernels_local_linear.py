@@ -258,10 +258,11 @@ def test_interp_fp16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,rtol,grad_rtol", [(torch.bfloat16, 2e-2, 3e-2), (torch.float32, 1e-4, 2e-4)])
-@pytest.mark.parametrize("T,dk,r", [(1024, 64, 16), (333, 32, None)])
+@pytest.mark.parametrize("T,dk,r", [(1024, 64, 16), (1000, 64, 6), (333, 32, None)])
 def test_gpu_matches_float64(dtype, rtol, grad_rtol, T, dk, r):
-    """T = 1024, dk = 64, r = 16 (the headline case) and the exact slope at dk = 32 (r = 32 features, ragged
-    T), window off and on, vs the float64 chunk form on the GPU (itself checked against the explicit solve)."""
+    """T = 1024, dk = 64, r = 16 (the headline case), r = 6 (moments over 8 features, ragged T) and the exact
+    slope at dk = 32 (r = 32 features, ragged T), window off and on, vs the float64 chunk form on the GPU
+    (itself checked against the explicit solve)."""
     x = make(2, T, 4, dk, 64, r=r, seed=3)
     x["scale"] = torch.full((4,), dk ** 0.5, dtype=F64)  # the mixer's initial β
     for window in (None, 300):

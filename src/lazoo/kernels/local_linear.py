@@ -29,8 +29,10 @@ The query-block kernels mask only the key blocks that hold a hidden pair (``_nee
 diagonal, window edges, key masks); the key-block kernel masks every block (skipping made it slower).
 
 Layouts: q/k ``[B, T|S, H, dk]``, v ``[B, S, H, dv]``, features ``[B, T|S, H, R]`` float32 padded with
-zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact), their outer products
-``[B, S, H, R²]`` in the moments' operand dtype. Keys may run ahead of the queries (a KV cache): query t
+zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact). The moments and the solve
+take RM of them: 8 for up to 8 slope features (64 moments a query instead of 256: at r = 8 the step at 4k
+took 11.7 ms instead of 15.2), else R; the keys' outer products are ``[B, S, H, RM²]`` in the moments'
+operand dtype. Keys may run ahead of the queries (a KV cache): query t
 sits at position t + S − T. The logits and the value products take the input dtype on the tensor cores;
 with 16-bit inputs so do the r² moments (weights and outer products rounded to it, fp32 sums: measured as
 accurate against float64 as tf32 operands, 1.2× faster for the whole step); the solve stays in fp32.
@@ -104,6 +106,25 @@ def _solve(A, b, BM: tl.constexpr, R: tl.constexpr, UNROLL: tl.constexpr):
     o_r = tl.arange(0, R)
     diag = tl.sum(tl.where(o_r[None, :, None] == o_r[None, None, :], A, 0.0), 2)
     return b / diag
+
+
+@triton.jit
+def _narrow(x, BM: tl.constexpr, R: tl.constexpr, RM: tl.constexpr):
+    """The first RM of the R columns of x ``[BM, R]`` (RM = R, or R = 2 RM)."""
+    if RM == R:
+        return x
+    else:
+        lo, _ = tl.split(tl.permute(tl.reshape(x, [BM, 2, RM]), (0, 2, 1)))
+        return lo
+
+
+@triton.jit
+def _widen(x, BM: tl.constexpr, R: tl.constexpr, RM: tl.constexpr):
+    """x ``[BM, RM]`` padded with zero columns to ``[BM, R]`` (RM = R, or R = 2 RM)."""
+    if RM == R:
+        return x
+    else:
+        return tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (0, 2, 1)), [BM, R])
 
 
 @triton.jit
@@ -205,22 +226,23 @@ def _moments(p, ff, k_row, m_n, R: tl.constexpr, MPREC: tl.constexpr):
 
 
 @triton.jit
-def _outer_products_kernel(f, out, N, R: tl.constexpr, BLOCK: tl.constexpr):
-    """out ``[N, R²]`` = f fᵀ of each row of f ``[N, R]``, flattened (fp32 products rounded once to out's dtype)."""
+def _outer_products_kernel(f, out, N, R: tl.constexpr, RM: tl.constexpr, BLOCK: tl.constexpr):
+    """out ``[N, RM²]`` = f fᵀ of the first RM features of each row of f ``[N, R]``, flattened (fp32 products
+    rounded once to out's dtype)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    o_r = tl.arange(0, R)
-    o_rr = tl.arange(0, R * R)
+    o_r = tl.arange(0, RM)
+    o_rr = tl.arange(0, RM * RM)
     m_n = rows[:, None] < N
     b_f = tl.load(f + rows[:, None] * R + o_r[None, :], mask=m_n, other=0.0)
-    ff = tl.reshape(b_f[:, :, None] * b_f[:, None, :], [BLOCK, R * R])
-    tl.store(out + rows[:, None] * (R * R) + o_rr[None, :], ff.to(out.dtype.element_ty), mask=m_n)
+    ff = tl.reshape(b_f[:, :, None] * b_f[:, None, :], [BLOCK, RM * RM])
+    tl.store(out + rows[:, None] * (RM * RM) + o_rr[None, :], ff.to(out.dtype.element_ty), mask=m_n)
 
 
 # ============================================================================ forward
 @triton.jit
 def _fwd_kernel(
     q, k, v, fk, ffk, gq, kmask, o, lse, mbuf, bbuf, ridge, T, S, OFF, WINDOW,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RM: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
 ):
@@ -237,7 +259,7 @@ def _fwd_kernel(
     b_mx = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_f1 = tl.zeros([BM, R], tl.float32)
-    b_f2 = tl.zeros([BM, R * R], tl.float32)
+    b_f2 = tl.zeros([BM, RM * RM], tl.float32)
     for start in range(lo, hi, BN):
         o_n, m_n, k_row, _, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK,
                                                   BK, BM, BN, USE_WINDOW, USE_KMASK, PREC)
@@ -248,18 +270,22 @@ def _fwd_kernel(
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         b_l = b_l * alpha + tl.sum(p, 1)
         b_f1 = b_f1 * alpha[:, None] + tl.dot(p, b_f, input_precision=MPREC)
-        b_f2 = b_f2 * alpha[:, None] + _moments(p, ffk, k_row, m_n, R, MPREC)
+        b_f2 = b_f2 * alpha[:, None] + _moments(p, ffk, k_row, m_n, RM, MPREC)
         b_mx = new_mx
 
     seen = b_l > 0
     l_safe = tl.where(seen, b_l, 1.0)
     b_lse = tl.where(seen, b_mx + tl.log2(l_safe), float("inf"))  # log2 units; p = exp2(s − lse)
     b_m = b_f1 / l_safe[:, None]
-    eye = (o_r[None, :, None] == o_r[None, None, :]).to(tl.float32)
-    A = tl.reshape(b_f2 / l_safe[:, None], [BM, R, R]) - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
-    b_g = tl.load(gq + q_row[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
-    b_beta = _solve(A, b_m - b_g, BM, R, False)  # unrolled, it spilled ~0.9 KB here
-    b_a = 1.0 + tl.sum(b_m * b_beta, 1)
+    # the solve over the RM features that carry moments (the rest pad the r-wide products to 16 columns)
+    o_rm = tl.arange(0, RM)
+    b_mm = _narrow(b_m, BM, R, RM)
+    eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
+    A = tl.reshape(b_f2 / l_safe[:, None], [BM, RM, RM]) - b_mm[:, :, None] * b_mm[:, None, :] + ridge * eye
+    b_g = tl.load(gq + q_row[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
+    b_beta_m = _solve(A, b_mm - b_g, BM, RM, False)  # unrolled, it spilled ~0.9 KB here (RM = 16)
+    b_a = 1.0 + tl.sum(b_mm * b_beta_m, 1)
+    b_beta = _widen(b_beta_m, BM, R, RM)
 
     # pass 2: o = Σ p_i (a − f_i·β) v_i
     acc = tl.zeros([BM, BV], tl.float32)
@@ -283,7 +309,7 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_prep_kernel(
     q, k, v, fk, ffk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, T, S, OFF, WINDOW,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RM: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
 ):
@@ -297,10 +323,11 @@ def _bwd_prep_kernel(
     b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
     b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
     b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
-    b_m = tl.load(mbuf + stat[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
-    b_beta = tl.load(bbuf + stat[:, None] * R + o_r[None, :], mask=m_m[:, None], other=0.0)
+    o_rm = tl.arange(0, RM)  # the features that carry moments
+    b_m = tl.load(mbuf + stat[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
+    b_beta = tl.load(bbuf + stat[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
 
-    b_S = tl.zeros([BM, R * R], tl.float32)
+    b_S = tl.zeros([BM, RM * RM], tl.float32)
     b_D = tl.zeros([BM], tl.float32)
     b_E = tl.zeros([BM, R], tl.float32)
     for start in range(lo, hi, BN):
@@ -312,22 +339,23 @@ def _bwd_prep_kernel(
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         b_D += tl.sum(pd, 1)
         b_E += tl.dot(pd, b_f, input_precision=MPREC)
-        b_S += _moments(p, ffk, k_row, m_n, R, MPREC)
+        b_S += _moments(p, ffk, k_row, m_n, RM, MPREC)
 
-    eye = (o_r[None, :, None] == o_r[None, None, :]).to(tl.float32)
-    S3 = tl.reshape(b_S, [BM, R, R])
+    b_E = _narrow(b_E, BM, R, RM)
+    eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
+    S3 = tl.reshape(b_S, [BM, RM, RM])
     # S β before the solve, so S3 is dead inside it (afterwards it stayed live through the solve loop and
     # spilled: 347 of its 1449 instructions, sm_90 / Triton 3.6 compiled offline)
     s_beta = tl.sum(S3 * b_beta[:, None, :], 2)
     A = S3 - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
-    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, R, True)
+    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, RM, True)
     bm = tl.sum(b_beta * b_m, 1)
     lm = tl.sum(b_lam * b_m, 1)
     b_dm = b_D[:, None] * b_beta + b_lam * (1.0 + bm)[:, None] + b_beta * lm[:, None]
     b_delta = ((1.0 + bm) * b_D - tl.sum(b_E * b_beta, 1) + tl.sum(b_m * b_dm, 1)
                - tl.sum(b_lam * s_beta, 1))
-    tl.store(lbuf + stat[:, None] * R + o_r[None, :], b_lam, mask=m_m[:, None])
-    tl.store(dmbuf + stat[:, None] * R + o_r[None, :], b_dm, mask=m_m[:, None])
+    tl.store(lbuf + stat[:, None] * R + o_r[None, :], _widen(b_lam, BM, R, RM), mask=m_m[:, None])
+    tl.store(dmbuf + stat[:, None] * R + o_r[None, :], _widen(b_dm, BM, R, RM), mask=m_m[:, None])
     tl.store(delta + stat, b_delta, mask=m_m)
 
 
@@ -458,10 +486,13 @@ def _bwd_dq_kernel(
 class _Ctx:
     """Shapes, block sizes and flags shared by the forward and the backward."""
 
-    def __init__(self, q, k, v, R, window, key_mask):
+    def __init__(self, q, k, v, R, rank, window, key_mask):
         B, T, H, DK = q.shape
         self.B, self.T, self.H, self.DK = B, T, H, DK
         self.S, self.DV, self.R = k.shape[1], v.shape[-1], R
+        # features that carry the r×r moments and the solve: up to 8 slope features keep 8 (64 moments a
+        # query, not 256); the r-wide products still take R ≥ 16 columns (the smallest tensor-core product)
+        self.RM = 8 if rank <= 8 and R == 16 else R
         self.OFF = self.S - T
         self.BK, self.BV = next_pow2(DK), next_pow2(self.DV)
         self.window = window
@@ -485,9 +516,10 @@ class _Ctx:
 
     def meta(self, kernel: str):
         cfg = self.launch[kernel]
+        extra = dict(RM=self.RM) if kernel in ("fwd", "prep") else {}
         return dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, BK=self.BK, BV=self.BV, BM=cfg.BM, BN=cfg.BN,
                     USE_WINDOW=self.window is not None, USE_KMASK=self.kmask is not None,
-                    PREC=self.prec, MPREC=self.mprec, num_warps=cfg.warps, num_stages=cfg.stages)
+                    PREC=self.prec, MPREC=self.mprec, num_warps=cfg.warps, num_stages=cfg.stages, **extra)
 
     def grid(self, kernel: str, over_keys: bool = False):
         cfg = self.launch[kernel]
@@ -498,12 +530,13 @@ class _Ctx:
 
 
 def _outer_products(c: _Ctx, fk):
-    """f fᵀ of every key, flattened ``[B, S, H, R²]``: in the input dtype for 16-bit inputs (the moments'
-    tensor-core operands), fp32 otherwise. Formed for each pass rather than saved (R² numbers a key)."""
+    """f fᵀ of every key's first RM features, flattened ``[B, S, H, RM²]``: in the input dtype for 16-bit inputs
+    (the moments' tensor-core operands), fp32 otherwise. Formed for each pass rather than saved (RM² numbers a
+    key)."""
     dt = c.dtype if c.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    out = torch.empty(*fk.shape[:-1], c.R * c.R, dtype=dt, device=fk.device)
-    n, block = fk.numel() // c.R, 8192 // (c.R * c.R)  # (a broadcast torch.mul took 4-5x as long on an H100)
-    _outer_products_kernel[(triton.cdiv(n, block),)](fk, out, n, R=c.R, BLOCK=block)
+    out = torch.empty(*fk.shape[:-1], c.RM * c.RM, dtype=dt, device=fk.device)
+    n, block = fk.numel() // c.R, 8192 // (c.RM * c.RM)  # (a broadcast torch.mul took 4-5x as long on an H100)
+    _outer_products_kernel[(triton.cdiv(n, block),)](fk, out, n, R=c.R, RM=c.RM, BLOCK=block)
     return out
 
 
@@ -539,8 +572,8 @@ class LocalLinearAttentionFunction(torch.autograd.Function):
     (fk) and queries (gq); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fk, gq, key_mask, ridge, window):
-        c = _Ctx(q, k, v, fk.shape[-1], window, key_mask)
+    def forward(ctx, q, k, v, fk, gq, key_mask, ridge, window, rank):
+        c = _Ctx(q, k, v, fk.shape[-1], rank, window, key_mask)
         o, lse, mbuf, bbuf = _fwd(c, q, k, v, fk, gq, ridge)
         ctx.c, ctx.ridge = c, ridge
         ctx.save_for_backward(q, k, v, fk, lse, mbuf, bbuf)
@@ -550,7 +583,7 @@ class LocalLinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, fk, lse, mbuf, bbuf = ctx.saved_tensors
         dq, dk, dv, dfk, dgq = _bwd(ctx.c, q, k, v, fk, do.contiguous(), lse, mbuf, bbuf, ctx.ridge)
-        return dq, dk, dv, dfk, dgq, None, None, None
+        return dq, dk, dv, dfk, dgq, None, None, None, None
 
 
 # ============================================================================ public entry points
@@ -591,4 +624,4 @@ def local_linear_attention(q, k, v, *, scale, ridge: float, window: int | None =
     gq = _slope_features(q, rank_projection, R)
     km = None if key_mask is None else key_mask.to(torch.int8).contiguous()
     return LocalLinearAttentionFunction.apply(qs.contiguous(), k.contiguous(), v.contiguous(), fk, gq, km,
-                                              float(ridge), window)
+                                              float(ridge), window, r)
