@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Launch sweep for the local-linear kernels (``lazoo.kernels.local_linear.LAUNCH``) on a GPU.
 
-Each of the four kernels (forward, backward prep, key-block dk/dv/df, dq) is tried under a few block sizes
-and pipeline depths while the others keep their launch; a candidate counts only if its outputs and
+Each kernel (the forward's statistics and outputs, the backward prep without moments (r ≤ 8) or with them,
+key-block dk/dv/df, dq) is tried under a few block sizes and pipeline depths while the others keep their
+launch (a prep that the rank does not use shows no change); a candidate counts only if its outputs and
 gradients stay within 2e-2 (relative) of the current launch's and are finite, and it replaces the current one
 when fwd+bwd is at least 2 % faster. Prints the profile of the starting launches, every candidate, the chosen
 table and SDPA's fwd+bwd on the same case; writes them to --out.
@@ -30,8 +31,10 @@ from bench_local_linear import make_inputs  # noqa: E402  (the benchmark's input
 
 L = kernel.Launch
 CANDIDATES = {
-    "fwd": [L(64, 16, 4, 3), L(64, 64, 4, 2), L(32, 64, 4, 3), L(64, 32, 4, 2), L(128, 32, 8, 2), L(64, 32, 4, 4)],
-    "prep": [L(64, 16, 4, 2), L(32, 64, 4, 2), L(64, 32, 4, 3), L(64, 64, 4, 2), L(128, 32, 8, 2)],
+    "stats": [L(64, 16, 4, 3), L(64, 64, 4, 2), L(32, 64, 4, 3), L(64, 32, 4, 2), L(128, 32, 8, 2), L(64, 32, 4, 4)],
+    "out": [L(64, 64, 4, 3), L(128, 32, 8, 3), L(128, 64, 8, 3), L(64, 32, 4, 2), L(64, 64, 4, 2)],
+    "prep": [L(64, 32, 4, 2), L(128, 32, 8, 2), L(64, 64, 4, 3), L(128, 64, 8, 2), L(64, 128, 4, 2)],
+    "prep_moments": [L(64, 16, 4, 2), L(32, 64, 4, 2), L(64, 32, 4, 3), L(64, 64, 4, 2), L(128, 32, 8, 2)],
     "dkv": [L(32, 64, 4, 1), L(32, 64, 4, 2), L(16, 64, 4, 2), L(16, 64, 4, 3), L(32, 16, 4, 2), L(64, 64, 4, 1)],
     "dq": [L(64, 16, 4, 1), L(64, 64, 4, 1), L(32, 64, 4, 2), L(64, 32, 4, 2), L(64, 16, 4, 3)],
 }

@@ -160,15 +160,19 @@ def test_interp_forward_and_gradients_match_explicit_solve(dk, r, per_head, wind
 
 
 @needs_interp
-def test_interp_kernels_with_their_own_blocks(monkeypatch):
-    """Each kernel launches with its own query/key block sizes (the forward, the backward's query-block
-    kernels and its key-block kernel need not agree): still the explicit solve, window on, ragged T."""
+@pytest.mark.parametrize("r", [4, 12])  # A saved by the forward (r ≤ 8) / the moments again in the backward
+def test_interp_kernels_with_their_own_blocks(monkeypatch, r):
+    """Each kernel launches with its own query/key block sizes (the forward's two kernels, the backward's
+    query-block kernels and its key-block kernel need not agree): still the explicit solve, window on, ragged
+    T."""
     from lazoo.kernels import local_linear as kernel
 
     L = kernel.Launch
-    monkeypatch.setattr(kernel, "INTERPRET_LAUNCH", {"fwd": L(32, 16, 4, 1), "prep": L(16, 32, 4, 1),
-                                                     "dkv": L(32, 16, 4, 1), "dq": L(16, 32, 4, 1)})
-    x = make(1, 45, 2, 16, 8, r=4, seed=13)
+    monkeypatch.setattr(kernel, "INTERPRET_LAUNCH", {
+        "stats": L(32, 16, 4, 1), "out": L(16, 32, 4, 1), "prep": L(16, 32, 4, 1), "prep_moments": L(32, 16, 4, 1),
+        "dkv": L(32, 16, 4, 1), "dq": L(16, 32, 4, 1)})
+    monkeypatch.setattr(kernel, "SOLVE_ROWS", 16)
+    x = make(1, 45, 2, 16, 8, r=r, seed=13)
     o_r, g_r = forward_and_grads(ref_call(0.05, 19), leaves(x, F64))
     o, g = forward_and_grads(op_call(0.05, 19), leaves(x, torch.float32))
     assert_close(o.double(), o_r, 2e-5, "output")

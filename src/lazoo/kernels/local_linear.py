@@ -8,11 +8,13 @@ features f_i = P k_i and g_t = P q_t (r of them; P = I for the exact slope), log
     o_t = v̄ − C_vf β = Σ_i p_i c_i v_i,   c_i = 1 − (f_i − m)·β = a − f_i·β,  a = 1 + m·β
 
 (C_vf β = Σ p (v − v̄)(f − m)·β = Σ p v (f − m)·β since Σ p (f − m) = 0.) So the forward is two passes
-over the key blocks of a query block: pass 1 keeps the online-softmax running max and sum and the running
-moments Σ e f (r) and Σ e f fᵀ (r², as one ``tl.dot`` of the weights with the keys' flattened outer
+over the key blocks of a query block, each its own kernel (the second then runs with far fewer registers, so
+more programs share a multiprocessor): ``_fwd_stats`` keeps the online-softmax running max and sum and the
+running moments Σ e f (r) and Σ e f fᵀ (r², as one ``tl.dot`` of the weights with the keys' flattened outer
 products f fᵀ, formed once outside the kernels), then an r-step Gauss–Jordan solve per query (A is SPD: no
-pivoting), vectorised over the block; pass 2 is attention with the weights p_i c_i. Saved for the backward:
-the log-sum-exp, m and β per query (2r + 1 numbers, never r²).
+pivoting), vectorised over the block; ``_fwd_out`` is attention with the weights p_i c_i. Saved for the
+backward: the log-sum-exp, m and β per query (2r + 1 numbers), and A itself when it is small (RM = 8
+below: 64 numbers a query).
 
 Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
 
@@ -22,11 +24,14 @@ Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
     ds_i = p_i (dp_i − Δ),  Δ = Σ p dp = a D − E·β + m·dm − λᵀ S β
     dv_i = Σ_t p c do,  dq̃ = Σ_i ds k,  dk_i = Σ_t ds q̃,  df_i = Σ_t p (dm − (δ + f·λ) β − (f·β) λ)
 
-in three kernels: ``_bwd_prep`` (per query block: S, D, E again, then λ, dm, Δ), ``_bwd_dkv`` (per key
-block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per query block over its keys). The features
+in three passes: ``_bwd_prep`` (per query block: D and E, then λ, dm, Δ; with A saved, the solve is a small
+kernel of its own, ``_bwd_solve``, and the prep holds few registers; otherwise the prep recomputes S and
+solves at its end), ``_bwd_dkv`` (per key block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per
+query block over its keys). The features
 are computed outside (``lazoo.kernels.slope_features``), so autograd carries their gradients to k and P.
 The query-block kernels mask only the key blocks that hold a hidden pair (``_needs_mask``: the causal
-diagonal, window edges, key masks); the key-block kernel masks every block (skipping made it slower).
+diagonal, window edges, key masks); the key-block kernel masks every block (skipping made it slower) but only
+by what can hide a pair there (``_seen_t``).
 
 Layouts: q/k ``[B, T|S, H, dk]``, v ``[B, S, H, dv]``, features ``[B, T|S, H, R]`` float32 padded with
 zeros to R ∈ {16, 32} (a zero feature adds ρ on A's diagonal and 0 to b: exact). The moments and the solve
@@ -35,7 +40,8 @@ took 11.7 ms instead of 15.2), else R; the keys' outer products are ``[B, S, H, 
 operand dtype. Keys may run ahead of the queries (a KV cache): query t sits at position t + S − T. The
 logits and the value products take the input dtype on the tensor cores; with 16-bit inputs so do the r²
 moments (weights and outer products rounded to it, fp32 sums: measured as accurate against float64 as tf32
-operands, 1.2× faster for the whole step); the solve stays in fp32.
+operands, 1.2× faster for the whole step) and the key-block kernel's df products (like its dk and dv
+products); the solve stays in fp32, and so do the r-wide products that form m, E and c.
 """
 
 from __future__ import annotations
@@ -71,9 +77,11 @@ class Launch(NamedTuple):
 #: query blocks) Triton 3.6 on an H100 produced wrong outputs (tf32 moments) or an illegal memory access
 #: (tf32x3); with the bf16 moments 8 warps are correct but slower (forward 4.9 → 8.3 ms; prep, dq and key
 #: blocks +0.4 to +4 ms fwd+bwd). The [BM, R²] moment accumulators of the query-block kernels must fit in
-#: registers.
-LAUNCH = {"fwd": Launch(64, 32, 4, 3), "prep": Launch(64, 32, 4, 2), "dkv": Launch(32, 64, 4, 1),
-          "dq": Launch(64, 32, 4, 2)}
+#: registers. "prep" is the prep without moments (A saved by the forward), "prep_moments" the one with.
+LAUNCH = {"stats": Launch(64, 32, 4, 3), "out": Launch(64, 32, 4, 3), "prep": Launch(64, 64, 4, 2),
+          "prep_moments": Launch(64, 32, 4, 2), "dkv": Launch(32, 64, 4, 1), "dq": Launch(64, 32, 4, 2)}
+#: queries per program of the backward's solve kernel (``_bwd_solve``)
+SOLVE_ROWS = 32
 #: under TRITON_INTERPRET=1: blocks smaller than the test sequences (each kernel may take its own)
 INTERPRET_LAUNCH = {name: Launch(16, 16, 4, 1) for name in LAUNCH}
 
@@ -128,6 +136,13 @@ def _widen(x, BM: tl.constexpr, R: tl.constexpr, RM: tl.constexpr):
 
 
 @triton.jit
+def _rows(x, row, live, D: tl.constexpr, BD: tl.constexpr):
+    """``[len(row), BD]``: rows ``row`` of x ``[.., D]``, zero past D and in the rows that are not live."""
+    o_d = tl.arange(0, BD)
+    return tl.load(x + row[:, None] * D + o_d[None, :], mask=live[:, None] & (o_d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _needs_mask(q_lo, k_lo, OFF, WINDOW, BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr,
                 USE_KMASK: tl.constexpr):
     """Whether some (query, key) pair of the query block from q_lo and the key block from k_lo is hidden (causal
@@ -155,14 +170,15 @@ def _visible(o_m, o_n, T, S, OFF, WINDOW, kmask_row, USE_WINDOW: tl.constexpr, U
 
 
 @triton.jit
-def _visible_t(o_n, o_m, T, S, OFF, WINDOW, kmask_row, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr):
-    """``[BN, BM]``: the transpose of ``_visible`` (key o_n seen by query o_m)."""
+def _seen_t(o_n, o_m, OFF, WINDOW, km, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr):
+    """``[BN, BM]``: key o_n visible to query o_m, for the key-block kernel, where keys past S are never stored
+    and queries past T carry an infinite log-sum-exp (zero weights): only the causal order, the window and the
+    key mask (km, the block's keys) hide a pair (a third of the selections of the full test)."""
     pos = o_m + OFF
-    vis = (o_n[:, None] <= pos[None, :]) & (o_n[:, None] < S) & (o_m[None, :] < T)
+    vis = o_n[:, None] <= pos[None, :]
     if USE_WINDOW:
         vis = vis & (o_n[:, None] > pos[None, :] - WINDOW)
     if USE_KMASK:
-        km = tl.load(kmask_row + o_n, mask=o_n < S, other=0)
         vis = vis & (km[:, None] != 0)
     return vis
 
@@ -240,22 +256,20 @@ def _outer_products_kernel(f, out, N, R: tl.constexpr, RM: tl.constexpr, BLOCK: 
 
 # ============================================================================ forward
 @triton.jit
-def _fwd_kernel(
-    q, k, v, fk, ffk, gq, kmask, o, lse, mbuf, bbuf, ridge, T, S, OFF, WINDOW,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RM: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+def _fwd_stats_kernel(
+    q, k, fk, ffk, gq, kmask, lse, mbuf, bbuf, abuf, ridge, T, S, OFF, WINDOW,
+    H: tl.constexpr, DK: tl.constexpr, R: tl.constexpr, RM: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr,
+    MPREC: tl.constexpr, SAVE_A: tl.constexpr,
 ):
-    """Grid (cdiv(T, BM), B * H): outputs, log-sum-exp, m and β of one query block."""
+    """Grid (cdiv(T, BM), B * H): log-sum-exp, m and β of one query block (and A when SAVE_A)."""
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi = _query_block(kmask, T, S, OFF, WINDOW, H, BM, BN,
                                                                      USE_WINDOW)
-    o_dk = tl.arange(0, BK)
-    o_dv = tl.arange(0, BV)
     o_r = tl.arange(0, R)
 
-    b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
+    b_q = _rows(q, q_row, m_m, DK, BK)
 
-    # pass 1: running max (log2 units), running sum, Σ e f and Σ e f fᵀ
+    # running max (log2 units), running sum, Σ e f and Σ e f fᵀ
     b_mx = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_f1 = tl.zeros([BM, R], tl.float32)
@@ -282,13 +296,34 @@ def _fwd_kernel(
     b_mm = _narrow(b_m, BM, R, RM)
     eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
     A = tl.reshape(b_f2 / l_safe[:, None], [BM, RM, RM]) - b_mm[:, :, None] * b_mm[:, None, :] + ridge * eye
+    if SAVE_A:
+        o_rr = tl.arange(0, RM * RM)
+        tl.store(abuf + stat[:, None] * (RM * RM) + o_rr[None, :], tl.reshape(A, [BM, RM * RM]), mask=m_m[:, None])
     b_g = tl.load(gq + q_row[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
     # a loop: unrolled, it spilled ~0.9 KB at RM = 16; at RM = 8 unrolling saved nothing (2.74 vs 2.72 ms)
-    b_beta_m = _solve(A, b_mm - b_g, BM, RM, False)
-    b_a = 1.0 + tl.sum(b_mm * b_beta_m, 1)
-    b_beta = _widen(b_beta_m, BM, R, RM)
+    b_beta = _widen(_solve(A, b_mm - b_g, BM, RM, False), BM, R, RM)
+    tl.store(lse + stat, b_lse, mask=m_m)
+    tl.store(mbuf + stat[:, None] * R + o_r[None, :], b_m, mask=m_m[:, None])
+    tl.store(bbuf + stat[:, None] * R + o_r[None, :], b_beta, mask=m_m[:, None])
 
-    # pass 2: o = Σ p_i (a − f_i·β) v_i
+
+@triton.jit
+def _fwd_out_kernel(
+    q, k, v, fk, kmask, o, lse, mbuf, bbuf, T, S, OFF, WINDOW,
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr,
+    MPREC: tl.constexpr,
+):
+    """Grid (cdiv(T, BM), B * H): o = Σ p_i (a − f_i·β) v_i of one query block, from its statistics."""
+    o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi = _query_block(kmask, T, S, OFF, WINDOW, H, BM, BN,
+                                                                     USE_WINDOW)
+    o_dv = tl.arange(0, BV)
+    o_r = tl.arange(0, R)
+    b_q = _rows(q, q_row, m_m, DK, BK)
+    b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
+    b_beta = _rows(bbuf, stat, m_m, R, R)
+    b_m = _rows(mbuf, stat, m_m, R, R)
+    b_a = 1.0 + tl.sum(b_m * b_beta, 1)
     acc = tl.zeros([BM, BV], tl.float32)
     for start in range(lo, hi, BN):
         o_n, m_n, k_row, _, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK,
@@ -298,39 +333,49 @@ def _fwd_kernel(
         w = p * (b_a[:, None] - tl.dot(b_beta, b_ft, input_precision=MPREC))
         b_v = tl.load(v + k_row[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
         acc += tl.dot(w.to(b_v.dtype), b_v, input_precision=PREC)
-
     tl.store(o + q_row[:, None] * DV + o_dv[None, :], acc.to(o.dtype.element_ty),
              mask=m_m[:, None] & (o_dv[None, :] < DV))
-    tl.store(lse + stat, b_lse, mask=m_m)
-    tl.store(mbuf + stat[:, None] * R + o_r[None, :], b_m, mask=m_m[:, None])
-    tl.store(bbuf + stat[:, None] * R + o_r[None, :], b_beta, mask=m_m[:, None])
 
 
 # ============================================================================ backward
 @triton.jit
+def _backward_terms(A, b_m, b_beta, b_D, b_E, ridge, BM: tl.constexpr, RM: tl.constexpr, UNROLL: tl.constexpr):
+    """λ = A⁻¹(D m − E), dm and Δ of every row (A ``[BM, RM, RM]`` with the ridge; m, β, E ``[BM, RM]``)."""
+    bm = tl.sum(b_beta * b_m, 1)
+    # S β = A β + m (m·β) − ρ β before the solve, so that A's copy is dead inside it (S β taken afterwards
+    # kept S live through the solve loop, which spilled: 347 of its 1449 instructions, sm_90 / Triton 3.6)
+    s_beta = tl.sum(A * b_beta[:, None, :], 2) + b_m * bm[:, None] - ridge * b_beta
+    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, RM, UNROLL)
+    lm = tl.sum(b_lam * b_m, 1)
+    b_dm = b_D[:, None] * b_beta + b_lam * (1.0 + bm)[:, None] + b_beta * lm[:, None]
+    b_delta = ((1.0 + bm) * b_D - tl.sum(b_E * b_beta, 1) + tl.sum(b_m * b_dm, 1)
+               - tl.sum(b_lam * s_beta, 1))
+    return b_lam, b_dm, b_delta
+
+
+@triton.jit
 def _bwd_prep_kernel(
-    q, k, v, fk, ffk, do, kmask, lse, mbuf, bbuf, lbuf, dmbuf, delta, ridge, T, S, OFF, WINDOW,
+    q, k, v, fk, ffk, do, kmask, lse, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, ridge, T, S, OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RM: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+    MOMENTS: tl.constexpr,
 ):
-    """Grid (cdiv(T, BM), B * H): λ, dm and Δ of one query block (S, D and E recomputed)."""
+    """Grid (cdiv(T, BM), B * H): D = Σ p δ and E = Σ p δ f of one query block, stored for ``_bwd_solve``;
+    with MOMENTS (A not saved), S too, and then λ, dm and Δ here."""
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi = _query_block(kmask, T, S, OFF, WINDOW, H, BM, BN,
                                                                      USE_WINDOW)
-    o_dk = tl.arange(0, BK)
     o_dv = tl.arange(0, BV)
     o_r = tl.arange(0, R)
 
-    b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
-    b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+    b_q = _rows(q, q_row, m_m, DK, BK)
+    b_do = _rows(do, q_row, m_m, DV, BV)
     b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
-    o_rm = tl.arange(0, RM)  # the features that carry moments
-    b_m = tl.load(mbuf + stat[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
-    b_beta = tl.load(bbuf + stat[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
 
-    b_S = tl.zeros([BM, RM * RM], tl.float32)
     b_D = tl.zeros([BM], tl.float32)
     b_E = tl.zeros([BM, R], tl.float32)
+    if MOMENTS:
+        b_S = tl.zeros([BM, RM * RM], tl.float32)
     for start in range(lo, hi, BN):
         o_n, m_n, k_row, _, s = _key_block_logits(b_q, k, k_base, start, o_m, kmask_row, T, S, OFF, WINDOW, H, DK,
                                                   BK, BM, BN, USE_WINDOW, USE_KMASK, PREC)
@@ -340,24 +385,47 @@ def _bwd_prep_kernel(
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         b_D += tl.sum(pd, 1)
         b_E += tl.dot(pd, b_f, input_precision=MPREC)
-        b_S += _moments(p, ffk, k_row, m_n, RM, MPREC)
+        if MOMENTS:
+            b_S += _moments(p, ffk, k_row, m_n, RM, MPREC)
 
-    b_E = _narrow(b_E, BM, R, RM)
+    if MOMENTS:
+        o_rm = tl.arange(0, RM)  # the features that carry moments
+        b_m = tl.load(mbuf + stat[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
+        b_beta = tl.load(bbuf + stat[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
+        eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
+        A = tl.reshape(b_S, [BM, RM, RM]) - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
+        b_lam, b_dm, b_delta = _backward_terms(A, b_m, b_beta, b_D, _narrow(b_E, BM, R, RM), ridge, BM, RM, True)
+        tl.store(lbuf + stat[:, None] * R + o_r[None, :], _widen(b_lam, BM, R, RM), mask=m_m[:, None])
+        tl.store(dmbuf + stat[:, None] * R + o_r[None, :], _widen(b_dm, BM, R, RM), mask=m_m[:, None])
+        tl.store(delta + stat, b_delta, mask=m_m)
+    else:
+        tl.store(dbuf + stat, b_D, mask=m_m)
+        tl.store(ebuf + stat[:, None] * R + o_r[None, :], b_E, mask=m_m[:, None])
+
+
+@triton.jit
+def _bwd_solve_kernel(abuf, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, ridge, N, R: tl.constexpr,
+                      RM: tl.constexpr, BQ: tl.constexpr):
+    """Grid (cdiv(N, BQ),) over the N = B·H·T queries' statistics: λ, dm and Δ from the saved A, m and β and
+    the prep's D and E."""
+    rows = tl.program_id(0).to(tl.int64) * BQ + tl.arange(0, BQ)
+    live = rows < N
+    o_r = tl.arange(0, R)
+    o_rm = tl.arange(0, RM)
+    o_rr = tl.arange(0, RM * RM)
     eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
-    S3 = tl.reshape(b_S, [BM, RM, RM])
-    # S β before the solve, so S3 is dead inside it (afterwards it stayed live through the solve loop and
-    # spilled: 347 of its 1449 instructions, sm_90 / Triton 3.6 compiled offline)
-    s_beta = tl.sum(S3 * b_beta[:, None, :], 2)
-    A = S3 - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
-    b_lam = _solve(A, b_D[:, None] * b_m - b_E, BM, RM, True)
-    bm = tl.sum(b_beta * b_m, 1)
-    lm = tl.sum(b_lam * b_m, 1)
-    b_dm = b_D[:, None] * b_beta + b_lam * (1.0 + bm)[:, None] + b_beta * lm[:, None]
-    b_delta = ((1.0 + bm) * b_D - tl.sum(b_E * b_beta, 1) + tl.sum(b_m * b_dm, 1)
-               - tl.sum(b_lam * s_beta, 1))
-    tl.store(lbuf + stat[:, None] * R + o_r[None, :], _widen(b_lam, BM, R, RM), mask=m_m[:, None])
-    tl.store(dmbuf + stat[:, None] * R + o_r[None, :], _widen(b_dm, BM, R, RM), mask=m_m[:, None])
-    tl.store(delta + stat, b_delta, mask=m_m)
+    A = tl.load(abuf + rows[:, None] * (RM * RM) + o_rr[None, :], mask=live[:, None], other=0.0)
+    A = tl.where(live[:, None, None], tl.reshape(A, [BQ, RM, RM]), eye)  # rows past N: solvable, not stored
+    p_rm = rows[:, None] * R + o_rm[None, :]
+    b_m = tl.load(mbuf + p_rm, mask=live[:, None], other=0.0)
+    b_beta = tl.load(bbuf + p_rm, mask=live[:, None], other=0.0)
+    b_E = tl.load(ebuf + p_rm, mask=live[:, None], other=0.0)
+    b_D = tl.load(dbuf + rows, mask=live, other=0.0)
+    b_lam, b_dm, b_delta = _backward_terms(A, b_m, b_beta, b_D, b_E, ridge, BQ, RM, True)
+    p_r = rows[:, None] * R + o_r[None, :]
+    tl.store(lbuf + p_r, _widen(b_lam, BQ, R, RM), mask=live[:, None])
+    tl.store(dmbuf + p_r, _widen(b_dm, BQ, R, RM), mask=live[:, None])
+    tl.store(delta + rows, b_delta, mask=live)
 
 
 @triton.jit
@@ -386,6 +454,7 @@ def _bwd_dkv_kernel(
     b_k = tl.load(k + k_row[:, None] * DK + o_dk[None, :], mask=m_n[:, None] & (o_dk[None, :] < DK), other=0.0)
     b_v = tl.load(v + k_row[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
     b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
+    km = tl.load(kmask_row + o_n, mask=m_n, other=0) if USE_KMASK else 0
 
     # queries at positions >= the block's first key (and, with a window, < its last key + W)
     q_lo = tl.maximum(i_n * BN - OFF, 0)
@@ -401,9 +470,9 @@ def _bwd_dkv_kernel(
         m_m = o_m < T
         q_row = q_base + o_m * H
         stat = stat_base + o_m
-        b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
+        b_q = _rows(q, q_row, m_m, DK, BK)
         b_qt = tl.trans(b_q)
-        b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+        b_do = _rows(do, q_row, m_m, DV, BV)
         b_dot = tl.trans(b_do)
         b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
         b_delta = tl.load(delta + stat, mask=m_m, other=0.0)
@@ -418,7 +487,7 @@ def _bwd_dkv_kernel(
         b_a = 1.0 + tl.sum(b_m * b_beta, 1)  # [BM]
 
         st = tl.dot(b_k, b_qt, input_precision=PREC) * _LOG2E
-        st = tl.where(_visible_t(o_n, o_m, T, S, OFF, WINDOW, kmask_row, USE_WINDOW, USE_KMASK), st, float("-inf"))
+        st = tl.where(_seen_t(o_n, o_m, OFF, WINDOW, km, USE_WINDOW, USE_KMASK), st, float("-inf"))
         pt = tl.exp2(st - b_lse[None, :])
         dlt = tl.dot(b_v, b_dot, input_precision=PREC)  # δ
         fb = tl.dot(b_f, b_betat, input_precision=MPREC)  # f·β
@@ -430,8 +499,11 @@ def _bwd_dkv_kernel(
         dst = pt * (b_a[None, :] * dlt + (fd - b_delta[None, :]) - fb * u)
         acc_v += tl.dot((pt * b_a[None, :] - pfb).to(b_do.dtype), b_do, input_precision=PREC)
         acc_k += tl.dot(dst.to(b_q.dtype), b_q, input_precision=PREC)
-        acc_f += (tl.dot(pt, b_dm, input_precision=MPREC) - tl.dot(pt * u, b_beta, input_precision=MPREC)
-                  - tl.dot(pfb, b_lam, input_precision=MPREC))
+        # df in the input dtype like dk and dv (tf32 operands from registers took 0.8 of 4.1 ms at r = 8, 4k)
+        lo_t = b_q.dtype
+        acc_f += (tl.dot(pt.to(lo_t), b_dm.to(lo_t), input_precision=PREC)
+                  - tl.dot((pt * u).to(lo_t), b_beta.to(lo_t), input_precision=PREC)
+                  - tl.dot(pfb.to(lo_t), b_lam.to(lo_t), input_precision=PREC))
 
     tl.store(dk + k_row[:, None] * DK + o_dk[None, :], acc_k.to(dk.dtype.element_ty),
              mask=m_n[:, None] & (o_dk[None, :] < DK))
@@ -455,8 +527,8 @@ def _bwd_dq_kernel(
     o_r = tl.arange(0, R)
     p_stat = stat[:, None] * R + o_r[None, :]
 
-    b_q = tl.load(q + q_row[:, None] * DK + o_dk[None, :], mask=m_m[:, None] & (o_dk[None, :] < DK), other=0.0)
-    b_do = tl.load(do + q_row[:, None] * DV + o_dv[None, :], mask=m_m[:, None] & (o_dv[None, :] < DV), other=0.0)
+    b_q = _rows(q, q_row, m_m, DK, BK)
+    b_do = _rows(do, q_row, m_m, DV, BV)
     b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
     b_delta = tl.load(delta + stat, mask=m_m, other=0.0)
     b_m = tl.load(mbuf + p_stat, mask=m_m[:, None], other=0.0)
@@ -494,6 +566,10 @@ class _Ctx:
         # features that carry the r×r moments and the solve: up to 8 slope features keep 8 (64 moments a
         # query, not 256); the r-wide products still take R ≥ 16 columns (the smallest tensor-core product)
         self.RM = 8 if rank <= 8 and R == 16 else R
+        # the forward saves A (RM² numbers a query) when it is small: the backward's prep then needs no
+        # moments and few registers (r = 8, 4k: prep 2.05 → 1.16 ms, plus 0.19 for the solve kernel); at
+        # RM = 16 it would be 1 KB a query and head, and the solve of 16 features alone took 2.3 ms as a kernel
+        self.save_a = self.RM <= 8
         self.OFF = self.S - T
         self.BK, self.BV = next_pow2(DK), next_pow2(self.DV)
         self.window = window
@@ -513,14 +589,16 @@ class _Ctx:
         else:  # the [BM, R²] moment accumulators of 32 features fit in registers only with 16-row query blocks;
             # the [BN, R²] outer-product tiles of the moment kernels in shared memory only 16 rows at one stage
             self.launch = {name: Launch(16, 32, 4, cfg.stages) for name, cfg in LAUNCH.items()}
-            self.launch.update(fwd=Launch(16, 16, 4, 1), prep=Launch(16, 16, 4, 1))
+            self.launch.update(stats=Launch(16, 16, 4, 1), prep_moments=Launch(16, 16, 4, 1))
 
-    def meta(self, kernel: str):
+    def meta(self, kernel: str, fn):
+        """The launch of ``kernel`` (a key of LAUNCH) and the constants of fn that it takes."""
         cfg = self.launch[kernel]
-        extra = dict(RM=self.RM) if kernel in ("fwd", "prep") else {}
-        return dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, BK=self.BK, BV=self.BV, BM=cfg.BM, BN=cfg.BN,
-                    USE_WINDOW=self.window is not None, USE_KMASK=self.kmask is not None,
-                    PREC=self.prec, MPREC=self.mprec, num_warps=cfg.warps, num_stages=cfg.stages, **extra)
+        consts = dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, RM=self.RM, BK=self.BK, BV=self.BV, BM=cfg.BM,
+                      BN=cfg.BN, USE_WINDOW=self.window is not None, USE_KMASK=self.kmask is not None,
+                      PREC=self.prec, MPREC=self.mprec)
+        return dict({n: x for n, x in consts.items() if n in fn.arg_names}, num_warps=cfg.warps,
+                    num_stages=cfg.stages)
 
     def grid(self, kernel: str, over_keys: bool = False):
         cfg = self.launch[kernel]
@@ -542,29 +620,44 @@ def _outer_products(c: _Ctx, fk):
 
 
 def _fwd(c: _Ctx, q, k, v, fk, gq, ridge):
+    """Outputs and the statistics the backward needs: log-sum-exp, m, β and (``c.save_a``) A."""
     dev = q.device
     o = torch.empty(c.B, c.T, c.H, c.DV, dtype=v.dtype, device=dev)
     lse = torch.empty(c.B, c.H, c.T, dtype=torch.float32, device=dev)
     mbuf = torch.empty(c.B, c.H, c.T, c.R, dtype=torch.float32, device=dev)
     bbuf = torch.empty_like(mbuf)
-    _fwd_kernel[c.grid("fwd")](q, k, v, fk, _outer_products(c, fk), gq, c.kmask_arg(q), o, lse, mbuf, bbuf, ridge,
-                               c.T, c.S, c.OFF, c.window or 0, **c.meta("fwd"))
-    return o, lse, mbuf, bbuf
+    abuf = torch.empty(c.B, c.H, c.T, c.RM * c.RM if c.save_a else 0, dtype=torch.float32, device=dev)
+    km, W = c.kmask_arg(q), c.window or 0
+    _fwd_stats_kernel[c.grid("stats")](q, k, fk, _outer_products(c, fk), gq, km, lse, mbuf, bbuf, abuf, ridge, c.T,
+                                       c.S, c.OFF, W, SAVE_A=c.save_a, **c.meta("stats", _fwd_stats_kernel))
+    _fwd_out_kernel[c.grid("out")](q, k, v, fk, km, o, lse, mbuf, bbuf, c.T, c.S, c.OFF, W,
+                                   **c.meta("out", _fwd_out_kernel))
+    return o, lse, mbuf, bbuf, abuf
 
 
-def _bwd(c: _Ctx, q, k, v, fk, do, lse, mbuf, bbuf, ridge):
+def _bwd(c: _Ctx, q, k, v, fk, do, lse, mbuf, bbuf, abuf, ridge):
     lbuf, dmbuf = torch.empty_like(mbuf), torch.empty_like(mbuf)
     delta = torch.empty_like(lse)
     W = c.window or 0
     km = c.kmask_arg(q)
-    _bwd_prep_kernel[c.grid("prep")](q, k, v, fk, _outer_products(c, fk), do, km, lse, mbuf, bbuf, lbuf, dmbuf,
-                                     delta, ridge, c.T, c.S, c.OFF, W, **c.meta("prep"))
+    if c.save_a:  # D and E per query, then the solves of all queries in a kernel of their own
+        dbuf, ebuf = torch.empty_like(lse), torch.empty_like(mbuf)
+        _bwd_prep_kernel[c.grid("prep")](q, k, v, fk, None, do, km, lse, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta,
+                                         ridge, c.T, c.S, c.OFF, W, MOMENTS=False, **c.meta("prep", _bwd_prep_kernel))
+        n = c.B * c.H * c.T
+        _bwd_solve_kernel[(triton.cdiv(n, SOLVE_ROWS),)](abuf, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, ridge, n,
+                                                        R=c.R, RM=c.RM, BQ=SOLVE_ROWS, num_warps=4)
+    else:  # the moments again and the solves at the prep's end (D and E stay in registers: no dbuf, ebuf)
+        _bwd_prep_kernel[c.grid("prep_moments")](q, k, v, fk, _outer_products(c, fk), do, km, lse, mbuf, bbuf, None,
+                                                 None, lbuf, dmbuf, delta, ridge, c.T, c.S, c.OFF, W, MOMENTS=True,
+                                                 **c.meta("prep_moments", _bwd_prep_kernel))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dfk = torch.empty(c.B, c.S, c.H, c.R, dtype=torch.float32, device=q.device)
     _bwd_dkv_kernel[c.grid("dkv", over_keys=True)](
-        q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, c.T, c.S, c.OFF, W, **c.meta("dkv"))
+        q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, c.T, c.S, c.OFF, W,
+        **c.meta("dkv", _bwd_dkv_kernel))
     _bwd_dq_kernel[c.grid("dq")](q, k, v, fk, do, km, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, c.T, c.S, c.OFF, W,
-                                 **c.meta("dq"))
+                                 **c.meta("dq", _bwd_dq_kernel))
     return dq, dk, dv, dfk, -lbuf.transpose(1, 2)
 
 
@@ -575,15 +668,15 @@ class LocalLinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, fk, gq, key_mask, ridge, window, rank):
         c = _Ctx(q, k, v, fk.shape[-1], rank, window, key_mask)
-        o, lse, mbuf, bbuf = _fwd(c, q, k, v, fk, gq, ridge)
+        o, lse, mbuf, bbuf, abuf = _fwd(c, q, k, v, fk, gq, ridge)
         ctx.c, ctx.ridge = c, ridge
-        ctx.save_for_backward(q, k, v, fk, lse, mbuf, bbuf)
+        ctx.save_for_backward(q, k, v, fk, lse, mbuf, bbuf, abuf)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, fk, lse, mbuf, bbuf = ctx.saved_tensors
-        dq, dk, dv, dfk, dgq = _bwd(ctx.c, q, k, v, fk, do.contiguous(), lse, mbuf, bbuf, ctx.ridge)
+        q, k, v, fk, lse, mbuf, bbuf, abuf = ctx.saved_tensors
+        dq, dk, dv, dfk, dgq = _bwd(ctx.c, q, k, v, fk, do.contiguous(), lse, mbuf, bbuf, abuf, ctx.ridge)
         return dq, dk, dv, dfk, dgq, None, None, None, None
 
 
