@@ -250,6 +250,23 @@ def test_interp_key_mask_inside_blocks_the_causal_order_leaves_whole():
 
 
 @needs_interp
+def test_interp_kernel_gives_hidden_keys_no_gradient():
+    """Called directly (the op zeroes pad keys and drops their gradients, so it cannot tell), the kernel gives
+    keys that its key mask hides exactly zero gradient, whatever their values: the key-block kernel must apply
+    the mask, not only the causal order."""
+    from lazoo.kernels.local_linear import local_linear_attention as kernel
+
+    x = make(1, 40, 2, 16, 8, r=4, seed=17)
+    mask = left_pad_mask([40], 40, holes=[(0, 5), (0, 22)])
+    xs = leaves(x, torch.float32)
+    o = kernel(xs["q"], xs["k"], xs["v"], scale=xs["scale"], ridge=0.05, key_mask=mask, rank_projection=xs["P"])
+    probe = torch.randn(o.shape, generator=torch.Generator().manual_seed(3))
+    gk, gv = torch.autograd.grad((o * probe).sum(), [xs["k"], xs["v"]])
+    assert gk[~mask].abs().max() == 0 and gv[~mask].abs().max() == 0
+    assert gk[mask].abs().min() > 0
+
+
+@needs_interp
 def test_interp_fp16():
     x = make(1, 21, 2, 16, 16, r=4, seed=11)
     ref = explicit_reference(x["q"], x["k"], x["v"], x["scale"], 0.1, x["P"])
@@ -276,6 +293,23 @@ def test_gpu_matches_float64(dtype, rtol, grad_rtol, T, dk, r):
         assert_close(o.double(), o_r, rtol, f"output (window {window})")
         for n, gr in g_r.items():
             assert_close(g[n].double(), gr, grad_rtol, f"grad {n} (window {window})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("r", [6, 16])  # A saved by the forward / the moments again in the backward
+def test_gpu_pads_holes_and_window_match_float64(r):
+    """Left pads and interior holes (the key mask in every kernel, the key-block kernel's own test of it
+    included), window on, fp32 on the GPU against the float64 chunk form: outputs (zero at pads) and gradients,
+    the scale's among them."""
+    x = make(2, 700, 4, 64, 64, r=r, seed=4)
+    mask = left_pad_mask([700, 530], 700, holes=[(0, 100), (0, 400), (1, 333)])
+    o_r, g_r = forward_and_grads(op_call(0.1, 200, mask, backend="chunk"), leaves(x, F64, "cuda"))
+    o, g = forward_and_grads(op_call(0.1, 200, mask), leaves(x, torch.float32, "cuda"))
+    assert (o[~mask.cuda()] == 0).all()
+    assert_close(o.double(), o_r, 1e-4, "padded output")
+    for n, gr in g_r.items():
+        assert_close(g[n].double(), gr, 2e-4, f"padded grad {n}")
 
 
 @pytest.mark.gpu
