@@ -27,9 +27,9 @@ Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
 
 in three passes: ``_bwd_prep`` (per query block: D and E, then λ, dm, Δ; with A saved, the solve is a small
 kernel of its own, ``_bwd_solve``, and the prep holds few registers; otherwise the prep recomputes S and
-solves at its end), ``_bwd_dkv`` (per key block over its query blocks: dk, dv, df) and ``_bwd_dq`` (per
-query block over its keys). The features
-are computed outside (``lazoo.kernels.slope_features``), so autograd carries their gradients to k and P.
+solves at its end; either writes dg), ``_bwd_dkv`` (per key block over its query blocks: dk, dv, df) and
+``_bwd_dq`` (per query block over its keys: dq and the shares of dσ). The features are computed outside
+(``lazoo.kernels.slope_features``), so autograd carries their gradients to k, q and P.
 The query-block kernels mask only the key blocks that hold a hidden pair (``_needs_mask``: the causal
 diagonal, window edges, key masks); the key-block kernel masks every block (skipping made it slower) but only
 by what can hide a pair there (``_seen_t``).
