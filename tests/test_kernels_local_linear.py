@@ -267,6 +267,23 @@ def test_interp_kernel_gives_hidden_keys_no_gradient():
 
 
 @needs_interp
+def test_interp_frozen_projection_gets_no_gradient():
+    """A P that does not require grad: the kernels skip dP and give q, k, v, the scale exactly the gradients they
+    get with a trainable P (the features' shares of dq and dk do not depend on forming dP)."""
+    x = make(1, 40, 2, 16, 8, r=6, per_head=True, seed=19)
+    o, g = forward_and_grads(op_call(0.05, 9), leaves(x, torch.float32))
+    xs = leaves(x, torch.float32)
+    xs["P"].requires_grad_(False)
+    o_frozen = op_call(0.05, 9)(xs)
+    probe = torch.randn(o.shape, generator=torch.Generator().manual_seed(7), dtype=F64).float()
+    names = ["q", "k", "v", "scale"]
+    got = torch.autograd.grad((o_frozen * probe).sum(), [xs[n] for n in names])
+    assert torch.equal(o_frozen, o) and xs["P"].grad is None
+    for n, gr in zip(names, got):
+        assert torch.equal(gr, g[n]), n
+
+
+@needs_interp
 def test_interp_fp16():
     x = make(1, 21, 2, 16, 16, r=4, seed=11)
     ref = explicit_reference(x["q"], x["k"], x["v"], x["scale"], 0.1, x["P"])

@@ -1,6 +1,6 @@
-"""Slope-feature kernels (lazoo.kernels.slope_features): f = P x padded to R columns, dx and dP, against float64
-autograd of the plain product, for a shared and a per-head P, r and dk not powers of two, and token counts that
-are not a multiple of the block. CPU: the ``interp_*`` tests run in a fresh ``TRITON_INTERPRET=1`` process.
+"""Slope-feature kernel (lazoo.kernels.slope_features): f = P x padded to R columns against the float64 product,
+for a shared and a per-head P, r and dk not powers of two, and token counts that are not a multiple of the block
+(the gradients are the local-linear kernels', tested with them). CPU: the ``interp_*`` tests run in a fresh ``TRITON_INTERPRET=1`` process.
 GPU: ``-m gpu``."""
 
 from __future__ import annotations
@@ -26,26 +26,17 @@ def reference(x, P, R):
 
 
 def check(B, T, H, dk, r, R, per_head, dtype, device, rtol):
-    from lazoo.kernels.slope_features import slope_features
+    from lazoo.kernels.slope_features import project
 
     g = torch.Generator().manual_seed(B * 100 + T + r)
     x = torch.randn(B, T, H, dk, generator=g, dtype=F64)
     P = torch.randn(*((H,) if per_head else ()), r, dk, generator=g, dtype=F64) / dk ** 0.5
-    probe = torch.randn(B, T, H, R, generator=g, dtype=F64)
-    xs = x.to(device, dtype).requires_grad_()
-    Ps = P.to(device, torch.float32).requires_grad_()
-    f = slope_features(xs, Ps, R)
+    xs = x.to(device, dtype)
+    f = project(xs, P.to(device, torch.float32).contiguous(), R)
     assert f.dtype == torch.float32 and f.shape == (B, T, H, R)
     assert torch.all(f[..., r:] == 0), "the padded features must be exactly zero"
-    dx, dP = torch.autograd.grad((f * probe.to(device, torch.float32)).sum(), (xs, Ps))
-    assert dx.dtype == dtype and dP.shape == P.shape
-    # against the float64 product of the rounded inputs, so only the kernels' arithmetic is measured
-    x_in, P_in = xs.detach().double().cpu().requires_grad_(), P.clone().requires_grad_()
-    f_in = reference(x_in, P_in, R)
-    dx_in, dP_in = torch.autograd.grad((f_in * probe).sum(), (x_in, P_in))
-    assert_close(f.double().cpu(), f_in, rtol, "features")
-    assert_close(dx.double().cpu(), dx_in, max(rtol, 4e-3 if dtype != torch.float32 else 0), "dx")
-    assert_close(dP.double().cpu(), dP_in, rtol, "dP")
+    # against the float64 product of the rounded inputs, so only the kernel's arithmetic is measured
+    assert_close(f.double().cpu(), reference(xs.double().cpu(), P.float().double(), R), rtol, "features")
 
 
 def test_kernels_in_subprocess():
@@ -68,20 +59,3 @@ def test_interp_features_match_float64(B, T, H, dk, r, R, per_head):
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
 def test_gpu_features_match_float64(dtype, per_head):
     check(2, 1000, 4, 64, 16, 16, per_head, dtype, "cuda", rtol=1e-6)
-
-
-@needs_interp
-@pytest.mark.parametrize("wrt", ["x", "P"])
-def test_interp_features_backward_to_one_input(wrt):
-    """A frozen P (or x) gets no gradient and the other one the same as with both."""
-    from lazoo.kernels.slope_features import slope_features
-
-    g = torch.Generator().manual_seed(3)
-    x, P = torch.randn(2, 21, 2, 24, generator=g), torch.randn(2, 7, 24, generator=g)
-    probe = torch.randn(2, 21, 2, 16, generator=g)
-    both = [x.clone().requires_grad_(), P.clone().requires_grad_()]
-    expected = torch.autograd.grad((slope_features(*both, 16) * probe).sum(), both)
-    one = [x.clone().requires_grad_(wrt == "x"), P.clone().requires_grad_(wrt == "P")]
-    i = 0 if wrt == "x" else 1
-    (got,) = torch.autograd.grad((slope_features(*one, 16) * probe).sum(), [one[i]])
-    assert torch.equal(got, expected[i])

@@ -22,14 +22,23 @@ Backward, with δ_i = do·v_i, D = Σ p δ = do·v̄ and E = Σ p δ f:
     dm = D β + λ + λ (β·m) + β (λ·m)                    (through c, b and −m mᵀ)
     dp_i = c_i δ_i + f_i·dm − (f_i·λ)(f_i·β)           (through o, m and S)
     ds_i = p_i (dp_i − Δ),  Δ = Σ p dp = a D − E·β + m·dm − λᵀ S β
-    dv_i = Σ_t p c do,  dq = σ Σ_i ds k,  dk_i = σ Σ_t ds q,  dσ = Σ_t q·dq / σ,
-    df_i = Σ_t p (dm − (δ + f·λ) β − (f·β) λ)
+    dv_i = Σ_t p c do,  dq = σ Σ_i ds k + dg P,  dk_i = σ Σ_t ds q + df_i P,  dσ = Σ_t q·(Σ_i ds k),
+    df_i = Σ_t p (dm − (δ + f·λ) β − (f·β) λ),  dP = Σ_i df_iᵀ k_i + Σ_t dg_tᵀ q_t
 
-in three passes: ``_bwd_prep`` (per query block: D and E, then λ, dm, Δ; with A saved, the solve is a small
-kernel of its own, ``_bwd_solve``, and the prep holds few registers; otherwise the prep recomputes S and
-solves at its end; either writes dg), ``_bwd_dkv`` (per key block over its query blocks: dk, dv, df) and
-``_bwd_dq`` (per query block over its keys: dq and the shares of dσ). The features are computed outside
-(``lazoo.kernels.slope_features``), so autograd carries their gradients to k, q and P.
+With f·β = a − c these regroup per pair as ds = p (c u + f·ψ), u = δ + f·λ, and df = Σ_t p (ψ + u γ + c λ), where
+c = f·γ and f·ψ come from the per-query γ = −β and ψ = dm − a λ (``_coefficients``): three r-wide products
+and three multiplies a pair instead of eight operations. When r < R a feature column is spare (R − 1, zero in
+the stored features); the kernels hold it at 1 in registers, so that column of γ carries a, that of ψ carries
+−Δ, and the forward's Σ p f and the prep's E sum Σ p and D there, at no extra product (r = 8, 4k: key-block
+kernel 3.38 → 2.76 ms). The backward runs in three passes: ``_bwd_prep`` (per query block: D and E, then λ,
+dm, Δ; with A saved, the solve is a small kernel of its own, ``_bwd_solve``, and the prep holds few registers;
+otherwise the prep recomputes S and solves at its end; either stores λ, γ, ψ, a and Δ), ``_bwd_dkv`` (per key
+block over its query blocks: dk, dv, with df P and the block's share of dP from the df it holds) and
+``_bwd_dq`` (per query block over its keys: dq with −λ P, and the shares of dσ and dP). The keys' features P k
+are formed once per call (``lazoo.kernels.slope_features``, forward only) and P q inside the statistics
+kernel; the features' gradients never leave the kernels (no df or dg tensors, no separate products with P
+and no sums of gradients afterwards; the kernels around the attention's took 0.49 ms of a step at r = 8, 4k
+before, 0.10 after, in a profile).
 The query-block kernels mask only the key blocks that hold a hidden pair (``_needs_mask``: the causal
 diagonal, window edges, key masks); the key-block kernel masks every block (skipping made it slower) but only
 by what can hide a pair there (``_seen_t``).
@@ -54,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ._utils import device_unsupported, next_pow2
-from .slope_features import slope_features
+from .slope_features import head_stride, project
 
 #: largest head dims (q/k and v) the kernels take
 MAX_HEAD_DIM = 128
@@ -80,11 +89,13 @@ class Launch(NamedTuple):
 #: blocks +0.4 to +4 ms fwd+bwd). The [BM, R²] moment accumulators of the query-block kernels must fit in
 #: registers. "prep" is the prep without moments (A saved by the forward), "prep_moments" the one with. The
 #: statistics, outputs, prep, key-block and dq launches from a sweep after the forward's split (r = 8: fwd+bwd
-#: 9.72 → 9.50 ms, ``scripts/tune_local_linear.py --rank 8``); the statistics' 64 × 64 only for 8 features.
+#: 9.72 → 9.50 ms, ``scripts/tune_local_linear.py --rank 8``); the statistics' 64 × 64 only for 8 features (at 16,
+#: fp32 inputs need 266 KB of shared memory there). The key-block, dq and statistics launches again after the
+#: backward's regrouping (``_coefficients``): r = 8 8.00 → 7.80 ms, r = 16 dq only (the rest within noise).
 LAUNCH = {"stats": Launch(64, 32, 4, 3), "out": Launch(128, 64, 8, 3), "prep": Launch(128, 32, 8, 2),
-          "prep_moments": Launch(64, 32, 4, 2), "dkv": Launch(32, 64, 4, 2), "dq": Launch(64, 64, 4, 2)}
+          "prep_moments": Launch(64, 32, 4, 2), "dkv": Launch(32, 64, 4, 2), "dq": Launch(64, 64, 4, 3)}
 #: what changes when the moments take 8 features (RM = 8)
-LAUNCH_RM8 = {"stats": Launch(64, 64, 4, 3)}
+LAUNCH_RM8 = {"stats": Launch(64, 64, 4, 2), "dkv": Launch(32, 64, 4, 3), "dq": Launch(64, 128, 4, 2)}
 #: queries per program of the backward's solve kernel (``_bwd_solve``)
 SOLVE_ROWS = 32
 #: under TRITON_INTERPRET=1: blocks smaller than the test sequences (each kernel may take its own)
@@ -145,6 +156,38 @@ def _rows(x, row, live, D: tl.constexpr, BD: tl.constexpr):
     """``[len(row), BD]``: rows ``row`` of x ``[.., D]``, zero past D and in the rows that are not live."""
     o_d = tl.arange(0, BD)
     return tl.load(x + row[:, None] * D + o_d[None, :], mask=live[:, None] & (o_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _projection(P, i_h, NR, P_STRIDE, DK: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """Head i_h's slope projection ``[R, BK]`` fp32 (NR rows of P, the rest zero; P_STRIDE 0 when the heads share
+    it)."""
+    o_r = tl.arange(0, R)
+    o_d = tl.arange(0, BK)
+    return tl.load(P + i_h * P_STRIDE + o_r[:, None] * DK + o_d[None, :],
+                   mask=(o_r[:, None] < NR) & (o_d[None, :] < DK), other=0.0)
+
+
+@triton.jit
+def _with_one(x, col, R: tl.constexpr):
+    """x with its feature column R − 1 (``col``: that column's mask, broadcast to x) set to 1: with a spare
+    feature column (SPARE, r < R, a zero feature there otherwise) the r-wide products carry a per-query
+    constant or Σ p through it at no extra product."""
+    return tl.where(col, 1.0, x)
+
+
+@triton.jit
+def _coefficients(b_m, b_beta, b_lam, b_dm, b_delta, spare, SPARE: tl.constexpr):
+    """Per query ``[BM, R]``: γ with f·γ = c = a − f·β and ψ with f·ψ = f·(dm − a λ) − Δ for the spare-column
+    features (without SPARE the kernels add a and −Δ themselves), and a = 1 + m·β. The backward's weights are
+    then c (dv) and c (δ + f·λ) + f·ψ (ds): ``c δ + f·dm − (f·λ)(f·β) − Δ`` regrouped with f·β = a − c."""
+    b_a = 1.0 + tl.sum(b_m * b_beta, 1)
+    gam = -b_beta
+    psi = b_dm - b_a[:, None] * b_lam
+    if SPARE:
+        gam = tl.where(spare[None, :], b_a[:, None], gam)
+        psi = tl.where(spare[None, :], -b_delta[:, None], psi)
+    return gam, psi, b_a
 
 
 @triton.jit
@@ -263,10 +306,10 @@ def _outer_products_kernel(f, out, N, R: tl.constexpr, RM: tl.constexpr, BLOCK: 
 # ============================================================================ forward
 @triton.jit
 def _fwd_stats_kernel(
-    q, k, fk, ffk, gq, kmask, scale_h, lse, mbuf, bbuf, abuf, ridge, T, S, OFF, WINDOW,
+    q, k, fk, ffk, P, NR, P_STRIDE, kmask, scale_h, lse, mbuf, bbuf, abuf, ridge, T, S, OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, R: tl.constexpr, RM: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr,
-    MPREC: tl.constexpr, SAVE_A: tl.constexpr,
+    MPREC: tl.constexpr, SAVE_A: tl.constexpr, SPARE: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), B * H): log-sum-exp, m and β of one query block (and A when SAVE_A)."""
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi, qk_scale = _query_block(kmask, scale_h, T, S, OFF, WINDOW,
@@ -274,8 +317,13 @@ def _fwd_stats_kernel(
     o_r = tl.arange(0, R)
 
     b_q = _rows(q, q_row, m_m, DK, BK)
+    # g = P q (tf32x3: about fp32, like the keys' features), before the loop: the fp32 copies of q it takes
+    # after it raised the kernel's registers from 168 to 218 (sm_90, r = 8)
+    b_p = _projection(P, tl.program_id(1) % H, NR, P_STRIDE, DK, R, BK)
+    b_g = _narrow(tl.dot(b_q.to(tl.float32), tl.trans(b_p), input_precision="tf32x3"), BM, R, RM)
 
-    # running max (log2 units), running sum, Σ e f and Σ e f fᵀ
+    # running max (log2 units), running sum, Σ e f and Σ e f fᵀ (the sum in Σ e f's spare column if SPARE)
+    spare = o_r == R - 1
     b_mx = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_f1 = tl.zeros([BM, R], tl.float32)
@@ -288,11 +336,17 @@ def _fwd_stats_kernel(
         alpha = tl.exp2(b_mx - ref)
         p = tl.exp2(s - ref[:, None])
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
-        b_l = b_l * alpha + tl.sum(p, 1)
+        if SPARE:
+            b_f = _with_one(b_f, spare[None, :], R)
+        else:
+            b_l = b_l * alpha + tl.sum(p, 1)
         b_f1 = b_f1 * alpha[:, None] + tl.dot(p, b_f, input_precision=MPREC)
         b_f2 = b_f2 * alpha[:, None] + _moments(p, ffk, k_row, m_n, RM, MPREC)
         b_mx = new_mx
 
+    if SPARE:
+        b_l = tl.sum(tl.where(spare[None, :], b_f1, 0.0), 1)
+        b_f1 = tl.where(spare[None, :], 0.0, b_f1)
     seen = b_l > 0
     l_safe = tl.where(seen, b_l, 1.0)
     b_lse = tl.where(seen, b_mx + tl.log2(l_safe), float("inf"))  # log2 units; p = exp2(s − lse)
@@ -305,7 +359,6 @@ def _fwd_stats_kernel(
     if SAVE_A:
         o_rr = tl.arange(0, RM * RM)
         tl.store(abuf + stat[:, None] * (RM * RM) + o_rr[None, :], tl.reshape(A, [BM, RM * RM]), mask=m_m[:, None])
-    b_g = tl.load(gq + q_row[:, None] * R + o_rm[None, :], mask=m_m[:, None], other=0.0)
     # a loop: unrolled, it spilled ~0.9 KB at RM = 16; at RM = 8 unrolling saved nothing (2.74 vs 2.72 ms)
     b_beta = _widen(_solve(A, b_mm - b_g, BM, RM, False), BM, R, RM)
     tl.store(lse + stat, b_lse, mask=m_m)
@@ -360,16 +413,33 @@ def _backward_terms(A, b_m, b_beta, b_D, b_E, ridge, BM: tl.constexpr, RM: tl.co
 
 
 @triton.jit
+def _store_terms(b_m, b_beta, b_lam, b_dm, b_delta, rows, live, lbuf, gbuf, pbuf, abar, delta,
+                 BM: tl.constexpr, R: tl.constexpr, RM: tl.constexpr, SPARE: tl.constexpr):
+    """What the dk/dv and dq kernels take per query (rows ``rows`` of ``[B, H, T, *]``): λ, γ and ψ
+    (``_coefficients``), a and Δ. The inputs are RM features wide."""
+    o_r = tl.arange(0, R)
+    b_lam = _widen(b_lam, BM, R, RM)
+    gam, psi, b_a = _coefficients(_widen(b_m, BM, R, RM), _widen(b_beta, BM, R, RM), b_lam,
+                                  _widen(b_dm, BM, R, RM), b_delta, o_r == R - 1, SPARE)
+    p_r = rows[:, None] * R + o_r[None, :]
+    tl.store(lbuf + p_r, b_lam, mask=live[:, None])
+    tl.store(gbuf + p_r, gam, mask=live[:, None])
+    tl.store(pbuf + p_r, psi, mask=live[:, None])
+    tl.store(abar + rows, b_a, mask=live)
+    tl.store(delta + rows, b_delta, mask=live)
+
+
+@triton.jit
 def _bwd_prep_kernel(
-    q, k, v, fk, ffk, do, kmask, scale_h, lse, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, dg, ridge, T, S, OFF,
-    WINDOW,
+    q, k, v, fk, ffk, do, kmask, scale_h, lse, mbuf, bbuf, dbuf, ebuf, lbuf, gbuf, pbuf, abar, delta, ridge, T, S,
+    OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, RM: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
-    MOMENTS: tl.constexpr,
+    MOMENTS: tl.constexpr, SPARE: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), B * H): D = Σ p δ and E = Σ p δ f of one query block, stored for ``_bwd_solve``;
-    with MOMENTS (A not saved), S too, and then λ, dm, Δ and dg = −λ (``[B, T, H, R]``) here."""
+    with MOMENTS (A not saved), S too, and then λ, dm, Δ and what ``_store_terms`` stores, here."""
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi, qk_scale = _query_block(kmask, scale_h, T, S, OFF, WINDOW,
                                                                                H, BM, BN, USE_WINDOW)
     o_dv = tl.arange(0, BV)
@@ -379,6 +449,7 @@ def _bwd_prep_kernel(
     b_do = _rows(do, q_row, m_m, DV, BV)
     b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
 
+    spare = o_r == R - 1  # with SPARE, E's spare column sums D
     b_D = tl.zeros([BM], tl.float32)
     b_E = tl.zeros([BM, R], tl.float32)
     if MOMENTS:
@@ -390,10 +461,16 @@ def _bwd_prep_kernel(
         b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
         pd = p * tl.dot(b_do, b_vt, input_precision=PREC)  # p_i δ_i
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
-        b_D += tl.sum(pd, 1)
+        if SPARE:
+            b_f = _with_one(b_f, spare[None, :], R)
+        else:
+            b_D += tl.sum(pd, 1)
         b_E += tl.dot(pd, b_f, input_precision=MPREC)
         if MOMENTS:
             b_S += _moments(p, ffk, k_row, m_n, RM, MPREC)
+    if SPARE:
+        b_D = tl.sum(tl.where(spare[None, :], b_E, 0.0), 1)
+        b_E = tl.where(spare[None, :], 0.0, b_E)
 
     if MOMENTS:
         o_rm = tl.arange(0, RM)  # the features that carry moments
@@ -402,24 +479,19 @@ def _bwd_prep_kernel(
         eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
         A = tl.reshape(b_S, [BM, RM, RM]) - b_m[:, :, None] * b_m[:, None, :] + ridge * eye
         b_lam, b_dm, b_delta = _backward_terms(A, b_m, b_beta, b_D, _narrow(b_E, BM, R, RM), ridge, BM, RM, True)
-        b_lam = _widen(b_lam, BM, R, RM)
-        tl.store(lbuf + stat[:, None] * R + o_r[None, :], b_lam, mask=m_m[:, None])
-        tl.store(dg + q_row[:, None] * R + o_r[None, :], -b_lam, mask=m_m[:, None])
-        tl.store(dmbuf + stat[:, None] * R + o_r[None, :], _widen(b_dm, BM, R, RM), mask=m_m[:, None])
-        tl.store(delta + stat, b_delta, mask=m_m)
+        _store_terms(b_m, b_beta, b_lam, b_dm, b_delta, stat, m_m, lbuf, gbuf, pbuf, abar, delta, BM, R, RM, SPARE)
     else:
         tl.store(dbuf + stat, b_D, mask=m_m)
         tl.store(ebuf + stat[:, None] * R + o_r[None, :], b_E, mask=m_m[:, None])
 
 
 @triton.jit
-def _bwd_solve_kernel(abuf, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, dg, ridge, N, T, H: tl.constexpr,
-                      R: tl.constexpr, RM: tl.constexpr, BQ: tl.constexpr):
+def _bwd_solve_kernel(abuf, mbuf, bbuf, dbuf, ebuf, lbuf, gbuf, pbuf, abar, delta, ridge, N, R: tl.constexpr,
+                      RM: tl.constexpr, BQ: tl.constexpr, SPARE: tl.constexpr):
     """Grid (cdiv(N, BQ),) over the N = B·H·T queries' statistics ``[B, H, T, *]``: λ, dm and Δ from the saved
-    A, m and β and the prep's D and E; dg = −λ in the features' layout ``[B, T, H, R]``."""
+    A, m and β and the prep's D and E, then what ``_store_terms`` stores."""
     rows = tl.program_id(0).to(tl.int64) * BQ + tl.arange(0, BQ)
     live = rows < N
-    o_r = tl.arange(0, R)
     o_rm = tl.arange(0, RM)
     o_rr = tl.arange(0, RM * RM)
     eye = (o_rm[None, :, None] == o_rm[None, None, :]).to(tl.float32)
@@ -431,24 +503,20 @@ def _bwd_solve_kernel(abuf, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, dg, ridg
     b_E = tl.load(ebuf + p_rm, mask=live[:, None], other=0.0)
     b_D = tl.load(dbuf + rows, mask=live, other=0.0)
     b_lam, b_dm, b_delta = _backward_terms(A, b_m, b_beta, b_D, b_E, ridge, BQ, RM, True)
-    p_r = rows[:, None] * R + o_r[None, :]
-    b_lam = _widen(b_lam, BQ, R, RM)
-    tl.store(lbuf + p_r, b_lam, mask=live[:, None])
-    i_bh, i_t = rows // T, rows % T
-    g_row = ((i_bh // H) * T + i_t) * H + i_bh % H
-    tl.store(dg + g_row[:, None] * R + o_r[None, :], -b_lam, mask=live[:, None])
-    tl.store(dmbuf + p_r, _widen(b_dm, BQ, R, RM), mask=live[:, None])
-    tl.store(delta + rows, b_delta, mask=live)
+    _store_terms(b_m, b_beta, b_lam, b_dm, b_delta, rows, live, lbuf, gbuf, pbuf, abar, delta, BQ, R, RM, SPARE)
 
 
 @triton.jit
 def _bwd_dkv_kernel(
-    q, k, v, fk, do, kmask, scale_h, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, T, S, OFF, WINDOW,
+    q, k, v, fk, P, NR, P_STRIDE, do, kmask, scale_h, lse, gbuf, lbuf, pbuf, abar, delta, dk, dv, dp_part, T, S,
+    OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+    SPARE: tl.constexpr, WANT_DP: tl.constexpr,
 ):
-    """Grid (cdiv(S, BN), B * H): dk, dv and df of one key block, over the queries that see it.
+    """Grid (cdiv(S, BN), B * H): dk and dv of one key block, over the queries that see it, with the share of
+    the features f = P k (df P in dk; Σ dfᵀ k, this program's share of dP, in ``dp_part [.., R, BK]``).
 
     Everything is computed in the transposed ``[BN, BM]`` layout, so no computed matrix is transposed; the
     query block's tiles are loaded once and transposed as loaded (loading both orders took 7 % longer)."""
@@ -469,6 +537,9 @@ def _bwd_dkv_kernel(
     b_k = tl.load(k + k_row[:, None] * DK + o_dk[None, :], mask=m_n[:, None] & (o_dk[None, :] < DK), other=0.0)
     b_v = tl.load(v + k_row[:, None] * DV + o_dv[None, :], mask=m_n[:, None] & (o_dv[None, :] < DV), other=0.0)
     b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
+    spare = o_r == R - 1
+    if SPARE:
+        b_f = _with_one(b_f, spare[None, :], R)
     km = tl.load(kmask_row + o_n, mask=m_n, other=0) if USE_KMASK else 0
 
     # queries at positions >= the block's first key (and, with a window, < its last key + W)
@@ -490,68 +561,72 @@ def _bwd_dkv_kernel(
         b_do = _rows(do, q_row, m_m, DV, BV)
         b_dot = tl.trans(b_do)
         b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
-        b_delta = tl.load(delta + stat, mask=m_m, other=0.0)
-        p_stat = stat[:, None] * R + o_r[None, :]
-        b_beta = tl.load(bbuf + p_stat, mask=m_m[:, None], other=0.0)
-        b_lam = tl.load(lbuf + p_stat, mask=m_m[:, None], other=0.0)
-        b_dm = tl.load(dmbuf + p_stat, mask=m_m[:, None], other=0.0)
-        b_m = tl.load(mbuf + p_stat, mask=m_m[:, None], other=0.0)
-        b_betat = tl.trans(b_beta)
-        b_lamt = tl.trans(b_lam)
-        b_dmt = tl.trans(b_dm)
-        b_a = 1.0 + tl.sum(b_m * b_beta, 1)  # [BM]
+        b_gam = _rows(gbuf, stat, m_m, R, R)
+        b_lam = _rows(lbuf, stat, m_m, R, R)
+        b_psi = _rows(pbuf, stat, m_m, R, R)
 
-        st = tl.dot(b_k, b_qt, input_precision=PREC) * qk_scale
-        st = tl.where(_seen_t(o_n, o_m, OFF, WINDOW, km, USE_WINDOW, USE_KMASK), st, float("-inf"))
-        pt = tl.exp2(st - b_lse[None, :])
-        dlt = tl.dot(b_v, b_dot, input_precision=PREC)  # δ
-        fb = tl.dot(b_f, b_betat, input_precision=MPREC)  # f·β
-        fl = tl.dot(b_f, b_lamt, input_precision=MPREC)  # f·λ
-        fd = tl.dot(b_f, b_dmt, input_precision=MPREC)  # f·dm
-        # c δ + f·dm − (f·λ)(f·β) − Δ with c = a − f·β, grouped as a δ + (f·dm − Δ) − (f·β) u, u = δ + f·λ
-        u = dlt + fl
-        pfb = pt * fb
-        dst = pt * (b_a[None, :] * dlt + (fd - b_delta[None, :]) - fb * u)
-        acc_v += tl.dot((pt * b_a[None, :] - pfb).to(b_do.dtype), b_do, input_precision=PREC)
+        # the mask on the exponent, so the scale and the log-sum-exp fold into one multiply-add
+        st = tl.dot(b_k, b_qt, input_precision=PREC) * qk_scale - b_lse[None, :]
+        pt = tl.exp2(tl.where(_seen_t(o_n, o_m, OFF, WINDOW, km, USE_WINDOW, USE_KMASK), st, float("-inf")))
+        # u = δ + f·λ (one accumulator), c and f·ψ
+        u = tl.dot(b_f, tl.trans(b_lam), acc=tl.dot(b_v, b_dot, input_precision=PREC), input_precision=MPREC)
+        ct = tl.dot(b_f, tl.trans(b_gam), input_precision=MPREC)
+        fpsi = tl.dot(b_f, tl.trans(b_psi), input_precision=MPREC)
+        if not SPARE:
+            ct += tl.load(abar + stat, mask=m_m, other=0.0)[None, :]
+            fpsi -= tl.load(delta + stat, mask=m_m, other=0.0)[None, :]
+        pc = pt * ct
+        dst = pt * (ct * u + fpsi)
+        acc_v += tl.dot(pc.to(b_do.dtype), b_do, input_precision=PREC)
         acc_k += tl.dot(dst.to(b_q.dtype), b_q, input_precision=PREC)
-        # df in the input dtype like dk and dv (tf32 operands from registers took 0.8 of 4.1 ms at r = 8, 4k)
+        # df = Σ_t p (ψ + u γ + c λ) (f·dm − (f·λ)(f·β) regrouped as in dst, γ = −β; the spare column's share
+        # is dropped below), in the input dtype like dk and dv (tf32 operands from registers took 0.8 of 4.1 ms
+        # at r = 8, 4k)
         lo_t = b_q.dtype
-        acc_f += (tl.dot(pt.to(lo_t), b_dm.to(lo_t), input_precision=PREC)
-                  - tl.dot((pt * u).to(lo_t), b_beta.to(lo_t), input_precision=PREC)
-                  - tl.dot(pfb.to(lo_t), b_lam.to(lo_t), input_precision=PREC))
+        acc_f += (tl.dot(pt.to(lo_t), b_psi.to(lo_t), input_precision=PREC)
+                  + tl.dot((pt * u).to(lo_t), b_gam.to(lo_t), input_precision=PREC)
+                  + tl.dot(pc.to(lo_t), b_lam.to(lo_t), input_precision=PREC))
 
-    tl.store(dk + k_row[:, None] * DK + o_dk[None, :], (acc_k * b_scale).to(dk.dtype.element_ty),
+    # df = acc_f (rows past S, never stored, hold weights of keys that do not exist; the spare column is no feature)
+    acc_f = tl.where(m_n[:, None] & (o_r[None, :] < NR), acc_f, 0.0)
+    b_p = _projection(P, i_h, NR, P_STRIDE, DK, R, BK)
+    b_dk = acc_k * b_scale + tl.dot(acc_f, b_p, input_precision="tf32x3")
+    tl.store(dk + k_row[:, None] * DK + o_dk[None, :], b_dk.to(dk.dtype.element_ty),
              mask=m_n[:, None] & (o_dk[None, :] < DK))
     tl.store(dv + k_row[:, None] * DV + o_dv[None, :], acc_v.to(dv.dtype.element_ty),
              mask=m_n[:, None] & (o_dv[None, :] < DV))
-    tl.store(dfk + k_row[:, None] * R + o_r[None, :], acc_f, mask=m_n[:, None])
+    if WANT_DP:
+        part = (i_n * tl.num_programs(1) + i_bh).to(tl.int64) * (R * BK)
+        tl.store(dp_part + part + o_r[:, None] * BK + o_dk[None, :],
+                 tl.dot(tl.trans(acc_f), b_k.to(tl.float32), input_precision="tf32x3"))
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    q, k, v, fk, do, kmask, scale_h, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, dscale, T, S, OFF, WINDOW,
+    q, k, v, fk, P, NR, P_STRIDE, do, kmask, scale_h, lse, gbuf, lbuf, pbuf, abar, delta, dq, dscale, dp_part, T, S,
+    OFF, WINDOW,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_KMASK: tl.constexpr, PREC: tl.constexpr, MPREC: tl.constexpr,
+    SPARE: tl.constexpr, WANT_DP: tl.constexpr,
 ):
-    """Grid (cdiv(T, BM), B * H): dq = σ Σ ds k of one query block and its share Σ q·dq / σ of the head's dσ
-    (``dscale [cdiv(T, BM), B * H]``)."""
+    """Grid (cdiv(T, BM), B * H): dq = σ Σ ds k − λ P of one query block (−λ is the gradient of g = P q), its
+    share Σ q·(Σ ds k) of the head's dσ (``dscale [cdiv(T, BM), B * H]``) and its share −Σ λᵀ q of dP
+    (``dp_part [.., R, BK]``)."""
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi, qk_scale = _query_block(kmask, scale_h, T, S, OFF, WINDOW,
                                                                                H, BM, BN, USE_WINDOW)
     o_dk = tl.arange(0, BK)
     o_dv = tl.arange(0, BV)
     o_r = tl.arange(0, R)
-    p_stat = stat[:, None] * R + o_r[None, :]
-
     b_q = _rows(q, q_row, m_m, DK, BK)
     b_do = _rows(do, q_row, m_m, DV, BV)
     b_lse = tl.load(lse + stat, mask=m_m, other=float("inf"))
+    b_gam = _rows(gbuf, stat, m_m, R, R)
+    b_lam = _rows(lbuf, stat, m_m, R, R)
+    b_psi = _rows(pbuf, stat, m_m, R, R)
+    b_a = tl.load(abar + stat, mask=m_m, other=0.0)
     b_delta = tl.load(delta + stat, mask=m_m, other=0.0)
-    b_m = tl.load(mbuf + p_stat, mask=m_m[:, None], other=0.0)
-    b_beta = tl.load(bbuf + p_stat, mask=m_m[:, None], other=0.0)
-    b_lam = tl.load(lbuf + p_stat, mask=m_m[:, None], other=0.0)
-    b_dm = tl.load(dmbuf + p_stat, mask=m_m[:, None], other=0.0)
-    b_a = 1.0 + tl.sum(b_m * b_beta, 1)
+    spare = o_r == R - 1
 
     acc = tl.zeros([BM, BK], tl.float32)
     for start in range(lo, hi, BN):
@@ -560,17 +635,28 @@ def _bwd_dq_kernel(
         b_k = tl.trans(b_kt)  # one load for both products
         p = tl.exp2(s - b_lse[:, None])
         b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
-        dlt = tl.dot(b_do, b_vt, input_precision=PREC)
         b_ft = tl.load(fk + k_row[None, :] * R + o_r[:, None], mask=m_n[None, :], other=0.0)
-        fb = tl.dot(b_beta, b_ft, input_precision=MPREC)
-        fl = tl.dot(b_lam, b_ft, input_precision=MPREC)
-        fd = tl.dot(b_dm, b_ft, input_precision=MPREC)
-        ds = p * (b_a[:, None] * dlt + (fd - b_delta[:, None]) - fb * (dlt + fl))  # grouped as in _bwd_dkv
+        if SPARE:
+            b_ft = _with_one(b_ft, spare[:, None], R)
+        u = tl.dot(b_lam, b_ft, acc=tl.dot(b_do, b_vt, input_precision=PREC), input_precision=MPREC)  # δ + f·λ
+        c = tl.dot(b_gam, b_ft, input_precision=MPREC)
+        fpsi = tl.dot(b_psi, b_ft, input_precision=MPREC)
+        if not SPARE:
+            c += b_a[:, None]
+            fpsi -= b_delta[:, None]
+        ds = p * (c * u + fpsi)  # as in _bwd_dkv
         acc += tl.dot(ds.to(b_k.dtype), b_k, input_precision=PREC)
+    i_h = tl.program_id(1) % H
     part = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    tl.store(dscale + part, tl.sum(tl.sum(b_q.to(tl.float32) * acc, 1), 0))
-    tl.store(dq + q_row[:, None] * DK + o_dk[None, :], (acc * (qk_scale / _LOG2E)).to(dq.dtype.element_ty),
+    b_qf = b_q.to(tl.float32)
+    tl.store(dscale + part, tl.sum(tl.sum(b_qf * acc, 1), 0))
+    b_p = _projection(P, i_h, NR, P_STRIDE, DK, R, BK)
+    b_dq = acc * tl.load(scale_h + i_h) - tl.dot(b_lam, b_p, input_precision="tf32x3")
+    tl.store(dq + q_row[:, None] * DK + o_dk[None, :], b_dq.to(dq.dtype.element_ty),
              mask=m_m[:, None] & (o_dk[None, :] < DK))
+    if WANT_DP:
+        tl.store(dp_part + part.to(tl.int64) * (R * BK) + o_r[:, None] * BK + o_dk[None, :],
+                 -tl.dot(tl.trans(b_lam), b_qf, input_precision="tf32x3"))
 
 
 # ============================================================================ launch helpers
@@ -580,7 +666,7 @@ class _Ctx:
     def __init__(self, q, k, v, R, rank, window, key_mask):
         B, T, H, DK = q.shape
         self.B, self.T, self.H, self.DK = B, T, H, DK
-        self.S, self.DV, self.R = k.shape[1], v.shape[-1], R
+        self.S, self.DV, self.R, self.rank = k.shape[1], v.shape[-1], R, rank
         # features that carry the r×r moments and the solve: up to 8 slope features keep 8 (64 moments a
         # query, not 256); the r-wide products still take R ≥ 16 columns (the smallest tensor-core product)
         self.RM = 8 if rank <= 8 and R == 16 else R
@@ -588,6 +674,8 @@ class _Ctx:
         # moments and few registers (r = 8, 4k: prep 2.05 → 1.16 ms, plus 0.19 for the solve kernel); at
         # RM = 16 it would be 1 KB a query and head, and the solve of 16 features alone took 2.3 ms as a kernel
         self.save_a = self.RM <= 8
+        # a zero feature column (r < R) that the kernels can hold at 1 (``_with_one``)
+        self.spare = rank < R
         self.OFF = self.S - T
         self.BK, self.BV = next_pow2(DK), next_pow2(self.DV)
         self.window = window
@@ -614,7 +702,7 @@ class _Ctx:
         cfg = self.launch[kernel]
         consts = dict(H=self.H, DK=self.DK, DV=self.DV, R=self.R, RM=self.RM, BK=self.BK, BV=self.BV, BM=cfg.BM,
                       BN=cfg.BN, USE_WINDOW=self.window is not None, USE_KMASK=self.kmask is not None,
-                      PREC=self.prec, MPREC=self.mprec)
+                      PREC=self.prec, MPREC=self.mprec, SPARE=self.spare)
         return dict({n: x for n, x in consts.items() if n in fn.arg_names}, num_warps=cfg.warps,
                     num_stages=cfg.stages)
 
@@ -637,7 +725,7 @@ def _outer_products(c: _Ctx, fk):
     return out
 
 
-def _fwd(c: _Ctx, q, k, v, fk, gq, scale_h, ridge):
+def _fwd(c: _Ctx, q, k, v, fk, P, scale_h, ridge):
     """Outputs and the statistics the backward needs: log-sum-exp, m, β and (``c.save_a``) A."""
     dev = q.device
     o = torch.empty(c.B, c.T, c.H, c.DV, dtype=v.dtype, device=dev)
@@ -646,60 +734,74 @@ def _fwd(c: _Ctx, q, k, v, fk, gq, scale_h, ridge):
     bbuf = torch.empty_like(mbuf)
     abuf = torch.empty(c.B, c.H, c.T, c.RM * c.RM if c.save_a else 0, dtype=torch.float32, device=dev)
     km, W = c.kmask_arg(q), c.window or 0
-    _fwd_stats_kernel[c.grid("stats")](q, k, fk, _outer_products(c, fk), gq, km, scale_h, lse, mbuf, bbuf, abuf,
-                                       ridge, c.T, c.S, c.OFF, W, SAVE_A=c.save_a, **c.meta("stats", _fwd_stats_kernel))
+    _fwd_stats_kernel[c.grid("stats")](q, k, fk, _outer_products(c, fk), P, c.rank, head_stride(P), km, scale_h, lse,
+                                       mbuf, bbuf, abuf, ridge, c.T, c.S, c.OFF, W, SAVE_A=c.save_a,
+                                       **c.meta("stats", _fwd_stats_kernel))
     _fwd_out_kernel[c.grid("out")](q, k, v, fk, km, scale_h, o, lse, mbuf, bbuf, c.T, c.S, c.OFF, W,
                                    **c.meta("out", _fwd_out_kernel))
     return o, lse, mbuf, bbuf, abuf
 
 
-def _bwd(c: _Ctx, q, k, v, fk, do, scale_h, lse, mbuf, bbuf, abuf, ridge):
-    lbuf, dmbuf = torch.empty_like(mbuf), torch.empty_like(mbuf)
-    delta = torch.empty_like(lse)
-    dg = torch.empty(c.B, c.T, c.H, c.R, dtype=torch.float32, device=q.device)  # the query features' gradient
+def _bwd(c: _Ctx, q, k, v, fk, P, do, scale_h, lse, mbuf, bbuf, abuf, ridge, want_dp):
+    """dq, dk, dv (with the features' shares), dσ ``[H]`` and dP (float32, P's shape; None unless want_dp)."""
+    # per query for the dk/dv and dq kernels: λ, γ, ψ, a and Δ (``_store_terms``)
+    lbuf, gbuf, pbuf = torch.empty_like(mbuf), torch.empty_like(mbuf), torch.empty_like(mbuf)
+    abar, delta = torch.empty_like(lse), torch.empty_like(lse)
     W = c.window or 0
     km = c.kmask_arg(q)
     if c.save_a:  # D and E per query, then the solves of all queries in a kernel of their own
         dbuf, ebuf = torch.empty_like(lse), torch.empty_like(mbuf)
         _bwd_prep_kernel[c.grid("prep")](q, k, v, fk, None, do, km, scale_h, lse, mbuf, bbuf, dbuf, ebuf, lbuf,
-                                         dmbuf, delta, dg, ridge, c.T, c.S, c.OFF, W, MOMENTS=False,
+                                         gbuf, pbuf, abar, delta, ridge, c.T, c.S, c.OFF, W, MOMENTS=False,
                                          **c.meta("prep", _bwd_prep_kernel))
         n = c.B * c.H * c.T
-        _bwd_solve_kernel[(triton.cdiv(n, SOLVE_ROWS),)](abuf, mbuf, bbuf, dbuf, ebuf, lbuf, dmbuf, delta, dg, ridge,
-                                                        n, c.T, H=c.H, R=c.R, RM=c.RM, BQ=SOLVE_ROWS, num_warps=4)
+        _bwd_solve_kernel[(triton.cdiv(n, SOLVE_ROWS),)](abuf, mbuf, bbuf, dbuf, ebuf, lbuf, gbuf, pbuf, abar, delta,
+                                                        ridge, n, R=c.R, RM=c.RM, BQ=SOLVE_ROWS, SPARE=c.spare,
+                                                        num_warps=4)
     else:  # the moments again and the solves at the prep's end (D and E stay in registers: no dbuf, ebuf)
         _bwd_prep_kernel[c.grid("prep_moments")](q, k, v, fk, _outer_products(c, fk), do, km, scale_h, lse, mbuf,
-                                                 bbuf, None, None, lbuf, dmbuf, delta, dg, ridge, c.T, c.S, c.OFF, W,
-                                                 MOMENTS=True, **c.meta("prep_moments", _bwd_prep_kernel))
+                                                 bbuf, None, None, lbuf, gbuf, pbuf, abar, delta, ridge, c.T, c.S,
+                                                 c.OFF, W, MOMENTS=True, **c.meta("prep_moments", _bwd_prep_kernel))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dfk = torch.empty(c.B, c.S, c.H, c.R, dtype=torch.float32, device=q.device)
-    _bwd_dkv_kernel[c.grid("dkv", over_keys=True)](
-        q, k, v, fk, do, km, scale_h, lse, mbuf, bbuf, lbuf, dmbuf, delta, dk, dv, dfk, c.T, c.S, c.OFF, W,
-        **c.meta("dkv", _bwd_dkv_kernel))
-    grid = c.grid("dq")
-    dscale = torch.empty(grid, dtype=torch.float32, device=q.device)  # per-program shares of dσ
-    _bwd_dq_kernel[grid](q, k, v, fk, do, km, scale_h, lse, mbuf, bbuf, lbuf, dmbuf, delta, dq, dscale, c.T, c.S,
-                         c.OFF, W, **c.meta("dq", _bwd_dq_kernel))
-    return dq, dk, dv, dfk, dg, dscale.view(-1, c.B, c.H).sum((0, 1))
+    proj = (P, c.rank, head_stride(P))
+    grid_k, grid_q = c.grid("dkv", over_keys=True), c.grid("dq")
+    # each program's share of dP (keys' and queries' features), summed below; not formed for a frozen P
+    dp_k = torch.empty(*(grid_k if want_dp else (0,)), c.R, c.BK, dtype=torch.float32, device=q.device)
+    dp_q = torch.empty(*(grid_q if want_dp else (0,)), c.R, c.BK, dtype=torch.float32, device=q.device)
+    _bwd_dkv_kernel[grid_k](q, k, v, fk, *proj, do, km, scale_h, lse, gbuf, lbuf, pbuf, abar, delta, dk, dv, dp_k,
+                            c.T, c.S, c.OFF, W, WANT_DP=want_dp, **c.meta("dkv", _bwd_dkv_kernel))
+    dscale = torch.empty(grid_q, dtype=torch.float32, device=q.device)  # per-program shares of dσ
+    _bwd_dq_kernel[grid_q](q, k, v, fk, *proj, do, km, scale_h, lse, gbuf, lbuf, pbuf, abar, delta, dq, dscale, dp_q,
+                           c.T, c.S, c.OFF, W, WANT_DP=want_dp, **c.meta("dq", _bwd_dq_kernel))
+    dP = None
+    if want_dp:  # shares [programs, B·H, R, BK] → per head → P's shape
+        dP = sum(x.view(-1, c.B, c.H, c.R, c.BK).sum((0, 1)) for x in (dp_k, dp_q))[:, :c.rank, :c.DK]
+        dP = dP.sum(0) if P.dim() == 2 else dP
+    return dq, dk, dv, dscale.view(-1, c.B, c.H).sum((0, 1)), dP
 
 
 class LocalLinearAttentionFunction(torch.autograd.Function):
-    """Fused local-linear attention on queries, keys, values, the slope features of the keys (fk) and
-    queries (gq) and the per-head logit scales σ (fp32 ``[H]``); see the module docstring."""
+    """Fused local-linear attention on queries, keys, values, the slope projection P (float32 ``[r, dk]`` or
+    ``[H, r, dk]``; the identity for the exact slope) and the per-head logit scales σ (fp32 ``[H]``); see the
+    module docstring. The keys' features P k are formed once here; P q inside the statistics kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fk, gq, scale_h, key_mask, ridge, window, rank):
-        c = _Ctx(q, k, v, fk.shape[-1], rank, window, key_mask)
-        o, lse, mbuf, bbuf, abuf = _fwd(c, q, k, v, fk, gq, scale_h, ridge)
+    def forward(ctx, q, k, v, P, scale_h, key_mask, ridge, window):
+        rank = P.shape[-2]
+        R = next_pow2(rank)
+        c = _Ctx(q, k, v, R, rank, window, key_mask)
+        fk = project(k, P, R)
+        o, lse, mbuf, bbuf, abuf = _fwd(c, q, k, v, fk, P, scale_h, ridge)
         ctx.c, ctx.ridge = c, ridge
-        ctx.save_for_backward(q, k, v, fk, scale_h, lse, mbuf, bbuf, abuf)
+        ctx.save_for_backward(q, k, v, fk, P, scale_h, lse, mbuf, bbuf, abuf)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, fk, scale_h, lse, mbuf, bbuf, abuf = ctx.saved_tensors
-        grads = _bwd(ctx.c, q, k, v, fk, do.contiguous(), scale_h, lse, mbuf, bbuf, abuf, ctx.ridge)
-        return (*grads, None, None, None, None)
+        q, k, v, fk, P, scale_h, lse, mbuf, bbuf, abuf = ctx.saved_tensors
+        dq, dk, dv, dscale, dP = _bwd(ctx.c, q, k, v, fk, P, do.contiguous(), scale_h, lse, mbuf, bbuf, abuf,
+                                      ctx.ridge, ctx.needs_input_grad[3])
+        return dq, dk, dv, dP, dscale, None, None, None
 
 
 # ============================================================================ public entry points
@@ -715,13 +817,6 @@ def check_supported(q: torch.Tensor, v: torch.Tensor, r: int) -> str | None:
     return device_unsupported(q)
 
 
-def _slope_features(x: torch.Tensor, P: torch.Tensor | None, R: int) -> torch.Tensor:
-    """``[B, T, H, R]`` float32: P x (x itself without P), zero-padded to R features."""
-    if P is not None:
-        return slope_features(x, P, R)
-    return torch.nn.functional.pad(x.float(), (0, R - x.shape[-1])).contiguous()
-
-
 def local_linear_attention(q, k, v, *, scale, ridge: float, window: int | None = None, key_mask=None,
                            rank_projection=None):
     """``o [B, T, H, dv]`` in v's dtype. q ``[B, T, H, dk]``, k ``[B, S, H, dk]``, v ``[B, S, H, dv]`` of
@@ -729,8 +824,6 @@ def local_linear_attention(q, k, v, *, scale, ridge: float, window: int | None =
     (the logits' β); key_mask ``[B, S]`` bool or None; rank_projection None (exact slope, dk ≤ 32) or
     P ``[r, dk]`` / ``[H, r, dk]``. Differentiable in q, k, v, scale and P."""
     H, DK = q.shape[2:]
-    r = DK if rank_projection is None else rank_projection.shape[-2]
-    R = next_pow2(r)
     # the scale goes to the kernels as it is (the logits σ q·k formed in fp32 there), not folded into a copy of q
     # rounded to its dtype (that copy, its casts and their backward: fwd+bwd 9.8–10.1 → 8.7–8.9 ms with a learned
     # per-head scale, r = 8, 4k, H100)
@@ -738,8 +831,10 @@ def local_linear_attention(q, k, v, *, scale, ridge: float, window: int | None =
         scale_h = scale.to(torch.float32).reshape(-1).expand(H).contiguous()
     else:
         scale_h = torch.full((H,), float(scale), dtype=torch.float32, device=q.device)
-    fk = _slope_features(k, rank_projection, R)
-    gq = _slope_features(q, rank_projection, R)
+    if rank_projection is None:  # the exact slope: the features are q and k themselves
+        P = torch.eye(DK, dtype=torch.float32, device=q.device)
+    else:  # (a float32 P passes through as it is, so autograd hands its gradient straight back)
+        P = rank_projection.to(torch.float32).contiguous()
     km = None if key_mask is None else key_mask.to(torch.int8).contiguous()
-    return LocalLinearAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), fk, gq, scale_h, km,
-                                              float(ridge), window, r)
+    return LocalLinearAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), P, scale_h, km,
+                                              float(ridge), window)
