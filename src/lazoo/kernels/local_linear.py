@@ -169,7 +169,7 @@ def _projection(P, i_h, NR, P_STRIDE, DK: tl.constexpr, R: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _with_one(x, col, R: tl.constexpr):
+def _with_one(x, col):
     """x with its feature column R − 1 (``col``: that column's mask, broadcast to x) set to 1: with a spare
     feature column (SPARE, r < R, a zero feature there otherwise) the r-wide products carry a per-query
     constant or Σ p through it at no extra product."""
@@ -337,7 +337,7 @@ def _fwd_stats_kernel(
         p = tl.exp2(s - ref[:, None])
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         if SPARE:
-            b_f = _with_one(b_f, spare[None, :], R)
+            b_f = _with_one(b_f, spare[None, :])
         else:
             b_l = b_l * alpha + tl.sum(p, 1)
         b_f1 = b_f1 * alpha[:, None] + tl.dot(p, b_f, input_precision=MPREC)
@@ -462,7 +462,7 @@ def _bwd_prep_kernel(
         pd = p * tl.dot(b_do, b_vt, input_precision=PREC)  # p_i δ_i
         b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
         if SPARE:
-            b_f = _with_one(b_f, spare[None, :], R)
+            b_f = _with_one(b_f, spare[None, :])
         else:
             b_D += tl.sum(pd, 1)
         b_E += tl.dot(pd, b_f, input_precision=MPREC)
@@ -539,7 +539,7 @@ def _bwd_dkv_kernel(
     b_f = tl.load(fk + k_row[:, None] * R + o_r[None, :], mask=m_n[:, None], other=0.0)
     spare = o_r == R - 1
     if SPARE:
-        b_f = _with_one(b_f, spare[None, :], R)
+        b_f = _with_one(b_f, spare[None, :])
     km = tl.load(kmask_row + o_n, mask=m_n, other=0) if USE_KMASK else 0
 
     # queries at positions >= the block's first key (and, with a window, < its last key + W)
@@ -637,7 +637,7 @@ def _bwd_dq_kernel(
         b_vt = tl.load(v + k_row[None, :] * DV + o_dv[:, None], mask=m_n[None, :] & (o_dv[:, None] < DV), other=0.0)
         b_ft = tl.load(fk + k_row[None, :] * R + o_r[:, None], mask=m_n[None, :], other=0.0)
         if SPARE:
-            b_ft = _with_one(b_ft, spare[:, None], R)
+            b_ft = _with_one(b_ft, spare[:, None])
         u = tl.dot(b_lam, b_ft, acc=tl.dot(b_do, b_vt, input_precision=PREC), input_precision=MPREC)  # δ + f·λ
         c = tl.dot(b_gam, b_ft, input_precision=MPREC)
         fpsi = tl.dot(b_psi, b_ft, input_precision=MPREC)
