@@ -179,6 +179,21 @@ def test_left_padded_batch_generation_equals_each_sample(name):
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)
+def test_sampling_of_a_left_padded_batch_with_cache_equals_without(name):
+    model = shared_model(name)
+    ids, mask = left_padded([random_ids(n, seed=30 + n) for n in (7, 3)], seed=6)
+    kwargs = dict(do_sample=True, top_k=20, temperature=1.5, max_new_tokens=12, pad_token_id=PAD,
+                  attention_mask=mask)
+    runs = []
+    for use_cache in (True, False):
+        torch.manual_seed(11)  # the same draws: the same tokens if and only if the distributions agree
+        runs.append(model.generate(ids, use_cache=use_cache, **kwargs))
+    assert torch.equal(runs[0], runs[1])
+    torch.manual_seed(12)
+    assert not torch.equal(model.generate(ids, **kwargs), runs[0]), "another seed should sample other tokens"
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_beam_search_with_cache_equals_without(name):
     model = shared_model(name)
     ids, mask = left_padded([random_ids(n, seed=20 + n) for n in (6, 4)], seed=5)

@@ -53,7 +53,9 @@ class LazooConfig(PreTrainedConfig):
     #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
     #: transformers turns annotated config attributes into dataclass fields
     mechanism = None
-    keys_to_ignore_at_inference = ["past_key_values"]
+    #: output keys Trainer's evaluation leaves out of the predictions: the cache under both of its names
+    #: (`cache` from transformers 5.24, `past_key_values` before)
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
         self,

@@ -27,23 +27,25 @@ from ..layers.memory_lobe import MemoryLobe
 from ..layers.mlp import GatedMLP
 from ..layers.moe import RoutedMoE
 from .cache import LazooCache
+from .compat import CacheAliases, cache_argument, output_cache_kwargs
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
 
 logger = logging.get_logger(__name__)
 
 
 @dataclass
-class LazooModelOutputWithPast(BaseModelOutputWithPast):
+class LazooModelOutputWithPast(CacheAliases, BaseModelOutputWithPast):
     """`BaseModelOutputWithPast` plus `aux_loss`: the MoE load-balancing loss (mean over layers; None
-    without MoE)."""
+    without MoE). The cache reads as `.cache` and `.past_key_values` on every supported transformers."""
 
     aux_loss: torch.FloatTensor | None = None
 
 
 @dataclass
-class LazooCausalLMOutputWithPast(CausalLMOutputWithPast):
+class LazooCausalLMOutputWithPast(CacheAliases, CausalLMOutputWithPast):
     """`CausalLMOutputWithPast` plus `aux_loss` (the MoE load-balancing loss; `loss` already includes
-    `config.router_aux_loss_coef * aux_loss`, as in transformers' MoE models)."""
+    `config.router_aux_loss_coef * aux_loss`, as in transformers' MoE models). The cache reads as `.cache`
+    and `.past_key_values` on every supported transformers."""
 
     aux_loss: torch.FloatTensor | None = None
 
@@ -79,10 +81,10 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             config.hidden_size, config.num_attention_heads, layer_idx, mode=lobe,
             feature_map=config.memory_lobe_feature_map)
 
-    def forward(self, hidden_states, mask=None, position_ids=None, past_key_values=None, cu_seqlens=None, **kwargs):
+    def forward(self, hidden_states, mask=None, position_ids=None, cache=None, cu_seqlens=None, **kwargs):
         x = self.input_norm(hidden_states)
         if cu_seqlens is None:
-            mixed = self.mixer(x, mask=mask, position_ids=position_ids, cache=past_key_values)
+            mixed = self.mixer(x, mask=mask, position_ids=position_ids, cache=cache)
         else:  # packed sequences: the mixer keeps them apart (natively or one sequence at a time)
             mixed = self.mixer.forward_packed(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
         moe = isinstance(self.mlp, RoutedMoE)
@@ -96,7 +98,7 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             out = h + f
             flow = mixed + f if self.memory_lobe is not None else None
         if self.memory_lobe is not None:
-            out = out + self.memory_lobe(flow, mask=mask, cache=past_key_values, cu_seqlens=cu_seqlens)
+            out = out + self.memory_lobe(flow, mask=mask, cache=cache, cu_seqlens=cu_seqlens)
         return out
 
     @property
@@ -196,13 +198,16 @@ class LazooModel(LazooPreTrainedModel):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
+        past_key_values=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`."""
+        cache = cache_argument(cache, past_key_values, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -210,17 +215,18 @@ class LazooModel(LazooPreTrainedModel):
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        if past_key_values is not None and not isinstance(past_key_values, LazooCache):
-            raise TypeError(f"past_key_values must be a LazooCache (or None), got {type(past_key_values).__name__}")
-        cu_seqlens = self._packed_boundaries(position_ids, attention_mask, past_key_values, inputs_embeds)
+        if cache is not None and not isinstance(cache, LazooCache):
+            raise TypeError(f"the cache (`cache` / `past_key_values`) must be a LazooCache or None, "
+                            f"got {type(cache).__name__}")
+        cu_seqlens = self._packed_boundaries(position_ids, attention_mask, cache, inputs_embeds)
         if cu_seqlens is not None:
-            if past_key_values is not None:
+            if cache is not None:
                 raise ValueError("packed sequences (position_ids restarting at 0 in one row) cannot use a cache: "
-                                 "pass past_key_values=None (use_cache is ignored for packed inputs)")
+                                 "pass cache=None (use_cache is ignored for packed inputs)")
             use_cache = False
-        if use_cache and past_key_values is None:
-            past_key_values = LazooCache(self.config.num_hidden_layers)
-        cache = past_key_values if use_cache else None
+        if use_cache and cache is None:
+            cache = LazooCache(self.config.num_hidden_layers)
+        cache = cache if use_cache else None
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -239,7 +245,7 @@ class LazooModel(LazooPreTrainedModel):
         all_hidden = (hidden_states,) if output_hidden_states else None
         aux_losses = []
         for layer in self.layers:
-            hidden_states = layer(hidden_states, mask=op_mask, position_ids=position_ids, past_key_values=cache,
+            hidden_states = layer(hidden_states, mask=op_mask, position_ids=position_ids, cache=cache,
                                   cu_seqlens=cu_seqlens)
             if layer.aux_loss is not None:
                 aux_losses.append(layer.aux_loss)
@@ -253,16 +259,16 @@ class LazooModel(LazooPreTrainedModel):
             cache.real_tokens = offset + real.sum(1)
         aux_loss = torch.stack([a.to(hidden_states.device) for a in aux_losses]).mean() if aux_losses else None
         return LazooModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=cache, hidden_states=all_hidden, aux_loss=aux_loss
+            last_hidden_state=hidden_states, hidden_states=all_hidden, aux_loss=aux_loss, **output_cache_kwargs(cache)
         )
 
     @staticmethod
-    def _packed_boundaries(position_ids, attention_mask, past_key_values, inputs_embeds):
+    def _packed_boundaries(position_ids, attention_mask, cache, inputs_embeds):
         """`cu_seqlens` `[N + 1]` of packed sequences, or None: B = 1, no padding, no cached tokens, and
         `position_ids` that restart at 0 after the first token."""
         if position_ids is None or inputs_embeds.shape[0] != 1 or position_ids.dim() != 2:
             return None
-        if past_key_values is not None and past_key_values.seen_positions:
+        if cache is not None and cache.seen_positions:
             return None  # decoding after a prompt: positions continue the cache
         if attention_mask is not None and not bool(attention_mask.all()):
             return None  # a padded row (generate's position_ids put 1 on pads): not packing
@@ -293,25 +299,52 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        """transformers' preparation, with the prompt's new positions counted from lazoo's own cache when
+        `generate` continues a cache: a recurrent state must see each position exactly once, and transformers
+        5.24 slices the prompt only for caches it recognises as attention caches (it would feed the cached part
+        again). The positions not yet seen are those of the attention mask (or of the inputs, without one)
+        beyond the cache's `seen_positions`. Later steps keep transformers' one new token."""
+        cache = None
+        for name in ("cache", "past_key_values", "cache_params"):
+            cache = cache if cache is not None else kwargs.get(name)
+        if is_first_iteration and isinstance(cache, LazooCache) and cache.seen_positions:
+            if attention_mask is not None:
+                total = attention_mask.shape[1]
+            else:
+                total = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+            fresh = total - cache.seen_positions
+            if fresh < 1:
+                raise ValueError(f"generate: the cache has seen {cache.seen_positions} positions but the inputs (and "
+                                 f"attention mask) cover only {total}: pass the whole sequence the cache was built on "
+                                 "plus at least one new token")
+            next_sequence_length = fresh
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
+
     def forward(
         self,
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         labels=None,
         use_cache=None,
         output_hidden_states=None,
         return_dict=None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache_argument(cache, past_key_values, kwargs),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -326,8 +359,8 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
             if outputs.aux_loss is not None:  # MoE load balancing, as in transformers' MoE models
                 loss = loss + self.config.router_aux_loss_coef * outputs.aux_loss.to(loss.device)
         return LazooCausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
-            aux_loss=outputs.aux_loss,
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, aux_loss=outputs.aux_loss,
+            **output_cache_kwargs(outputs.cache),
         )
 
 
