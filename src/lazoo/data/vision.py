@@ -276,8 +276,13 @@ def digits_dataset(image_size: int = 32, *, test_fraction: float = 0.2, seed: in
     """
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
     from PIL import Image as PILImage
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as err:
+        raise ImportError("the digits set ships with scikit-learn: pip install 'lazoo[vision]' "
+                          "(or pip install scikit-learn)") from err
 
     if image_size < 8:
         raise ValueError(f"image_size must be at least 8 (the digits are 8x8), got {image_size}")

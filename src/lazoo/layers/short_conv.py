@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common import packed_offsets
+from ..ops._common import packed_offsets, triton_missing
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class ShortConvolution(nn.Conv1d):
     @staticmethod
     def _kernel_wanted(x) -> bool:
         if _kernel_failed or KERNEL == "torch":
+            return False
+        if triton_missing():
+            if KERNEL == "triton":
+                raise RuntimeError(f"lazoo.layers.short_conv.KERNEL = 'triton', but {triton_missing()}")
             return False
         return KERNEL == "triton" or x.is_cuda
 

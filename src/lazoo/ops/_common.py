@@ -65,10 +65,22 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, triton_u
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@functools.cache
+def triton_missing() -> str | None:
+    """Why the Triton kernels cannot load at all (Triton not installed, e.g. on macOS or Windows), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton; the PyTorch forms run without it)"
+    return None
+
+
 def triton_unsupported(q: torch.Tensor, v: torch.Tensor, max_head_dim: int,
                        dtypes: tuple = KERNEL_DTYPES) -> str | None:
-    """The checks every op's Triton path shares (input dtype, head dims, device, the interpreter on CPU):
-    None when they pass, else why not. Ops add their own checks after these."""
+    """The checks every op's Triton path shares (Triton installed, input dtype, head dims, device, the
+    interpreter on CPU): None when they pass, else why not. Ops add their own checks after these."""
+    if triton_missing():
+        return triton_missing()
     if q.dtype not in dtypes:
         names = "/".join(str(d).split(".")[-1] for d in dtypes)
         return f"the Triton kernels take {names} inputs, not {q.dtype}"

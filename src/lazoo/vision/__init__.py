@@ -23,7 +23,12 @@ def register_vision_auto_classes() -> None:
     AutoModel.register(YoloLatConfig, YoloLatBackbone, exist_ok=True)
     AutoModelForObjectDetection.register(YoloLatConfig, YoloLatForObjectDetection, exist_ok=True)
     AutoModelForImageClassification.register(YoloLatConfig, YoloLatForImageClassification, exist_ok=True)
-    AutoImageProcessor.register(YoloLatConfig, slow_image_processor_class=YoloLatImageProcessor, exist_ok=True)
+    try:
+        AutoImageProcessor.register(YoloLatConfig, slow_image_processor_class=YoloLatImageProcessor, exist_ok=True)
+    except ImportError:
+        # transformers 5.17 (not 5.24) makes AutoImageProcessor a placeholder without torchvision: it raises its own
+        # "requires the Torchvision library" when a user calls it; lazoo.YoloLatImageProcessor works without it
+        pass
 
 
 __all__ = [
