@@ -1,19 +1,24 @@
 """The cache under both of its names (transformers 5.24 renamed `past_key_values` / `cache_params` to
 `cache`): forwards take any of them, outputs answer to both without a deprecation warning, Trainer's
-evaluation leaves the cache out of the predictions."""
+evaluation leaves the cache out of the predictions, and the declared range matches the oldest lock."""
 
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from conftest import random_ids, tiny_model
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from lazoo.models import LazooCache
 from lazoo.models.compat import CACHE_FIELD
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -104,4 +109,49 @@ def test_generate_continues_a_cache_passed_under_either_name(model, name):
     continued = model.generate(ids, **kw, **{name: cache})
     assert torch.equal(continued, reference)
     assert cache.seen_positions == 12 + 4  # the prompt once, then every new token but the last
+
+
+# ----------------------------------------------------------------------------- the declared range
+def _declared() -> dict[str, Requirement]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    return {Requirement(r).name.lower(): Requirement(r) for r in reqs}
+
+
+def _lock(name: str) -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements" / name).read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
+        if m:
+            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+def _floor(req: Requirement) -> str | None:
+    return next((s.version for s in req.specifier if s.operator == ">="), None)
+
+
+def test_the_oldest_lock_pins_every_declared_floor():
+    """requirements/oldest.lock is the range's floor: each dependency at the lowest release pyproject.toml
+    allows (torch's floor, 2.11, runs on the GPU machine; the CPU lock takes the CPU build on disk)."""
+    oldest = _lock("oldest.lock")
+    for name, req in _declared().items():
+        floor = _floor(req)
+        if floor is None or name == "torch":
+            continue
+        assert name in oldest, f"{name} is missing from requirements/oldest.lock"
+        assert Version(oldest[name]) >= Version(floor), f"{name}: oldest.lock has {oldest[name]} < floor {floor}"
+        assert Version(oldest[name]).release[:len(Version(floor).release)] == Version(floor).release, \
+            f"{name}: oldest.lock has {oldest[name]}, pyproject.toml's floor is {floor}"
+
+
+def test_both_locks_satisfy_the_declared_ranges():
+    declared = _declared()
+    for lock in ("test.lock", "oldest.lock"):
+        for name, version in _lock(lock).items():
+            if name in declared:
+                assert declared[name].specifier.contains(version, prereleases=True), \
+                    f"{lock}: {name}=={version} is outside pyproject.toml's {declared[name]}"
 

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+import transformers
 from conftest import ALL_MODELS, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -66,15 +67,21 @@ LOADER = textwrap.dedent('''
                 results[folder]["resaved_tokens"] = again.generate(
                     prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False).tolist()
     results["lazoo_imported"] = sorted(m for m in sys.modules if m == "lazoo" or m.startswith("lazoo."))
+    import transformers
+    results["transformers"] = transformers.__version__
     print("RESULT" + json.dumps(results))
 ''' % (NEW_TOKENS, NEW_TOKENS))
 
 
-def run_loader(mode: str, folders: list[str], tmp_path) -> dict:
+#: another virtualenv's python (scripts/test_range.sh sets it to the other end of the supported range)
+OTHER_PYTHON = os.environ.get("LAZOO_OTHER_PYTHON")
+
+
+def run_loader(mode: str, folders: list[str], tmp_path, python: str = sys.executable) -> dict:
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONNOUSERSITE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-c", LOADER, mode, json.dumps(PROMPT), *folders], cwd=tmp_path,
+    proc = subprocess.run([python, "-c", LOADER, mode, json.dumps(PROMPT), *folders], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
@@ -101,6 +108,7 @@ def saved(tmp_path_factory):
 
 def check_results(results, saved, names, mode):
     assert results.pop("lazoo_imported") == [], f"{mode}: lazoo was imported"
+    results.pop("transformers")
     for name in names:
         folder, tokens, logits, _ = saved[name]
         got = results[folder]
@@ -157,6 +165,18 @@ def test_the_export_loads_where_lazoo_cannot_be_imported(saved, tmp_path):
     first = saved[names[0]]
     assert results[first[0]]["resaved_tokens"] == first[1], "the re-saved remote-code model differs"
     check_results(results, saved, names, "hidden")
+
+
+@pytest.mark.skipif(not OTHER_PYTHON, reason="LAZOO_OTHER_PYTHON names no other virtualenv (scripts/test_range.sh "
+                                             "sets it to the other end of the supported transformers range)")
+def test_a_folder_saved_here_loads_on_the_other_end_of_the_range(saved, tmp_path):
+    """Saved with this process's transformers, loaded with trust_remote_code by another virtualenv's (with lazoo
+    hidden), the same logits and tokens: the exported code runs on both ends of the range."""
+    results = run_loader("hidden", [saved[n][0] for n in ALL_MODELS], tmp_path, python=OTHER_PYTHON)
+    assert results["transformers"] != transformers.__version__, "the other python has the same transformers"
+    first = saved[ALL_MODELS[0]]
+    assert results[first[0]]["resaved_tokens"] == first[1], "the re-saved remote-code model differs"
+    check_results(results, saved, ALL_MODELS, f"transformers {results['transformers']}")
 
 
 # ----------------------------------------------------------------------------- model cards
