@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import rls
-from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask,
+from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err,
                                 run_interpreter_tests)
 
 pytest.importorskip("triton")
@@ -113,6 +113,90 @@ def test_interp_rls_triton_refuses_gamma_below_one():
     t = {n: x.float() for n, x in tensors.items()}
     with pytest.raises(NotImplementedError, match="gamma"):
         rls(t["q"], t["k"], t["v"], lam=1.0, gamma=0.9, backend="triton")
+
+
+def _two_samples(T=48, dk=16, seed=21):
+    """Sample 0 well conditioned at λ = 0.5; sample 1 the same kind of keys at scale 1e3 (κ ~ 1e6·T: the fp32 solve
+    breaks down there, 1e8 off before the check)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(2, T, 2, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(2, T, 2, dk, generator=gen)
+    scale = torch.tensor([1.0, 1e3])[:, None, None, None]
+    return q * scale, k * scale, v
+
+
+@needs_interp
+def test_interp_rls_triton_checks_its_fp32_solve(monkeypatch, caplog):
+    """A forced Triton path warns once with the measured residual; chosen automatically, it recomputes the samples
+    that miss the precision with the float64 chunk form (logged once) and keeps the others' Triton outputs."""
+    import importlib
+    import logging
+
+    from test_rls_robustness import closed_form
+
+    mod = importlib.import_module("lazoo.ops.rls")
+    monkeypatch.setattr(mod, "_SAID", set())
+    q, k, v = _two_samples()
+    with pytest.warns(RuntimeWarning, match=r"Triton path \(fp32 solve\).* of 1 sample\(s\) only to a relative"):
+        o_tri, _ = rls(q, k, v, lam=0.5, chunk_size=16, backend="triton")
+    ref = closed_form(q, k, v, 0.5)
+    assert_close(o_tri[:1], ref[:1], 1e-4, "sample 0, Triton")
+    lam_h = torch.full((2,), 0.5, dtype=F64)
+    zeros = (torch.zeros(2, 2, 16, 16, dtype=F64), torch.zeros(2, 2, 16, 16, dtype=F64))
+    qg = q.clone().requires_grad_()
+    with caplog.at_level(logging.WARNING, logger="lazoo"):
+        o, _, _ = mod._rls_triton_checked(qg, k, v, None, lam_h, *zeros, 16, False, False,
+                                          mod.TOLERANCE[torch.float32])
+    assert sum("recomputed with the float64 chunk form" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(o[0], o_tri[0])  # sample 0 keeps its Triton output
+    assert_close(o[1:], ref[1:], 1e-5, "sample 1, recomputed")
+    o.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+
+
+@needs_interp
+def test_interp_rls_triton_checks_the_rounding_of_z_at_the_sequence_start(monkeypatch):
+    """fp16 inputs hand z on in fp16; at small λ its rounding where KK_t is rank-deficient (t < dk) is what costs,
+    which the chunk-end check of the fp32 solve does not see: the start-of-sequence check does."""
+    import importlib
+    import warnings
+
+    from test_rls_robustness import closed_form
+
+    mod = importlib.import_module("lazoo.ops.rls")
+    monkeypatch.setattr(mod, "_SAID", set())
+    gen = torch.Generator().manual_seed(23)
+    q, k = (F.normalize(torch.randn(2, 32, 2, 16, generator=gen), dim=-1).half() for _ in range(2))
+    v = torch.randn(2, 32, 2, 16, generator=gen).half()
+    with pytest.warns(RuntimeWarning, match=r"Triton path \(fp32 solve, z handed on in float16\)"):
+        o, _ = rls(q, k, v, lam=1e-3, chunk_size=16, backend="triton")
+    assert rel_err(o, closed_form(q, k, v, 1e-3)) > 4e-3  # (what the check is about)
+    monkeypatch.setattr(mod, "_SAID", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at λ = 1 the same inputs are within fp16's tolerance
+        o1, _ = rls(q, k, v, lam=1.0, chunk_size=16, backend="triton")
+    assert rel_err(o1, closed_form(q, k, v, 1.0)) <= 4e-3
+
+
+@needs_interp
+def test_interp_rls_triton_one_nan_sample_leaves_the_others_bit_identical():
+    """A NaN key in sample 1 (chunk 1 of 2): samples 0 and 2 bit-identical to a clean run, no exception, no
+    warning and no fallback."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(22)
+    q, k = (F.normalize(torch.randn(3, 28, 2, 16, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(3, 28, 2, 16, generator=gen)
+    x = {"q": q, "k": k, "v": v}
+    bad = {n: t.clone() for n, t in x.items()}
+    bad["k"][1, 20, 0, 3] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a NaN sample is not a precision shortfall of the others
+        clean, _ = rls(x["q"], x["k"], x["v"], lam=0.4, chunk_size=16, backend="triton")
+        o, _ = rls(bad["q"], bad["k"], bad["v"], lam=0.4, chunk_size=16, backend="triton")
+    for b in (0, 2):
+        assert torch.equal(o[b], clean[b])
+    assert not torch.isfinite(o[1]).all()
 
 
 # ============================================================================ GPU

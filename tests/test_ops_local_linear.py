@@ -109,6 +109,31 @@ def test_pads_change_nothing(backend):
     assert_close(o, lstsq_reference(q, k, v, beta, 0.05, mask=mask), 1e-10, "padded vs explicit")
 
 
+@pytest.mark.parametrize("window,per_head_rank", [(None, None), (5, 3)])
+def test_blocked_chunk_form_across_key_blocks(monkeypatch, window, per_head_rank):
+    """Key blocks of 3 (the running maximum carried across blocks, blocks skipped by the window), query blocks of
+    4, ragged T, a cache in front, pads and a hole, an optional per-head low-rank slope: the chunk form equals the
+    reference in outputs, final state and the gradients of q, k, v, β, P and the cached keys and values."""
+    import lazoo.ops.local_linear as ll
+
+    monkeypatch.setattr(ll, "_KEY_BLOCK", 3)
+    g = torch.Generator().manual_seed(6)
+    q, k, v, beta = make(11, seed=6, grad=True)
+    mask = left_pad_mask([11, 7], 11, holes=[(1, 8)])
+    cache = {"k": F.normalize(torch.randn(B, 5, H, D, generator=g, dtype=F64), dim=-1).requires_grad_(),
+             "v": torch.randn(B, 5, H, DV, generator=g, dtype=F64).requires_grad_(),
+             "mask": torch.tensor([[True] * 5, [False, True, True, False, True]])}
+    leaves = {"q": q, "k": k, "v": v, "beta": beta, "cache k": cache["k"], "cache v": cache["v"]}
+    P = None
+    if per_head_rank:
+        P = torch.randn(H, per_head_rank, D, generator=g, dtype=F64).requires_grad_()
+        leaves["P"] = P
+    compare_backends(lambda be: local_linear_attention(q, k, v, scale=beta, ridge=0.03, window=window, chunk_size=4,
+                                                       mask=mask, initial_state=cache, output_final_state=True,
+                                                       rank_projection=P, backend=be),
+                     leaves, 1e-10)
+
+
 def test_bad_arguments_are_named():
     q, k, v, beta = make(3)
     with pytest.raises(ValueError, match="ridge"):

@@ -27,6 +27,11 @@ The backward of z needs the same solve with r = ∂L/∂z (A is symmetric): ``RL
 gradients from z and that solve; the forward keeps the factors (every chunk's P and every block's L⁻¹, D⁻¹),
 so the backward's call does the products only; z is handed on in the memory part's dtype, so ∂L/∂z arrives
 in bf16 for bf16 models and that call takes the split products too.
+
+The fp32 solve is not accurate for every input (poorly conditioned ridge systems: small λ, keys close to linearly
+dependent, large inputs). ``rls_precision(..., check=True)`` also returns its relative residual at every chunk's
+last position (``chunk_end_residual``, computed in the forward from the chunk-start moments it already has), with
+which ``lazoo.ops.rls`` warns or recomputes the samples that miss the precision asked for (docs/rls.md).
 """
 
 from __future__ import annotations
@@ -313,11 +318,38 @@ def memory_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
-def chunk_start_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, chunk: int) -> torch.Tensor:
-    """A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, fp32 ``[B, H, N, dk, dk]`` (``KK [B, H, dk, dk]``, λ ``[H]``)."""
+def chunk_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, chunk: int):
+    """``(A, gram)``, fp32 ``[B, H, N, dk, dk]``: A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, the ridged moments at every
+    chunk start, and gram_c = Σ_{i in chunk c} k_i k_iᵀ (``KK [B, H, dk, dk]``, λ ``[H]``)."""
     gram = chunk_gram(k, chunk)
     eye = torch.eye(k.shape[-1], dtype=torch.float32, device=k.device)
-    return KK.float()[:, :, None] + gram.cumsum(2) - gram + lam_h.float()[:, None, None, None] * eye
+    return KK.float()[:, :, None] + gram.cumsum(2) - gram + lam_h.float()[:, None, None, None] * eye, gram
+
+
+def chunk_start_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, fp32 ``[B, H, N, dk, dk]`` (``KK [B, H, dk, dk]``, λ ``[H]``)."""
+    return chunk_moments(k, KK, lam_h, chunk)[0]
+
+
+def chunk_end_residual(q: torch.Tensor, z: torch.Tensor, A: torch.Tensor, gram: torch.Tensor,
+                       chunk: int) -> torch.Tensor:
+    """ρ ``[B, H, N]`` (fp32): ‖q_t − A_t z_t‖ / ‖q_t‖ (q the right-hand sides) at the last position t of every chunk,
+    where A_t is the ridged moments through t: A_{c+1} for every chunk c but the last, A_c + gram_c for the last (0
+    where q_t = 0). A sampled
+    check of the fp32 solve: the Woodbury steps carry P over the chunk, so its last position sees the chunk-start
+    inverse's error and every step's. N small matrix-vector products as elementwise products and sums (never
+    TF32), no pass over the sequence; the evaluation's own rounding, ~eps·√dk·cond(A_t), stays far below the
+    tolerances where the systems are well conditioned (3e-7 at dk = 128 for unit keys, against 2e-7 in float64)."""
+    T = q.shape[1]
+    N = A.shape[2]
+    ends = (torch.arange(1, N + 1, device=q.device) * chunk).clamp(max=T) - 1
+    zt = z[:, ends].float().transpose(1, 2)  # [B, H, N, dk]
+    qt = q[:, ends].float().transpose(1, 2)
+    Az = torch.cat([(A[:, :, 1:] * zt[:, :, :-1, None, :]).sum(-1),
+                    ((A[:, :, -1] + gram[:, :, -1]) * zt[:, :, -1, None, :]).sum(-1)[:, :, None]], 2)
+    r = (qt - Az).norm(dim=-1)
+    qn = qt.norm(dim=-1)
+    return torch.where(qn > 0, r / qn.clamp_min(torch.finfo(torch.float32).tiny), r)
 
 
 def _key_grad(k, z, y):
@@ -339,17 +371,20 @@ class RLSPrecisionFunction(torch.autograd.Function):
     solve (no autograd through any factorisation)."""
 
     @staticmethod
-    def forward(ctx, q, k, lam_h, KK, chunk, keep, out_dtype):
-        A = chunk_start_moments(k, KK, lam_h, chunk)
-        if not keep:  # no backward to come: keeping the factors costs ~1.4 ms at 32k tokens (H100)
-            return rls_solve(A, k, q, chunk).to(out_dtype)
-        z, factors = rls_solve(A, k, q, chunk, keep_factors=True)
-        ctx.save_for_backward(k, z, *factors)
-        ctx.chunk, ctx.dtypes = chunk, (q.dtype, k.dtype, lam_h.dtype, KK.dtype)
-        return z.to(out_dtype)
+    def forward(ctx, q, k, lam_h, KK, chunk, keep, out_dtype, check):
+        A, gram = chunk_moments(k, KK, lam_h, chunk)
+        if keep:
+            z, factors = rls_solve(A, k, q, chunk, keep_factors=True)
+            ctx.save_for_backward(k, z, *factors)
+            ctx.chunk, ctx.dtypes = chunk, (q.dtype, k.dtype, lam_h.dtype, KK.dtype)
+        else:  # no backward to come: keeping the factors costs ~1.4 ms at 32k tokens (H100)
+            z = rls_solve(A, k, q, chunk)
+        rho = chunk_end_residual(q, z, A, gram, chunk) if check else z.new_zeros(0)
+        ctx.mark_non_differentiable(rho)
+        return z.to(out_dtype), rho
 
     @staticmethod
-    def backward(ctx, dz):
+    def backward(ctx, dz, _drho):
         k, z, *factors = ctx.saved_tensors
         q_dt, k_dt, lam_dt, KK_dt = ctx.dtypes
         # dz in z's output dtype: bf16/fp16 right-hand sides let the kernel use its cheaper products
@@ -362,13 +397,16 @@ class RLSPrecisionFunction(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             total = torch.einsum("bthd,bthe->bhde", y, z)  # Σ_t y_t z_tᵀ
             dKK = (-0.5 * (total + total.transpose(-1, -2))).to(KK_dt)
-        return dq, dk, dlam, dKK, None, None, None
+        return dq, dk, dlam, dKK, None, None, None, None
 
 
 def rls_precision(q: torch.Tensor, k: torch.Tensor, lam_h: torch.Tensor, KK: torch.Tensor, chunk: int,
-                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.float32, check: bool = False):
     """z_t = (KK_0 + Σ_{i≤t} k_i k_iᵀ + λI)^{-1} q_t, ``[B, T, H, dk]`` solved in fp32 and returned in
     ``out_dtype``, differentiable in q, k, λ ``[H]`` and ``KK [B, H, dk, dk]`` (k zero at pads). The solve's
-    factors are kept only when a backward will run."""
+    factors are kept only when a backward will run. With ``check``, returns ``(z, ρ)``: ρ ``[B, H, N]`` the
+    relative residual of the fp32 solve (before z is rounded to ``out_dtype``) at every chunk's last position
+    (``chunk_end_residual``)."""
     keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, lam_h, KK))
-    return RLSPrecisionFunction.apply(q, k, lam_h, KK, chunk, keep, out_dtype)
+    z, rho = RLSPrecisionFunction.apply(q, k, lam_h, KK, chunk, keep, out_dtype, check)
+    return (z, rho) if check else z

@@ -2,7 +2,10 @@
 
 Layout everywhere: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, per-head scalars (gates, beta)
 ``[B, T, H]``, states ``[B, H, dv, dk]`` (a state of several parts is a dict of tensors), mask
-``[B, T]`` (1 = real token; a pad leaves every part of the state untouched and outputs 0).
+``[B, T]`` (bool, or numbers exactly 0/1; 1 = real token). A pad leaves every part of the state untouched, outputs 0
+and gets gradient 0: each op zeroes every per-token input at the pads once, at its boundary, so a NaN or Inf there
+never reaches a real token in any backend or kernel; and no op mixes samples, so a non-finite sample changes no
+other. Gates are checked at real tokens against their documented range (log decays g <= 0).
 Every op takes ``initial_state=None, output_final_state=False, mask=None, backend=None`` and
 returns ``(output [B, T, H, dv] in the input dtype, final_state or None)``. States are in the
 compute dtype: float64 for float64 inputs, float32 otherwise.

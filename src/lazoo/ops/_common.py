@@ -175,9 +175,17 @@ def check_head_scalar(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> N
     check_same_device(op, q, **{name: x})
 
 
+def host_sync_allowed() -> bool:
+    """Whether a check may read tensor values back to the host: not while torch.compile traces or a CUDA graph
+    is being captured (a host sync is an error there); value checks are skipped then."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
 def check_mask(op: str, mask: torch.Tensor | None, B: int, T: int,
                device: torch.device) -> torch.Tensor | None:
-    """Validate a ``[B, T]`` mask (bool or 0/1 numbers) and return it as bool (or None)."""
+    """Validate a ``[B, T]`` mask (bool, or numbers that are exactly 0 or 1) and return it as bool (or None)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -188,7 +196,37 @@ def check_mask(op: str, mask: torch.Tensor | None, B: int, T: int,
         raise TypeError(f"{op}: mask must be bool or real 0/1 numbers, got dtype {mask.dtype}")
     if mask.device != device:
         raise ValueError(f"{op}: mask is on {mask.device} but q is on {device}")
-    return mask if mask.dtype == torch.bool else mask != 0
+    if mask.dtype == torch.bool:
+        return mask
+    # a 2, -1, 0.5 or NaN is no token kind: refuse it rather than count it as real (one host sync)
+    if host_sync_allowed() and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
+        raise ValueError(f"{op}: mask must be bool or hold only the numbers 0 (pad) and 1 (real token), "
+                         f"got {bad!r}")
+    return mask != 0
+
+
+def check_range(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
+                high: float | None = None, hint: str = "") -> None:
+    """Refuse values of ``x`` outside ``[low, high]`` (None: unbounded), naming ``name`` and the range.
+    Pass ``x`` with its pads already zeroed (``zero_pads``): a pad is no input. NaN passes (it stays in its
+    own sample, like a NaN in q). One host sync; skipped under torch.compile and CUDA-graph capture."""
+    if x is None or not host_sync_allowed():
+        return
+    outside = torch.zeros_like(x, dtype=torch.bool)
+    if low is not None:
+        outside |= x < low
+    if high is not None:
+        outside |= x > high
+    if bool(outside.any()):
+        bad = x[outside].flatten()[0].item()
+        lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
+        raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
+
+
+def check_log_decay(op: str, name: str, g: torch.Tensor | None) -> None:
+    """A log decay (pads zeroed) must be <= 0: g > 0 would grow the state by exp(g) and overflow."""
+    check_range(op, name, g, high=0.0, hint=" (a log decay: the state is multiplied by exp(g) <= 1)")
 
 
 def check_scale(op: str, scale, dk: int) -> float:
@@ -262,6 +300,13 @@ def zero_masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is None:
         return x
     return torch.where(time_mask(mask, x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def zero_pads(mask: torch.Tensor | None, *xs: torch.Tensor | None) -> tuple:
+    """Every ``[B, T, ...]`` input with its pads set to 0 (None passes through): done once at an op's boundary,
+    so that a NaN or Inf at a pad never meets a real token (0 * NaN is NaN) in any backend or kernel, and the
+    gradient at a pad is exactly 0."""
+    return tuple(None if x is None else zero_masked(x, mask) for x in xs)
 
 
 def check_chunk_size(op: str, chunk_size) -> int:

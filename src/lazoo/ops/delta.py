@@ -1,7 +1,8 @@
 """DeltaNet and Gated DeltaNet, and the generalised (gated) delta rule they share with VLA.
 
 Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, beta/g ``[B, T, H]``, state S ``[B, H, dv, dk]``,
-mask ``[B, T]`` (1 = real token; a pad leaves the state untouched and outputs 0).
+mask ``[B, T]`` (1 = real token; a pad leaves the state untouched and outputs 0). g is a log decay: g > 0 at a real
+token is refused.
 
     delta:        S_t = S_{t-1} (I - β_t k_t k_t^T) + β_t v_t k_t^T,            o_t = S_t (scale q_t)
     gated delta:  S_t = exp(g_t) S_{t-1} (I - β_t k_t k_t^T) + β_t v_t k_t^T,   o_t = S_t (scale q_t)
@@ -36,6 +37,8 @@ from ._common import (
     resolve_backend,
     split_chunks,
     zero_masked,
+    zero_pads,
+    check_log_decay,
     run_per_sequence,
     triton_unsupported,
 )
@@ -84,17 +87,21 @@ def gated_delta_rule(
 
 
 def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state,
-           output_final_state, mask, backend, cu_seqlens=None):
+           output_final_state, mask, backend, cu_seqlens=None, check_g=True):
+    """Both delta rules, errors naming ``op`` (DeltaProduct runs it too); ``check_g=False``: g already checked."""
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     if g is not None:
         check_head_scalar(op, "g", g, q)
     check_head_scalar(op, "beta", beta, q)
     mask = check_mask(op, mask, B, T, q.device)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    q, k, v, g, beta = zero_pads(mask, q, k, v, g, beta)  # β = 0 and g = 0 at a pad: S untouched
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
     backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v, chunk_size))
+    if check_g:
+        check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":  # no zero state allocated when none is given
@@ -107,16 +114,15 @@ def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state
         return run_per_sequence(
             lambda sl, st: _delta(op, q[:, sl], k[:, sl], v[:, sl], None if g is None else g[:, sl],
                                   beta[:, sl], scale, use_qk_l2norm, chunk_size, st, True,
-                                  None if mask is None else mask[:, sl], backend),
+                                  None if mask is None else mask[:, sl], backend, check_g=False),
             cu_seqlens, S0, output_final_state, q, v)
 
     q_c, k_c = q.to(cdt), k.to(cdt)
     if use_qk_l2norm:
         q_c, k_c = l2norm(q_c), l2norm(k_c)
     q_c = q_c * scale
-    v_c = v.to(cdt)
-    beta_c = zero_masked(beta.to(cdt), mask)  # β = 0 and g = 0 at a pad: S untouched
-    g_c = None if g is None else zero_masked(g.to(cdt), mask)
+    v_c, beta_c = v.to(cdt), beta.to(cdt)
+    g_c = None if g is None else g.to(cdt)
 
     if backend == "recurrent":
         o, S = _recurrent_delta(q_c, k_c, v_c, g_c, beta_c, S0)
@@ -144,8 +150,6 @@ def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output
     from ..kernels import delta as kd  # lazy: importing defines the kernels
 
     B, T = q.shape[:2]
-    beta = zero_masked(beta, mask)  # β = 0 and g = 0 at a pad: S untouched
-    g = None if g is None else zero_masked(g, mask)
     grad = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, S0, scale))
     if cu_seqlens is None:

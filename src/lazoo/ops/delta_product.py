@@ -39,8 +39,10 @@ from ._common import (
     matrix_initial_state,
     resolve_backend,
     zero_masked,
+    zero_pads,
+    check_log_decay,
 )
-from .delta import delta_rule, gated_delta_rule
+from .delta import _delta
 
 
 def delta_product(
@@ -69,12 +71,15 @@ def delta_product(
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     mask = check_mask(op, mask, B, T, q.device)
+    q, k, v, beta, g = zero_pads(mask, q, k, v, beta, g)  # a NaN at a pad never meets a real token
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
     cdt = compute_dtype(q.dtype)
 
     # validates backend / LAZOO_BACKEND; the chunk and triton choices are left to the delta rule op
-    if resolve_backend(op, backend, q.device, None) == "recurrent":
+    mode = resolve_backend(op, backend, q.device, None)
+    check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
+    if mode == "recurrent":
         S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
         o, S = _recurrent_delta_product(q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt),
                                         None if g is None else g.to(cdt), S0, scale, use_qk_l2norm, mask)
@@ -86,13 +91,10 @@ def delta_product(
     b_x = beta.transpose(2, 3).reshape(B, T * n, H)
     q_x = q[:, :, None].expand(B, T, n, H, dk).reshape(B, T * n, H, dk)
     m_x = None if mask is None else mask[:, :, None].expand(B, T, n).reshape(B, T * n)
-    kw = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, initial_state=initial_state,
-              output_final_state=output_final_state, mask=m_x, backend=backend)
-    if g is None:
-        o_x, S = delta_rule(q_x, k_x, v_x, b_x, **kw)
-    else:
-        g_x = torch.cat([g[:, :, None], g.new_zeros(B, T, n - 1, H)], 2).reshape(B, T * n, H)
-        o_x, S = gated_delta_rule(q_x, k_x, v_x, g_x, b_x, **kw)
+    g_x = None if g is None else torch.cat([g[:, :, None], g.new_zeros(B, T, n - 1, H)], 2).reshape(B, T * n, H)
+    # the delta rule under this op's name, so that its errors say "delta_product:"
+    o_x, S = _delta(op, q_x, k_x, v_x, g_x, b_x, scale, use_qk_l2norm, chunk_size, initial_state,
+                    output_final_state, m_x, backend, check_g=False)
     o = o_x.view(B, T, n, H, dv)[:, :, -1]  # each token's output after its last step
     return zero_masked(o, mask).to(v.dtype), S
 

@@ -65,8 +65,9 @@ from ._common import (
     compute_dtype,
     resolve_backend,
     zero_masked,
+    zero_pads,
 )
-from .linear import gla, linear_attention
+from .linear import _gla, _linear_attention
 
 ELA_KERNELS = ("hadamard_exp", "sum_sq_euclid", "sub_sq_euclid", "magnitude_direction")
 
@@ -132,8 +133,9 @@ def ela(
     B, T, H, D, dv = check_qkv(op, q, k, v)
     _check_kernel(op, kernel)
     mask = check_mask(op, mask, B, T, q.device)
+    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
     chunk_size = check_chunk_size(op, chunk_size)
-    if not isinstance(eps, (int, float)) or eps <= 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
     resolve_backend(op, backend, q.device, None)  # validates backend / LAZOO_BACKEND; the inner op picks
     cdt = compute_dtype(q.dtype)
@@ -150,9 +152,8 @@ def ela(
     else:
         fq, fk = ela_features(kernel, q_c, k_c)
         inner = None if state is None else {"S": state["S"], "z": state["C"]}
-        o, st = linear_attention(fq, fk, v_c, feature_map="identity", normalize=True, eps=eps,
-                                 chunk_size=chunk_size, initial_state=inner,
-                                 output_final_state=output_final_state, mask=mask, backend=backend)
+        o, st = _linear_attention(op, fq, fk, v_c, "identity", True, eps, chunk_size, inner, output_final_state,
+                                  mask, backend, None)
         final = None if st is None else {"S": st["S"], "C": st["z"]}
     return zero_masked(o, mask).to(v.dtype), final
 
@@ -178,8 +179,9 @@ def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backe
     S0 = None
     if state is not None:
         S0 = torch.cat([state["S"], state["C"][:, :, None, :]], 2)
-    o1, S1 = gla(fq, fk, v1, g, scale=1.0, chunk_size=min(chunk_size, 16), initial_state=S0,
-                 output_final_state=output_final_state, mask=mask, backend=backend)
+    # g <= 0 by construction (m never decreases): no check, no host sync
+    o1, S1 = _gla("ela", fq, fk, v1, g, 1.0, min(chunk_size, 16), S0, output_final_state, mask, backend, None,
+                  check_g=False)
     o1 = o1.to(q.dtype)
     num, den = o1[..., :dv], o1[..., dv:]
     floor = torch.exp(torch.log(torch.tensor(eps, dtype=q.dtype, device=q.device)) - M)

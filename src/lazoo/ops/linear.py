@@ -6,7 +6,8 @@ and outputs 0).
 
     linear:  S_t = S_{t-1} + v_t φ(k_t)^T,  z_t = z_{t-1} + φ(k_t),
              o_t = S_t φ(q_t) / max(φ(q_t)·z_t, eps)   (or S_t φ(q_t) without normaliser)
-    gated:   S_t = exp(g_t) S_{t-1} + v_t k_t^T,  o_t = S_t (scale q_t),  g_t <= 0 (log decay)
+    gated:   S_t = exp(g_t) S_{t-1} + v_t k_t^T,  o_t = S_t (scale q_t),  g_t <= 0 (log decay; g > 0 at a real
+             token is refused)
     gla:     S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T,  o_t = S_t (scale q_t),  g_t ``[B, T, H, dk]``
              (a decay per key dim, GLA)
 
@@ -43,7 +44,9 @@ from ._common import (
     resolve_backend,
     split_chunks,
     zero_masked,
+    zero_pads,
     triton_unsupported,
+    check_log_decay,
 )
 
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -79,24 +82,31 @@ def linear_attention(
     cu_seqlens: torch.Tensor | None = None,
 ):
     """Causal linear attention. State: ``{"S", "z"}`` if normalize else the tensor S."""
-    op = "linear_attention"
+    return _linear_attention("linear_attention", q, k, v, feature_map, normalize, eps, chunk_size, initial_state,
+                             output_final_state, mask, backend, cu_seqlens)
+
+
+def _linear_attention(op, q, k, v, feature_map, normalize, eps, chunk_size, initial_state, output_final_state,
+                      mask, backend, cu_seqlens):
+    """``linear_attention`` with its errors naming ``op`` (ELA runs it on its features)."""
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     phi = get_feature_map(feature_map, op)
     mask = check_mask(op, mask, B, T, q.device)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
+    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     chunk_size = check_chunk_size(op, chunk_size)
     backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
-        return _linear_triton(q, k, v, phi, normalize, eps, chunk_size, initial_state,
+        return _linear_triton(op, q, k, v, phi, normalize, eps, chunk_size, initial_state,
                               output_final_state, mask, cu_seqlens, N)
     if cu_seqlens is not None:
         return run_per_sequence(
-            lambda sl, st: linear_attention(
-                q[:, sl], k[:, sl], v[:, sl], feature_map=feature_map, normalize=normalize, eps=eps,
-                chunk_size=chunk_size, initial_state=st, output_final_state=True, backend=backend),
+            lambda sl, st: _linear_attention(
+                op, q[:, sl], k[:, sl], v[:, sl], feature_map, normalize, eps, chunk_size, st, True, None, backend,
+                None),
             cu_seqlens, _as_state(_linear_initial_state(op, initial_state, normalize, N, H, dk, dv, q.device, cdt),
                                   normalize), output_final_state, q, v)
 
@@ -142,10 +152,12 @@ def gated_linear_attention(
     check_head_scalar(op, "g", g, q)
     mask = check_mask(op, mask, B, T, q.device)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
+    q, k, v, g = zero_pads(mask, q, k, v, g)  # a pad writes nothing and does not decay the state
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
     backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
+    check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
@@ -160,10 +172,8 @@ def gated_linear_attention(
             output_final_state, q, v)
 
     S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
-    q_c = q.to(cdt) * scale
-    k_c = zero_masked(k.to(cdt), mask)  # a pad writes nothing ...
-    g_c = zero_masked(g.to(cdt), mask)  # ... and does not decay the state
-    v_c = v.to(cdt)
+    q_c, k_c, v_c, g_c = (x.to(cdt) for x in (q, k, v, g))
+    q_c = q_c * scale
 
     if backend == "recurrent":
         o, S = _recurrent_gated_linear(q_c, k_c, v_c, g_c, S0)
@@ -193,7 +203,13 @@ def gla(
     the Triton backend is lazoo.kernels.gla (chunks of 64 in 16-row sub-chunks, hand-written backward;
     chunk_size does not apply to it), or the fused recurrent kernel for decoding (T <= 16, no autograd).
     """
-    op = "gla"
+    return _gla("gla", q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, backend, cu_seqlens)
+
+
+def _gla(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, backend, cu_seqlens,
+         check_g=True):
+    """``gla`` with its errors naming ``op``; ``check_g=False`` skips the g <= 0 check (a caller's g that is
+    <= 0 by construction: no host sync)."""
     B, T, H, dk, dv = check_qkv(op, q, k, v)
     if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(q.shape):
         raise ValueError(f"{op}: g must be a tensor of shape [B, T, H, dk] = {tuple(q.shape)}, "
@@ -202,10 +218,13 @@ def gla(
     check_same_device(op, q, g=g)
     mask = check_mask(op, mask, B, T, q.device)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
+    q, k, v, g = zero_pads(mask, q, k, v, g)  # a pad writes nothing and does not decay the state
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_chunk_size(op, chunk_size)
     backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
+    if check_g:
+        check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
@@ -215,7 +234,6 @@ def gla(
                                                                      q.device, torch.float32)
         if isinstance(scale, torch.Tensor):  # a learned scale stays differentiable outside the kernel
             q, scale = q * scale.to(q.dtype), 1.0
-        k, g = zero_masked(k, mask), zero_masked(g, mask)  # a pad writes nothing and does not decay
         if _decoding(T, cu_seqlens, q, k, v, g, S0):
             o, S = kl.fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=S0,
                                           output_final_state=output_final_state)
@@ -227,16 +245,14 @@ def gla(
         return zero_masked(o, mask).to(v.dtype), (S if output_final_state else None)
     if cu_seqlens is not None:
         return run_per_sequence(
-            lambda sl, st: gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale=scale, chunk_size=chunk_size,
-                               initial_state=st, output_final_state=True, backend=backend),
+            lambda sl, st: _gla(op, q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale, chunk_size, st, True, None,
+                                backend, None, check_g=False),
             cu_seqlens, matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt),
             output_final_state, q, v)
 
     S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
-    q_c = q.to(cdt) * scale
-    k_c = zero_masked(k.to(cdt), mask)  # a pad writes nothing ...
-    g_c = zero_masked(g.to(cdt), mask)  # ... and does not decay the state
-    v_c = v.to(cdt)
+    q_c, k_c, v_c, g_c = (x.to(cdt) for x in (q, k, v, g))
+    q_c = q_c * scale
     if backend == "recurrent":
         outs, S = [], S0
         for t in range(T):
@@ -309,11 +325,10 @@ def _segment_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
     return c - c_pad[:, bos]
 
 
-def _linear_triton(q, k, v, phi, normalize, eps, chunk_size, initial_state, output_final_state,
+def _linear_triton(op, q, k, v, phi, normalize, eps, chunk_size, initial_state, output_final_state,
                    mask, cu_seqlens, N):
     from ..kernels import linear as kl
 
-    op = "linear_attention"
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     S0 = z0 = None
@@ -378,8 +393,6 @@ def _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_sta
         S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, torch.float32)
     if isinstance(scale, torch.Tensor):  # a learned scale: keep it differentiable outside the kernel
         q, scale = q * scale.to(q.dtype), 1.0
-    k = zero_masked(k, mask)  # a pad writes nothing ...
-    g = zero_masked(g, mask)  # ... and does not decay the state
     if _decoding(T, cu_seqlens, q, k, v, g, S0):
         o, S, _ = kl.fused_recurrent_linear_attention(
             q, k, v, g.float(), scale=scale, initial_state=S0, output_final_state=output_final_state)

@@ -21,22 +21,25 @@ the full q·k). Then M¹ is dv×r, C_dd = P C_kk Pᵀ is r×r and o_t = v̄ − 
 u = (P C_kk Pᵀ + ρI)^{-1} P(k̄ − q). Without P (the default) the slope is exact (P = I). This is what
 makes a fused kernel fit on chip at dk = 64…128: per query it keeps r×r moments, not dk×dk.
 
-It is quadratic in T like softmax attention. State: a KV cache ``{"k": [B, Tc, H, dk], "v": [B, Tc, H, dv],
-"mask": [B, Tc] bool}`` in the compute dtype (float32 for half inputs, float64 for float64); positions count
-over the cache and the new tokens, pads included (as ``softmax_attention``); a final state with a window keeps
-the last W − 1 positions.
+Time is quadratic in T like softmax attention; memory is linear in T (not in the recurrent reference). State:
+a KV cache ``{"k": [B, Tc, H, dk], "v": [B, Tc, H, dv], "mask": [B, Tc] bool}`` in the compute dtype (float32
+for half inputs, float64 for float64); positions count over the cache and the new tokens, pads included (as
+``softmax_attention``); a final state with a window keeps the last W − 1 positions.
 
 Backends:
   * ``"recurrent"``: the definition, per query: the (1 + dk)-dimensional weighted normal equations
     (Xᵀ W X + diag(0, ρI)) [M⁰ M¹]ᵀ = Xᵀ W V with rows X_i = [1, (k_i − q)ᵀ], solved explicitly
     (float64-capable), one query at a time.
-  * ``"chunk"``: all queries of a block of ``chunk_size`` at once from the per-query moments: v̄, k̄ (two
-    matmuls with the softmax weights), Σ w k kᵀ (the weights times the per-key outer products k kᵀ,
-    ``[S, dk²]``), one batched dk×dk solve per query, then C_vd u = Σ_i w_i v_i (k_i − k̄)·u as a second
-    weighted sum over the keys (no per-query ``[dv, dk]`` matrix is formed).
-Cost: O(T·S·dk²) flops (dk times softmax attention's) and O(B·H·S·dk² + B·H·chunk·dk²) memory for the outer
-products, plus one dk×dk solve per query: practical for head dims up to about 64 (128 works but the
-S·dk² outer products dominate memory: 64 KiB per key and head in float32). With P, read r for dk there.
+  * ``"chunk"``: flash-style in PyTorch: query blocks of ``chunk_size`` against key blocks of ``_KEY_BLOCK``
+    (512) keys, only those a query can see (causal, window). Pass 1 keeps a running maximum of the logits and
+    sums Σ p, Σ p f and Σ p f fᵀ (the weights times the key block's outer products f fᵀ, ``[512, r²]``), then
+    one batched r×r solve per query gives u = C⁻¹(f̄ − f(q)); pass 2 reweights the values,
+    o = Σ_i w_i (1 + f̄·u − f_i·u) v_i (no per-query ``[dv, r]`` matrix). An autograd Function keeps only lse,
+    f̄ and u per query (2r + 1 numbers) and its hand-written backward recomputes the weights and moments block
+    by block: memory is linear in T (nothing [T, S]); no double backward.
+Cost: O(T·S·r²) flops with S the keys a query sees (about T/2 causal, W with a window; r² = dk² for the exact
+slope: dk times softmax attention's), plus one r×r solve per query (two in training). Practical for slope
+features up to about 64; the temporaries are [B, H, chunk_size, 512 + r²] whatever T is.
   * ``"triton"`` (auto on CUDA when it can run the case): lazoo.kernels.local_linear, a flash-style fused
     kernel (two passes over the keys per query block, r×r moments on chip, an r-step solve per query) with a
     fused backward. It needs r ≤ 32 slope features: a ``rank_projection`` with r ≤ 32, or dk ≤ 32 for the
@@ -45,8 +48,10 @@ S·dk² outer products dominate memory: 64 KiB per key and head in float32). Wit
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._common import (
     check_chunk_size,
@@ -56,8 +61,9 @@ from ._common import (
     check_same_device,
     compute_dtype,
     resolve_backend,
-    zero_masked,
     triton_unsupported,
+    zero_masked,
+    zero_pads,
 )
 from .softmax import _allowed, kv_cache_state, with_kv_cache
 
@@ -85,6 +91,7 @@ def local_linear_attention(
     differentiable, so it can be a learned parameter."""
     B, T, H, dk, dv = check_qkv(_OP, q, k, v)
     mask = check_mask(_OP, mask, B, T, q.device)
+    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token, in any backend
     C = check_chunk_size(_OP, chunk_size)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
@@ -107,16 +114,26 @@ def local_linear_attention(
     if backend == "triton" and not plain_triton:
         o = _triton(q, keys.to(q.dtype), values.to(q.dtype), key_mask, beta, P, float(ridge), window)
     elif backend != "triton":
-        query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        allowed = _allowed(query_mask, key_mask, Tc, window)[:, None]  # [B, 1, T, S]
-        qc = q.to(cdt)
-        Qh, Kh, Vh = qc.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H, *, d]
-        Fq, Fk = (Qh, Kh) if P is None else (_features(Qh, P.to(cdt)), _features(Kh, P.to(cdt)))
-        run = _recurrent if backend == "recurrent" else _chunk
-        o = run(Qh, Kh, Vh, Fq, Fk, allowed, beta, float(ridge), C).transpose(1, 2)
+        o = _torch_form(backend, q.to(cdt), keys, values, mask, key_mask, Tc, window, beta, P, float(ridge), C)
     o = zero_masked(o, mask).to(v.dtype)
 
     return o, (kv_cache_state(keys, values, key_mask, window) if output_final_state else None)
+
+
+def _torch_form(backend, q, keys, values, mask, key_mask, Tc, window, beta, P, ridge, C):
+    """The recurrent or chunk form on q ``[B, T, H, dk]`` and keys/values ``[B, S, H, d]`` in the compute dtype."""
+    q = zero_masked(q, mask)  # a pad's query sees no key; zeroing keeps a NaN there out of P q
+    Qh, Kh, Vh = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)  # [B, H, *, d]
+    Fq, Fk = (Qh, Kh) if P is None else (_features(Qh, P.to(q.dtype)), _features(Kh, P.to(q.dtype)))
+    if backend == "recurrent":
+        B, T = q.shape[:2]
+        query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+        allowed = _allowed(query_mask, key_mask, Tc, window)[:, None]  # [B, 1, T, S]
+        o = _recurrent(Qh, Kh, Vh, Fq, Fk, allowed, beta, ridge)
+    else:
+        seen = _Visibility(mask, key_mask, Tc, window)
+        o = _BlockedLocalLinear.apply(Qh, Kh, Vh, Fq, Fk, beta, seen, ridge, C, _KEY_BLOCK)
+    return o.transpose(1, 2)
 
 
 def _scale(scale, H, q, cdt) -> torch.Tensor:
@@ -191,26 +208,182 @@ def _weights(Qh, Kh, allowed, beta):
     return torch.softmax(logits, -1) * allowed
 
 
-def _chunk(Qh, Kh, Vh, Fq, Fk, allowed, beta, ridge, C):
-    """Fq/Fk: the slope's features of the queries/keys (Qh/Kh themselves for the exact slope)."""
-    B, H, T, dk = Qh.shape
+#: keys per block of the chunk form: its temporaries are [B, H, chunk_size, _KEY_BLOCK] (and the block's
+#: [_KEY_BLOCK, r²] outer products f fᵀ), whatever T is
+_KEY_BLOCK = 512
+
+
+class _Visibility:
+    """Which keys each query sees (causal over absolute positions, Tc cached keys in front, an optional window,
+    real keys and queries only), built per (query block, key block): never a [T, S] mask."""
+
+    def __init__(self, query_mask, key_mask, Tc: int, window: int | None):
+        self.query_mask, self.key_mask, self.Tc, self.window = query_mask, key_mask, Tc, window
+        self.no_pads = query_mask is None and bool(key_mask.all())
+
+    def key_blocks(self, q0: int, q1: int, size: int):
+        """(k0, k1) ranges of at most ``size`` keys covering every key that a query in [q0, q1) may see."""
+        first = 0 if self.window is None else max(0, q0 + self.Tc - self.window + 1)
+        last = q1 + self.Tc
+        return [(k0, min(k0 + size, last)) for k0 in range(first, last, size)]
+
+    def mask(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """``[B, 1, q1 − q0, k1 − k0]`` bool, or None where every query of the block sees every key."""
+        p0, p1 = q0 + self.Tc, q1 - 1 + self.Tc  # first and last query position
+        if self.no_pads and k1 - 1 <= p0 and (self.window is None or k0 > p1 - self.window):
+            return None
+        device = self.key_mask.device
+        p = torch.arange(p0, p1 + 1, device=device)[:, None]
+        j = torch.arange(k0, k1, device=device)[None, :]
+        seen = j <= p
+        if self.window is not None:
+            seen = seen & (j > p - self.window)
+        seen = seen[None] & self.key_mask[:, None, k0:k1]
+        if self.query_mask is not None:
+            seen = seen & self.query_mask[:, q0:q1, None]
+        return seen[:, None]
+
+
+class _Pair(NamedTuple):
+    """One (query block, key block) of the chunk form: the keys' slices and the logits."""
+
+    keys: slice  # the block's key positions
+    K: torch.Tensor  # [B, H, kb, dk]
+    V: torch.Tensor  # [B, H, kb, dv]
+    F: torch.Tensor  # [B, H, kb, r]
+    z: torch.Tensor  # β q·k [B, H, c, kb], −inf where not visible
+
+
+def _pairs(Qs, Kh, Vh, Fk, seen, q0, q1, size):
+    """The key blocks that the scaled queries Qs = β q of rows [q0, q1) see, with their logits."""
+    for k0, k1 in seen.key_blocks(q0, q1, size):
+        K = Kh[:, :, k0:k1]
+        z = Qs @ K.transpose(-1, -2)
+        mask = seen.mask(q0, q1, k0, k1)
+        if mask is not None:
+            z = z.masked_fill(~mask, -torch.inf)
+        yield _Pair(slice(k0, k1), K, Vh[:, :, k0:k1], Fk[:, :, k0:k1], z)
+
+
+def _outer(F):
+    """f fᵀ of every row of F ``[..., n, r]`` → ``[..., n, r²]``."""
+    return (F[..., :, None] * F[..., None, :]).flatten(-2)
+
+
+def _moments(Qs, Kh, Vh, Fk, seen, q0, q1, size):
+    """Pass 1 over the key blocks with a running maximum: per query log Σ_i exp(z_i), f̄ = Σ w f and
+    E = Σ w f fᵀ (w the normalised weights). A query that sees no key gets lse = finfo.min and zero moments."""
+    B, H, c, _ = Qs.shape
     r = Fk.shape[-1]
-    outer = (Fk[..., :, None] * Fk[..., None, :]).flatten(-2)  # [B, H, S, r²]
-    eye = torch.eye(r, dtype=Qh.dtype, device=Qh.device)
-    outs = []
-    for s in range(0, T, C):
-        q = Qh[:, :, s:s + C]
-        w = _weights(q, Kh, allowed[:, :, s:s + C], beta)  # [B, H, c, S]
-        kbar, vbar = w @ Fk, w @ Vh
-        Ekk = (w @ outer).unflatten(-1, (r, r))
-        cov = Ekk - kbar[..., :, None] * kbar[..., None, :] + ridge * eye
-        u = torch.linalg.solve(cov, (kbar - Fq[:, :, s:s + C])[..., None])[..., 0]  # [B, H, c, r]
-        a = w * (u @ Fk.transpose(-1, -2) - (kbar * u).sum(-1, keepdim=True))  # w_i (f_i − f̄)·u
-        outs.append(vbar - a @ Vh)
-    return torch.cat(outs, 2)
+    m = Qs.new_full((B, H, c, 1), torch.finfo(Qs.dtype).min)  # finite, so exp(z − m) is 0, never NaN, at −inf
+    l, sf, sE = Qs.new_zeros(B, H, c, 1), Qs.new_zeros(B, H, c, r), Qs.new_zeros(B, H, c, r * r)
+    for pair in _pairs(Qs, Kh, Vh, Fk, seen, q0, q1, size):
+        m_new = torch.maximum(m, pair.z.amax(-1, keepdim=True))
+        alpha, p = torch.exp(m - m_new), torch.exp(pair.z - m_new)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        sf = sf * alpha + p @ pair.F
+        sE = sE * alpha + p @ _outer(pair.F)
+        m = m_new
+    l = torch.where(l > 0, l, 1.0)
+    return m + torch.log(l), sf / l, (sE / l).unflatten(-1, (r, r))
 
 
-def _recurrent(Qh, Kh, Vh, Fq, Fk, allowed, beta, ridge, C):
+def _covariance(E, fbar, ridge):
+    """C = E − f̄ f̄ᵀ + ρI, the slope's (ridged) weighted covariance of the features."""
+    eye = torch.eye(E.shape[-1], dtype=E.dtype, device=E.device)
+    return E - fbar[..., :, None] * fbar[..., None, :] + ridge * eye
+
+
+def _scaled(Q, beta):
+    return Q * beta[:, None, None]
+
+
+class _BlockedLocalLinear(torch.autograd.Function):
+    """The chunk form, flash-style: query blocks of ``C`` against key blocks of ``KB``, nothing [T, S] kept, so
+    memory is linear in T.
+
+    Per query: w_i = softmax_i(z), z_i = β q·k_i, f̄ = Σ w f, C = Σ w f fᵀ − f̄ f̄ᵀ + ρI, u = C⁻¹(f̄ − g) (g: the
+    query's features), o = Σ_i w_i c_i v_i with c_i = 1 − (f_i − f̄)·u. The forward keeps lse, f̄ and u per
+    query; the backward recomputes the weights and Σ w f fᵀ from them, block by block, and takes the gradient
+    in closed form: with e_i = v_i·δ, D = Σ w e, λ = C⁻¹(D f̄ − Σ w e f) and h = ∂L/∂f̄ = D u + λ + λ(f̄·u) + u(λ·f̄),
+        dv_i = w_i c_i δ,   df_i = w_i (h − e_i u − λ(f_i·u) − u(λ·f_i)),   dg = −λ,
+        dz_i = w_i (dw_i − Σ_j w_j dw_j),   dw_i = c_i e_i + f_i·h − (f_i·λ)(f_i·u),
+        Σ_j w_j dw_j = o·δ + f̄·h − λᵀ(Σ w f fᵀ)u."""
+
+    @staticmethod
+    def forward(ctx, Qh, Kh, Vh, Fq, Fk, beta, seen, ridge, C, KB):
+        Qh, Kh, Vh, Fq, Fk = (x.contiguous() for x in (Qh, Kh, Vh, Fq, Fk))
+        B, H, T, _ = Qh.shape
+        r = Fk.shape[-1]
+        o = Qh.new_zeros(B, H, T, Vh.shape[-1])
+        lse, fbar, u = Qh.new_zeros(B, H, T, 1), Qh.new_zeros(B, H, T, r), Qh.new_zeros(B, H, T, r)
+        for q0 in range(0, T, C):
+            rows = slice(q0, min(q0 + C, T))
+            Qs = _scaled(Qh[:, :, rows], beta)
+            lse_b, fbar_b, E = _moments(Qs, Kh, Vh, Fk, seen, q0, rows.stop, KB)
+            u_b = torch.linalg.solve(_covariance(E, fbar_b, ridge), fbar_b - Fq[:, :, rows])
+            # pass 2: o = Σ_i w_i (1 + f̄·u − f_i·u) v_i
+            base = 1 + (fbar_b * u_b).sum(-1, keepdim=True)
+            for pair in _pairs(Qs, Kh, Vh, Fk, seen, q0, rows.stop, KB):
+                w = torch.exp(pair.z - lse_b)
+                o[:, :, rows] += (w * (base - u_b @ pair.F.transpose(-1, -2))) @ pair.V
+            lse[:, :, rows], fbar[:, :, rows], u[:, :, rows] = lse_b, fbar_b, u_b
+        ctx.save_for_backward(Qh, Kh, Vh, Fq, Fk, beta, o, lse, fbar, u)
+        ctx.seen, ctx.ridge, ctx.C, ctx.KB = seen, ridge, C, KB
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do):
+        Qh, Kh, Vh, Fq, Fk, beta, o, lse, fbar, u = ctx.saved_tensors
+        seen, ridge, C, KB = ctx.seen, ctx.ridge, ctx.C, ctx.KB
+        do = do.contiguous()
+        T = Qh.shape[2]
+        dz_K, dK, dV = torch.zeros_like(Qh), torch.zeros_like(Kh), torch.zeros_like(Vh)  # dz_K = Σ_i dz_i k_i
+        dFq, dFk = torch.zeros_like(Fq), torch.zeros_like(Fk)
+        for q0 in range(0, T, C):
+            rows = slice(q0, min(q0 + C, T))
+            Qs, delta, lse_b, fbar_b, u_b = (_scaled(Qh[:, :, rows], beta), do[:, :, rows], lse[:, :, rows],
+                                             fbar[:, :, rows], u[:, :, rows])
+            lam, h, Delta = _query_grads(Qs, Kh, Vh, Fk, seen, q0, rows.stop, KB, delta, o[:, :, rows], lse_b,
+                                         fbar_b, u_b, ridge)
+            dFq[:, :, rows] = -lam
+            base = 1 + (fbar_b * u_b).sum(-1, keepdim=True)
+            for pair in _pairs(Qs, Kh, Vh, Fk, seen, q0, rows.stop, KB):
+                w = torch.exp(pair.z - lse_b)
+                e = delta @ pair.V.transpose(-1, -2)
+                fu, fl, fh = (torch.stack([u_b, lam, h], 2) @ pair.F.transpose(-1, -2)[:, :, None]).unbind(2)
+                c = base - fu
+                dz = w * (c * e + fh - fl * fu - Delta)
+                dV[:, :, pair.keys] += (w * c).transpose(-1, -2) @ delta
+                dFk[:, :, pair.keys] += (torch.cat([w, -w * (e + fl), -w * fu], -2).transpose(-1, -2)
+                                         @ torch.cat([h, u_b, lam], -2))
+                dK[:, :, pair.keys] += dz.transpose(-1, -2) @ Qs
+                dz_K[:, :, rows] += dz @ pair.K
+        dbeta = (Qh * dz_K).sum((0, 2, 3))
+        return _scaled(dz_K, beta), dK, dV, dFq, dFk, dbeta, None, None, None, None
+
+
+def _query_grads(Qs, Kh, Vh, Fk, seen, q0, q1, KB, delta, o, lse, fbar, u, ridge):
+    """Backward pass A over the key blocks: per query λ = C⁻¹(D f̄ − Σ w e f), h = ∂L/∂f̄ and Σ_j w_j dw_j."""
+    B, H, c, r = fbar.shape
+    D, Ef, E = Qs.new_zeros(B, H, c, 1), Qs.new_zeros(B, H, c, r), Qs.new_zeros(B, H, c, r * r)
+    for pair in _pairs(Qs, Kh, Vh, Fk, seen, q0, q1, KB):
+        w = torch.exp(pair.z - lse)
+        we = w * (delta @ pair.V.transpose(-1, -2))
+        D = D + we.sum(-1, keepdim=True)
+        Ef = Ef + we @ pair.F
+        E = E + w @ _outer(pair.F)
+    E = E.unflatten(-1, (r, r))
+    lam = torch.linalg.solve(_covariance(E, fbar, ridge), D * fbar - Ef)
+    fu, lf = (fbar * u).sum(-1, keepdim=True), (lam * fbar).sum(-1, keepdim=True)
+    h = D * u + lam * (1 + fu) + u * lf
+    lEu = (lam[..., None, :] @ E @ u[..., :, None])[..., 0]
+    Delta = (o * delta).sum(-1, keepdim=True) + (fbar * h).sum(-1, keepdim=True) - lEu
+    return lam, h, Delta
+
+
+def _recurrent(Qh, Kh, Vh, Fq, Fk, allowed, beta, ridge):
     """Per query: the weighted ridge regression on [1, f_i − f(q)] (f = id or P) in its explicit normal
     equations."""
     B, H, T, dk = Qh.shape

@@ -79,6 +79,7 @@ from ._common import (
     compute_dtype,
     resolve_backend,
     zero_masked,
+    zero_pads,
     triton_unsupported,
 )
 
@@ -115,6 +116,7 @@ def ovq_attention(
     """OVQ attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring)."""
     B, T, H, dk, dv = check_qkv(_OP, q, k, v)
     mask = check_mask(_OP, mask, B, T, q.device)
+    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
     L = check_chunk_size(_OP, chunk_size)
     if not isinstance(max_dict_size, int) or isinstance(max_dict_size, bool) or max_dict_size < 1:
         raise ValueError(f"{_OP}: max_dict_size must be a positive int, got {max_dict_size!r}")
@@ -124,6 +126,8 @@ def ovq_attention(
     qs = _scaled(_OP, q.to(cdt), scale, H, dk)
     kc, vc = k.to(cdt), v.to(cdt)
     state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt)
+    if B == 0:  # an empty batch: nothing to read, the (empty) state passes through
+        return v.new_zeros(B, T, H, dv), (state if output_final_state else None)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, kc, vc, state["Dk"], state["Dv"]))
     if backend == "triton" and T == 1 and not needs_grad:
@@ -601,6 +605,7 @@ def vq_attention(
     check_same_dtype(_VQ_OP, q, codebook=codebook)
     check_same_device(_VQ_OP, q, codebook=codebook)
     mask = check_mask(_VQ_OP, mask, B, T, q.device)
+    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
     C = check_chunk_size(_VQ_OP, chunk_size)
     backend = resolve_backend(_VQ_OP, backend, q.device)
     cdt = compute_dtype(q.dtype)

@@ -27,6 +27,7 @@ from ._common import (
     resolve_backend,
     packed_sequence_ids,
     zero_masked,
+    zero_pads,
 )
 
 _OP = "softmax_attention"
@@ -65,6 +66,7 @@ def softmax_attention(
     # the reference computes in fp32/fp64; SDPA keeps the input dtype (and the cache in it) for its fast kernels
     cdt = compute_dtype(q.dtype) if backend == "recurrent" else q.dtype
 
+    q, k, v = zero_pads(mask, q, k, v)  # a masked score times a NaN value is still NaN
     q = q.to(cdt)
     q, scale = _apply_scale(q, scale, H, dk)
     keys, values, key_mask = with_kv_cache(_OP, initial_state, k.to(cdt), v.to(cdt), mask, B, H, dk, dv)
@@ -121,11 +123,13 @@ def with_kv_cache(op: str, state, k, v, mask, B, H, dk, dv):
     if not isinstance(cache_mask, torch.Tensor) or tuple(cache_mask.shape) != (B, Tc):
         got = tuple(cache_mask.shape) if isinstance(cache_mask, torch.Tensor) else type(cache_mask).__name__
         raise ValueError(f"{op}: initial_state['mask'] must have shape [B, Tc] = {(B, Tc)}, got {got}")
-    cache_mask = cache_mask if cache_mask.dtype == torch.bool else cache_mask != 0
+    cache_mask = (cache_mask if cache_mask.dtype == torch.bool else cache_mask != 0).to(k.device)
+    # cached pads are zeroed like new ones (a state from elsewhere may hold anything there)
+    cached_k, cached_v = zero_pads(cache_mask, state["k"].to(k.dtype), state["v"].to(v.dtype))
     return (
-        torch.cat([state["k"].to(k.dtype), k], dim=1),
-        torch.cat([state["v"].to(v.dtype), v], dim=1),
-        torch.cat([cache_mask.to(k.device), new_mask], dim=1),
+        torch.cat([cached_k, k], dim=1),
+        torch.cat([cached_v, v], dim=1),
+        torch.cat([cache_mask, new_mask], dim=1),
     )
 
 

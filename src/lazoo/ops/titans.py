@@ -5,8 +5,9 @@ while reading by gradient steps with momentum ("surprise") and forgetting on ``�
 
     S_t = η_t S_{t−1} − θ_t ∇ℓ_t(M_g),     M_t = (1 − α_t) M_{t−1} + S_t,     o_t = M_t q_t
 
-with data-dependent η_t (momentum), θ_t (inner learning rate), α_t (forgetting), each ``[B, T, H]`` in (0, 1)
-(the op does not squash them; the mixer does), and ∇ℓ_t(M) = (M k_t − v_t) k_tᵀ.
+with data-dependent η_t (momentum) and α_t (forgetting) in [0, 1], θ_t (inner learning rate) ≥ 0, each
+``[B, T, H]`` (the op does not squash them, the mixer does; η and α outside [0, 1] at a real token are refused:
+the chunk form takes their logs), and ∇ℓ_t(M) = (M k_t − v_t) k_tᵀ.
 
 Mini-batch form (as in the paper's parallel training, §3.2): the real tokens are split into consecutive
 mini-batches of b = ``mini_batch_size`` tokens, and every gradient of a mini-batch is taken at the memory
@@ -33,7 +34,16 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import check_head_scalar, check_mask, check_qkv, compute_dtype, resolve_backend, zero_masked
+from ._common import (
+    check_head_scalar,
+    check_mask,
+    check_qkv,
+    check_range,
+    compute_dtype,
+    resolve_backend,
+    zero_masked,
+    zero_pads,
+)
 from .ttt import _check_mini_batch, _chunked, _initial_state, _recurrent
 
 
@@ -49,6 +59,7 @@ def titans(q, k, v, theta, eta, alpha, *, mini_batch_size: int = 16, initial_sta
         check_head_scalar(op, name, x, q)
     b = _check_mini_batch(op, mini_batch_size)
     mask = check_mask(op, mask, B, T, q.device)
+    q, k, v, theta, eta, alpha = zero_pads(mask, q, k, v, theta, eta, alpha)  # a NaN at a pad meets no real token
     cdt = compute_dtype(q.dtype)
     zeros = torch.zeros(B, H, dv, dk, dtype=cdt, device=q.device)
     if initial_state is None:
@@ -58,6 +69,8 @@ def titans(q, k, v, theta, eta, alpha, *, mini_batch_size: int = 16, initial_sta
     shapes = {"M": (B, H, dv, dk), "S": (B, H, dv, dk)}
     state = _initial_state(op, initial_state, shapes, B, q.device, cdt, b, extra=("S",))
     mode = resolve_backend(op, backend, q.device)
+    check_range(op, "eta", eta, 0.0, 1.0)  # the value checks (a host sync each) after the cheap ones
+    check_range(op, "alpha", alpha, 0.0, 1.0)
     out_dtype = v.dtype
     q, k, v, theta, eta, alpha = (x.to(cdt) for x in (q, k, v, theta, eta, alpha))
     scalars = (theta, eta, alpha)

@@ -56,6 +56,7 @@ from ._common import (
     compute_dtype,
     resolve_backend,
     zero_masked,
+    zero_pads,
     KERNEL_DTYPES,
     triton_unsupported,
 )
@@ -72,6 +73,7 @@ def ttt_linear(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, o
     check_head_scalar(op, "eta", eta, q)
     b = _check_mini_batch(op, mini_batch_size)
     mask = check_mask(op, mask, B, T, q.device)
+    q, k, v, eta = zero_pads(mask, q, k, v, eta)  # a NaN at a pad never meets a real token
     cdt = compute_dtype(q.dtype)
     shapes = {"W": (B, H, dv, dk)}
     if initial_state is None:
@@ -100,6 +102,7 @@ def ttt_mlp(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, outp
     check_head_scalar(op, "eta", eta, q)
     b = _check_mini_batch(op, mini_batch_size)
     mask = check_mask(op, mask, B, T, q.device)
+    q, k, v, eta = zero_pads(mask, q, k, v, eta)  # a NaN at a pad never meets a real token
     cdt = compute_dtype(q.dtype)
     if not isinstance(initial_state, Mapping) or "W1" not in initial_state:
         raise ValueError(f"{op}: initial_state must be a dict with the inner MLP's weights W1 [B, H, dh, dk] and "
@@ -203,7 +206,7 @@ def _linear_triton(q, k, v, eta, state, b, mask, output_final_state):
     B, T = q.shape[:2]
     dev = q.device
     if b == 1 or (mask is None and state.get("_fresh", False)):
-        o, W, W_start = ttt_linear_triton(q, k, v, zero_masked(eta, mask), state["W"], b)
+        o, W, W_start = ttt_linear_triton(q, k, v, eta, state["W"], b)
         o = zero_masked(o, mask)
         n = torch.full((B,), 0 if b == 1 else T % b, dtype=torch.long, device=dev)
     else:

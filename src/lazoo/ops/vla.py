@@ -39,6 +39,7 @@ from ._common import (
     pad_time,
     resolve_backend,
     zero_masked,
+    zero_pads,
 )
 from .delta import _triton_unsupported as _delta_triton_unsupported, chunk_generalized_delta
 
@@ -70,15 +71,23 @@ def vla(
     check_same_dtype(_OP, q, u=u)
     check_same_device(_OP, q, u=u)
     mask = check_mask(_OP, mask, B, T, q.device)
+    q, k, v, u = zero_pads(mask, q, k, v, u)  # a NaN at a pad never meets a real token
     chunk_size = check_chunk_size(_OP, chunk_size)
     if not isinstance(refresh_period, int) or isinstance(refresh_period, bool):
         raise ValueError(f"{_OP}: refresh_period must be an int (<= 0: no refresh), got {refresh_period!r}")
     if not lambda0 > 0:
         raise ValueError(f"{_OP}: lambda0 must be > 0, got {lambda0!r}")
+    # A stays positive definite only with a non-negative refresh (the chunk form's Cholesky needs it)
+    if isinstance(refresh_eta, bool) or not isinstance(refresh_eta, (int, float)) or not refresh_eta >= 0:
+        raise ValueError(f"{_OP}: refresh_eta must be a number >= 0, got {refresh_eta!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{_OP}: eps must be a number > 0, got {eps!r}")
     backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, chunk_size))
     cdt = compute_dtype(q.dtype)
 
     state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
+    if B == 0:  # an empty batch: nothing to read, the (empty) state passes through
+        return v.new_zeros(B, T, H, dv), (state if output_final_state else None)
     k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt))
     q_f = F.elu(q.to(cdt)) + 1.0
     v_c = v.to(cdt)

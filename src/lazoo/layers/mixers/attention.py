@@ -16,7 +16,8 @@ class AttentionMixer(TokenMixer):
     """Multi-head softmax attention; the KV cache is the op's state (`k`, `v`, `mask`).
 
     Options: `use_rope`, `rope_theta`, `qk_norm` (unit-norm q and k with a learned per-head scale).
-    `config._attn_implementation` "eager" runs the explicit softmax, anything else runs SDPA.
+    `config._attn_implementation` "eager" runs the explicit softmax; otherwise the op picks its backend
+    (`LAZOO_BACKEND`, else SDPA).
     """
 
     defaults = {"use_rope": True, "rope_theta": 10000.0, "qk_norm": False}
@@ -49,10 +50,13 @@ class AttentionMixer(TokenMixer):
         if self.options["use_rope"]:
             cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.options["rope_theta"], q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        backend = "recurrent" if getattr(self._config, "_attn_implementation", None) == "eager" else "chunk"
+        # a backend only where the config names one (mixer option, or attn_implementation="eager"); else None,
+        # so that the op reads LAZOO_BACKEND (auto: SDPA)
+        eager = getattr(self._config, "_attn_implementation", None) == "eager"
+        backend = self.options.get("backend") or ("recurrent" if eager else None)
         o, state = ops.softmax_attention(
             q, k, v, scale=scale, window=self.window, initial_state=self.read_state(cache),
-            output_final_state=cache is not None, mask=mask, backend=self.options.get("backend") or backend,
+            output_final_state=cache is not None, mask=mask, backend=backend,
             **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}),
         )
         self.write_state(cache, state)
