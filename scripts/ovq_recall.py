@@ -102,10 +102,11 @@ def parse_args(argv=None):
 def make_config(name, args):
     sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                  num_attention_heads=args.heads, intermediate_size=2 * args.hidden, sliding_window=args.window,
-                 tie_word_embeddings=True,
-                 mixer_kwargs={"ovq": {"max_dict_size": args.train_dict, "chunk_size": args.chunk_size}})
+                 tie_word_embeddings=True, mixer_kwargs={})
+    pattern = EXTRA_LAYOUTS.get(name) or HYBRIDS.get(name) or ["?"]
+    if "ovq" in [pattern[i % len(pattern)] for i in range(args.layers)]:  # options only for a mechanism in use
+        sizes["mixer_kwargs"]["ovq"] = {"max_dict_size": args.train_dict, "chunk_size": args.chunk_size}
     if name in EXTRA_LAYOUTS:
-        pattern = EXTRA_LAYOUTS[name]
         sizes["mixer_kwargs"]["sliding_window"] = {"qk_norm": True, "use_rope": True}
         return AutoConfig.for_model("lazoo_hybrid", layer_types=[pattern[i % len(pattern)] for i in range(args.layers)],
                                     **sizes)

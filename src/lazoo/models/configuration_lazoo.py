@@ -8,11 +8,13 @@ it uses through `mixer_kwargs={"<name>": {...}}`.
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
 from typing import Any
 
 from transformers import PreTrainedConfig
 
-from ..layers.mixers import mixer_class
+from ..layers.mixers import check_mixer_kwargs, mixer_class
 
 
 #: the layer pattern of a `lazoo_hybrid` config created without `layer_types`
@@ -21,6 +23,60 @@ DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
 
 MEMORY_LOBE_MODES = (None, "causal", "bidirectional")
 MOE_BIAS_MODES = (None, "eq14", "eq15")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(field: str, value, minimum: int = 1, allow_none: bool = False, note: str = "") -> None:
+    """`value` is an int >= `minimum` (or None when `allow_none`), else a ValueError naming `field`."""
+    if (allow_none and value is None) or (_is_int(value) and value >= minimum):
+        return
+    allowed = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise ValueError(f"{field} must be {allowed}{' or None' if allow_none else ''}{note}, got {value!r}")
+
+
+def check_number(field: str, value, *, positive: bool) -> None:
+    """`value` is a finite real number, > 0 when `positive` (else >= 0), else a ValueError naming `field`."""
+    if _is_number(value) and (value > 0 if positive else value >= 0):
+        return
+    raise ValueError(f"{field} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def check_sizes(config) -> None:
+    """Clear errors for the model's sizes and numeric fields (the values a config JSON or a user may get wrong)."""
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "max_position_embeddings"):
+        check_int(field, getattr(config, field))
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
+                         f"num_attention_heads={config.num_attention_heads}")
+    check_int("intermediate_size", config.intermediate_size, minimum=0, note=" (0 = no MLP)")
+    check_int("sliding_window", config.sliding_window, allow_none=True)
+    check_number("rms_norm_eps", config.rms_norm_eps, positive=True)
+    check_number("initializer_range", config.initializer_range, positive=False)
+    if config.use_short_conv not in (None, True, False):
+        raise ValueError(f"use_short_conv must be True, False or None (each mixer's default), "
+                         f"got {config.use_short_conv!r}")
+
+
+def check_layer_types(layer_types, num_hidden_layers) -> None:
+    """`layer_types` is a list of known mechanism names, one per layer."""
+    if not isinstance(layer_types, (list, tuple)):
+        raise ValueError(f"layer_types must be a list of mechanism names, one per layer (e.g. "
+                         f"['linear'] * num_hidden_layers), got {type(layer_types).__name__} {layer_types!r}")
+    for name in layer_types:
+        if not isinstance(name, str):
+            raise ValueError(f"layer_types entries must be mechanism names (str), got {name!r}")
+        mixer_class(name)  # raises ValueError listing the known names
+    if len(layer_types) != num_hidden_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_hidden_layers}; "
+                         "give one per layer")
 
 
 def check_decoder_options(config) -> None:
@@ -90,37 +146,25 @@ class LazooConfig(PreTrainedConfig):
         if self.mechanism is not None:
             for key, default in self._own_fields().items():
                 setattr(self, key, kwargs.pop(key, default))
-        if hidden_size % num_attention_heads:
-            raise ValueError(
-                f"hidden_size={hidden_size} must be divisible by num_attention_heads={num_attention_heads}"
-            )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size if intermediate_size is not None else 4 * hidden_size
-        if layer_types is None:
+        self.intermediate_size = intermediate_size
+        if intermediate_size is None and _is_int(hidden_size):
+            self.intermediate_size = 4 * hidden_size
+        if layer_types is None and _is_int(num_hidden_layers):
             # a hybrid with no layer list is the sliding-window/VLA hybrid of the demo (transformers builds
             # default configs with no arguments, e.g. to find the non-default fields when saving)
             pattern = [self.mechanism] if self.mechanism is not None else list(DEFAULT_HYBRID_PATTERN)
             layer_types = [pattern[i % len(pattern)] for i in range(num_hidden_layers)]
-        layer_types = list(layer_types)
-        for name in layer_types:
-            mixer_class(name)  # raises ValueError listing the known names
-        if len(layer_types) != num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_hidden_layers}; give one per layer"
-            )
         self.sliding_window = sliding_window
         self.use_short_conv = use_short_conv
-        self.mixer_kwargs = {name: dict(opts) for name, opts in (mixer_kwargs or {}).items()}
-        for name, opts in self.mixer_kwargs.items():
-            unknown = set(opts) - set(mixer_class(name).defaults) - {"backend"}
-            if unknown:
-                raise ValueError(
-                    f"mixer_kwargs[{name!r}] has unknown keys {sorted(unknown)}; "
-                    f"known: {sorted(mixer_class(name).defaults)} and 'backend'"
-                )
+        # a copy (the caller's dicts stay untouched); anything but a dict of dicts is refused by `check_fields`
+        self.mixer_kwargs = {} if mixer_kwargs is None else mixer_kwargs
+        if isinstance(mixer_kwargs, dict):
+            self.mixer_kwargs = {name: dict(opts) if isinstance(opts, dict) else opts
+                                 for name, opts in mixer_kwargs.items()}
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
@@ -135,22 +179,30 @@ class LazooConfig(PreTrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size
         self.moe_bias = moe_bias
         self.router_aux_loss_coef = router_aux_loss_coef
-        check_decoder_options(self)
+        self.check_fields(layer_types)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
         # set after the base __init__, whose validation only knows transformers' own attention kinds
-        self.layer_types = layer_types
+        self.layer_types = list(layer_types)
+
+    def check_fields(self, layer_types) -> None:
+        """lazoo's checks of every field, with messages that name the field and the allowed values: sizes and
+        numeric fields, `layer_types`, the primary mechanism's typed fields, `mixer_kwargs` (known mechanisms
+        that `layer_types` uses, known option names and value types) and the decoder options. Run by
+        `__init__` and by `validate` (which transformers calls when saving)."""
+        check_sizes(self)
+        check_layer_types(layer_types, self.num_hidden_layers)
+        if self.mechanism is not None:
+            mixer_class(self.mechanism).check_options({k: getattr(self, k) for k in self._own_fields()})
+        check_mixer_kwargs(self.mixer_kwargs, layer_types)
+        check_decoder_options(self)
 
     def validate(self):
         """transformers' validators, except its `layer_types` check (which knows only its own attention
-        kinds): lazoo's entries are mechanism names, checked here."""
+        kinds): lazoo's entries are mechanism names, checked here with the other fields (`check_fields`)."""
         for validator in getattr(PreTrainedConfig, "__class_validators__", []):
             if validator.__name__ != "validate_layer_type":
                 validator(self)
-        for name in self.layer_types or []:
-            mixer_class(name)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}")
-        check_decoder_options(self)
+        self.check_fields(self.layer_types)
 
     @classmethod
     def _own_fields(cls) -> dict[str, Any]:

@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - older transformers
     hf_init = nn.init
 
 from .. import ops
-from ..ops._common import cu_seqlens_from_position_ids
+from ..ops._common import cu_seqlens_from_position_ids, host_sync_allowed
 from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.mixers.linear import ELAMixer
 from ..layers.memory_lobe import MemoryLobe
@@ -153,6 +153,46 @@ class LazooPreTrainedModel(PreTrainedModel):
         return super()._upload_modified_files(working_dir, *args, **kwargs)
 
 
+def check_model_inputs(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) -> None:
+    """Clear errors for the model's token inputs: exactly one of `input_ids` (integer ids in
+    [0, vocab_size), `[batch, sequence]`) and `inputs_embeds` (`[batch, sequence, hidden_size]`), with at
+    least one sample and one position (an empty batch or sequence has nothing to compute: a ValueError,
+    for both kinds of input alike). The id range costs one host sync; it is skipped under torch.compile and
+    CUDA-graph capture."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.is_complex() \
+                or input_ids.dtype == torch.bool or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a 2-D integer tensor [batch, sequence], got "
+                             f"{_describe(input_ids)}")
+        _check_not_empty("input_ids", input_ids.shape)
+        if not host_sync_allowed():  # a data-dependent check: one host sync, skipped when compiled or captured
+            return
+        bad = (input_ids < 0) | (input_ids >= vocab_size)
+        if bool(bad.any()):
+            value = int(input_ids[bad][0])
+            raise ValueError(f"input_ids must be token ids in [0, vocab_size={vocab_size}), got {value} "
+                             f"({int(bad.sum())} id(s) out of range)")
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
+                or inputs_embeds.shape[-1] != hidden_size:
+            raise ValueError(f"inputs_embeds must be a 3-D tensor [batch, sequence, hidden_size={hidden_size}], "
+                             f"got {_describe(inputs_embeds)}")
+        _check_not_empty("inputs_embeds", inputs_embeds.shape)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _check_not_empty(name: str, shape) -> None:
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(shape)}): batch size and sequence length must both be >= 1")
+
+
 def _new_token_mask(attention_mask, batch: int, length: int, past: int):
     """The `[B, T]` 0/1 mask of the new tokens, from a mask over the new or over past + new positions."""
     if attention_mask is None:
@@ -206,10 +246,14 @@ class LazooModel(LazooPreTrainedModel):
         past_key_values=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`."""
+        """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`.
+
+        Inputs: exactly one of `input_ids` (`[batch, sequence]` integer ids in [0, vocab_size)) and
+        `inputs_embeds` (`[batch, sequence, hidden_size]`). An empty batch or sequence (batch size or
+        sequence length 0) raises a ValueError for either input, as do ids outside the vocabulary (the
+        message names the first offending id and vocab_size)."""
         cache = cache_argument(cache, past_key_values, kwargs)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        check_model_inputs(input_ids, inputs_embeds, self._vocabulary_size(), self.config.hidden_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
@@ -261,6 +305,10 @@ class LazooModel(LazooPreTrainedModel):
         return LazooModelOutputWithPast(
             last_hidden_state=hidden_states, hidden_states=all_hidden, aux_loss=aux_loss, **output_cache_kwargs(cache)
         )
+
+    def _vocabulary_size(self) -> int:
+        """The rows of the input embedding (`config.vocab_size` unless the embedding was swapped)."""
+        return getattr(self.embed_tokens, "num_embeddings", self.config.vocab_size)
 
     @staticmethod
     def _packed_boundaries(position_ids, attention_mask, cache, inputs_embeds):
@@ -339,7 +387,9 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`."""
+        """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`.
+        Inputs are checked as in `LazooModel.forward`: an empty batch or sequence, or ids outside
+        [0, vocab_size), raise a ValueError (for `input_ids` and `inputs_embeds` alike)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -19,12 +19,25 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from ..models.configuration_lazoo import check_int, check_number
+
 try:
     from transformers.backbone_utils import BackboneConfigMixin
 except ImportError:  # older transformers
     from transformers.utils.backbone_utils import BackboneConfigMixin
 
 VARIANTS = ("lat", "conv")
+#: what the entries of the per-stage lists size
+_PER_STAGE = {"widths": "channels of the stem and the 4 stages", "depths": "bottlenecks of each of the 4 stages"}
+
+
+def _int_list(field: str, values, length: int, minimum: int) -> list[int]:
+    """`values` as a list of `length` ints >= `minimum`, else a ValueError naming `field`."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != length:
+        raise ValueError(f"{field} must be a list of {length} ints ({_PER_STAGE[field]}), got {values!r}")
+    for value in values:
+        check_int(f"every entry of {field}", value, minimum=minimum, note=f" ({field}={list(values)})")
+    return list(values)
 
 
 class YoloLatConfig(BackboneConfigMixin, PreTrainedConfig):
@@ -63,20 +76,13 @@ class YoloLatConfig(BackboneConfigMixin, PreTrainedConfig):
 
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        widths, depths = list(widths), list(depths)
-        if len(widths) != 5 or len(depths) != 4:
-            raise ValueError(f"widths needs 5 entries (stem + 4 stages) and depths 4, got {widths} and {depths}")
         if attention not in GLOBAL_ATTENTIONS:
             raise ValueError(f"attention must be one of {GLOBAL_ATTENTIONS}, got {attention!r}")
         if lat_scope not in ("blocks", "all"):
             raise ValueError(f"lat_scope must be 'blocks' or 'all', got {lat_scope!r}")
         if box_loss not in ("ciou", "giou"):
             raise ValueError(f"box_loss must be 'ciou' or 'giou', got {box_loss!r}")
-        if variant == "lat":
-            for stride, width in zip((16, 32), (widths[3], widths[4])):
-                if stride >= attention_min_stride and (width // 2) % attention_heads:
-                    raise ValueError(f"attention_heads={attention_heads} must divide the block width {width // 2} "
-                                     f"at stride {stride}")
+        widths, depths = _int_list("widths", widths, 5, 2), _int_list("depths", depths, 4, 0)
         self.variant = variant
         self.num_channels = num_channels
         self.image_size = image_size
@@ -101,7 +107,44 @@ class YoloLatConfig(BackboneConfigMixin, PreTrainedConfig):
         self.set_output_features_output_indices(out_features=out_features, out_indices=out_indices)
         if num_labels is not None:
             kwargs["num_labels"] = num_labels
+        check_int("num_labels", 2 if num_labels is None else num_labels)  # before transformers builds id2label
+        self.check_fields()
         super().__init__(**kwargs)
+        self.check_num_labels()
+
+    def check_fields(self) -> None:
+        """Clear errors, naming the field and its allowed values, for the sizes and numeric fields (run by
+        `__init__` and `validate`)."""
+        _int_list("widths", self.widths, 5, 2)
+        _int_list("depths", self.depths, 4, 0)
+        for field in ("num_channels", "image_size", "attention_heads", "attention_min_stride", "assigner_topk"):
+            check_int(field, getattr(self, field))
+        check_int("head_width", self.head_width, allow_none=True)
+        for field in ("cls_loss_weight", "box_loss_weight", "assigner_alpha", "assigner_beta"):
+            check_number(field, getattr(self, field), positive=False)
+        check_number("batch_norm_eps", self.batch_norm_eps, positive=True)
+        for field in ("classifier_dropout", "batch_norm_momentum"):
+            value = getattr(self, field)
+            check_number(field, value, positive=False)
+            if value > 1 or (field == "classifier_dropout" and value == 1):
+                raise ValueError(f"{field} must be in [0, 1{')' if field == 'classifier_dropout' else ']'}, "
+                                 f"got {value!r}")
+        if self.variant == "lat":
+            for stride, width in zip((16, 32), (self.widths[3], self.widths[4])):
+                if stride >= self.attention_min_stride and (width // 2) % self.attention_heads:
+                    raise ValueError(f"attention_heads={self.attention_heads} must divide the block width "
+                                     f"{width // 2} at stride {stride}")
+
+    def check_num_labels(self) -> None:
+        if self.num_labels < 1:
+            raise ValueError(f"num_labels must be a positive int (the number of classes; 1 = one class for "
+                             f"detection, a regression target for classification), got {self.num_labels}")
+
+    def validate(self):
+        """transformers' validators, then `check_fields` and `check_num_labels`."""
+        super().validate()
+        self.check_fields()
+        self.check_num_labels()
 
     @property
     def strides(self) -> list[int]:

@@ -21,6 +21,44 @@ import torch.nn.functional as F
 from .box_ops import aligned_box_iou, cxcywh_to_xyxy
 
 
+def check_detection_labels(labels, batch: int, num_labels: int) -> None:
+    """Clear errors for detection ``labels``: a list of one dict per image with ``class_labels`` (ints in
+    [0, num_labels), [n]) and ``boxes`` ([n, 4] normalised cxcywh: finite, centres in [0, 1], widths and
+    heights in (0, 1])."""
+    if not isinstance(labels, (list, tuple)) or len(labels) != batch:
+        got = f"{len(labels)} entries" if isinstance(labels, (list, tuple)) else type(labels).__name__
+        raise ValueError(f"labels must hold one dict per image: got {got} for a batch of {batch}")
+    for i, t in enumerate(labels):
+        if not isinstance(t, dict) or "class_labels" not in t or "boxes" not in t:
+            raise ValueError(f"labels[{i}] must be a dict with 'class_labels' and 'boxes' (normalised cxcywh)")
+        classes, boxes = torch.as_tensor(t["class_labels"]), torch.as_tensor(t["boxes"])
+        if classes.is_floating_point() or classes.is_complex() or classes.dim() != 1:
+            raise ValueError(f"labels[{i}]['class_labels'] must be a 1-D integer tensor, got {classes.dtype} "
+                             f"of shape {tuple(classes.shape)}")
+        n = len(classes)
+        if boxes.numel() != 4 * n:
+            raise ValueError(f"labels[{i}]['boxes'] must have shape [{n}, 4] (one box per class label), "
+                             f"got {tuple(boxes.shape)}")
+        if n == 0:
+            continue
+        if int(classes.min()) < 0 or int(classes.max()) >= num_labels:
+            bad = classes[(classes < 0) | (classes >= num_labels)][0]
+            raise ValueError(f"labels[{i}]['class_labels'] must be in [0, num_labels={num_labels}), got {int(bad)}")
+        _check_normalised_cxcywh(f"labels[{i}]['boxes']", boxes.double().reshape(n, 4))
+
+
+def _check_normalised_cxcywh(field: str, boxes: torch.Tensor) -> None:
+    if not bool(torch.isfinite(boxes).all()):
+        raise ValueError(f"{field} contains NaN or Inf")
+    if not bool(((boxes >= 0) & (boxes <= 1)).all()):
+        raise ValueError(f"{field} must be normalised cxcywh (every value in [0, 1], relative to the image), got "
+                         f"values in [{boxes.min().item():g}, {boxes.max().item():g}]; the image processor "
+                         "turns absolute xyxy pixels into this form")
+    if not bool((boxes[:, 2:] > 0).all()):
+        raise ValueError(f"{field}: every box needs a width and a height > 0 (cxcywh), got "
+                         f"{boxes[:, 2:].min().item():g}")
+
+
 def pad_targets(labels: list[dict], image_hw: tuple[int, int], device, dtype):
     """List of {class_labels [n], boxes [n, 4] normalised cxcywh} -> padded ``gt_boxes [B, M, 4]``
     (xyxy pixels), ``gt_classes [B, M]``, ``gt_valid [B, M]``."""
@@ -92,16 +130,9 @@ def task_aligned_assign(scores, pred_boxes, anchors, gt_boxes, gt_classes, gt_va
 def yolo_lat_loss(logits, pred_boxes_xyxy, anchors, labels, image_hw, config):
     """Total loss and its parts. logits ``[B, A, C]`` (pre-sigmoid), pred_boxes_xyxy ``[B, A, 4]``
     in pixels of the input, anchors ``[A, 2]`` pixels, labels: list of {class_labels, boxes (normalised
-    cxcywh)}."""
-    if len(labels) != logits.shape[0]:
-        raise ValueError(f"labels must hold one dict per image: got {len(labels)} for a batch of {logits.shape[0]}")
-    for t in labels:
-        if "class_labels" not in t or "boxes" not in t:
-            raise ValueError("each labels entry must be a dict with 'class_labels' and 'boxes' (normalised cxcywh)")
+    cxcywh)}, already checked by the model's forward (`check_detection_labels`)."""
     logits_f, boxes_f = logits.float(), pred_boxes_xyxy.float()
     gt_boxes, gt_classes, gt_valid = pad_targets(labels, image_hw, logits.device, torch.float32)
-    if gt_valid.any() and int(gt_classes[gt_valid].max()) >= logits.shape[-1]:
-        raise ValueError(f"class_labels must be < num_labels={logits.shape[-1]}")
     target_boxes, target_scores, fg = task_aligned_assign(
         logits_f.sigmoid(), boxes_f, anchors.float(), gt_boxes, gt_classes, gt_valid,
         topk=config.assigner_topk, alpha=config.assigner_alpha, beta=config.assigner_beta)

@@ -21,7 +21,7 @@ except ImportError:  # older transformers
 from .attention import GlobalAttention2d
 from .box_ops import xyxy_to_cxcywh
 from .configuration_yolo_lat import YoloLatConfig
-from .loss_yolo_lat import yolo_lat_loss
+from .loss_yolo_lat import check_detection_labels, yolo_lat_loss
 
 
 # ============================================================================ building blocks
@@ -155,6 +155,42 @@ class YoloLatEncoder(nn.Module):
         return outs
 
 
+# ============================================================================ input checks
+def check_pixel_values(pixel_values, num_channels: int, multiple: int = 1) -> None:
+    """``pixel_values`` is a float tensor ``[batch, num_channels, height, width]`` with batch, height and width
+    >= 1 (height and width multiples of ``multiple``), else a ValueError naming the problem."""
+    if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4 or not pixel_values.is_floating_point():
+        got = (f"a {pixel_values.dtype} tensor of shape {tuple(pixel_values.shape)}"
+               if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__)
+        raise ValueError(f"pixel_values must be a float tensor [batch, {num_channels}, height, width], got {got}")
+    B, C, H, W = pixel_values.shape
+    if C != num_channels:
+        raise ValueError(f"pixel_values has {C} channels, the config's num_channels={num_channels}")
+    if B == 0 or H == 0 or W == 0:
+        raise ValueError(f"pixel_values is empty (shape {tuple(pixel_values.shape)}): batch, height and width "
+                         "must be >= 1")
+    if H % multiple or W % multiple:
+        raise ValueError(f"pixel_values height and width must be multiples of {multiple}, got {H}x{W}")
+
+
+def check_class_labels(labels, batch: int, num_labels: int) -> torch.Tensor:
+    """Image classification ``labels``: ``[batch]`` class ids in [0, num_labels), or finite regression
+    targets when ``num_labels == 1``."""
+    labels = torch.as_tensor(labels)
+    if labels.dim() != 1 or len(labels) != batch:
+        raise ValueError(f"labels must have shape [batch] = [{batch}], got {tuple(labels.shape)}")
+    if num_labels == 1:
+        if not bool(torch.isfinite(labels.float()).all()):
+            raise ValueError("labels (regression targets, num_labels=1) contain NaN or Inf")
+        return labels
+    if labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"labels must be integer class ids in [0, num_labels={num_labels}), got {labels.dtype}")
+    bad = (labels < 0) | (labels >= num_labels)
+    if bool(bad.any()):
+        raise ValueError(f"labels must be class ids in [0, num_labels={num_labels}), got {int(labels[bad][0])}")
+    return labels
+
+
 # ============================================================================ pretrained base
 class YoloLatPreTrainedModel(PreTrainedModel):
     config_class = YoloLatConfig
@@ -201,6 +237,7 @@ class YoloLatBackbone(BackboneMixin, YoloLatPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
+        check_pixel_values(pixel_values, self.config.num_channels)
         hidden_states = tuple(self.encoder(pixel_values))
         feature_maps = tuple(h for name, h in zip(self.stage_names, hidden_states) if name in self.out_features)
         if not return_dict:
@@ -224,6 +261,9 @@ class YoloLatForImageClassification(YoloLatPreTrainedModel):
 
     def forward(self, pixel_values, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_pixel_values(pixel_values, self.config.num_channels)
+        if labels is not None:
+            labels = check_class_labels(labels, len(pixel_values), self.num_labels)
         hidden_states = self.encoder(pixel_values)
         pooled = hidden_states[-1].mean((2, 3))
         logits = self.classifier(self.dropout(pooled))
@@ -328,9 +368,10 @@ class YoloLatForObjectDetection(YoloLatPreTrainedModel):
 
     def forward(self, pixel_values, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_pixel_values(pixel_values, self.config.num_channels, multiple=32)
         H, W = pixel_values.shape[-2:]
-        if H % 32 or W % 32:
-            raise ValueError(f"pixel_values height and width must be multiples of 32, got {H}x{W}")
+        if labels is not None:
+            check_detection_labels(labels, len(pixel_values), self.config.num_labels)
         hidden_states = self.encoder(pixel_values)
         features = self.neck(*hidden_states[2:])
         logits, dists, anchors, _ = self.head(features)

@@ -47,4 +47,21 @@ def mixer_class(name: str) -> type[TokenMixer]:
         raise ValueError(f"unknown mechanism {name!r} in layer_types; known mechanisms: {', '.join(MIXERS)}") from None
 
 
-__all__ = ["MIXERS", "TokenMixer", "list_mechanisms", "mixer_class"]
+def check_mixer_kwargs(mixer_kwargs: dict, layer_types) -> None:
+    """`mixer_kwargs` (`{mechanism: {option: value}}`) names only mechanisms that `layer_types` uses (options
+    of a mechanism no layer runs would be ignored without a word), each with known options of the right kind."""
+    if not isinstance(mixer_kwargs, dict):
+        raise ValueError(f"mixer_kwargs must be a dict {{mechanism: {{option: value}}}}, got {mixer_kwargs!r}")
+    for name, options in mixer_kwargs.items():
+        if name not in MIXERS:
+            raise ValueError(f"mixer_kwargs has options for an unknown mechanism {name!r}; known mechanisms: "
+                             f"{', '.join(MIXERS)}")
+        if name not in layer_types:
+            raise ValueError(f"mixer_kwargs[{name!r}]: no layer uses the mechanism {name!r} "
+                             f"(layer_types={list(layer_types)}); remove it, or add {name!r} to layer_types")
+        if not isinstance(options, dict):
+            raise ValueError(f"mixer_kwargs[{name!r}] must be a dict of {name} options, got {options!r}")
+        MIXERS[name].check_options(options, prefix=f"mixer_kwargs[{name!r}]")
+
+
+__all__ = ["MIXERS", "TokenMixer", "check_mixer_kwargs", "list_mechanisms", "mixer_class"]

@@ -15,6 +15,7 @@ which is always correct, only slower. Packed inputs have no padding mask and no 
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +41,21 @@ def init_qk_scale(module: nn.Module, init) -> None:
         init.constant_(module.qk_scale, value)
 
 
+def _option_kind(default) -> tuple[str, Any] | None:
+    """(description, test) of the values an option with this default takes; None: not checked here (an
+    option whose default is None takes several kinds of value, checked by its mixer)."""
+    if isinstance(default, bool):
+        return "True or False", lambda v: isinstance(v, bool)
+    if isinstance(default, Integral):
+        return "an int", lambda v: isinstance(v, Integral) and not isinstance(v, bool)
+    if isinstance(default, Real):
+        return "a finite number", lambda v: (isinstance(v, Real) and not isinstance(v, bool)
+                                             and math.isfinite(v))
+    if isinstance(default, str):  # None switches some off (e.g. conv_activation): the mixer checks names
+        return "a str or None", lambda v: v is None or isinstance(v, str)
+    return None
+
+
 class TokenMixer(nn.Module):
     #: the mechanism name used in `config.layer_types`
     mechanism: ClassVar[str] = ""
@@ -59,6 +75,28 @@ class TokenMixer(nn.Module):
             )
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.options = options
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], prefix: str = "") -> None:
+        """Clear errors for option names and value kinds, against `defaults` (plus `backend`: None or a
+        name). `prefix` names where the options come from in the messages (e.g. "mixer_kwargs['vla']");
+        empty for a mechanism config's typed fields, whose messages name the field alone. Value ranges are
+        the mixer's own checks, at construction."""
+        unknown = set(options) - set(cls.defaults) - {"backend"}
+        if unknown:
+            where = prefix or f"the {cls.mechanism!r} options"
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; "
+                             f"known: {sorted(cls.defaults)} and 'backend'")
+        for key, value in options.items():
+            field = f"{prefix}[{key!r}]" if prefix else key
+            if key == "backend":
+                if value is not None and not isinstance(value, str):
+                    raise ValueError(f"{field} must be None or a backend name, got {value!r}")
+                continue
+            kind = _option_kind(cls.defaults[key])
+            if kind is not None and not kind[1](value):
+                raise ValueError(f"{field} ({cls.mechanism} option) must be {kind[0]} "
+                                 f"(default {cls.defaults[key]!r}), got {value!r}")
 
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None) -> torch.Tensor:
         raise NotImplementedError
