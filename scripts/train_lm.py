@@ -7,6 +7,8 @@
     accelerate launch --num_processes 2 scripts/train_lm.py ...  # DDP (add --cpu for gloo on the CPU)
     accelerate launch --config_file fsdp.yaml scripts/train_lm.py ...   # FSDP
 
+--output must be new or empty (nothing of yours is overwritten, and no checkpoint-N folder of yours meets
+Trainer's checkpoint rotation); --resume accepts a folder a run wrote, --overwrite replaces lazoo's own files.
 --config is a config .json (configs/) or a layout name (`lazoo list`). --packing cuts the blocks into their
 documents and packs them in one row (DataCollatorWithFlattening); the models keep packed documents apart.
 An FSDP accelerate config (fsdp.yaml) that wraps each decoder layer (the model's `_no_split_modules`,

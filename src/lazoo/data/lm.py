@@ -53,6 +53,19 @@ def tokenize_and_chunk(
     )
 
 
+class CorpusTooSmallError(ValueError):
+    """The corpus has too few documents to hold some out for evaluation."""
+
+
+def _check_documents(documents: Dataset, eval_fraction: float) -> None:
+    needed = 2 if eval_fraction > 0 else 1  # at least one training and (if asked) one held-out document
+    if len(documents) < needed:
+        raise CorpusTooSmallError(
+            f"the corpus has {len(documents)} document(s), and at least {needed} are needed: documents are "
+            f"paragraphs separated by blank lines (or .jsonl records), and {eval_fraction:.0%} of them (at least "
+            "one) are held out for evaluation")
+
+
 @dataclass
 class LMData:
     """Train and eval blocks, and the tokenizer that made them."""
@@ -84,6 +97,7 @@ def build_lm_datasets(
     train a byte-level BPE of `vocab_size` on the train split.
     """
     documents = corpus if isinstance(corpus, Dataset) else load_corpus(corpus)
+    _check_documents(documents, eval_fraction)
     train_docs, eval_docs = split_corpus(documents, eval_fraction=eval_fraction, seed=seed)
 
     if tokenizer is None:

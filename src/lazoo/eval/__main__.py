@@ -2,6 +2,6 @@
 
 import sys
 
-from .harness import main
+from ..cli import main
 
-sys.exit(main())
+sys.exit(main(["eval", *sys.argv[1:]]))

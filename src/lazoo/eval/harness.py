@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -39,7 +40,10 @@ def _require_lm_eval():
 
 
 def check_model_folder(folder: str | os.PathLike) -> Path:
-    """The folder as a Path, after checking it holds a saved model and its tokenizer (clear errors if not)."""
+    """The folder as a Path, after checking it holds a saved model of a known model type and its tokenizer
+    (FileNotFoundError or ValueError naming the problem if not)."""
+    from ..models.export import known_model_type
+
     path = Path(folder).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
@@ -50,6 +54,7 @@ def check_model_folder(folder: str | os.PathLike) -> Path:
         raise FileNotFoundError(
             f"model folder {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
             "save the tokenizer the model was trained with next to it (tokenizer.save_pretrained(folder))")
+    known_model_type(path)  # an unknown type would make transformers offer to run the folder's code
     return path
 
 
@@ -61,8 +66,9 @@ def load_model(folder: str | os.PathLike, device: str = "cpu"):
     import lazoo  # noqa: F401  (registers the lazoo model types on the Auto classes)
 
     path = check_model_folder(folder)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+    model = model.to(device).eval()
     return model, tokenizer
 
 
@@ -161,30 +167,77 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--task-dir", default=None,
                    help="write the task data and YAMLs here and keep them (default: a temporary folder)")
     p.add_argument("--output", default=None, help="write the metrics (and lm-eval's per-task configs) as JSON")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --output file, or task files in --task-dir, that lazoo eval did not write")
     args = p.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown or not args.tasks:
         p.error(f"unknown task(s) {', '.join(unknown) or '(none given)'}; the local tasks are {', '.join(TASKS)}")
     if args.limit is not None:
-        if args.limit <= 0:
-            p.error(f"--limit must be positive, got {args.limit}")
+        if not (math.isfinite(args.limit) and args.limit > 0):
+            p.error(f"--limit must be a positive finite number, got {args.limit}")
         if args.limit >= 1:
             args.limit = int(args.limit)
     if args.batch_size < 1:
         p.error(f"--batch-size must be positive, got {args.batch_size}")
+    if args.max_length is not None and args.max_length < 1:
+        p.error(f"--max-length must be positive, got {args.max_length}")
+    if args.bootstrap_iters < 0:
+        p.error(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     return args
+
+
+def _is_eval_output(path: Path) -> bool:
+    """Whether `path` is a metrics file `lazoo eval --output` wrote."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and {"tasks", "metrics", "runs", "versions"} <= data.keys()
+
+
+def _is_task_yaml(path: Path) -> bool:
+    try:
+        return "Rendered by lazoo.eval.prepare_tasks" in path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _files_in_the_way(args) -> list[Path]:
+    """The files this run would overwrite that lazoo eval did not write (none with --overwrite)."""
+    if args.overwrite:
+        return []
+    found = []
+    if args.output and Path(args.output).exists() and not _is_eval_output(Path(args.output)):
+        found.append(Path(args.output))
+    if args.task_dir:
+        for name in args.tasks:
+            yaml_file, data_file = (Path(args.task_dir) / f for f in TASKS[name])
+            ours = _is_task_yaml(yaml_file)  # the data file is written together with its YAML
+            found += [f for f in (yaml_file, data_file) if f.exists() and not ours]
+    return found
+
+
+def _check_inputs(args) -> None:
+    """Every model folder and output file checked before any evaluation (clear errors naming them)."""
+    for folder in args.models:
+        check_model_folder(folder)  # fail before spending time on the first model
+    in_the_way = _files_in_the_way(args)
+    if in_the_way:
+        raise FileExistsError(f"{in_the_way[0]} exists and was not written by lazoo eval; it is kept: move it away, "
+                              "choose another path, or pass --overwrite to replace it")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``lazoo eval MODEL [MODEL ...] [--tasks ...] [--limit N] [--batch-size B] [--device D] [--output F]``.
 
-    Returns 0 on success; bad arguments exit through argparse (status 2), a missing folder or tokenizer
-    raises a clear error after nothing has run (checked for every folder before any evaluation).
+    Returns 0 on success; bad arguments exit through argparse (status 2); a missing folder or tokenizer
+    (FileNotFoundError), an unknown model type (UnknownModelTypeError) or an output file in the way
+    (FileExistsError) raises a clear error naming it before anything has run (`lazoo eval` prints it as one line).
     """
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
-    for folder in args.models:
-        check_model_folder(folder)  # fail before spending time on the first model
+    _check_inputs(args)
     _require_lm_eval()
     import torch
 

@@ -1,7 +1,8 @@
 """Model cards: `write_model_card(model, folder)` fills `model_cards/README_template.md` from the config.
 
 `LazooPreTrainedModel.save_pretrained` writes the card as `README.md` unless the folder already has one.
-The template's placeholders are `{{name}}`; every one must be filled (an unknown one raises).
+The template's placeholders are `{{name}}`; every one must be filled (an unknown one raises). A written card
+ends with `CARD_MARKER`, so the command line can tell its own cards (which it may rewrite) from a user's.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ MECHANISM_INFO: dict[str, tuple[str, str, str]] = {
                "M_t = (1 − α_t) M_{t−1} + S_t (gradients at the mini-batch start M_{t'}); o_t = M_t q_t",
                "Behrouz, Zhong, Mirrokni 2024, Titans: Learning to Memorize at Test Time"),
 }
+
+#: the last line of every card `write_model_card` writes
+CARD_MARKER = "<!-- model card written by lazoo (lazoo.models.card); `lazoo card` rewrites it -->"
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 #: config fields shown in the card's configuration table
@@ -185,13 +189,25 @@ def render_model_card(model, metrics=None, training_data=None, model_path=None, 
     return _PLACEHOLDER.sub(lambda m: fields[m.group(1)], template)
 
 
+def is_lazoo_card(path: str | os.PathLike) -> bool:
+    """Whether the file at `path` is a model card `write_model_card` wrote (it holds `CARD_MARKER`)."""
+    try:
+        return CARD_MARKER in Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
 def write_model_card(model, folder: str | os.PathLike, metrics: dict[str, Any] | None = None,
-                     training_data: str | None = None) -> Path:
+                     training_data: str | None = None, overwrite: bool = True) -> Path:
     """Write `folder/README.md`: the model card of `model` (mechanisms, equations, sources, config summary,
-    training data and measured metrics, if given). Overwrites an existing README.md."""
+    training data and measured metrics, if given). `overwrite=False` replaces only a README.md that lazoo
+    wrote and raises FileExistsError for any other (the user's own card)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "README.md"
-    path.write_text(render_model_card(model, metrics=metrics, training_data=training_data,
-                                      model_path=str(folder)), encoding="utf-8")
+    if not overwrite and path.exists() and not is_lazoo_card(path):
+        raise FileExistsError(f"{path} is not a model card lazoo wrote; it is kept (move it away, or pass "
+                              "overwrite=True to replace it)")
+    text = render_model_card(model, metrics=metrics, training_data=training_data, model_path=str(folder))
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{text.rstrip()}\n\n{CARD_MARKER}\n", encoding="utf-8")
     return path

@@ -24,6 +24,9 @@ with every relative (or absolute `lazoo.`) import rewritten to the flat names:
 line, the form transformers scans for). The closure is found from the import statements themselves
 (`ast`), so a new mixer or op module is exported without a change here.
 
+Every exported file opens with `EXPORT_HEADER`; the export overwrites only such files and refuses (before
+writing anything) a same-named file without it, which the user made.
+
 The exported copy is the PyTorch (recurrent / chunk) code only: lazoo's Triton kernels (`lazoo.kernels`)
 are not copied. Imports of them become `raise ImportError(...)`, and the exported `resolve_backend`
 never picks "triton" (auto uses the chunk form, logging once why on CUDA; a forced "triton" raises a
@@ -54,15 +57,15 @@ NO_TRITON_REASON = ("lazoo's Triton kernels are not part of this exported model 
                     "(install lazoo to use them)")
 
 
-
-
 def _missing(module: str) -> str:
     """The statement that replaces an import of a module that is not exported."""
     message = f"{module} is not part of this exported model folder (install lazoo to use it)"
     return f"raise ImportError({message!r})"
 
 
-_HEADER = ("# Exported by lazoo from {source} for `trust_remote_code` loading: a flat copy with rewritten\n"
+#: how every exported file begins: the export overwrites a file of its names only when it starts so
+EXPORT_HEADER = "# Exported by lazoo from "
+_HEADER = (EXPORT_HEADER + "{source} for `trust_remote_code` loading: a flat copy with rewritten\n"
            "# imports (see lazoo.models.export). Edit the lazoo sources, not this file.\n")
 
 #: appended to the exported `lazoo.ops._common`: no Triton path in the exported copy
@@ -251,13 +254,40 @@ def head_auto_map(model) -> dict[str, str]:
     return {}
 
 
+def is_exported_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a file lazoo's export wrote (it opens with `EXPORT_HEADER`)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(EXPORT_HEADER)) == EXPORT_HEADER.encode()
+    except OSError:
+        return False
+
+
+def foreign_code_files(folder: str | os.PathLike, names=None) -> list[Path]:
+    """The files in `folder` that the export would overwrite but did not write (a user's own
+    `modeling_lazoo.py`, say). `names`: the exported file names (default: `exported_sources()`'s)."""
+    folder = Path(folder)
+    names = sorted(exported_sources()) if names is None else names
+    return [folder / n for n in names if (folder / n).exists() and not is_exported_file(folder / n)]
+
+
 def export_remote_code(folder: str | os.PathLike, config=None) -> list[Path]:
     """Write the flat code modules into `folder`; given a config, also merge its `auto_map` into an existing
-    `folder/config.json` (for a folder saved without it). Returns the files written."""
+    `folder/config.json` (for a folder saved without it). Returns the files written.
+
+    Raises FileExistsError, before writing anything, if `folder` holds a file of an exported name that the
+    export did not write (no `EXPORT_HEADER`): the user's file is never overwritten."""
     folder = Path(folder)
+    sources = exported_sources()
+    foreign = foreign_code_files(folder, sources)
+    if foreign:
+        raise FileExistsError(
+            f"{foreign[0]} is not code lazoo exported (it does not start with {EXPORT_HEADER!r}), and saving a "
+            f"lazoo model writes a file of that name for trust_remote_code loading; move it away or save to "
+            f"another folder (files in the way: {', '.join(p.name for p in foreign)})")
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in sorted(exported_sources().items()):
+    for name, text in sorted(sources.items()):
         path = folder / name
         path.write_text(text, encoding="utf-8")
         written.append(path)
@@ -269,3 +299,27 @@ def export_remote_code(folder: str | os.PathLike, config=None) -> list[Path]:
         data["auto_map"] = auto_map
         config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return written
+
+
+# ----------------------------------------------------------------------------- loading a saved folder
+class UnknownModelTypeError(ValueError):
+    """A saved folder's config.json names a model type that transformers does not know."""
+
+
+def known_model_type(folder: str | os.PathLike) -> str:
+    """The `model_type` in `folder/config.json`, after checking transformers knows it (lazoo's types are
+    registered on import). An unknown type is refused here: the `auto_map` lazoo's export writes would
+    otherwise make transformers offer to run the folder's code. Raises UnknownModelTypeError naming it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(folder) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnknownModelTypeError(f"cannot read {path} as JSON ({err})") from err
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return model_type
+    ours = ", ".join(t for t in CONFIG_MAPPING.keys() if t.startswith(f"{PACKAGE}_"))
+    raise UnknownModelTypeError(f"{path}: model_type {model_type!r} is not a model type lazoo or transformers knows "
+                     f"(lazoo's: {ours}); the folder was not saved by this version of lazoo")
