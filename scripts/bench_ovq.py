@@ -66,7 +66,6 @@ def timed(fn, backward, leaves):
 
 
 def bench_length(B, T, dtype, device, triton_assign=False):
-    import lazoo.ops.ovq as ovq_module
     from lazoo.kernels.ovq import ovq_chunk_attention
     from lazoo.ops import ovq_attention
 
@@ -111,11 +110,8 @@ def bench_length(B, T, dtype, device, triton_assign=False):
     cases = [("ovq", ovq, leaves), ("ovq_kernel", kernel, kernel_leaves), ("sdpa", sdpa, leaves)]
     if triton_assign:  # the op again with the assignments as one Triton launch, and how far its output moves
         def ovq_triton_assign():
-            ovq_module.TRITON_ASSIGN = True
-            try:
-                return ovq()
-            finally:
-                ovq_module.TRITON_ASSIGN = False
+            return ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, backend="triton",
+                                 triton_assign=True)[0]
 
         try:  # a kernel that does not build here (resources) must not lose the row's other timings
             with torch.no_grad():
@@ -140,7 +136,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--triton-assign", action="store_true",
                     help="also time the op with step 1 (the assignments) as the Triton kernel "
-                         "lazoo.kernels.ovq_assign (lazoo.ops.ovq.TRITON_ASSIGN), and record how far its output "
+                         "lazoo.kernels.ovq_assign (ovq_attention(..., triton_assign=True)), and record how far its output "
                          "is from the PyTorch step's")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

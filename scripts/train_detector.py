@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from lazoo.data.vision import (box_count, deepforest_detection_dataset, digits_dataset,  # noqa: E402
-                               shapes_detection_dataset, to_coco)
+from lazoo.data.vision import (SHAPE_CLASSES, TREE_CLASSES, box_count, deepforest_detection_dataset,  # noqa: E402
+                               digits_dataset, shapes_detection_dataset, to_coco)
 from lazoo.eval.detection import (average_precision, coco_map, load_predictions, prediction_record,  # noqa: E402
                                   recall_at_iou, save_predictions)
 
@@ -407,13 +407,14 @@ def run_detection(args) -> dict:
     if args.data == "trees":
         data = deepforest_detection_dataset(args.tile_size, val_fraction=args.val_fraction, seed=args.seed,
                                             val_images=args.val_images)
-        num_labels = 1
+        classes = TREE_CLASSES
     else:
         full = shapes_detection_dataset(160, args.tile_size, seed=args.seed).train_test_split(0.2, seed=args.seed)
         data = {"train": full["train"], "validation": full["test"]}
-        num_labels = 3
+        classes = SHAPE_CLASSES
+    num_labels = len(classes)
     train_set, val_set = data["train"], data["validation"]
-    ground_truth = to_coco(val_set, None if args.data == "trees" else ["square", "disc", "triangle"])
+    ground_truth = to_coco(val_set, classes)
     print(f"{args.data}: {len(train_set)} train tiles ({box_count(train_set)} boxes), {len(val_set)} validation "
           f"tiles ({box_count(val_set)} boxes), tile {args.tile_size} px -> {args.image_size} px")
     processor = build_processor(args.image_size)

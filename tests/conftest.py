@@ -47,27 +47,12 @@ def load_script(name: str):
 def tiny_config(name: str, **overrides):
     """`AutoConfig.for_model("lazoo_<name>", ...)` with tiny sizes ("hybrid": sliding window + VLA)."""
     kwargs = {**TINY, **overrides}
-    if name == "vla":
-        # a refresh every 7 real tokens, strong enough to show in the logits: a step counter that counts
-        # pads (or misses tokens) then changes the outputs, not only the state's `t`
-        kwargs.setdefault("refresh_period", 7)
-        kwargs.setdefault("refresh_eta", 0.3)
-    if name == "ovq":
-        # chunks of 4 and a dictionary of at most 12 centroids: the tests' 20-90 token sequences run many
-        # dictionary updates (growth, merges, a partial chunk in the cache), not one incomplete chunk
-        kwargs.setdefault("chunk_size", 4)
-        kwargs.setdefault("max_dict_size", 12)
-    if name == "rls":
-        kwargs.setdefault("chunk_size", 16)  # several chunks (and a ragged last one) in the tests' sequences
-    if name in ("ttt_linear", "ttt_mlp", "titans"):
-        kwargs.setdefault("mini_batch_size", 4)  # many mini-batches (and partial ones in the cache)
-    if name == "ttt_mlp":
-        kwargs.setdefault("mlp_expansion", 2)
-    if name == "local_linear":
-        kwargs.setdefault("chunk_size", 16)  # several query blocks
-    if name == "vq":
-        kwargs.setdefault("chunk_size", 4)
-        kwargs.setdefault("codebook_size", 8)
+    if name in MECHANISMS:
+        # each mechanism's tiny options (its declaration in lazoo.registry): chunks, refreshes and mini-batches
+        # small enough that the tests' 20-90 token sequences cross them many times (a VLA refresh every 7 real
+        # tokens, strong enough to show in the logits; OVQ dictionaries that grow and merge; partial chunks)
+        for key, value in lazoo.registry.get(name).tiny_options.items():
+            kwargs.setdefault(key, value)
     if name == "hybrid":
         kwargs.setdefault("layer_types", list(HYBRID_LAYERS))
         kwargs["num_hidden_layers"] = len(kwargs["layer_types"])

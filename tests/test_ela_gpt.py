@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from conftest import random_ids, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from lazoo.layers.memory_lobe import MemoryLobe, bidirectional_linear_attention
+from lazoo.layers.memory_lobe import MemoryLobe
 from lazoo.layers.moe import RoutedMoE, load_balancing_loss
 from lazoo.models.cache import LazooCache
+from lazoo.ops.bidirectional import bidirectional_linear_attention
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -111,7 +112,7 @@ def test_memory_lobe_matches_the_quadratic_form(mode):
         q, k, v = (p(flow).view(2, 13, 2, 8) for p in (lobe.q_proj, lobe.k_proj, lobe.v_proj))
     expected = quadratic_linear_attention(q, k, v, causal=mode == "causal", mask=mask).reshape(2, 13, 16)
     assert_close(out, expected, 1e-5, f"{mode} lobe")
-    o64 = bidirectional_linear_attention(q.double(), k.double(), v.double(), mask=mask.bool())
+    o64, _ = bidirectional_linear_attention(q.double(), k.double(), v.double(), mask=mask.bool())
     assert_close(o64, quadratic_linear_attention(q, k, v, causal=False, mask=mask), 1e-12, "float64 bidirectional")
 
 

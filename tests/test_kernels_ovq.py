@@ -107,7 +107,8 @@ def op_inputs(B, T, H, dk, dv, seed=0):
     return dict(q=q, k=k, v=v, beta=beta)
 
 
-def check_op(x, L, N, mask, rtol, grad_rtol, state=None, dtype=torch.float32, device="cpu"):
+def check_op(x, L, N, mask, rtol, grad_rtol, state=None, dtype=torch.float32, device="cpu", **op_kwargs):
+    """The op on ``backend="triton"`` (with ``op_kwargs``) against the float64 recurrent form."""
     state_leaves = ("Dk", "Dv", "k", "v") if state is not None else ()
 
     def run(leaves, backend):
@@ -116,7 +117,7 @@ def check_op(x, L, N, mask, rtol, grad_rtol, state=None, dtype=torch.float32, de
             st = {n: leaves[n] if n in state_leaves else state[n].to(device) for n in state}
         return ovq_attention(leaves["q"], leaves["k_"], leaves["v_"], scale=leaves["beta"], chunk_size=L,
                              max_dict_size=N, initial_state=st, output_final_state=True,
-                             mask=None if mask is None else mask.to(device), backend=backend)
+                             mask=None if mask is None else mask.to(device), backend=backend, **op_kwargs)
 
     def leaves(dt, dev, sdt):
         out = {"q": x["q"], "k_": x["k"], "v_": x["v"], "beta": x["beta"]}

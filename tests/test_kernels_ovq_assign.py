@@ -2,7 +2,7 @@
 to step 1 of the PyTorch Triton path (``lazoo.ops.ovq._chunk_slots``, the ``_assign`` rule) at ragged T, over
 several chunks with a growing dictionary, with pads and holes, a carried state (a dictionary and partial
 chunks), a raised and a lowered ``max_dict_size``, and exact ties; and the whole op with
-``lazoo.ops.ovq.TRITON_ASSIGN`` on against the float64 recurrent form (outputs, state, gradients).
+``triton_assign=True`` against the float64 recurrent form (outputs, state, gradients).
 
 CPU: the ``interp_*`` tests run in a fresh process with TRITON_INTERPRET=1. GPU (``-m gpu``): T = 4096,
 H = 8, d = 128 against ``_chunk_slots``, printing the time of both.
@@ -116,13 +116,11 @@ def test_interp_assign_breaks_exact_ties_like_pytorch():
 
 @needs_interp
 def test_interp_op_with_triton_assign_matches_recurrent(monkeypatch):
-    # the whole op (flag on) against the float64 recurrent form, as the existing triton-path test does
+    # the whole op (triton_assign=True) against the float64 recurrent form, as the existing triton-path test does
     from test_kernels_ovq import check_op, op_inputs
 
-    monkeypatch.setattr(ovq_mod, "TRITON_ASSIGN", True)
-
     def pytorch_step1(*args, **kwargs):
-        raise AssertionError("the Triton path should not run the PyTorch step 1 with TRITON_ASSIGN on")
+        raise AssertionError("the Triton path should not run the PyTorch step 1 with triton_assign=True")
 
     monkeypatch.setattr(ovq_mod, "_chunk_slots", pytorch_step1)
     x0 = op_inputs(3, 21, 2, 16, 12, seed=1)
@@ -130,7 +128,7 @@ def test_interp_op_with_triton_assign_matches_recurrent(monkeypatch):
         _, state = ovq_attention(x0["q"], x0["k"], x0["v"], scale=x0["beta"], chunk_size=8, max_dict_size=9,
                                  mask=left_pad_mask([21, 13, 6], 21), output_final_state=True, backend="chunk")
     mask = left_pad_mask([45, 30, 17], 45, holes=[(0, 21)])
-    check_op(op_inputs(3, 45, 2, 16, 12), 8, 12, mask, 1e-5, 1e-5, state=state)
+    check_op(op_inputs(3, 45, 2, 16, 12), 8, 12, mask, 1e-5, 1e-5, state=state, triton_assign=True)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -1,7 +1,8 @@
 """Triton kernels of the depthwise causal short convolution (lazoo.kernels.short_conv) against a float64
 per-position loop: outputs and the gradients of x and the weights, SiLU or none, K = 1…4, ragged T, channel
-counts that are not a multiple of the block; and ShortConvolution with the kernel equal to its conv1d path
-(padding mask, the state it hands on).
+counts that are not a multiple of the block; ShortConvolution with the kernel equal to its conv1d path
+(padding mask, the state it hands on) and its backend choice (``backend=``, LAZOO_BACKEND, the reasons a forced
+"triton" cannot run).
 
 CPU (default run): ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported, so
 ``test_short_conv_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
@@ -73,7 +74,7 @@ def test_interp_kernel_half_precision():
 
 @needs_interp
 @pytest.mark.parametrize("output_state", [False, True])
-def test_interp_module_kernel_equals_conv1d(output_state, monkeypatch):
+def test_interp_module_kernel_equals_conv1d(output_state):
     from lazoo.layers import short_conv as sc
 
     torch.manual_seed(0)
@@ -82,12 +83,11 @@ def test_interp_module_kernel_equals_conv1d(output_state, monkeypatch):
     mask = torch.ones(3, 9, dtype=torch.bool)
     mask[1, :4] = False  # a left-padded sample
     outs = {}
-    for kernel in ("torch", "triton"):
-        monkeypatch.setattr(sc, "KERNEL", kernel)
-        y, st = conv(x, mask=mask, output_state=output_state)
+    for backend in ("chunk", "triton"):
+        y, st = conv(x, mask=mask, output_state=output_state, backend=backend)
         gx, gw = torch.autograd.grad((y * torch.linspace(-1, 1, 12)).sum(), (x, conv.weight))
-        outs[kernel] = (y, st, gx, gw)
-    (y0, s0, gx0, gw0), (y1, s1, gx1, gw1) = outs["torch"], outs["triton"]
+        outs[backend] = (y, st, gx, gw)
+    (y0, s0, gx0, gw0), (y1, s1, gx1, gw1) = outs["chunk"], outs["triton"]
     torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw1, gw0, rtol=1e-5, atol=1e-5)
@@ -95,9 +95,104 @@ def test_interp_module_kernel_equals_conv1d(output_state, monkeypatch):
         assert torch.equal(s1, s0)  # the same last K − 1 (masked) inputs
     else:
         assert s0 is None and s1 is None
-    short = conv(x[:, :2], output_state=True)[1]  # T < K − 1: zeros before the inputs
-    monkeypatch.setattr(sc, "KERNEL", "torch")
-    assert torch.equal(short, conv(x[:, :2], output_state=True)[1])
+    short = conv(x[:, :2], output_state=True, backend="triton")[1]  # T < K − 1: zeros before the inputs
+    assert torch.equal(short, conv(x[:, :2], output_state=True, backend="chunk")[1])
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The calls of the Triton kernel (lazoo.kernels.short_conv.short_conv), one entry each."""
+    from lazoo.kernels import short_conv as ksc
+
+    calls, kernel = [], ksc.short_conv
+    monkeypatch.setattr(ksc, "short_conv", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    return calls
+
+
+@needs_interp
+@pytest.mark.parametrize("backend,env,kernel", [("triton", None, True), ("chunk", None, False),
+                                                ("recurrent", "triton", False), (None, "triton", True),
+                                                (None, "chunk", False), (None, None, False)])
+def test_interp_backend_choice(backend, env, kernel, kernel_calls, monkeypatch):
+    """backend= wins over LAZOO_BACKEND; "triton" runs the kernel (here under the interpreter), "chunk" and
+    "recurrent" conv1d; auto takes the kernel on CUDA only, so conv1d on these CPU tensors."""
+    from lazoo.layers.short_conv import ShortConvolution
+
+    if env is None:
+        monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("LAZOO_BACKEND", env)
+    conv = ShortConvolution(6, 3, None)
+    x = torch.randn(2, 7, 6)
+    y, _ = conv(x, backend=backend)
+    assert bool(kernel_calls) == kernel
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (2, 0)), conv.weight, groups=6).transpose(1, 2)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_interp
+def test_interp_forced_triton_names_what_the_kernel_does_not_take():
+    from lazoo.layers.short_conv import ShortConvolution
+
+    x = torch.randn(1, 5, 4)
+    with pytest.raises(NotImplementedError, match="float64"):
+        ShortConvolution(4, 4).double()(x.double(), backend="triton")
+    with pytest.raises(NotImplementedError, match="kernel_size up to 8, got 9"):
+        ShortConvolution(4, 9)(x, backend="triton")
+    assert ShortConvolution(4, 9)(x)[0].shape == x.shape  # auto: conv1d
+
+
+@needs_interp
+def test_interp_a_cached_state_runs_the_kernel_over_the_cached_inputs(kernel_calls, monkeypatch):
+    """Decoding with forced "triton" (or LAZOO_BACKEND=triton): the kernel runs over the K − 1 cached inputs and
+    the new ones, exactly as conv1d does; packed sequences take the PyTorch form on every backend."""
+    from lazoo.layers.short_conv import ShortConvolution
+
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    torch.manual_seed(1)
+    conv = ShortConvolution(4, 3)
+    x, state = torch.randn(2, 5, 4), torch.randn(2, 2, 4)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    y0, s0 = conv(x, mask=mask, state=state, output_state=True, backend="chunk")
+    assert not kernel_calls
+    y1, s1 = conv(x, mask=mask, state=state, output_state=True, backend="triton")
+    assert len(kernel_calls) == 1
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    assert torch.equal(s1, s0)
+    monkeypatch.setenv("LAZOO_BACKEND", "triton")
+    torch.testing.assert_close(conv(x[:, -1:], state=state)[0], conv(x[:, -1:], state=state, backend="chunk")[0],
+                               rtol=1e-5, atol=1e-6)
+    cu = torch.tensor([0, 2, 5])
+    packed = conv(x[:1], cu_seqlens=cu, backend="triton")[0]
+    assert torch.equal(packed, conv(x[:1], cu_seqlens=cu, backend="chunk")[0])
+
+
+def test_forced_triton_that_cannot_run_raises_with_the_reason(monkeypatch):
+    """Known before any launch: Triton missing (then the device and the kernel's own checks); auto runs conv1d."""
+    from lazoo.layers import short_conv as sc
+
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    conv = sc.ShortConvolution(4, 3)
+    x = torch.randn(1, 5, 4)
+    monkeypatch.setattr(sc, "triton_missing", lambda: "Triton is not installed")
+    with pytest.raises(NotImplementedError, match="Triton is not installed"):
+        conv(x, backend="triton")
+    monkeypatch.setenv("LAZOO_BACKEND", "triton")
+    with pytest.raises(NotImplementedError, match="LAZOO_BACKEND.*Triton is not installed"):
+        conv(x, state=torch.randn(1, 2, 4))
+    monkeypatch.delenv("LAZOO_BACKEND")
+    assert conv(x)[0].shape == x.shape
+    with pytest.raises(ValueError, match="unknown backend 'torch'"):
+        conv(x, backend="torch")
+
+
+def test_forced_triton_on_plain_cpu_says_what_is_missing():
+    if INTERP:
+        pytest.skip("the interpreter runs CPU tensors here")
+    from lazoo.layers.short_conv import ShortConvolution
+
+    with pytest.raises(NotImplementedError, match="TRITON_INTERPRET"):
+        ShortConvolution(4, 3)(torch.randn(1, 5, 4), backend="triton")
 
 
 def test_unsupported_inputs_are_named():
@@ -105,6 +200,7 @@ def test_unsupported_inputs_are_named():
 
     assert "dtype" in check_supported(torch.zeros(1, 2, 3, dtype=F64), 4)
     assert "kernel_size" in check_supported(torch.zeros(1, 2, 3), 9)
+    assert "activation" in check_supported(torch.zeros(1, 2, 3), 4, "gelu")
     with pytest.raises(ValueError, match="activation"):
         short_conv(torch.zeros(1, 2, 3), torch.zeros(3, 1, 4), "gelu")
 
@@ -118,15 +214,17 @@ def test_short_conv_kernels_in_subprocess():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("K,silu", [(4, True), (2, False)])
-def test_gpu_bf16_matches_loop_and_conv1d(K, silu):
+def test_gpu_bf16_matches_loop_and_conv1d(K, silu, kernel_calls, monkeypatch):
     check(2, 300, 96, K, silu, torch.bfloat16, 2e-2, device="cuda")
     check(2, 300, 96, K, silu, torch.float32, 1e-5, device="cuda")
     from lazoo.layers import short_conv as sc
 
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
     conv = sc.ShortConvolution(768, K, "silu" if silu else None).cuda()
     x = torch.randn(2, 2048, 768, device="cuda", dtype=torch.bfloat16)
+    kernel_calls.clear()
     y = conv(x)[0]
+    assert kernel_calls  # auto takes the kernel on CUDA
     ref = F.conv1d(F.pad(x.float().transpose(1, 2), (K - 1, 0)), conv.weight.float(), groups=768).transpose(1, 2)
     ref = F.silu(ref) if silu else ref
-    assert not sc._kernel_failed
     assert (y.float() - ref).norm() / ref.norm() < 1e-2

@@ -2,7 +2,7 @@
 transcription of the scan and against the token kernel (lazoo.kernels.vla.vla_scan): α̂, the final A and the
 gradients of k̂, û and A0 (symmetric part), at ragged T, with per-sample refresh flags (several per block
 included), pads (û = 0, no flag), a non-identity A0 and several checkpoint intervals; and the whole op
-(backend="triton") with either scan that ``lazoo.ops.vla.TRITON_SCAN`` selects.
+(backend="triton") with either scan that its ``triton_scan`` argument selects.
 
 CPU: the ``interp_*`` tests run in a fresh process with TRITON_INTERPRET=1 (see test_kernels_delta.py).
 GPU (``-m gpu``): d = 128, T = 1000 in fp32 and bf16 inputs.
@@ -147,16 +147,13 @@ def test_interp_chunk_scan_matches_token_kernel():
 
 @needs_interp
 @pytest.mark.parametrize("scan", ["chunk", "token"])
-def test_interp_vla_op_with_either_scan(monkeypatch, scan):
-    # the whole op through backend="triton" with the scan that ``TRITON_SCAN`` selects, against Algorithm 1
-    import importlib
-
+def test_interp_vla_op_with_either_scan(scan):
+    # the whole op through backend="triton" with the scan that ``triton_scan`` selects, against Algorithm 1
     from lazoo.ops._testing import left_pad_mask
     from test_kernels_vla import check
 
-    # the module, not the function `vla` that lazoo.ops exports under the same name
-    monkeypatch.setattr(importlib.import_module("lazoo.ops.vla"), "TRITON_SCAN", scan)
-    check(2, 37, 1, 16, 16, 1e-4, 1e-4, mask=left_pad_mask([37, 30], 37, holes=[(0, 20)]), chunk_size=16)
+    check(2, 37, 1, 16, 16, 1e-4, 1e-4, mask=left_pad_mask([37, 30], 37, holes=[(0, 20)]), chunk_size=16,
+          triton_scan=scan)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ ragged shape per kernel; the other kernel paths are ``-m slow`` (run this file w
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 
@@ -132,11 +133,12 @@ def planted(x: dict, where: torch.Tensor, values) -> dict:
     return out
 
 
-def run(name, x, mask, backend, seed):
+def run(name, x, mask, backend, seed, **op_kwargs):
     """Outputs, final state and the gradients of every per-token input (random projections of all outputs)."""
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
     o, state, grads = forward_and_grads(
-        lambda: _call(name, leaves, seed, mask=mask, backend=backend, output_final_state=True), leaves, seed=seed)
+        lambda: _call(name, leaves, seed, mask=mask, backend=backend, output_final_state=True, **op_kwargs), leaves,
+        seed=seed)
     return o.detach(), [(n, s.detach()) for n, s in state_parts(state)], grads
 
 
@@ -149,11 +151,11 @@ def assert_same(a, b, what, rows=slice(None), rtol: float = 0.0):
         assert torch.equal(a[rows].nan_to_num(), b[rows].nan_to_num()), f"{what}: differs"
 
 
-def check_isolation(name: str, backend: str, seed: int, heads: int = H, device: str = "cpu") -> None:
+def check_isolation(name: str, backend: str, seed: int, heads: int = H, device: str = "cpu", **op_kwargs) -> None:
     """A run with finite random garbage at the pads against one with NaN / +Inf / -Inf at every pad of every
     input plus NaN (every input) and Inf (q, k, v) at two real tokens of sample BAD: the other samples (each with
     left pads, a hole and right pads) must not change by a bit, in outputs, final state and gradients.
-    ``heads``: the first heads only (the interpreter's time grows with them)."""
+    ``heads``: the first heads only (the interpreter's time grows with them); ``op_kwargs`` go to the op."""
     gen = torch.Generator().manual_seed(seed)
     x = {n: t[:, :, :heads].contiguous() for n, t in OPS[name][0](gen).items()}  # heads are dim 2 of every input
     mask = random_mask(gen)
@@ -167,8 +169,8 @@ def check_isolation(name: str, backend: str, seed: int, heads: int = H, device: 
     x, bad = ({n: t.to(device) for n, t in d.items()} for d in (x, bad))
     mask, pads = mask.to(device), pads.to(device)
 
-    o_a, s_a, g_a = run(name, x, mask, backend, seed)
-    o_b, s_b, g_b = run(name, bad, mask, backend, seed)
+    o_a, s_a, g_a = run(name, x, mask, backend, seed, **op_kwargs)
+    o_b, s_b, g_b = run(name, bad, mask, backend, seed, **op_kwargs)
     clean = [b for b in range(B) if b != BAD]
     what = f"{name}/{backend}"
     assert (o_a[pads] == 0).all() and (o_b[pads] == 0).all(), f"{what}: a pad's output is not 0"
@@ -227,13 +229,20 @@ def test_interp_pads_isolated_slow(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,module,switch,value", [("vla", "lazoo.ops.vla", "TRITON_SCAN", "chunk"),
-                                                      ("ovq_attention", "lazoo.ops.ovq", "TRITON_ASSIGN", True)])
-def test_interp_opt_in_kernels_isolate_pads(name, module, switch, value, monkeypatch):
-    """The kernels a module switch opts into (lazoo.kernels.vla_chunk, lazoo.kernels.ovq_assign)."""
+@pytest.mark.parametrize("name,option,kernel", [
+    ("vla", {"triton_scan": "chunk"}, ("lazoo.kernels.vla_chunk", "vla_scan_chunked")),
+    ("ovq_attention", {"triton_assign": True}, ("lazoo.kernels.ovq_assign", "ovq_assign")),
+])
+def test_interp_opt_in_kernels_isolate_pads(name, option, kernel, monkeypatch):
+    """The kernels an op argument opts into (lazoo.kernels.vla_chunk, lazoo.kernels.ovq_assign)."""
     _needs_interp()
-    monkeypatch.setattr(sys.modules[module], switch, value)  # sys.modules: ops.vla is the function
-    check_isolation(name, "triton", seed=7, heads=1)
+    module = importlib.import_module(kernel[0])
+    real, calls = getattr(module, kernel[1]), []
+    monkeypatch.setattr(module, kernel[1], lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    if name == "vla":  # T = 13 is a decoding-sized call, which takes the token scan: let the chunked scan run
+        monkeypatch.setattr(sys.modules["lazoo.ops.vla"], "_DECODE_MAX_T", 0)  # sys.modules: ops.vla is the op
+    check_isolation(name, "triton", seed=7, heads=1, **option)
+    assert calls, f"{kernel[0]} did not run"
 
 
 @pytest.mark.slow

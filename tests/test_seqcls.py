@@ -134,7 +134,8 @@ def test_bidirectional_ela_encoder(tmp_path):
 
 
 def test_bidirectional_needs_ela_layers():
-    with pytest.raises(ValueError, match="bidirectional=True needs every layer to be 'ela'"):
+    with pytest.raises(ValueError, match=r"bidirectional=True needs every layer's mechanism to have a bidirectional "
+                                         r"form \(ela\); layer_types also has \['sliding_window', 'vla'\]"):
         tiny_classifier("hybrid", bidirectional=True)
 
 

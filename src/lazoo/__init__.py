@@ -5,7 +5,7 @@ and AutoModelForCausalLM, and `lazoo_yolo_lat` (vision) on AutoConfig, AutoBackb
 AutoModelForImageClassification and AutoImageProcessor.
 """
 
-from . import ops
+from . import ops, registry
 from .layers.mixers import list_mechanisms
 from .models import MECHANISM_CONFIGS, MODEL_CLASSES, LazooCache, LazooConfig, LazooForCausalLM, LazooModel
 from .models import register_auto_classes as _register
@@ -17,6 +17,6 @@ _register()
 _register_vision()
 
 __version__ = "0.1.0"
-__all__ = ["ops", "list_mechanisms", "LazooCache", "LazooConfig", "LazooForCausalLM", "LazooModel",
+__all__ = ["ops", "registry", "list_mechanisms", "LazooCache", "LazooConfig", "LazooForCausalLM", "LazooModel",
            "MECHANISM_CONFIGS", "MODEL_CLASSES", "YoloLatBackbone", "YoloLatConfig", "YoloLatForImageClassification",
            "YoloLatForObjectDetection", "YoloLatImageProcessor"]

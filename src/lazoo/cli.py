@@ -4,6 +4,7 @@
     lazoo train --config sw-vla --output DIR      train a causal LM with Trainer (text file or the KJV corpus)
     lazoo generate DIR --prompt "..."             sample (or --greedy) from a saved model
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
+    lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
     lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training; CUDA)
     lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
@@ -16,14 +17,10 @@ before doing any work, naming the file (a new `lazoo train` run needs a new or e
 from __future__ import annotations
 
 import argparse
-import ast
-import functools
 import importlib.util
-import inspect
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,92 +36,16 @@ class CLIError(Exception):
 
 
 # ============================================================================ lazoo list
-def _op_functions_of(mixer_cls) -> list[str]:
-    """The `lazoo.ops` functions a mixer class calls: `ops.<name>(` in the source of the `mix` method it uses
-    (recurrent mixers) and of its `forward`, or the op named after the mixer's mechanism when it calls
-    `getattr(ops, self.mechanism)` (mixers shared by several mechanisms)."""
-    from .layers.mixers import TokenMixer
-
-    names = []
-    for method in (getattr(mixer_cls, "mix", None), mixer_cls.forward):
-        if method is None or method is TokenMixer.forward:
-            continue
-        source = inspect.getsource(method)
-        found = re.findall(r"\bops\.(\w+)\(", source)
-        if "getattr(ops, self.mechanism)" in source:
-            found.append(mixer_cls.mechanism)
-        for name in found:
-            if name not in names:
-                names.append(name)
-    return names
-
-
-@functools.lru_cache(maxsize=None)
-def _module_tree(module_name: str) -> ast.Module:
-    return ast.parse(inspect.getsource(sys.modules[module_name]))
-
-
-def _kernel_modules(module_name: str, function: str, seen: set | None = None) -> set[str]:
-    """The `lazoo.kernels.*` modules that `module_name.function` can reach: the kernel imports in its body and,
-    recursively, in the functions of lazoo.ops it calls (same module, or imported from a sibling op module)."""
-    import importlib
-
-    seen = set() if seen is None else seen
-    if (module_name, function) in seen:
-        return set()
-    seen.add((module_name, function))
-    module = importlib.import_module(module_name)
-    tree = _module_tree(module_name)
-    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    imported = {}  # name -> sibling op module it comes from
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            for alias in node.names:
-                imported[alias.asname or alias.name] = f"lazoo.ops.{node.module}"
-    if function not in defs:
-        return set()
-    found = set()
-    for node in ast.walk(defs[function]):
-        if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("kernels"):
-            if node.module == "kernels":
-                found.update(f"lazoo.kernels.{a.name}" for a in node.names)
-            else:
-                found.add(f"lazoo.{node.module}")
-        elif isinstance(node, ast.Name):
-            if node.id in defs and node.id != function:
-                found |= _kernel_modules(module_name, node.id, seen)
-            elif node.id in imported and getattr(module, node.id, None) is not None:
-                found |= _kernel_modules(imported[node.id], node.id, seen)
-    return found
-
-
-def mechanism_backends(name: str) -> dict:
-    """What `lazoo list` shows for a mechanism, derived from the code: the ops its mixer calls, and the Triton
-    kernel modules those ops dispatch to (none: the op runs its PyTorch forms only)."""
-    from . import ops
-    from .layers.mixers import mixer_class
-
-    op_names = _op_functions_of(mixer_class(name))
-    kernels = set()
-    for op in op_names:
-        fn = getattr(ops, op)
-        kernels |= _kernel_modules(fn.__module__, fn.__name__)
-    kernels = sorted(k for k in kernels if importlib.util.find_spec(k) is not None)
-    backends = ["recurrent", "chunk"] + (["triton"] if kernels else [])
-    return {"ops": op_names, "backends": backends, "kernels": [k.rsplit(".", 1)[1] for k in kernels]}
-
-
 def cmd_list(args) -> int:
-    from .layers.mixers import MIXERS
+    from .layers.mixers import list_mechanisms  # imports every mixer module, so every mechanism is registered
     from .presets import HYBRIDS
+    from .registry import get
 
     rows = []
-    for name, cls in MIXERS.items():
-        info = mechanism_backends(name)
-        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
-        kernels = ", ".join(f"kernels/{k}.py" for k in info["kernels"]) or "none (PyTorch forms only)"
-        rows.append((name, f"lazoo_{name}", ", ".join(info["backends"]), ", ".join(f"ops.{o}" for o in info["ops"]),
-                     kernels, doc))
+    for name in list_mechanisms():
+        m = get(name)
+        kernels = ", ".join(f"kernels/{k.rsplit('.', 1)[1]}.py" for k in m.kernels) or "none (PyTorch forms only)"
+        rows.append((name, m.model_type, ", ".join(m.backends), f"ops.{m.op}", kernels, m.title))
     if args.json:
         print(json.dumps({"mechanisms": [dict(zip(("name", "model_type", "backends", "ops", "triton_kernels",
                                                    "description"), r)) for r in rows],
@@ -465,6 +386,26 @@ def cmd_card(args) -> int:
     return 0
 
 
+def cmd_cards(args) -> int:
+    from .models.card import stale_config_cards, write_config_cards
+
+    if not os.path.isdir(args.configs):
+        raise CLIError(f"--configs: no such folder {args.configs!r}")
+    try:
+        if args.check:
+            stale = stale_config_cards(args.configs, args.output)
+            for name in stale:
+                print(f"stale: {os.path.join(args.output, name)}")
+            if stale:
+                print(f"run `lazoo cards --configs {args.configs} --output {args.output}` to regenerate them")
+            return 1 if stale else 0
+        written = write_config_cards(args.configs, args.output)
+    except (FileExistsError, ValueError) as err:
+        raise CLIError(str(err)) from err
+    print(f"[lazoo] wrote {len(written)} cards into {args.output}")
+    return 0
+
+
 # ============================================================================ lazoo bench
 def cmd_bench(args) -> int:
     script = SCRIPTS_DIR / BENCH_SCRIPTS[args.which]
@@ -597,6 +538,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--training-data", default=None, metavar="TEXT", help="a sentence about the training data")
     p.add_argument("--overwrite", action="store_true", help="replace a README.md that lazoo did not write")
     p.set_defaults(func=cmd_card)
+
+    p = sub.add_parser("cards", help="(re)write model_cards/: the card of every ready config in configs/",
+                       description="Write OUTPUT/<name>.md, the model card of each lazoo language-model config "
+                       "CONFIGS/<name>.json (mechanisms from their declarations, the config's options), and "
+                       "remove the cards it generated for configs that are gone. With --check, write nothing: "
+                       "list the stale cards and exit 1 if there are any.")
+    p.add_argument("--configs", default="configs", metavar="DIR", help="the config folder (default: configs)")
+    p.add_argument("--output", default="model_cards", metavar="DIR", help="the card folder (default: model_cards)")
+    p.add_argument("--check", action="store_true", help="only report stale cards (exit 1 if any)")
+    p.set_defaults(func=cmd_cards)
 
     p = sub.add_parser("bench", help="GPU benchmarks (scripts/bench_*.py)",
                        description="Run a benchmark script from the repository's scripts/ folder on a CUDA GPU; "

@@ -1,8 +1,14 @@
-"""Named model layouts: a mechanism name, a hybrid preset, or a config JSON from `configs/`."""
+"""Named model layouts: a mechanism name, a hybrid preset, or a config JSON from `configs/`.
+
+The hybrid presets live here only: the hybrid files of `configs/` (`PRESET_CONFIG_FILES`) are written from them
+by `python -m lazoo.presets --write-configs configs/`, and a test fails when one is stale.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -33,9 +39,42 @@ HYBRID_OPTIONS: dict[str, dict] = {
     "gdn-ovq": {},
 }
 
+#: the sizes of the small configs in configs/ (configs/README.md)
+SMALL_SIZES = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "intermediate_size": 512}
+
+#: the files of configs/ written from the presets at `SMALL_SIZES`: file name -> preset
+PRESET_CONFIG_FILES: dict[str, str] = {
+    "sw-vla-hybrid-small.json": "sw-vla",
+    "sw-ovq-small.json": "sw-ovq",
+    "sw-nope-small.json": "sw-nope",
+    "sw-vq-small.json": "sw-vq",
+    "gdn-ovq-small.json": "gdn-ovq",
+}
+WRITE_CONFIGS_COMMAND = "python -m lazoo.presets --write-configs configs/"
+
 
 def known_layouts() -> list[str]:
     return [*MIXERS, *HYBRIDS]
+
+
+def preset_fields(preset: str, overrides: dict) -> dict:
+    """The config fields of hybrid `preset`: `overrides`, then the preset's layer pattern repeated over
+    `num_hidden_layers` (unless `layer_types` is given) and its `HYBRID_OPTIONS` (unless overridden; per-mixer
+    options merge key by key into the caller's `mixer_kwargs`)."""
+    fields = dict(overrides)
+    pattern = HYBRIDS[preset]
+    layers = fields.get("num_hidden_layers", 4)
+    fields.setdefault("layer_types", [pattern[i % len(pattern)] for i in range(layers)])
+    for key, value in HYBRID_OPTIONS.get(preset, {}).items():
+        if key == "mixer_kwargs":
+            merged = {name: dict(opts) for name, opts in value.items()}
+            for name, opts in (fields.get("mixer_kwargs") or {}).items():
+                merged[name] = {**merged.get(name, {}), **opts}
+            fields["mixer_kwargs"] = merged
+        else:
+            fields.setdefault(key, value)
+    return fields
 
 
 def build_config(layout: str, **overrides):
@@ -54,19 +93,54 @@ def build_config(layout: str, **overrides):
     if layout in MIXERS:
         return AutoConfig.for_model(f"lazoo_{layout}", **overrides)
     if layout in HYBRIDS:
-        layers = overrides.get("num_hidden_layers", 4)
-        pattern = HYBRIDS[layout]
-        overrides.setdefault("layer_types", [pattern[i % len(pattern)] for i in range(layers)])
-        preset = HYBRID_OPTIONS.get(layout, {})
-        for key, value in preset.items():
-            if key == "mixer_kwargs":
-                given = overrides.get("mixer_kwargs") or {}
-                merged = {name: dict(opts) for name, opts in value.items()}
-                for name, opts in given.items():
-                    merged[name] = {**merged.get(name, {}), **opts}
-                overrides["mixer_kwargs"] = merged
-            else:
-                overrides.setdefault(key, value)
-        return AutoConfig.for_model("lazoo_hybrid", **overrides)
+        return AutoConfig.for_model("lazoo_hybrid", **preset_fields(layout, overrides))
     raise ValueError(f"unknown layout {layout!r}: use a mechanism ({', '.join(MIXERS)}), a hybrid preset "
                      f"({', '.join(HYBRIDS)}) or a path to a config .json")
+
+
+# ----------------------------------------------------------------------------- the preset files of configs/
+def preset_config_texts() -> dict[str, str]:
+    """`{file name: JSON text}` of the files `PRESET_CONFIG_FILES` lists."""
+    return {name: json.dumps({"model_type": "lazoo_hybrid", **preset_fields(preset, SMALL_SIZES)}, indent=2) + "\n"
+            for name, preset in PRESET_CONFIG_FILES.items()}
+
+
+def stale_preset_configs(config_dir: str | Path) -> list[str]:
+    """The files of `PRESET_CONFIG_FILES` that are missing from `config_dir` or differ from their presets."""
+    folder = Path(config_dir)
+    return [name for name, text in preset_config_texts().items()
+            if not (folder / name).is_file() or (folder / name).read_text(encoding="utf-8") != text]
+
+
+def write_preset_configs(config_dir: str | Path) -> list[Path]:
+    """Write the stale files of `PRESET_CONFIG_FILES` into `config_dir`; no other file is touched. Returns the
+    files written."""
+    folder = Path(config_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = preset_config_texts()
+    written = [folder / name for name in stale_preset_configs(folder)]
+    for path in written:
+        path.write_text(texts[path.name], encoding="utf-8")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lazoo.presets",
+                                     description="Write or check the hybrid-preset configs of configs/ "
+                                                 f"({', '.join(PRESET_CONFIG_FILES)}).")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write-configs", metavar="DIR", help="write the stale preset files into DIR")
+    action.add_argument("--check", metavar="DIR", help="exit 1 if a preset file in DIR is missing or stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_preset_configs(args.check)
+        for name in stale:
+            print(f"stale: {Path(args.check) / name} (run: {WRITE_CONFIGS_COMMAND})")
+        return 1 if stale else 0
+    for path in write_preset_configs(args.write_configs):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Data for lazoo: corpora, a small BPE tokenizer, causal-LM blocks, synthetic tasks and detection data."""
 
-from .corpus import load_corpus, load_default_corpus, split_corpus
+from .corpus import kjv_verses_by_chapter, load_corpus, load_default_corpus, split_corpus
 from .icr import (icl_batch, icl_dataset, icr_batch, icr_dataset, icr_num_pairs, positional_icr_batch,
                   positional_icr_dataset)
 from .lm import LMData, build_lm_datasets, tokenize_and_chunk
@@ -22,6 +22,7 @@ __all__ = [
     "icr_batch",
     "icr_dataset",
     "icr_num_pairs",
+    "kjv_verses_by_chapter",
     "load_corpus",
     "load_default_corpus",
     "mqar_batch",

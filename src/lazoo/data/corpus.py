@@ -42,8 +42,8 @@ def _clean_passage(passage: str) -> str:
     return " ".join(_VERSE_MARKER.sub(" ", passage).split())
 
 
-def load_default_corpus() -> list[str]:
-    """The King James Bible, one document per chapter (1189), in canonical order."""
+def kjv_verses_by_chapter() -> list[list[str]]:
+    """The King James Bible as a list of chapters (1189), each a list of cleaned verses, in canonical order."""
     chapters: dict[tuple[int, int, int], list[str]] = {}
     for testament, book, chapter, passage1, passage2 in _kjv_rows():
         if not _VERSE_MARKER.match(passage1):
@@ -52,7 +52,13 @@ def load_default_corpus() -> list[str]:
         if verse:
             chapters.setdefault((testament, book, chapter), []).append(verse)
     # dicts keep insertion order, and rows arrive sorted
-    return [" ".join(verses) for verses in chapters.values()]
+    return list(chapters.values())
+
+
+def load_default_corpus() -> list[str]:
+    """The King James Bible, one document per chapter (1189), in canonical order: the verses of each chapter of
+    :func:`kjv_verses_by_chapter` joined by spaces."""
+    return [" ".join(verses) for verses in kjv_verses_by_chapter()]
 
 
 def _clean_texts(dataset: Dataset) -> Dataset:

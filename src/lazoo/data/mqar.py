@@ -55,9 +55,8 @@ def mqar_batch(
     seq_len: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """One batch of MQAR samples: ``input_ids`` and position-aligned ``labels``, both (batch_size, T) int64
-    with T = ``seq_len`` or 3n + 1 (filler between the context and SEP; see the module docstring).
-
-    See the module docstring for the layout. Deterministic given ``generator`` (a CPU ``torch.Generator``).
+    with T = ``seq_len`` or 3n + 1 (filler between the context and SEP): the layout of the module docstring.
+    Deterministic given ``generator`` (a CPU ``torch.Generator``).
     """
     ids = mqar_vocab(vocab_size)
     k_lo, k_hi = ids["keys"] if key_range is None else key_range

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -260,11 +259,6 @@ def to_coco(dataset, categories: list[str] | None = None) -> dict:
             "categories": [{"id": i, "name": name} for i, name in enumerate(categories)]}
 
 
-def processor_annotations(rows) -> list[dict]:
-    """The image processor's annotations ({boxes: absolute xyxy, class_labels}) of a list of rows."""
-    return [{"boxes": row["boxes"], "class_labels": row["class_labels"]} for row in rows]
-
-
 # ----------------------------------------------------------------------------------------------------------
 # digits (classification)
 # ----------------------------------------------------------------------------------------------------------
@@ -356,8 +350,3 @@ def shapes_detection_dataset(num_images: int = 64, image_size: int = 320, *, max
 def box_count(dataset) -> int:
     """Number of boxes in a detection dataset."""
     return int(sum(len(c) for c in dataset["class_labels"]))
-
-
-def tile_grid_size(width: int, height: int, tile_size: int) -> int:
-    """Number of grid cells covering an image (before ``min_fill`` drops thin edge tiles)."""
-    return math.ceil(width / tile_size) * math.ceil(height / tile_size)

@@ -48,23 +48,6 @@ SPLIT_SEED = 0
 
 
 # ----------------------------------------------------------------------------- KJV
-def kjv_verses_by_chapter() -> list[list[str]]:
-    """The King James Bible as a list of chapters, each a list of cleaned verses, in canonical order.
-
-    ``" ".join(chapter)`` equals the chapter text of :func:`lazoo.data.load_default_corpus`.
-    """
-    from lazoo.data.corpus import _VERSE_MARKER, _clean_passage, _kjv_rows
-
-    chapters: dict[tuple[int, int, int], list[str]] = {}
-    for testament, book, chapter, passage1, passage2 in _kjv_rows():
-        if not _VERSE_MARKER.match(passage1):
-            continue  # the same stray heading load_default_corpus skips
-        verse = _clean_passage(f"{passage1} {passage2 or ''}")
-        if verse:
-            chapters.setdefault((testament, book, chapter), []).append(verse)
-    return list(chapters.values())
-
-
 def held_out_chapter_ids(num_chapters: int) -> list[int]:
     """Indices (canonical order) of the chapters ``split_corpus(..., EVAL_FRACTION, SPLIT_SEED)`` holds out."""
     from datasets import Dataset
@@ -194,6 +177,8 @@ def prepare_tasks(folder: str | Path, tasks: list[str] | None = None, *, mqar_n_
     folder.mkdir(parents=True, exist_ok=True)
 
     if {"lazoo_kjv_ppl", "lazoo_kjv_next_verse"} & set(tasks):
+        from lazoo.data.corpus import kjv_verses_by_chapter
+
         chapters = kjv_verses_by_chapter()
         held_out = held_out_chapter_ids(len(chapters))
     for name in tasks:

@@ -1,9 +1,11 @@
-"""Small helpers shared by the Triton kernels (keep this module tiny and stable)."""
+"""Facts about the process the Triton kernels run in (the interpreter, the device) and tile sizes; tests import
+it without defining a kernel. Kernel machinery that modules share lives in ``lazoo.kernels._common``."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 
 
@@ -41,33 +43,11 @@ def device_unsupported(x) -> str | None:
     return None
 
 
-def autotune(configs, key, **kwargs):
-    """``triton.autotune`` on a GPU; under the interpreter, the first config without benchmarking."""
-    if not is_interpreting():
-        return triton.autotune(configs=configs, key=key, **kwargs)
-
-    def decorator(fn):
-        return _FirstConfig(fn, configs[0])
-
-    return decorator
-
-
-class _FirstConfig:
-    """Launch ``fn`` with one fixed config's meta-parameters (what autotune would pass)."""
-
-    def __init__(self, fn, config):
-        self.fn, self.config = fn, config
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            meta = {**self.config.kwargs, **kwargs}
-            if callable(grid):
-                g = grid(meta)
-            else:
-                g = grid
-            return self.fn[g](*args, **meta)
-
-        return launch
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def next_pow2(n: int, minimum: int = 16) -> int:

@@ -43,6 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import dot, dot_types, fill_device
+from ._utils import next_pow2
+
 #: chunk sizes the kernels support
 CHUNK_SIZES = (16, 32, 64)
 #: largest head dim (dk and dv) the kernels support
@@ -50,12 +53,6 @@ MAX_HEAD_DIM = 256
 
 
 # ============================================================================ small jit helpers
-@triton.jit
-def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-    """``a @ b`` with operands cast to DT (a no-op for tiles loaded raw) and fp32 accumulation."""
-    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
-
-
 @triton.jit
 def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
     """``acc + a @ b`` accumulated in place."""
@@ -401,7 +398,7 @@ def _fwd_h_kernel(
         else:
             tl.store(hb + j * (H * K * V) + p_h, b_s.to(h.dtype.element_ty), mask=m_s)
         b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
-        b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - _dot(b_wt, b_s, DT, PREC)
+        b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - dot(b_wt, b_s, DT, PREC)
         _store_tile(vnew + i_h * V, b_u, t0, eos, H * V, i_v * BV, V, C, BV)
         b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         if HAS_G:
@@ -478,7 +475,7 @@ def _bwd_dv_local_kernel(
     else:
         b_pt = tl.where(triu, b_pt, 0.0)
     b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
-    _store_tile(du + i_h * V, _dot(b_pt * b_f[:, None], b_do, DT, PREC), t0, eos, H * V, i_v * BV, V, C, BV)
+    _store_tile(du + i_h * V, dot(b_pt * b_f[:, None], b_do, DT, PREC), t0, eos, H * V, i_v * BV, V, C, BV)
 
 
 @triton.jit
@@ -511,7 +508,7 @@ def _bwd_dhu_kernel(
             b_fq = b_fq * tl.exp(b_G)
         b_k = _load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, BKF)
         b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
-            + _dot(b_k, b_ds, DT, PREC) * b_f[:, None]
+            + dot(b_k, b_ds, DT, PREC) * b_f[:, None]
         _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
         b_do = _load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
         b_qT = tl.trans(_load_raw(q + i_h * K, t0, eos, H * K, 0, K, C, BKF))
@@ -571,8 +568,8 @@ def _bwd_dqkw_kernel(
         last = tl.minimum(t0 + C, eos) - 1
         b_m = tl.where(tril, b_dp * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0) * scale
         b_mt = tl.where(triu, b_dpt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0) * scale
-        b_dqi = _dot(b_m * b_b[None, :], b_k, DT, PREC)  # through P's query side
-        b_dwi = _dot(b_mt, b_q, DT, PREC)  # through P's key side
+        b_dqi = dot(b_m * b_b[None, :], b_k, DT, PREC)  # through P's query side
+        b_dwi = dot(b_mt, b_q, DT, PREC)  # through P's key side
         b_dos = b_dos * (gam * scale)[:, None]
         b_dq = b_dos + b_dqi
         b_d = tl.exp(g_last - b_G)
@@ -654,10 +651,10 @@ def _bwd_wy_kernel(
         b_kf = b_k.to(tl.float32)
         b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_dkg = _dotf(b_At, b_dwt, PREC)  # γ ⊙ (A^T dW~)
-        b_dwl = _dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
+        b_dwl = dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
         b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_w = _load_raw(w + i_h * K, t0, eos, H * K, kb, K, C, BK) if HAS_W else b_k  # β in b_dl and b_b
-        b_dkl = _dot(b_dl, b_w, DT, PREC)  # (E ⊙ dL) W: through the read key of L
+        b_dkl = dot(b_dl, b_w, DT, PREC)  # (E ⊙ dL) W: through the read key of L
         if HAS_G:
             # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = w_i . b_dwl_i
             b_dg += tl.sum(b_kf * (b_dkg + b_dkl) - b_w.to(tl.float32) * b_b[:, None] * b_dwl, 1)
@@ -750,16 +747,6 @@ def _l2norm_bwd_kernel(y, rstd, dy, dx, NR, D: tl.constexpr, BD: tl.constexpr, B
 
 
 # ============================================================================ host side
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
-
-
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class _Seqs:
     """Sequence and chunk tables for a flattened token axis (uniform B x T, or packed cu_seqlens)."""
 
@@ -786,17 +773,10 @@ class _Seqs:
         self.chunks = torch.stack([seq, start], 1).to(torch.int32).contiguous()
 
 
-def _dtypes(x: torch.Tensor):
-    """(Triton dot-operand dtype, precision of fp32 products) for inputs of x's dtype."""
-    if x.dtype == torch.float32:
-        return tl.float32, "tf32x3"  # three tf32 passes: about fp32 accuracy on the tensor cores
-    return (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16), "tf32"
-
-
 def _blocks(K: int, V: int, interpret: bool):
-    BKF = _pow2(K)
+    BKF = next_pow2(K)
     BK = BKF if interpret else min(64, BKF)
-    BV = _pow2(V) if interpret else min(64, _pow2(V))
+    BV = next_pow2(V) if interpret else min(64, next_pow2(V))
     return BKF, BK, BV
 
 
@@ -804,12 +784,10 @@ def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool =
     """dv block of the sequential kernels: small enough to keep S^T in registers and to give the
     GPU enough programs when there are few sequences x heads."""
     if interpret:
-        return _pow2(V)
-    BKF = _pow2(K)
-    bv = min(32 if fp32 else 64, _pow2(V), max(16, 8192 // BKF))
-    while bv > 16 and parallel * triton.cdiv(V, bv) < 2 * _num_sms(device):
-        bv //= 2
-    return bv
+        return next_pow2(V)
+    BKF = next_pow2(K)
+    bv = min(32 if fp32 else 64, next_pow2(V), max(16, 8192 // BKF))
+    return fill_device(bv, V, parallel, device)
 
 
 #: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the
@@ -845,7 +823,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     V = v.shape[-1]
     dev = q.device
     interp = dev.type == "cpu"
-    DT, PREC = _dtypes(q)
+    DT, PREC = dot_types(q)
     FP32 = q.dtype == torch.float32
     BKF, BK, BV = _blocks(K, V, interp)
     HAS_G, HAS_W = g is not None, w is not None
@@ -864,7 +842,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
-    BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else _pow2(V)
+    BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
     _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
         kw, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
         H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=S0 is not None,
@@ -883,7 +861,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     V = v.shape[-1]
     dev = q.device
     interp = dev.type == "cpu"
-    DT, PREC = _dtypes(q)
+    DT, PREC = dot_types(q)
     FP32 = q.dtype == torch.float32
     BKF, BK, BV = _blocks(K, V, interp)
     HAS_G, HAS_W = g is not None, w is not None
@@ -900,7 +878,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         **_opts("dv_local", interp, FP32))
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
-    BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else _pow2(V)
+    BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
         q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
         H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
@@ -1072,11 +1050,10 @@ def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, ini
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cu = (torch.arange(B + 1, device=dev, dtype=torch.int32) * T if cu_seqlens is None
           else cu_seqlens.to(device=dev, dtype=torch.int32))
-    BKF = _pow2(K)
-    BV = _pow2(V) if interp else min(_pow2(V), max(16, 4096 // BKF))
+    BKF = next_pow2(K)
+    BV = next_pow2(V) if interp else min(next_pow2(V), max(16, 4096 // BKF))
     if not interp:
-        while BV > 16 and N * H * triton.cdiv(V, BV) < 4 * _num_sms(dev):
-            BV //= 2
+        BV = fill_device(BV, V, N * H, dev, per_sm=4)
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=torch.float32) if output_final_state else o
     S0 = None if initial_state is None else initial_state.contiguous()

@@ -50,8 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dot_types, end_state, load_end_state,
+                      state_blocks, state_program, store_chunk_state)
 from ._utils import next_pow2
-from .linear import _chunk_bounds, _end_state, _prepare_varlen, _state_program
 
 #: largest head dim (dk and dv) the kernels take
 MAX_HEAD_DIM = 256
@@ -69,7 +70,7 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, T,
                    IS_VARLEN: tl.constexpr):
     """Grid (NK, NT, B * H): G = cumulative sum of g inside each chunk (float32)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]
@@ -87,15 +88,12 @@ def _fwd_h_kernel(
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): store the state at the start of every chunk, then the final state."""
-    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
-                                                                    BV, IS_VARLEN)
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                   BV, IS_VARLEN)
     m_k = o_k < K
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(_end_state(h0, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
+    b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
     for i_t in range(NT):
-        p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
+        store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T_seq
         last = tl.minimum(i_t * BT + BT, T_seq) - 1
@@ -109,7 +107,7 @@ def _fwd_h_kernel(
         b_kt = b_kt * tl.exp(b_gl[:, None] - b_Gt)  # exponent <= 0 (k = 0 on masked rows)
         b_h = b_h * tl.exp(b_gl)[:, None] + tl.dot(b_kt.to(DT), b_v.to(DT), input_precision=PREC)
     if STORE_HT:
-        tl.store(_end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+        tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 @triton.jit
@@ -126,7 +124,7 @@ def _fwd_A_kernel(
     i_i, i_j = i_ij // NC, i_ij % NC
     if i_i < i_j:
         return
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     t0 = i_c * BT + i_i * BC  # first row of sub-chunk I
     if t0 >= T_seq:
         return
@@ -181,7 +179,7 @@ def _fwd_o_kernel(
 ):
     """Grid (NV, NT, B * H): O = scale ((Q ⊙ exp(G)) H_n + A V) for one chunk."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
     o_t = i_c * BT + o_c
     m_t = o_t < T_seq
@@ -218,16 +216,13 @@ def _bwd_dh_kernel(
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
-    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
-                                                                    BV, IS_VARLEN)
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                   BV, IS_VARLEN)
     m_k = o_k < K
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(_end_state(dht, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
+    b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        p_dh = dh + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_dh, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T_seq
         last = tl.minimum(i_t * BT + BT, T_seq) - 1
@@ -241,7 +236,7 @@ def _bwd_dh_kernel(
         b_qt = b_qt * tl.exp(b_Gt) * scale
         b_dh = b_dh * tl.exp(b_gl)[:, None] + tl.dot(b_qt.to(DT), b_do.to(DT), input_precision=PREC)
     if STORE_DH0:
-        tl.store(_end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
+        tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
 
 
 @triton.jit
@@ -252,7 +247,7 @@ def _bwd_dA_kernel(
 ):
     """Grid (NT, B * H): dA = scale dO V^T (lower triangle; zeros above) ``[B, T, H, BT]``."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
     o_t = i_c * BT + o_c
     m_t = o_t < T_seq
@@ -278,7 +273,7 @@ def _bwd_dv_kernel(
 ):
     """Grid (NV, NT, B * H): dV = scale A^T dO + (K ⊙ exp(G_C - G)) dH_n."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
     o_t = i_c * BT + o_c
     m_t = o_t < T_seq
@@ -320,7 +315,7 @@ def _bwd_intra_kernel(
     i_k, i_tc, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i = i_tc // NC, i_tc % NC
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     t0 = i_c * BT + i_i * BC
     if t0 >= T_seq:
         return
@@ -403,7 +398,7 @@ def _bwd_inter_kernel(
     """Grid (NK, NT, B * H): dq += scale exp(G) ⊙ dO H_n^T, dk += exp(G_C - G) ⊙ V dH_n^T (in place,
     float32), and the reverse cumsum of q ⊙ dq - k ⊙ dk inside the chunk."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
     last = tl.minimum(i_c * BT + BT, T_seq) - 1
@@ -443,61 +438,22 @@ def _bwd_inter_kernel(
 
 
 # ============================================================================ launch helpers
-def _dtypes(x: torch.Tensor):
-    """(Triton dot-operand dtype, precision of fp32 products) for inputs of x's dtype."""
-    if x.dtype == torch.float32:
-        return tl.float32, "tf32x3"  # three tf32 passes: about fp32 accuracy on the tensor cores
-    return (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16), "tf32"
-
-
-class _Ctx:
+class _Ctx(ChunkLayout):
     """Shapes, chunk maps and tile sizes shared by the forward and the backward."""
 
     def __init__(self, q, v, cu_seqlens):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
-        self.BT, self.BC = CHUNK, SUB
+        super().__init__(q, v, cu_seqlens, CHUNK)
+        K, V = self.K, self.V
+        self.BC = SUB
         self.NC = CHUNK // SUB
-        self.varlen = cu_seqlens is not None
-        if self.varlen:
-            self.N = len(cu_seqlens) - 1
-            self.chunk_offsets, self.chunk_indices, self.NT = _prepare_varlen(cu_seqlens, CHUNK)
-            self.cu = cu_seqlens
-        else:
-            self.N = B
-            self.NT = B * triton.cdiv(T, CHUNK)
-            self.chunk_offsets = self.chunk_indices = self.cu = None
-        self.DT, self.prec = _dtypes(q)
-        # bf16 per-chunk states keep the fp32 range and halve their traffic; fp16 could overflow
-        self.state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        self.DT, self.prec = dot_types(q)
+        self.state_dtype = chunk_state_dtype(q.dtype)
         self.BK = min(MAX_BLOCK, next_pow2(K))
         self.BV = min(MAX_BLOCK, next_pow2(V))
         self.BKC = self.BK  # sub-chunk kernels
         self.NK = triton.cdiv(K, self.BK)
         self.NV = triton.cdiv(V, self.BV)
-        self.state_blocks = _state_blocks(K, V, self.N * H, q.device)
-
-    def grid(self, *lead):
-        """(lead..., chunks, B * H) or (lead..., total chunks, H) with cu_seqlens."""
-        if self.varlen:
-            return (*lead, self.NT, self.H)
-        return (*lead, triton.cdiv(self.T, CHUNK), self.B * self.H)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device):
-    """(BK, BV) for the sequential state kernels: small enough tiles to fill the GPU."""
-    BK = min(MAX_BLOCK, next_pow2(K))
-    BV = min(MAX_BLOCK, next_pow2(V))
-    if BV > 32 and n_seq_heads * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 2 * _num_sms(device):
-        BV = 32
-    return BK, BV
+        self.state_blocks = state_blocks(K, V, self.N * self.H, q.device, MAX_BLOCK)
 
 
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):

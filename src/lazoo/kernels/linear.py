@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, end_state, fill_device, load_end_state,
+                      seq_bounds, state_blocks, state_program, store_chunk_state)
 from ._utils import device_unsupported, next_pow2
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
@@ -48,65 +50,25 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # ============================================================================ kernels
 @triton.jit
-def _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(bos, T_seq, NT, boh): first token, length, chunk count and first chunk of sequence i_n."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T_seq = (eos - bos).to(tl.int32)
-        NT = (T_seq + BT - 1) // BT
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-        NT = (T + BT - 1) // BT
-        boh = i_n.to(tl.int64) * NT
-    return bos, T_seq, NT, boh
+def _chunk_tiles(a, b, bos, i_t, T_seq, i_h, o_k, o_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BT: tl.constexpr):
+    """Chunk i_t of a ``[.., H, K]`` loaded transposed (a^T [BK, BT]) and of b ``[.., H, V]`` ([BT, BV]), in
+    their storage dtypes, zeros past the sequence."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    p_at = a + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
+    b_at = tl.load(p_at, mask=m_t[None, :] & (o_k[:, None] < K), other=0.0)
+    p_b = b + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+    b_b = tl.load(p_b, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
+    return b_at, b_b
 
 
 @triton.jit
-def _state_program(cu_seqlens, chunk_offsets, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """A state kernel's program on grid (NK * NV, N * H): (i_nh, i_h), its sequence (bos, T_seq, NT, boh as in
-    ``_seq_bounds``) and its [BK, BV] tile of the state (o_k, o_v, m_kv)."""
-    i_kv, i_nh = tl.program_id(0), tl.program_id(1)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_k, i_v = i_kv // NV, i_kv % NV
-    i_h = i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_nh // H, T, BT, IS_VARLEN)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
-    return i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv
-
-
-@triton.jit
-def _end_state(ptr, i_nh, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
-    """Pointers to a program's [BK, BV] tile of an initial or final state ``[N, H, V, K]`` (element (k, v) of head
-    i_nh at v * K + k: the layout the ops hand over)."""
-    return ptr + i_nh.to(tl.int64) * (V * K) + o_v[None, :] * K + o_k[:, None]
-
-
-@triton.jit
-def _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H: tl.constexpr, BT: tl.constexpr,
-                  IS_VARLEN: tl.constexpr):
-    """(i_h, bos, T_seq, i_c, i_tg) for program chunk i_t of row i_bh (sample or sequence, head): the head,
-    sequence start and length, chunk index in the sequence, and global chunk index (into the state buffers)."""
-    i_b, i_h = i_bh // H, i_bh % H
-    NT_b = (T + BT - 1) // BT
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T_seq = (eos - bos).to(tl.int32)
-        i_tg = i_t.to(tl.int64)
-    else:
-        bos = i_b.to(tl.int64) * T
-        T_seq = T
-        i_c = i_t
-        i_tg = i_b.to(tl.int64) * NT_b + i_t
-    return i_h, bos, T_seq, i_c, i_tg
+def _chunk_decay(g, bos, i_t, T_seq, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """(G [BT], G_C): the cumulative log decay inside chunk i_t and its total, in fp32."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T_seq, other=0.0).to(tl.float32)
+    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
 
 
 @triton.jit
@@ -118,32 +80,20 @@ def _fwd_h_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): store the state at the start of every chunk, then the final state."""
-    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
-                                                                    BV, IS_VARLEN)
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(_end_state(h0, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
-
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                   BV, IS_VARLEN)
+    b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
     for i_t in range(NT):
-        p_h = h + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T_seq
-        # k^T [BK, BT] and v [BT, BV] of this chunk
-        p_kt = k + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
-        b_kt = tl.load(p_kt, mask=m_t[None, :] & (o_k[:, None] < K), other=0.0)
-        p_v = v + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
-        b_v = tl.load(p_v, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
+        store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+        b_kt, b_v = _chunk_tiles(k, v, bos, i_t, T_seq, i_h, o_k, o_v, H, K, V, BT)  # k^T [BK, BT], v [BT, BV]
         if USE_G:
-            b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-            b_G = tl.cumsum(b_g, axis=0)
-            g_last = tl.sum(b_g, axis=0)
+            b_G, g_last = _chunk_decay(g, bos, i_t, T_seq, i_h, H, BT)
             b_h = b_h * tl.exp(g_last)
             b_v = (b_v.to(tl.float32) * tl.exp(g_last - b_G)[:, None]).to(b_kt.dtype)
         b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
 
     if STORE_HT:
-        tl.store(_end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+        tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 @triton.jit
@@ -155,7 +105,7 @@ def _fwd_o_kernel(
 ):
     """Grid (NV, NT, B * H) or (NV, total chunks, H) with cu_seqlens: the outputs of one chunk."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
 
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -178,8 +128,7 @@ def _fwd_o_kernel(
     o_i = tl.arange(0, BT)
     causal = o_i[:, None] >= o_i[None, :]
     if USE_G:
-        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_G = tl.cumsum(b_g, axis=0)
+        b_G, _ = _chunk_decay(g, bos, i_c, T_seq, i_h, H, BT)
         b_o = b_o * tl.exp(b_G)[:, None]
         b_s = b_s * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
     else:
@@ -200,33 +149,22 @@ def _bwd_dh_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
-    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = _state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
-                                                                    BV, IS_VARLEN)
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh += tl.load(_end_state(dht, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
-
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                   BV, IS_VARLEN)
+    b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        p_dh = dh + ((boh + i_t) * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_dh, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T_seq
-        p_qt = q + (bos + o_t[None, :]) * (H * K) + i_h * K + o_k[:, None]
-        b_qt = tl.load(p_qt, mask=m_t[None, :] & (o_k[:, None] < K), other=0.0)
-        p_do = do + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
-        b_do = tl.load(p_do, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
+        store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+        b_qt, b_do = _chunk_tiles(q, do, bos, i_t, T_seq, i_h, o_k, o_v, H, K, V, BT)  # q^T [BK, BT], do [BT, BV]
         if USE_G:
-            b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-            b_G = tl.cumsum(b_g, axis=0)
-            g_last = tl.sum(b_g, axis=0)
+            b_G, g_last = _chunk_decay(g, bos, i_t, T_seq, i_h, H, BT)
             b_dh = b_dh * tl.exp(g_last)
             b_qt = (b_qt.to(tl.float32) * tl.exp(b_G)[None, :]).to(b_do.dtype)
         b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty),
                        input_precision=PREC) * scale
 
     if STORE_DH0:
-        tl.store(_end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
+        tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
 
 
 @triton.jit
@@ -241,7 +179,7 @@ def _bwd_dqkv_kernel(
     BK >= K: the whole key dim is held; the value dim is walked in blocks of BV.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_h, bos, T_seq, i_c, i_tg = _chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
 
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -261,9 +199,7 @@ def _bwd_dqkv_kernel(
     # A^T[j, i] = k_j · q_i (i >= j), computed directly (no transpose of a dot result)
     b_at = tl.dot(b_k, b_qt, input_precision=PREC)
     if USE_G:
-        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_G = tl.cumsum(b_g, axis=0)
-        g_last = tl.sum(b_g, axis=0)
+        b_G, g_last = _chunk_decay(g, bos, i_c, T_seq, i_h, H, BT)
         gam = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
         gam_t = tl.exp(tl.where(causal_t, b_G[None, :] - b_G[:, None], float("-inf")))
         b_at = b_at * gam_t
@@ -375,40 +311,6 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _state_dtype(dtype: torch.dtype) -> torch.dtype:
-    # bf16 per-chunk states keep the fp32 range and halve their traffic; fp16 could overflow.
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-
-
-def _prepare_varlen(cu_seqlens: torch.Tensor, BT: int):
-    """(chunk_offsets [N+1], chunk_indices [NT, 2] of (sequence, chunk in sequence), NT)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    nchunks = (lens + BT - 1) // BT
-    chunk_offsets = torch.zeros(len(lens) + 1, dtype=torch.int64, device=cu_seqlens.device)
-    chunk_offsets[1:] = nchunks.cumsum(0)
-    counts = nchunks.tolist()
-    NT = int(sum(counts))
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=cu_seqlens.device), nchunks, output_size=NT)
-    within = torch.arange(NT, device=cu_seqlens.device) - chunk_offsets[:-1][seq]
-    chunk_indices = torch.stack([seq, within], 1).contiguous()
-    return chunk_offsets, chunk_indices, NT
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device):
-    """(BK, BV) for the sequential state kernels: small enough tiles to fill the GPU."""
-    BK = min(64, next_pow2(K))
-    BV = min(64, next_pow2(V))
-    if BV > 32 and n_seq_heads * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 2 * _num_sms(device):
-        BV = 32
-    return BK, BV
-
-
 _CONFIG_INDEX: dict = {}
 
 
@@ -428,37 +330,20 @@ def _launch(kernel, grid, key, configs, *args, **meta):
         return configs[i]
 
 
-class _Ctx:
+class _Ctx(ChunkLayout):
     """Shapes and launch parameters shared by the forward and the backward."""
 
     def __init__(self, q, v, cu_seqlens, chunk_size):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
-        self.BT = chunk_size
-        self.varlen = cu_seqlens is not None
-        if self.varlen:
-            self.N = len(cu_seqlens) - 1
-            self.chunk_offsets, self.chunk_indices, self.NT = _prepare_varlen(cu_seqlens, chunk_size)
-            self.cu = cu_seqlens
-        else:
-            self.N = B
-            self.NT = B * triton.cdiv(T, chunk_size)
-            self.chunk_offsets = self.chunk_indices = self.cu = None
+        super().__init__(q, v, cu_seqlens, chunk_size)
         self.prec = _prec(q.dtype)
-        self.state_dtype = _state_dtype(q.dtype)
+        self.state_dtype = chunk_state_dtype(q.dtype)
         self.two_byte = q.element_size() == 2
-        self.key = (q.dtype, H, K, V, chunk_size, self.varlen, q.device.type)
-
-    def chunk_grid(self, nblocks: int):
-        if self.varlen:
-            return (nblocks, self.NT, self.H)
-        return (nblocks, triton.cdiv(self.T, self.BT), self.B * self.H)
+        self.key = (q.dtype, self.H, self.K, self.V, chunk_size, self.varlen, q.device.type)
 
 
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     dev = q.device
-    BK, BV = _state_blocks(c.K, c.V, c.N * c.H, dev)
+    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     h = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
     ht = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
@@ -472,7 +357,7 @@ def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     BK = min(64, next_pow2(c.K))
     configs = [dict(BV=min(128 if c.two_byte else 64, next_pow2(c.V)), num_warps=4, num_stages=2),
                dict(BV=min(32, next_pow2(c.V)), num_warps=4, num_stages=1)]
-    _launch(_fwd_o_kernel, lambda cfg: c.chunk_grid(triton.cdiv(c.V, cfg["BV"])), ("fwd_o", c.key), configs,
+    _launch(_fwd_o_kernel, lambda cfg: c.grid(triton.cdiv(c.V, cfg["BV"])), ("fwd_o", c.key), configs,
             q, k, v, g, h, o, c.cu, c.chunk_indices, scale, c.T,
             H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
     return o, h, ht
@@ -480,7 +365,7 @@ def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
 
 def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
     dev = q.device
-    BK, BV = _state_blocks(c.K, c.V, c.N * c.H, dev)
+    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     dh = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
     dh0 = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if want_dh0 else None
     grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
@@ -497,7 +382,7 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
                     num_warps=8 if BK >= 128 else 4, num_stages=1),
                dict(BV=min(32, next_pow2(c.V)), num_warps=8 if BK >= 128 else 4, num_stages=1),
                dict(BV=16, num_warps=8, num_stages=1)]
-    _launch(_bwd_dqkv_kernel, lambda cfg: c.chunk_grid(1)[1:], ("bwd_dqkv", c.key), configs,
+    _launch(_bwd_dqkv_kernel, lambda cfg: c.grid(), ("bwd_dqkv", c.key), configs,
             q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
             H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
     return dq, dk, dv, dg, dh0
@@ -646,15 +531,13 @@ def _gla_rec_fwd_kernel(
     """Grid (NV, N * H): outputs and final state; the state [BK, BV] stays in registers."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, T_seq, NT, boh = _seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
+    bos, T_seq, NT, boh = seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h += tl.load(_end_state(h0, i_nh, o_k, o_v, K, V), mask=m_kv, other=0.0).to(tl.float32)
+    b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
     for t in range(T_seq):
         row = (bos + t) * H + i_h
         b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -665,15 +548,13 @@ def _gla_rec_fwd_kernel(
         b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
         tl.store(o + row * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_HT:
-        tl.store(_end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+        tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 def _gla_blocks(K, V, n_seq_heads, device):
     BK = next_pow2(K)
     BV = min(32 if BK <= 128 else 16, next_pow2(V))
-    # smaller value blocks when there are few (sequence, head) pairs, to fill the GPU
-    while BV > 16 and n_seq_heads * triton.cdiv(V, BV) < 2 * _num_sms(device):
-        BV //= 2
+    BV = fill_device(BV, V, n_seq_heads, device)
     return BK, BV, (4 if BK * BV >= 4096 else 2)
 
 

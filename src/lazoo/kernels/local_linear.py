@@ -83,15 +83,18 @@ class Launch(NamedTuple):
 
 #: launches on a GPU for up to 16 slope features, from a sweep per kernel (H100, bf16, T = 4k, B·T = 32k,
 #: H = 16, dk = 64, r = 16: fwd+bwd 27.1 → 19.2 ms, mostly the key-block kernel: 32-row query blocks against
-#: 64-row key blocks need no register spills there, 64 × 32 spilled ~330 B). 4 warps: with 8 warps (and 64-row
-#: query blocks) Triton 3.6 on an H100 produced wrong outputs (tf32 moments) or an illegal memory access
-#: (tf32x3); with the bf16 moments 8 warps are correct but slower (forward 4.9 → 8.3 ms; prep, dq and key
-#: blocks +0.4 to +4 ms fwd+bwd). The [BM, R²] moment accumulators of the query-block kernels must fit in
-#: registers. "prep" is the prep without moments (A saved by the forward), "prep_moments" the one with. The
-#: statistics, outputs, prep, key-block and dq launches from a sweep after the forward's split (r = 8: fwd+bwd
-#: 9.72 → 9.50 ms, ``scripts/tune_local_linear.py --rank 8``); the statistics' 64 × 64 only for 8 features (at 16,
-#: fp32 inputs need 266 KB of shared memory there). The key-block, dq and statistics launches again after the
-#: backward's regrouping (``_coefficients``): r = 8 8.00 → 7.80 ms, r = 16 dq only (the rest within noise).
+#: 64-row key blocks need no register spills there, 64 × 32 spilled ~330 B). Warps: 4 for the kernels that
+#: accumulate the r² moments ("stats", "prep_moments") and for the key-block and dq kernels. When the forward
+#: was one kernel and every prep formed the moments, 8 warps (with 64-row query blocks) made Triton 3.6 on an
+#: H100 produce wrong outputs (tf32 moments) or an illegal memory access (tf32x3); with the bf16 moments 8 warps
+#: were correct but slower (forward 4.9 → 8.3 ms; prep, dq and key blocks +0.4 to +4 ms fwd+bwd). The outputs
+#: kernel and the prep without moments hold no moment accumulators: 8 warps won their sweep after the forward's
+#: split. The [BM, R²] moment accumulators of the query-block kernels must fit in registers. "prep" is the prep
+#: without moments (A saved by the forward), "prep_moments" the one with. The statistics, outputs, prep,
+#: key-block and dq launches from a sweep after the forward's split (r = 8: fwd+bwd 9.72 → 9.50 ms,
+#: ``scripts/tune_local_linear.py --rank 8``); the statistics' 64 × 64 only for 8 features (at 16, fp32 inputs
+#: need 266 KB of shared memory there). The key-block, dq and statistics launches again after the backward's
+#: regrouping (``_coefficients``): r = 8 8.00 → 7.80 ms, r = 16 dq only (the rest within noise).
 LAUNCH = {"stats": Launch(64, 32, 4, 3), "out": Launch(128, 64, 8, 3), "prep": Launch(128, 32, 8, 2),
           "prep_moments": Launch(64, 32, 4, 2), "dkv": Launch(32, 64, 4, 2), "dq": Launch(64, 64, 4, 3)}
 #: what changes when the moments take 8 features (RM = 8)

@@ -1,4 +1,5 @@
-"""Triton kernel for step 1 of OVQ attention's Triton path: every chunk's slot assignments.
+"""Triton kernel for step 1 of OVQ attention's Triton path: every chunk's slot assignments, run by
+``lazoo.ops.ovq_attention(..., backend="triton", triton_assign=True)`` (the mixer option ``triton_assign``).
 
 The same rule as ``lazoo.ops.ovq._assign`` / ``_chunk_slots`` (no gradient: it only decides slots), for
 all chunks of a call in ONE launch, one program per (sample, head) walking its chunks in order. The

@@ -326,11 +326,6 @@ def chunk_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, chunk:
     return KK.float()[:, :, None] + gram.cumsum(2) - gram + lam_h.float()[:, None, None, None] * eye, gram
 
 
-def chunk_start_moments(k: torch.Tensor, KK: torch.Tensor, lam_h: torch.Tensor, chunk: int) -> torch.Tensor:
-    """A_c = KK_0 + λI + Σ_{earlier chunks} KᵀK, fp32 ``[B, H, N, dk, dk]`` (``KK [B, H, dk, dk]``, λ ``[H]``)."""
-    return chunk_moments(k, KK, lam_h, chunk)[0]
-
-
 def chunk_end_residual(q: torch.Tensor, z: torch.Tensor, A: torch.Tensor, gram: torch.Tensor,
                        chunk: int) -> torch.Tensor:
     """ρ ``[B, H, N]`` (fp32): ‖q_t − A_t z_t‖ / ‖q_t‖ (q the right-hand sides) at the last position t of every chunk,

@@ -137,14 +137,16 @@ class _ShortConv(torch.autograd.Function):
         return dx, dw_part.sum((0, 1)), None
 
 
-def check_supported(x: torch.Tensor, kernel_size: int) -> str | None:
+def check_supported(x: torch.Tensor, kernel_size: int, activation: str | None = "silu") -> str | None:
     """Why the kernels cannot take this input (None if they can)."""
+    if activation not in ("silu", None):
+        return f"the Triton kernel applies activation 'silu' or None, not {activation!r}"
     if x.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {x.dtype} (the kernels take float32, float16, bfloat16)"
+        return f"the Triton kernel takes dtype float32, float16 or bfloat16, not {x.dtype}"
     if kernel_size > MAX_KERNEL_SIZE:
-        return f"kernel_size {kernel_size} > {MAX_KERNEL_SIZE}"
+        return f"the Triton kernel takes kernel_size up to {MAX_KERNEL_SIZE}, got {kernel_size}"
     if x.dim() != 3:
-        return f"x must be [B, T, C], got shape {tuple(x.shape)}"
+        return f"the Triton kernel takes x of shape [B, T, C], got {tuple(x.shape)}"
     return None
 
 
@@ -152,10 +154,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None = "
     """``act(causal depthwise conv(x))`` for ``x [B, T, C]`` from a zero state; ``weight [C, K]`` (conv1d's
     ``[C, 1, K]`` squeezed: tap j multiplies x_{t−(K−1−j)}), kept in fp32 for the arithmetic. Differentiable
     in x and weight."""
-    why = check_supported(x, weight.shape[-1])
+    why = check_supported(x, weight.shape[-1], activation)
     if why is not None:
-        raise ValueError(f"short_conv kernel: {why}")
-    if activation not in ("silu", None):
-        raise ValueError(f"short_conv kernel: activation must be 'silu' or None, got {activation!r}")
+        raise ValueError(f"short_conv: {why}")
     w = weight.reshape(weight.shape[0], -1).float().contiguous()
     return _ShortConv.apply(x.contiguous(), w, activation == "silu")

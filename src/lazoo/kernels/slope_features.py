@@ -52,7 +52,7 @@ def project(x: torch.Tensor, P: torch.Tensor, R: int) -> torch.Tensor:
     N = B * T
     f = torch.empty(B, T, H, R, dtype=torch.float32, device=x.device)
     _features_fwd_kernel[(H, triton.cdiv(N, BLOCK_TOKENS))](
-        x, P, f, N, P.shape[-2], head_stride(P), H=H, DK=DK, R=R, BK=max(16, next_pow2(DK)), BT=BLOCK_TOKENS)
+        x, P, f, N, P.shape[-2], head_stride(P), H=H, DK=DK, R=R, BK=next_pow2(DK), BT=BLOCK_TOKENS)
     return f
 
 

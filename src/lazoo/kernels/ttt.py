@@ -42,6 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import dot, fill_device
+from ._utils import next_pow2
+
 #: largest head dim (dk and dv) the kernels take
 MAX_HEAD_DIM = 256
 #: largest mini-batch the kernels take (one mini-batch is one tile)
@@ -49,12 +52,6 @@ MAX_MINI_BATCH = 128
 
 
 # ============================================================================ jit helpers
-@triton.jit
-def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-    """``a @ b`` with operands cast to DT and fp32 (fp64) accumulation."""
-    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
-
-
 @triton.jit
 def _rows(i_b, c, T, H: tl.constexpr, i_h, MB: tl.constexpr, BC: tl.constexpr):
     """Token-head row index (int64) and validity of the BC rows of mini-batch c of sample i_b."""
@@ -84,10 +81,10 @@ def _fwd_chunk(c, wt, wg, q, k, v, eta, h, o, w_start, i_s, i_b, i_h, bh, T, N, 
     b_k = _load(k, row, valid, K, rk, mk, CDT)
     b_v = _load(v, row, valid, V, rv, mv, CDT)
     b_eta = tl.load(eta + row, mask=valid, other=0.0).to(CDT)
-    e = _dot(b_k, wg, DT, PREC) - b_v  # errors at the mini-batch's start weights
+    e = dot(b_k, wg, DT, PREC) - b_v  # errors at the mini-batch's start weights
     ee = e * b_eta[:, None]
     _out_tile(q, b_k, ee, wt, o, row, valid, rk, mk, rv, mv, K, V, BC, DT, CDT, PREC)
-    return wt - _dot(tl.trans(b_k), ee, DT, PREC)
+    return wt - dot(tl.trans(b_k), ee, DT, PREC)
 
 
 @triton.jit
@@ -96,8 +93,8 @@ def _out_tile(q, b_k, ee, wt, o, row, valid, rk, mk, rv, mv, K: tl.constexpr, V:
     """O = Q W_cᵀ − tril(Q Kᵀ) Ẽ for one mini-batch and dv block."""
     rc = tl.arange(0, BC)
     b_q = _load(q, row, valid, K, rk, mk, CDT)
-    a = tl.where(rc[:, None] >= rc[None, :], _dot(b_q, tl.trans(b_k), DT, PREC), 0.0)
-    b_o = _dot(b_q, wt, DT, PREC) - _dot(a, ee, DT, PREC)
+    a = tl.where(rc[:, None] >= rc[None, :], dot(b_q, tl.trans(b_k), DT, PREC), 0.0)
+    b_o = dot(b_q, wt, DT, PREC) - dot(a, ee, DT, PREC)
     tl.store(o + row[:, None] * V + rv[None, :], b_o.to(o.dtype.element_ty), mask=valid[:, None] & mv[None, :])
 
 
@@ -145,10 +142,10 @@ def _dh_chunk(g, c, q, k, do, eta, dh, i_b, i_h, bh, T, N, rk, mk, rv, mv, mkv,
     b_k = _load(k, row, valid, K, rk, mk, CDT)
     b_do = _load(do, row, valid, V, rv, mv, CDT)
     b_eta = tl.load(eta + row, mask=valid, other=0.0).to(CDT)
-    at = tl.where(rc[:, None] <= rc[None, :], _dot(b_k, tl.trans(b_q), DT, PREC), 0.0)  # tril(QKᵀ)ᵀ
-    dee = -_dot(at, b_do, DT, PREC) - _dot(b_k, g, DT, PREC)
+    at = tl.where(rc[:, None] <= rc[None, :], dot(b_k, tl.trans(b_q), DT, PREC), 0.0)  # tril(QKᵀ)ᵀ
+    dee = -dot(at, b_do, DT, PREC) - dot(b_k, g, DT, PREC)
     de = dee * b_eta[:, None]
-    return _dot(tl.trans(b_q), b_do, DT, PREC), _dot(tl.trans(b_k), de, DT, PREC)
+    return dot(tl.trans(b_q), b_do, DT, PREC), dot(tl.trans(b_k), de, DT, PREC)
 
 
 @triton.jit
@@ -208,7 +205,7 @@ def _bwd_dqkv_kernel(q, k, v, eta, do, h, dh, wg0, dq, dk, dv, deta, T, N,
     b_q = _load(q, row, valid, K, rk, mk, CDT)
     b_k = _load(k, row, valid, K, rk, mk, CDT)
     b_eta = tl.load(eta + row, mask=valid, other=0.0).to(CDT)
-    at = tl.where(rc[:, None] <= rc[None, :], _dot(b_k, tl.trans(b_q), DT, PREC), 0.0)  # tril(QKᵀ)ᵀ
+    at = tl.where(rc[:, None] <= rc[None, :], dot(b_k, tl.trans(b_q), DT, PREC), 0.0)  # tril(QKᵀ)ᵀ
     b_dq = tl.zeros([BC, BK], dtype=CDT)
     b_dk = tl.zeros([BC, BK], dtype=CDT)
     da = tl.zeros([BC, BC], dtype=CDT)
@@ -227,23 +224,23 @@ def _bwd_dqkv_kernel(q, k, v, eta, do, h, dh, wg0, dq, dk, dv, deta, T, N,
                 wg = tl.load(wg0 + bh * V * K + rv[None, :] * K + rk[:, None], mask=mkv, other=0.0).to(CDT)
         b_v = _load(v, row, valid, V, rv, mv, CDT)
         b_do = _load(do, row, valid, V, rv, mv, CDT)
-        e = _dot(b_k, wg, DT, PREC) - b_v
+        e = dot(b_k, wg, DT, PREC) - b_v
         ee = e * b_eta[:, None]
-        eet = (_dot(tl.trans(wg), tl.trans(b_k), DT, PREC) - tl.trans(b_v)) * b_eta[None, :]  # Ẽᵀ, loaded tiles
-        dee = -_dot(at, b_do, DT, PREC) - _dot(b_k, g, DT, PREC)
+        eet = (dot(tl.trans(wg), tl.trans(b_k), DT, PREC) - tl.trans(b_v)) * b_eta[None, :]  # Ẽᵀ, loaded tiles
+        dee = -dot(at, b_do, DT, PREC) - dot(b_k, g, DT, PREC)
         de = dee * b_eta[:, None]
         b_deta += tl.sum(dee * e, axis=1)
-        da -= _dot(b_do, eet, DT, PREC)  # dA = −tril(dO Ẽᵀ) (masked below)
-        dat -= _dot(ee, tl.trans(b_do), DT, PREC)  # dAᵀ
+        da -= dot(b_do, eet, DT, PREC)  # dA = −tril(dO Ẽᵀ) (masked below)
+        dat -= dot(ee, tl.trans(b_do), DT, PREC)  # dAᵀ
         # W_{c+1}ᵀ = W_cᵀ − Kᵀ Ẽ gives dK −= Ẽ Gᵀ; E = K W_gᵀ − V gives dK += dE W_g; O gives dQ += dO W_c
-        b_dq += _dot(b_do, tl.trans(wt), DT, PREC)
-        b_dk += _dot(de, tl.trans(wg), DT, PREC) - _dot(ee, tl.trans(g), DT, PREC)
+        b_dq += dot(b_do, tl.trans(wt), DT, PREC)
+        b_dk += dot(de, tl.trans(wg), DT, PREC) - dot(ee, tl.trans(g), DT, PREC)
         tl.store(dv + row[:, None] * V + rv[None, :], (-de).to(dv.dtype.element_ty),
                  mask=valid[:, None] & mv[None, :])
     da = tl.where(causal, da, 0.0)
     dat = tl.where(rc[:, None] <= rc[None, :], dat, 0.0)
-    b_dq += _dot(da, b_k, DT, PREC)
-    b_dk += _dot(dat, b_q, DT, PREC)
+    b_dq += dot(da, b_k, DT, PREC)
+    b_dk += dot(dat, b_q, DT, PREC)
     mout = valid[:, None] & mk[None, :]
     tl.store(dq + row[:, None] * K + rk[None, :], b_dq.to(dq.dtype.element_ty), mask=mout)
     tl.store(dk + row[:, None] * K + rk[None, :], b_dk.to(dk.dtype.element_ty), mask=mout)
@@ -264,15 +261,12 @@ def _types(x: torch.Tensor):
 
 
 def _blocks(K: int, V: int, MB: int, parallel: int, device, interpret: bool):
-    BK = max(16, triton.next_power_of_2(K))
-    BC = max(16, triton.next_power_of_2(MB))
+    BK = next_pow2(K)
+    BC = next_pow2(MB)
     if interpret:
-        return BK, BC, max(16, triton.next_power_of_2(V))
-    BV = min(64, max(16, triton.next_power_of_2(V)), max(16, 8192 // BK))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    while BV > 16 and parallel * triton.cdiv(V, BV) < 2 * sms:  # enough programs for the sequential kernels
-        BV //= 2
-    return BK, BC, BV
+        return BK, BC, next_pow2(V)
+    BV = min(64, next_pow2(V), max(16, 8192 // BK))
+    return BK, BC, fill_device(BV, V, parallel, device)  # enough programs for the sequential kernels
 
 
 #: launch options per kernel on the GPU (fixed: no autotuning, the interpreter cannot autotune). Measured on
@@ -353,7 +347,7 @@ class TTTLinearFunction(torch.autograd.Function):
             HAS_DW_END=dwt_end is not None, HAS_DW_START=dwt_start is not None, DT=DT, CDT=CDT, PREC=PREC,
             **_opts(interp, "dh"))
         dq, dk, deta, dv = (torch.empty_like(x) for x in (q, k, eta, v))
-        BVq = BK if interp else min(64, max(16, 8192 // BK), max(16, triton.next_power_of_2(V)))
+        BVq = BK if interp else min(64, max(16, 8192 // BK), next_pow2(V))
         _bwd_dqkv_kernel[(N, B * H)](
             q, k, v, eta, do, h, dh, Wg0 if has_wg else h, dq, dk, dv, deta, T, N, H=H, K=K, V=V, MB=MB,
             BC=BC, BK=BK, BV=BVq, HAS_WG=has_wg, DT=DT, CDT=CDT, PREC=PREC, **_opts(interp, "dqkv"))

@@ -1,4 +1,5 @@
-"""Chunk-parallel Triton kernels for VLA's precision scan (same interface and results as ``lazoo.kernels.vla``).
+"""Chunk-parallel Triton kernels for VLA's precision scan (same interface and results as ``lazoo.kernels.vla``),
+run by ``lazoo.ops.vla(..., backend="triton", triton_scan="chunk")`` (the mixer option ``triton_scan``).
 
 Per head the scan is (û, k̂ normalised by the caller, û = 0 at pads)
 

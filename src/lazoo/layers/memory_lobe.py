@@ -5,7 +5,7 @@ the feed-forward output f). The lobe projects it to queries, keys and values (`Q
 into the model's heads), applies a positive feature map φ and reads out normalised linear attention:
 
     causal:         m_t = Σ_{s≤t} v_s φ(k_s)ᵀ φ(q_t) / Σ_{s≤t} φ(k_s)·φ(q_t)     (ops.linear_attention)
-    bidirectional:  the same sums over every real token of the sequence
+    bidirectional:  the same sums over every real token of the sequence   (ops.bidirectional_linear_attention)
 
 The seed describes the bidirectional form inside a causal LM. There, position t reads the flow of
 positions s > t, which carries the tokens it is asked to predict: future-token leakage (the "abrupt
@@ -21,29 +21,10 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops.bidirectional import bidirectional_linear_attention
 from ..ops.linear import get_feature_map
 
 MODES = ("causal", "bidirectional")
-
-
-def bidirectional_linear_attention(q, k, v, *, feature_map: str = "elu1", eps: float = 1e-6, mask=None):
-    """Normalised linear attention over the whole sequence: `o_t = S φ(q_t) / max(φ(q_t)·z, eps)` with
-    `S = Σ_s v_s φ(k_s)ᵀ`, `z = Σ_s φ(k_s)` over real tokens (mask `[B, T]`, 1 = real; a pad outputs 0).
-    q/k `[B, T, H, dk]`, v `[B, T, H, dv]`; computed in float32 (float64 for float64 inputs)."""
-    phi = get_feature_map(feature_map, "memory_lobe")
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    fq, fk, v_c = phi(q.to(cdt)), phi(k.to(cdt)), v.to(cdt)
-    if mask is not None:
-        real = mask.to(cdt)[:, :, None, None]
-        fk, v_c = fk * real, v_c * real
-    S = torch.einsum("bthv,bthk->bhvk", v_c, fk)
-    z = fk.sum(1)  # [B, H, dk]
-    num = torch.einsum("bhvk,bthk->bthv", S, fq)
-    den = torch.einsum("bhk,bthk->bth", z, fq).clamp_min(eps)[..., None]
-    o = num / den
-    if mask is not None:
-        o = o * mask.to(cdt)[:, :, None, None]
-    return o.to(v.dtype)
 
 
 class MemoryLobe(nn.Module):
@@ -87,10 +68,12 @@ class MemoryLobe(nn.Module):
             raise ValueError(
                 "memory_lobe='bidirectional' has no recurrent state: it cannot continue a cached sequence "
                 "(and in a causal LM it reads future tokens). Use memory_lobe='causal' to generate")
-        run = lambda a, b, c, m: bidirectional_linear_attention(  # noqa: E731
-            a, b, c, feature_map=self.feature_map, eps=self.eps, mask=m)
         if cu_seqlens is None:
-            return run(q, k, v, mask)
+            return self._attend_all(q, k, v, mask)
         bounds = cu_seqlens.tolist()  # packed sequences: one sequence never reads another
-        return torch.cat([run(q[:, s:e], k[:, s:e], v[:, s:e], None)
+        return torch.cat([self._attend_all(q[:, s:e], k[:, s:e], v[:, s:e], None)
                           for s, e in zip(bounds[:-1], bounds[1:]) if e > s], dim=1)
+
+    def _attend_all(self, q, k, v, mask):
+        o, _ = bidirectional_linear_attention(q, k, v, feature_map=self.feature_map, eps=self.eps, mask=mask)
+        return o

@@ -1,7 +1,12 @@
-"""The generation cache: per layer, whatever that layer's mixer needs (a dict of tensors).
+"""The generation cache: per layer, whatever that layer's mixer needs (a dict of tensors; each mechanism's
+registry entry, `lazoo.registry.Mechanism.state`, says what).
 
-Attention layers keep a KV window, recurrent layers a fixed-size state (S, z, A, the VLA step counter,
-short-convolution tails), so decoding costs O(1) per token for recurrent mixers. The cache also counts
+What a decoded token costs depends on the mixer. Softmax attention, and local-linear attention without a
+window, keep the keys and values of every position seen: their cache, and the work per token, grow with the
+sequence. Sliding-window attention, and local-linear attention with a window, keep the last `window - 1`
+positions. The recurrent mixers keep a state whose size does not depend on the sequence length (S, z, A, the
+VLA step counter, OVQ's dictionaries of at most `max_dict_size` entries, partial chunks and mini-batches,
+short-convolution tails): O(1) memory and time per token in the sequence length. The cache also counts
 positions processed and real tokens per sample (for RoPE positions under left padding).
 
 It subclasses `transformers.Cache` so `generate` recognises it, but keeps its own storage: the base

@@ -15,6 +15,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from ..layers.mixers import check_mixer_kwargs, mixer_class
+from ..registry import Mechanism, on_register
 
 
 #: the layer pattern of a `lazoo_hybrid` config created without `layer_types`
@@ -222,7 +223,7 @@ class LazooConfig(PreTrainedConfig):
         auto_map = auto_map_for(self)
         if auto_map is not None:  # None: not one of lazoo's model types (a user's subclass), saved as is
             self.auto_map = {**(getattr(self, "auto_map", None) or {}), **auto_map}
-            export_remote_code(save_directory)
+            export_remote_code(save_directory, mechanism_names=self.layer_types)
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     def mixer_options(self, name: str) -> dict[str, Any]:
@@ -238,47 +239,40 @@ class LazooConfig(PreTrainedConfig):
         return options
 
 
-def _mechanism_config(mechanism: str, class_name: str) -> type[LazooConfig]:
+#: mechanism name -> its config class (`lazoo_<name>`); `lazoo_hybrid` is `LazooConfig` itself. Filled from the
+#: registry (`lazoo.registry`): every registered mechanism gets a class, also one registered after import.
+MECHANISM_CONFIGS: dict[str, type[LazooConfig]] = {}
+
+
+def _config_docstring(mechanism: Mechanism) -> str:
+    lines = [f"Configuration of a lazoo `{mechanism.name}` model ({mechanism.title}): model type "
+             f"`{mechanism.model_type}`, every layer `{mechanism.name}` unless `layer_types` says otherwise.",
+             "", f"{mechanism.name} options (typed fields here; `mixer_kwargs[{mechanism.name!r}]` in any config):"]
+    for key, default in mechanism.defaults.items():
+        doc = mechanism.option_docs.get(key, "")
+        lines.append(f"    {key} = {default!r}" + (f": {doc}" if doc else ""))
+    return "\n".join(lines)
+
+
+def make_config_class(mechanism: Mechanism) -> type[LazooConfig]:
+    """The config class of `mechanism` (`<class_prefix>Config`), bound in this module and in
+    `MECHANISM_CONFIGS`: a `LazooConfig` whose primary mechanism is `mechanism.name`."""
+
     def __init__(self, **kwargs):
         LazooConfig.__init__(self, **kwargs)
 
     # an explicit __init__ keeps transformers from generating a dataclass one for the subclass
-    namespace = {"model_type": f"lazoo_{mechanism}", "mechanism": mechanism, "__init__": __init__,
-                 "__module__": __name__, "__qualname__": class_name,
-                 "__doc__": f"Configuration of a lazoo `{mechanism}` model."}
-    return type(class_name, (LazooConfig,), namespace)
+    name = f"{mechanism.class_prefix}Config"
+    namespace = {"model_type": mechanism.model_type, "mechanism": mechanism.name, "__init__": __init__,
+                 "__module__": __name__, "__qualname__": name, "__doc__": _config_docstring(mechanism)}
+    cls = type(name, (LazooConfig,), namespace)
+    MECHANISM_CONFIGS[mechanism.name] = cls
+    globals()[name] = cls
+    return cls
 
 
-LazooSoftmaxConfig = _mechanism_config("softmax", "LazooSoftmaxConfig")
-LazooSlidingWindowConfig = _mechanism_config("sliding_window", "LazooSlidingWindowConfig")
-LazooLinearConfig = _mechanism_config("linear", "LazooLinearConfig")
-LazooGatedLinearConfig = _mechanism_config("gated_linear", "LazooGatedLinearConfig")
-LazooDeltaNetConfig = _mechanism_config("delta_net", "LazooDeltaNetConfig")
-LazooGatedDeltaNetConfig = _mechanism_config("gated_delta_net", "LazooGatedDeltaNetConfig")
-LazooVLAConfig = _mechanism_config("vla", "LazooVLAConfig")
-LazooELAConfig = _mechanism_config("ela", "LazooELAConfig")
-LazooGLAConfig = _mechanism_config("gla", "LazooGLAConfig")
-LazooDeltaProductConfig = _mechanism_config("delta_product", "LazooDeltaProductConfig")
-#: online vector-quantized attention (seed 002): typed fields chunk_size, max_dict_size (read at forward time)
-LazooOVQConfig = _mechanism_config("ovq", "LazooOVQConfig")
-#: VQ-attention with a learned codebook (seed 002 §2.2, the baseline): chunk_size, codebook_size, ...
-LazooVQConfig = _mechanism_config("vq", "LazooVQConfig")
-#: exact (γ-weighted) ridge-regression memory, RLS / Mesa (seed 004 eq 11): lambda_init, gamma, chunk_size
-LazooRLSConfig = _mechanism_config("rls", "LazooRLSConfig")
-#: local-linear (p = 1) attention (seed 004 eqs 52–54): ridge, window, chunk_size, slope_rank
-LazooLocalLinearConfig = _mechanism_config("local_linear", "LazooLocalLinearConfig")
-#: test-time training (seed 001): mini_batch_size, lr_scale, use_qk_l2norm (ttt_mlp: also mlp_expansion)
-LazooTTTLinearConfig = _mechanism_config("ttt_linear", "LazooTTTLinearConfig")
-LazooTTTMLPConfig = _mechanism_config("ttt_mlp", "LazooTTTMLPConfig")
-#: Titans neural memory with momentum and forgetting (seed 001): mini_batch_size, lr_scale, forget_bias, ...
-LazooTitansConfig = _mechanism_config("titans", "LazooTitansConfig")
+def _forget_config_class(mechanism: Mechanism) -> None:
+    MECHANISM_CONFIGS.pop(mechanism.name, None)
 
-#: mechanism name -> its config class; `lazoo_hybrid` is `LazooConfig` itself
-MECHANISM_CONFIGS: dict[str, type[LazooConfig]] = {
-    c.mechanism: c
-    for c in (LazooSoftmaxConfig, LazooSlidingWindowConfig, LazooLinearConfig, LazooGatedLinearConfig,
-              LazooDeltaNetConfig, LazooGatedDeltaNetConfig, LazooVLAConfig, LazooELAConfig, LazooGLAConfig,
-              LazooDeltaProductConfig, LazooOVQConfig, LazooVQConfig,
-              LazooRLSConfig, LazooLocalLinearConfig,
-              LazooTTTLinearConfig, LazooTTTMLPConfig, LazooTitansConfig)
-}
+
+on_register(make_config_class, removal=_forget_config_class)

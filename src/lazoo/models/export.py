@@ -22,7 +22,11 @@ with every relative (or absolute `lazoo.`) import rewritten to the flat names:
 `from ..layers.mixers import X` -> `from .lazoo_layers_mixers import X`, and a module import
 `from ... import ops` -> `from . import lazoo_ops as ops` (preceded by a `from .lazoo_ops import ...`
 line, the form transformers scans for). The closure is found from the import statements themselves
-(`ast`), so a new mixer or op module is exported without a change here.
+(`ast`), so a new mixer or op module is exported without a change here. A package that finds its modules
+itself (`X = lazoo.registry.import_submodules(__name__, __path__)`: the ops and the mixers) gets that statement
+replaced by explicit imports of the same modules. A mechanism declared outside lazoo (a user's own mixer module,
+registered with `lazoo.registry.register`) that the saved model uses has its module exported as well
+(`lazoo_extension_<module>.py`, imported by the exported mixers package); it must import lazoo absolutely.
 
 Every exported file opens with `EXPORT_HEADER`; the export overwrites only such files and refuses (before
 writing anything) a same-named file without it, which the user made.
@@ -88,8 +92,18 @@ _RELATIVE_IMPORT_PATTERNS = (re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILIN
 
 
 # ----------------------------------------------------------------------------- module resolution
+#: modules outside lazoo that declare a mechanism a saved model uses (a user's or a test's own mixer):
+#: module name -> source file, set by `exported_sources` for the duration of one export
+_extensions: dict[str, Path] = {}
+#: the package whose discovered modules the extension modules join (they register their mechanisms on import)
+_EXTENDED_PACKAGE = "lazoo.layers.mixers"
+
+
 def _module_file(module: str) -> Path | None:
-    """The source file of lazoo module `module` (a package's `__init__.py`), or None if there is none."""
+    """The source file of lazoo module `module` (a package's `__init__.py`) or of an extension module, or None
+    if there is none."""
+    if module in _extensions:
+        return _extensions[module]
     parts = module.split(".")
     if parts[0] != PACKAGE:
         return None
@@ -107,9 +121,11 @@ def _is_package(module: str) -> bool:
 
 
 def flat_name(module: str) -> str:
-    """The exported file name (without `.py`) of lazoo module `module`."""
+    """The exported file name (without `.py`) of lazoo module `module` (or of an extension module)."""
     if module in ENTRY_MODULES:
         return ENTRY_MODULES[module]
+    if module in _extensions:
+        return f"{PACKAGE}_extension_" + module.replace(".", "_")
     return module.replace(".", "_")
 
 
@@ -122,6 +138,9 @@ def _absolute(module: str, node: ast.ImportFrom) -> str | None:
     if node.level == 0:
         name = node.module or ""
         return name if name == PACKAGE or name.startswith(PACKAGE + ".") else None
+    if module in _extensions:
+        raise ValueError(f"{module}: the module declaring a mechanism outside lazoo must import lazoo absolutely "
+                         f"(`from lazoo... import ...`) to be exported; it has a relative import (line {node.lineno})")
     package = module if _is_package(module) else module.rpartition(".")[0]
     parts = package.split(".")
     if node.level - 1 > len(parts) - 1:
@@ -169,6 +188,33 @@ def _rewrite_import(module: str, node: ast.stmt, needed: set[str]) -> list[str] 
     return lines
 
 
+def _is_discovery(node: ast.stmt) -> bool:
+    """`X = import_submodules(__name__, __path__)`: a package that imports all its public modules."""
+    return (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name) and node.value.func.id == "import_submodules")
+
+
+def _rewrite_discovery(module: str, node: ast.Assign, needed: set[str]) -> list[str]:
+    """Explicit imports of the modules `import_submodules` finds in package `module` (a flat export has no
+    package folder to search), plus the extension modules when `module` is the one they join."""
+    from ..registry import public_submodule_names
+
+    if not _is_package(module):
+        raise ValueError(f"{module}: import_submodules(__name__, __path__) is for packages")
+    found = [f"{module}.{name}" for name in public_submodule_names([str(_module_file(module).parent)])]
+    if module == _EXTENDED_PACKAGE:
+        found += sorted(_extensions)
+    lines = []
+    for sub in found:
+        needed.add(sub)
+        flat = flat_name(sub)
+        lines.append(f"from .{flat} import __name__ as _{flat}_name  # noqa: F401")
+        lines.append(f"from . import {flat}")
+    target = ast.unparse(node.targets[0])
+    lines.append(f"{target} = [{', '.join(flat_name(sub) for sub in found)}]")
+    return lines
+
+
 def rewrite_module(module: str) -> tuple[str, set[str]]:
     """The exported text of lazoo module `module` and the lazoo modules it needs."""
     path = _module_file(module)
@@ -178,16 +224,20 @@ def rewrite_module(module: str) -> tuple[str, set[str]]:
     needed: set[str] = set()
     edits = []  # (first line index, last line index, replacement text)
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+        if _is_discovery(node):
+            new = _rewrite_discovery(module, node, needed)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            new = _rewrite_import(module, node, needed)
+        else:
             continue
-        new = _rewrite_import(module, node, needed)
         if new is None:
             continue
         first, last = node.lineno - 1, node.end_lineno - 1
         indent = lines[first][: node.col_offset]
         rest = lines[last].rstrip("\r\n")[node.end_col_offset:].strip()
         if indent.strip() or (rest and not rest.startswith("#")):
-            raise ValueError(f"{module}:{node.lineno}: put lazoo imports on lines of their own to export them")
+            raise ValueError(f"{module}:{node.lineno}: put lazoo imports (and import_submodules) on lines of "
+                             "their own to export them")
         edits.append((first, last, "".join(f"{indent}{line}\n" for line in new)))
     for first, last, text in sorted(edits, reverse=True):
         lines[first: last + 1] = [text]
@@ -199,8 +249,38 @@ def rewrite_module(module: str) -> tuple[str, set[str]]:
     return text, needed
 
 
-def exported_sources() -> dict[str, str]:
-    """`{file name: text}` of the flat modules the model classes need (the closure of their imports)."""
+def _extension_modules(mechanism_names) -> dict[str, Path]:
+    """`{module: source file}` of the modules outside lazoo that declare mechanisms among `mechanism_names`."""
+    import inspect
+    import sys
+
+    from ..registry import get
+
+    found = {}
+    for name in dict.fromkeys(mechanism_names or ()):
+        module = get(name).mixer.__module__
+        if module == PACKAGE or module.startswith(PACKAGE + "."):
+            continue
+        source = getattr(sys.modules.get(module), "__file__", None)
+        if module == "__main__" or source is None or not source.endswith(".py"):
+            raise ValueError(f"cannot export the code of mechanism {name!r}: its mixer is defined in {module!r}, "
+                             "which has no source file; declare it in a module (a .py file) and import it")
+        found[module] = Path(inspect.getsourcefile(sys.modules[module]))
+    return found
+
+
+def exported_sources(mechanism_names=()) -> dict[str, str]:
+    """`{file name: text}` of the flat modules the model classes need (the closure of their imports), with the
+    modules outside lazoo that declare any of `mechanism_names` (a saved model's `layer_types`)."""
+    global _extensions
+    _extensions = _extension_modules(mechanism_names)
+    try:
+        return _exported_sources()
+    finally:
+        _extensions = {}
+
+
+def _exported_sources() -> dict[str, str]:
     files, todo, seen = {}, list(ENTRY_MODULES), set()
     while todo:
         module = todo.pop()
@@ -221,36 +301,45 @@ def exported_sources() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the auto_map
+def _class_prefix(model_type: str) -> str | None:
+    """The class-name prefix of a lazoo model type (`LazooVLA` for `lazoo_vla`, `Lazoo` for `lazoo_hybrid`), or
+    None for a model type that is not lazoo's."""
+    from ..registry import mechanisms
+
+    if model_type == f"{PACKAGE}_hybrid":
+        return "Lazoo"
+    found = [m for m in mechanisms().values() if m.model_type == model_type]
+    return found[0].class_prefix if found else None
+
+
 def auto_map_for(config) -> dict[str, str] | None:
     """The `auto_map` of a lazoo config: AutoConfig, AutoModel and AutoModelForCausalLM classes (None for a
     model type that is not one of lazoo's own, e.g. a user's subclass: it is saved without the export)."""
-    from .modeling_lazoo import MODEL_CLASSES
-
-    if config.model_type not in MODEL_CLASSES:
+    prefix = _class_prefix(config.model_type)
+    if prefix is None or type(config).__name__ != f"{prefix}Config":
         return None
-    config_cls, base_cls, lm_cls = MODEL_CLASSES[config.model_type]
     return {
-        "AutoConfig": f"configuration_lazoo.{config_cls.__name__}",
-        "AutoModel": f"modeling_lazoo.{base_cls.__name__}",
-        "AutoModelForCausalLM": f"modeling_lazoo.{lm_cls.__name__}",
+        "AutoConfig": f"configuration_lazoo.{prefix}Config",
+        "AutoModel": f"modeling_lazoo.{prefix}Model",
+        "AutoModelForCausalLM": f"modeling_lazoo.{prefix}ForCausalLM",
     }
 
 
-#: lazoo's task heads beyond the causal LM: `modeling_lazoo` table of `model_type -> class` -> the Auto class
-#: that loads it. A model of one of these classes adds its own entry to `auto_map` when it is saved (a causal
-#: LM's `auto_map` keeps the three entries of `auto_map_for`).
-HEAD_AUTO_CLASSES = {"SEQUENCE_CLASSIFICATION_CLASSES": "AutoModelForSequenceClassification"}
+#: lazoo's task heads beyond the causal LM: class-name suffix -> the Auto class that loads it. A model of one of
+#: these classes adds its own entry to `auto_map` when it is saved (a causal LM's `auto_map` keeps the three
+#: entries of `auto_map_for`).
+HEAD_AUTO_CLASSES = {"ForSequenceClassification": "AutoModelForSequenceClassification"}
 
 
 def head_auto_map(model) -> dict[str, str]:
     """The `auto_map` entry of a lazoo task-head model (e.g. `{"AutoModelForSequenceClassification":
-    "modeling_lazoo.LazooVLAForSequenceClassification"}`), or {} for any other model."""
-    from . import modeling_lazoo
-
-    for table, auto_class in HEAD_AUTO_CLASSES.items():
-        cls = getattr(modeling_lazoo, table).get(model.config.model_type)
-        if cls is not None and type(model) is cls:
-            return {auto_class: f"modeling_lazoo.{cls.__name__}"}
+    "modeling_lazoo.LazooVLAForSequenceClassification"}`), or {} for any other model (a user's subclass
+    included: its class is not in the exported code)."""
+    prefix = _class_prefix(model.config.model_type)
+    name = type(model).__name__
+    for suffix, auto_class in HEAD_AUTO_CLASSES.items():
+        if prefix is not None and name == prefix + suffix and type(model).__module__.endswith("modeling_lazoo"):
+            return {auto_class: f"modeling_lazoo.{name}"}
     return {}
 
 
@@ -265,20 +354,26 @@ def is_exported_file(path: str | os.PathLike) -> bool:
 
 def foreign_code_files(folder: str | os.PathLike, names=None) -> list[Path]:
     """The files in `folder` that the export would overwrite but did not write (a user's own
-    `modeling_lazoo.py`, say). `names`: the exported file names (default: `exported_sources()`'s)."""
+    `modeling_lazoo.py`, say). `names`: the exported file names (default: `exported_sources()`'s, without
+    extension modules)."""
     folder = Path(folder)
     names = sorted(exported_sources()) if names is None else names
     return [folder / n for n in names if (folder / n).exists() and not is_exported_file(folder / n)]
 
 
-def export_remote_code(folder: str | os.PathLike, config=None) -> list[Path]:
+def export_remote_code(folder: str | os.PathLike, config=None, mechanism_names=None) -> list[Path]:
     """Write the flat code modules into `folder`; given a config, also merge its `auto_map` into an existing
     `folder/config.json` (for a folder saved without it). Returns the files written.
+
+    `mechanism_names` (default: the config's `layer_types`): the mechanisms the saved model uses; those declared
+    outside lazoo have their modules exported too.
 
     Raises FileExistsError, before writing anything, if `folder` holds a file of an exported name that the
     export did not write (no `EXPORT_HEADER`): the user's file is never overwritten."""
     folder = Path(folder)
-    sources = exported_sources()
+    if mechanism_names is None and config is not None:
+        mechanism_names = config.layer_types
+    sources = exported_sources(mechanism_names)
     foreign = foreign_code_files(folder, sources)
     if foreign:
         raise FileExistsError(

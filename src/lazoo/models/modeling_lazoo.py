@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
 from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
                                            SequenceClassifierOutputWithPast)
 
@@ -19,15 +19,15 @@ try:  # guarded init functions: never overwrite weights that were loaded
 except ImportError:  # pragma: no cover - older transformers
     hf_init = nn.init
 
-from .. import ops
 from ..ops._common import cu_seqlens_from_position_ids, host_sync_allowed
 from ..layers.mixers import TokenMixer, mixer_class
-from ..layers.mixers.linear import ELAMixer
 from ..layers.memory_lobe import MemoryLobe
 from ..layers.mlp import GatedMLP
 from ..layers.moe import RoutedMoE
 from .cache import LazooCache
 from .compat import CacheAliases, cache_argument, output_cache_kwargs
+from ..registry import Mechanism, mechanisms, on_register
+from ..registry import get as get_mechanism
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
 
 logger = logging.get_logger(__name__)
@@ -233,6 +233,7 @@ class LazooModel(LazooPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -242,7 +243,6 @@ class LazooModel(LazooPreTrainedModel):
         inputs_embeds=None,
         use_cache=None,
         output_hidden_states=None,
-        return_dict=None,
         past_key_values=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
@@ -372,6 +372,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
             input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -382,7 +383,6 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         labels=None,
         use_cache=None,
         output_hidden_states=None,
-        return_dict=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
         **kwargs,
@@ -398,6 +398,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            return_dict=True,  # read by field below, whatever config.return_dict says
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -414,85 +415,28 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         )
 
 
-def _mechanism_classes(mechanism: str, prefix: str, config_class):
-    base = type(f"{prefix}Model", (LazooModel,), {"config_class": config_class, "__module__": __name__})
-    lm = type(f"{prefix}ForCausalLM", (LazooForCausalLM,), {"config_class": config_class, "__module__": __name__})
-    return base, lm
-
-
-LazooSoftmaxModel, LazooSoftmaxForCausalLM = _mechanism_classes("softmax", "LazooSoftmax", MECHANISM_CONFIGS["softmax"])
-LazooSlidingWindowModel, LazooSlidingWindowForCausalLM = _mechanism_classes(
-    "sliding_window", "LazooSlidingWindow", MECHANISM_CONFIGS["sliding_window"])
-LazooLinearModel, LazooLinearForCausalLM = _mechanism_classes("linear", "LazooLinear", MECHANISM_CONFIGS["linear"])
-LazooGatedLinearModel, LazooGatedLinearForCausalLM = _mechanism_classes(
-    "gated_linear", "LazooGatedLinear", MECHANISM_CONFIGS["gated_linear"])
-LazooDeltaNetModel, LazooDeltaNetForCausalLM = _mechanism_classes(
-    "delta_net", "LazooDeltaNet", MECHANISM_CONFIGS["delta_net"])
-LazooGatedDeltaNetModel, LazooGatedDeltaNetForCausalLM = _mechanism_classes(
-    "gated_delta_net", "LazooGatedDeltaNet", MECHANISM_CONFIGS["gated_delta_net"])
-LazooVLAModel, LazooVLAForCausalLM = _mechanism_classes("vla", "LazooVLA", MECHANISM_CONFIGS["vla"])
-LazooELAModel, LazooELAForCausalLM = _mechanism_classes("ela", "LazooELA", MECHANISM_CONFIGS["ela"])
-LazooGLAModel, LazooGLAForCausalLM = _mechanism_classes("gla", "LazooGLA", MECHANISM_CONFIGS["gla"])
-LazooDeltaProductModel, LazooDeltaProductForCausalLM = _mechanism_classes(
-    "delta_product", "LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
-LazooOVQModel, LazooOVQForCausalLM = _mechanism_classes("ovq", "LazooOVQ", MECHANISM_CONFIGS["ovq"])
-LazooVQModel, LazooVQForCausalLM = _mechanism_classes("vq", "LazooVQ", MECHANISM_CONFIGS["vq"])
-LazooRLSModel, LazooRLSForCausalLM = _mechanism_classes("rls", "LazooRLS", MECHANISM_CONFIGS["rls"])
-LazooLocalLinearModel, LazooLocalLinearForCausalLM = _mechanism_classes(
-    "local_linear", "LazooLocalLinear", MECHANISM_CONFIGS["local_linear"])
-LazooTTTLinearModel, LazooTTTLinearForCausalLM = _mechanism_classes(
-    "ttt_linear", "LazooTTTLinear", MECHANISM_CONFIGS["ttt_linear"])
-LazooTTTMLPModel, LazooTTTMLPForCausalLM = _mechanism_classes("ttt_mlp", "LazooTTTMLP", MECHANISM_CONFIGS["ttt_mlp"])
-LazooTitansModel, LazooTitansForCausalLM = _mechanism_classes("titans", "LazooTitans", MECHANISM_CONFIGS["titans"])
-
-#: model_type -> (config class, base model class, causal LM class)
-MODEL_CLASSES = {
-    "lazoo_hybrid": (LazooConfig, LazooModel, LazooForCausalLM),
-    "lazoo_softmax": (MECHANISM_CONFIGS["softmax"], LazooSoftmaxModel, LazooSoftmaxForCausalLM),
-    "lazoo_sliding_window": (MECHANISM_CONFIGS["sliding_window"], LazooSlidingWindowModel, LazooSlidingWindowForCausalLM),
-    "lazoo_linear": (MECHANISM_CONFIGS["linear"], LazooLinearModel, LazooLinearForCausalLM),
-    "lazoo_gated_linear": (MECHANISM_CONFIGS["gated_linear"], LazooGatedLinearModel, LazooGatedLinearForCausalLM),
-    "lazoo_delta_net": (MECHANISM_CONFIGS["delta_net"], LazooDeltaNetModel, LazooDeltaNetForCausalLM),
-    "lazoo_gated_delta_net": (MECHANISM_CONFIGS["gated_delta_net"], LazooGatedDeltaNetModel, LazooGatedDeltaNetForCausalLM),
-    "lazoo_vla": (MECHANISM_CONFIGS["vla"], LazooVLAModel, LazooVLAForCausalLM),
-    "lazoo_ela": (MECHANISM_CONFIGS["ela"], LazooELAModel, LazooELAForCausalLM),
-    "lazoo_gla": (MECHANISM_CONFIGS["gla"], LazooGLAModel, LazooGLAForCausalLM),
-    "lazoo_delta_product": (MECHANISM_CONFIGS["delta_product"], LazooDeltaProductModel, LazooDeltaProductForCausalLM),
-    "lazoo_ovq": (MECHANISM_CONFIGS["ovq"], LazooOVQModel, LazooOVQForCausalLM),
-    "lazoo_vq": (MECHANISM_CONFIGS["vq"], LazooVQModel, LazooVQForCausalLM),
-    "lazoo_rls": (MECHANISM_CONFIGS["rls"], LazooRLSModel, LazooRLSForCausalLM),
-    "lazoo_local_linear": (MECHANISM_CONFIGS["local_linear"], LazooLocalLinearModel, LazooLocalLinearForCausalLM),
-    "lazoo_ttt_linear": (MECHANISM_CONFIGS["ttt_linear"], LazooTTTLinearModel, LazooTTTLinearForCausalLM),
-    "lazoo_ttt_mlp": (MECHANISM_CONFIGS["ttt_mlp"], LazooTTTMLPModel, LazooTTTMLPForCausalLM),
-    "lazoo_titans": (MECHANISM_CONFIGS["titans"], LazooTitansModel, LazooTitansForCausalLM),
-}
+#: model_type -> (config class, base model class, causal LM class); filled from the registry
+MODEL_CLASSES: dict[str, tuple] = {"lazoo_hybrid": (LazooConfig, LazooModel, LazooForCausalLM)}
 
 
 # ============================================================================ sequence classification
-class _BidirectionalELAMixer(ELAMixer):
-    """ELA's bidirectional form (`ops.ela(causal=False)`): every real token attends to every real token of
-    its sequence (pads excluded through the mask). No state: a classifier encodes whole sequences. The optional
-    short convolution (`use_short_conv`) stays causal. Used only by `LazooForSequenceClassification` when
-    `config.bidirectional` is True."""
-
-    def mix(self, q, k, v, x, *, mask, state, want_state):
-        o, _ = ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"], causal=False,
-                       mask=mask, backend=self.options.get("backend"))
-        return o, None
-
-
 def _make_bidirectional(model: LazooModel, config: LazooConfig) -> None:
-    """Switch every ELA mixer of `model` to ELA's bidirectional form (same parameters, other op call)."""
-    others = sorted(set(config.layer_types) - {"ela"})
-    if others:
+    """Switch every mixer of `model` to its mechanism's bidirectional form (`Mechanism.bidirectional_mixer`:
+    same parameters, the non-causal op)."""
+    forms = {name: get_mechanism(name).bidirectional_mixer for name in dict.fromkeys(config.layer_types)}
+    missing = sorted(name for name, form in forms.items() if form is None)
+    if missing:
+        having = sorted(n for n, m in mechanisms().items() if m.bidirectional_mixer is not None)
         raise ValueError(
-            f"bidirectional=True needs every layer to be 'ela' (ELA has a bidirectional form); layer_types also "
-            f"has {others}. Use layer_types=['ela', ...] or leave bidirectional unset for a causal encoder"
+            f"bidirectional=True needs every layer's mechanism to have a bidirectional form ({', '.join(having)}); "
+            f"layer_types also has {missing}. Use only those in layer_types, or leave bidirectional unset for a "
+            "causal encoder"
         )
-    for layer in model.layers:
-        if type(layer.mixer) is not ELAMixer:  # a subclass of ours would lose its own behaviour
-            raise TypeError(f"bidirectional=True: expected an ELAMixer, got {type(layer.mixer).__name__}")
-        layer.mixer.__class__ = _BidirectionalELAMixer
+    for name, layer in zip(config.layer_types, model.layers):
+        causal = get_mechanism(name).mixer
+        if type(layer.mixer) is not causal:  # a subclass of ours would lose its own behaviour
+            raise TypeError(f"bidirectional=True: expected a {causal.__name__}, got {type(layer.mixer).__name__}")
+        layer.mixer.__class__ = forms[name]
 
 
 class LazooForSequenceClassification(LazooPreTrainedModel):
@@ -552,6 +496,7 @@ class LazooForSequenceClassification(LazooPreTrainedModel):
                              "or set config.pad_token_id (and pass input_ids)")
         return None
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -562,7 +507,6 @@ class LazooForSequenceClassification(LazooPreTrainedModel):
         labels=None,
         use_cache=None,
         output_hidden_states=None,
-        return_dict=None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
         outputs = self.model(
@@ -572,6 +516,7 @@ class LazooForSequenceClassification(LazooPreTrainedModel):
             inputs_embeds=inputs_embeds,
             use_cache=False,  # a classifier reads whole sequences: no recurrent state to keep
             output_hidden_states=output_hidden_states,
+            return_dict=True,  # read by field below, whatever config.return_dict says
         )
         hidden = outputs.last_hidden_state
         B, T = hidden.shape[:2]
@@ -594,49 +539,33 @@ class LazooForSequenceClassification(LazooPreTrainedModel):
         return SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
 
 
-def _seqcls_class(prefix: str, config_class):
-    return type(f"{prefix}ForSequenceClassification", (LazooForSequenceClassification,),
-                {"config_class": config_class, "__module__": __name__})
+#: model_type -> sequence classification class (registered on AutoModelForSequenceClassification); filled from
+#: the registry
+SEQUENCE_CLASSIFICATION_CLASSES: dict[str, type] = {"lazoo_hybrid": LazooForSequenceClassification}
 
 
-LazooSoftmaxForSequenceClassification = _seqcls_class("LazooSoftmax", MECHANISM_CONFIGS["softmax"])
-LazooSlidingWindowForSequenceClassification = _seqcls_class(
-    "LazooSlidingWindow", MECHANISM_CONFIGS["sliding_window"])
-LazooLinearForSequenceClassification = _seqcls_class("LazooLinear", MECHANISM_CONFIGS["linear"])
-LazooGatedLinearForSequenceClassification = _seqcls_class("LazooGatedLinear", MECHANISM_CONFIGS["gated_linear"])
-LazooDeltaNetForSequenceClassification = _seqcls_class("LazooDeltaNet", MECHANISM_CONFIGS["delta_net"])
-LazooGatedDeltaNetForSequenceClassification = _seqcls_class(
-    "LazooGatedDeltaNet", MECHANISM_CONFIGS["gated_delta_net"])
-LazooVLAForSequenceClassification = _seqcls_class("LazooVLA", MECHANISM_CONFIGS["vla"])
-LazooELAForSequenceClassification = _seqcls_class("LazooELA", MECHANISM_CONFIGS["ela"])
-LazooGLAForSequenceClassification = _seqcls_class("LazooGLA", MECHANISM_CONFIGS["gla"])
-LazooDeltaProductForSequenceClassification = _seqcls_class("LazooDeltaProduct", MECHANISM_CONFIGS["delta_product"])
-LazooOVQForSequenceClassification = _seqcls_class("LazooOVQ", MECHANISM_CONFIGS["ovq"])
-LazooVQForSequenceClassification = _seqcls_class("LazooVQ", MECHANISM_CONFIGS["vq"])
-LazooRLSForSequenceClassification = _seqcls_class("LazooRLS", MECHANISM_CONFIGS["rls"])
-LazooLocalLinearForSequenceClassification = _seqcls_class("LazooLocalLinear", MECHANISM_CONFIGS["local_linear"])
-LazooTTTLinearForSequenceClassification = _seqcls_class("LazooTTTLinear", MECHANISM_CONFIGS["ttt_linear"])
-LazooTTTMLPForSequenceClassification = _seqcls_class("LazooTTTMLP", MECHANISM_CONFIGS["ttt_mlp"])
-LazooTitansForSequenceClassification = _seqcls_class("LazooTitans", MECHANISM_CONFIGS["titans"])
+def make_model_classes(mechanism: Mechanism) -> tuple[type, type, type]:
+    """The model classes of `mechanism`: `<class_prefix>Model`, `...ForCausalLM` and
+    `...ForSequenceClassification`, each bound to the mechanism's config class, bound in this module and
+    entered in `MODEL_CLASSES` / `SEQUENCE_CLASSIFICATION_CLASSES`."""
+    config_class = MECHANISM_CONFIGS[mechanism.name]
+    made = []
+    for base in (LazooModel, LazooForCausalLM, LazooForSequenceClassification):
+        name = mechanism.class_prefix + base.__name__.removeprefix("Lazoo")
+        doc = f"{base.__name__} with `{mechanism.name}` layers ({mechanism.title}); config: `{config_class.__name__}`."
+        cls = type(name, (base,), {"config_class": config_class, "__module__": __name__, "__qualname__": name,
+                                   "__doc__": doc})
+        globals()[name] = cls
+        made.append(cls)
+    base_cls, lm_cls, seqcls_cls = made
+    MODEL_CLASSES[mechanism.model_type] = (config_class, base_cls, lm_cls)
+    SEQUENCE_CLASSIFICATION_CLASSES[mechanism.model_type] = seqcls_cls
+    return base_cls, lm_cls, seqcls_cls
 
-#: model_type -> sequence classification class (registered on AutoModelForSequenceClassification)
-SEQUENCE_CLASSIFICATION_CLASSES = {
-    "lazoo_hybrid": LazooForSequenceClassification,
-    "lazoo_softmax": LazooSoftmaxForSequenceClassification,
-    "lazoo_sliding_window": LazooSlidingWindowForSequenceClassification,
-    "lazoo_linear": LazooLinearForSequenceClassification,
-    "lazoo_gated_linear": LazooGatedLinearForSequenceClassification,
-    "lazoo_delta_net": LazooDeltaNetForSequenceClassification,
-    "lazoo_gated_delta_net": LazooGatedDeltaNetForSequenceClassification,
-    "lazoo_vla": LazooVLAForSequenceClassification,
-    "lazoo_ela": LazooELAForSequenceClassification,
-    "lazoo_gla": LazooGLAForSequenceClassification,
-    "lazoo_delta_product": LazooDeltaProductForSequenceClassification,
-    "lazoo_ovq": LazooOVQForSequenceClassification,
-    "lazoo_vq": LazooVQForSequenceClassification,
-    "lazoo_rls": LazooRLSForSequenceClassification,
-    "lazoo_local_linear": LazooLocalLinearForSequenceClassification,
-    "lazoo_ttt_linear": LazooTTTLinearForSequenceClassification,
-    "lazoo_ttt_mlp": LazooTTTMLPForSequenceClassification,
-    "lazoo_titans": LazooTitansForSequenceClassification,
-}
+
+def _forget_model_classes(mechanism: Mechanism) -> None:
+    MODEL_CLASSES.pop(mechanism.model_type, None)
+    SEQUENCE_CLASSIFICATION_CLASSES.pop(mechanism.model_type, None)
+
+
+on_register(make_model_classes, removal=_forget_model_classes)

@@ -12,51 +12,30 @@ compute dtype: float64 for float64 inputs, float32 otherwise.
 Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-step reference),
 "chunk" (chunk-parallel PyTorch), "triton" (lazoo.kernels, where the op has one), None = auto (Triton
 on CUDA when it can run the case, else chunk). The ops run with autocast off: they pick their own
-compute dtypes (``_common.without_autocast``).
+compute dtypes (each is defined under ``_common.without_autocast``).
+
+The package holds every name of every op module's ``__all__`` (the modules are found, not listed: a new op module
+needs no edit here) and ``BACKENDS``. ``lazoo.ops.<module>`` is the module (``lazoo.ops.linear``) unless an op has
+its name: ``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the ops, their modules
+``sys.modules["lazoo.ops.vla"]`` and so on.
 """
 
-from ._common import BACKENDS, without_autocast
-from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
-from .delta_product import delta_product
-from .ela import ELA_KERNELS, ela
-from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
-from .ovq import ovq_attention, ovq_dict_size, vq_attention
-from .local_linear import local_linear_attention
-from .rls import rls
-from .softmax import softmax_attention
-from .titans import titans
-from .ttt import ttt_linear, ttt_mlp
-from .vla import vla
+from ..registry import import_submodules
+from ._common import BACKENDS
 
-__all__ = [
-    "BACKENDS",
-    "ELA_KERNELS",
-    "FEATURE_MAPS",
-    "chunk_gated_linear",
-    "chunk_gla",
-    "chunk_generalized_delta",
-    "delta_product",
-    "delta_rule",
-    "ela",
-    "gated_delta_rule",
-    "gated_linear_attention",
-    "gla",
-    "linear_attention",
-    "local_linear_attention",
-    "ovq_attention",
-    "ovq_dict_size",
-    "rls",
-    "softmax_attention",
-    "titans",
-    "ttt_linear",
-    "ttt_mlp",
-    "vla",
-    "vq_attention",
-]
+_MODULES = import_submodules(__name__, __path__)
 
-# The public ops run with autocast off (mixers call them as ``ops.<name>``).
-for _name in ("delta_product", "delta_rule", "ela", "gated_delta_rule", "gated_linear_attention", "gla",
-              "linear_attention", "local_linear_attention", "ovq_attention", "rls", "softmax_attention", "titans",
-              "ttt_linear", "ttt_mlp", "vla", "vq_attention"):
-    globals()[_name] = without_autocast(globals()[_name])
-del _name
+
+def _bind_public_names(modules) -> list[str]:
+    """Bind every name of each module's ``__all__`` here; return the names. Two modules must not export one name."""
+    owner = {}
+    for module in modules:
+        for name in module.__all__:
+            if name in owner:
+                raise ImportError(f"lazoo.ops: {name!r} is exported by both {owner[name]} and {module.__name__}")
+            owner[name] = module.__name__
+            globals()[name] = getattr(module, name)
+    return list(owner)
+
+
+__all__ = sorted(["BACKENDS", *_bind_public_names(_MODULES)])

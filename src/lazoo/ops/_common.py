@@ -2,6 +2,10 @@
 
 Layout (all ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, per-head scalars ``[B, T, H]``,
 states ``[B, H, dv, dk]``, mask ``[B, T]`` (1 = real token).
+
+An op's preamble is ``prepare_inputs`` (q, k, v and the other per-token inputs checked, the mask as bool, every
+input zeroed at the pads), its own argument checks, ``resolve_backend`` and ``compute_dtype``; its result is
+``op_result`` (pads zeroed, the input dtype, the final state if asked for).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("lazoo")
 
+#: the backends an op may run (``lazoo.registry.BACKENDS`` repeats it: the registry imports nothing of lazoo, and
+#: this module imports nothing of lazoo either, so that an exported model folder can load it alone)
 BACKENDS = ("recurrent", "chunk", "triton")
 BACKEND_ENV = "LAZOO_BACKEND"
 
@@ -37,10 +43,7 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, triton_u
     False: an op whose chunk form is already the fast path); a forced "triton" that cannot
     run raises with the reason. (A forced "triton" on CPU tensors runs under ``TRITON_INTERPRET=1``.)
     """
-    source = "backend"
-    if backend is None:
-        backend = os.environ.get(BACKEND_ENV) or None
-        source = f"the {BACKEND_ENV} environment variable"
+    backend, source = requested_backend(backend)
     if backend is None:
         if device.type == "cuda":
             if triton_unsupported is None:
@@ -60,6 +63,14 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, triton_u
             "use backend='chunk', 'recurrent' or None (auto)"
         )
     return backend
+
+
+def requested_backend(backend: str | None) -> tuple[str | None, str]:
+    """The backend asked for and where the request comes from: the ``backend`` argument, else the
+    ``LAZOO_BACKEND`` variable; None (or an empty variable) asks for auto."""
+    if backend is not None:
+        return backend, "backend"
+    return os.environ.get(BACKEND_ENV) or None, f"the {BACKEND_ENV} environment variable"
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -110,10 +121,21 @@ def without_autocast(op):
     return wrapper
 
 
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other float type is computed in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def op_result(o: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype, final_state,
+              output_final_state: bool) -> tuple:
+    """What an op returns: the output with its pads zeroed, in ``dtype`` (the input's), and the final state
+    if it was asked for (else None)."""
+    return zero_masked(o, mask).to(dtype), (final_state if output_final_state else None)
+
+
+def empty_batch_result(q: torch.Tensor, v: torch.Tensor, state, output_final_state: bool) -> tuple:
+    """An op's result for an empty batch (B = 0): nothing to read, the (empty) state passes through."""
+    return v.new_zeros(*q.shape[:3], v.shape[-1]), (state if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -142,6 +164,64 @@ def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     check_same_dtype(op, q, k=k, v=v)
     check_same_device(op, q, k=k, v=v)
     return B, T, H, dk, v.shape[-1]
+
+
+def check_like_q(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    """An input of q's shape ``[B, T, H, dk]`` (VLA's u, GLA's per-key gate), dtype and device."""
+    if not isinstance(x, torch.Tensor) or x.shape != q.shape:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{op}: {name} must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {got}")
+    check_same_dtype(op, q, **{name: x})
+    check_same_device(op, q, **{name: x})
+
+
+def prepare_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scalars: Mapping[str, torch.Tensor | None] | None = None,
+                   like_q: Mapping[str, torch.Tensor] | None = None) -> tuple:
+    """The preamble the ops share: check q, k, v (``check_qkv``), the per-head scalars ``scalars`` (``[B, T, H]``;
+    None entries are absent inputs) and the inputs ``like_q`` (q's shape), then the mask; zero every one of them
+    at the pads (``apply_mask``). Returns ``((B, T, H, dk, dv), bool mask or None, (q, k, v, *scalars, *like_q))``
+    with the inputs in that order."""
+    scalars, like_q = scalars or {}, like_q or {}
+    sizes = check_qkv(op, q, k, v)
+    for name, x in scalars.items():
+        if x is not None:
+            check_head_scalar(op, name, x, q)
+    for name, x in like_q.items():
+        check_like_q(op, name, x, q)
+    mask, inputs = apply_mask(op, mask, q, k, v, *scalars.values(), *like_q.values())
+    return sizes, mask, inputs
+
+
+def apply_mask(op: str, mask: torch.Tensor | None, q: torch.Tensor, *inputs: torch.Tensor | None) -> tuple:
+    """Check ``mask`` against q's ``[B, T]`` and device (``check_mask``) and zero ``q`` and ``inputs`` (None
+    passes) at the pads (``zero_pads``): ``(bool mask or None, (q, *inputs))``."""
+    mask = check_mask(op, mask, q.shape[0], q.shape[1], q.device)
+    return mask, zero_pads(mask, q, *inputs)
+
+
+def check_positive_int(op: str, name: str, value, none_ok: bool = False):
+    """An int >= 1 (chunk sizes, windows, counts), or None where ``none_ok``."""
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        what = "None or a positive int" if none_ok else "a positive int"
+        raise ValueError(f"{op}: {name} must be {what}, got {value!r}")
+    return value
+
+
+def check_positive_number(op: str, name: str, value, zero_ok: bool = False):
+    """A real number > 0 (>= 0 where ``zero_ok``), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{op}: {name} must be a number {'>=' if zero_ok else '>'} 0, got {value!r}")
+    return value
+
+
+def check_choice(op: str, name: str, value, allowed: Sequence):
+    """One of ``allowed``, of the same type (1 is not True), else a ValueError naming the argument and the values."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
 
 
 def check_float(op: str, name: str, x: torch.Tensor) -> None:
@@ -307,12 +387,6 @@ def zero_pads(mask: torch.Tensor | None, *xs: torch.Tensor | None) -> tuple:
     so that a NaN or Inf at a pad never meets a real token (0 * NaN is NaN) in any backend or kernel, and the
     gradient at a pad is exactly 0."""
     return tuple(None if x is None else zero_masked(x, mask) for x in xs)
-
-
-def check_chunk_size(op: str, chunk_size) -> int:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
-    return chunk_size
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

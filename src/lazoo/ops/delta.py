@@ -19,87 +19,66 @@ backward, and a fused recurrent kernel for decoding (at most 64 tokens per seque
 
 from __future__ import annotations
 
-
 import torch
 
 from ._common import (
     check_cu_seqlens,
-    check_chunk_size,
-    check_head_scalar,
-    check_mask,
-    check_qkv,
+    check_log_decay,
+    check_positive_int,
     check_scale,
     compute_dtype,
     l2norm,
     matrix_initial_state,
     merge_chunks,
+    op_result,
     pad_time,
+    prepare_inputs,
     resolve_backend,
-    split_chunks,
-    zero_masked,
-    zero_pads,
-    check_log_decay,
     run_per_sequence,
+    split_chunks,
     triton_unsupported,
+    without_autocast,
+    zero_masked,
 )
+
+__all__ = ["chunk_generalized_delta", "delta_rule", "gated_delta_rule"]
 
 
 # ============================================================================ public ops
-def delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    mask: torch.Tensor | None = None,
-    backend: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-):
+@without_autocast
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, scale: float | None = None,
+               use_qk_l2norm: bool = True, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+               output_final_state: bool = False, mask: torch.Tensor | None = None, backend: str | None = None,
+               cu_seqlens: torch.Tensor | None = None):
     """DeltaNet: ``S_t = S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, ``o_t = S_t (scale q_t)``."""
-    return _delta("delta_rule", q, k, v, None, beta, scale, use_qk_l2norm, chunk_size,
-                  initial_state, output_final_state, mask, backend, cu_seqlens)
+    return delta_rule_as("delta_rule", q, k, v, None, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                         chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
+                         mask=mask, backend=backend, cu_seqlens=cu_seqlens)
 
 
-def gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    mask: torch.Tensor | None = None,
-    backend: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-):
+@without_autocast
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                     scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     mask: torch.Tensor | None = None, backend: str | None = None,
+                     cu_seqlens: torch.Tensor | None = None):
     """Gated DeltaNet: ``S_t = exp(g_t) S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, g the log decay."""
-    return _delta("gated_delta_rule", q, k, v, g, beta, scale, use_qk_l2norm, chunk_size,
-                  initial_state, output_final_state, mask, backend, cu_seqlens)
+    return delta_rule_as("gated_delta_rule", q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                         chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
+                         mask=mask, backend=backend, cu_seqlens=cu_seqlens)
 
 
-def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state,
-           output_final_state, mask, backend, cu_seqlens=None, check_g=True):
-    """Both delta rules, errors naming ``op`` (DeltaProduct runs it too); ``check_g=False``: g already checked."""
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    if g is not None:
-        check_head_scalar(op, "g", g, q)
-    check_head_scalar(op, "beta", beta, q)
-    mask = check_mask(op, mask, B, T, q.device)
+def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, initial_state, output_final_state,
+                  mask, backend, cu_seqlens=None, check_g: bool = True):
+    """The (gated) delta rule with its errors naming ``op``: the body of ``delta_rule`` (g None) and
+    ``gated_delta_rule``, and of DeltaProduct's interleaved steps. ``check_g=False``: g is already checked."""
+    # β = 0 and g = 0 at a pad: S untouched
+    (B, T, H, dk, dv), mask, (q, k, v, g, beta) = prepare_inputs(op, q, k, v, mask, {"g": g, "beta": beta})
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
-    q, k, v, g, beta = zero_pads(mask, q, k, v, g, beta)  # β = 0 and g = 0 at a pad: S untouched
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     scale = check_scale(op, scale, dk)
-    chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v, chunk_size))
+    chunk_size = check_positive_int(op, "chunk_size", chunk_size)
+    backend = resolve_backend(op, backend, q.device, delta_kernel_unsupported(q, v, chunk_size))
     if check_g:
         check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
     cdt = compute_dtype(q.dtype)
@@ -112,9 +91,10 @@ def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state
     S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt)
     if cu_seqlens is not None:
         return run_per_sequence(
-            lambda sl, st: _delta(op, q[:, sl], k[:, sl], v[:, sl], None if g is None else g[:, sl],
-                                  beta[:, sl], scale, use_qk_l2norm, chunk_size, st, True,
-                                  None if mask is None else mask[:, sl], backend, check_g=False),
+            lambda sl, st: delta_rule_as(
+                op, q[:, sl], k[:, sl], v[:, sl], None if g is None else g[:, sl], beta[:, sl], scale=scale,
+                use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, initial_state=st, output_final_state=True,
+                mask=None if mask is None else mask[:, sl], backend=backend, check_g=False),
             cu_seqlens, S0, output_final_state, q, v)
 
     q_c, k_c = q.to(cdt), k.to(cdt)
@@ -128,8 +108,7 @@ def _delta(op, q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, initial_state
         o, S = _recurrent_delta(q_c, k_c, v_c, g_c, beta_c, S0)
     else:
         o, S = chunk_generalized_delta(q_c, k_c, v_c, beta_c[..., None] * k_c, g_c, S0, chunk_size)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (S if output_final_state else None)
+    return op_result(o, mask, v.dtype, S, output_final_state)
 
 
 # ============================================================================ Triton path
@@ -138,8 +117,8 @@ _TRITON_CHUNK_SIZES = (16, 32, 64)  # = lazoo.kernels.delta.CHUNK_SIZES
 _DECODE_MAX_T = 64  # fused recurrent kernel up to this many tokens per sequence (no autograd)
 
 
-def _triton_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str | None:
-    """None when lazoo.kernels.delta runs this case, else why not (imports no kernel)."""
+def delta_kernel_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str | None:
+    """None when lazoo.kernels.delta runs this case, else why not (imports no kernel; VLA's S update runs it too)."""
     if chunk_size not in _TRITON_CHUNK_SIZES:
         return f"the Triton kernel takes chunk_size in {_TRITON_CHUNK_SIZES}, got {chunk_size}"
     return triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)

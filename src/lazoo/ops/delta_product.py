@@ -28,23 +28,26 @@ from __future__ import annotations
 import torch
 
 from ._common import (
-    check_chunk_size,
+    apply_mask,
     check_float,
-    check_mask,
-    check_scale,
+    check_log_decay,
+    check_positive_int,
     check_same_device,
     check_same_dtype,
+    check_scale,
     compute_dtype,
     l2norm,
     matrix_initial_state,
+    op_result,
     resolve_backend,
-    zero_masked,
-    zero_pads,
-    check_log_decay,
+    without_autocast,
 )
-from .delta import _delta
+from .delta import delta_rule_as
+
+__all__ = ["delta_product"]
 
 
+@without_autocast
 def delta_product(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,10 +73,9 @@ def delta_product(
     q, k, v, beta, n = _check_inputs(op, q, k, v, beta, g, num_householder)
     B, T, H, dk = q.shape
     dv = v.shape[-1]
-    mask = check_mask(op, mask, B, T, q.device)
-    q, k, v, beta, g = zero_pads(mask, q, k, v, beta, g)  # a NaN at a pad never meets a real token
+    mask, (q, k, v, beta, g) = apply_mask(op, mask, q, k, v, beta, g)  # a NaN at a pad never meets a real token
     scale = check_scale(op, scale, dk)
-    chunk_size = check_chunk_size(op, chunk_size)
+    chunk_size = check_positive_int(op, "chunk_size", chunk_size)
     cdt = compute_dtype(q.dtype)
 
     # validates backend / LAZOO_BACKEND; the chunk and triton choices are left to the delta rule op
@@ -83,7 +85,7 @@ def delta_product(
         S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
         o, S = _recurrent_delta_product(q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt),
                                         None if g is None else g.to(cdt), S0, scale, use_qk_l2norm, mask)
-        return zero_masked(o, mask).to(v.dtype), (S if output_final_state else None)
+        return op_result(o, mask, v.dtype, S, output_final_state)
 
     # interleave: step j of token t -> position t * n + j of a sequence of length T * n
     k_x = k.transpose(2, 3).reshape(B, T * n, H, dk)
@@ -93,10 +95,11 @@ def delta_product(
     m_x = None if mask is None else mask[:, :, None].expand(B, T, n).reshape(B, T * n)
     g_x = None if g is None else torch.cat([g[:, :, None], g.new_zeros(B, T, n - 1, H)], 2).reshape(B, T * n, H)
     # the delta rule under this op's name, so that its errors say "delta_product:"
-    o_x, S = _delta(op, q_x, k_x, v_x, g_x, b_x, scale, use_qk_l2norm, chunk_size, initial_state,
-                    output_final_state, m_x, backend, check_g=False)
+    o_x, S = delta_rule_as(op, q_x, k_x, v_x, g_x, b_x, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                           chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
+                           mask=m_x, backend=backend, check_g=False)
     o = o_x.view(B, T, n, H, dv)[:, :, -1]  # each token's output after its last step
-    return zero_masked(o, mask).to(v.dtype), S
+    return op_result(o, mask, v.dtype, S, output_final_state)
 
 
 # ============================================================================ recurrent form

@@ -57,17 +57,20 @@ from __future__ import annotations
 import torch
 
 from ._common import (
-    check_chunk_size,
-    check_mask,
-    check_qkv,
+    check_positive_int,
+    check_positive_number,
     check_state_dict,
     check_state_tensor,
     compute_dtype,
+    op_result,
+    prepare_inputs,
     resolve_backend,
+    without_autocast,
     zero_masked,
-    zero_pads,
 )
-from .linear import _gla, _linear_attention
+from .linear import gla_as, linear_attention_as
+
+__all__ = ["ELA_KERNELS", "ela", "ela_feature_dim", "ela_features", "ela_kernel"]
 
 ELA_KERNELS = ("hadamard_exp", "sum_sq_euclid", "sub_sq_euclid", "magnitude_direction")
 
@@ -109,6 +112,7 @@ def ela_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (qq[..., :, None] + 1) * (kk[..., None, :] + 1) * (dot + 1)
 
 
+@without_autocast
 def ela(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,13 +134,10 @@ def ela(
     ``initial_state``/``output_final_state`` must be left unset.
     """
     op = "ela"
-    B, T, H, D, dv = check_qkv(op, q, k, v)
+    (B, T, H, D, dv), mask, (q, k, v) = prepare_inputs(op, q, k, v, mask)  # a NaN at a pad never meets a real token
     _check_kernel(op, kernel)
-    mask = check_mask(op, mask, B, T, q.device)
-    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
-    chunk_size = check_chunk_size(op, chunk_size)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
+    chunk_size = check_positive_int(op, "chunk_size", chunk_size)
+    check_positive_number(op, "eps", eps)
     resolve_backend(op, backend, q.device, None)  # validates backend / LAZOO_BACKEND; the inner op picks
     cdt = compute_dtype(q.dtype)
     F_ = ela_feature_dim(kernel, D)
@@ -152,10 +153,11 @@ def ela(
     else:
         fq, fk = ela_features(kernel, q_c, k_c)
         inner = None if state is None else {"S": state["S"], "z": state["C"]}
-        o, st = _linear_attention(op, fq, fk, v_c, "identity", True, eps, chunk_size, inner, output_final_state,
-                                  mask, backend, None)
+        o, st = linear_attention_as(op, fq, fk, v_c, feature_map="identity", normalize=True, eps=eps,
+                                    chunk_size=chunk_size, initial_state=inner, output_final_state=output_final_state,
+                                    mask=mask, backend=backend, cu_seqlens=None)
         final = None if st is None else {"S": st["S"], "C": st["z"]}
-    return zero_masked(o, mask).to(v.dtype), final
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 # ============================================================================ causal hadamard_exp
@@ -180,8 +182,8 @@ def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backe
     if state is not None:
         S0 = torch.cat([state["S"], state["C"][:, :, None, :]], 2)
     # g <= 0 by construction (m never decreases): no check, no host sync
-    o1, S1 = _gla("ela", fq, fk, v1, g, 1.0, min(chunk_size, 16), S0, output_final_state, mask, backend, None,
-                  check_g=False)
+    o1, S1 = gla_as("ela", fq, fk, v1, g, scale=1.0, chunk_size=min(chunk_size, 16), initial_state=S0,
+                    output_final_state=output_final_state, mask=mask, backend=backend, cu_seqlens=None, check_g=False)
     o1 = o1.to(q.dtype)
     num, den = o1[..., :dv], o1[..., dv:]
     floor = torch.exp(torch.log(torch.tensor(eps, dtype=q.dtype, device=q.device)) - M)

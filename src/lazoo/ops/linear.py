@@ -25,29 +25,28 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    check_chunk_size,
-    time_cumsum,
     check_cu_seqlens,
-    check_same_device,
-    check_same_dtype,
-    check_head_scalar,
-    check_mask,
-    check_qkv,
+    check_log_decay,
+    check_positive_int,
     check_scale,
     check_state_dict,
     check_state_tensor,
-    run_per_sequence,
     compute_dtype,
     matrix_initial_state,
     merge_chunks,
+    op_result,
     pad_time,
+    prepare_inputs,
     resolve_backend,
+    run_per_sequence,
     split_chunks,
-    zero_masked,
-    zero_pads,
+    time_cumsum,
     triton_unsupported,
-    check_log_decay,
+    without_autocast,
+    zero_masked,
 )
+
+__all__ = ["FEATURE_MAPS", "chunk_gated_linear", "chunk_gla", "gated_linear_attention", "gla", "linear_attention"]
 
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "elu1": lambda x: F.elu(x) + 1.0,
@@ -66,6 +65,7 @@ def get_feature_map(name: str | Callable, op: str = "linear_attention") -> Calla
 
 
 # ============================================================================ public ops
+@without_autocast
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,21 +82,21 @@ def linear_attention(
     cu_seqlens: torch.Tensor | None = None,
 ):
     """Causal linear attention. State: ``{"S", "z"}`` if normalize else the tensor S."""
-    return _linear_attention("linear_attention", q, k, v, feature_map, normalize, eps, chunk_size, initial_state,
-                             output_final_state, mask, backend, cu_seqlens)
+    return linear_attention_as("linear_attention", q, k, v, feature_map=feature_map, normalize=normalize, eps=eps,
+                               chunk_size=chunk_size, initial_state=initial_state,
+                               output_final_state=output_final_state, mask=mask, backend=backend,
+                               cu_seqlens=cu_seqlens)
 
 
-def _linear_attention(op, q, k, v, feature_map, normalize, eps, chunk_size, initial_state, output_final_state,
-                      mask, backend, cu_seqlens):
+def linear_attention_as(op: str, q, k, v, *, feature_map, normalize, eps, chunk_size, initial_state,
+                        output_final_state, mask, backend, cu_seqlens):
     """``linear_attention`` with its errors naming ``op`` (ELA runs it on its features)."""
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(op, q, k, v, mask)  # a NaN at a pad never meets a real token
     phi = get_feature_map(feature_map, op)
-    mask = check_mask(op, mask, B, T, q.device)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
-    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
+    chunk_size = check_positive_int(op, "chunk_size", chunk_size)
+    backend = resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v))
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
@@ -104,9 +104,10 @@ def _linear_attention(op, q, k, v, feature_map, normalize, eps, chunk_size, init
                               output_final_state, mask, cu_seqlens, N)
     if cu_seqlens is not None:
         return run_per_sequence(
-            lambda sl, st: _linear_attention(
-                op, q[:, sl], k[:, sl], v[:, sl], feature_map, normalize, eps, chunk_size, st, True, None, backend,
-                None),
+            lambda sl, st: linear_attention_as(
+                op, q[:, sl], k[:, sl], v[:, sl], feature_map=feature_map, normalize=normalize, eps=eps,
+                chunk_size=chunk_size, initial_state=st, output_final_state=True, mask=None, backend=backend,
+                cu_seqlens=None),
             cu_seqlens, _as_state(_linear_initial_state(op, initial_state, normalize, N, H, dk, dv, q.device, cdt),
                                   normalize), output_final_state, q, v)
 
@@ -124,129 +125,67 @@ def _linear_attention(op, q, k, v, feature_map, normalize, eps, chunk_size, init
             z_t = z0[:, None] + time_cumsum(fk)  # [B, T, H, dk]: z after each step
             o = o / _denominator(fq, z_t, eps)
             z = z_t[:, -1]
-    o = zero_masked(o, mask).to(v.dtype)
-
-    final_state = None
-    if output_final_state:
-        final_state = {"S": S, "z": z} if normalize else S
-    return o, final_state
+    return op_result(o, mask, v.dtype, _as_state((S, z), normalize), output_final_state)
 
 
-def gated_linear_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    *,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    mask: torch.Tensor | None = None,
-    backend: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-):
+@without_autocast
+def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *,
+                           scale: float | None = None, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, mask: torch.Tensor | None = None,
+                           backend: str | None = None, cu_seqlens: torch.Tensor | None = None):
     """Linear attention with a scalar per-head decay exp(g_t), g ``[B, T, H]`` the log decay (<= 0)."""
-    op = "gated_linear_attention"
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    check_head_scalar(op, "g", g, q)
-    mask = check_mask(op, mask, B, T, q.device)
-    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
-    q, k, v, g = zero_pads(mask, q, k, v, g)  # a pad writes nothing and does not decay the state
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    scale = check_scale(op, scale, dk)
-    chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
-    check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
-    cdt = compute_dtype(q.dtype)
-
-    if backend == "triton":
-        return _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_state,
-                             mask, cu_seqlens, N)
-    if cu_seqlens is not None:
-        return run_per_sequence(
-            lambda sl, st: gated_linear_attention(
-                q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale=scale, chunk_size=chunk_size,
-                initial_state=st, output_final_state=True, backend=backend),
-            cu_seqlens, matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt),
-            output_final_state, q, v)
-
-    S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
-    q_c, k_c, v_c, g_c = (x.to(cdt) for x in (q, k, v, g))
-    q_c = q_c * scale
-
-    if backend == "recurrent":
-        o, S = _recurrent_gated_linear(q_c, k_c, v_c, g_c, S0)
-    else:
-        o, S = chunk_gated_linear(q_c, k_c, v_c, g_c, S0, chunk_size)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (S if output_final_state else None)
+    return _gated_linear("gated_linear_attention", q, k, v, g, _gated_triton, per_key=False, scale=scale,
+                         chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
+                         mask=mask, backend=backend, cu_seqlens=cu_seqlens)
 
 
-def gla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    *,
-    scale: float | None = None,
-    chunk_size: int = 16,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    mask: torch.Tensor | None = None,
-    backend: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-):
+@without_autocast
+def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *, scale: float | None = None,
+        chunk_size: int = 16, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+        mask: torch.Tensor | None = None, backend: str | None = None, cu_seqlens: torch.Tensor | None = None):
     """Gated linear attention with a decay per key dim (GLA): g ``[B, T, H, dk]`` the log decay (<= 0).
 
     The chunk form materialises ``[C, C, dk]`` decays per chunk (hence the small default chunk);
     the Triton backend is lazoo.kernels.gla (chunks of 64 in 16-row sub-chunks, hand-written backward;
     chunk_size does not apply to it), or the fused recurrent kernel for decoding (T <= 16, no autograd).
     """
-    return _gla("gla", q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, backend, cu_seqlens)
+    return gla_as("gla", q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state,
+                  output_final_state=output_final_state, mask=mask, backend=backend, cu_seqlens=cu_seqlens)
 
 
-def _gla(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, backend, cu_seqlens,
-         check_g=True):
-    """``gla`` with its errors naming ``op``; ``check_g=False`` skips the g <= 0 check (a caller's g that is
-    <= 0 by construction: no host sync)."""
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    if not isinstance(g, torch.Tensor) or tuple(g.shape) != tuple(q.shape):
-        raise ValueError(f"{op}: g must be a tensor of shape [B, T, H, dk] = {tuple(q.shape)}, "
-                         f"got {tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
-    check_same_dtype(op, q, g=g)
-    check_same_device(op, q, g=g)
-    mask = check_mask(op, mask, B, T, q.device)
+def gla_as(op: str, q, k, v, g, *, scale, chunk_size, initial_state, output_final_state, mask, backend, cu_seqlens,
+           check_g: bool = True):
+    """``gla`` with its errors naming ``op`` (ELA runs it on its features); ``check_g=False`` skips the g <= 0
+    check (a caller's g that is <= 0 by construction: no host sync)."""
+    return _gated_linear(op, q, k, v, g, _gla_triton, per_key=True, scale=scale, chunk_size=chunk_size,
+                         initial_state=initial_state, output_final_state=output_final_state, mask=mask,
+                         backend=backend, cu_seqlens=cu_seqlens, check_g=check_g)
+
+
+def _gated_linear(op, q, k, v, g, triton_path, *, per_key, scale, chunk_size, initial_state, output_final_state,
+                  mask, backend, cu_seqlens, check_g=True):
+    """Linear attention with a log-decay gate, one per head (g ``[B, T, H]``) or, ``per_key``, one per key dim
+    (g ``[B, T, H, dk]``, GLA). The caller names the Triton path: the two gates have different kernels."""
+    gate = {"like_q": {"g": g}} if per_key else {"scalars": {"g": g}}
+    # a pad writes nothing and does not decay the state
+    (B, T, H, dk, dv), mask, (q, k, v, g) = prepare_inputs(op, q, k, v, mask, **gate)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
-    q, k, v, g = zero_pads(mask, q, k, v, g)  # a pad writes nothing and does not decay the state
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
-    chunk_size = check_chunk_size(op, chunk_size)
-    backend = resolve_backend(op, backend, q.device, _triton_unsupported(q, v))
+    chunk_size = check_positive_int(op, "chunk_size", chunk_size)
+    backend = resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v))
     if check_g:
         check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
-        from ..kernels import linear as kl
-
-        S0 = None if initial_state is None else matrix_initial_state(op, initial_state, N, H, dk, dv,
-                                                                     q.device, torch.float32)
-        if isinstance(scale, torch.Tensor):  # a learned scale stays differentiable outside the kernel
-            q, scale = q * scale.to(q.dtype), 1.0
-        if _decoding(T, cu_seqlens, q, k, v, g, S0):
-            o, S = kl.fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=S0,
-                                          output_final_state=output_final_state)
-        else:
-            from ..kernels import gla as kg
-
-            o, S = kg.chunk_gla(q, k, v, g, scale=scale, initial_state=S0, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
-        return zero_masked(o, mask).to(v.dtype), (S if output_final_state else None)
+        return triton_path(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, cu_seqlens, N)
     if cu_seqlens is not None:
         return run_per_sequence(
-            lambda sl, st: _gla(op, q[:, sl], k[:, sl], v[:, sl], g[:, sl], scale, chunk_size, st, True, None,
-                                backend, None, check_g=False),
+            lambda sl, st: _gated_linear(
+                op, q[:, sl], k[:, sl], v[:, sl], g[:, sl], triton_path, per_key=per_key, scale=scale,
+                chunk_size=chunk_size, initial_state=st, output_final_state=True, mask=None, backend=backend,
+                cu_seqlens=None, check_g=False),
             cu_seqlens, matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt),
             output_final_state, q, v)
 
@@ -254,15 +193,10 @@ def _gla(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, m
     q_c, k_c, v_c, g_c = (x.to(cdt) for x in (q, k, v, g))
     q_c = q_c * scale
     if backend == "recurrent":
-        outs, S = [], S0
-        for t in range(T):
-            S = S * g_c[:, t, :, None, :].exp() + v_c[:, t, :, :, None] * k_c[:, t, :, None, :]
-            outs.append(torch.einsum("bhvk,bhk->bhv", S, q_c[:, t]))
-        o = torch.stack(outs, dim=1)
+        o, S = (_recurrent_gla if per_key else _recurrent_gated_linear)(q_c, k_c, v_c, g_c, S0)
     else:
-        o, S = chunk_gla(q_c, k_c, v_c, g_c, S0, chunk_size)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (S if output_final_state else None)
+        o, S = (chunk_gla if per_key else chunk_gated_linear)(q_c, k_c, v_c, g_c, S0, chunk_size)
+    return op_result(o, mask, v.dtype, S, output_final_state)
 
 
 def chunk_gla(q, k, v, g, S0, chunk_size: int):
@@ -295,14 +229,16 @@ def chunk_gla(q, k, v, g, S0, chunk_size: int):
 # ============================================================================ Triton paths
 _TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.linear.MAX_HEAD_DIM (not imported here: lazy kernels)
 
-def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None when lazoo.kernels.linear runs this case, else why not (imports no kernel on CPU)."""
+
+def linear_kernel_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when lazoo.kernels.linear runs this case, else why not (imports no kernel on CPU; RLS's memory part
+    runs it too)."""
     reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
     if reason:
         return reason
     try:
         from ..kernels.linear import check_supported
-    except ImportError as e:  # no triton installed
+    except ImportError as e:  # a broken Triton, or a copy of the model code without the kernels
         return f"Triton is not available ({e})"
     return check_supported(q, v)
 
@@ -362,10 +298,7 @@ def _linear_triton(op, q, k, v, phi, normalize, eps, chunk_size, initial_state, 
             o = o.float() / _denominator(fq.float(), z_t, eps)
             if output_final_state:
                 z = _sequence_ends(z_t, cu_seqlens, z0, (N, H, dk))
-    o = zero_masked(o, mask).to(v.dtype)
-    if not output_final_state:
-        return o, None
-    return o, ({"S": S, "z": z} if normalize else S)
+    return op_result(o, mask, v.dtype, _as_state((S, z), normalize), output_final_state)
 
 
 def _sequence_ends(x_t, cu_seqlens, x0, shape):
@@ -381,27 +314,47 @@ def _sequence_ends(x_t, cu_seqlens, x0, shape):
     return out
 
 
-def _gated_triton(q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask,
-                  cu_seqlens, N):
+def _gla_triton(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, cu_seqlens, N):
+    """GLA on lazoo.kernels.gla (its own chunks: ``chunk_size`` does not apply), or the fused recurrent kernel."""
     from ..kernels import linear as kl
 
-    op = "gated_linear_attention"
-    B, T, H, dk = q.shape
-    dv = v.shape[-1]
-    S0 = None
-    if initial_state is not None:
-        S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, torch.float32)
-    if isinstance(scale, torch.Tensor):  # a learned scale: keep it differentiable outside the kernel
-        q, scale = q * scale.to(q.dtype), 1.0
-    if _decoding(T, cu_seqlens, q, k, v, g, S0):
+    q, scale, S0 = _gated_kernel_inputs(op, q, v, scale, initial_state, N)
+    if _decoding(q.shape[1], cu_seqlens, q, k, v, g, S0):
+        o, S = kl.fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=S0,
+                                      output_final_state=output_final_state)
+    else:
+        from ..kernels import gla as kg
+
+        o, S = kg.chunk_gla(q, k, v, g, scale=scale, initial_state=S0, output_final_state=output_final_state,
+                            cu_seqlens=cu_seqlens)
+    return op_result(o, mask, v.dtype, S, output_final_state)
+
+
+def _gated_triton(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, cu_seqlens, N):
+    """Gated linear attention on lazoo.kernels.linear (chunked, or the fused recurrent kernel for decoding)."""
+    from ..kernels import linear as kl
+
+    q, scale, S0 = _gated_kernel_inputs(op, q, v, scale, initial_state, N)
+    if _decoding(q.shape[1], cu_seqlens, q, k, v, g, S0):
         o, S, _ = kl.fused_recurrent_linear_attention(
             q, k, v, g.float(), scale=scale, initial_state=S0, output_final_state=output_final_state)
     else:
         o, S = kl.chunk_linear_attention(q, k, v, g, scale=scale, initial_state=S0,
                                          output_final_state=output_final_state,
                                          cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (S if output_final_state else None)
+    return op_result(o, mask, v.dtype, S, output_final_state)
+
+
+def _gated_kernel_inputs(op, q, v, scale, initial_state, N):
+    """(q, scale, S0) as the gated kernels take them: a learned (tensor) scale folded into q, so that it stays
+    differentiable outside the kernel; the initial state checked and in float32 (None: none)."""
+    B, T, H, dk = q.shape
+    S0 = None
+    if initial_state is not None:
+        S0 = matrix_initial_state(op, initial_state, N, H, dk, v.shape[-1], q.device, torch.float32)
+    if isinstance(scale, torch.Tensor):
+        q, scale = q * scale.to(q.dtype), 1.0
+    return q, scale, S0
 
 
 # ============================================================================ states
@@ -444,6 +397,15 @@ def _recurrent_linear(fq, fk, v, S, z, mask, normalize, eps):
             o = o / _denominator(fq[:, t], z, eps)
         outs.append(o)
     return torch.stack(outs, dim=1), S, z
+
+
+def _recurrent_gla(q, k, v, g, S):
+    """Step-by-step reference of GLA (a decay per key dim); k and g are zero at pads, which leaves S untouched."""
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t, :, None, :].exp() + v[:, t, :, :, None] * k[:, t, :, None, :]
+        outs.append(torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, dim=1), S
 
 
 def _recurrent_gated_linear(q, k, v, g, S):

@@ -54,22 +54,26 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._common import (
-    check_chunk_size,
     check_float,
-    check_mask,
-    check_qkv,
+    check_positive_int,
+    check_positive_number,
     check_same_device,
     compute_dtype,
+    op_result,
+    prepare_inputs,
     resolve_backend,
     triton_unsupported,
+    without_autocast,
     zero_masked,
-    zero_pads,
 )
-from .softmax import _allowed, kv_cache_state, with_kv_cache
+from .softmax import kv_cache_state, visible_keys, with_kv_cache
+
+__all__ = ["local_linear_attention"]
 
 _OP = "local_linear_attention"
 
 
+@without_autocast
 def local_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,14 +93,11 @@ def local_linear_attention(
 
     rank_projection: None (exact slope on k − q) or P ``[r, dk]`` / ``[H, r, dk]`` (slope on P(k − q));
     differentiable, so it can be a learned parameter."""
-    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
-    mask = check_mask(_OP, mask, B, T, q.device)
-    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token, in any backend
-    C = check_chunk_size(_OP, chunk_size)
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge > 0:
-        raise ValueError(f"{_OP}: ridge must be a number > 0, got {ridge!r}")
+    # a NaN at a pad never meets a real token, in any backend
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask)
+    C = check_positive_int(_OP, "chunk_size", chunk_size)
+    window = check_positive_int(_OP, "window", window, none_ok=True)
+    check_positive_number(_OP, "ridge", ridge)
     P = _projection(rank_projection, H, dk, q)
     backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, P))
     cdt = compute_dtype(q.dtype)
@@ -115,9 +116,8 @@ def local_linear_attention(
         o = _triton(q, keys.to(q.dtype), values.to(q.dtype), key_mask, beta, P, float(ridge), window)
     elif backend != "triton":
         o = _torch_form(backend, q.to(cdt), keys, values, mask, key_mask, Tc, window, beta, P, float(ridge), C)
-    o = zero_masked(o, mask).to(v.dtype)
-
-    return o, (kv_cache_state(keys, values, key_mask, window) if output_final_state else None)
+    final = kv_cache_state(keys, values, key_mask, window) if output_final_state else None
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 def _torch_form(backend, q, keys, values, mask, key_mask, Tc, window, beta, P, ridge, C):
@@ -128,7 +128,7 @@ def _torch_form(backend, q, keys, values, mask, key_mask, Tc, window, beta, P, r
     if backend == "recurrent":
         B, T = q.shape[:2]
         query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        allowed = _allowed(query_mask, key_mask, Tc, window)[:, None]  # [B, 1, T, S]
+        allowed = visible_keys(query_mask, key_mask, Tc, window)[:, None]  # [B, 1, T, S]
         o = _recurrent(Qh, Kh, Vh, Fq, Fk, allowed, beta, ridge)
     else:
         seen = _Visibility(mask, key_mask, Tc, window)
@@ -189,7 +189,7 @@ def _triton_unsupported(q, v, P) -> str | None:
         return reason
     try:
         from ..kernels.local_linear import check_supported
-    except ImportError as e:  # no triton installed
+    except ImportError as e:  # a broken Triton, or a copy of the model code without the kernels
         return f"Triton is not available ({e})"
     return check_supported(q, v, r)
 

@@ -47,8 +47,9 @@ chunk, attends over [dictionary; partial chunk], and the dictionary is updated w
 complete); ``"chunk"`` packs each sample's real tokens (after its partial chunk) and processes whole
 chunks, L queries at a time. Both share the dictionary update (``_update_dictionary``), which is the
 definition. ``"triton"`` (auto on CUDA; fp32/fp16/bf16, head dims <= 128) runs the chunk attention of all
-chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (PyTorch,
-no gradient, ``_assign``), then every chunk's dictionary as differentiable running means (sums / counts)
+chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (no gradient,
+``_assign``'s rule: a PyTorch loop over the chunks, or with ``triton_assign=True`` one launch of
+``lazoo.kernels.ovq_assign``), then every chunk's dictionary as differentiable running means (sums / counts)
 for a group of chunks at a time, then the kernel; decoding one token without autograd uses the chunk form.
 
 VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
@@ -69,19 +70,22 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    check_chunk_size,
-    check_mask,
-    check_qkv,
+    check_choice,
+    check_positive_int,
     check_same_device,
     check_same_dtype,
     check_state_dict,
     check_state_tensor,
     compute_dtype,
+    empty_batch_result,
+    op_result,
+    prepare_inputs,
     resolve_backend,
-    zero_masked,
-    zero_pads,
     triton_unsupported,
+    without_autocast,
 )
+
+__all__ = ["ovq_attention", "ovq_dict_size", "vq_attention"]
 
 _OP = "ovq_attention"
 _VQ_OP = "vq_attention"
@@ -100,6 +104,7 @@ def ovq_dict_size(t, max_dict_size: int):
 
 
 # ============================================================================ OVQ
+@without_autocast
 def ovq_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,33 +117,37 @@ def ovq_attention(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    triton_assign: bool = False,
 ):
-    """OVQ attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring)."""
-    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
-    mask = check_mask(_OP, mask, B, T, q.device)
-    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
-    L = check_chunk_size(_OP, chunk_size)
-    if not isinstance(max_dict_size, int) or isinstance(max_dict_size, bool) or max_dict_size < 1:
-        raise ValueError(f"{_OP}: max_dict_size must be a positive int, got {max_dict_size!r}")
+    """OVQ attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring).
+
+    ``triton_assign``: when the Triton backend runs, take every chunk's slot assignments in one launch of
+    ``lazoo.kernels.ovq_assign`` instead of a PyTorch loop over the chunks (opt-in until measured on a GPU; it
+    applies where chunk_size <= 128 and the compute dtype is float32, the PyTorch loop runs otherwise). The
+    "recurrent" and "chunk" backends ignore it (they assign chunk by chunk as they go)."""
+    # a NaN at a pad never meets a real token
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask)
+    L = check_positive_int(_OP, "chunk_size", chunk_size)
+    check_positive_int(_OP, "max_dict_size", max_dict_size)
     backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v))
+    triton_assign = check_choice(_OP, "triton_assign", triton_assign, (False, True))  # the triton backend's choice
     cdt = compute_dtype(q.dtype)
 
     qs = _scaled(_OP, q.to(cdt), scale, H, dk)
     kc, vc = k.to(cdt), v.to(cdt)
     state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt)
-    if B == 0:  # an empty batch: nothing to read, the (empty) state passes through
-        return v.new_zeros(B, T, H, dv), (state if output_final_state else None)
+    if B == 0:
+        return empty_batch_result(q, v, state, output_final_state)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, kc, vc, state["Dk"], state["Dv"]))
     if backend == "triton" and T == 1 and not needs_grad:
         backend = "chunk"  # decoding one token: a matrix-vector product over the state, PyTorch suffices
     if backend == "triton":
-        o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype)
+        o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign)
     else:
         run = _ovq_recurrent if backend == "recurrent" else _ovq_chunk
         o, final = run(qs, kc, vc, real, state, L, max_dict_size)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (final if output_final_state else None)
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 def _scaled(op, q, scale, H, dk):
@@ -405,10 +414,7 @@ def _ovq_chunk(q, k, v, real, state, L, N):
 _TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.MAX_HEAD_DIM (not imported here: kernels load lazily)
 #: bytes of per-chunk dictionaries materialised at once (chunks run in groups that fit)
 _TRITON_GROUP_BYTES = 4 << 30
-#: opt-in: step 1 (the assignments of every chunk) as one Triton launch (lazoo.kernels.ovq_assign) instead of
-#: ``_chunk_slots``; off until measured on a GPU. Used where chunk_size <= 128 (head dims are <= 128 here).
-TRITON_ASSIGN = False
-_TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq_assign.MAX_CHUNK
+_TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq_assign.MAX_CHUNK (its head dim limit is the op's, 128)
 
 
 def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -521,9 +527,9 @@ def _chunk_slots(Kp, valid, state, t0, nb, L, N):
     return torch.cat(slots), torch.cat(before), graph.counts.clone()
 
 
-def _ovq_triton(q, k, v, real, state, L, N, kdt):
+def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
     """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
-    (sequential, PyTorch, no gradient; with TRITON_ASSIGN one launch of lazoo.kernels.ovq_assign); (2)
+    (sequential, PyTorch, no gradient; with ``triton_assign`` one launch of lazoo.kernels.ovq_assign); (2)
     every chunk's dictionary as differentiable running means, sums of the keys / values assigned so far
     over the counts, materialised for a group of chunks at a time; (3) one kernel launch per group for
     the attention of all its chunks. Gradients reach q, k, v and the initial dictionaries through (2).
@@ -537,7 +543,7 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt):
     Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
     P = Qp.shape[1]
     C = P // L
-    if TRITON_ASSIGN and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
+    if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
         from ..kernels.ovq_assign import ovq_assign
 
         slots, before, counts_end = ovq_assign(Kp.detach(), valid.sum(1) // L, t0 - nb, st["Dk"].detach(),
@@ -583,6 +589,7 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt):
 
 
 # ============================================================================ VQ
+@without_autocast
 def vq_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -597,16 +604,15 @@ def vq_attention(
     backend: str | None = None,
 ):
     """VQ-attention with a learned codebook ``[H, N, dk]``; returns ``(o, final_state)`` (Dv, counts)."""
-    B, T, H, dk, dv = check_qkv(_VQ_OP, q, k, v)
+    # a NaN at a pad never meets a real token
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_VQ_OP, q, k, v, mask)
     if not isinstance(codebook, torch.Tensor) or codebook.dim() != 3 or codebook.shape[0] != H \
             or codebook.shape[2] != dk or codebook.shape[1] < 1:
         got = tuple(codebook.shape) if isinstance(codebook, torch.Tensor) else type(codebook).__name__
         raise ValueError(f"{_VQ_OP}: codebook must have shape [H, N, dk] = ({H}, N, {dk}), got {got}")
     check_same_dtype(_VQ_OP, q, codebook=codebook)
     check_same_device(_VQ_OP, q, codebook=codebook)
-    mask = check_mask(_VQ_OP, mask, B, T, q.device)
-    q, k, v = zero_pads(mask, q, k, v)  # a NaN at a pad never meets a real token
-    C = check_chunk_size(_VQ_OP, chunk_size)
+    C = check_positive_int(_VQ_OP, "chunk_size", chunk_size)
     backend = resolve_backend(_VQ_OP, backend, q.device)
     cdt = compute_dtype(q.dtype)
     N = codebook.shape[1]
@@ -625,8 +631,7 @@ def vq_attention(
         state = {"Dv": initial_state["Dv"].to(cdt), "counts": initial_state["counts"].to(torch.int64)}
     run = _vq_recurrent if backend == "recurrent" else _vq_chunk
     o, final = run(qs, vc, idx, cb, real, state, C)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (final if output_final_state else None)
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 def _vq_add(Dv, counts, onehot, V):

@@ -68,23 +68,24 @@ import warnings
 import torch
 
 from ._common import (
-    BACKEND_ENV,
-    check_chunk_size,
-    check_mask,
-    check_qkv,
+    check_positive_int,
     check_same_device,
     check_state_dict,
     check_state_tensor,
     compute_dtype,
     host_sync_allowed,
+    merge_chunks,
+    op_result,
     pad_time,
+    prepare_inputs,
+    requested_backend,
     resolve_backend,
     split_chunks,
-    merge_chunks,
-    zero_masked,
+    without_autocast,
 )
-from .linear import _triton_unsupported as _linear_triton_unsupported
-from .linear import chunk_gated_linear, linear_attention
+from .linear import chunk_gated_linear, linear_attention, linear_kernel_unsupported
+
+__all__ = ["rls"]
 
 logger = logging.getLogger("lazoo")
 
@@ -110,6 +111,7 @@ CHECK_TRITON = True
 _SAID: set[str] = set()
 
 
+@without_autocast
 def rls(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,9 +127,9 @@ def rls(
 ):
     """Exact (γ-weighted) ridge regression memory; returns ``(o [B, T, H, dv], final_state)``
     (see the module docstring)."""
-    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
-    mask = check_mask(_OP, mask, B, T, q.device)
-    C = None if chunk_size is None else check_chunk_size(_OP, chunk_size)
+    # a pad is no input: a NaN there never meets a real token
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask)
+    C = None if chunk_size is None else check_positive_int(_OP, "chunk_size", chunk_size)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 < float(gamma) <= 1.0):
         raise ValueError(f"{_OP}: gamma must be a number in (0, 1], got {gamma!r}")
     gamma = float(gamma)
@@ -135,7 +137,7 @@ def rls(
     if lam_unchecked and q.device.type != "cuda":  # (on CUDA the Triton path folds it into its one host sync)
         _check_lambda_values(lam, lam_h)
         lam_unchecked = False
-    forced = backend is not None or bool(os.environ.get(BACKEND_ENV))
+    forced = requested_backend(backend)[0] is not None
     backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, gamma, C))
     if lam_unchecked and backend != "triton":
         _check_lambda_values(lam, lam_h)
@@ -144,15 +146,14 @@ def rls(
     cdt = compute_dtype(q.dtype)
     tol = TOLERANCE.get(v.dtype, TOLERANCE[torch.float32])
     KK, VK = _initial_state(initial_state, B, H, dk, dv, q.device)
-    q, k, v = (zero_masked(x, mask) for x in (q, k, v))  # a pad is no input: a NaN there never meets a real token
 
     if backend == "triton":
         o, KK1, VK1 = _rls_triton_checked(q, k, v, mask, lam_h, KK, VK, C, output_final_state, forced, tol,
                                           lam if lam_unchecked else None, initial_state is None)
     else:
         o, KK1, VK1 = _rls_torch(q, k, v, mask, lam_h, gamma, KK, VK, C, backend, tol)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, ({"KK": KK1.to(cdt), "VK": VK1.to(cdt)} if output_final_state else None)
+    final = {"KK": KK1.to(cdt), "VK": VK1.to(cdt)} if output_final_state else None
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 # ----------------------------------------------------------------------------- saying things once
@@ -226,7 +227,7 @@ def _triton_unsupported(q, v, gamma, chunk_size) -> str | None:
         return f"the Triton path takes head dims up to {MAX_HEAD_DIM} (got {q.shape[-1]})"
     if chunk_size is not None and chunk_size % BS:
         return f"the Triton path needs chunk_size to be a multiple of {BS} (got {chunk_size})"
-    return _linear_triton_unsupported(q, v)
+    return linear_kernel_unsupported(q, v)
 
 
 def _triton_chunk() -> int:

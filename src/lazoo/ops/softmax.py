@@ -18,21 +18,25 @@ import torch.nn.functional as F
 
 from ._common import (
     check_cu_seqlens,
-    check_mask,
-    check_qkv,
+    check_positive_int,
     check_same_device,
     check_state_dict,
     check_state_tensor,
     compute_dtype,
-    resolve_backend,
+    op_result,
     packed_sequence_ids,
-    zero_masked,
+    prepare_inputs,
+    resolve_backend,
+    without_autocast,
     zero_pads,
 )
+
+__all__ = ["softmax_attention"]
 
 _OP = "softmax_attention"
 
 
+@without_autocast
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -54,19 +58,17 @@ def softmax_attention(
     Returns ``(o [B, T, H, dv], final_state)``; a final state with a window keeps only the last
     W - 1 positions. Padded queries give 0. ``cu_seqlens``: packed sequences (see the module docstring).
     """
-    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
-    mask = check_mask(_OP, mask, B, T, q.device)
+    # a masked score times a NaN value is still NaN: the pads are zeroed
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask)
     cu_seqlens = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device, mask)
     if cu_seqlens is not None and (initial_state is not None or output_final_state):
         raise ValueError(f"{_OP}: packed sequences (cu_seqlens) take no initial_state and give no final state")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"{_OP}: window must be None or a positive int, got {window!r}")
+    window = check_positive_int(_OP, "window", window, none_ok=True)
     # SDPA (the "chunk" backend) is the fast path on GPU: no fallback to report
     backend = resolve_backend(_OP, backend, q.device, "softmax attention runs on SDPA", log_fallback=False)
     # the reference computes in fp32/fp64; SDPA keeps the input dtype (and the cache in it) for its fast kernels
     cdt = compute_dtype(q.dtype) if backend == "recurrent" else q.dtype
 
-    q, k, v = zero_pads(mask, q, k, v)  # a masked score times a NaN value is still NaN
     q = q.to(cdt)
     q, scale = _apply_scale(q, scale, H, dk)
     keys, values, key_mask = with_kv_cache(_OP, initial_state, k.to(cdt), v.to(cdt), mask, B, H, dk, dv)
@@ -78,14 +80,13 @@ def softmax_attention(
     elif backend != "recurrent" and Tc == 0 and mask is None and cu_seqlens is None and T > 2 * window:
         o = _sdpa_window_blocks(q, keys, values, window, scale)  # O(T·W), not a [T, T] mask
     else:
-        allowed = _allowed(query_mask, key_mask, Tc, window)  # [B, T, S]
+        allowed = visible_keys(query_mask, key_mask, Tc, window)  # [B, T, S]
         if cu_seqlens is not None:  # Tc == 0: keys and queries are the same positions
             seq = packed_sequence_ids(cu_seqlens, T)
             allowed = allowed & (seq[:, None] == seq[None, :])[None]
         o = (_eager if backend == "recurrent" else _sdpa)(q, keys, values, allowed, scale)
-    o = zero_masked(o, mask).to(v.dtype)
-
-    return o, (kv_cache_state(keys, values, key_mask, window) if output_final_state else None)
+    final = kv_cache_state(keys, values, key_mask, window) if output_final_state else None
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 def _apply_scale(q: torch.Tensor, scale, H: int, dk: int) -> tuple[torch.Tensor, float]:
@@ -142,8 +143,9 @@ def kv_cache_state(keys, values, key_mask, window: int | None) -> dict:
     return {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in state.items()}
 
 
-def _allowed(query_mask, key_mask, Tc: int, window: int | None) -> torch.Tensor:
-    """``[B, T, S]`` bool: which keys each query may see (causal, window, real tokens only)."""
+def visible_keys(query_mask, key_mask, Tc: int, window: int | None) -> torch.Tensor:
+    """``[B, T, S]`` bool: which keys each query may see (causal over the positions of the ``Tc`` cached keys and
+    the new ones, inside the window, real tokens only), for the attention-like ops with a KV cache."""
     T, S = query_mask.shape[1], key_mask.shape[1]
     device = key_mask.device
     p = torch.arange(T, device=device)[:, None] + Tc  # absolute query positions

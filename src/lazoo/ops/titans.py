@@ -35,18 +35,20 @@ from collections.abc import Mapping
 import torch
 
 from ._common import (
-    check_head_scalar,
-    check_mask,
-    check_qkv,
+    check_positive_int,
     check_range,
     compute_dtype,
+    op_result,
+    prepare_inputs,
     resolve_backend,
-    zero_masked,
-    zero_pads,
+    without_autocast,
 )
-from .ttt import _check_mini_batch, _chunked, _initial_state, _recurrent
+from .ttt import mini_batch_chunked, mini_batch_recurrent, mini_batch_state
+
+__all__ = ["titans"]
 
 
+@without_autocast
 def titans(q, k, v, theta, eta, alpha, *, mini_batch_size: int = 16, initial_state=None,
            output_final_state: bool = False, mask=None, backend: str | None = None):
     """Titans' linear neural memory with momentum and forgetting (see the module docstring).
@@ -54,12 +56,10 @@ def titans(q, k, v, theta, eta, alpha, *, mini_batch_size: int = 16, initial_sta
     q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``; theta (learning rate), eta (momentum), alpha (forgetting)
     ``[B, T, H]``. Returns ``(o [B, T, H, dv], state or None)``."""
     op = "titans"
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    for name, x in (("theta", theta), ("eta", eta), ("alpha", alpha)):
-        check_head_scalar(op, name, x, q)
-    b = _check_mini_batch(op, mini_batch_size)
-    mask = check_mask(op, mask, B, T, q.device)
-    q, k, v, theta, eta, alpha = zero_pads(mask, q, k, v, theta, eta, alpha)  # a NaN at a pad meets no real token
+    # a NaN at a pad meets no real token
+    (B, T, H, dk, dv), mask, (q, k, v, theta, eta, alpha) = prepare_inputs(
+        op, q, k, v, mask, {"theta": theta, "eta": eta, "alpha": alpha})
+    b = check_positive_int(op, "mini_batch_size", mini_batch_size)
     cdt = compute_dtype(q.dtype)
     zeros = torch.zeros(B, H, dv, dk, dtype=cdt, device=q.device)
     if initial_state is None:
@@ -67,7 +67,7 @@ def titans(q, k, v, theta, eta, alpha, *, mini_batch_size: int = 16, initial_sta
     if isinstance(initial_state, Mapping) and "S" not in initial_state:
         initial_state = {**initial_state, "S": zeros}
     shapes = {"M": (B, H, dv, dk), "S": (B, H, dv, dk)}
-    state = _initial_state(op, initial_state, shapes, B, q.device, cdt, b, extra=("S",))
+    state = mini_batch_state(op, initial_state, shapes, B, q.device, cdt, b, extra=("S",))
     mode = resolve_backend(op, backend, q.device)
     check_range(op, "eta", eta, 0.0, 1.0)  # the value checks (a host sync each) after the cheap ones
     check_range(op, "alpha", alpha, 0.0, 1.0)
@@ -75,11 +75,11 @@ def titans(q, k, v, theta, eta, alpha, *, mini_batch_size: int = 16, initial_sta
     q, k, v, theta, eta, alpha = (x.to(cdt) for x in (q, k, v, theta, eta, alpha))
     scalars = (theta, eta, alpha)
     if mode == "recurrent":
-        o, final = _recurrent(_titans_step, q, k, v, scalars, state, ("M", "S"), mask, b, n_grad=1)
+        o, final = mini_batch_recurrent(_titans_step, q, k, v, scalars, state, ("M", "S"), mask, b, n_grad=1)
     else:
-        o, final = _chunked(_titans_chunk, q, k, v, scalars, (0.0, 1.0, 0.0), state, ("M", "S"), mask, b,
-                            output_final_state, n_grad=1)
-    return zero_masked(o, mask).to(out_dtype), (final if output_final_state else None)
+        o, final = mini_batch_chunked(_titans_chunk, q, k, v, scalars, (0.0, 1.0, 0.0), state, ("M", "S"), mask,
+                                      b, output_final_state, n_grad=1)
+    return op_result(o, mask, out_dtype, final, output_final_state)
 
 
 def _titans_step(W, Wg, q_t, k_t, v_t, scalars):

@@ -35,7 +35,9 @@ samples one by one.
 
 Triton (``backend="triton"``, auto on CUDA): ``ttt_linear`` runs ``lazoo.kernels.ttt`` (the dual form per
 mini-batch with a hand-written backward; b = 1 is the delta rule with β = η and runs the delta-rule kernels), with
-masks and partial-mini-batch states through the same slot grid as the chunk form; ``ttt_mlp`` has no kernel.
+masks and partial-mini-batch states through the same slot grid as the chunk form (``mini_batch_chunked``);
+``ttt_mlp`` has no kernel. Titans (``lazoo.ops.titans``) runs the same two backends, ``mini_batch_recurrent`` and
+``mini_batch_chunked``, on its own state (``mini_batch_state``).
 Decoding: ``ttt_linear_decode_step`` / ``ttt_mlp_decode_step`` below, fused single-token steps in PyTorch.
 """
 
@@ -48,49 +50,52 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
+    KERNEL_DTYPES,
     check_float,
-    check_head_scalar,
-    check_mask,
-    check_qkv,
+    check_positive_int,
     check_state_tensor,
     compute_dtype,
+    op_result,
+    prepare_inputs,
     resolve_backend,
-    zero_masked,
-    zero_pads,
-    KERNEL_DTYPES,
     triton_unsupported,
+    without_autocast,
+    zero_masked,
 )
+
+__all__ = ["ttt_linear", "ttt_linear_decode_step", "ttt_mlp", "ttt_mlp_decode_step"]
 
 
 # ============================================================================ public ops
+@without_autocast
 def ttt_linear(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, output_final_state: bool = False,
                mask=None, backend: str | None = None):
     """TTT-Linear (see the module docstring): ``f(x; W) = W x``, mini-batch GD with per-token rates ``eta``.
 
     q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, eta ``[B, T, H]``. Returns ``(o [B, T, H, dv], state or None)``."""
     op = "ttt_linear"
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    check_head_scalar(op, "eta", eta, q)
-    b = _check_mini_batch(op, mini_batch_size)
-    mask = check_mask(op, mask, B, T, q.device)
-    q, k, v, eta = zero_pads(mask, q, k, v, eta)  # a NaN at a pad never meets a real token
+    # a NaN at a pad never meets a real token
+    (B, T, H, dk, dv), mask, (q, k, v, eta) = prepare_inputs(op, q, k, v, mask, {"eta": eta})
+    b = check_positive_int(op, "mini_batch_size", mini_batch_size)
     cdt = compute_dtype(q.dtype)
     shapes = {"W": (B, H, dv, dk)}
     if initial_state is None:
         initial_state = {"W": torch.zeros(B, H, dv, dk, dtype=cdt, device=q.device)}
-    state = _initial_state(op, initial_state, shapes, B, q.device, cdt, b)
+    state = mini_batch_state(op, initial_state, shapes, B, q.device, cdt, b)
     mode = resolve_backend(op, backend, q.device, _linear_triton_unsupported(q, v, b, state))
     if mode == "triton":
         return _linear_triton(q, k, v, eta, state, b, mask, output_final_state)
     out_dtype = v.dtype
     q, k, v, eta = (x.to(cdt) for x in (q, k, v, eta))
     if mode == "recurrent":
-        o, final = _recurrent(_linear_step, q, k, v, (eta,), state, ("W",), mask, b)
+        o, final = mini_batch_recurrent(_linear_step, q, k, v, (eta,), state, ("W",), mask, b)
     else:
-        o, final = _chunked(_linear_chunk, q, k, v, (eta,), (0.0,), state, ("W",), mask, b, output_final_state)
-    return zero_masked(o, mask).to(out_dtype), (final if output_final_state else None)
+        o, final = mini_batch_chunked(_linear_chunk, q, k, v, (eta,), (0.0,), state, ("W",), mask, b,
+                                      output_final_state)
+    return op_result(o, mask, out_dtype, final, output_final_state)
 
 
+@without_autocast
 def ttt_mlp(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, output_final_state: bool = False,
             mask=None, backend: str | None = None):
     """TTT-MLP (see the module docstring): ``f(x) = W2 gelu(W1 x)``, mini-batch GD with per-token rates ``eta``.
@@ -98,11 +103,9 @@ def ttt_mlp(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, outp
     ``initial_state`` is required: a dict with ``W1 [B, H, dh, dk]`` and ``W2 [B, H, dv, dh]`` (optionally the
     ``*_start`` parts and ``n``). Returns ``(o [B, T, H, dv], state or None)``."""
     op = "ttt_mlp"
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    check_head_scalar(op, "eta", eta, q)
-    b = _check_mini_batch(op, mini_batch_size)
-    mask = check_mask(op, mask, B, T, q.device)
-    q, k, v, eta = zero_pads(mask, q, k, v, eta)  # a NaN at a pad never meets a real token
+    # a NaN at a pad never meets a real token
+    (B, T, H, dk, dv), mask, (q, k, v, eta) = prepare_inputs(op, q, k, v, mask, {"eta": eta})
+    b = check_positive_int(op, "mini_batch_size", mini_batch_size)
     cdt = compute_dtype(q.dtype)
     if not isinstance(initial_state, Mapping) or "W1" not in initial_state:
         raise ValueError(f"{op}: initial_state must be a dict with the inner MLP's weights W1 [B, H, dh, dk] and "
@@ -112,16 +115,16 @@ def ttt_mlp(q, k, v, eta, *, mini_batch_size: int = 16, initial_state=None, outp
         raise TypeError(f"{op}: initial_state['W1'] must be a tensor [B, H, dh, dk]")
     dh = W1.shape[2]
     shapes = {"W1": (B, H, dh, dk), "W2": (B, H, dv, dh)}
-    state = _initial_state(op, initial_state, shapes, B, q.device, cdt, b)
+    state = mini_batch_state(op, initial_state, shapes, B, q.device, cdt, b)
     mode = resolve_backend(op, backend, q.device)
     out_dtype = v.dtype
     q, k, v, eta = (x.to(cdt) for x in (q, k, v, eta))
     if mode == "recurrent":
-        o, final = _recurrent(_mlp_step, q, k, v, (eta,), state, ("W1", "W2"), mask, b)
+        o, final = mini_batch_recurrent(_mlp_step, q, k, v, (eta,), state, ("W1", "W2"), mask, b)
     else:
-        o, final = _chunked(_mlp_chunk, q, k, v, (eta,), (0.0,), state, ("W1", "W2"), mask, b,
-                            output_final_state)
-    return zero_masked(o, mask).to(out_dtype), (final if output_final_state else None)
+        o, final = mini_batch_chunked(_mlp_chunk, q, k, v, (eta,), (0.0,), state, ("W1", "W2"), mask, b,
+                                      output_final_state)
+    return op_result(o, mask, out_dtype, final, output_final_state)
 
 
 # ============================================================================ decode (one token, fused PyTorch)
@@ -200,7 +203,7 @@ def _linear_triton_unsupported(q, v, b, state) -> str | None:
 def _linear_triton(q, k, v, eta, state, b, mask, output_final_state):
     """The op on lazoo.kernels.ttt. b = 1 (the delta rule): a pad is η = 0. b > 1 without padding from a fresh
     mini-batch: the inputs as they are; otherwise the real tokens go to the mini-batch-aligned slot grid of
-    ``_chunked`` (empty slots: η = 0, k = 0, no update) and mini-batch 0 takes its gradients at W_start."""
+    ``mini_batch_chunked`` (empty slots: η = 0, k = 0, no update) and mini-batch 0 takes its gradients at W_start."""
     from ..kernels.ttt import ttt_linear_triton  # lazy: importing defines the kernels
 
     B, T = q.shape[:2]
@@ -303,9 +306,11 @@ def _mlp_chunk(W0, Wg, q, k, v, scalars, valid):
 
 
 # ============================================================================ the two backends (shared with titans)
-def _recurrent(step, q, k, v, scalars, state, names, mask, b, n_grad=None):
-    """Literal per-token loop of mini-batch GD. ``state``: dict with ``names`` (current), ``<name>_start`` and n.
-    ``step(W, Wg, q_t, k_t, v_t, scalars_t) -> (W_new, o_t)``; extra state parts (Titans' S) live in ``names``."""
+def mini_batch_recurrent(step, q, k, v, scalars, state, names, mask, b, n_grad=None):
+    """The "recurrent" backend of mini-batch gradient descent (TTT and Titans): a literal per-token loop.
+    ``state``: a dict from ``mini_batch_state`` with ``names`` (current), ``<name>_start`` and n.
+    ``step(W, Wg, q_t, k_t, v_t, scalars_t) -> (W_new, o_t)``; extra state parts (Titans' S) live in ``names``.
+    Returns ``(o [B, T, H, dv], final state)``."""
     n_grad = len(names) if n_grad is None else n_grad  # the first n_grad parts have a mini-batch start
     W = tuple(state[n] for n in names)
     Wg = tuple(state[n + "_start"] for n in names[:n_grad])
@@ -328,8 +333,10 @@ def _where(cond, a, b):
     return torch.where(cond.view(-1, *([1] * (a.dim() - 1))), a, b)
 
 
-def _chunked(chunk_fn, q, k, v, scalars, identity, state, names, mask, b, output_final_state, n_grad=None):
-    """Mini-batch GD one chunk (= mini-batch) at a time, each chunk by ``chunk_fn`` in parallel.
+def mini_batch_chunked(chunk_fn, q, k, v, scalars, identity, state, names, mask, b, output_final_state,
+                       n_grad=None):
+    """The "chunk" backend of mini-batch gradient descent (TTT and Titans): one chunk (= mini-batch) at a time,
+    each chunk by ``chunk_fn`` in parallel.
 
     The real tokens of each sample are placed at slots ``n_0 + (their rank among the real tokens)`` of a
     ``[B, L]`` grid (L a multiple of b), so chunk c of the grid is exactly mini-batch c of every sample, whatever
@@ -407,15 +414,11 @@ def _chunked(chunk_fn, q, k, v, scalars, identity, state, names, mask, b, output
     return o, final
 
 
-# ============================================================================ checks and states
-def _check_mini_batch(op, b):
-    if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-        raise ValueError(f"{op}: mini_batch_size must be a positive int, got {b!r}")
-    return b
-
-
-def _initial_state(op, state, shapes, B, device, cdt, b, extra=()):
-    """Validate a state dict; fill in ``*_start`` (= current) and ``n`` (= 0) when absent; cast to ``cdt``."""
+# ============================================================================ states
+def mini_batch_state(op, state, shapes, B, device, cdt, b, extra=()):
+    """The state of mini-batch gradient descent (TTT and Titans) from an initial state dict: the parts ``shapes``
+    (name -> shape) validated, ``<name>_start`` (= current) and ``n`` (= 0, marked ``_fresh``) filled in when
+    absent, cast to ``cdt``. The parts in ``extra`` (Titans' momentum S) have no mini-batch start."""
     if not isinstance(state, Mapping):
         raise TypeError(f"{op}: initial_state must be a dict with keys {sorted(shapes)} (optionally the "
                         f"'<name>_start' parts and 'n'), got {type(state).__name__}")

@@ -14,10 +14,11 @@ default S = 0, A = I / lambda0, z = 0, t = 0. q, k, v, u are the raw projections
 
 Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
 S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f).
-Triton (auto on CUDA): the α̂ from the scan kernel that ``TRITON_SCAN`` names: ``lazoo.kernels.vla`` (token by
-token, A in registers, hand-written backward; the default and the reference, and always for a few tokens) or
-``lazoo.kernels.vla_chunk`` (Woodbury per block of 16 tokens as matrix products), then S by the
-chunk-parallel generalised delta rule kernel.
+Triton (auto on CUDA): the α̂ from the scan kernel that the ``triton_scan`` argument names: "token"
+(``lazoo.kernels.vla``: token by token, A in registers, hand-written backward; the default and the reference, and
+always for a few tokens) or "chunk" (``lazoo.kernels.vla_chunk``: Woodbury per block of 16 tokens as matrix
+products), then S by the chunk-parallel generalised delta rule kernel. The other backends have no scan kernel and
+ignore ``triton_scan``.
 """
 
 from __future__ import annotations
@@ -27,26 +28,34 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    check_chunk_size,
-    time_cumsum,
-    check_mask,
-    check_qkv,
-    check_same_device,
-    check_same_dtype,
+    check_choice,
+    check_positive_int,
+    check_positive_number,
     check_state_dict,
     check_state_tensor,
     compute_dtype,
+    empty_batch_result,
+    op_result,
     pad_time,
+    prepare_inputs,
     resolve_backend,
+    time_cumsum,
+    without_autocast,
     zero_masked,
-    zero_pads,
 )
-from .delta import _triton_unsupported as _delta_triton_unsupported, chunk_generalized_delta
+from .delta import chunk_generalized_delta, delta_kernel_unsupported
+
+__all__ = ["vla"]
 
 _OP = "vla"
 _STATE_KEYS = ("S", "A", "z", "t")
+#: the Triton kernels of the A scan (``triton_scan``): "token" (lazoo.kernels.vla, the reference) or "chunk"
+#: (lazoo.kernels.vla_chunk). "token" is the default while the chunked scan is slower (H100, d = 128, T = 1k:
+#: 3.0 / 14.1 ms forward / +backward vs 2.2 / 8.0).
+TRITON_SCANS = ("token", "chunk")
 
 
+@without_autocast
 def vla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -62,32 +71,31 @@ def vla(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    triton_scan: str = "token",
 ):
-    """VLA attention; returns ``(o [B, T, H, dv], final_state)`` (state dict S, A, z, t)."""
-    B, T, H, dk, dv = check_qkv(_OP, q, k, v)
-    if not isinstance(u, torch.Tensor) or u.shape != q.shape:
-        got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
-        raise ValueError(f"{_OP}: u must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {got}")
-    check_same_dtype(_OP, q, u=u)
-    check_same_device(_OP, q, u=u)
-    mask = check_mask(_OP, mask, B, T, q.device)
-    q, k, v, u = zero_pads(mask, q, k, v, u)  # a NaN at a pad never meets a real token
-    chunk_size = check_chunk_size(_OP, chunk_size)
+    """VLA attention; returns ``(o [B, T, H, dv], final_state)`` (state dict S, A, z, t).
+
+    ``triton_scan``: the kernel of the A scan when the Triton backend runs, "token" (``lazoo.kernels.vla``, the
+    default) or "chunk" (``lazoo.kernels.vla_chunk``, Woodbury per block of 16 tokens); a call of at most 16 tokens
+    (decoding) uses the token scan either way. The "recurrent" and "chunk" backends ignore it (they have no scan
+    kernel), so a model that asks for the chunked scan also runs where Triton does not."""
+    # a NaN at a pad never meets a real token
+    (B, T, H, dk, dv), mask, (q, k, v, u) = prepare_inputs(_OP, q, k, v, mask, like_q={"u": u})
+    chunk_size = check_positive_int(_OP, "chunk_size", chunk_size)
     if not isinstance(refresh_period, int) or isinstance(refresh_period, bool):
         raise ValueError(f"{_OP}: refresh_period must be an int (<= 0: no refresh), got {refresh_period!r}")
     if not lambda0 > 0:
         raise ValueError(f"{_OP}: lambda0 must be > 0, got {lambda0!r}")
     # A stays positive definite only with a non-negative refresh (the chunk form's Cholesky needs it)
-    if isinstance(refresh_eta, bool) or not isinstance(refresh_eta, (int, float)) or not refresh_eta >= 0:
-        raise ValueError(f"{_OP}: refresh_eta must be a number >= 0, got {refresh_eta!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{_OP}: eps must be a number > 0, got {eps!r}")
+    check_positive_number(_OP, "refresh_eta", refresh_eta, zero_ok=True)
+    check_positive_number(_OP, "eps", eps)
     backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, chunk_size))
+    triton_scan = check_choice(_OP, "triton_scan", triton_scan, TRITON_SCANS)  # the triton backend's choice
     cdt = compute_dtype(q.dtype)
 
     state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
-    if B == 0:  # an empty batch: nothing to read, the (empty) state passes through
-        return v.new_zeros(B, T, H, dv), (state if output_final_state else None)
+    if B == 0:
+        return empty_batch_result(q, v, state, output_final_state)
     k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt))
     q_f = F.elu(q.to(cdt)) + 1.0
     v_c = v.to(cdt)
@@ -97,11 +105,10 @@ def vla(
     if backend == "recurrent":
         o, final = _recurrent_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, **hp)
     elif backend == "triton":
-        o, final = _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, **hp)
+        o, final = _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, **hp)
     else:
         o, final = _chunk_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, chunk_size, **hp)
-    o = zero_masked(o, mask).to(v.dtype)
-    return o, (final if output_final_state else None)
+    return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 # ============================================================================ shared pieces
@@ -182,29 +189,25 @@ def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
 # ============================================================================ Triton path
 _TRITON_MAX_DK = 128  # = lazoo.kernels.vla.MAX_HEAD_DIM (not imported: kernels load lazily)
 _DECODE_MAX_T = 16  # fused recurrent S update up to this many tokens without autograd
-#: the Triton kernel of the A scan: "chunk" (lazoo.kernels.vla_chunk) or "token" (lazoo.kernels.vla, the reference).
-#: "token" while the chunked scan is slower (H100, d = 128, T = 1k: 3.0 / 14.1 ms forward / +backward vs 2.2 / 8.0).
-TRITON_SCAN = "token"
 
 
 def _triton_unsupported(q, v, chunk_size) -> str | None:
     if q.shape[-1] > _TRITON_MAX_DK:
         return f"the Triton VLA scan holds A in registers: dk up to {_TRITON_MAX_DK}, got {q.shape[-1]}"
-    return _delta_triton_unsupported(q, v, chunk_size)
+    return delta_kernel_unsupported(q, v, chunk_size)
 
 
-def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period, refresh_eta, eps):
-    """α̂ by the scan kernel, S by the generalised delta rule kernel (operands in v's dtype)."""
+def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, *, refresh_period,
+                refresh_eta, eps):
+    """α̂ by the scan kernel ``triton_scan`` names, S by the generalised delta rule kernel (operands in v's dtype)."""
     from ..kernels import delta as kd
-    from ..kernels.vla import vla_scan
-    from ..kernels.vla_chunk import vla_scan_chunked
 
     flags = _refresh_flags(real, state["t"], refresh_period)
-    if TRITON_SCAN not in ("chunk", "token"):
-        raise ValueError(f"{_OP}: TRITON_SCAN must be 'chunk' or 'token', got {TRITON_SCAN!r}")
     # a few tokens (decoding) fill less than one block of the chunked scan: the token scan is cheaper there
-    chunked = TRITON_SCAN == "chunk" and q_f.shape[1] > _DECODE_MAX_T
-    scan = vla_scan_chunked if chunked else vla_scan
+    if triton_scan == "chunk" and q_f.shape[1] > _DECODE_MAX_T:
+        from ..kernels.vla_chunk import vla_scan_chunked as scan
+    else:
+        from ..kernels.vla import vla_scan as scan
     alpha_hat, A = scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
     dt = v.dtype
     w = zero_masked(alpha_hat, real)  # a pad writes nothing

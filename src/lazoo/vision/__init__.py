@@ -5,7 +5,8 @@ H×W positions ("lat"), next to a dense-conv baseline of the same layout ("conv"
 from transformers import (AutoBackbone, AutoConfig, AutoImageProcessor, AutoModel, AutoModelForImageClassification,
                           AutoModelForObjectDetection)
 
-from .attention import GLOBAL_ATTENTIONS, GlobalAttention2d, bidirectional_linear_attention
+from ..ops.bidirectional import bidirectional_linear_attention
+from .attention import GLOBAL_ATTENTIONS, GlobalAttention2d
 from .configuration_yolo_lat import YoloLatConfig
 from .image_processing_yolo_lat import YoloLatImageProcessor
 from .modeling_yolo_lat import (YoloLatBackbone, YoloLatForImageClassification, YoloLatForObjectDetection,

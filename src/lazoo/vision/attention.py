@@ -1,17 +1,10 @@
 """Global (non-causal) token mixing over the H×W positions of a feature map.
 
-``bidirectional_linear_attention`` is normalised linear attention where every position sees every
-position (no prefix sums): with φ the feature map,
-
-    S = Σ_j v_j φ(k_j)^T   [dv, dk],   z = Σ_j φ(k_j)   [dk],   o_i = S φ(q_i) / max(φ(q_i)·z, eps)
-
-per sample and head: two matmuls, O(T·dk·dv) time and O(dk·dv) extra memory; the T×T score matrix of
-the quadratic form ``o_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j)`` is never formed.
-
 ``GlobalAttention2d`` wraps a mechanism with a bidirectional form around a ``[B, C, H, W]`` map:
-"linear" (the op above, elu+1 features by default), "ela" (``lazoo.ops.ela(causal=False)``, any ELA
-kernel), or "softmax" (full softmax attention through ``scaled_dot_product_attention``: quadratic in
-H·W, kept as a reference point).
+"linear" (``lazoo.ops.bidirectional_linear_attention``: normalised linear attention where every position
+sees every position, two matmuls and no T×T matrix; elu+1 features by default), "ela"
+(``lazoo.ops.ela(causal=False)``, any ELA kernel), or "softmax" (full softmax attention through
+``scaled_dot_product_attention``: quadratic in H·W, kept as a reference point).
 """
 
 from __future__ import annotations
@@ -20,38 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common import check_mask, check_qkv, compute_dtype, zero_masked
-from ..ops.linear import get_feature_map
+from .. import ops
+from ..ops.bidirectional import bidirectional_linear_attention
 
 GLOBAL_ATTENTIONS = ("linear", "ela", "softmax")
-
-
-def bidirectional_linear_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    feature_map: str = "elu1",
-    eps: float = 1e-6,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, None]:
-    """Non-causal normalised linear attention. q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask
-    ``[B, T]`` (1 = real position; a pad contributes nothing and outputs 0). Returns
-    ``(o [B, T, H, dv] in v's dtype, None)`` (no state: the whole sequence is summed at once)."""
-    op = "bidirectional_linear_attention"
-    B, T, H, dk, dv = check_qkv(op, q, k, v)
-    mask = check_mask(op, mask, B, T, q.device)
-    if not isinstance(eps, (int, float)) or eps <= 0:
-        raise ValueError(f"{op}: eps must be a positive number, got {eps!r}")
-    phi = get_feature_map(feature_map, op)
-    cdt = compute_dtype(q.dtype)
-    fq = phi(q.to(cdt))
-    fk = zero_masked(phi(k.to(cdt)), mask)
-    S = torch.einsum("bthv,bthk->bhvk", v.to(cdt), fk)
-    z = fk.sum(1)  # [B, H, dk]
-    num = torch.einsum("bhvk,bthk->bthv", S, fq)
-    den = torch.einsum("bhk,bthk->bth", z, fq)[..., None].clamp_min(eps)
-    return zero_masked(num / den, mask).to(v.dtype), None
 
 
 class GlobalAttention2d(nn.Module):
@@ -80,9 +45,7 @@ class GlobalAttention2d(nn.Module):
         if self.attention == "linear":
             o, _ = bidirectional_linear_attention(q, k, v, **self.attention_kwargs)
         elif self.attention == "ela":
-            from ..ops import ela  # the public op (autocast off)
-
-            o, _ = ela(q, k, v, causal=False, **self.attention_kwargs)
+            o, _ = ops.ela(q, k, v, causal=False, **self.attention_kwargs)
         else:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                **self.attention_kwargs).transpose(1, 2)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BackboneOutput, ImageClassifierOutput
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, can_return_tuple
 
 try:
     from transformers.backbone_utils import BackboneMixin
@@ -201,6 +201,10 @@ class YoloLatPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     accepts_loss_kwargs = False  # the losses are per-image means: no `num_items_in_batch`
 
+    def _wants_hidden_states(self, output_hidden_states: bool | None) -> bool:
+        """The forward argument, or the config's `output_hidden_states` when it is None (transformers' rule)."""
+        return bool(self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, nn.Conv2d):
@@ -233,17 +237,14 @@ class YoloLatBackbone(BackboneMixin, YoloLatPreTrainedModel):
         self.encoder = YoloLatEncoder(config)
         self.post_init()
 
-    def forward(self, pixel_values, output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else self.config.output_hidden_states)
+    @can_return_tuple
+    def forward(self, pixel_values, output_hidden_states=None, **kwargs) -> BackboneOutput:
         check_pixel_values(pixel_values, self.config.num_channels)
         hidden_states = tuple(self.encoder(pixel_values))
         feature_maps = tuple(h for name, h in zip(self.stage_names, hidden_states) if name in self.out_features)
-        if not return_dict:
-            return (feature_maps, hidden_states) if output_hidden_states else (feature_maps,)
         return BackboneOutput(feature_maps=feature_maps,
-                              hidden_states=hidden_states if output_hidden_states else None, attentions=None)
+                              hidden_states=hidden_states if self._wants_hidden_states(output_hidden_states) else None,
+                              attentions=None)
 
 
 # ============================================================================ classification
@@ -259,8 +260,8 @@ class YoloLatForImageClassification(YoloLatPreTrainedModel):
         self.classifier = nn.Linear(config.widths[-1], config.num_labels)
         self.post_init()
 
-    def forward(self, pixel_values, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+    @can_return_tuple
+    def forward(self, pixel_values, labels=None, output_hidden_states=None, **kwargs) -> ImageClassifierOutput:
         check_pixel_values(pixel_values, self.config.num_channels)
         if labels is not None:
             labels = check_class_labels(labels, len(pixel_values), self.num_labels)
@@ -274,10 +275,7 @@ class YoloLatForImageClassification(YoloLatPreTrainedModel):
                 loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
             else:
                 loss = F.cross_entropy(logits.float(), labels.long())
-        hs = tuple(hidden_states) if output_hidden_states else None
-        if not return_dict:
-            out = (logits,) + ((hs,) if hs is not None else ())
-            return ((loss,) + out) if loss is not None else out
+        hs = tuple(hidden_states) if self._wants_hidden_states(output_hidden_states) else None
         return ImageClassifierOutput(loss=loss, logits=logits, hidden_states=hs)
 
 
@@ -366,8 +364,8 @@ class YoloLatForObjectDetection(YoloLatPreTrainedModel):
         self.head = YoloLatDetectionHead(config)
         self.post_init()
 
-    def forward(self, pixel_values, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+    @can_return_tuple
+    def forward(self, pixel_values, labels=None, output_hidden_states=None, **kwargs) -> YoloLatObjectDetectionOutput:
         check_pixel_values(pixel_values, self.config.num_channels, multiple=32)
         H, W = pixel_values.shape[-2:]
         if labels is not None:
@@ -382,9 +380,6 @@ class YoloLatForObjectDetection(YoloLatPreTrainedModel):
         loss = loss_dict = None
         if labels is not None:
             loss, loss_dict = yolo_lat_loss(logits, boxes_xyxy, anchors, labels, (H, W), self.config)
-        hs = tuple(hidden_states) if output_hidden_states else None
-        if not return_dict:
-            out = (logits, pred_boxes) + ((hs,) if hs is not None else ())
-            return ((loss, loss_dict) + out) if loss is not None else out
+        hs = tuple(hidden_states) if self._wants_hidden_states(output_hidden_states) else None
         return YoloLatObjectDetectionOutput(loss=loss, loss_dict=loss_dict, logits=logits, pred_boxes=pred_boxes,
                                             hidden_states=hs)

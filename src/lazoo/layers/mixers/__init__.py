@@ -1,50 +1,44 @@
-"""Token mixers, one per mechanism, and the registry that maps `layer_types` names to them."""
+"""Token mixers, one per mechanism. Each mixer module declares its mechanisms (`lazoo.registry.register`);
+importing this package imports every mixer module, so a new module is picked up without an edit here."""
 
-from .attention import SlidingWindowAttentionMixer, SoftmaxAttentionMixer
+from collections.abc import Iterator, Mapping
+
+from ...registry import get, import_submodules, mechanisms
 from .base import TokenMixer
-from .delta import DeltaNetMixer, DeltaProductMixer, GatedDeltaNetMixer
-from .linear import ELAMixer, GatedLinearAttentionMixer, GLAMixer, LinearAttentionMixer
-from .local_linear import LocalLinearMixer
-from .ovq import OVQMixer, VQMixer
-from .titans import TitansMixer
-from .ttt import TTTLinearMixer, TTTMLPMixer
-from .rls import RLSMixer
-from .vla import VLAMixer
 
-MIXERS: dict[str, type[TokenMixer]] = {
-    cls.mechanism: cls
-    for cls in (
-        SoftmaxAttentionMixer,
-        SlidingWindowAttentionMixer,
-        LinearAttentionMixer,
-        GatedLinearAttentionMixer,
-        DeltaNetMixer,
-        GatedDeltaNetMixer,
-        VLAMixer,
-        ELAMixer,
-        GLAMixer,
-        DeltaProductMixer,
-        OVQMixer,
-        VQMixer,
-        TTTLinearMixer,
-        TTTMLPMixer,
-        TitansMixer,
-        RLSMixer,
-        LocalLinearMixer,
-    )
-}
+_MODULES = import_submodules(__name__, __path__)
+
+
+class _MixerTable(Mapping):
+    """`{mechanism name: mixer class}`, read live from the registry (a mechanism registered later shows)."""
+
+    def __getitem__(self, name: str) -> type[TokenMixer]:
+        try:
+            return mechanisms()[name].mixer
+        except KeyError:
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(mechanisms())
+
+    def __len__(self) -> int:
+        return len(mechanisms())
+
+    def __repr__(self) -> str:
+        return f"MIXERS({', '.join(self)})"
+
+
+MIXERS: Mapping[str, type[TokenMixer]] = _MixerTable()
 
 
 def list_mechanisms() -> list[str]:
     """The mechanism names accepted in `config.layer_types`."""
-    return list(MIXERS)
+    return list(mechanisms())
 
 
 def mixer_class(name: str) -> type[TokenMixer]:
-    try:
-        return MIXERS[name]
-    except KeyError:
-        raise ValueError(f"unknown mechanism {name!r} in layer_types; known mechanisms: {', '.join(MIXERS)}") from None
+    """The mixer class of mechanism `name`; a ValueError listing the known names otherwise."""
+    return get(name).mixer
 
 
 def check_mixer_kwargs(mixer_kwargs: dict, layer_types) -> None:

@@ -9,7 +9,8 @@ from torch import nn
 
 from ... import ops
 from ..rope import apply_rotary, rotary_cos_sin
-from .base import TokenMixer, unit_norm
+from ...registry import Mechanism, register
+from .base import TokenMixer, init_qk_scale, unit_norm
 
 
 class AttentionMixer(TokenMixer):
@@ -25,11 +26,7 @@ class AttentionMixer(TokenMixer):
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        d = config.hidden_size
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.add_qkvo_projections(config.hidden_size)
         self.window = None
         self._config = config  # read `_attn_implementation` at call time (it can change after init)
         if options["qk_norm"]:
@@ -37,7 +34,7 @@ class AttentionMixer(TokenMixer):
 
     def _init_lazoo_parameters(self, init):
         if self.options["qk_norm"]:
-            init.constant_(self.qk_scale, math.sqrt(self.head_dim))
+            init_qk_scale(self, init)
 
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None, cu_seqlens=None):
         q = self.split_heads(self.q_proj(hidden_states))
@@ -79,3 +76,18 @@ class SlidingWindowAttentionMixer(AttentionMixer):
         if not config.sliding_window or config.sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive int for sliding_window layers, got {config.sliding_window}")
         self.window = int(config.sliding_window)
+
+
+register(Mechanism(
+    name="softmax", mixer=SoftmaxAttentionMixer, op="softmax_attention", title="Softmax attention",
+    equation="o_t = Σ_{s≤t} softmax_s(q_t·k_s / √d) v_s (KV cache; optional QK-norm)",
+    source="Vaswani et al. 2017, Attention Is All You Need",
+    state='the KV cache: {"k", "v", "mask"} of every position seen',
+))
+
+register(Mechanism(
+    name="sliding_window", mixer=SlidingWindowAttentionMixer, op="softmax_attention",
+    title="Sliding-window attention", equation="softmax over the last W positions s ∈ (t−W, t], RoPE",
+    source="Beltagy et al. 2020 (Longformer); Online Vector-Quantized attention (2026) §8.2",
+    state='the KV cache of the last sliding_window - 1 positions: {"k", "v", "mask"}',
+))

@@ -30,15 +30,31 @@ def unit_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype)
 
 
+def set_parameter(param: nn.Parameter, value, init) -> None:
+    """Set `param` to `value` (a tensor of its shape, or a number). `init` is transformers' guarded init module
+    (the model's `_init_weights`: a weight that was loaded is left alone), or None at construction."""
+    if not isinstance(value, torch.Tensor):
+        value = torch.full_like(param, value)
+    if init is None:
+        with torch.no_grad():
+            param.copy_(value)
+    else:
+        init.copy_(param, value)
+
+
+def normal_parameter(param: nn.Parameter, std: float, init) -> None:
+    """Draw `param` from N(0, std²); `init` as in `set_parameter`."""
+    if init is None:
+        with torch.no_grad():
+            param.normal_(0.0, std)
+    else:
+        init.normal_(param, std=std)
+
+
 def init_qk_scale(module: nn.Module, init) -> None:
     """(Re)initialise a QK-norm mixer's learned per-head scale `qk_scale` to √head_dim (`init`: the
     transformers init helper, or None at construction)."""
-    value = math.sqrt(module.head_dim)
-    if init is None:
-        with torch.no_grad():
-            module.qk_scale.fill_(value)
-    else:
-        init.constant_(module.qk_scale, value)
+    set_parameter(module.qk_scale, math.sqrt(module.head_dim), init)
 
 
 def _option_kind(default) -> tuple[str, Any] | None:
@@ -98,6 +114,13 @@ class TokenMixer(nn.Module):
                 raise ValueError(f"{field} ({cls.mechanism} option) must be {kind[0]} "
                                  f"(default {cls.defaults[key]!r}), got {value!r}")
 
+    def check_positive_int(self, option: str, value=None) -> int:
+        """Option `option` (or `value`) is a positive int, else a ValueError naming the mechanism and option."""
+        value = self.options[option] if value is None else value
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{self.mechanism}: {option} must be a positive int, got {value!r}")
+        return value
+
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -113,6 +136,13 @@ class TokenMixer(nn.Module):
         return torch.cat(parts, dim=1)
 
     # --- helpers shared by the mixers -------------------------------------------------------
+    def add_qkvo_projections(self, hidden_size: int) -> None:
+        """Bias-free q, k, v and output projections `hidden_size -> hidden_size`."""
+        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:2], self.num_heads, -1)
 
@@ -140,11 +170,11 @@ class ShortConvProjections(nn.Module):
         self.convs = nn.ModuleDict({name: ShortConvolution(d, kernel_size, activation) for name, d in dims.items()})
 
     def forward(self, tensors: dict[str, torch.Tensor], mask, state: dict | None, output_state: bool,
-                cu_seqlens=None):
+                cu_seqlens=None, backend=None):
         out, new_state = {}, {}
         for name, x in tensors.items():
             out[name], new_state[name] = self.convs[name](
                 x, mask=mask, state=None if state is None else state[name], output_state=output_state,
-                cu_seqlens=cu_seqlens,
+                cu_seqlens=cu_seqlens, backend=backend,
             )
         return out, (new_state if output_state else None)

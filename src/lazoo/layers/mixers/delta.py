@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
-from .base import ShortConvProjections
+from ...registry import Mechanism, register
+from .base import ShortConvProjections, set_parameter
 from .recurrent import RecurrentMixer
 
 
@@ -48,9 +49,8 @@ class GatedDeltaNetMixer(DeltaNetMixer):
             a = torch.empty(self.num_heads).uniform_(1, 16).log()
             dt = torch.exp(torch.empty(self.num_heads).uniform_(math.log(1e-3), math.log(1e-1))).clamp_min(1e-4)
             dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-        copy = init.copy_ if init is not None else (lambda p, v: p.data.copy_(v))
-        copy(self.A_log, a.to(self.A_log.device, self.A_log.dtype))
-        copy(self.dt_bias, dt_bias.to(self.dt_bias.device, self.dt_bias.dtype))
+        set_parameter(self.A_log, a.to(self.A_log.device, self.A_log.dtype), init)
+        set_parameter(self.dt_bias, dt_bias.to(self.dt_bias.device, self.dt_bias.dtype), init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         beta = torch.sigmoid(self.b_proj(x))
@@ -72,10 +72,8 @@ class DeltaProductMixer(RecurrentMixer):
                 "use_forget_gate": False, "allow_neg_eigval": False}
 
     def __init__(self, config, layer_idx, options):
-        n = options["num_householder"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"delta_product: num_householder must be a positive int, got {n!r}")
         super().__init__(config, layer_idx, options)
+        n = self.check_positive_int("num_householder")
         d = config.hidden_size
         self.k_proj = nn.Linear(d, n * d, bias=False)  # one key and one value per Householder step
         self.v_proj = nn.Linear(d, n * d, bias=False)
@@ -106,3 +104,30 @@ class DeltaProductMixer(RecurrentMixer):
             g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
             g = g.to(q.dtype)
         return ops.delta_product(q, k, v, beta, g=g, **self.op_kwargs(mask, state, want_state))
+
+
+register(Mechanism(
+    name="delta_net", mixer=DeltaNetMixer, op="delta_rule", title="DeltaNet",
+    equation="S_t = S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, β_t = σ(w_β·x_t); o_t = S_t q_t",
+    source="Schlag et al. 2021; Yang et al. 2024, Parallelizing Linear Transformers with the Delta Rule",
+    state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.delta",),
+))
+
+register(Mechanism(
+    name="gated_delta_net", mixer=GatedDeltaNetMixer, op="gated_delta_rule", title="Gated DeltaNet",
+    equation="S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ; o_t = S_t q_t",
+    source="Yang, Kautz, Hatamizadeh 2024, Gated Delta Networks",
+    state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.delta",),
+))
+
+register(Mechanism(
+    name="delta_product", mixer=DeltaProductMixer, op="delta_product", title="DeltaProduct",
+    equation=(
+        "S_t = S_{t−1} Π_j (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) + Σ_j β_{t,j} v_{t,j} k_{t,j}ᵀ (n_h Householder steps per "
+        "token); o_t = S_t q_t"
+    ),
+    source="Siems et al. 2025, DeltaProduct", state='{"op": S [B, H, dv, dk], "conv": short-conv tails}',
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.delta",),
+))

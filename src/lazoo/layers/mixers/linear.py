@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from ...registry import Mechanism, register
 from .recurrent import RecurrentMixer
 
 
@@ -70,6 +71,17 @@ class ELAMixer(RecurrentMixer):
                        **self.op_kwargs(mask, state, want_state))
 
 
+class BidirectionalELAMixer(ELAMixer):
+    """ELA's bidirectional form (`ops.ela(causal=False)`), for encoders: every real token attends to every real
+    token of its sequence (pads excluded through the mask). Same parameters as `ELAMixer`; no state (an encoder
+    reads whole sequences). The optional short convolution (`use_short_conv`) stays causal."""
+
+    def mix(self, q, k, v, x, *, mask, state, want_state):
+        o, _ = ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"], causal=False,
+                       mask=mask, backend=self.options.get("backend"))
+        return o, None
+
+
 class GLAMixer(RecurrentMixer):
     """Gated Linear Attention (GLA): a decay per key dim, `S_t = S_{t−1} diag(a_t) + v_t k_tᵀ`.
 
@@ -88,3 +100,38 @@ class GLAMixer(RecurrentMixer):
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         g = F.logsigmoid(self.split_heads(self.gk_proj(x))) / self.options["gate_logit_normalizer"]
         return ops.gla(q, k, v, g.to(q.dtype), **self.op_kwargs(mask, state, want_state, cu_seqlens))
+
+
+register(Mechanism(
+    name="linear", mixer=LinearAttentionMixer, op="linear_attention", title="Linear attention",
+    equation="S_t = S_{t−1} + v_t φ(k_t)ᵀ, z_t = z_{t−1} + φ(k_t); o_t = S_t φ(q_t) / φ(q_t)·z_t",
+    source="Katharopoulos et al. 2020, Transformers are RNNs",
+    state='{"op": {"S" [B, H, dv, dk], "z" [B, H, dk]} (or S alone without normalize), "conv": short-conv tails}',
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",),
+))
+
+register(Mechanism(
+    name="gated_linear", mixer=GatedLinearAttentionMixer, op="gated_linear_attention",
+    title="Gated linear attention (scalar decay)",
+    equation="S_t = a_t S_{t−1} + v_t k_tᵀ, a_t ∈ (0, 1) per head; o_t = S_t q_t",
+    source="RetNet / Mamba-2 style decay (linear-attention survey)",
+    state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.linear",),
+))
+
+register(Mechanism(
+    name="ela", mixer=ELAMixer, bidirectional_mixer=BidirectionalELAMixer, op="ela", title="Exact Linear Attention",
+    equation="S_t = S_{t−1} + v_t ψ(k_t)ᵀ, C_t = C_{t−1} + ψ(k_t); o_t = S_t φ(q_t) / φ(q_t)·C_t",
+    source="Ou, Exact Linear Attention (2026)",
+    state='{"op": {"S" [B, H, dv, F], "C" [B, H, F] (+ "m" [B, H, D] for hadamard_exp)}, "conv": short-conv tails}',
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.gla", "lazoo.kernels.linear"),
+    class_prefix="LazooELA",
+))
+
+register(Mechanism(
+    name="gla", mixer=GLAMixer, op="gla", title="Gated Linear Attention (GLA)",
+    equation="S_t = S_{t−1} diag(a_t) + v_t k_tᵀ, a_t ∈ (0, 1)^dk; o_t = S_t q_t",
+    source="Yang et al. 2023, Gated Linear Attention Transformers with Hardware-Efficient Training",
+    state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.gla", "lazoo.kernels.linear"), class_prefix="LazooGLA",
+))

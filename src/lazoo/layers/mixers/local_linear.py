@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ... import ops
-from .base import init_qk_scale, unit_norm
+from ...registry import Mechanism, register
+from .base import init_qk_scale, set_parameter, unit_norm
 from .recurrent import RecurrentMixer
 
 
@@ -68,12 +69,7 @@ class LocalLinearMixer(RecurrentMixer):
         """
         H, r, dk = self.slope_projection.shape
         columns, _ = torch.linalg.qr(torch.randn(H, dk, r, dtype=torch.float64))  # [H, dk, r], orthonormal columns
-        value = columns.transpose(1, 2) * math.sqrt(dk / r)
-        if init is None:
-            with torch.no_grad():
-                self.slope_projection.copy_(value)
-        else:
-            init.copy_(self.slope_projection, value)
+        set_parameter(self.slope_projection, columns.transpose(1, 2) * math.sqrt(dk / r), init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         o = self.options
@@ -81,3 +77,17 @@ class LocalLinearMixer(RecurrentMixer):
         return ops.local_linear_attention(q, k, v, scale=self.qk_scale, ridge=o["ridge"], window=o["window"],
                                           chunk_size=o["chunk_size"], rank_projection=self.slope_projection,
                                           **self.op_kwargs(mask, state, want_state))
+
+
+register(Mechanism(
+    name="local_linear", mixer=LocalLinearMixer, op="local_linear_attention",
+    title="Local-linear (p = 1) attention",
+    equation=(
+        "o_t = M⁰ of min Σ_{i≤t} w_i‖v_i − M⁰ − M¹(k_i − q_t)‖² + ρ‖M¹‖², w_i = softmax_i(β q_t·k_i) (KV cache, "
+        "quadratic like softmax)"
+    ),
+    source="Wang et al. 2025, Test-time regression (eqs 52–54)",
+    state='{"op": {"k", "v", "mask"}, a KV cache (the last window - 1 positions with a window), "conv": None}',
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.local_linear",),
+    tiny_options={"chunk_size": 16},
+))

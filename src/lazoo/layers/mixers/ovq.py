@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
-from .base import init_qk_scale, unit_norm
+from ...registry import Mechanism, register
+from .base import init_qk_scale, normal_parameter, unit_norm
 from .recurrent import RecurrentMixer
 
 
@@ -32,6 +33,7 @@ class OVQMixer(RecurrentMixer):
         "output_norm": False,  # the softmax read-out is already an average of values
         "chunk_size": 128,
         "max_dict_size": 2048,
+        "triton_assign": False,  # the Triton backend's slot assignments in one kernel launch (lazoo.ops.ovq_attention)
     }
 
     def __init__(self, config, layer_idx, options):
@@ -51,7 +53,8 @@ class OVQMixer(RecurrentMixer):
         o = self.current_options()
         q, k = unit_norm(q), unit_norm(k)
         return ops.ovq_attention(q, k, v, scale=self.qk_scale, chunk_size=o["chunk_size"],
-                                 max_dict_size=o["max_dict_size"], **self.op_kwargs(mask, state, want_state))
+                                 max_dict_size=o["max_dict_size"], triton_assign=o["triton_assign"],
+                                 **self.op_kwargs(mask, state, want_state))
 
 
 class _AddAuxiliaryLoss(torch.autograd.Function):
@@ -91,20 +94,14 @@ class VQMixer(RecurrentMixer):
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        n = options["codebook_size"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"vq: codebook_size must be a positive int, got {n!r}")
+        n = self.check_positive_int("codebook_size")
         self.qk_scale = nn.Parameter(torch.full((self.num_heads,), math.sqrt(self.head_dim)))
         self.codebook = nn.Parameter(torch.empty(self.num_heads, n, self.head_dim))
         self._init_lazoo_parameters(None)
 
     def _init_lazoo_parameters(self, init):
         init_qk_scale(self, init)
-        if init is None:
-            with torch.no_grad():
-                self.codebook.normal_()
-        else:
-            init.normal_(self.codebook)
+        normal_parameter(self.codebook, 1.0, init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         o = self.options
@@ -129,3 +126,33 @@ class VQMixer(RecurrentMixer):
         else:
             loss = per_token.mean()
         return self.options["vq_loss_weight"] * loss.float()
+
+
+register(Mechanism(
+    name="ovq", mixer=OVQMixer, op="ovq_attention", title="Online Vector-Quantized attention",
+    equation=(
+        "per chunk c: O_c = softmax(β Q_c [D_k; K_c]ᵀ + [log c; 0] + causal) [D_v; V_c]; then n_new = N_{Lc} − "
+        "N_{L(c−1)} (N_t = tN/(t+N)) lowest-similarity keys become centroids, the others move theirs by (x − "
+        "μ)/(c_old + c_chunk)"
+    ),
+    source="Online Vector Quantized Attention (2026), arXiv:2602.03922",
+    state='{"op": key and value dictionaries, counts, the partial chunk and the token count; "conv": None}',
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.ovq", "lazoo.kernels.ovq_assign"),
+    option_docs={
+        "chunk_size": "L: tokens per chunk (the dictionaries are updated once per chunk)",
+        "max_dict_size": "N: the dictionaries' size limit (read at every forward, can change after loading)",
+        "triton_assign": "the Triton backend's slot assignments in one kernel launch (default off)",
+    },
+    tiny_options={"chunk_size": 4, "max_dict_size": 12}, class_prefix="LazooOVQ",
+))
+
+register(Mechanism(
+    name="vq", mixer=VQMixer, op="vq_attention", title="VQ-attention (learned key codebook)",
+    equation=(
+        "o_t = softmax(β q_t Cᵀ + log c_t) D_v,t: causal softmax over keys replaced by their nearest code; counts "
+        "c_t and value means D_v,t per code"
+    ),
+    source="Lingle 2023, Transformer-VQ; Online Vector Quantized Attention (2026) §2.2",
+    state='{"op": per-code value means and counts, the partial chunk; "conv": None}',
+    tiny_options={"chunk_size": 4, "codebook_size": 8}, class_prefix="LazooVQ",
+))

@@ -32,10 +32,7 @@ class RecurrentMixer(TokenMixer):
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.add_qkvo_projections(d)
         targets = options.get("short_conv_targets", "qkv")
         if not targets or not isinstance(targets, str) or set(targets) - set("qkv") or len(set(targets)) != len(targets):
             raise ValueError(f"short_conv_targets must be a non-empty subset of 'qkv' (e.g. 'qkv', 'k'), got {targets!r}")
@@ -63,7 +60,7 @@ class RecurrentMixer(TokenMixer):
         if self.short_conv is not None:
             convolved, conv_state = self.short_conv({n: qkv[n] for n in self.short_conv.convs}, mask,
                                                     entry.get("conv"), output_state=cache is not None,
-                                                    cu_seqlens=cu_seqlens)
+                                                    cu_seqlens=cu_seqlens, backend=self.options.get("backend"))
             qkv = {**qkv, **convolved}  # projections not in `short_conv_targets` pass through unchanged
         q, k, v = (self.split_heads(qkv[n]) for n in "qkv")
         if cu_seqlens is not None:

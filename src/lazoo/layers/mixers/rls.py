@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from ...registry import Mechanism, register
+from .base import set_parameter
 from .recurrent import RecurrentMixer
 
 
@@ -37,12 +39,7 @@ class RLSMixer(RecurrentMixer):
         self.log_lambda = nn.Parameter(torch.full((self.num_heads,), math.log(lam)))
 
     def _init_lazoo_parameters(self, init):
-        value = math.log(self.options["lambda_init"])
-        if init is None:
-            with torch.no_grad():
-                self.log_lambda.fill_(value)
-        else:
-            init.constant_(self.log_lambda, value)
+        set_parameter(self.log_lambda, math.log(self.options["lambda_init"]), init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         o = self.options
@@ -51,3 +48,18 @@ class RLSMixer(RecurrentMixer):
         lam = self.log_lambda.to(torch.promote_types(self.log_lambda.dtype, torch.float32)).exp()
         return ops.rls(q, k, v, lam=lam, gamma=o["gamma"], chunk_size=o["chunk_size"],
                        **self.op_kwargs(mask, state, want_state))
+
+
+register(Mechanism(
+    name="rls", mixer=RLSMixer, op="rls", title="Recursive least squares (Mesa layer)",
+    equation=(
+        "S_t = argmin_S Σ_{i≤t} γ^{t−i}‖v_i − S k_i‖² + λ‖S‖_F² = VK_t (KK_t + λI)^{-1} (exact ridge regression; "
+        "Sherman–Morrison per token for γ = 1); o_t = S_t q_t"
+    ),
+    source="Wang et al. 2025, Test-time regression (eq 11); von Oswald et al. 2023/2025, MesaNet",
+    state=(
+        '{"op": {"KK" [B, H, dk, dk], "VK" [B, H, dv, dk]} (weighted moments, no ridge), "conv": short-conv tails}'
+    ),
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear", "lazoo.kernels.rls"),
+    tiny_options={"chunk_size": 16}, class_prefix="LazooRLS",
+))

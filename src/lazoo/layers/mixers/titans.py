@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from ... import ops
+from ...ops._common import l2norm
+from ...registry import Mechanism, register
+from .base import normal_parameter
 from .recurrent import RecurrentMixer
-from .ttt import l2norm
 
 
 class TitansMixer(RecurrentMixer):
@@ -32,16 +34,12 @@ class TitansMixer(RecurrentMixer):
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        n = options["mini_batch_size"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"titans: mini_batch_size must be a positive int, got {n!r}")
+        self.check_positive_int("mini_batch_size")
         self.gate_proj = nn.Linear(config.hidden_size, 3 * self.num_heads, bias=True)
         self.M0 = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
         self.persistent = None
         if options["memory_as_context"]:
-            p = options["num_persistent"]
-            if not isinstance(p, int) or isinstance(p, bool) or p < 1:
-                raise ValueError(f"titans: num_persistent must be a positive int with memory_as_context, got {p!r}")
+            p = self.check_positive_int("num_persistent")
             if options["use_short_conv"]:
                 raise ValueError("titans: memory_as_context does not support use_short_conv")
             d = config.hidden_size
@@ -54,11 +52,7 @@ class TitansMixer(RecurrentMixer):
     def _init_lazoo_parameters(self, init):
         params = [self.M0] + ([self.persistent] if self.persistent is not None else [])
         for p in params:
-            if init is None:
-                with torch.no_grad():
-                    p.normal_(0.0, 0.02)
-            else:
-                init.normal_(p, std=0.02)
+            normal_parameter(p, 0.02, init)
 
     def _gates(self, x, dtype):
         o = self.options
@@ -158,3 +152,15 @@ class TitansMixer(RecurrentMixer):
         if self.g_proj is not None:
             o = o * torch.nn.functional.silu(self.g_proj(x))
         return self.o_proj(o)
+
+
+register(Mechanism(
+    name="titans", mixer=TitansMixer, op="titans", title="Titans neural memory (linear memory)",
+    equation=(
+        "S_t = η_t S_{t−1} − θ_t (M_{t'} k_t − v_t) k_tᵀ, M_t = (1 − α_t) M_{t−1} + S_t (gradients at the "
+        "mini-batch start M_{t'}); o_t = M_t q_t"
+    ),
+    source="Behrouz, Zhong, Mirrokni 2024, Titans: Learning to Memorize at Test Time",
+    state='{"op": memory, momentum and mini-batch-start state, "conv": short-conv tails}',
+    tiny_options={"mini_batch_size": 4},
+))

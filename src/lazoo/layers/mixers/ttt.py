@@ -16,13 +16,11 @@ import torch
 from torch import nn
 
 from ... import ops
+from ...ops._common import l2norm
 from ...ops.ttt import ttt_linear_decode_step, ttt_mlp_decode_step
+from ...registry import Mechanism, register
+from .base import normal_parameter
 from .recurrent import RecurrentMixer
-
-
-def l2norm(x, eps: float = 1e-6):
-    """``x / sqrt(|x|² + eps)`` over the last dim (as the delta-rule ops normalise q and k)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def _needs_grad(*xs) -> bool:
@@ -37,9 +35,7 @@ class TTTLinearMixer(RecurrentMixer):
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        n = options["mini_batch_size"]
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{self.mechanism}: mini_batch_size must be a positive int, got {n!r}")
+        self.check_positive_int("mini_batch_size")
         self.lr_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True)
         self._make_inner_weights()
         self._init_lazoo_parameters(None)
@@ -49,11 +45,7 @@ class TTTLinearMixer(RecurrentMixer):
         self.W0 = nn.Parameter(torch.empty(self.num_heads, d, d))
 
     def _init_lazoo_parameters(self, init):
-        if init is None:
-            with torch.no_grad():
-                self.W0.normal_(0.0, 0.02)
-        else:
-            init.normal_(self.W0, std=0.02)
+        normal_parameter(self.W0, 0.02, init)
 
     def inner_rate(self, x, q):
         cdt = torch.promote_types(x.dtype, torch.float32)
@@ -87,23 +79,39 @@ class TTTMLPMixer(TTTLinearMixer):
                 "mlp_expansion": 4}
 
     def _make_inner_weights(self):
-        e = self.options["mlp_expansion"]
-        if not isinstance(e, int) or isinstance(e, bool) or e < 1:
-            raise ValueError(f"ttt_mlp: mlp_expansion must be a positive int, got {e!r}")
+        e = self.check_positive_int("mlp_expansion")
         d = self.head_dim
         self.W1 = nn.Parameter(torch.empty(self.num_heads, e * d, d))
         self.W2 = nn.Parameter(torch.empty(self.num_heads, d, e * d))
 
     def _init_lazoo_parameters(self, init):
         d = self.head_dim
-        if init is None:
-            with torch.no_grad():
-                self.W1.normal_(0.0, d ** -0.5)
-                self.W2.normal_(0.0, 0.02)
-        else:
-            init.normal_(self.W1, std=d ** -0.5)
-            init.normal_(self.W2, std=0.02)
+        normal_parameter(self.W1, d ** -0.5, init)
+        normal_parameter(self.W2, 0.02, init)
 
     def initial_weights(self, batch):
         return {"W1": self.W1[None].expand(batch, *self.W1.shape), "W2": self.W2[None].expand(batch, *self.W2.shape)}
 
+
+register(Mechanism(
+    name="ttt_linear", mixer=TTTLinearMixer, op="ttt_linear", title="TTT-Linear (test-time training)",
+    equation=(
+        "W_t = W_{t'} − Σ_{t'<s≤t} η_s (W_{t'} k_s − v_s) k_sᵀ (mini-batch GD on ½‖W k_s − v_s‖² from a learned W₀; "
+        "t' = end of the previous mini-batch); o_t = W_t q_t"
+    ),
+    source="Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hidden States",
+    state='{"op": {"W", "W_start", "n"} (inner weights now and at the mini-batch start), "conv": short-conv tails}',
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.ttt",), tiny_options={"mini_batch_size": 4},
+    class_prefix="LazooTTTLinear",
+))
+
+register(Mechanism(
+    name="ttt_mlp", mixer=TTTMLPMixer, op="ttt_mlp", title="TTT-MLP (test-time training)",
+    equation=(
+        "f(x) = W2 gelu(W1 x); W_t = W_{t'} − Σ_{t'<s≤t} η_s ∇ℓ_s(W_{t'}), ℓ_s = ½‖f(k_s) − v_s‖², from learned W₀; "
+        "o_t = f(q_t; W_t)"
+    ),
+    source="Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hidden States",
+    state='{"op": {"W1", "W2", their mini-batch-start copies, "n"}, "conv": short-conv tails}',
+    tiny_options={"mini_batch_size": 4, "mlp_expansion": 2}, class_prefix="LazooTTTMLP",
+))

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from ... import ops
+from ...registry import Mechanism, register
+from .base import set_parameter
 from .recurrent import RecurrentMixer
 
 
@@ -23,6 +25,7 @@ class VLAMixer(RecurrentMixer):
         "refresh_period": 20,
         "refresh_eta": 1e-3,
         "eps": 1e-4,
+        "triton_scan": "token",  # the Triton backend's A-scan kernel: "token" or "chunk" (lazoo.ops.vla)
     }
 
     def __init__(self, config, layer_idx, options):
@@ -33,17 +36,33 @@ class VLAMixer(RecurrentMixer):
 
     def _init_lazoo_parameters(self, init):
         eye = torch.eye(self.head_dim, dtype=self.u_weight.dtype, device=self.u_weight.device)
-        value = eye.expand_as(self.u_weight)
-        if init is None:
-            with torch.no_grad():
-                self.u_weight.copy_(value)
-        else:
-            init.copy_(self.u_weight, value)
+        set_parameter(self.u_weight, eye.expand_as(self.u_weight), init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
         u = torch.einsum("bthd,hed->bthe", k, self.u_weight)
         o = self.options
         return ops.vla(
             q, k, v, u, lambda0=o["lambda0"], refresh_period=o["refresh_period"], refresh_eta=o["refresh_eta"],
-            eps=o["eps"], **self.op_kwargs(mask, state, want_state),
+            eps=o["eps"], triton_scan=o["triton_scan"], **self.op_kwargs(mask, state, want_state),
         )
+
+
+register(Mechanism(
+    name="vla", mixer=VLAMixer, op="vla", title="Variational Linear Attention",
+    equation=(
+        "S_t = S_{t−1} + (v_t − S_{t−1} k̂_t) α̂_tᵀ, α̂_t = A_t k̂_t / ‖A_t k̂_t‖ (A_t: Sherman–Morrison penalty "
+        "geometry, refreshed every P steps); o_t = S_t q_t / max(z_t·q_t, ε)"
+    ),
+    source="Variational Linear Attention: Stable Associative Memory for Long-Context Transformers (2026)",
+    state='{"op": {"S" [B, H, dv, dk], "A" [B, H, dk, dk], "z" [B, H, dk], "t" [B]}, "conv": short-conv tails}',
+    backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.delta", "lazoo.kernels.vla", "lazoo.kernels.vla_chunk"),
+    option_docs={
+        "lambda0": "λ₀, A's initial scale (A_0 = λ₀⁻¹ I)",
+        "refresh_period": "P: A is refreshed towards I every P real tokens",
+        "refresh_eta": "η: the refresh's step towards I",
+        "eps": "ε: the clamps of the normalisations",
+        "triton_scan": "the Triton backend's A scan: 'token' (default) or 'chunk' (exact, not faster yet)",
+    },
+    tiny_options={"refresh_period": 7, "refresh_eta": 0.3}, class_prefix="LazooVLA",
+))
