@@ -60,5 +60,11 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || { [ -n "$LOCK
     # aerial tree images with boxes (lazoo.data.vision); its own dependencies (a detection stack) are not needed
     python -m pip install --quiet --no-deps "deepforest==2.1.0"
   fi
+  if [ "$EXTRAS" = "test" ]; then
+    # fla 0.6.0's model classes (CPU-constructible) write the fla-format checkpoints the converter tests read;
+    # kept in a folder of its own, outside the importable packages: never a lazoo dependency
+    python -m pip install --quiet --no-deps --target "$VENV/fla-site" --upgrade \
+      "flash-linear-attention==0.6.0" "fla-core==0.6.0" "einops==0.8.2"
+  fi
   touch "$stamp"
 fi

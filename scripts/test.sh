@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 source scripts/_venv.sh "test"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# fla's classes for the converter tests (installed by _venv.sh; the tests skip them where it is absent)
+export LAZOO_FLA_SITE="${LAZOO_FLA_SITE:-${LAZOO_VENV:-$PWD/.venv}/fla-site}"
 exec python -m pytest "$@"

@@ -219,8 +219,9 @@ def test_the_template_renders_without_placeholders_for_each_head():
         render_model_card(model, template="{{no_such_field}}")
 
 
-def test_push_to_hub_uploads_the_lazoo_card_not_the_generic_one(monkeypatch):
-    """push_to_hub (offline: the Hub calls are stubbed) uploads the exported code and lazoo's card."""
+def stub_push_to_hub(monkeypatch) -> dict:
+    """The Hub calls of `push_to_hub` stubbed (offline): returns a dict that receives the uploaded file names
+    (`files`) and the README.md text (`card`). A new repo gets transformers' generic card first, as on the Hub."""
     import transformers.utils.hub as hub
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -239,6 +240,12 @@ def test_push_to_hub_uploads_the_lazoo_card_not_the_generic_one(monkeypatch):
     monkeypatch.setattr(hub, "hf_api", lambda: Api())
     monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *a, **kw: generic)
     monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
+    return uploaded
+
+
+def test_push_to_hub_uploads_the_lazoo_card_not_the_generic_one(monkeypatch):
+    """push_to_hub (offline: the Hub calls are stubbed) uploads the exported code and lazoo's card."""
+    uploaded = stub_push_to_hub(monkeypatch)
     tiny_model("vla").push_to_hub("someone/tiny-vla")
     assert "modeling_lazoo.py" in uploaded["files"] and "config.json" in uploaded["files"]
     assert "Variational Linear Attention" in uploaded["card"] and "pushed on the Hub" not in uploaded["card"]

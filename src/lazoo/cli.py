@@ -5,6 +5,7 @@
     lazoo generate DIR --prompt "..."             sample (or --greedy) from a saved model
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
     lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
+    lazoo convert SRC DST                         a fla checkpoint folder -> a lazoo folder (docs/pretrained.md)
     lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training; CUDA)
     lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
@@ -406,6 +407,23 @@ def cmd_cards(args) -> int:
     return 0
 
 
+# ============================================================================ lazoo convert
+def cmd_convert(args) -> int:
+    from .convert import UnsupportedCheckpointError, from_fla
+
+    if not os.path.isdir(args.src):
+        raise CLIError(f"no such folder {args.src!r}; give a fla checkpoint folder (config.json + safetensors)")
+    try:
+        dst = from_fla(args.src, args.dst)
+    except (UnsupportedCheckpointError, FileExistsError, FileNotFoundError) as err:
+        raise CLIError(str(err)) from err
+    except json.JSONDecodeError as err:
+        raise CLIError(f"{os.path.join(args.src, 'config.json')}: not valid JSON ({err})") from err
+    print(f"[lazoo] converted {args.src} -> {dst} (load it with AutoModelForCausalLM.from_pretrained after "
+          "`import lazoo`, or with trust_remote_code=True without lazoo)")
+    return 0
+
+
 # ============================================================================ lazoo bench
 def cmd_bench(args) -> int:
     script = SCRIPTS_DIR / BENCH_SCRIPTS[args.which]
@@ -548,6 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="model_cards", metavar="DIR", help="the card folder (default: model_cards)")
     p.add_argument("--check", action="store_true", help="only report stale cards (exit 1 if any)")
     p.set_defaults(func=cmd_cards)
+
+    p = sub.add_parser("convert", help="convert a fla (flash-linear-attention) checkpoint into a lazoo folder",
+                       description="Read a fla checkpoint folder (config.json with a fla model_type: transformer, "
+                       "gla, delta_net, gated_deltanet and their hybrids with attention layers; safetensors weights, "
+                       "sharded or not) and write DST: config, weights, tokenizer files, a model card naming the "
+                       "source, and the trust_remote_code code. DST must be new or empty. A checkpoint that uses an "
+                       "option lazoo cannot express exactly is refused, naming the field; nothing is written then.")
+    p.add_argument("src", metavar="SRC", help="the fla checkpoint folder")
+    p.add_argument("dst", metavar="DST", help="the lazoo folder to write (new or empty)")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="GPU benchmarks (scripts/bench_*.py)",
                        description="Run a benchmark script from the repository's scripts/ folder on a CUDA GPU; "

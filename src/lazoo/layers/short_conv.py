@@ -10,7 +10,8 @@ from ..ops._common import packed_offsets, resolve_backend, triton_missing
 
 
 class ShortConvolution(nn.Conv1d):
-    """`y_t = act(Σ_{i<K} w_i ⊙ x_{t−i})`, channels last: input and output `[B, T, C]`.
+    """`y_t = act(Σ_{i<K} w_i ⊙ x_{t−i} + b)`, channels last: input and output `[B, T, C]`; the bias `b` only
+    with `bias=True` (the Triton kernel has none: a convolution with a bias runs `conv1d`).
 
     Padded positions are zeroed before the convolution, so a left-padded sample sees the same
     zeros before its first token as it would unpadded. `state` holds the last K−1 inputs `[B, K−1, C]`.
@@ -25,8 +26,8 @@ class ShortConvolution(nn.Conv1d):
     state (decoding), the kernel runs over the K−1 cached inputs followed by the new ones.
     """
 
-    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu"):
-        super().__init__(channels, channels, kernel_size, groups=channels, padding=0, bias=False)
+    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu", bias: bool = False):
+        super().__init__(channels, channels, kernel_size, groups=channels, padding=0, bias=bias)
         self.activation = activation
 
     def forward(self, x, mask=None, state=None, output_state=False, cu_seqlens=None, backend=None):
@@ -52,7 +53,7 @@ class ShortConvolution(nn.Conv1d):
             from ..kernels.short_conv import short_conv
 
             return short_conv(padded, self.weight, self.activation)[:, K - 1:], new_state
-        y = F.conv1d(padded.transpose(1, 2), self.weight, groups=self.groups).transpose(1, 2)
+        y = F.conv1d(padded.transpose(1, 2), self.weight, self.bias, groups=self.groups).transpose(1, 2)
         if self.activation == "silu":
             y = F.silu(y)
         return y, new_state
@@ -69,6 +70,8 @@ class ShortConvolution(nn.Conv1d):
         reason = device_unsupported(x)
         if reason:
             return reason
+        if self.bias is not None:
+            return "the short-convolution kernel has no bias"
         from ..kernels.short_conv import check_supported  # defines the kernels: only where they can run
 
         return check_supported(x, self.kernel_size[0], self.activation)
@@ -88,6 +91,8 @@ class ShortConvolution(nn.Conv1d):
             shifted = F.pad(x[:, : T - s], (0, 0, s, 0))  # x_{t−s}, zeros before the start
             keep = (offsets >= s).to(x.dtype)[None, :, None]
             y = y + shifted * keep * w[:, K - 1 - s]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
         if self.activation == "silu":
             y = F.silu(y)
         return y

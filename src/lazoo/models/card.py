@@ -83,6 +83,17 @@ def _metrics_text(metrics: dict[str, Any] | None) -> str:
     return "\n".join(rows)
 
 
+def _conversion_note(config) -> str | None:
+    """What the card says of a model converted from another library's checkpoint (`config.converted_from`, set by
+    `lazoo convert`)."""
+    source = getattr(config, "converted_from", None)
+    if not isinstance(source, dict):
+        return None
+    return (f"Converted by `lazoo convert` from the {source.get('format', '?')} checkpoint `{source.get('source', '?')}` "
+            f"({source.get('format', '?')} model type `{source.get('model_type', '?')}`): the weights are that "
+            "checkpoint's, unchanged; its training data is the source's.")
+
+
 def card_fields(model, metrics: dict[str, Any] | None = None, training_data: str | None = None,
                 model_path: str | None = None, head: str | None = None) -> dict[str, str]:
     """The values of the template's placeholders for `model` (a lazoo model, or a lazoo config; `head` names the
@@ -123,7 +134,7 @@ def card_fields(model, metrics: dict[str, Any] | None = None, training_data: str
         "num_layers": str(len(layer_types)),
         "layer_pattern": _layer_pattern(layer_types),
         "config_table": "\n".join(config_rows),
-        "training_data": training_data or "Not stated when this card was written.",
+        "training_data": training_data or _conversion_note(config) or "Not stated when this card was written.",
         "metrics": _metrics_text(metrics),
         "tags": "\n".join(f"- {t}" for t in dict.fromkeys(tags)),
     }

@@ -54,9 +54,6 @@ def check_sizes(config) -> None:
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "max_position_embeddings"):
         check_int(field, getattr(config, field))
-    if config.hidden_size % config.num_attention_heads:
-        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by "
-                         f"num_attention_heads={config.num_attention_heads}")
     check_int("intermediate_size", config.intermediate_size, minimum=0, note=" (0 = no MLP)")
     check_int("sliding_window", config.sliding_window, allow_none=True)
     check_number("rms_norm_eps", config.rms_norm_eps, positive=True)
@@ -78,6 +75,23 @@ def check_layer_types(layer_types, num_hidden_layers) -> None:
     if len(layer_types) != num_hidden_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_hidden_layers}; "
                          "give one per layer")
+
+
+def check_head_layout(config, layer_types) -> None:
+    """hidden_size divides into the heads of every layer whose mixer derives its head dim from it: the config's
+    `num_attention_heads`, or the mechanism's own `num_heads` option; a mechanism with its own `head_k_dim` sets
+    its head dim freely (fla-style layouts). The Memory Lobe uses `num_attention_heads`."""
+    for name in dict.fromkeys(layer_types):
+        options = config.mixer_options(name)
+        heads = options.get("num_heads") or config.num_attention_heads
+        if options.get("head_k_dim") is None and config.hidden_size % heads:
+            source = (f"the {name!r} option num_heads={heads}" if options.get("num_heads")
+                      else f"num_attention_heads={heads}")
+            raise ValueError(f"hidden_size={config.hidden_size} must be divisible by {source} (the heads of the "
+                             f"{name!r} layers), or set the {name!r} option head_k_dim where the mechanism has it")
+    if config.memory_lobe is not None and config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads="
+                         f"{config.num_attention_heads} (the Memory Lobe's heads)")
 
 
 def check_decoder_options(config) -> None:
@@ -195,6 +209,7 @@ class LazooConfig(PreTrainedConfig):
         if self.mechanism is not None:
             mixer_class(self.mechanism).check_options({k: getattr(self, k) for k in self._own_fields()})
         check_mixer_kwargs(self.mixer_kwargs, layer_types)
+        check_head_layout(self, layer_types)
         check_decoder_options(self)
 
     def validate(self):

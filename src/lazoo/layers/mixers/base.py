@@ -79,17 +79,23 @@ class TokenMixer(nn.Module):
     defaults: ClassVar[dict[str, Any]] = {}
     #: packed sequences: "native" = `forward` takes `cu_seqlens`; "split" = run once per sequence
     packing: ClassVar[str] = "split"
+    #: options whose default is None and whose other values are positive ints (head counts, head dims)
+    optional_int_options: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config, layer_idx: int, options: dict[str, Any]):
+    def __init__(self, config, layer_idx: int, options: dict[str, Any], *, num_heads: int | None = None,
+                 head_dim: int | None = None):
+        """`num_heads` (None: the config's `num_attention_heads`) and `head_dim` (None: hidden_size / num_heads,
+        which must then divide) let a mixer keep its own head layout."""
         super().__init__()
         self.layer_idx = layer_idx
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={config.num_attention_heads}"
-            )
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads if num_heads is None else num_heads
+        if head_dim is None:
+            if config.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={config.hidden_size} must be divisible by the {self.num_heads} heads "
+                                 f"(num_attention_heads, or the mixer's own head count)")
+            head_dim = config.hidden_size // self.num_heads
+        self.head_dim = head_dim
         self.options = options
 
     @classmethod
@@ -110,6 +116,9 @@ class TokenMixer(nn.Module):
                     raise ValueError(f"{field} must be None or a backend name, got {value!r}")
                 continue
             kind = _option_kind(cls.defaults[key])
+            if key in cls.optional_int_options:
+                kind = "None or a positive int", lambda v: v is None or (
+                    isinstance(v, Integral) and not isinstance(v, bool) and v >= 1)
             if kind is not None and not kind[1](value):
                 raise ValueError(f"{field} ({cls.mechanism} option) must be {kind[0]} "
                                  f"(default {cls.defaults[key]!r}), got {value!r}")
@@ -163,11 +172,15 @@ class TokenMixer(nn.Module):
 
 
 class ShortConvProjections(nn.Module):
-    """Optional short causal convolutions on q, k and v (one per projection), with their cache entries."""
+    """Optional short causal convolutions on q, k and v (one per projection), with their cache entries.
+    `activation`: one for all, or a dict `{name: activation}`; `bias`: a learned bias in each."""
 
-    def __init__(self, dims: dict[str, int], kernel_size: int, activation: str | None = "silu"):
+    def __init__(self, dims: dict[str, int], kernel_size: int, activation: str | None | dict = "silu",
+                 bias: bool = False):
         super().__init__()
-        self.convs = nn.ModuleDict({name: ShortConvolution(d, kernel_size, activation) for name, d in dims.items()})
+        acts = activation if isinstance(activation, dict) else dict.fromkeys(dims, activation)
+        self.convs = nn.ModuleDict({name: ShortConvolution(d, kernel_size, acts[name], bias=bias)
+                                    for name, d in dims.items()})
 
     def forward(self, tensors: dict[str, torch.Tensor], mask, state: dict | None, output_state: bool,
                 cu_seqlens=None, backend=None):

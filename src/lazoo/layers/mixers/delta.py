@@ -11,52 +11,90 @@ from torch import nn
 from ... import ops
 from ...registry import Mechanism, register
 from .base import ShortConvProjections, set_parameter
-from .recurrent import RecurrentMixer
+from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
+
+
+QK_NORMS = ("l2", "sum")
+
+
+def sum_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / max(Σ|x|, eps)` over the last dim (DeltaNet's `qk_norm="sum"`)."""
+    return x / x.abs().sum(-1, keepdim=True).clamp_min(eps)
+
+
+def mamba2_log_decay(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`−exp(A_log) · softplus(a_proj(x) + dt_bias)` per head, in fp32 for half types (float64 stays)."""
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    return -module.A_log.to(cdt).exp() * F.softplus(module.a_proj(x).to(cdt) + module.dt_bias.to(cdt))
 
 
 class DeltaNetMixer(RecurrentMixer):
-    """`S_t = S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ`, `β_t = sigmoid(w_β·x_t)` per head."""
+    """`S_t = S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ`, `β_t = sigmoid(w_β·x_t)` per head.
+
+    Options: `use_beta` (False: β = 1, no `b_proj`), `beta_bias` (`b_proj` has a bias), `allow_neg_eigval`
+    (β doubled, in (0, 2)), `qk_norm` ("l2": q/k divided by sqrt(|x|² + 1e-6) in the op; "sum": by
+    max(Σ|x|, 1e-6) before it), and the head layout of `RecurrentMixer`."""
 
     mechanism = "delta_net"
-    defaults = {**RecurrentMixer.defaults, "use_short_conv": True}
+    head_layout = True
+    defaults = {**RecurrentMixer.defaults, "use_short_conv": True, "use_beta": True, "beta_bias": True,
+                "allow_neg_eigval": False, "qk_norm": "l2"}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        self.b_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True)
+        if options["qk_norm"] not in QK_NORMS:
+            raise ValueError(f"{self.mechanism}: qk_norm must be one of {QK_NORMS}, got {options['qk_norm']!r}")
+        self.b_proj = (nn.Linear(config.hidden_size, self.num_state_heads, bias=options["beta_bias"])
+                       if options["use_beta"] else None)
+
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """β `[B, T, H]`: sigmoid(b_proj(x)) (ones without `use_beta`), doubled with `allow_neg_eigval`."""
+        if self.b_proj is None:
+            beta = x.new_ones(*x.shape[:2], self.num_state_heads)
+        else:
+            beta = torch.sigmoid(self.b_proj(x))
+        return 2 * beta if self.options["allow_neg_eigval"] else beta
+
+    def normalized_qk(self, q, k) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(q, k, whether the op still L2-normalises them)."""
+        if self.options["qk_norm"] == "sum":
+            return sum_norm(q), sum_norm(k), False
+        return q, k, True
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
-        beta = torch.sigmoid(self.b_proj(x))
-        return ops.delta_rule(q, k, v, beta, **self.op_kwargs(mask, state, want_state, cu_seqlens))
+        q, k, l2 = self.normalized_qk(q, k)
+        return ops.delta_rule(q, k, v, self.beta(x), use_qk_l2norm=l2,
+                              **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
 class GatedDeltaNetMixer(DeltaNetMixer):
     """Gated DeltaNet: `S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ` with a Mamba-2 style decay
-    `log α_t = −exp(A_log) · softplus(w_a·x_t + dt_bias)` and a SiLU output gate."""
+    `log α_t = −exp(A_log) · softplus(w_a·x_t + dt_bias)` (`a_proj` has no bias) and an output gate."""
 
     mechanism = "gated_delta_net"
     defaults = {**DeltaNetMixer.defaults, "output_gate": True}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        self.a_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.a_proj = nn.Linear(config.hidden_size, self.num_state_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_state_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_state_heads))
         self._init_lazoo_parameters(None)
 
     def _init_lazoo_parameters(self, init):
         # A in [1, 16] and dt in [1e-3, 1e-1] log-uniform, as in Mamba-2 / Gated DeltaNet
+        n = self.A_log.numel()
         with torch.no_grad():
-            a = torch.empty(self.num_heads).uniform_(1, 16).log()
-            dt = torch.exp(torch.empty(self.num_heads).uniform_(math.log(1e-3), math.log(1e-1))).clamp_min(1e-4)
+            a = torch.empty(n).uniform_(1, 16).log()
+            dt = torch.exp(torch.empty(n).uniform_(math.log(1e-3), math.log(1e-1))).clamp_min(1e-4)
             dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         set_parameter(self.A_log, a.to(self.A_log.device, self.A_log.dtype), init)
         set_parameter(self.dt_bias, dt_bias.to(self.dt_bias.device, self.dt_bias.dtype), init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
-        beta = torch.sigmoid(self.b_proj(x))
-        cdt = torch.promote_types(x.dtype, torch.float32)  # half types in fp32; float64 stays float64
-        g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
-        return ops.gated_delta_rule(q, k, v, g.to(q.dtype), beta,
+        q, k, l2 = self.normalized_qk(q, k)
+        g = mamba2_log_decay(self, x)
+        return ops.gated_delta_rule(q, k, v, g.to(q.dtype), self.beta(x), use_qk_l2norm=l2,
                                     **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
@@ -78,7 +116,8 @@ class DeltaProductMixer(RecurrentMixer):
         self.k_proj = nn.Linear(d, n * d, bias=False)  # one key and one value per Householder step
         self.v_proj = nn.Linear(d, n * d, bias=False)
         if self.short_conv is not None:
-            self.short_conv = ShortConvProjections({"q": d, "k": n * d, "v": n * d}, options["conv_size"])
+            self.short_conv = ShortConvProjections({"q": d, "k": n * d, "v": n * d}, options["conv_size"],
+                                                   bias=options["conv_bias"])
         self.b_proj = nn.Linear(d, self.num_heads * n, bias=True)
         if options["use_forget_gate"]:
             self.a_proj = nn.Linear(d, self.num_heads, bias=False)
@@ -100,18 +139,24 @@ class DeltaProductMixer(RecurrentMixer):
             beta = 2 * beta
         g = None
         if self.options["use_forget_gate"]:
-            cdt = torch.promote_types(x.dtype, torch.float32)
-            g = -self.A_log.to(cdt).exp() * F.softplus(self.a_proj(x).to(cdt) + self.dt_bias.to(cdt))
-            g = g.to(q.dtype)
+            g = mamba2_log_decay(self, x).to(q.dtype)
         return ops.delta_product(q, k, v, beta, g=g, **self.op_kwargs(mask, state, want_state))
 
+
+DELTA_OPTION_DOCS = {
+    **RECURRENT_OPTION_DOCS,
+    "use_beta": "a learned write strength β = sigmoid(b_proj(x)) per head (False: β = 1, no b_proj)",
+    "beta_bias": "b_proj has a bias",
+    "allow_neg_eigval": "β is doubled, in (0, 2): the transition I − β k kᵀ may have a negative eigenvalue",
+    "qk_norm": "'l2': q and k divided by sqrt(|x|² + 1e-6); 'sum': by max(Σ|x|, 1e-6)",
+}
 
 register(Mechanism(
     name="delta_net", mixer=DeltaNetMixer, op="delta_rule", title="DeltaNet",
     equation="S_t = S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, β_t = σ(w_β·x_t); o_t = S_t q_t",
     source="Schlag et al. 2021; Yang et al. 2024, Parallelizing Linear Transformers with the Delta Rule",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.delta",),
+    kernels=("lazoo.kernels.delta",), option_docs=DELTA_OPTION_DOCS,
 ))
 
 register(Mechanism(
@@ -119,7 +164,7 @@ register(Mechanism(
     equation="S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ; o_t = S_t q_t",
     source="Yang, Kautz, Hatamizadeh 2024, Gated Delta Networks",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.delta",),
+    kernels=("lazoo.kernels.delta",), option_docs=DELTA_OPTION_DOCS,
 ))
 
 register(Mechanism(

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
-from .recurrent import RecurrentMixer
+from .recurrent import ACTIVATIONS, RECURRENT_OPTION_DOCS, RecurrentMixer
 
 
 class LinearAttentionMixer(RecurrentMixer):
     """`S_t = S_{t−1} + v_t φ(k_t)ᵀ`; normalised read-out `S_t φ(q_t) / φ(q_t)·z_t`, or an RMSNorm instead."""
 
     mechanism = "linear"
+    head_layout = True
     defaults = {**RecurrentMixer.defaults, "feature_map": "elu1", "normalize": True, "output_norm": None}
 
     def __init__(self, config, layer_idx, options):
@@ -33,11 +35,12 @@ class GatedLinearAttentionMixer(RecurrentMixer):
     """`S_t = a_t S_{t−1} + v_t k_tᵀ` with `log a_t = logsigmoid(w·x_t) / gate_logit_normalizer` per head."""
 
     mechanism = "gated_linear"
+    head_layout = True
     defaults = {**RecurrentMixer.defaults, "gate_logit_normalizer": 16.0}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        self.gk_proj = nn.Linear(config.hidden_size, self.num_heads, bias=True)
+        self.gk_proj = nn.Linear(config.hidden_size, self.num_state_heads, bias=True)
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         g = F.logsigmoid(self.gk_proj(x)) / self.options["gate_logit_normalizer"]
@@ -85,20 +88,36 @@ class BidirectionalELAMixer(ELAMixer):
 class GLAMixer(RecurrentMixer):
     """Gated Linear Attention (GLA): a decay per key dim, `S_t = S_{t−1} diag(a_t) + v_t k_tᵀ`.
 
-    `log a_t = logsigmoid(W_g x_t) / gate_logit_normalizer` with a low-rank gate projection
-    (hidden → `gate_low_rank_dim` → hidden), then a per-head RMSNorm and a SiLU output gate."""
+    `log a_t = max(logsigmoid(W_g x_t) / gate_logit_normalizer, clamp_min)` with a low-rank gate projection
+    (hidden → `gate_low_rank_dim` → the key heads' dims; repeated with the keys under `num_kv_heads`), an
+    optional `feature_map` on q and k, then a per-head RMSNorm and an output gate."""
 
     mechanism = "gla"
+    head_layout = True
     defaults = {**RecurrentMixer.defaults, "output_gate": True, "gate_logit_normalizer": 16.0,
-                "gate_low_rank_dim": 16}
+                "gate_low_rank_dim": 16, "clamp_min": None, "feature_map": None}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
-        d, r = config.hidden_size, options["gate_low_rank_dim"]
-        self.gk_proj = nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, d, bias=True))
+        if options["feature_map"] is not None and options["feature_map"] not in ACTIVATIONS:
+            raise ValueError(f"gla: feature_map must be None or one of {sorted(ACTIVATIONS)}, "
+                             f"got {options['feature_map']!r}")
+        clamp_min = options["clamp_min"]
+        if clamp_min is not None and (isinstance(clamp_min, bool) or not isinstance(clamp_min, (int, float))
+                                      or not clamp_min <= 0):
+            raise ValueError(f"gla: clamp_min must be None or a number <= 0 (a floor on the log decay), "
+                             f"got {clamp_min!r}")
+        d, r = config.hidden_size, self.check_positive_int("gate_low_rank_dim")
+        self.gk_proj = nn.Sequential(nn.Linear(d, r, bias=False), nn.Linear(r, self.k_proj.out_features, bias=True))
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
-        g = F.logsigmoid(self.split_heads(self.gk_proj(x))) / self.options["gate_logit_normalizer"]
+        o = self.options
+        g = F.logsigmoid(self.repeat_heads(self.gk_proj(x), self.num_kv_heads)) / o["gate_logit_normalizer"]
+        if o["clamp_min"] is not None:
+            g = torch.clamp_min(g, o["clamp_min"])
+        feature_map = ACTIVATIONS[o["feature_map"]] if o["feature_map"] is not None else None
+        if feature_map is not None:
+            q, k = feature_map(q), feature_map(k)
         return ops.gla(q, k, v, g.to(q.dtype), **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
@@ -107,7 +126,7 @@ register(Mechanism(
     equation="S_t = S_{t−1} + v_t φ(k_t)ᵀ, z_t = z_{t−1} + φ(k_t); o_t = S_t φ(q_t) / φ(q_t)·z_t",
     source="Katharopoulos et al. 2020, Transformers are RNNs",
     state='{"op": {"S" [B, H, dv, dk], "z" [B, H, dk]} (or S alone without normalize), "conv": short-conv tails}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",),
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",), option_docs=RECURRENT_OPTION_DOCS,
 ))
 
 register(Mechanism(
@@ -116,7 +135,7 @@ register(Mechanism(
     equation="S_t = a_t S_{t−1} + v_t k_tᵀ, a_t ∈ (0, 1) per head; o_t = S_t q_t",
     source="RetNet / Mamba-2 style decay (linear-attention survey)",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.linear",),
+    kernels=("lazoo.kernels.linear",), option_docs=RECURRENT_OPTION_DOCS,
 ))
 
 register(Mechanism(
@@ -134,4 +153,12 @@ register(Mechanism(
     source="Yang et al. 2023, Gated Linear Attention Transformers with Hardware-Efficient Training",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
     kernels=("lazoo.kernels.gla", "lazoo.kernels.linear"), class_prefix="LazooGLA",
+    option_docs={
+        **RECURRENT_OPTION_DOCS,
+        "gate_logit_normalizer": "the log decay logsigmoid(gk_proj(x)) is divided by it",
+        "gate_low_rank_dim": "inner width of the low-rank decay projection gk_proj",
+        "clamp_min": "None, or a floor (<= 0) on the log decay",
+        "feature_map": "None, or an activation applied to q and k after the short convolution, one of "
+                       + ", ".join(sorted(k for k in ACTIVATIONS)),
+    },
 ))
