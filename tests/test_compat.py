@@ -155,3 +155,17 @@ def test_both_locks_satisfy_the_declared_ranges():
                 assert declared[name].specifier.contains(version, prereleases=True), \
                     f"{lock}: {name}=={version} is outside pyproject.toml's {declared[name]}"
 
+
+
+def test_return_dict_false_gives_tuples_as_in_transformers():
+    model = tiny_model("gated_delta_net")
+    ids = random_ids(1, 9, seed=3)
+    with torch.no_grad():
+        full = model(ids, labels=ids)
+        as_tuple = model(ids, labels=ids, return_dict=False)
+        base = model.model(ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], full.loss) and torch.equal(as_tuple[1], full.logits)
+    assert isinstance(base, tuple) and base[0].shape == (1, 9, model.config.hidden_size)
+    model.config.return_dict = False  # the config's setting too; the model's own inner call still reads fields
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], full.logits)

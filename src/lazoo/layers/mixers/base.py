@@ -25,9 +25,9 @@ from ..short_conv import ShortConvolution
 
 
 def unit_norm(x: torch.Tensor) -> torch.Tensor:
-    """x / |x| over the last dim, computed in fp32 and returned in x's dtype: under CUDA autocast
-    `F.normalize` returns fp32, and the ops want q, k and v in one dtype."""
-    return torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype)
+    """x / |x| over the last dim, computed in fp32 (float64 stays float64) and returned in x's dtype: under CUDA
+    autocast `F.normalize` returns fp32, and the ops want q, k and v in one dtype."""
+    return torch.nn.functional.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1).to(x.dtype)
 
 
 def set_parameter(param: nn.Parameter, value, init) -> None:

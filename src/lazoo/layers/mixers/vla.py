@@ -10,7 +10,7 @@ from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
-from .base import set_parameter
+from .base import set_parameter, unit_norm
 from .recurrent import RecurrentMixer
 
 
@@ -26,6 +26,9 @@ class VLAMixer(RecurrentMixer):
         "refresh_eta": 1e-3,
         "eps": 1e-4,
         "triton_scan": "token",  # the Triton backend's A-scan kernel: "token" or "chunk" (lazoo.ops.vla)
+        # per head √d·q/‖q‖ and √d·k/‖k‖ before the op's ELU+1 (u still from the raw k): small raw keys sit in
+        # ELU+1's linear regime, where every key's features point the same way (issue 28's audit)
+        "qk_prenorm": False,
     }
 
     def __init__(self, config, layer_idx, options):
@@ -41,6 +44,9 @@ class VLAMixer(RecurrentMixer):
     def mix(self, q, k, v, x, *, mask, state, want_state):
         u = torch.einsum("bthd,hed->bthe", k, self.u_weight)
         o = self.options
+        if o["qk_prenorm"]:
+            scale = self.head_dim ** 0.5
+            q, k = scale * unit_norm(q), scale * unit_norm(k)
         return ops.vla(
             q, k, v, u, lambda0=o["lambda0"], refresh_period=o["refresh_period"], refresh_eta=o["refresh_eta"],
             eps=o["eps"], triton_scan=o["triton_scan"], **self.op_kwargs(mask, state, want_state),
@@ -63,6 +69,7 @@ register(Mechanism(
         "refresh_eta": "η: the refresh's step towards I",
         "eps": "ε: the clamps of the normalisations",
         "triton_scan": "the Triton backend's A scan: 'token' (default) or 'chunk' (exact, not faster yet)",
+        "qk_prenorm": "√d·x/‖x‖ per head on q and k before ELU+1 (u from the raw k); off = Algorithm 1 as written",
     },
     tiny_options={"refresh_period": 7, "refresh_eta": 0.3}, class_prefix="LazooVLA",
 ))
