@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ...ops._common import check_positive_int
 from ..short_conv import ShortConvolution
 
 
@@ -125,10 +126,7 @@ class TokenMixer(nn.Module):
 
     def check_positive_int(self, option: str, value=None) -> int:
         """Option `option` (or `value`) is a positive int, else a ValueError naming the mechanism and option."""
-        value = self.options[option] if value is None else value
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{self.mechanism}: {option} must be a positive int, got {value!r}")
-        return value
+        return check_positive_int(self.mechanism, option, self.options[option] if value is None else value)
 
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None) -> torch.Tensor:
         raise NotImplementedError
