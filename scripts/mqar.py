@@ -49,6 +49,18 @@ except ImportError:  # `lazoo.data` imports `datasets`/`tokenizers`; the task it
 
 MODEL = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
              intermediate_size=256, tie_word_embeddings=True)
+#: named variants of a mechanism: name -> (mechanism, config overrides); any other name is a mechanism as it is
+VARIANTS = {
+    # seed 000's Algorithm 1 as written: ELU+1 features, the z-normalised read-out, no normalisation before
+    "vla_paper": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=False, output_norm=False)),
+    # VLA's defaults with A frozen at A₀ ∝ I (α̂ = k̂): what the precision geometry adds
+    "vla_fixed_a": ("vla", dict(precision_update=False)),
+    # the candidates of issue 28's audit
+    "vla_signed": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False, output_norm=False)),
+    "vla_signed_norm": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False,
+                                    output_norm=True)),
+    "vla_prenorm": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=True, output_norm=True)),
+}
 EVAL_SEED_OFFSET = 10_000
 
 
@@ -79,6 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("mqar_results.json"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, in worker processes spread over the visible GPUs (these models are too "
+                        "small to fill a GPU: one run is bound by kernel launches)")
     return p.parse_args(argv)
 
 
@@ -130,7 +145,8 @@ def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
     overrides = {**MODEL, "vocab_size": args.vocab_size}
     if args.short_conv != "default":
         overrides["use_short_conv"] = args.short_conv == "on"
-    config = build_config(mechanism, **overrides)
+    base, variant = VARIANTS.get(mechanism, (mechanism, {}))
+    config = build_config(base, **overrides, **variant)
     model = AutoModelForCausalLM.from_config(config).to(args.device, torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=args.weight_decay)
@@ -150,11 +166,33 @@ def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
             if step % 10 == 0:
                 bar.set_postfix(mech=mechanism, n=n_pairs, seed=seed, loss=f"{loss.item():.3f}")
     train_s = time.perf_counter() - t0
-    result = {"mechanism": mechanism, "n_pairs": n_pairs, "seq_len": seq_len or 3 * n_pairs + 1, "seed": seed,
+    result = {"mechanism": mechanism, "variant": {"mechanism": base, **variant}, "n_pairs": n_pairs, "seq_len": seq_len or 3 * n_pairs + 1, "seed": seed,
               "params": sum(p.numel() for p in model.parameters()), "nonfinite_steps": nonfinite,
               "train_seconds": train_s, "final_train_loss": curve[-1]["loss"] if curve else math.nan,
               "curve": curve, **evaluate(model, n_pairs, args, seed, seq_len)}
     return result
+
+
+def _worker(job):
+    """One run in a worker process, on GPU `index % device_count` when the device is CUDA."""
+    index, (mech, n, seed, T), args = job
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{index % torch.cuda.device_count()}"
+        torch.cuda.set_device(args.device)
+    torch.set_num_threads(1)
+    return run_one(mech, n, seed, args, None, T)
+
+
+def run_parallel(combos, args):
+    """Yield the runs' results as they finish, `args.jobs` at a time (spawned processes: CUDA cannot fork)."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        futures = [pool.submit(_worker, (i, combo, args)) for i, combo in enumerate(combos)]
+        for future in concurrent.futures.as_completed(futures):
+            yield future.result()
 
 
 def summarise(runs, mechanisms, n_pairs, key="n_pairs"):
@@ -213,13 +251,23 @@ def main(argv=None) -> dict:
         args.out.write_text(json.dumps(report, indent=2))
         return report
 
-    with tqdm(total=len(combos) * args.steps, disable=args.no_progress, desc="mqar") as bar:
-        for mech, n, seed, T in combos:
-            r = run_one(mech, n, seed, args, bar, T)
-            runs.append(r)
-            tqdm.write(f"{mech:<12} n={n:<3} T={r['seq_len']:<4} seed={seed:<4} acc={r['acc']:.3f} sample_acc={r['sample_acc']:.3f} "
-                       f"loss={r['final_train_loss']:.3f} ({r['train_seconds']:.0f}s)")
-            report = write_report()
+    def record(r):
+        runs.append(r)
+        tqdm.write(f"{r['mechanism']:<16} n={r['n_pairs']:<3} T={r['seq_len']:<4} seed={r['seed']:<4} "
+                   f"acc={r['acc']:.3f} sample_acc={r['sample_acc']:.3f} loss={r['final_train_loss']:.3f} "
+                   f"({r['train_seconds']:.0f}s)")
+        return write_report()
+
+    report = write_report()
+    if args.jobs > 1:
+        with tqdm(total=len(combos), disable=args.no_progress, desc="mqar runs") as bar:
+            for r in run_parallel(combos, args):
+                report = record(r)
+                bar.update(1)
+    else:
+        with tqdm(total=len(combos) * args.steps, disable=args.no_progress, desc="mqar") as bar:
+            for mech, n, seed, T in combos:
+                report = record(run_one(mech, n, seed, args, bar, T))
     table = report["summary"]
     print(format_table(table, cols, label))
     print(f"wrote {args.out} ({report['wall_seconds']:.0f}s)")

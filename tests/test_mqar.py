@@ -65,6 +65,25 @@ def test_script_end_to_end(tmp_path, single_thread):
     assert data["versions"]["torch"] == torch.__version__ and report["wall_seconds"] > 0
 
 
+def test_script_runs_variants_in_worker_processes(tmp_path):
+    # --jobs spawns workers that import the script as a file: run it as users do, in a subprocess
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(root / "scripts" / "mqar.py"), "--mechanisms", "vla_fixed_a,vla_signed",
+                    "--n-pairs", "4", "--steps", "2", "--batch-size", "4", "--eval-batches", "1",
+                    "--eval-batch-size", "4", "--device", "cpu", "--jobs", "2", "--out", str(out), "--no-progress"],
+                   check=True, capture_output=True, env={**__import__("os").environ,
+                                                         "PYTHONPATH": str(root / "src")})
+    runs = {r["mechanism"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"vla_fixed_a", "vla_signed"}
+    assert runs["vla_fixed_a"]["variant"] == {"mechanism": "vla", "precision_update": False}
+    assert runs["vla_signed"]["variant"]["feature_map"] == "identity"
+
+
 @pytest.mark.slow
 def test_delta_net_learns_tiny_mqar(tmp_path):
     # softmax (and linear, VLA) sit on the 1/n plateau (acc ~0.27 at n=4) for hundreds of steps at this size;

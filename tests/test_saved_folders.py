@@ -28,3 +28,35 @@ def test_folder_of_0_1_0_gives_the_same_logits(name, single_thread):
 def test_every_model_type_has_a_saved_folder():
     missing = set(lazoo.list_mechanisms()) - set(FOLDERS)
     assert not missing, f"no 0.1.0 folder for {sorted(missing)}"
+
+
+def test_a_resaved_old_folder_keeps_the_defaults_it_was_saved_with(tmp_path, single_thread):
+    # VLA's defaults changed in config format 2 (qk_prenorm, output_norm): an old folder keeps Algorithm 1, and
+    # saving it again writes the old values out, so it still does after the next load
+    import json
+
+    for name, options in (("vla", None), ("hybrid", "vla")):
+        model = AutoModelForCausalLM.from_pretrained(RELEASE / name).eval()
+        model.save_pretrained(tmp_path / name)
+        saved = json.loads((tmp_path / name / "config.json").read_text())
+        fields = saved if options is None else saved["mixer_kwargs"][options]
+        assert (fields["qk_prenorm"], fields["output_norm"], saved["lazoo_format"]) == (False, False, 2)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(again(EXPECTED["input_ids"]).logits.double(), EXPECTED["logits"][name],
+                                       rtol=0, atol=1e-6)
+
+
+def test_new_configs_take_the_current_defaults(tmp_path):
+    from transformers import AutoConfig
+
+    from lazoo.models.configuration_lazoo import CONFIG_FORMAT
+
+    fresh = AutoConfig.for_model("lazoo_vla", hidden_size=16, num_attention_heads=2)
+    assert (fresh.qk_prenorm, fresh.output_norm, fresh.lazoo_format) == (True, True, CONFIG_FORMAT)
+    fresh.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert (loaded.qk_prenorm, loaded.output_norm) == (True, True)
+    hybrid = AutoConfig.for_model("lazoo_hybrid", hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
+                                  layer_types=["sliding_window", "vla"])
+    assert hybrid.mixer_options("vla")["qk_prenorm"] is True and hybrid.mixer_kwargs == {}

@@ -18,6 +18,11 @@ from ..layers.mixers import check_mixer_kwargs, mixer_class
 from ..registry import Mechanism, on_register
 
 
+#: the format of a saved config, written as `lazoo_format`. A config that `save_pretrained` wrote without the field
+#: is format 1. Where a mechanism's default changed in a later format (its mixer's `defaults_before`), a config of
+#: an older format gets the old value, so a saved model computes what it computed when it was saved.
+CONFIG_FORMAT = 2
+
 #: the layer pattern of a `lazoo_hybrid` config created without `layer_types`
 DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
 
@@ -119,6 +124,23 @@ def check_decoder_options(config) -> None:
         raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
 
 
+def _defaults_before(saved_format, layer_types) -> dict[str, dict[str, Any]]:
+    """`{mechanism: {option: old value}}` for the mechanisms of `layer_types` whose defaults changed after
+    `saved_format` (each mixer's `defaults_before`); empty for a config of the current format."""
+    if not _is_int(saved_format) or saved_format >= CONFIG_FORMAT or not isinstance(layer_types, (list, tuple)):
+        return {}
+    old: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(layer_types):
+        try:
+            changes = mixer_class(name).defaults_before
+        except ValueError:  # an unknown name: check_layer_types says so
+            continue
+        for fmt in sorted(changes, reverse=True):  # the oldest change wins: it holds the value saved then
+            if fmt > saved_format:
+                old.setdefault(name, {}).update(changes[fmt])
+    return old
+
+
 class LazooConfig(PreTrainedConfig):
     model_type = "lazoo_hybrid"
     #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
@@ -157,10 +179,14 @@ class LazooConfig(PreTrainedConfig):
         router_aux_loss_coef: float = 0.01,
         **kwargs,
     ):
+        # `transformers_version` is in every config that save_pretrained wrote: one without `lazoo_format` is format 1
+        saved_format = kwargs.pop("lazoo_format", 1 if "transformers_version" in kwargs else CONFIG_FORMAT)
+        old_defaults = _defaults_before(saved_format, layer_types or [self.mechanism])
         # typed fields of the primary mechanism (e.g. `lambda0` on LazooVLAConfig)
         if self.mechanism is not None:
+            own_old = old_defaults.pop(self.mechanism, {})
             for key, default in self._own_fields().items():
-                setattr(self, key, kwargs.pop(key, default))
+                setattr(self, key, kwargs.pop(key, own_old.get(key, default)))
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -180,6 +206,10 @@ class LazooConfig(PreTrainedConfig):
         if isinstance(mixer_kwargs, dict):
             self.mixer_kwargs = {name: dict(opts) if isinstance(opts, dict) else opts
                                  for name, opts in mixer_kwargs.items()}
+        for name, old in old_defaults.items():  # written out, so the next save keeps them
+            if isinstance(self.mixer_kwargs, dict) and isinstance(self.mixer_kwargs.get(name, {}), dict):
+                self.mixer_kwargs[name] = {**old, **self.mixer_kwargs.get(name, {})}
+        self.lazoo_format = CONFIG_FORMAT
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings

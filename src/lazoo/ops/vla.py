@@ -12,8 +12,13 @@ default S = 0, A = I / lambda0, z = 0, t = 0. q, k, v, u are the raw projections
     S ← S + (v - S k̂) α̂ᵀ
     q_f = elu(q) + 1;  z ← z + k_feat;  o = S q_f / max(z·q_f, eps)
 
+Options (defaults: Algorithm 1 as above): ``feature_map="identity"`` takes φ(x) = x instead of elu(x) + 1 for
+k_feat and q_f (signed keys, k̂ = k / |k|); ``readout="unit_query"`` reads o = S q̂ with q̂ = q_f / |q_f| (the
+key's normalisation, no z division). "identity" needs "unit_query": z·q can be zero or negative. z accumulates
+k_feat in every mode, so the state keeps one layout.
+
 Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
-S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f).
+S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f or q̂).
 Triton (auto on CUDA): the α̂ from the scan kernel that the ``triton_scan`` argument names: "token"
 (``lazoo.kernels.vla``: token by token, A in registers, hand-written backward; the default and the reference, and
 always for a few tokens) or "chunk" (``lazoo.kernels.vla_chunk``: Woodbury per block of 16 tokens as matrix
@@ -53,6 +58,10 @@ _STATE_KEYS = ("S", "A", "z", "t")
 #: (lazoo.kernels.vla_chunk). "token" is the default while the chunked scan is slower (H100, d = 128, T = 1k:
 #: 3.0 / 14.1 ms forward / +backward vs 2.2 / 8.0).
 TRITON_SCANS = ("token", "chunk")
+#: φ of the keys and queries (``feature_map``): Algorithm 1's elu(x) + 1 (> 0), or the identity (signed keys)
+FEATURE_MAPS = {"elu1": lambda x: F.elu(x) + 1.0, "identity": lambda x: x}
+#: the read-out (``readout``): Algorithm 1's S q_f / max(z·q_f, ε), or S q̂ with the key's normalisation
+READOUTS = ("normalized", "unit_query")
 
 
 @without_autocast
@@ -72,13 +81,19 @@ def vla(
     mask: torch.Tensor | None = None,
     backend: str | None = None,
     triton_scan: str = "token",
+    feature_map: str = "elu1",
+    readout: str = "normalized",
 ):
     """VLA attention; returns ``(o [B, T, H, dv], final_state)`` (state dict S, A, z, t).
 
     ``triton_scan``: the kernel of the A scan when the Triton backend runs, "token" (``lazoo.kernels.vla``, the
     default) or "chunk" (``lazoo.kernels.vla_chunk``, Woodbury per block of 16 tokens); a call of at most 16 tokens
     (decoding) uses the token scan either way. The "recurrent" and "chunk" backends ignore it (they have no scan
-    kernel), so a model that asks for the chunked scan also runs where Triton does not."""
+    kernel), so a model that asks for the chunked scan also runs where Triton does not.
+
+    ``feature_map``: φ of k and q, "elu1" (elu(x) + 1, the default) or "identity" (signed keys, k̂ = k / |k|).
+    ``readout``: "normalized" (S φ(q) / max(z·φ(q), ε), the default) or "unit_query" (S φ(q) / |φ(q)|, no z).
+    "identity" needs "unit_query"."""
     # a NaN at a pad never meets a real token
     (B, T, H, dk, dv), mask, (q, k, v, u) = prepare_inputs(_OP, q, k, v, mask, like_q={"u": u})
     chunk_size = check_positive_int(_OP, "chunk_size", chunk_size)
@@ -91,33 +106,59 @@ def vla(
     check_positive_number(_OP, "eps", eps)
     backend = resolve_backend(_OP, backend, q.device, _triton_unsupported(q, v, chunk_size))
     triton_scan = check_choice(_OP, "triton_scan", triton_scan, TRITON_SCANS)  # the triton backend's choice
+    normalized = _check_map_and_readout(feature_map, readout)
     cdt = compute_dtype(q.dtype)
 
     state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
-    k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt))
-    q_f = F.elu(q.to(cdt)) + 1.0
+    phi = FEATURE_MAPS[feature_map]
+    k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt), phi)
+    q_r = _query_features(q.to(cdt), phi, normalized)
     v_c = v.to(cdt)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-    hp = dict(refresh_period=refresh_period, refresh_eta=refresh_eta, eps=eps)
+    hp = dict(refresh_period=refresh_period, refresh_eta=refresh_eta, eps=eps, normalized=normalized)
 
     if backend == "recurrent":
-        o, final = _recurrent_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, **hp)
+        o, final = _recurrent_vla(q_r, k_feat, k_hat, u_hat, v_c, real, state, **hp)
     elif backend == "triton":
-        o, final = _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, **hp)
+        o, final = _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, **hp)
     else:
-        o, final = _chunk_vla(q_f, k_feat, k_hat, u_hat, v_c, real, state, chunk_size, **hp)
+        o, final = _chunk_vla(q_r, k_feat, k_hat, u_hat, v_c, real, state, chunk_size, **hp)
     return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 # ============================================================================ shared pieces
-def _key_features(k, u):
-    """k_feat = elu(k) + 1 (> 0), k̂ = k_feat / |k_feat|, û = normalize(u) / sqrt(dk)."""
-    k_feat = F.elu(k) + 1.0
-    k_hat = k_feat / k_feat.norm(dim=-1, keepdim=True)
+def _check_map_and_readout(feature_map, readout) -> bool:
+    """Check the two options; True for the z-normalised read-out."""
+    check_choice(_OP, "feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_choice(_OP, "readout", readout, READOUTS)
+    if feature_map == "identity" and readout == "normalized":
+        raise ValueError(f"{_OP}: feature_map='identity' needs readout='unit_query', not readout='normalized': "
+                         "with signed features z·q can be zero or negative, a divisor that clamping cannot fix")
+    return readout == "normalized"
+
+
+def _key_features(k, u, phi):
+    """k_feat = φ(k), k̂ = k_feat / |k_feat|, û = normalize(u) / sqrt(dk)."""
+    k_feat = phi(k)
+    # ε-safe: a signed key (φ = identity) can be 0, as every pad is; elu(k) + 1 > 0 never meets the floor
+    k_hat = F.normalize(k_feat, dim=-1)
     u_hat = F.normalize(u, dim=-1) / k.shape[-1] ** 0.5
     return k_feat, k_hat, u_hat
+
+
+def _query_features(q, phi, normalized):
+    """The query that reads S: q_f = φ(q) for the normalized read-out, else q̂ = q_f / |q_f| (as k̂ is made)."""
+    q_f = phi(q)
+    return q_f if normalized else F.normalize(q_f, dim=-1)
+
+
+def _read_out(num, z, q_r, eps, normalized):
+    """o from num = S q_r: num / max(z·q_f, ε) for the normalized read-out (q_r = q_f), num for "unit_query"."""
+    if not normalized:
+        return num
+    return num / (z * q_r).sum(-1, keepdim=True).clamp_min(eps)
 
 
 def _initial_state(state, lambda0, B, H, dk, dv, device, cdt) -> dict[str, torch.Tensor]:
@@ -155,12 +196,12 @@ def _refresh_flags(real, t0, refresh_period):
 
 
 # ============================================================================ recurrent form
-def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period, refresh_eta, eps):
+def _recurrent_vla(q_r, k_feat, k_hat, u_hat, v, real, state, *, refresh_period, refresh_eta, eps, normalized):
     """Algorithm 1, batched over samples and heads, one token at a time."""
     S, A, z, t = state["S"], state["A"], state["z"], state["t"]
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     outs = []
-    for i in range(q_f.shape[1]):
+    for i in range(q_r.shape[1]):
         m = real[:, i]  # [B]
         mb = m[:, None, None]  # broadcast over [B, H, d]
 
@@ -179,10 +220,10 @@ def _recurrent_vla(q_f, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
         e = v[:, i] - torch.einsum("bhvk,bhk->bhv", S, k_hat[:, i])
         S = torch.where(mb[..., None], S + e[..., :, None] * alpha[..., None, :], S)
 
-        # Normalised read-out.
+        # Read-out (z accumulates in every mode: the state keeps one layout).
         z = torch.where(mb, z + k_feat[:, i], z)
-        num = torch.einsum("bhvk,bhk->bhv", S, q_f[:, i])
-        outs.append(num / (z * q_f[:, i]).sum(-1, keepdim=True).clamp_min(eps))
+        num = torch.einsum("bhvk,bhk->bhv", S, q_r[:, i])
+        outs.append(_read_out(num, z, q_r[:, i], eps, normalized))
     return torch.stack(outs, dim=1), {"S": S, "A": A, "z": z, "t": t}
 
 
@@ -197,22 +238,22 @@ def _triton_unsupported(q, v, chunk_size) -> str | None:
     return delta_kernel_unsupported(q, v, chunk_size)
 
 
-def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, *, refresh_period,
-                refresh_eta, eps):
+def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, *, refresh_period,
+                refresh_eta, eps, normalized):
     """α̂ by the scan kernel ``triton_scan`` names, S by the generalised delta rule kernel (operands in v's dtype)."""
     from ..kernels import delta as kd
 
     flags = _refresh_flags(real, state["t"], refresh_period)
     # a few tokens (decoding) fill less than one block of the chunked scan: the token scan is cheaper there
-    if triton_scan == "chunk" and q_f.shape[1] > _DECODE_MAX_T:
+    if triton_scan == "chunk" and q_r.shape[1] > _DECODE_MAX_T:
         from ..kernels.vla_chunk import vla_scan_chunked as scan
     else:
         from ..kernels.vla import vla_scan as scan
     alpha_hat, A = scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
     dt = v.dtype
     w = zero_masked(alpha_hat, real)  # a pad writes nothing
-    args = (q_f.to(dt), k_hat.to(dt), v, w.to(dt))
-    decoding = q_f.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
+    args = (q_r.to(dt), k_hat.to(dt), v, w.to(dt))  # the kernels read S with q_f or q̂ alike
+    decoding = q_r.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
         x.requires_grad for x in (*args, state["S"])))
     if decoding:  # one or a few tokens against the cache: token by token, no chunk machinery
         num, S = kd.fused_recurrent_generalized_delta_rule(*args, initial_state=state["S"].contiguous(),
@@ -221,21 +262,21 @@ def _triton_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_sc
         num, S = kd.chunk_generalized_delta_rule(*args, initial_state=state["S"], output_final_state=True,
                                                  chunk_size=chunk_size)
     z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, real))
-    o = num.float() / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
+    o = _read_out(num.float(), z_t, q_r, eps, normalized)
     t = state["t"] + real.long().sum(1)
     return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
 
 
 # ============================================================================ chunk form
-def _chunk_vla(q_f, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period,
-               refresh_eta, eps):
+def _chunk_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period,
+               refresh_eta, eps, normalized):
     """(a) α̂ for all tokens chunk-wise by Woodbury; (b) S by the generalised delta rule."""
     alpha_hat, A = _chunk_alphas(k_hat, u_hat, real, state["A"], state["t"], chunk_size,
                                  refresh_period, refresh_eta)
     w = zero_masked(alpha_hat, real)  # a pad writes nothing
-    num, S = chunk_generalized_delta(q_f, k_hat, v, w, None, state["S"], chunk_size)
+    num, S = chunk_generalized_delta(q_r, k_hat, v, w, None, state["S"], chunk_size)
     z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, real))  # z after each token
-    o = num / (z_t * q_f).sum(-1, keepdim=True).clamp_min(eps)
+    o = _read_out(num, z_t, q_r, eps, normalized)
     t = state["t"] + real.long().sum(1)
     return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
 

@@ -78,6 +78,9 @@ class TokenMixer(nn.Module):
     mechanism: ClassVar[str] = ""
     #: hyper-parameters with their defaults; any config can override them via `mixer_kwargs`
     defaults: ClassVar[dict[str, Any]] = {}
+    #: `{config format: {option: value}}`: options whose default changed in that format of the saved config
+    #: (`lazoo.models.configuration_lazoo.CONFIG_FORMAT`), with the value configs saved before it were made with
+    defaults_before: ClassVar[dict[int, dict[str, Any]]] = {}
     #: packed sequences: "native" = `forward` takes `cu_seqlens`; "split" = run once per sequence
     packing: ClassVar[str] = "split"
     #: options whose default is None and whose other values are positive ints (head counts, head dims)

@@ -1,6 +1,8 @@
 """Variational Linear Attention mixer (seed 000): q, k, v and the penalty direction u = W_u k_raw per head.
 
-The op applies the feature maps and normalisations of Algorithm 1 itself; this module only projects.
+The op applies the feature maps and normalisations of Algorithm 1 itself. By default this module also scales q and k
+to length √d per head before the op and normalises the read-out (RMSNorm): Algorithm 1 as written does not learn
+associative recall, and with these two it does (docs/vla.md, "MQAR").
 """
 
 from __future__ import annotations
@@ -20,16 +22,26 @@ class VLAMixer(RecurrentMixer):
     mechanism = "vla"
     defaults = {
         **RecurrentMixer.defaults,
-        "output_norm": False,  # the read-out S q / max(z·q, ε) is already normalised
+        # an RMSNorm on the read-out and q, k normalised per head (below): the default because VLA learns recall
+        # with them and does not without (MQAR, seed 000's protocol: docs/vla.md); False, False = Algorithm 1
+        "output_norm": True,
         "lambda0": 0.1,
         "refresh_period": 20,
         "refresh_eta": 1e-3,
         "eps": 1e-4,
         "triton_scan": "token",  # the Triton backend's A-scan kernel: "token" or "chunk" (lazoo.ops.vla)
         # per head √d·q/‖q‖ and √d·k/‖k‖ before the op's ELU+1 (u still from the raw k): small raw keys sit in
-        # ELU+1's linear regime, where every key's features point the same way (issue 28's audit)
-        "qk_prenorm": False,
+        # ELU+1's linear regime, where every key's features point the same way
+        "qk_prenorm": True,
+        # "identity": signed keys can be orthogonal, whereas ELU+1 features are all positive and so always overlap
+        "feature_map": "elu1",
+        # "unit_query": q read with the keys' normalisation; z·φ(q) > 0, which the z division needs, fails for signed φ
+        "readout": "normalized",
+        # False: u is zeroed, so A stays A₀ ∝ I and α̂ = k̂ (the delta rule with β = 1): the ablation of what A adds
+        "precision_update": True,
     }
+    # folders saved before format 2 ran Algorithm 1 as written: they keep doing so
+    defaults_before = {2: {"output_norm": False, "qk_prenorm": False}}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
@@ -42,14 +54,17 @@ class VLAMixer(RecurrentMixer):
         set_parameter(self.u_weight, eye.expand_as(self.u_weight), init)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
-        u = torch.einsum("bthd,hed->bthe", k, self.u_weight)
         o = self.options
+        u = torch.einsum("bthd,hed->bthe", k, self.u_weight)
+        if not o["precision_update"]:
+            u = torch.zeros_like(u)
         if o["qk_prenorm"]:
             scale = self.head_dim ** 0.5
             q, k = scale * unit_norm(q), scale * unit_norm(k)
         return ops.vla(
             q, k, v, u, lambda0=o["lambda0"], refresh_period=o["refresh_period"], refresh_eta=o["refresh_eta"],
-            eps=o["eps"], triton_scan=o["triton_scan"], **self.op_kwargs(mask, state, want_state),
+            eps=o["eps"], triton_scan=o["triton_scan"], feature_map=o["feature_map"], readout=o["readout"],
+            **self.op_kwargs(mask, state, want_state),
         )
 
 
@@ -57,7 +72,8 @@ register(Mechanism(
     name="vla", mixer=VLAMixer, op="vla", title="Variational Linear Attention",
     equation=(
         "S_t = S_{t−1} + (v_t − S_{t−1} k̂_t) α̂_tᵀ, α̂_t = A_t k̂_t / ‖A_t k̂_t‖ (A_t: Sherman–Morrison penalty "
-        "geometry, refreshed every P steps); o_t = S_t q_t / max(z_t·q_t, ε)"
+        "geometry, refreshed every P steps); o_t = S_t q_t / max(z_t·q_t, ε); by default q, k scaled to √d per "
+        "head before ELU+1 and an RMSNorm on o_t"
     ),
     source="Variational Linear Attention: Stable Associative Memory for Long-Context Transformers (2026)",
     state='{"op": {"S" [B, H, dv, dk], "A" [B, H, dk, dk], "z" [B, H, dk], "t" [B]}, "conv": short-conv tails}',
@@ -70,6 +86,10 @@ register(Mechanism(
         "eps": "ε: the clamps of the normalisations",
         "triton_scan": "the Triton backend's A scan: 'token' (default) or 'chunk' (exact, not faster yet)",
         "qk_prenorm": "√d·x/‖x‖ per head on q and k before ELU+1 (u from the raw k); off = Algorithm 1 as written",
+        "feature_map": "φ of k and q in the op: 'elu1' (elu + 1, Algorithm 1) or 'identity' (signed keys, k̂ = k/‖k‖)",
+        "readout": ("'normalized' (S φ(q) / max(z·φ(q), ε), Algorithm 1) or 'unit_query' (S φ(q)/‖φ(q)‖, no z); "
+                    "feature_map='identity' needs 'unit_query'"),
+        "precision_update": "False: A stays A₀ (no Sherman–Morrison updates; α̂ = k̂): an ablation, not a model",
     },
     tiny_options={"refresh_period": 7, "refresh_eta": 0.3}, class_prefix="LazooVLA",
 ))
