@@ -6,7 +6,7 @@
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
     lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
     lazoo convert SRC DST                         a fla checkpoint folder -> a lazoo folder (docs/pretrained.md)
-    lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training; CUDA)
+    lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training, generate; CUDA)
     lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
 
@@ -29,7 +29,8 @@ from pathlib import Path
 #: where `lazoo bench` looks for the benchmark scripts: the repository's scripts/ folder (a source checkout)
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
 BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py", "ovq": "bench_ovq.py",
-                 "local_linear": "bench_local_linear.py", "ttt": "bench_ttt.py", "training": "bench_training.py"}
+                 "local_linear": "bench_local_linear.py", "ttt": "bench_ttt.py", "training": "bench_training.py",
+                 "generate": "bench_generate.py"}
 
 
 class CLIError(Exception):
@@ -582,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the arguments after the name go to the script (`lazoo bench kernels --help`).")
     p.add_argument("which", choices=sorted(BENCH_SCRIPTS), help="kernels: every op against SDPA and fla; "
                    "vla: VLA's Triton, chunk and per-token forms; ovq, local_linear, ttt: those kernels against "
-                   "SDPA / Gated DeltaNet; training: tokens/s of ~125M models")
+                   "SDPA / Gated DeltaNet; training: tokens/s of ~125M models; generate: ms per new token of ~125M models")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_bench)
 

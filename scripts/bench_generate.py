@@ -1,0 +1,444 @@
+"""Greedy generation speed (prefill ms, ms per new token, tokens/s, peak GPU memory) of ~125M causal LMs.
+
+Models (``--models``, comma-separated; default ``llama,gated_delta_net,sw-gdn,sw-vla``), all of one shape
+(``--hidden-size`` 768, ``--layers`` 12, ``--heads`` 12, ``--intermediate-size`` 3072, ``--vocab-size`` 32000,
+tied input/output embeddings, random weights from ``--seed``):
+
+  * a lazoo mechanism, hybrid preset or config .json that ``lazoo.presets.build_config`` takes (``gated_delta_net``;
+    ``sw-gdn`` / ``sw-vla``: sliding-window attention alternating with Gated DeltaNet / VLA);
+  * ``llama``: transformers' ``LlamaForCausalLM`` with SDPA attention;
+  * ``fla:<model_type>`` (e.g. ``fla:gated_deltanet``): fla's model of that type, built from fla's config class with
+    the same sizes (Gated DeltaNet with head_dim = hidden / heads and expand_v 1, as lazoo's); needs ``--fla-site``, a
+    folder holding fla (``pip install --target DIR flash-linear-attention``). fla imports ``flash_attn`` only for its
+    attention layers, so its pure recurrent models run without it.
+
+For every model, mode (``--modes``), batch (``--batch-sizes``) and prompt length (``--prompts``), on the same random
+prompt ids (seeded, equal for every model):
+
+  * ``eager``: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``;
+  * ``static``: the same with ``cache_implementation="static"`` (for llama: transformers' static cache, and its
+    automatic torch.compile of the decode step on CUDA). A model whose generate ignores it (keeps its own cache)
+    gets an ``error`` row rather than eager's timings under the wrong name;
+  * ``compile``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, then eager generate.
+
+A short generate of ``--warmup-tokens`` (default 8) runs first in every setting, so compilation and Triton
+autotuning stay out of the timings. Then, ``--repeats`` times each (median taken): the prefill =
+``generate(..., max_new_tokens=1)`` (one forward over the prompt, filling the cache, plus one token), and the whole
+``generate`` of N = ``--new-tokens`` tokens. ms per new token = (t_total - t_prefill) / (N - 1); tokens/s =
+batch * (N - 1) / (t_total - t_prefill). Peak memory = ``torch.cuda.max_memory_allocated`` over the setting (weights
+included; None on the CPU). A setting that runs out of GPU memory is recorded as ``"error": "out of memory"`` (and
+the longer prompts at that batch are then skipped); any other failure is recorded as its error string. The run
+never stops for one bad row.
+
+Output: ``--out`` (default bench_generate.jsonl), one JSON object a line, written as each row finishes: first
+``{"env": {gpu, torch, triton, transformers, fla, arguments, ...}}``, then one row per setting; at the end a
+markdown table on stdout. Run from the repository root:
+
+    PYTHONPATH=src python scripts/bench_generate.py --out bench_generate.jsonl
+    PYTHONPATH=src python scripts/bench_generate.py --models llama,gated_delta_net,fla:gated_deltanet \\
+        --fla-site /tmp/site --modes eager,static,compile --prompts 1024,16384 --batch-sizes 1,64
+
+CPU smoke test: ``--device cpu --dtype float32 --hidden-size 64 --layers 2 --heads 2 --intermediate-size 128
+--vocab-size 256 --prompts 16 --batch-sizes 1,2 --new-tokens 4 --repeats 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import lazoo  # noqa: F401  (registers lazoo_* on the Auto classes)
+except ImportError:  # a source checkout run without PYTHONPATH=src
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import lazoo  # noqa: F401
+
+DEFAULT_MODELS = "llama,gated_delta_net,sw-gdn,sw-vla"
+MODES = ("eager", "static", "compile")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TIE = True  # lazoo's default; llama and fla are set to tie too, so the 32k x 768 embedding counts once in each
+
+#: fla config fields that differ from fla's defaults so its model matches lazoo's of the same sizes
+FLA_EXTRA_FIELDS = {"gated_deltanet": lambda sizes: {"head_dim": sizes["hidden_size"] // sizes["num_attention_heads"],
+                                                     "expand_v": 1}}
+
+OUT_OF_MEMORY = "out of memory"
+
+
+class ModeNotApplied(RuntimeError):
+    """generate ran, but not in the mode asked for (e.g. it kept the model's own cache instead of a static one)."""
+
+
+# ----------------------------------------------------------------------------- models
+def model_kind(name: str) -> str:
+    """'fla', 'llama' or 'lazoo' (a mechanism, hybrid preset or config .json)."""
+    if name.startswith("fla:"):
+        return "fla"
+    return "llama" if name == "llama" else "lazoo"
+
+
+def build_lazoo(name, sizes):
+    from transformers import AutoModelForCausalLM
+
+    from lazoo.presets import build_config
+
+    return AutoModelForCausalLM.from_config(build_config(name, **sizes, tie_word_embeddings=TIE))
+
+
+def build_llama(sizes, max_len):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
+                         intermediate_size=sizes["intermediate_size"], num_hidden_layers=sizes["num_hidden_layers"],
+                         num_attention_heads=sizes["num_attention_heads"],
+                         num_key_value_heads=sizes["num_attention_heads"],
+                         max_position_embeddings=max(max_len, 2048), tie_word_embeddings=TIE)
+    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def load_fla(site):
+    """fla's version, or raise why it cannot be imported from ``site``."""
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    import fla
+    import fla.models  # noqa: F401  (registers fla's model types on the Auto classes)
+
+    return getattr(fla, "__version__", "?")
+
+
+def build_fla(model_type, sizes, max_len):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"fla registers no model type {model_type!r} with transformers' AutoConfig")
+    config_cls = CONFIG_MAPPING[model_type]
+    wanted = {"hidden_size": sizes["hidden_size"], "num_hidden_layers": sizes["num_hidden_layers"],
+              "num_heads": sizes["num_attention_heads"], "num_attention_heads": sizes["num_attention_heads"],
+              "intermediate_size": sizes["intermediate_size"], "vocab_size": sizes["vocab_size"],
+              "max_position_embeddings": max(max_len, 2048),
+              **FLA_EXTRA_FIELDS.get(model_type, lambda s: {})(sizes)}
+    # fla's configs keep unknown keywords as stray attributes: pass only the fields this config's __init__ names
+    # (`wanted` covers both head-count spellings)
+    accepted = set(inspect.signature(config_cls.__init__).parameters)
+    fields = {k: v for k, v in wanted.items() if k in accepted}
+    return AutoModelForCausalLM.from_config(config_cls(**fields, tie_word_embeddings=TIE))
+
+
+def build_model(name, args):
+    """The model ``name`` on ``args.device`` in ``args.dtype``, eval mode, seeded weights (the same every mode)."""
+    max_len = max(args.prompts) + args.new_tokens
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):  # initialise on the device: faster than on the host at 125M
+        kind = model_kind(name)
+        if kind == "llama":
+            model = build_llama(args.sizes, max_len)
+        elif kind == "fla":
+            if args.fla_error:
+                raise RuntimeError(f"fla could not be imported from --fla-site {args.fla_site}: {args.fla_error}")
+            model = build_fla(name.removeprefix("fla:"), args.sizes, max_len)
+        else:
+            model = build_lazoo(name, args.sizes)
+    return model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+
+
+def prepare_mode(model, mode):
+    """What a mode changes on the model itself (compile); the generate arguments are in ``generate_kwargs``."""
+    if mode == "compile":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    return model
+
+
+# ----------------------------------------------------------------------------- timing
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompt_ids(batch, prompt, vocab, seed):
+    """The same random ids for every model: drawn on the host from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt), generator=gen)
+
+
+def generate_kwargs(mode, new_tokens):
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True)
+    if mode == "static":
+        kwargs["cache_implementation"] = "static"
+    return kwargs
+
+
+def output_cache(out):
+    """The cache generate returned (named ``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def generate_once(model, ids, mode, new_tokens):
+    """One generate call: (seconds, output). Synchronised on CUDA so the time covers the device work."""
+    mask = torch.ones_like(ids)
+    kwargs = generate_kwargs(mode, new_tokens)
+    sync(ids.device.type)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    sync(ids.device.type)
+    return time.perf_counter() - start, out
+
+
+def check_output(out, mode, prompt, new_tokens):
+    """The cache's class name; fails when generate made another number of tokens, or ignored
+    ``cache_implementation="static"``."""
+    made = out.sequences.shape[1] - prompt
+    if made != new_tokens:
+        raise RuntimeError(f"generate made {made} new tokens, not {new_tokens}")
+    cache = type(output_cache(out)).__name__
+    if mode == "static" and "Static" not in cache:
+        raise ModeNotApplied(f"static cache not supported: generate kept {cache} "
+                             "(transformers ignored cache_implementation='static')")
+    return cache
+
+
+def timed_generate(model, ids, mode, new_tokens):
+    """(seconds, the cache class generate used) of one checked generate call."""
+    seconds, out = generate_once(model, ids, mode, new_tokens)
+    return seconds, check_output(out, mode, ids.shape[1], new_tokens)
+
+
+def size_static_cache(model, mode, length):
+    """Every call of a static setting gets a cache of ``length`` (prompt + N): transformers sizes a new static cache
+    to the longest any earlier call had, so without this the warm-up's shorter cache would be recompiled for in the
+    timed runs, and a long setting's cache would be kept (and attended over) by a later shorter one."""
+    if mode == "static":
+        model._previous_max_cache_length = length
+
+
+def measure_setting(model, ids, args, mode):
+    """prefill_ms, total_ms, ms_per_token, tokens_per_s of generating ``args.new_tokens`` after ``ids``."""
+    batch, prompt = ids.shape
+    N = args.new_tokens
+    size_static_cache(model, mode, prompt + N)
+    if args.warmup_tokens:
+        timed_generate(model, ids, mode, args.warmup_tokens)
+    prefill = [timed_generate(model, ids, mode, 1)[0] for _ in range(args.repeats)]
+    runs = [timed_generate(model, ids, mode, N) for _ in range(args.repeats)]
+    total = [seconds for seconds, _ in runs]
+    t_prefill, t_total = statistics.median(prefill), statistics.median(total)
+    decode = t_total - t_prefill
+    result = {"cache": runs[-1][1], "prefill_ms": t_prefill * 1e3, "total_ms": t_total * 1e3,
+              "prefill_ms_all": [t * 1e3 for t in prefill], "total_ms_all": [t * 1e3 for t in total]}
+    if decode > 0:
+        result.update(ms_per_token=decode * 1e3 / (N - 1), tokens_per_s=batch * (N - 1) / decode)
+    else:  # timer noise larger than the decode itself (tiny CPU models): no rate rather than a negative one
+        result["note"] = "decode time not above the prefill time"
+    return result
+
+
+# ----------------------------------------------------------------------------- rows
+def empty_row(name, mode, batch, prompt, args):
+    return {"model": name, "impl": {"lazoo": "lazoo", "llama": "transformers", "fla": "fla"}[model_kind(name)],
+            "mode": mode, "batch": batch, "prompt": prompt, "new_tokens": args.new_tokens, "dtype": args.dtype,
+            "device": args.device, "params": None, "cache": None, "prefill_ms": None, "total_ms": None,
+            "ms_per_token": None, "tokens_per_s": None, "peak_mem_GiB": None, "error": None}
+
+
+def is_out_of_memory(err):
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def error_text(err):
+    if is_out_of_memory(err):
+        return OUT_OF_MEMORY
+    first_line = (str(err).splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first_line[:300]}"
+
+
+def free_memory(device):
+    gc.collect()  # a failed call's frames (and their tensors) went with the exception
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_setting(model, name, mode, batch, prompt, args):
+    row = empty_row(name, mode, batch, prompt, args)
+    row["params"] = sum(p.numel() for p in model.parameters())
+    free_memory(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ids = prompt_ids(batch, prompt, args.sizes["vocab_size"], args.seed).to(args.device)
+    try:
+        row.update(measure_setting(model, ids, args, mode))
+    except Exception as err:  # noqa: BLE001 - record the failure, go on with the other settings
+        row["error"] = error_text(err)
+    finally:
+        del ids
+        free_memory(args.device)
+    if args.device == "cuda":
+        row["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return row
+
+
+def model_rows(name, mode, args, emit):
+    """Every (batch, prompt) row of one model in one mode; a fresh model per mode, so no compiled forward or
+    static-cache state carries over from one mode to the next."""
+    try:
+        model = prepare_mode(build_model(name, args), mode)
+    except Exception as err:  # noqa: BLE001 - an unknown name, a missing fla, a refused compile: every row says so
+        free_memory(args.device)
+        for batch in args.batch_sizes:
+            for prompt in args.prompts:
+                emit({**empty_row(name, mode, batch, prompt, args), "error": error_text(err)})
+        return
+    for batch in args.batch_sizes:
+        ran_out_at = None  # a longer prompt at the same batch needs more memory still: not worth trying
+        for prompt in sorted(args.prompts):
+            if ran_out_at is not None:
+                emit({**empty_row(name, mode, batch, prompt, args),
+                      "error": f"{OUT_OF_MEMORY} (skipped: prompt {ran_out_at} at this batch already ran out)"})
+                continue
+            row = run_setting(model, name, mode, batch, prompt, args)
+            if row["error"] == OUT_OF_MEMORY:
+                ran_out_at = prompt
+            emit(row)
+    del model
+    free_memory(args.device)
+
+
+# ----------------------------------------------------------------------------- output
+def environment(args):
+    import transformers
+
+    env = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+           "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+           "python": platform.python_version(), "lazoo": getattr(lazoo, "__version__", "?"),
+           "fla": args.fla_version, "fla_error": args.fla_error, "sizes": args.sizes, "tie_word_embeddings": TIE,
+           "command": " ".join(args.argv), "arguments": args.arguments}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(rows):
+    lines = ["| model | mode | batch | prompt | prefill ms | ms/token | tokens/s | peak GiB | note |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        note = (r["error"] or r.get("note", ""))[:120].replace("|", "/")  # keep the table one line a row
+        lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['prompt']} | {fmt(r['prefill_ms'], '.1f')}"
+                     f" | {fmt(r['ms_per_token'], '.2f')} | {fmt(r['tokens_per_s'], ',.0f')}"
+                     f" | {fmt(r['peak_mem_GiB'], '.2f')} | {note} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+def int_list(text):
+    return [int(v) for v in str(text).split(",") if v.strip()]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help="comma-separated: lazoo mechanisms / hybrid presets / config .json, llama, fla:<model_type>")
+    ap.add_argument("--modes", default="eager", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--prompts", default="1024,16384,65536", help="prompt lengths (comma-separated)")
+    ap.add_argument("--batch-sizes", default="1,64", help="batch sizes (comma-separated)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run (at least 2)")
+    ap.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed first generate (0: none)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each kind; the median is reported")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompt ids")
+    ap.add_argument("--hidden-size", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--intermediate-size", type=int, default=3072)
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--fla-site", default=None, help="a folder holding fla (needed by fla:<model_type> models)")
+    ap.add_argument("--out", default="bench_generate.jsonl")
+    args = ap.parse_args(argv)
+    args.arguments = dict(vars(args))  # as given, for the env record
+    args.argv = sys.argv if argv is None else ["scripts/bench_generate.py", *argv]
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.prompts, args.batch_sizes = int_list(args.prompts), int_list(args.batch_sizes)
+    args.sizes = dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, intermediate_size=args.intermediate_size,
+                      vocab_size=args.vocab_size)
+    check_args(ap, args)
+    return args
+
+
+def check_args(ap, args):
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}: choose from {', '.join(MODES)}")
+    if not args.models or not args.modes or not args.prompts or not args.batch_sizes:
+        ap.error("--models, --modes, --prompts and --batch-sizes each need at least one value")
+    if min(args.prompts) < 1 or min(args.batch_sizes) < 1:
+        ap.error("prompt lengths and batch sizes must be positive")
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be at least 2 (the decode time is the run past the first token)")
+    if args.repeats < 1 or args.warmup_tokens < 0:
+        ap.error("--repeats must be at least 1 and --warmup-tokens at least 0")
+    fla_models = [m for m in args.models if model_kind(m) == "fla"]
+    if fla_models and args.fla_site is None:
+        ap.error(f"{', '.join(fla_models)}: fla models need --fla-site DIR, a folder holding fla "
+                 "(pip install --target DIR flash-linear-attention)")
+    if any(m == "fla:" for m in fla_models):
+        ap.error("fla: needs a model type, e.g. fla:gated_deltanet")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: use --device cpu (with small sizes)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.fla_version = args.fla_error = None
+    if any(model_kind(m) == "fla" for m in args.models):
+        try:
+            args.fla_version = load_fla(args.fla_site)
+        except Exception as err:  # noqa: BLE001 - recorded in the env and in every fla row
+            args.fla_error = error_text(err)
+    env = environment(args)
+    print(json.dumps({"env": env}), flush=True)
+    rows = []
+    with open(args.out, "w") as out:
+        out.write(json.dumps({"env": env}) + "\n")
+        out.flush()
+
+        def emit(row):
+            rows.append(row)
+            line = json.dumps(row)
+            out.write(line + "\n")
+            out.flush()  # a run stopped part-way keeps every finished row
+            print("row", line, flush=True)
+
+        for name in args.models:
+            for mode in args.modes:
+                model_rows(name, mode, args, emit)
+    print()
+    print(markdown_table(rows))
+    print(f"\nwrote {args.out}")
+    return {"env": env, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
