@@ -60,6 +60,9 @@ VARIANTS = {
     "vla_signed_norm": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False,
                                     output_norm=True)),
     "vla_prenorm": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=True, output_norm=True)),
+    # VLA's recipe on the other layers with ELU+1 / exp features and a normaliser
+    "linear_prenorm": ("linear", dict(qk_prenorm=True, output_norm=True)),
+    "ela_prenorm": ("ela", dict(qk_prenorm=True, output_norm=True)),
 }
 EVAL_SEED_OFFSET = 10_000
 

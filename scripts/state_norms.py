@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import lazoo
+from lazoo.layers.mixers.base import prenormalized
 from lazoo.ops import delta_rule, linear_attention, vla
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,11 +101,13 @@ def jacobian_spectral_norm_closed_form(c: torch.Tensor) -> torch.Tensor:
     return torch.sqrt((s + torch.sqrt((s * s - 4.0 * (1.0 - c) ** 2).clamp_min(0.0))) / 2.0)
 
 
-def run_experiment(seeds, steps, dh, dtype=torch.float32, vla_kwargs=None, std=1.0, v_mean=0.0):
-    """Step the three ops through ``steps`` random tokens; return trajectories ``[B, T]`` and VLA diagnostics."""
+def run_experiment(seeds, steps, dh, dtype=torch.float32, vla_kwargs=None, std=1.0, v_mean=0.0, vla_prenorm=False):
+    """Step the three ops through ``steps`` random tokens; return trajectories ``[B, T]`` and VLA diagnostics.
+    ``vla_prenorm``: VLA gets q and k scaled to length √d_h (its layer's default `qk_prenorm`; u stays raw)."""
     vla_kwargs = dict(lambda0=0.1, refresh_period=20, refresh_eta=1e-3, eps=1e-4, **(vla_kwargs or {}))
     x = make_inputs(seeds, steps, dh, dtype, std, v_mean)
     q, k, v, u, beta = x["q"], x["k"], x["v"], x["u"], x["beta"]
+    q_vla, k_vla = prenormalized(q, k) if vla_prenorm else (q, k)
     Bn = len(seeds)
     norms = {name: torch.empty(Bn, steps, dtype=torch.float64) for name in LABELS}
     jac = torch.empty(Bn, steps, dtype=torch.float64)  # ‖I - α̂ k̂ᵀ‖₂, by SVD
@@ -121,7 +124,7 @@ def run_experiment(seeds, steps, dh, dtype=torch.float32, vla_kwargs=None, std=1
                                          initial_state=st_lin, output_final_state=True, backend="recurrent")
             _, st_delta = delta_rule(q[:, sl], k[:, sl], v[:, sl], beta[:, sl], use_qk_l2norm=True,
                                      initial_state=st_delta, output_final_state=True, backend="recurrent")
-            _, st_vla = vla(q[:, sl], k[:, sl], v[:, sl], u[:, sl], **vla_kwargs,
+            _, st_vla = vla(q_vla[:, sl], k_vla[:, sl], v[:, sl], u[:, sl], **vla_kwargs,
                             initial_state=st_vla, output_final_state=True, backend="recurrent")
             norms["linear"][:, t] = torch.linalg.matrix_norm(st_lin["S"][:, 0].double())
             # The read-out divides S φ(q) by φ(q)·z_t: S / ‖z‖ is the scale the normalised output sees.
@@ -131,7 +134,7 @@ def run_experiment(seeds, steps, dh, dtype=torch.float32, vla_kwargs=None, std=1
             norms["vla_A"][:, t] = torch.linalg.matrix_norm(st_vla["A"][:, 0].double())
 
             # α̂_t, k̂_t exactly as Algorithm 1 (lines 8-9, 19-20), from the post-update A_t (in the op's dtype).
-            k_feat = F.elu(k[:, t, 0].to(st_vla["A"].dtype)) + 1.0
+            k_feat = F.elu(k_vla[:, t, 0].to(st_vla["A"].dtype)) + 1.0
             k_hat = k_feat / k_feat.norm(dim=-1, keepdim=True)
             alpha = torch.einsum("bij,bj->bi", st_vla["A"][:, 0], k_hat)
             alpha_hat = (alpha / alpha.norm(dim=-1, keepdim=True)).double()
@@ -148,7 +151,7 @@ def run_experiment(seeds, steps, dh, dtype=torch.float32, vla_kwargs=None, std=1
         _, f_lin = linear_attention(q, k, v, feature_map="elu1", normalize=True, output_final_state=True,
                                     backend="chunk")
         _, f_delta = delta_rule(q, k, v, beta, use_qk_l2norm=True, output_final_state=True, backend="chunk")
-        _, f_vla = vla(q, k, v, u, **vla_kwargs, output_final_state=True, backend="chunk")
+        _, f_vla = vla(q_vla, k_vla, v, u, **vla_kwargs, output_final_state=True, backend="chunk")
     consistency = {
         "linear": _rel(st_lin["S"], f_lin["S"]),
         "delta_net": _rel(st_delta, f_delta),
@@ -239,6 +242,7 @@ def summarize(res, args, seconds) -> dict:
             "threads": args.threads,
             "input_std": args.input_std,
             "v_mean": args.v_mean,
+            "vla_qk_prenorm": args.vla_qk_prenorm,
             "backend": "recurrent, stepped one token at a time",
             "vla": res["vla_kwargs"],
             "delta_net": {"use_qk_l2norm": True, "beta": "sigmoid(N(0,1))"},
@@ -346,6 +350,8 @@ def parse_args(argv=None):
                    help="standard deviation of the raw projections q, k, v, u (default 1)")
     p.add_argument("--v-mean", type=float, default=0.0,
                    help="constant added to every coordinate of v (default 0: zero-mean values)")
+    p.add_argument("--vla-qk-prenorm", action="store_true",
+                   help="VLA gets q and k scaled to length √d_h, as its layer does by default (qk_prenorm)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads during the run (default 1)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
@@ -368,7 +374,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     try:
         t0 = time.perf_counter()
-        res = run_experiment(args.seeds, args.steps, args.head_dim, dtype, std=args.input_std, v_mean=args.v_mean)
+        res = run_experiment(args.seeds, args.steps, args.head_dim, dtype, std=args.input_std, v_mean=args.v_mean,
+                             vla_prenorm=args.vla_qk_prenorm)
         summary = summarize(res, args, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)

@@ -51,3 +51,18 @@ def test_prenorm_changes_the_output_and_generates_the_same_with_its_cache():
         cached = normed.generate(ids, max_new_tokens=6, do_sample=False)
         uncached = normed.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("mechanism", ["linear", "ela"])
+def test_linear_and_ela_take_the_same_prenorm(mechanism):
+    # the option VLA has on by default, off by default here: q and k reach the op at length √d per head
+    config = AutoConfig.for_model(f"lazoo_{mechanism}", hidden_size=16, num_attention_heads=2, qk_prenorm=True)
+    mixer = mixer_class(mechanism)(config, 0, {**config.mixer_options(mechanism), "backend": "recurrent"}).double()
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (0.2 * torch.randn(2, 11, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    got, _ = mixer.mix(q, k, v, None, mask=None, state=None, want_state=False)
+    qn, kn = (math.sqrt(8) * x / x.norm(dim=-1, keepdim=True) for x in (q, k))
+    op = {"linear": lambda *a: ops.linear_attention(*a, backend="recurrent"),
+          "ela": lambda *a: ops.ela(*a, kernel="hadamard_exp", eps=1e-6, backend="recurrent")}[mechanism]
+    torch.testing.assert_close(got, op(qn, kn, v)[0], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, op(q, k, v)[0])

@@ -31,6 +31,12 @@ def unit_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1).to(x.dtype)
 
 
+def prenormalized(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k scaled to length √d per head (√d·x/‖x‖, d the head dim): the `qk_prenorm` option of the mixers whose
+    feature maps (ELU+1, exp) would otherwise see raw projections, small at initialisation."""
+    return tuple(q.shape[-1] ** 0.5 * unit_norm(x) for x in (q, k))
+
+
 def set_parameter(param: nn.Parameter, value, init) -> None:
     """Set `param` to `value` (a tensor of its shape, or a number). `init` is transformers' guarded init module
     (the model's `_init_weights`: a weight that was loaded is left alone), or None at construction."""

@@ -9,7 +9,11 @@ from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
+from .base import prenormalized
 from .recurrent import ACTIVATIONS, RECURRENT_OPTION_DOCS, RecurrentMixer
+
+#: the `qk_prenorm` option's documentation (linear attention and ELA; VLA has its own, on by default there)
+QK_PRENORM_DOC = "√d·x/‖x‖ per head on q and k before the feature map (VLA's default; measured on MQAR in docs/vla.md)"
 
 
 class LinearAttentionMixer(RecurrentMixer):
@@ -17,7 +21,8 @@ class LinearAttentionMixer(RecurrentMixer):
 
     mechanism = "linear"
     head_layout = True
-    defaults = {**RecurrentMixer.defaults, "feature_map": "elu1", "normalize": True, "output_norm": None}
+    defaults = {**RecurrentMixer.defaults, "feature_map": "elu1", "normalize": True, "output_norm": None,
+                "qk_prenorm": False}
 
     def __init__(self, config, layer_idx, options):
         if options["output_norm"] is None:  # the denominator already normalises; otherwise use a norm
@@ -25,6 +30,8 @@ class LinearAttentionMixer(RecurrentMixer):
         super().__init__(config, layer_idx, options)
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
+        if self.options["qk_prenorm"]:
+            q, k = prenormalized(q, k)
         return ops.linear_attention(
             q, k, v, feature_map=self.options["feature_map"], normalize=self.options["normalize"],
             **self.op_kwargs(mask, state, want_state, cu_seqlens),
@@ -61,6 +68,7 @@ class ELAMixer(RecurrentMixer):
         "output_norm": False,  # the kernel-weighted average is already normalised
         "kernel": "hadamard_exp",
         "eps": 1e-6,
+        "qk_prenorm": False,
     }
 
     def __init__(self, config, layer_idx, options):
@@ -70,6 +78,8 @@ class ELAMixer(RecurrentMixer):
         super().__init__(config, layer_idx, options)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
+        if self.options["qk_prenorm"]:
+            q, k = prenormalized(q, k)
         return ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"],
                        **self.op_kwargs(mask, state, want_state))
 
@@ -80,6 +90,8 @@ class BidirectionalELAMixer(ELAMixer):
     reads whole sequences). The optional short convolution (`use_short_conv`) stays causal."""
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
+        if self.options["qk_prenorm"]:
+            q, k = prenormalized(q, k)
         o, _ = ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"], causal=False,
                        mask=mask, backend=self.options.get("backend"))
         return o, None
@@ -126,7 +138,8 @@ register(Mechanism(
     equation="S_t = S_{t−1} + v_t φ(k_t)ᵀ, z_t = z_{t−1} + φ(k_t); o_t = S_t φ(q_t) / φ(q_t)·z_t",
     source="Katharopoulos et al. 2020, Transformers are RNNs",
     state='{"op": {"S" [B, H, dv, dk], "z" [B, H, dk]} (or S alone without normalize), "conv": short-conv tails}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",), option_docs=RECURRENT_OPTION_DOCS,
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",),
+    option_docs={**RECURRENT_OPTION_DOCS, "qk_prenorm": QK_PRENORM_DOC},
 ))
 
 register(Mechanism(
@@ -144,7 +157,7 @@ register(Mechanism(
     source="Ou, Exact Linear Attention (2026)",
     state='{"op": {"S" [B, H, dv, F], "C" [B, H, F] (+ "m" [B, H, D] for hadamard_exp)}, "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.gla", "lazoo.kernels.linear"),
-    class_prefix="LazooELA",
+    option_docs={**RECURRENT_OPTION_DOCS, "qk_prenorm": QK_PRENORM_DOC}, class_prefix="LazooELA",
 ))
 
 register(Mechanism(

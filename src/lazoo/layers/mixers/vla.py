@@ -12,7 +12,7 @@ from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
-from .base import set_parameter, unit_norm
+from .base import prenormalized, set_parameter
 from .recurrent import RecurrentMixer
 
 
@@ -59,8 +59,7 @@ class VLAMixer(RecurrentMixer):
         if not o["precision_update"]:
             u = torch.zeros_like(u)
         if o["qk_prenorm"]:
-            scale = self.head_dim ** 0.5
-            q, k = scale * unit_norm(q), scale * unit_norm(k)
+            q, k = prenormalized(q, k)
         return ops.vla(
             q, k, v, u, lambda0=o["lambda0"], refresh_period=o["refresh_period"], refresh_eta=o["refresh_eta"],
             eps=o["eps"], triton_scan=o["triton_scan"], feature_map=o["feature_map"], readout=o["readout"],
