@@ -91,7 +91,10 @@ def test_fsdp2_sharded_training_equals_one_process(tmp_path, layer_types):
     scope["train"](model, slice(None))
     reference = model.state_dict()
     assert set(reference) == set(sharded["state"])
-    worst = max((sharded["state"][k] - v).abs().max().item() for k, v in reference.items())
+    worst, worst_key = max(((sharded["state"][k] - v).abs().max().item(), k) for k, v in reference.items())
     moved = max((v - scope["build"](layer_types).state_dict()[k]).abs().max().item() for k, v in reference.items())
     assert moved > 1e-3, "the steps did not change the weights"
-    assert worst < 1e-5, f"sharded and single-process weights differ by {worst:.2e}"
+    # AdamW divides by √v: where a gradient entry is small, the ranks' other summation order (1e-7 relative) moves
+    # the update by up to ~1e-5 (sw/VLA: 1.2e-5 on an MLP weight); an unsynchronised or mis-averaged rank moves it
+    # by lr (1e-2)
+    assert worst < 1e-4, f"sharded and single-process weights differ by {worst:.2e} (at {worst_key})"
