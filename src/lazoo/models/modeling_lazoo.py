@@ -282,8 +282,9 @@ class LazooModel(LazooPreTrainedModel):
         offset = cache.real_tokens if cache is not None and cache.real_tokens is not None else real.new_zeros(B)
         if position_ids is None:
             position_ids = (offset[:, None] + real.cumsum(1) - 1).clamp_min(0)
-        # ops take mask=None as "all real", which is also their fast path
-        op_mask = None if new_mask is None or bool(new_mask.all()) else new_mask.bool()
+        # ops take mask=None as "all real", which is also their fast path; finding that out is a host sync, which
+        # compiled or captured code cannot make: it passes the mask as it is
+        op_mask = (None if new_mask is None or (host_sync_allowed() and bool(new_mask.all())) else new_mask.bool())
 
         hidden_states = inputs_embeds
         all_hidden = (hidden_states,) if output_hidden_states else None

@@ -78,6 +78,7 @@ from ._common import (
     check_state_tensor,
     compute_dtype,
     empty_batch_result,
+    host_sync_allowed,
     op_result,
     prepare_inputs,
     resolve_backend,
@@ -202,11 +203,12 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt):
     check_state_tensor(_OP, "initial_state['v']", state["v"], (B, L, H, dv), device)
     _check_int_tensor(_OP, "initial_state['t']", state["t"], (B,), device)
     counts = state["counts"].to(torch.int64)
-    if bool((counts < 0).any()):
+    checked = host_sync_allowed()  # value checks read back to the host: not while compiled or captured
+    if checked and bool((counts < 0).any()):
         raise ValueError(f"{_OP}: initial_state['counts'] must be >= 0")
     Dk, Dv = Dk.to(cdt), state["Dv"].to(cdt)
     for name, x in (("Dk", Dk), ("Dv", Dv)):
-        if not bool(torch.isfinite(x).all()):
+        if checked and not bool(torch.isfinite(x).all()):
             raise ValueError(f"{_OP}: initial_state[{name!r}] holds NaN or inf")
     # an empty slot holds nothing (a new centroid placed there is its key alone, whatever the slot held)
     empty = (counts == 0)[..., None]

@@ -55,6 +55,7 @@ from ._common import (
     check_positive_int,
     check_state_tensor,
     compute_dtype,
+    host_sync_allowed,
     op_result,
     prepare_inputs,
     resolve_backend,
@@ -448,7 +449,7 @@ def mini_batch_state(op, state, shapes, B, device, cdt, b, extra=()):
     else:
         if not isinstance(n, torch.Tensor) or tuple(n.shape) != (B,) or n.is_floating_point():
             raise ValueError(f"{op}: initial_state['n'] must be an integer tensor [B] = [{B}]")
-        if bool(((n < 0) | (n >= b)).any()):
+        if host_sync_allowed() and bool(((n < 0) | (n >= b)).any()):  # not while compiled or captured
             raise ValueError(f"{op}: initial_state['n'] (tokens in the current mini-batch) must lie in "
                              f"[0, mini_batch_size={b}), got {n.tolist()}; was the state made with another "
                              "mini_batch_size?")
