@@ -133,6 +133,10 @@ class TokenMixer(nn.Module):
                 raise ValueError(f"{field} ({cls.mechanism} option) must be {kind[0]} "
                                  f"(default {cls.defaults[key]!r}), got {value!r}")
 
+    def apply_qk_prenorm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as `prenormalized` makes them where the mixer's `qk_prenorm` option is on, else unchanged."""
+        return prenormalized(q, k) if self.options.get("qk_prenorm") else (q, k)
+
     def check_positive_int(self, option: str, value=None) -> int:
         """Option `option` (or `value`) is a positive int, else a ValueError naming the mechanism and option."""
         return check_positive_int(self.mechanism, option, self.options[option] if value is None else value)

@@ -9,7 +9,6 @@ from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
-from .base import prenormalized
 from .recurrent import ACTIVATIONS, RECURRENT_OPTION_DOCS, RecurrentMixer
 
 #: the `qk_prenorm` option's documentation (linear attention and ELA; VLA has its own, on by default there)
@@ -30,8 +29,7 @@ class LinearAttentionMixer(RecurrentMixer):
         super().__init__(config, layer_idx, options)
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
-        if self.options["qk_prenorm"]:
-            q, k = prenormalized(q, k)
+        q, k = self.apply_qk_prenorm(q, k)
         return ops.linear_attention(
             q, k, v, feature_map=self.options["feature_map"], normalize=self.options["normalize"],
             **self.op_kwargs(mask, state, want_state, cu_seqlens),
@@ -78,8 +76,7 @@ class ELAMixer(RecurrentMixer):
         super().__init__(config, layer_idx, options)
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
-        if self.options["qk_prenorm"]:
-            q, k = prenormalized(q, k)
+        q, k = self.apply_qk_prenorm(q, k)
         return ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"],
                        **self.op_kwargs(mask, state, want_state))
 
@@ -90,8 +87,7 @@ class BidirectionalELAMixer(ELAMixer):
     reads whole sequences). The optional short convolution (`use_short_conv`) stays causal."""
 
     def mix(self, q, k, v, x, *, mask, state, want_state):
-        if self.options["qk_prenorm"]:
-            q, k = prenormalized(q, k)
+        q, k = self.apply_qk_prenorm(q, k)
         o, _ = ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"], causal=False,
                        mask=mask, backend=self.options.get("backend"))
         return o, None

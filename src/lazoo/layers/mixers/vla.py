@@ -12,7 +12,7 @@ from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
-from .base import prenormalized, set_parameter
+from .base import set_parameter
 from .recurrent import RecurrentMixer
 
 
@@ -58,8 +58,7 @@ class VLAMixer(RecurrentMixer):
         u = torch.einsum("bthd,hed->bthe", k, self.u_weight)
         if not o["precision_update"]:
             u = torch.zeros_like(u)
-        if o["qk_prenorm"]:
-            q, k = prenormalized(q, k)
+        q, k = self.apply_qk_prenorm(q, k)  # after u: u comes from the raw k
         return ops.vla(
             q, k, v, u, lambda0=o["lambda0"], refresh_period=o["refresh_period"], refresh_eta=o["refresh_eta"],
             eps=o["eps"], triton_scan=o["triton_scan"], feature_map=o["feature_map"], readout=o["readout"],
