@@ -49,6 +49,7 @@ from ._common import (
     zero_masked,
 )
 from .delta import chunk_generalized_delta, delta_kernel_unsupported
+from .linear import FEATURE_MAPS
 
 __all__ = ["vla"]
 
@@ -58,8 +59,9 @@ _STATE_KEYS = ("S", "A", "z", "t")
 #: (lazoo.kernels.vla_chunk). "token" is the default while the chunked scan is slower (H100, d = 128, T = 1k:
 #: 3.0 / 14.1 ms forward / +backward vs 2.2 / 8.0).
 TRITON_SCANS = ("token", "chunk")
-#: φ of the keys and queries (``feature_map``): Algorithm 1's elu(x) + 1 (> 0), or the identity (signed keys)
-FEATURE_MAPS = {"elu1": lambda x: F.elu(x) + 1.0, "identity": lambda x: x}
+#: φ of the keys and queries (``feature_map``, linear attention's maps of these names): Algorithm 1's elu(x) + 1
+#: (> 0), or the identity (signed keys)
+VLA_FEATURE_MAPS = ("elu1", "identity")
 #: the read-out (``readout``): Algorithm 1's S q_f / max(z·q_f, ε), or S q̂ with the key's normalisation
 READOUTS = ("normalized", "unit_query")
 
@@ -112,7 +114,7 @@ def vla(
     state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
-    phi = FEATURE_MAPS[feature_map]
+    phi = FEATURE_MAPS[feature_map]  # linear attention's map of that name
     k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt), phi)
     q_r = _query_features(q.to(cdt), phi, normalized)
     v_c = v.to(cdt)
@@ -131,7 +133,7 @@ def vla(
 # ============================================================================ shared pieces
 def _check_map_and_readout(feature_map, readout) -> bool:
     """Check the two options; True for the z-normalised read-out."""
-    check_choice(_OP, "feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_choice(_OP, "feature_map", feature_map, VLA_FEATURE_MAPS)
     check_choice(_OP, "readout", readout, READOUTS)
     if feature_map == "identity" and readout == "normalized":
         raise ValueError(f"{_OP}: feature_map='identity' needs readout='unit_query', not readout='normalized': "
