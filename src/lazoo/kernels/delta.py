@@ -419,6 +419,7 @@ def _fwd_o_kernel(
 ):
     """O = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U) for one chunk and one block of dv (W = β K, or
     the given write keys in ``kw``)."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
     i_c = tl.program_id(0) // NV
@@ -456,6 +457,7 @@ def _bwd_dv_local_kernel(
 ):
     """dU (local part) = P^T dO, P^T[i, t] = scale [i <= t] E[t, i] (w_i . q_t), computed as its own
     product (never as the transpose of one)."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NV: tl.constexpr = (V + BV - 1) // BV
     i_v = tl.program_id(0) % NV
     i_c = tl.program_id(0) // NV
@@ -487,6 +489,7 @@ def _bwd_dhu_kernel(
 ):
     """Reverse over a sequence's chunks: stores each chunk's end-state gradient dS' (transposed) and
     dU = P^T dO + diag(D) W dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
     FULL: tl.constexpr = K == BKF and V % BV == 0  # tiles need no mask
     b_ds = tl.zeros([BKF, BV], dtype=tl.float32)
@@ -529,6 +532,7 @@ def _bwd_dqkw_kernel(
 ):
     """For one chunk and one block of dk: dq; the part of dW from the output and the state update;
     dW~ = -dU S; and this block's share of dG (written to dgp[i_k])."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NK: tl.constexpr = (K + BK - 1) // BK
     i_k = tl.program_id(0) % NK
     i_c = tl.program_id(0) // NK
@@ -683,6 +687,7 @@ def _fused_recurrent_kernel(
 ):
     """Token by token against a state S [BV, dk] in registers (decoding: one or a few tokens). With
     HAS_W, ``beta`` holds the write keys w ``[TT, H, dk]`` (the generalised rule)."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)

@@ -178,6 +178,7 @@ def _fwd_o_kernel(
     IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NV, NT, B * H): O = scale ((Q ⊙ exp(G)) H_n + A V) for one chunk."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
@@ -216,6 +217,7 @@ def _bwd_dh_kernel(
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
     m_k = o_k < K
@@ -246,6 +248,7 @@ def _bwd_dA_kernel(
     IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NT, B * H): dA = scale dO V^T (lower triangle; zeros above) ``[B, T, H, BT]``."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
@@ -272,6 +275,7 @@ def _bwd_dv_kernel(
     IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NV, NT, B * H): dV = scale A^T dO + (K ⊙ exp(G_C - G)) dH_n."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_c = tl.arange(0, BT)
@@ -397,6 +401,7 @@ def _bwd_inter_kernel(
 ):
     """Grid (NK, NT, B * H): dq += scale exp(G) ⊙ dO H_n^T, dk += exp(G_C - G) ⊙ V dH_n^T (in place,
     float32), and the reverse cumsum of q ⊙ dq - k ⊙ dk inside the chunk."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)

@@ -104,6 +104,7 @@ def _fwd_o_kernel(
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NV, NT, B * H) or (NV, total chunks, H) with cu_seqlens: the outputs of one chunk."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
 
@@ -149,6 +150,7 @@ def _bwd_dh_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
     b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
@@ -178,6 +180,7 @@ def _bwd_dqkv_kernel(
 
     BK >= K: the whole key dim is held; the value dim is walked in blocks of BV.
     """
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
 
@@ -270,6 +273,8 @@ def _fused_recurrent_kernel(
     USE_G: tl.constexpr, USE_S0: tl.constexpr, NORMALIZE: tl.constexpr, STORE_ST: tl.constexpr,
 ):
     """Grid (NV, B * H): a few tokens against a state S ``[B, H, V, K]`` held in registers."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
+    eps = tl.cast(eps, tl.float32)
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     o_k = tl.arange(0, BK)
@@ -319,6 +324,10 @@ def _launch(kernel, grid, key, configs, *args, **meta):
     remembering it per ``key`` (no benchmarking: device time is scarce, and shapes vary)."""
     from triton.runtime.errors import OutOfResources
 
+    if torch.compiler.is_compiling():  # traced: the config found eagerly (a traced launch cannot be retried)
+        config = configs[_CONFIG_INDEX.get(key, 0)]
+        kernel[grid(config)](*args, **meta, **config)
+        return config
     for i in range(_CONFIG_INDEX.get(key, 0), len(configs)):
         try:
             kernel[grid(configs[i])](*args, **meta, **configs[i])
@@ -529,6 +538,7 @@ def _gla_rec_fwd_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Grid (NV, N * H): outputs and final state; the state [BK, BV] stays in registers."""
+    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T_seq, NT, boh = seq_bounds(cu_seqlens, cu_seqlens, i_n, T, 1, IS_VARLEN)

@@ -315,6 +315,7 @@ def _fwd_stats_kernel(
     MPREC: tl.constexpr, SAVE_A: tl.constexpr, SPARE: tl.constexpr,
 ):
     """Grid (cdiv(T, BM), B * H): log-sum-exp, m and β of one query block (and A when SAVE_A)."""
+    ridge = tl.cast(ridge, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi, qk_scale = _query_block(kmask, scale_h, T, S, OFF, WINDOW,
                                                                                H, BM, BN, USE_WINDOW)
     o_r = tl.arange(0, R)
@@ -443,6 +444,7 @@ def _bwd_prep_kernel(
 ):
     """Grid (cdiv(T, BM), B * H): D = Σ p δ and E = Σ p δ f of one query block, stored for ``_bwd_solve``;
     with MOMENTS (A not saved), S too, and then λ, dm, Δ and what ``_store_terms`` stores, here."""
+    ridge = tl.cast(ridge, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     o_m, m_m, q_row, k_base, kmask_row, stat, lo, hi, qk_scale = _query_block(kmask, scale_h, T, S, OFF, WINDOW,
                                                                                H, BM, BN, USE_WINDOW)
     o_dv = tl.arange(0, BV)
@@ -493,6 +495,7 @@ def _bwd_solve_kernel(abuf, mbuf, bbuf, dbuf, ebuf, lbuf, gbuf, pbuf, abar, delt
                       RM: tl.constexpr, BQ: tl.constexpr, SPARE: tl.constexpr):
     """Grid (cdiv(N, BQ),) over the N = B·H·T queries' statistics ``[B, H, T, *]``: λ, dm and Δ from the saved
     A, m and β and the prep's D and E, then what ``_store_terms`` stores."""
+    ridge = tl.cast(ridge, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     rows = tl.program_id(0).to(tl.int64) * BQ + tl.arange(0, BQ)
     live = rows < N
     o_rm = tl.arange(0, RM)

@@ -56,6 +56,8 @@ def _scan_fwd_kernel(
     """Token by token; the next token's inputs are loaded while this one is computed. A k̂ and A û come
     from one pass over A: the post-update a = A k̂ - z (z·k̂)/δ + f η k̂. With SAVE, z and δ of every
     token (and checkpoints of A) are kept for the backward."""
+    eta = tl.cast(eta, tl.float32)  # fp64 (or a constant) when launched under torch.compile
+    eps = tl.cast(eps, tl.float32)
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     NC = tl.cdiv(T, CK)
@@ -132,6 +134,7 @@ def _scan_bwd_a_kernel(
     """Backward, part 2 (reverse order, needs no gS): A rebuilt token by token with the exact inverse
     of the downdate, A_prev = A' + z zᵀ/δ (A' = A - f η I), reset from the checkpoints. In place:
     dk̂ = A ga (dk holds ga), dû = A_prev gz + gδ z (du holds gz)."""
+    eta = tl.cast(eta, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     NC = tl.cdiv(T, CK)

@@ -172,6 +172,7 @@ def _chunk_fwd_kernel(
 ):
     """Blocks of BC tokens, each in segments that end at its flagged tokens; α̂ and 1/|a| of every token, the
     final A, and with SAVE the A at the start of every K-th block."""
+    eta = tl.cast(eta, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_b, i_h, od, m2, p2, eye = _state_program(D, BD)
     A = tl.load(A0 + (i_b * H + i_h) * D * D + p2, mask=m2, other=0.0)
     for j in range(0, NB):
@@ -236,6 +237,7 @@ def _chunk_bwd_kernel(
     USE_DA: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse over checkpoint intervals, their blocks and the blocks' segments; carries Ā (symmetric)."""
+    eta = tl.cast(eta, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_b, i_h, od, m2, p2, eye = _state_program(D, BD)
     bh = i_b * H + i_h
     Ab = tl.zeros([BD, BD], dtype=tl.float32)

@@ -76,14 +76,21 @@ def requested_backend(backend: str | None) -> tuple[str | None, str]:
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.cache
-def triton_missing() -> str | None:
-    """Why the Triton kernels cannot load at all (Triton not installed, e.g. on macOS or Windows), or None."""
+def _find_triton() -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton; the PyTorch forms run without it)"
     return None
+
+
+#: looked up once at import: torch.compile cannot trace an import lookup inside a model's forward
+_TRITON_MISSING = _find_triton()
+
+
+def triton_missing() -> str | None:
+    """Why the Triton kernels cannot load at all (Triton not installed, e.g. on macOS or Windows), or None."""
+    return _TRITON_MISSING
 
 
 def triton_unsupported(q: torch.Tensor, v: torch.Tensor, max_head_dim: int,
@@ -390,8 +397,9 @@ def zero_pads(mask: torch.Tensor | None, *xs: torch.Tensor | None) -> tuple:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(|x|^2 + eps)`` over the last dim: smooth at 0, so always differentiable."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    """``x / sqrt(|x|^2 + eps)`` over the last dim: smooth at 0, so always differentiable. In x's dtype (CUDA autocast
+    would return the float32 of its rsqrt, and the ops take inputs of one dtype)."""
+    return (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def matrix_initial_state(op, state, B, H, dk, dv, device, cdt) -> torch.Tensor:
