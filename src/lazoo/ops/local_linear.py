@@ -59,6 +59,7 @@ from ._common import (
     check_positive_number,
     check_same_device,
     compute_dtype,
+    host_sync_allowed,
     op_result,
     prepare_inputs,
     resolve_backend,
@@ -219,7 +220,8 @@ class _Visibility:
 
     def __init__(self, query_mask, key_mask, Tc: int, window: int | None):
         self.query_mask, self.key_mask, self.Tc, self.window = query_mask, key_mask, Tc, window
-        self.no_pads = query_mask is None and bool(key_mask.all())
+        # the unmasked fast path needs a host sync to know there are no pads: not while compiled or captured
+        self.no_pads = query_mask is None and host_sync_allowed() and bool(key_mask.all())
 
     def key_blocks(self, q0: int, q1: int, size: int):
         """(k0, k1) ranges of at most ``size`` keys covering every key that a query in [q0, q1) may see."""

@@ -136,18 +136,26 @@ def ovq_attention(
 
     qs = _scaled(_OP, q.to(cdt), scale, H, dk)
     kc, vc = k.to(cdt), v.to(cdt)
-    state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt)
+    # sizes read back from the dictionaries (host syncs) only where allowed; else static bounds from shapes
+    sync = host_sync_allowed()
+    state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt, sync)
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, kc, vc, state["Dk"], state["Dv"]))
     if backend == "triton" and T == 1 and not needs_grad:
         backend = "chunk"  # decoding one token: a matrix-vector product over the state, PyTorch suffices
+    if backend == "triton" and not sync:
+        # compiled or captured: the Triton form sizes its launches from the dictionaries (host reads); the chunk
+        # form has static bounds, and the compiler fuses its elementwise work
+        backend = "chunk"
     if backend == "triton":
         o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign)
+    elif backend == "recurrent":
+        o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync)
     else:
-        run = _ovq_recurrent if backend == "recurrent" else _ovq_chunk
-        o, final = run(qs, kc, vc, real, state, L, max_dict_size)
+        # a fresh state has no partial chunk: the packed rows need no room for one
+        o, final = _ovq_chunk(qs, kc, vc, real, state, L, max_dict_size, sync, fresh=initial_state is None)
     return op_result(o, mask, v.dtype, final, output_final_state)
 
 
@@ -176,7 +184,9 @@ def _check_int_tensor(op, name, x, shape, device):
         raise ValueError(f"{op}: {name} is on {x.device} but q is on {device}")
 
 
-def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt):
+def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True):
+    """The state to start from, at capacity max(N, size); with ``sync`` False (no host reads) at capacity
+    max(N, M0), the given capacity M0 kept (equal to the former for a state this op returned with the same N)."""
     if state is None:
         return {
             "Dk": torch.zeros(B, H, N, dk, dtype=cdt, device=device),
@@ -203,7 +213,7 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt):
     check_state_tensor(_OP, "initial_state['v']", state["v"], (B, L, H, dv), device)
     _check_int_tensor(_OP, "initial_state['t']", state["t"], (B,), device)
     counts = state["counts"].to(torch.int64)
-    checked = host_sync_allowed()  # value checks read back to the host: not while compiled or captured
+    checked = sync  # value checks read back to the host: not while compiled or captured
     if checked and bool((counts < 0).any()):
         raise ValueError(f"{_OP}: initial_state['counts'] must be >= 0")
     Dk, Dv = Dk.to(cdt), state["Dv"].to(cdt)
@@ -214,7 +224,7 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt):
     empty = (counts == 0)[..., None]
     Dk, Dv = Dk.masked_fill(empty, 0.0), Dv.masked_fill(empty, 0.0)
     # capacity M = max(N, current size): pad with empty slots or drop empty ones
-    M = max(N, int((counts > 0).sum(-1).max()) if counts.numel() else 0)
+    M = max(N, _max_size(counts)) if sync else max(N, M0)
     if M0 < M:
         Dk = F.pad(Dk, (0, 0, 0, M - M0))
         Dv = F.pad(Dv, (0, 0, 0, M - M0))
@@ -230,13 +240,19 @@ def _max_size(counts) -> int:
     return int((counts > 0).sum(-1).max()) if counts.numel() else 0
 
 
-def _update_dictionary(Dk, Dv, counts, K, V, t_end, N):
+def _read_width(counts, sync: bool) -> int:
+    """How many leading slots the attention reads: the active prefix (one host sync), or without ``sync`` the
+    whole capacity (a size from the shape; the empty slots are masked out as inactive)."""
+    return _max_size(counts) if sync else counts.shape[-1]
+
+
+def _update_dictionary(Dk, Dv, counts, K, V, t_end, N, sync=True):
     """One complete chunk's update. Dk ``[B, H, W, dk]``, Dv ``[B, H, W, dv]``, counts ``[B, H, W]``
     (active slots first, W >= size + L or the capacity), K ``[B, H, L, dk]``, V ``[B, H, L, dv]``,
     t_end ``[B]`` the real-token count at the chunk's end. Returns the updated (Dk, Dv, counts)."""
     W = Dk.shape[2]
     dt = Dk.dtype
-    slot, is_new = _assign(Dk, counts, K, t_end, N)
+    slot, is_new = _assign(Dk, counts, K, t_end, N, sync)
     place = F.one_hot(slot, W).to(dt) * is_new[..., None].to(dt)
     merge = F.one_hot(slot, W).to(dt) * (~is_new)[..., None].to(dt)  # [B, H, L, W]
     place_t, merge_t = place.transpose(-1, -2), merge.transpose(-1, -2)
@@ -278,13 +294,14 @@ def _assign(Dk, counts, K, t_end, N, sync=True):
     return slot, is_new
 
 
-def _apply_update(state_dict, K, V, t_end, full, N):
+def _apply_update(state_dict, K, V, t_end, full, N, sync=True):
     """Update the dictionaries of the samples in ``full`` ``[B]`` with chunk K, V ``[B, H, L, d]``,
-    working on the active prefix of the slots (plus room for L new ones)."""
+    working on the active prefix of the slots (plus room for L new ones); without ``sync`` on every slot
+    (new centroids never go past slot N - 1 < M, so the result is the same)."""
     Dk, Dv, counts = state_dict["Dk"], state_dict["Dv"], state_dict["counts"]
     M, L = Dk.shape[2], K.shape[2]
-    W = min(M, _max_size(counts) + L)
-    Dk1, Dv1, c1 = _update_dictionary(Dk[:, :, :W], Dv[:, :, :W], counts[:, :, :W], K, V, t_end, N)
+    W = min(M, _max_size(counts) + L) if sync else M
+    Dk1, Dv1, c1 = _update_dictionary(Dk[:, :, :W], Dv[:, :, :W], counts[:, :, :W], K, V, t_end, N, sync)
     if W < M:
         Dk1 = torch.cat([Dk1, Dk[:, :, W:]], 2)
         Dv1 = torch.cat([Dv1, Dv[:, :, W:]], 2)
@@ -308,7 +325,7 @@ def _masked_softmax(scores, allowed):
     return torch.softmax(scores, dim=-1) * allowed
 
 
-def _ovq_recurrent(q, k, v, real, state, L, N):
+def _ovq_recurrent(q, k, v, real, state, L, N, sync=True):
     """Literal per-token form: write the token into the partial chunk, attend over [dictionary (log
     counts); partial chunk up to this token], update the dictionary when the chunk is complete."""
     B, T, H, dk = q.shape
@@ -322,7 +339,7 @@ def _ovq_recurrent(q, k, v, real, state, L, N):
         sel = (m[:, None] & (slots[None] == nb[:, None]))[:, :, None, None]  # [B, L, 1, 1]
         bk = torch.where(sel, k[:, i, None], bk)
         bv = torch.where(sel, v[:, i, None], bv)
-        S = _max_size(st["counts"])
+        S = _read_width(st["counts"], sync)
         qi = q[:, i, :, None, :]  # [B, H, 1, dk]
         ld, active = _dict_logits(qi, st["Dk"][:, :, :S], st["counts"][:, :, :S])
         lb = qi @ bk.permute(0, 2, 3, 1)  # [B, H, 1, L]
@@ -332,23 +349,26 @@ def _ovq_recurrent(q, k, v, real, state, L, N):
         outs.append(o[:, :, 0])
         t = t + m.long()
         full = m & (t % L == 0)
-        if bool(full.any()):
-            _apply_update(st, bk.transpose(1, 2), bv.transpose(1, 2), t, full, N)
+        if not sync or bool(full.any()):  # without sync always: the update leaves samples not full unchanged
+            _apply_update(st, bk.transpose(1, 2), bv.transpose(1, 2), t, full, N, sync)
     keep = (slots[None] < (t % L)[:, None])[:, :, None, None]
     zero = torch.zeros((), dtype=bk.dtype, device=bk.device)
     st.update(k=torch.where(keep, bk, zero), v=torch.where(keep, bv, zero), t=t)
     return torch.stack(outs, 1), st
 
 
-def _pack(q, k, v, real, bk, bv, t0, L):
+def _pack(q, k, v, real, bk, bv, t0, L, sync=True, max_partial=None):
     """Per sample, the partial chunk of the state followed by the real tokens, packed to the left into
     whole chunks: (Qp, Kp, Vp ``[B, P, ...]``, valid ``[B, P]``, dest ``[B, L + T]`` where each input
-    row went (P = dropped), total ``[B]`` packed length, nb ``[B]`` tokens of the partial chunk)."""
+    row went (P = dropped), total ``[B]`` packed length, nb ``[B]`` tokens of the partial chunk).
+    P covers the longest sample (one host sync); without ``sync`` it covers ``max_partial`` (default L - 1)
+    + T tokens, an upper bound from the shapes (the rows past a sample's total are not ``valid``)."""
     B, T, H, _ = q.shape
     dev = q.device
     nb = t0 % L
     total = nb + real.long().sum(1)  # packed length per sample
-    P = max(1, -(-int(total.max()) // L)) * L
+    longest = int(total.max()) if sync else (L - 1 if max_partial is None else max_partial) + T
+    P = max(1, -(-longest // L)) * L
     slots = torch.arange(L, device=dev)
     dest = torch.cat([torch.where(slots[None] < nb[:, None], slots[None], P),
                       torch.where(real, nb[:, None] + real.long().cumsum(1) - 1, P)], 1)  # [B, L + T]
@@ -382,14 +402,15 @@ def _partial_chunk(x, total, L):
     return torch.where(rem, part, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _ovq_chunk(q, k, v, real, state, L, N):
+def _ovq_chunk(q, k, v, real, state, L, N, sync=True, fresh=False):
     """Chunk form: per sample, the partial chunk of the state followed by the real tokens, packed to
-    the left; then whole chunks: L queries against [dictionary; chunk (causal)], update when full."""
+    the left; then whole chunks: L queries against [dictionary; chunk (causal)], update when full.
+    ``fresh``: the state is the empty one (no partial chunk), which tightens the bound on P without sync."""
     B, T, H, dk = q.shape
     dev = q.device
     st = dict(state)
     bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
-    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
+    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L, sync, 0 if fresh else None)
     P = Qp.shape[1]
     causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     outs = []
@@ -397,7 +418,7 @@ def _ovq_chunk(q, k, v, real, state, L, N):
         s = c * L
         Qc, Kc, Vc = (x[:, s:s + L].transpose(1, 2) for x in (Qp, Kp, Vp))  # [B, H, L, d]
         vc = valid[:, s:s + L]
-        S = _max_size(st["counts"])
+        S = _read_width(st["counts"], sync)
         ld, active = _dict_logits(Qc, st["Dk"][:, :, :S], st["counts"][:, :, :S])
         lc = Qc @ Kc.transpose(-1, -2)
         allowed = torch.cat([active[:, :, None, :].expand(-1, -1, L, -1),
@@ -405,8 +426,8 @@ def _ovq_chunk(q, k, v, real, state, L, N):
         p = _masked_softmax(torch.cat([ld, lc], -1), allowed)
         outs.append(p[..., :S] @ st["Dv"][:, :, :S] + p[..., S:] @ Vc)
         full = vc.all(1)
-        if bool(full.any()):
-            _apply_update(st, Kc, Vc, t0 - nb + s + L, full, N)
+        if not sync or bool(full.any()):  # without sync always: the update leaves samples not full unchanged
+            _apply_update(st, Kc, Vc, t0 - nb + s + L, full, N, sync)
     o = _unpack(torch.cat(outs, 2).transpose(1, 2), dest, L)
     st.update(k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
     return o, st

@@ -31,7 +31,8 @@ current weights, the weights the current mini-batch started from (where its grad
 state may omit the ``*_start`` parts and ``n`` (= the start of a mini-batch): that is how the mixer passes its
 learned initial weights W₀. ttt_linear's default initial state is W = 0; ttt_mlp needs one.
 Padding (mask ``[B, T]``): a pad changes no part of the state and outputs 0, so a left-padded batch equals its
-samples one by one.
+samples one by one. While torch.compile traces or a CUDA graph is captured (no host sync), the slot grid of the
+real tokens is sized from shapes alone (``slot_grid``): its extra mini-batches are empty and change nothing.
 
 Triton (``backend="triton"``, auto on CUDA): ``ttt_linear`` runs ``lazoo.kernels.ttt`` (the dual form per
 mini-batch with a hand-written backward; b = 1 is the delta rule with β = η and runs the delta-rule kernels), with
@@ -44,7 +45,8 @@ Decoding: ``ttt_linear_decode_step`` / ``ttt_mlp_decode_step`` below, fused sing
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -214,23 +216,14 @@ def _linear_triton(q, k, v, eta, state, b, mask, output_final_state):
         o = zero_masked(o, mask)
         n = torch.full((B,), 0 if b == 1 else T % b, dtype=torch.long, device=dev)
     else:
-        n0 = state["n"]
         real = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask
-        slot = n0[:, None] + real.long().cumsum(1) - 1
-        total = n0 + real.long().sum(1)
-        L = max(1, -(-int(total.max().item()) // b)) * b
-        bi, ti = real.nonzero(as_tuple=True)
-        si = slot[bi, ti]
-
-        def to_slots(x):
-            return x.new_zeros((B, L) + x.shape[2:]).index_put((bi, si), x[bi, ti])
-
-        idx = torch.div(total, b, rounding_mode="floor")
         fresh = state.get("_fresh", False)
-        o, W, W_start = ttt_linear_triton(*(to_slots(x) for x in (q, k, v, eta)), state["W"], b,
+        grid = slot_grid(real, state["n"], b, fresh)
+        idx = torch.div(grid.total, b, rounding_mode="floor")
+        o, W, W_start = ttt_linear_triton(*(grid.to_slots(x) for x in (q, k, v, eta)), state["W"], b,
                                           W_start=None if fresh else state["W_start"], idx=idx)
-        o = o.new_zeros((B, T) + o.shape[2:]).index_put((bi, ti), o[bi, si])
-        n = total - idx * b
+        o = grid.from_slots(o)
+        n = grid.total - idx * b
     if not output_final_state:
         return o, None
     return o, {"W": W, "W_start": W_start, "n": n}
@@ -361,25 +354,13 @@ def mini_batch_chunked(chunk_fn, q, k, v, scalars, identity, state, names, mask,
 
         def from_slots(x):
             return x[:, :T]
-        count = torch.full((B,), T, dtype=torch.long, device=q.device)
+
+        total = torch.full((B,), T, dtype=torch.long, device=q.device)  # n0 = 0
     else:
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
-        count = real.long().sum(1)
-        slot = n0[:, None] + real.long().cumsum(1) - 1
-        total = n0 + count
-        L = max(1, -(-int(total.max().item()) // b)) * b
-        bi, ti = real.nonzero(as_tuple=True)
-        si = slot[bi, ti]
-        valid = torch.zeros(B, L, dtype=torch.bool, device=q.device)
-        valid[bi, si] = True
-
-        def to_slots(x, fill=0.0):
-            out = x.new_full((B, L) + x.shape[2:], fill)
-            return out.index_put((bi, si), x[bi, ti])
-
-        def from_slots(x):
-            out = x.new_zeros((B, T) + x.shape[2:])
-            return out.index_put((bi, ti), x[bi, si])
+        grid = slot_grid(real, n0, b, state.get("_fresh", False))
+        L, valid, to_slots, from_slots = grid.L, grid.valid, grid.to_slots, grid.from_slots
+        total = grid.total
 
     N = L // b
 
@@ -405,7 +386,6 @@ def mini_batch_chunked(chunk_fn, q, k, v, scalars, identity, state, names, mask,
     o = from_slots(o)
     if not output_final_state:
         return o, None
-    total = n0 + count
     idx = torch.div(total, b, rounding_mode="floor")  # the chunk whose start is the final mini-batch start
     final = {nm: x for nm, x in zip(names, W)}
     ar = torch.arange(B, device=q.device)
@@ -413,6 +393,77 @@ def mini_batch_chunked(chunk_fn, q, k, v, scalars, identity, state, names, mask,
         final[nm + "_start"] = torch.stack([s[j] for s in starts], 0)[idx, ar]
     final["n"] = total - idx * b
     return o, final
+
+
+# ============================================================================ the slot grid
+class SlotGrid(NamedTuple):
+    """The mini-batch-aligned ``[B, L]`` slot grid of ``mini_batch_chunked``: the real tokens of sample i at slots
+    ``n0_i + (their rank among its real tokens)`` (L a multiple of b), so chunk c of b slots is mini-batch c of
+    every sample. Built by ``slot_grid``."""
+
+    L: int
+    valid: torch.Tensor  # [B, L] bool: the slots that hold a new token
+    total: torch.Tensor  # [B] int64: n0 + real tokens
+    filled_chunks: int | torch.Tensor  # chunks up to the last one holding a token (a 0-dim tensor when static)
+    to_slots: Callable  # (x [B, T, ...], fill=0.0) -> [B, L, ...], empty slots = fill
+    from_slots: Callable  # x [B, L, ...] -> [B, T, ...], pads = 0
+
+
+def slot_grid(real, n0, b, fresh=False) -> SlotGrid:
+    """The slot grid for the real tokens ``real`` ``[B, T]`` (bool) after ``n0`` ``[B]`` tokens of a partial
+    mini-batch of size b (``fresh``: n0 is known to be 0). Eager: as long as the fullest sample needs (one host
+    sync). While compiled or captured (no host sync): as long as any n0 and T can need, from shapes only."""
+    if host_sync_allowed():
+        return _tight_slot_grid(real, n0, b)
+    return _static_slot_grid(real, n0, b, fresh)
+
+
+def _tight_slot_grid(real, n0, b) -> SlotGrid:
+    B, T = real.shape
+    slot = n0[:, None] + real.long().cumsum(1) - 1
+    total = n0 + real.long().sum(1)
+    L = max(1, -(-int(total.max().item()) // b)) * b
+    bi, ti = real.nonzero(as_tuple=True)
+    si = slot[bi, ti]
+    valid = torch.zeros(B, L, dtype=torch.bool, device=real.device)
+    valid[bi, si] = True
+
+    def to_slots(x, fill=0.0):
+        out = x.new_full((B, L) + x.shape[2:], fill)
+        return out.index_put((bi, si), x[bi, ti])
+
+    def from_slots(x):
+        out = x.new_zeros((B, T) + x.shape[2:])
+        return out.index_put((bi, ti), x[bi, si])
+
+    return SlotGrid(L, valid, total, L // b, to_slots, from_slots)
+
+
+def _static_slot_grid(real, n0, b, fresh) -> SlotGrid:
+    """Sizes from shapes only: n0 ≤ b − 1 (0 when fresh) tokens already in the partial mini-batch and at most T
+    new ones. The slack slots stay empty (an empty mini-batch leaves the state as it is); pads are written to a
+    dump slot L, cut off after the scatter, and read back as 0."""
+    B, T = real.shape
+    dev = real.device
+    L = max(1, -(-((0 if fresh else b - 1) + T) // b)) * b
+    rank = real.long().cumsum(1)
+    total = n0 + real.long().sum(1)
+    slot = torch.where(real, n0[:, None] + rank - 1, L)
+    rows = torch.arange(B, device=dev)[:, None].expand(B, T)
+    pos = torch.arange(L, device=dev)
+    valid = (pos >= n0[:, None]) & (pos < total[:, None])
+    filled_chunks = torch.div(total.max() + b - 1, b, rounding_mode="floor").clamp_min(1)
+
+    def to_slots(x, fill=0.0):
+        out = x.new_full((B, L + 1) + x.shape[2:], fill)
+        return out.index_put((rows, slot), x)[:, :L]
+
+    def from_slots(x):
+        out = x[rows, slot.clamp_max(L - 1)]
+        keep = real.view(B, T, *([1] * (x.dim() - 2)))
+        return torch.where(keep, out, torch.zeros((), dtype=x.dtype, device=dev))
+
+    return SlotGrid(L, valid, total, filled_chunks, to_slots, from_slots)
 
 
 # ============================================================================ states

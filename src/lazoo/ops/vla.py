@@ -40,6 +40,7 @@ from ._common import (
     check_state_tensor,
     compute_dtype,
     empty_batch_result,
+    host_sync_allowed,
     op_result,
     pad_time,
     prepare_inputs,
@@ -326,8 +327,13 @@ def _chunk_alphas(k_hat, u_hat, real, A0, t0, chunk_size, refresh_period, refres
 
 def _chunk_flags(refresh, real, C):
     """Per A-chunk of length C: does any sample refresh in it, and does any sample have a real
-    token after its refresh (i.e. is pass 2 needed)? One host sync for the whole sequence."""
+    token after its refresh (i.e. is pass 2 needed)? One host sync for the whole sequence; where none may be made
+    (compiled or captured), every chunk takes both passes, which gives the same α and A (a pass with no refresh or
+    no later direction changes nothing)."""
     B, T = refresh.shape
+    if not host_sync_allowed():
+        every = [True] * -(-T // C)
+        return every, every
     rf = pad_time(refresh.long(), C).view(B, -1, C)
     m = pad_time(real.long(), C).view(B, -1, C)
     later = ((rf.cumsum(-1) - rf) > 0) & (m > 0)  # a refresh strictly earlier in the chunk

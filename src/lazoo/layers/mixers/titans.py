@@ -22,6 +22,7 @@ from torch import nn
 
 from ... import ops
 from ...ops._common import l2norm
+from ...ops.ttt import slot_grid
 from ...registry import Mechanism, register
 from .base import normal_parameter
 from .recurrent import RecurrentMixer
@@ -88,7 +89,7 @@ class TitansMixer(RecurrentMixer):
 
     def _forward_mac(self, x, mask, cache):
         B, T, _ = x.shape
-        H, hd, C = self.num_heads, self.head_dim, self.options["mini_batch_size"]
+        hd, C = self.head_dim, self.options["mini_batch_size"]
         dev = x.device
         entry = self.read_state(cache) or {}
         state = entry.get("op") or {"M": self.M0[None].expand(B, *self.M0.shape)}
@@ -96,14 +97,9 @@ class TitansMixer(RecurrentMixer):
         seg = entry.get("seg")
         # real tokens at slots n0 + rank: slot chunk c is segment c of every sample, whatever its padding
         real = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask.bool()
-        slot = n0[:, None] + real.long().cumsum(1) - 1
-        total = n0 + real.long().sum(1)
-        N = max(1, -(-int(total.max().item()) // C))
-        bi, ti = real.nonzero(as_tuple=True)
-        si = slot[bi, ti]
-        new_valid = torch.zeros(B, N * C, dtype=torch.bool, device=dev)
-        new_valid[bi, si] = True
-        xs = x.new_zeros(B, N * C, x.shape[-1]).index_put((bi, si), x[bi, ti])
+        grid = slot_grid(real, n0, C, fresh="n" not in state)
+        N, new_valid = grid.L // C, grid.valid
+        xs = grid.to_slots(x)
         q, k, v = (self.split_heads(p(xs)) for p in (self.q_proj, self.k_proj, self.v_proj))
         theta, eta, alpha = self._gates(xs, q.dtype)
         kP = self.split_heads(self.k_proj(self.persistent)[None]).expand(B, -1, -1, -1)
@@ -142,9 +138,10 @@ class TitansMixer(RecurrentMixer):
         o = torch.cat(outs, 1)
         if self.o_norm is not None:
             o = self.o_norm(o)
-        o = o.new_zeros(B, T, H, hd).index_put((bi, ti), o[bi, si])
+        o = grid.from_slots(o)
         if cache is not None:
-            idx = torch.div(total, C, rounding_mode="floor").clamp_max(N - 1)
+            # the segment the next call resumes (the last filled one when the segments end full)
+            idx = torch.div(grid.total, C, rounding_mode="floor").clamp_max(grid.filled_chunks - 1)
             ar = torch.arange(B, device=dev)
             seg_new = {name: torch.stack([b_[name] for b_ in bufs], 0)[idx, ar] for name in bufs[0]}
             self.write_state(cache, {"op": state, "conv": None, "seg": seg_new})
