@@ -16,8 +16,8 @@ For every model, mode (``--modes``), batch (``--batch-sizes``) and prompt length
 prompt ids (seeded, equal for every model):
 
   * ``eager``: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``;
-  * ``static``: the same with ``cache_implementation="static"`` (for llama: transformers' static cache, and its
-    automatic torch.compile of the decode step on CUDA). A model whose generate ignores it (keeps its own cache)
+  * ``static``: the same with ``cache_implementation="static"`` (transformers' static cache for llama, lazoo's
+    static ``LazooCache``; on CUDA generate compiles the decode step for both). A model whose generate ignores it
     gets an ``error`` row rather than eager's timings under the wrong name;
   * ``compile``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, then eager generate.
 
@@ -170,11 +170,16 @@ def prompt_ids(batch, prompt, vocab, seed):
     return torch.randint(0, vocab, (batch, prompt), generator=gen)
 
 
-def generate_kwargs(mode, new_tokens):
+def generate_kwargs(mode, new_tokens, cache_length=None):
+    """``cache_length``: the static cache's size for every call of a setting (prompt + N). Without it transformers
+    sizes each call's cache to that call, so the warm-up's and the prefill's shorter caches would be new caches to
+    compile for, inside the timed runs."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True)
     if mode == "static":
         kwargs["cache_implementation"] = "static"
+        if cache_length:
+            kwargs["max_cache_len"] = cache_length
     return kwargs
 
 
@@ -187,10 +192,10 @@ def output_cache(out):
     return None
 
 
-def generate_once(model, ids, mode, new_tokens):
+def generate_once(model, ids, mode, new_tokens, cache_length=None):
     """One generate call: (seconds, output). Synchronised on CUDA so the time covers the device work."""
     mask = torch.ones_like(ids)
-    kwargs = generate_kwargs(mode, new_tokens)
+    kwargs = generate_kwargs(mode, new_tokens, cache_length)
     sync(ids.device.type)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, **kwargs)
@@ -204,36 +209,31 @@ def check_output(out, mode, prompt, new_tokens):
     made = out.sequences.shape[1] - prompt
     if made != new_tokens:
         raise RuntimeError(f"generate made {made} new tokens, not {new_tokens}")
-    cache = type(output_cache(out)).__name__
-    if mode == "static" and "Static" not in cache:
+    cache_object = output_cache(out)
+    cache = type(cache_object).__name__
+    if getattr(cache_object, "static", False):  # lazoo's cache in its static form
+        cache = f"{cache}(static)"
+    if mode == "static" and "Static" not in cache and "(static)" not in cache:
         raise ModeNotApplied(f"static cache not supported: generate kept {cache} "
                              "(transformers ignored cache_implementation='static')")
     return cache
 
 
-def timed_generate(model, ids, mode, new_tokens):
+def timed_generate(model, ids, mode, new_tokens, cache_length=None):
     """(seconds, the cache class generate used) of one checked generate call."""
-    seconds, out = generate_once(model, ids, mode, new_tokens)
+    seconds, out = generate_once(model, ids, mode, new_tokens, cache_length)
     return seconds, check_output(out, mode, ids.shape[1], new_tokens)
-
-
-def size_static_cache(model, mode, length):
-    """Every call of a static setting gets a cache of ``length`` (prompt + N): transformers sizes a new static cache
-    to the longest any earlier call had, so without this the warm-up's shorter cache would be recompiled for in the
-    timed runs, and a long setting's cache would be kept (and attended over) by a later shorter one."""
-    if mode == "static":
-        model._previous_max_cache_length = length
 
 
 def measure_setting(model, ids, args, mode):
     """prefill_ms, total_ms, ms_per_token, tokens_per_s of generating ``args.new_tokens`` after ``ids``."""
     batch, prompt = ids.shape
     N = args.new_tokens
-    size_static_cache(model, mode, prompt + N)
+    length = prompt + N
     if args.warmup_tokens:
-        timed_generate(model, ids, mode, args.warmup_tokens)
-    prefill = [timed_generate(model, ids, mode, 1)[0] for _ in range(args.repeats)]
-    runs = [timed_generate(model, ids, mode, N) for _ in range(args.repeats)]
+        timed_generate(model, ids, mode, args.warmup_tokens, length)
+    prefill = [timed_generate(model, ids, mode, 1, length)[0] for _ in range(args.repeats)]
+    runs = [timed_generate(model, ids, mode, N, length) for _ in range(args.repeats)]
     total = [seconds for seconds, _ in runs]
     t_prefill, t_total = statistics.median(prefill), statistics.median(total)
     decode = t_total - t_prefill

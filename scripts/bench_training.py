@@ -194,9 +194,11 @@ def measure(build, T, args, row):
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16,
                               enabled=args.dtype == "bf16" and accelerator is None)
 
+    forward = torch.compile(model) if row["compiled"] else model
+
     def step():
         with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids).loss
         if accelerator is not None:
             accelerator.backward(loss)
         else:
@@ -256,11 +258,11 @@ def profile_step(step, device, top=15):
     return [[e.key[:120], e.count, round(getattr(e, attr) / 1e3, 3)] for e in events]
 
 
-def run_row(impl, name, build, T, args, budget=None):
+def run_row(impl, name, build, T, args, budget=None, compiled=False):
     """One row; errors (OOM included) and timeouts are recorded, memory is freed either way."""
     B = max(1, args.tokens // T)
     row = {"impl": impl, "model": name, "T": T, "B": B, "tokens_per_step": B * T, "dtype": args.dtype,
-           "parallel": args.parallel,
+           "parallel": args.parallel, "compiled": compiled,
            "params": None, "tokens_per_s": None, "step_ms_median": None, "peak_mem_GiB": None, "error": None}
     budget = args.row_budget if budget is None else min(budget, args.row_budget)
     use_alarm = budget and budget > 0 and hasattr(signal, "SIGALRM")
@@ -352,6 +354,8 @@ def parse_args(argv=None):
                     help="bf16 = autocast with fp32 master weights (default on CUDA); fp32 default on CPU")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny models (hidden 64, 2 layers) for a CPU smoke test")
+    ap.add_argument("--compile", action="store_true",
+                    help="also a row of each lazoo and Llama model under torch.compile(model) (compiled in warm-up)")
     ap.add_argument("--no-llama", action="store_true", help="skip the LlamaForCausalLM (SDPA) rows")
     ap.add_argument("--no-fla", action="store_true", help="skip fla's models")
     ap.add_argument("--fla-budget", type=float, default=120.0,
@@ -376,21 +380,28 @@ def parse_args(argv=None):
         ap.error("no CUDA device: use --device cpu (with --tiny)")
     if args.parallel == "fsdp" and args.device != "cuda":
         ap.error("--parallel fsdp needs CUDA (accelerate turns FSDP on for GPU processes only)")
+    if args.compile and args.parallel != "none":
+        ap.error("--compile runs on one process (--parallel none): compiling a wrapped model is not measured here")
     if args.parallel != "none":
         args.no_fla, args.row_budget = True, 0.0
     return args
 
 
 def report(rows):
-    llama = {r["T"]: r["tokens_per_s"] for r in rows if r["impl"] == "transformers" and r["tokens_per_s"]}
+    # each row against Llama run the same way (eager or compiled)
+    llama = {(r["T"], r.get("compiled", False)): r["tokens_per_s"] for r in rows
+             if r["impl"] == "transformers" and r["tokens_per_s"]}
     print()
     print(f"{'impl':12s} {'model':18s} {'T':>6s} {'B':>3s} {'params':>8s} {'tokens/s':>10s} {'step ms':>9s}"
           f" {'peak GiB':>8s} {'vs llama':>8s}  note")
-    for r in sorted(rows, key=lambda r: (r["T"], r["impl"] != "transformers", r["impl"] != "lazoo", r["model"])):
+    for r in sorted(rows, key=lambda r: (r["T"], r.get("compiled", False), r["impl"] != "transformers",
+                                         r["impl"] != "lazoo", r["model"])):
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        rel = r["tokens_per_s"] / llama[r["T"]] if r["tokens_per_s"] and r["T"] in llama else None
+        key = (r["T"], r.get("compiled", False))
+        rel = r["tokens_per_s"] / llama[key] if r["tokens_per_s"] and key in llama else None
         params = "-" if r["params"] is None else f"{r['params'] / 1e6:.1f}M"
-        print(f"{r['impl']:12s} {r['model']:18s} {r['T']:6d} {r['B']:3d} {params:>8s}"
+        model = r["model"] + (" +compile" if r.get("compiled") else "")
+        print(f"{r['impl']:12s} {model:18s} {r['T']:6d} {r['B']:3d} {params:>8s}"
               f" {fmt(r['tokens_per_s'], ',.0f'):>10s} {fmt(r['step_ms_median'], '.1f'):>9s}"
               f" {fmt(r['peak_mem_GiB'], '.2f'):>8s} {fmt(rel, '.2f'):>8s}  {r['error'] or r.get('note', '')}")
 
@@ -422,12 +433,15 @@ def main(argv=None):
                 json.dump(result, fh, indent=1)
 
     for T in args.lengths:
-        if not args.no_llama:
-            rows.append(run_row("transformers", "llama_sdpa", lambda: llama_model(args.sizes, max_len), T, args))
-            save()
-        for name in args.mechanisms:
-            rows.append(run_row("lazoo", name, lambda name=name: lazoo_model(name, args.sizes, max_len), T, args))
-            save()
+        for compiled in (False, True) if args.compile else (False,):
+            if not args.no_llama:
+                rows.append(run_row("transformers", "llama_sdpa", lambda: llama_model(args.sizes, max_len), T, args,
+                                    compiled=compiled))
+                save()
+            for name in args.mechanisms:
+                rows.append(run_row("lazoo", name, lambda name=name: lazoo_model(name, args.sizes, max_len), T, args,
+                                    compiled=compiled))
+                save()
 
     if want_fla:  # last, under one time budget (autotuning)
         deadline = time.perf_counter() + args.fla_budget

@@ -55,12 +55,12 @@ class MemoryLobe(nn.Module):
         if self.mode == "bidirectional":
             o = self._bidirectional(q, k, v, mask, cache, cu_seqlens)
         else:
-            state = None if cache is None else cache.lobe_states[self.layer_idx]
+            state = None if cache is None else cache.read_lobe_state(self.layer_idx)
             o, new_state = ops.linear_attention(
                 q, k, v, feature_map=self.feature_map, normalize=True, eps=self.eps, initial_state=state,
                 output_final_state=cache is not None, mask=mask, backend=self.backend, cu_seqlens=cu_seqlens)
             if cache is not None:
-                cache.lobe_states[self.layer_idx] = new_state
+                cache.write_lobe_state(self.layer_idx, new_state)
         return o.reshape(B, T, D)
 
     def _bidirectional(self, q, k, v, mask, cache, cu_seqlens):

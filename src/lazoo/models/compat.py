@@ -13,7 +13,8 @@ from dataclasses import fields
 
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-#: the field of transformers' model outputs that holds the cache in the installed release
+#: the field of transformers' model outputs that holds the cache in the installed release (also the name under
+#: which `generate` passes it to the forward)
 CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
 #: names a caller may still use for the cache (older transformers, user code written for it)
 LEGACY_CACHE_NAMES = ("past_key_values", "cache_params")

@@ -25,7 +25,7 @@ from ..layers.memory_lobe import MemoryLobe
 from ..layers.mlp import GatedMLP
 from ..layers.moe import RoutedMoE
 from .cache import LazooCache
-from .compat import CacheAliases, cache_argument, output_cache_kwargs
+from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
 from ..registry import Mechanism, mechanisms, on_register
 from ..registry import get as get_mechanism
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
@@ -193,15 +193,26 @@ def _check_not_empty(name: str, shape) -> None:
         raise ValueError(f"{name} is empty (shape {tuple(shape)}): batch size and sequence length must both be >= 1")
 
 
-def _new_token_mask(attention_mask, batch: int, length: int, past: int):
-    """The `[B, T]` 0/1 mask of the new tokens, from a mask over the new or over past + new positions."""
+def _cached_positions(cache) -> int | None:
+    """The positions a cache has seen, or None where that is a device count that cannot be read here (a static
+    cache while compiled or captured)."""
+    if cache is None:
+        return 0
+    return cache.seen_positions if not cache.static or host_sync_allowed() else None
+
+
+def _new_token_mask(attention_mask, batch: int, length: int, past: int | None):
+    """The `[B, T]` 0/1 mask of the new tokens, from a mask over the new or over past + new positions (the last
+    `T` columns when `past` is not known)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
         raise ValueError(
             f"attention_mask must be 2-D [batch, sequence] with 1 for real tokens, got shape {tuple(attention_mask.shape)}"
         )
-    if attention_mask.shape[1] == past + length:
+    if past is None and attention_mask.shape[1] > length:
+        attention_mask = attention_mask[:, -length:]
+    elif past is not None and attention_mask.shape[1] == past + length:
         attention_mask = attention_mask[:, past:]
     elif attention_mask.shape[1] != length:
         raise ValueError(
@@ -276,8 +287,10 @@ class LazooModel(LazooPreTrainedModel):
         )
 
         B, T = inputs_embeds.shape[:2]
-        past = cache.seen_positions if cache is not None else 0
-        new_mask = _new_token_mask(attention_mask, B, T, past)
+        if cache is not None and cache.real_tokens is not None and cache.real_tokens.shape[0] != B:
+            raise ValueError(f"the cache holds {cache.real_tokens.shape[0]} sequences but the input has {B}: a cache "
+                             "keeps its batch (start a new cache, or select its rows with reorder_cache)")
+        new_mask = _new_token_mask(attention_mask, B, T, _cached_positions(cache))
         real = new_mask.long() if new_mask is not None else inputs_embeds.new_ones(B, T, dtype=torch.long)
         offset = cache.real_tokens if cache is not None and cache.real_tokens is not None else real.new_zeros(B)
         if position_ids is None:
@@ -300,8 +313,7 @@ class LazooModel(LazooPreTrainedModel):
         if output_hidden_states:
             all_hidden = all_hidden[:-1] + (hidden_states,)
         if cache is not None:
-            cache.seen_positions = past + T
-            cache.real_tokens = offset + real.sum(1)
+            cache.advance(T, real.sum(1))
         aux_loss = torch.stack([a.to(hidden_states.device) for a in aux_losses]).mean() if aux_losses else None
         return LazooModelOutputWithPast(
             last_hidden_state=hidden_states, hidden_states=all_hidden, aux_loss=aux_loss, **output_cache_kwargs(cache)
@@ -315,8 +327,8 @@ class LazooModel(LazooPreTrainedModel):
     def _packed_boundaries(position_ids, attention_mask, cache, inputs_embeds):
         """`cu_seqlens` `[N + 1]` of packed sequences, or None: B = 1, no padding, no cached tokens, and
         `position_ids` that restart at 0 after the first token."""
-        if position_ids is None or inputs_embeds.shape[0] != 1 or position_ids.dim() != 2:
-            return None
+        if position_ids is None or inputs_embeds.shape[0] != 1 or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+            return None  # (one token, as in a decode step, is no packing)
         if cache is not None and cache.seen_positions:
             return None  # decoding after a prompt: positions continue the cache
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -348,6 +360,43 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' cache preparation, plus `cache_implementation="static"`: a `LazooCache(static=True)` of
+        `max_length` positions (or `generation_config.max_cache_len` if larger), which `generate` then compiles
+        its decode steps against on CUDA. Other cache implementations are transformers' attention caches, which
+        lazoo layers cannot use: they are refused."""
+        implementation = generation_config.cache_implementation
+        user_cache = any(model_kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
+        if implementation is None or user_cache or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if implementation != "static":
+            raise ValueError(f"lazoo models keep their own cache: cache_implementation may be 'static' (a cache of "
+                             f"fixed shapes, for compiled decoding) or None, not {implementation!r}")
+        # generate's positional arguments after these two: generation_mode, batch_size, max_cache_length
+        batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        max_length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+        max_length = max(max_length or 0, getattr(generation_config, "max_cache_len", None) or 0) or None
+        batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, max_length)
+
+    def _static_cache(self, batch_size: int, max_cache_len: int | None) -> LazooCache:
+        """The static cache of the last `generate` of this batch size, length, dtype and device, reset (its buffers,
+        and so the compiled decode step captured on them, are reused: as transformers does with its StaticCache),
+        else a new one."""
+        key = (batch_size, max_cache_len, self.dtype, self.device)
+        cache = getattr(self, "_lazoo_static_cache", None)
+        if cache is None or self._lazoo_static_cache_key != key:
+            cache = LazooCache(self.config.num_hidden_layers, static=True, max_cache_len=max_cache_len)
+            self._lazoo_static_cache, self._lazoo_static_cache_key = cache, key
+        else:
+            cache.reset()
+        return cache
+
+    def create_masks_for_generate(self, config=None, inputs_embeds=None, attention_mask=None, **kwargs):
+        """transformers (before 5.24) turns the 2-D mask into 4-D attention masks for a compileable cache; lazoo
+        layers read the 2-D mask and build their own, so it passes unchanged."""
+        return attention_mask
+
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):
         """transformers' preparation, with the prompt's new positions counted from lazoo's own cache when
@@ -369,9 +418,16 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
                                  f"attention mask) cover only {total}: pass the whole sequence the cache was built on "
                                  "plus at least one new token")
             next_sequence_length = fresh
-        return super().prepare_inputs_for_generation(
+        inputs = super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
+        mask = inputs.get("attention_mask")
+        if isinstance(cache, LazooCache) and cache.static and isinstance(mask, torch.Tensor):
+            # the mask of the new tokens only: one shape at every decode step (the whole mask grows by one each step,
+            # and a compiled step would be compiled again); a copy, since a slice keeps the growing mask's strides
+            length = (inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"])
+            inputs["attention_mask"] = mask[:, -length.shape[1]:].clone(memory_format=torch.contiguous_format)
+        return inputs
 
     @can_return_tuple
     def forward(

@@ -23,6 +23,7 @@ from ._common import (
     check_state_dict,
     check_state_tensor,
     compute_dtype,
+    host_sync_allowed,
     op_result,
     packed_sequence_ids,
     prepare_inputs,
@@ -141,6 +142,23 @@ def kv_cache_state(keys, values, key_mask, window: int | None) -> dict:
         return state
     keep = window - 1
     return {name: x[:, x.shape[1] - min(keep, x.shape[1]):] for name, x in state.items()}
+
+
+def fit_kv_cache(state: dict, length: int) -> dict:
+    """A KV-cache state ``{"k", "v", "mask"}`` of exactly ``length`` positions, for a cache whose tensors keep one
+    shape (``LazooCache(static=True)``): the last ``length`` positions, after masked zero slots when fewer were seen.
+    Masked slots take no part in attention, and only relative positions matter, so the outputs do not change.
+    Dropping a real position raises (where host syncs are allowed: not while compiled or captured)."""
+    n = state["k"].shape[1]
+    if n > length:
+        if host_sync_allowed() and bool(state["mask"][:, :n - length].any()):
+            raise ValueError(f"the static cache keeps {length} positions (max_cache_len) and this forward goes past "
+                             "them: use a cache with a larger max_cache_len (generate sizes it to max_length)")
+        return {name: x[:, n - length:] for name, x in state.items()}
+    if n < length:
+        return {name: torch.cat([x.new_zeros(x.shape[0], length - n, *x.shape[2:]), x], dim=1)
+                for name, x in state.items()}
+    return state
 
 
 def visible_keys(query_mask, key_mask, Tc: int, window: int | None) -> torch.Tensor:

@@ -106,6 +106,9 @@ class AttentionMixer(TokenMixer):
         self.write_state(cache, state)
         return self.o_proj(self.merge_heads(o))
 
+    def kv_cache_length(self) -> int | None:
+        return None if self.window is None else self.window - 1
+
     def _project(self, x):
         """q `[B, T, num_heads, D]`, k and v `[B, T, num_kv_heads, D]`."""
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))

@@ -171,11 +171,16 @@ class TokenMixer(nn.Module):
         return x.reshape(*x.shape[:2], -1)
 
     def read_state(self, cache):
-        return None if cache is None else cache.states[self.layer_idx]
+        return None if cache is None else cache.read_state(self.layer_idx)
 
     def write_state(self, cache, state):
         if cache is not None:
-            cache.states[self.layer_idx] = state
+            cache.write_state(self.layer_idx, state, kv_length=self.kv_cache_length())
+
+    def kv_cache_length(self) -> int | None:
+        """Positions a KV-cache part of this mixer's state keeps (`window - 1`), or None when it keeps them all.
+        A static cache holds such a part at this length (None: its max_cache_len)."""
+        return None
 
     def _init_lazoo_parameters(self, init) -> None:
         """Initialise parameters that are not plain Linear/Embedding/Norm weights (called by the model's

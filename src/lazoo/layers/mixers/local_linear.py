@@ -71,6 +71,10 @@ class LocalLinearMixer(RecurrentMixer):
         columns, _ = torch.linalg.qr(torch.randn(H, dk, r, dtype=torch.float64))  # [H, dk, r], orthonormal columns
         set_parameter(self.slope_projection, columns.transpose(1, 2) * math.sqrt(dk / r), init)
 
+    def kv_cache_length(self) -> int | None:
+        window = self.options["window"]
+        return None if window is None else window - 1
+
     def mix(self, q, k, v, x, *, mask, state, want_state):
         o = self.options
         q, k = unit_norm(q), unit_norm(k)
