@@ -14,7 +14,8 @@ ENDS="${1:-both}"
 [ "$ENDS" = both ] && ENDS="oldest newest"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TESTS=(tests/test_compat.py tests/test_models.py tests/test_export.py tests/test_peft.py tests/test_trainer.py
-       tests/test_seqcls.py tests/test_eval.py tests/test_vision_models.py tests/test_optional_deps.py)
+       tests/test_seqcls.py tests/test_eval.py tests/test_vision_models.py tests/test_optional_deps.py
+       tests/test_static_cache.py)
 
 setup() {  # setup END: create or update .venv-END, print its versions
   (
