@@ -79,6 +79,19 @@ def test_auto_on_cuda_logs_once_per_op(caplog, monkeypatch):
     assert len(messages) == 2 and "some_op" in messages[0] and "Triton" in messages[0]
 
 
+def test_the_fallback_note_waits_for_an_eager_call_while_compiled(caplog, monkeypatch):
+    """A log call inside a compiled region is a graph break: the note is said by the first eager call instead."""
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    monkeypatch.setattr(_common, "_FALLBACK_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger="lazoo"):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert _common.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
+        assert not caplog.records
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+        assert _common.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
+    assert len(caplog.records) == 1 and "some_op" in caplog.records[0].getMessage()
+
+
 @pytest.mark.parametrize("name", OPS)
 def test_shape_dtype_and_mask_errors_name_the_argument(name):
     x = make()

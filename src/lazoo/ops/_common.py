@@ -48,7 +48,8 @@ def resolve_backend(op: str, backend: str | None, device: torch.device, triton_u
         if device.type == "cuda":
             if triton_unsupported is None:
                 return "triton"
-            if log_fallback and op not in _FALLBACK_LOGGED:
+            # (not while compiled: a log call breaks the graph; the eager run says it)
+            if log_fallback and op not in _FALLBACK_LOGGED and not torch.compiler.is_compiling():
                 _FALLBACK_LOGGED.add(op)
                 logger.warning("%s: %s; using the PyTorch chunk form.", op, triton_unsupported)
         return "chunk"
