@@ -213,7 +213,7 @@ def check_output(out, mode, prompt, new_tokens):
     cache = type(cache_object).__name__
     if getattr(cache_object, "static", False):  # lazoo's cache in its static form
         cache = f"{cache}(static)"
-    if mode == "static" and "Static" not in cache and "(static)" not in cache:
+    if mode == "static" and not cache.endswith(("StaticCache", "(static)")):
         raise ModeNotApplied(f"static cache not supported: generate kept {cache} "
                              "(transformers ignored cache_implementation='static')")
     return cache

@@ -327,10 +327,10 @@ class LazooModel(LazooPreTrainedModel):
     def _packed_boundaries(position_ids, attention_mask, cache, inputs_embeds):
         """`cu_seqlens` `[N + 1]` of packed sequences, or None: B = 1, no padding, no cached tokens, and
         `position_ids` that restart at 0 after the first token."""
-        if position_ids is None or inputs_embeds.shape[0] != 1 or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-            return None  # (one token, as in a decode step, is no packing)
-        if cache is not None and cache.seen_positions:
-            return None  # decoding after a prompt: positions continue the cache
+        if position_ids is None or inputs_embeds.shape[0] != 1 or position_ids.dim() != 2:
+            return None
+        if position_ids.shape[1] < 2 or _cached_positions(cache) != 0:
+            return None  # one token, or decoding after a prompt (unknown while compiled): positions continue
         if attention_mask is not None and not bool(attention_mask.all()):
             return None  # a padded row (generate's position_ids put 1 on pads): not packing
         return cu_seqlens_from_position_ids(position_ids.to(inputs_embeds.device))
