@@ -2,6 +2,9 @@
 give the eager tokens, a compiled training step gives the eager loss and gradients, and the recurrent mechanisms trace
 with no graph break. Run with `pytest -m gpu`."""
 
+import copy
+import statistics
+
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -76,7 +79,7 @@ def loss_and_grads(model, forward, ids, bf16):
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         loss = forward(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.double().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.item(), grads
 
@@ -86,24 +89,37 @@ def relative_errors(grads, reference):
     return {n: ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in reference.items()}
 
 
+def float64_reference(model, ids):
+    """The loss and gradients of a float64 copy (the ops' PyTorch forms: the Triton kernels take no float64)."""
+    reference = copy.deepcopy(model).double()
+    return loss_and_grads(reference, reference, ids, bf16=False)
+
+
 @pytest.mark.parametrize("name", RECURRENT + ["sw-gdn"])
 def test_compiled_training_step_equals_eager(name):
+    """Compiled and eager are both held to a float64 copy of the model: the compiled step must be as close to it as
+    the eager step is, gradient by gradient. (Compiled and eager need not run the same kernels: OVQ's compiled
+    form is its chunk form, closer to float64 in float32 than its Triton form's TF32 products.)"""
     model = make_model(name).train()
     compiled = torch.compile(model)
     ids = torch.randint(1, VOCAB, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    # float32: the compiled step computes what the eager one does
+    ref_loss, ref_grads = float64_reference(model, ids)
+    # float32: every gradient within twice the eager one's distance from float64, or 1e-4
     loss, grads = loss_and_grads(model, model, ids, bf16=False)
     compiled_loss, compiled_grads = loss_and_grads(model, compiled, ids, bf16=False)
-    assert abs(compiled_loss - loss) <= 1e-5 * abs(loss)
-    worst = max(relative_errors(compiled_grads, grads).items(), key=lambda item: item[1])
-    assert worst[1] < 1e-3, worst
-    # bf16 autocast: the compiler rounds where it fuses, so single gradients (a decay's, summed over every token)
-    # can move by 10-20 %; the loss stays within bf16 precision and the typical gradient within a few %
+    assert abs(compiled_loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    eager_errors, compiled_errors = relative_errors(grads, ref_grads), relative_errors(compiled_grads, ref_grads)
+    worse = {n: (e, eager_errors[n]) for n, e in compiled_errors.items() if e > 2 * eager_errors[n] + 1e-4}
+    assert not worse, worse
+    # bf16 autocast: the compiler rounds where it fuses, and a discrete choice (vq's nearest code) can flip, so
+    # single gradients move by 10-20 %; the loss and the median gradient stay as close to float64 as eager's
     loss, grads = loss_and_grads(model, model, ids, bf16=True)
     compiled_loss, compiled_grads = loss_and_grads(model, compiled, ids, bf16=True)
-    assert abs(compiled_loss - loss) <= 2e-3 * abs(loss)
-    errors = sorted(relative_errors(compiled_grads, grads).values())
-    assert errors[len(errors) // 2] < 0.06, errors
+    assert abs(compiled_loss - ref_loss) <= 2 * abs(loss - ref_loss) + 2e-3 * abs(ref_loss)
+    median = lambda errors: statistics.median(errors.values())  # noqa: E731
+    eager_median = median(relative_errors(grads, ref_grads))
+    compiled_median = median(relative_errors(compiled_grads, ref_grads))
+    assert compiled_median <= 2 * eager_median + 0.02, (compiled_median, eager_median)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 

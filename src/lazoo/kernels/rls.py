@@ -376,7 +376,9 @@ class RLSPrecisionFunction(torch.autograd.Function):
             z = rls_solve(A, k, q, chunk)
         rho = chunk_end_residual(q, z, A, gram, chunk) if check else z.new_zeros(0)
         ctx.mark_non_differentiable(rho)
-        return z.to(out_dtype), rho
+        # fp32 z is returned as the tensor itself: under torch.compile (dynamo, PyTorch 2.11), returning `z.to(fp32)`,
+        # an alias of a saved tensor, made the backward's gradients vanish
+        return (z if z.dtype == out_dtype else z.to(out_dtype)), rho
 
     @staticmethod
     def backward(ctx, dz, _drho):
