@@ -118,9 +118,15 @@ def _ops():
             io=(5, 9),
             grads=("q", "k", "v", "g"),
         ),
-        "ela_sum_sq_euclid": Op(  # linear attention on D + 2 features (the kernel pads them)
+        # the polynomial kernels: the kernel on D features in the inputs' dtype, the 1-2 scalar features as fp32
+        # prefix sums (ops.ela's split form)
+        "ela_sum_sq_euclid": Op(
             make=qkv,
             ours=lambda x: ops.ela(x["q"], x["k"], x["v"], kernel="sum_sq_euclid", backend="triton")[0],
+        ),
+        "ela_magnitude_direction": Op(
+            make=qkv,
+            ours=lambda x: ops.ela(x["q"], x["k"], x["v"], kernel="magnitude_direction", backend="triton")[0],
         ),
         "ela_hadamard_exp": Op(  # a running max per feature: a per-feature decay, through gla's kernels
             make=qkv,

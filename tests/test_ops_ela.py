@@ -277,3 +277,17 @@ def test_cuda_auto_backend_matches_reference(kernel):
     for dtype in (torch.bfloat16, torch.float16):
         o, s = ela(*(x.cuda().to(dtype) for x in (q * 40, k * 40, v)), kernel="hadamard_exp", output_final_state=True)
         assert o.dtype == dtype and torch.isfinite(o).all() and all(x.dtype == torch.float32 for x in s.values())
+    # bf16 against float64 on the same rounded inputs: the polynomial kernels' split form (D features in the kernel in
+    # bf16, the scalars in fp32) and hadamard_exp's bf16 features
+    rounded = {n: x.to(torch.bfloat16).to(F64).requires_grad_(True) for n, x in (("q", q), ("k", k), ("v", v))}
+    o_r, s_r, g_r = forward_and_grads(lambda: ela(rounded["q"], rounded["k"], rounded["v"], kernel=kernel,
+                                                  mask=mask, output_final_state=True, backend="recurrent"),
+                                      rounded)
+    cu = {n: x.detach().cuda().to(torch.bfloat16).requires_grad_(True) for n, x in (("q", q), ("k", k), ("v", v))}
+    o, s, g = forward_and_grads(lambda: ela(cu["q"], cu["k"], cu["v"], kernel=kernel, mask=mask.cuda(),
+                                            output_final_state=True), cu)
+    assert o.dtype == torch.bfloat16
+    assert_close(o.cpu(), o_r, 1e-2, "bf16 output")
+    assert_state_close({key: x.cpu() for key, x in s.items()}, s_r, 1e-2, "bf16 state")
+    for name in g_r:
+        assert_close(g[name].cpu(), g_r[name], 3e-2, f"bf16 grad {name}")

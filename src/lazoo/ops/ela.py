@@ -47,7 +47,11 @@ them). The bidirectional form uses the largest real key per feature over the who
 
 Backends: the causal forms run ``linear_attention`` (polynomial kernels, feature_map="identity",
 normalize=True) or ``gla`` (hadamard_exp) on the feature tensors, with ``backend`` passed through, so
-the chunk forms, the step-by-step references and the Triton kernels (auto on CUDA) are theirs. The
+the chunk forms, the step-by-step references and the Triton kernels (auto on CUDA) are theirs. On the
+Triton backend with fp32 or bf16 inputs, a polynomial kernel splits its features as φ(q) = [q', a],
+ψ(k) = [k', c] (D scaled inputs and 1-2 scalars a token): the linear-attention kernel runs on the
+D-dim part in the inputs' precision, and ``lazoo.kernels.ela`` adds the scalar features and the
+normaliser in one pass over time in fp32 (``_causal_poly_split``): the same sums in another order. The
 bidirectional form is two matmuls on every backend except "recurrent", which sums token by token
 (the reference).
 """
@@ -69,7 +73,7 @@ from ._common import (
     without_autocast,
     zero_masked,
 )
-from .linear import gla_as, linear_attention_as
+from .linear import gla_as, linear_attention_as, linear_kernel_unsupported
 
 __all__ = ["ELA_KERNELS", "ela", "ela_feature_dim", "ela_features", "ela_kernel"]
 
@@ -88,13 +92,19 @@ def ela_features(kernel: str, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.T
     _check_kernel("ela", kernel)
     if kernel == "hadamard_exp":
         return q.exp(), k.exp()
+    q1, k1, a, c = _poly_parts(kernel, q, k)
+    return torch.cat([q1, a], -1), torch.cat([k1, c], -1)
+
+
+def _poly_parts(kernel: str, q: torch.Tensor, k: torch.Tensor):
+    """A polynomial kernel's features split as φ(q) = [q', a], ψ(k) = [k', c]: ``q'``, ``k'`` ``[..., D]`` (the
+    scaled inputs) and ``a``, ``c`` ``[..., E]`` (E = 2 or 1 scalar features a token)."""
     qq = (q * q).sum(-1, keepdim=True)
     kk = (k * k).sum(-1, keepdim=True)
-    one_q, one_k = torch.ones_like(qq), torch.ones_like(kk)
-    if kernel == "magnitude_direction":
-        return (qq + 1) * torch.cat([q, one_q], -1), (kk + 1) * torch.cat([k, one_k], -1)
-    sign = 2.0 if kernel == "sum_sq_euclid" else -2.0
-    return torch.cat([q, qq, one_q], -1), torch.cat([sign * k, one_k, kk], -1)
+    if kernel == "magnitude_direction":  # (‖a‖²+1)[a; 1] · (‖b‖²+1)[b; 1]
+        return (qq + 1) * q, (kk + 1) * k, qq + 1, kk + 1
+    sign = 2.0 if kernel == "sum_sq_euclid" else -2.0  # [a, ‖a‖², 1] · [±2b, 1, ‖b‖²]
+    return q, sign * k, torch.cat([qq, torch.ones_like(qq)], -1), torch.cat([torch.ones_like(kk), kk], -1)
 
 
 def ela_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -151,6 +161,11 @@ def ela(
     q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
     if kernel == "hadamard_exp":
         o, final = _causal_exp(q_c, k_c, v_c, eps, chunk_size, state, output_final_state, mask, backend)
+    elif q.dtype != torch.float16 and resolve_backend(op, backend, q.device,
+                                                      linear_kernel_unsupported(q, v)) == "triton":
+        # the numerator leaves the kernel unnormalised, in the inputs' dtype: fp16's range (6.5e4) would not hold
+        # it (magnitude_direction is cubic), so fp16 keeps the fp32 feature path below
+        o, final = _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cdt)
     else:
         fq, fk = ela_features(kernel, q_c, k_c)
         inner = None if state is None else {"S": state["S"], "z": state["C"]}
@@ -159,6 +174,38 @@ def ela(
                                     mask=mask, backend=backend, cu_seqlens=None)
         final = None if st is None else {"S": st["S"], "C": st["z"]}
     return op_result(o, mask, v.dtype, final, output_final_state)
+
+
+# ============================================================================ causal polynomial kernels, Triton
+def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cdt):
+    """φ(q)·ψ(k) = q'·k' + a·c: the D-feature numerator on the linear-attention kernel in the inputs' precision (no
+    D + 2 features padded to 2D inside it), then the scalar features and the normaliser on ``lazoo.kernels.ela``:
+
+        num_i = q'_i S'_i + Σ_e a_ie Σ_{j≤i} c_je v_j,     den_i = q'_i·Σ_{j≤i} k'_j + Σ_e a_ie Σ_{j≤i} c_je
+
+    The state keeps the feature layout (S = [S', Σ v cᵀ], C = [Σ k', Σ c]): decoding and caches are unchanged."""
+    from ..kernels.ela import ela_prefix
+
+    D = q.shape[-1]
+    q1, k1, a, c = _poly_parts(kernel, q.to(cdt), k.to(cdt))
+    # the kernels' operands in the inputs' precision; the normaliser uses the same rounded values
+    q1, k1 = q1.to(q.dtype), zero_masked(k1, mask).to(q.dtype)
+    c = zero_masked(c, mask)
+    S0 = carries = None
+    if state is not None:
+        S0 = state["S"][..., :D].contiguous()
+        carries = (state["C"][..., :D], state["C"][..., D:], state["S"][..., D:].transpose(-1, -2))
+    o_main, S_main = linear_attention_as("ela", q1, k1, v, feature_map="identity", normalize=False, eps=eps,
+                                         chunk_size=64, initial_state=S0, output_final_state=output_final_state,
+                                         mask=mask, backend="triton", cu_seqlens=None)
+    o, _, final_carries = ela_prefix(q1, k1, a, c, v, o_main, eps=eps, initial_state=carries,
+                                     output_final_state=output_final_state)
+    final = None
+    if output_final_state:
+        Kc, Cc, W = final_carries
+        final = {"S": torch.cat([S_main.to(cdt), W.transpose(-1, -2).to(cdt)], -1),
+                 "C": torch.cat([Kc, Cc], -1).to(cdt)}
+    return o, final
 
 
 # ============================================================================ causal hadamard_exp
