@@ -187,10 +187,8 @@ def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cd
     from ..kernels.ela import ela_prefix
 
     D = q.shape[-1]
-    q1, k1, a, c = _poly_parts(kernel, q.to(cdt), k.to(cdt))
-    # the kernels' operands in the inputs' precision; the normaliser uses the same rounded values
-    q1, k1 = q1.to(q.dtype), zero_masked(k1, mask).to(q.dtype)
-    c = zero_masked(c, mask)
+    q1, k1, a, c = _split_parts(kernel, q, k)
+    k1, c = zero_masked(k1, mask), zero_masked(c, mask)
     S0 = carries = None
     if state is not None:
         S0 = state["S"][..., :D].contiguous()
@@ -206,6 +204,19 @@ def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cd
         final = {"S": torch.cat([S_main.to(cdt), W.transpose(-1, -2).to(cdt)], -1),
                  "C": torch.cat([Kc, Cc], -1).to(cdt)}
     return o, final
+
+
+def _split_parts(kernel, q, k):
+    """``_poly_parts`` for the split form: q', k' in the inputs' dtype (the kernels' operands; sum/sub_sq_euclid: q
+    and ±2k, exact; magnitude_direction: the scaled inputs, rounded once), a, c in fp32. The squared norms are summed
+    in fp32 straight from q and k (no fp32 copy of either)."""
+    qq = torch.linalg.vector_norm(q, dim=-1, keepdim=True, dtype=torch.float32).square()
+    kk = torch.linalg.vector_norm(k, dim=-1, keepdim=True, dtype=torch.float32).square()
+    if kernel == "magnitude_direction":
+        return ((qq + 1) * q).to(q.dtype), ((kk + 1) * k).to(k.dtype), qq + 1, kk + 1
+    sign = 2.0 if kernel == "sum_sq_euclid" else -2.0
+    ones = torch.ones_like(qq)
+    return q, sign * k, torch.cat([qq, ones], -1), torch.cat([ones, kk], -1)
 
 
 # ============================================================================ causal hadamard_exp
