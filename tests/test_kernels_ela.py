@@ -1,7 +1,8 @@
 """Triton kernels of ELA's normaliser and scalar features (lazoo.kernels.ela) against a float64 token-by-token loop:
 the output, the denominators, the final carries and the gradients of every input (the initial carries included),
-E = 1 and 2 scalar features, ragged T, dims that are not a power of two, with and without initial carries and with
-a gradient on the final carries; a denominator below eps (the clamp passes no gradient).
+for the three polynomial kernels (features formed in the kernel), ragged T, pads, dims that are not a power of two,
+with and without initial carries, a gradient on the final carries, several segments of time run in parallel; a
+denominator below eps (the clamp passes no gradient).
 
 CPU (default run): ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported, so
 ``test_ela_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
@@ -22,12 +23,20 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 F64 = torch.float64
 
 
-def loop_reference(q1, k1, a, c, v, om, eps, init):
-    """(o, den, (Kc, Cc, W)) one token at a time, in the inputs' dtype (float64 here)."""
-    B, T, H, D = q1.shape
+KERNELS = ["sum_sq_euclid", "sub_sq_euclid", "magnitude_direction"]
+
+
+def loop_reference(kernel, q, k, v, om, mask, eps, init):
+    """(o, den, (Kc, Cc, W)) one token at a time, from the features of ``ops.ela`` (float64 here)."""
+    from lazoo.ops.ela import _poly_parts
+
+    B, T, H, D = q.shape
+    q1, k1, a, c = _poly_parts(kernel, q, k)
+    if mask is not None:  # a pad adds nothing (q and k are zero there already)
+        c = c * mask[:, :, None, None]
     E, V = a.shape[-1], v.shape[-1]
     if init is None:
-        kc, cc, w = (torch.zeros(s, dtype=q1.dtype) for s in ((B, H, D), (B, H, E), (B, H, E, V)))
+        kc, cc, w = (torch.zeros(s, dtype=q.dtype) for s in ((B, H, D), (B, H, E), (B, H, E, V)))
     else:
         kc, cc, w = init
     outs, dens = [], []
@@ -42,64 +51,73 @@ def loop_reference(q1, k1, a, c, v, om, eps, init):
     return torch.stack(outs, 1), torch.stack(dens, 1), (kc, cc, w)
 
 
-def make(B, T, H, D, V, E, seed, dtype, with_init, low_den=False):
+def make(kernel, B, T, H, D, V, seed, dtype, with_init, low_den, masked):
     gen = torch.Generator().manual_seed(seed)
-    q1 = torch.randn(B, T, H, D, generator=gen, dtype=F64) * 0.2  # denominators kept away from 0: a·Cc ~ t leads
-    k1 = torch.randn(B, T, H, D, generator=gen, dtype=F64)
-    a = torch.rand(B, T, H, E, generator=gen, dtype=F64) + 0.5
-    c = torch.rand(B, T, H, E, generator=gen, dtype=F64) + 0.5
+    q = torch.randn(B, T, H, D, generator=gen, dtype=F64) * 0.3
+    k = torch.randn(B, T, H, D, generator=gen, dtype=F64) * 0.3
     v = torch.randn(B, T, H, V, generator=gen, dtype=F64)
     om = torch.randn(B, T, H, V, generator=gen, dtype=F64)
-    if low_den:  # denominators on both sides of eps: q' = ±(the keys' running sum), tiny scalar features
+    if low_den:  # magnitude_direction with q = ±3u, k = u: each term is (9+1)·2·(±3+1), of either sign
+        u = torch.nn.functional.normalize(torch.randn(B, 1, H, D, generator=gen, dtype=F64), dim=-1)
         sign = 1.0 - 2.0 * (torch.arange(T, dtype=F64) % 2)
-        q1 = k1.cumsum(1) * 0.3 * sign[None, :, None, None]
-        a, c = a * 1e-3, c * 1e-3
+        q, k = 3.0 * sign[None, :, None, None] * u.expand(B, T, H, D), u.expand(B, T, H, D).clone()
+    mask = None
+    if masked:  # left padding of different lengths and a hole
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[0, : T // 3] = False
+        mask[-1, T // 2: T // 2 + 2] = False
+        q, k, v = (x * mask[:, :, None, None] for x in (q, k, v))
+    E = 1 if kernel == "magnitude_direction" else 2
     init = None
     if with_init:
         init = (torch.randn(B, H, D, generator=gen, dtype=F64), torch.rand(B, H, E, generator=gen, dtype=F64) + 1,
                 torch.randn(B, H, E, V, generator=gen, dtype=F64))
     # 16-bit tensors are rounded once; the reference runs on the rounded values
-    q1, k1, v, om = (x.to(dtype).to(F64) for x in (q1, k1, v, om))
-    return [q1, k1, a, c, v, om], init
+    q, k, v, om = (x.to(dtype).to(F64) for x in (q, k, v, om))
+    return [q, k, v, om], mask, init
 
 
-def check(B, T, H, D, V, E, *, dtype=torch.float32, with_init=False, final_grad=False, low_den=False, tol=5e-5,
-          device="cpu", seed=0, segment=None):
+def check(kernel, B, T, H, D, V, *, dtype=torch.float32, with_init=False, final_grad=False, low_den=False,
+          masked=True, tol=5e-5, device="cpu", seed=0, segment=None):
     from lazoo.kernels.ela import ela_prefix
 
     eps = 1e-3 if low_den else 1e-6
-    inputs, init = make(B, T, H, D, V, E, seed, dtype, with_init, low_den)
+    inputs, mask, init = make(kernel, B, T, H, D, V, seed, dtype, with_init, low_den, masked)
+    E = 1 if kernel == "magnitude_direction" else 2
     gen = torch.Generator().manual_seed(seed + 100)
     proj = torch.randn(B, T, H, V, generator=gen, dtype=F64)
     proj_final = [torch.randn(s, generator=gen, dtype=F64) for s in ((B, H, D), (B, H, E), (B, H, E, V))]
 
     ref_in = [x.clone().requires_grad_() for x in inputs]
     ref_init = None if init is None else [x.clone().requires_grad_() for x in init]
-    o_r, den_r, fin_r = loop_reference(*ref_in, eps, ref_init)
-    loss = (o_r * proj).sum() + (sum((f * p).sum() for f, p in zip(fin_r, proj_final)) if final_grad else 0)
-    leaves = ref_in + (ref_init or [])
-    grads_r = torch.autograd.grad(loss, leaves)
+    o_r, den_r, fin_r = loop_reference(kernel, *ref_in, mask, eps, ref_init)
+    real = 1.0 if mask is None else mask[:, :, None, None]  # the op zeroes pads' outputs; so does this check
+    loss = (o_r * proj * real).sum() + (sum((f * p).sum() for f, p in zip(fin_r, proj_final)) if final_grad else 0)
+    grads_r = torch.autograd.grad(loss, ref_in + (ref_init or []))
 
-    kd = [x.to(dtype if i in (0, 1, 4, 5) else torch.float32).to(device).requires_grad_()
-          for i, x in enumerate(inputs)]
+    kd = [x.to(dtype).to(device).requires_grad_() for x in inputs]
     k_init = None if init is None else [x.float().to(device).requires_grad_() for x in init]
-    o, den, fin = ela_prefix(*kd, eps=eps, initial_state=k_init, output_final_state=True, segment=segment)
-    assert o.dtype == kd[4].dtype and den.dtype == torch.float32
-    loss = (o.to(F64) * proj.to(device)).sum()
+    o, den, fin = ela_prefix(*kd, kernel=kernel, eps=eps, mask=None if mask is None else mask.to(device),
+                             initial_state=k_init, output_final_state=True, segment=segment)
+    assert o.dtype == dtype and den.dtype == torch.float32
+    loss = (o.to(F64) * (proj * real).to(device)).sum()
     if final_grad:
         loss = loss + sum((f.to(F64) * p.to(device)).sum() for f, p in zip(fin, proj_final))
     grads = torch.autograd.grad(loss, kd + (k_init or []))
 
-    def rel(got, want):
-        return ((got.detach().cpu().to(F64) - want.detach()).norm() / want.detach().norm().clamp_min(1e-30)).item()
+    def rel(got, want, keep=None):
+        got, want = got.detach().cpu().to(F64), want.detach()
+        if keep is not None:
+            got, want = got * keep, want * keep
+        return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
-    where = f"B={B} T={T} H={H} D={D} V={V} E={E} {dtype} init={with_init} final_grad={final_grad} seg={segment}"
-    assert rel(o, o_r) < tol, f"o: {rel(o, o_r):.2e} ({where})"
-    assert rel(den, den_r) < tol, f"den: {rel(den, den_r):.2e} ({where})"
+    where = (f"{kernel} B={B} T={T} H={H} D={D} V={V} {dtype} init={with_init} final_grad={final_grad} "
+             f"seg={segment} masked={masked}")
+    assert rel(o, o_r, real) < tol, f"o: {rel(o, o_r, real):.2e} ({where})"
+    assert rel(den, den_r, real if mask is None else mask[:, :, None]) < tol, f"den ({where})"
     for name, f, fr in zip(("Kc", "Cc", "W"), fin, fin_r):
         assert rel(f, fr) < tol, f"final {name}: {rel(f, fr):.2e} ({where})"
-    names = ["q'", "k'", "a", "c", "v", "om", "Kc0", "Cc0", "W0"]
-    for name, g, gr in zip(names, grads, grads_r):
+    for name, g, gr in zip(["q", "k", "v", "om", "Kc0", "Cc0", "W0"], grads, grads_r):
         assert rel(g, gr) < tol, f"grad {name}: {rel(g, gr):.2e} ({where})"
     if low_den:
         assert (den_r < eps).any() and (den_r > eps).any(), "the inputs must put denominators on both sides of eps"
@@ -107,35 +125,35 @@ def check(B, T, H, D, V, E, *, dtype=torch.float32, with_init=False, final_grad=
 
 @needs_interp
 @pytest.mark.parametrize("T", [1, 7, 37, 70])
-@pytest.mark.parametrize("E", [1, 2])
-def test_interp_matches_loop(T, E):
-    check(2, T, 2, 20, 12, E)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_interp_matches_loop(T, kernel):
+    check(kernel, 2, T, 2, 20, 12)
 
 
 @needs_interp
-@pytest.mark.parametrize("E", [1, 2])
-def test_interp_initial_carries_and_final_gradient(E):
-    check(2, 45, 3, 16, 24, E, with_init=True, final_grad=True)
-    check(1, 33, 1, 8, 40, E, with_init=False, final_grad=True)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_interp_initial_carries_and_final_gradient(kernel):
+    check(kernel, 2, 45, 3, 16, 24, with_init=True, final_grad=True)
+    check(kernel, 1, 33, 1, 8, 40, final_grad=True, masked=False)
 
 
 @needs_interp
 @pytest.mark.parametrize("T", [32, 65, 100])
-@pytest.mark.parametrize("E", [1, 2])
-def test_interp_segments_in_parallel(T, E):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_interp_segments_in_parallel(T, kernel):
     """Segments of 32 tokens (several per sequence, a short last one): the carries handed between segments."""
-    check(2, T, 2, 20, 12, E, segment=32, with_init=True, final_grad=True)
-    check(1, T, 1, 16, 8, E, segment=64, low_den=True)
+    check(kernel, 2, T, 2, 20, 12, segment=32, with_init=True, final_grad=True)
+    check(kernel, 1, T, 1, 16, 8, segment=64, masked=False)
 
 
 @needs_interp
 def test_interp_half_precision_inputs():
-    check(2, 37, 2, 16, 16, 2, dtype=torch.float16, with_init=True, tol=2e-3)
+    check("sum_sq_euclid", 2, 37, 2, 16, 16, dtype=torch.float16, with_init=True, tol=2e-3)
 
 
 @needs_interp
 def test_interp_denominator_clamped_at_eps():
-    check(1, 40, 2, 8, 8, 2, low_den=True)
+    check("magnitude_direction", 1, 40, 2, 8, 8, low_den=True, masked=False, segment=32)
 
 
 @needs_interp
@@ -143,13 +161,12 @@ def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.ela import ela_prefix
 
     x = torch.zeros(1, 4, 1, 8)
-    e3 = torch.zeros(1, 4, 1, 3)
-    with pytest.raises(ValueError, match="E = 3"):
-        ela_prefix(x, x, e3, e3, x, x, eps=1e-6)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ela_prefix(x, x, x, x, kernel="hadamard_exp", eps=1e-6)
     with pytest.raises(ValueError, match="om shaped like v"):
-        ela_prefix(x, x, e3[..., :2], e3[..., :2], x, x[..., :4], eps=1e-6)
+        ela_prefix(x, x, x, x[..., :4], kernel="sum_sq_euclid", eps=1e-6)
     with pytest.raises(ValueError, match="segment must be a positive multiple of 32"):
-        ela_prefix(x, x, e3[..., :2], e3[..., :2], x, x, eps=1e-6, segment=48)
+        ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, segment=48)
 
 
 def test_ela_kernels_in_subprocess():
@@ -158,11 +175,13 @@ def test_ela_kernels_in_subprocess():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("E", [1, 2])
-def test_gpu_bf16_long(E):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gpu_bf16_long(kernel):
     # the output and the 16-bit gradients are rounded to bf16 (2^-9 relative): measured up to 6.7e-3 (norm-relative)
-    check(2, 2048, 4, 128, 128, E, dtype=torch.bfloat16, with_init=True, final_grad=True, tol=1e-2, device="cuda")
-    check(1, 8192, 2, 128, 64, E, dtype=torch.bfloat16, with_init=True, final_grad=True, tol=1e-2, device="cuda")
+    check(kernel, 2, 2048, 4, 128, 128, dtype=torch.bfloat16, with_init=True, final_grad=True, tol=1e-2,
+          device="cuda", segment=256)
+    check(kernel, 1, 4096, 2, 128, 64, dtype=torch.bfloat16, with_init=True, final_grad=True, tol=1e-2,
+          device="cuda")
 
 
 @pytest.mark.gpu

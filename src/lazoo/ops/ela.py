@@ -179,7 +179,8 @@ def ela(
 # ============================================================================ causal polynomial kernels, Triton
 def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cdt):
     """φ(q)·ψ(k) = q'·k' + a·c: the D-feature numerator on the linear-attention kernel in the inputs' precision (no
-    D + 2 features padded to 2D inside it), then the scalar features and the normaliser on ``lazoo.kernels.ela``:
+    D + 2 features padded to 2D inside it), then ``lazoo.kernels.ela`` forms the features from q and k and adds the
+    scalar ones and the normaliser:
 
         num_i = q'_i S'_i + Σ_e a_ie Σ_{j≤i} c_je v_j,     den_i = q'_i·Σ_{j≤i} k'_j + Σ_e a_ie Σ_{j≤i} c_je
 
@@ -187,8 +188,7 @@ def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cd
     from ..kernels.ela import ela_prefix
 
     D = q.shape[-1]
-    q1, k1, a, c = _split_parts(kernel, q, k)
-    k1, c = zero_masked(k1, mask), zero_masked(c, mask)
+    q1, k1 = _linear_operands(kernel, q, k)  # zero at pads, as q and k are
     S0 = carries = None
     if state is not None:
         S0 = state["S"][..., :D].contiguous()
@@ -196,7 +196,7 @@ def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cd
     o_main, S_main = linear_attention_as("ela", q1, k1, v, feature_map="identity", normalize=False, eps=eps,
                                          chunk_size=64, initial_state=S0, output_final_state=output_final_state,
                                          mask=mask, backend="triton", cu_seqlens=None)
-    o, _, final_carries = ela_prefix(q1, k1, a, c, v, o_main, eps=eps, initial_state=carries,
+    o, _, final_carries = ela_prefix(q, k, v, o_main, kernel=kernel, eps=eps, mask=mask, initial_state=carries,
                                      output_final_state=output_final_state)
     final = None
     if output_final_state:
@@ -206,17 +206,14 @@ def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cd
     return o, final
 
 
-def _split_parts(kernel, q, k):
-    """``_poly_parts`` for the split form: q', k' in the inputs' dtype (the kernels' operands; sum/sub_sq_euclid: q
-    and ±2k, exact; magnitude_direction: the scaled inputs, rounded once), a, c in fp32. The squared norms are summed
-    in fp32 straight from q and k (no fp32 copy of either)."""
+def _linear_operands(kernel, q, k):
+    """q', k' in the inputs' dtype for the linear-attention kernel: q and ±2k (exact), or magnitude_direction's
+    (‖·‖²+1)-scaled inputs (the norms summed in fp32 straight from q and k, the products rounded once)."""
+    if kernel != "magnitude_direction":
+        return q, (2.0 if kernel == "sum_sq_euclid" else -2.0) * k
     qq = torch.linalg.vector_norm(q, dim=-1, keepdim=True, dtype=torch.float32).square()
     kk = torch.linalg.vector_norm(k, dim=-1, keepdim=True, dtype=torch.float32).square()
-    if kernel == "magnitude_direction":
-        return ((qq + 1) * q).to(q.dtype), ((kk + 1) * k).to(k.dtype), qq + 1, kk + 1
-    sign = 2.0 if kernel == "sum_sq_euclid" else -2.0
-    ones = torch.ones_like(qq)
-    return q, sign * k, torch.cat([qq, ones], -1), torch.cat([ones, kk], -1)
+    return ((qq + 1) * q).to(q.dtype), ((kk + 1) * k).to(k.dtype)
 
 
 # ============================================================================ causal hadamard_exp
