@@ -116,6 +116,24 @@ def test_static_cache_refuses_a_new_shape():
         LazooCache(2, static=True, max_cache_len=0)
 
 
+def test_cache_preparation_reads_its_arguments_by_name():
+    """generate passes batch_size and max_cache_length positionally today; a call by keyword (or a later release
+    that passes them so) builds the same cache: beams times the batch, the larger of the two lengths."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("gated_delta_net", seed=1)
+    config = GenerationConfig(cache_implementation="static", num_beams=2, max_cache_len=40)
+    made = []
+    for args, kwargs in (((None, 3, 25), {}), ((), dict(generation_mode=None, batch_size=3, max_cache_length=25)),
+                         ((None,), dict(batch_size=3, max_cache_length=50))):
+        model_kwargs = {}
+        model._prepare_cache_for_generation(config, model_kwargs, *args, **kwargs)
+        cache = next(v for k, v in model_kwargs.items() if isinstance(v, LazooCache))
+        made.append((cache.static, cache.max_cache_len))
+    assert made == [(True, 40), (True, 40), (True, 50)]
+    assert model._lazoo_static_cache_key[0] == 6  # 3 samples x 2 beams
+
+
 def test_other_cache_implementations_are_refused():
     model = tiny_model("gated_delta_net", seed=1)
     ids, mask = left_padded()

@@ -3,6 +3,7 @@ classifiers on the same stack (`...ForSequenceClassification`; ELA also as a bid
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -372,10 +373,14 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         if implementation != "static":
             raise ValueError(f"lazoo models keep their own cache: cache_implementation may be 'static' (a cache of "
                              f"fixed shapes, for compiled decoding) or None, not {implementation!r}")
-        # generate's positional arguments after these two: generation_mode, batch_size, max_cache_length
-        batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
-        max_length = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
-        max_length = max(max_length or 0, getattr(generation_config, "max_cache_len", None) or 0) or None
+        # the arguments by the names of transformers' own signature, however generate passes them
+        bound = inspect.signature(super()._prepare_cache_for_generation).bind(generation_config, model_kwargs, *args,
+                                                                               **kwargs).arguments
+        if "batch_size" not in bound or "max_cache_length" not in bound:
+            raise TypeError("cache_implementation='static': this transformers version passes no batch_size and "
+                            f"max_cache_length to _prepare_cache_for_generation (it passed {sorted(bound)})")
+        batch_size = bound["batch_size"]
+        max_length = max(bound["max_cache_length"] or 0, getattr(generation_config, "max_cache_len", None) or 0) or None
         batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, max_length)
 
