@@ -6,6 +6,14 @@ side with causal ``scaled_dot_product_attention`` and fla where installed and wh
 Decoding: per-token latency (CUDA-graph replays) at B = 8, H = 16, D = 128 against a state, and SDPA
 over a KV cache of 1k..64k tokens. Prints a table, writes JSON (--out) and a PNG plot (--plot).
 
+The roofline: the card's ceilings are measured in the same run (a bf16 8192³ matrix product and a device-to-device
+copy); each row's bound is whichever of its FLOPs and its I/O floor (inputs and outputs read or written once) takes
+longer at those ceilings, and ``roofline_frac`` is that bound's time over the measured time.
+
+fla autotunes for minutes on a fresh machine. ``--triton-cache DIR`` keeps Triton's compiled kernels and autotuning
+choices (``TRITON_CACHE_AUTOTUNING``) in DIR across runs on one machine, and fla's ops run once at every shape
+before any is timed (the warm-up's seconds are in the JSON's env), so fla's rows at every T come from one run.
+
     PYTHONPATH=src python scripts/bench_kernels.py --out bench.json --plot bench.png
 
 Adding an op is one entry in ``OPS``: how to make its inputs, how to call it (ours and fla's), and
@@ -290,6 +298,72 @@ def breakdown(device, dtype, T, D=128):
     return out
 
 
+def use_triton_cache(path) -> dict:
+    """Keep Triton's kernels and autotuning choices in ``path`` (created if missing) from here on; says how many
+    files it held already (0: a cold cache, fla will autotune)."""
+    import os
+    from pathlib import Path
+
+    folder = Path(path).expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(folder)
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    return {"dir": str(folder), "files_at_start": sum(1 for p in folder.rglob("*") if p.is_file())}
+
+
+def card_ceilings(device) -> dict:
+    """This card's bf16 matrix-product TFLOP/s (8192³) and device-to-device copy GB/s (1 GiB, bytes read and
+    written), medians, measured now."""
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    matmul_ms = bench(lambda: a @ b)
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    return {"matmul_TFLOPs": 2 * n ** 3 / matmul_ms / 1e9, "copy_GBps": 2 * src.numel() / copy_ms / 1e6}
+
+
+def add_rates(row, flops, io_bytes_fb, io_bytes_f):
+    """TFLOP/s and GB/s of a row's forward and forward+backward, where it has timings."""
+    f, b = row.get("fwd_ms"), row.get("fwd_bwd_ms")
+    if f and b:
+        row.update(fwd_TFLOPs=flops[0] / f / 1e9, fwd_bwd_TFLOPs=(flops[0] + flops[1]) / b / 1e9,
+                   fwd_GBps=io_bytes_f / f / 1e6, fwd_bwd_GBps=io_bytes_fb / b / 1e6)
+
+
+def roofline(row, ceilings) -> None:
+    """``bound`` (compute or memory) and ``roofline_frac`` of a row's forward+backward: achieved / ceiling of the
+    bound that takes longer (rows without both rates are left alone)."""
+    tf, gb = row.get("fwd_bwd_TFLOPs"), row.get("fwd_bwd_GBps")
+    if tf is None or gb is None or not ceilings:
+        return
+    compute, memory = tf / ceilings["matmul_TFLOPs"], gb / ceilings["copy_GBps"]
+    row["bound"] = "compute" if compute >= memory else "memory"
+    row["roofline_frac"] = max(compute, memory)
+
+
+def warm_fla(fla, ops_table, shapes, device, dtype) -> float:
+    """Run every fla op forward and backward once at every shape (its autotuning happens here, not in the timed
+    runs); the seconds it took."""
+    import time
+
+    start = time.perf_counter()
+    for T, D in shapes:
+        for op in ops_table.values():
+            if op.fla is None:
+                continue
+            gen = torch.Generator(device=device).manual_seed(0)
+            x = {n: t.detach().requires_grad_(n in op.grads) for n, t in
+                 op.make(TOKENS // T, T, H, D, dtype, device, gen).items()}
+            try:
+                op.fla(fla, x).float().sum().backward()
+            except Exception:  # noqa: BLE001 - the timed run records the error in its row
+                traceback.print_exc(limit=1)
+            del x
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_kernels.json")
@@ -301,7 +375,10 @@ def main():
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-launcher timings")
     ap.add_argument("--fla-budget", type=float, default=600.0,
                     help="seconds for the fla runs (its first calls autotune for minutes); 0 skips fla")
+    ap.add_argument("--triton-cache", default=None,
+                    help="a folder for Triton's kernels and autotuning choices, kept across runs on one machine")
     args = ap.parse_args()
+    triton_cache = use_triton_cache(args.triton_cache) if args.triton_cache else None
 
     import triton
 
@@ -313,7 +390,7 @@ def main():
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "fla": fla_version if fla else None,
            "fla_error": None if fla else fla_version, "dtype": str(dtype), "H": H, "tokens": TOKENS,
-           "command": " ".join(sys.argv)}
+           "command": " ".join(sys.argv), "triton_cache": triton_cache, "ceilings": card_ceilings(device)}
     print(json.dumps(env))
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.head_dims:
@@ -344,9 +421,8 @@ def main():
             io_f, io_fb = io_bytes(B, T, H, D, dtype, *op.io)
             f, b, err = time_fwd_bwd(op.ours, x, op.grads)
             row = {"op": name, "impl": "lazoo", "T": T, "D": D, "B": B, "fwd_ms": f, "fwd_bwd_ms": b, "error": err}
-            if f and b:
-                row.update(fwd_TFLOPs=f_tok * n_th / f / 1e9, fwd_bwd_TFLOPs=(f_tok + b_tok) * n_th / b / 1e9,
-                           fwd_GBps=io_f / f / 1e6, fwd_bwd_GBps=io_fb / b / 1e6)
+            add_rates(row, (f_tok * n_th, b_tok * n_th), io_fb, io_f)
+            roofline(row, env["ceilings"])
             rows.append(row)
             print("progress", row, flush=True)
             del x
@@ -359,9 +435,12 @@ def main():
         print("progress", result["breakdown"][-1], flush=True)
     save()
 
-    if fla is not None:  # fla last, under a time budget
+    if fla is not None:  # fla last, under a time budget: its autotuning first, then the timed runs
         _alarm(args.fla_budget)
         try:
+            env["fla_warmup_s"] = warm_fla(fla, ops_table, shapes, device, dtype)
+            print("fla warm-up (autotuning) took", round(env["fla_warmup_s"], 1), "s", flush=True)
+            save()
             for T, D in shapes:
                 B = TOKENS // T
                 for name, op in ops_table.items():
@@ -372,6 +451,10 @@ def main():
                     ff, fb, ferr = time_fwd_bwd(lambda t: op.fla(fla, t), x, op.grads)
                     frow = {"op": name, "impl": "fla", "T": T, "D": D, "B": B, "fwd_ms": ff, "fwd_bwd_ms": fb,
                             "error": ferr}
+                    f_tok, b_tok = op.flops(D)
+                    io_f, io_fb = io_bytes(B, T, H, D, dtype, *op.io)
+                    add_rates(frow, (f_tok * B * T * H, b_tok * B * T * H), io_fb, io_f)
+                    roofline(frow, env["ceilings"])
                     if ferr is None:
                         with torch.no_grad():
                             frow["rel_err_ours_vs_fla"] = rel_err(op.ours(x), op.fla(fla, x))
@@ -393,8 +476,11 @@ def main():
         save()
 
     print()
+    ceil = env["ceilings"]
+    print(f"card: {env['gpu']}; ceilings measured in this run: {ceil['matmul_TFLOPs']:.0f} TFLOP/s (bf16 matrix "
+          f"product), {ceil['copy_GBps']:.0f} GB/s (copy)")
     print(f"{'op':24s} {'impl':6s} {'T':>6s} {'D':>4s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s f+b':>11s}"
-          f" {'GB/s f+b':>9s}  note")
+          f" {'GB/s f+b':>9s} {'roofline':>14s}  note")
     for r in sorted(rows, key=lambda r: (r["D"] != 128, r["T"], r["op"], r["impl"])):
         fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
         note = r.get("error") or ""
@@ -402,8 +488,9 @@ def main():
             note = f"fla/ours = {r['fla_over_ours_fwd_bwd']:.2f}"
         if "rel_err_ours_vs_fla" in r:
             note = f"max rel diff vs ours {r['rel_err_ours_vs_fla']:.1e}"
+        roof = f"{100 * r['roofline_frac']:.0f} % {r['bound']}" if "roofline_frac" in r else "-"
         print(f"{r['op']:24s} {r['impl']:6s} {r['T']:6d} {r['D']:4d} {fmt(r['fwd_ms']):>8s} {fmt(r['fwd_bwd_ms']):>8s}"
-              f" {fmt(r.get('fwd_bwd_TFLOPs'), 1):>11s} {fmt(r.get('fwd_bwd_GBps'), 0):>9s}  {note}")
+              f" {fmt(r.get('fwd_bwd_TFLOPs'), 1):>11s} {fmt(r.get('fwd_bwd_GBps'), 0):>9s} {roof:>14s}  {note}")
     print()
     print(f"decode B={DECODE_B} H={H} D=128 (CUDA graph, ms per token):")
     print(f"{'context':>8s} {'gated op':>9s} {'linear op':>9s} {'kernel':>8s} {'kernel GB/s':>11s} {'SDPA KV':>8s}")
