@@ -64,8 +64,8 @@ def _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D: tl.constexpr, MAG: tl.const
            od, md):
     """One block of tokens: the token-head indices, q, k ``[BT, BD]``, their squared norms, the features q', k', the
     scalar features as pairs of ``[BT]`` vectors (a0, a1), (c0, c1) (c zero at pads and past the segment; the second
-    pair zero for magnitude_direction) and the real-token flags. Pairs, not ``[BT, 2]`` tiles: Triton 3.6 failed to lower a scan over
-    such a tile on sm_90."""
+    pair zero for magnitude_direction) and the real-token flags. Pairs, not ``[BT, 2]`` tiles: Triton 3.6 failed
+    to lower a scan over such a tile on sm_90."""
     tok = (i_b * T + ot) * H + i_h
     q = _rows(Q, tok, D, od, mt[:, None] & md[None, :])
     k = _rows(K, tok, D, od, mt[:, None] & md[None, :])
@@ -133,8 +133,8 @@ def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, sign,
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
         mt = ot < hi
-        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG, HAS_MASK,
-                                                           od, md)
+        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG,
+                                                                 HAS_MASK, od, md)
         v = _rows(Vv, tok, DV, ov, mt[:, None] & mv[None, :])
         kc += tl.sum(k1, 0)
         cc0 += tl.sum(c0, 0)
@@ -159,8 +159,8 @@ def _fwd_kernel(Q, K, M, Vv, OM, O, DEN, KS, CS, WS, T, H, L, NS, sign, eps,
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
         mt = ot < hi
-        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG, HAS_MASK,
-                                                           od, md)
+        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG,
+                                                                 HAS_MASK, od, md)
         v = _rows(Vv, tok, DV, ov, mt[:, None] & mv[None, :])
         om = _rows(OM, tok, DV, ov, mt[:, None] & mv[None, :])
         cv0 = c0[:, None] * v
@@ -202,8 +202,8 @@ def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, 
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
         mt = ot < hi
-        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG, HAS_MASK,
-                                                           od, md)
+        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG,
+                                                                 HAS_MASK, od, md)
         v = _rows(Vv, tok, DV, ov, mt[:, None] & mv[None, :])
         o = _rows(O, tok, DV, ov, mt[:, None] & mv[None, :])
         do = _rows(DO, tok, DV, ov, mt[:, None] & mv[None, :])
@@ -253,8 +253,8 @@ def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H,
     for i in range(0, nb):
         ot = lo + (nb - 1 - i) * BT + tl.arange(0, BT)
         mt = ot < hi
-        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG, HAS_MASK,
-                                                           od, md)
+        tok, q, k, qq, kk, q1, k1, a0, a1, c0, c1, real = _block(Q, K, M, i_b, i_h, ot, mt, T, H, sign, D, MAG,
+                                                                 HAS_MASK, od, md)
         v = _rows(Vv, tok, DV, ov, mt[:, None] & mv[None, :])
         do = _rows(DO, tok, DV, ov, mt[:, None] & mv[None, :])
         den = tl.load(DEN + tok, mask=mt, other=1.0)

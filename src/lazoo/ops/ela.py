@@ -165,7 +165,7 @@ def ela(
                                                       linear_kernel_unsupported(q, v)) == "triton":
         # the numerator leaves the kernel unnormalised, in the inputs' dtype: fp16's range (6.5e4) would not hold
         # it (magnitude_direction is cubic), so fp16 keeps the fp32 feature path below
-        o, final = _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cdt)
+        o, final = _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt)
     else:
         fq, fk = ela_features(kernel, q_c, k_c)
         inner = None if state is None else {"S": state["S"], "z": state["C"]}
@@ -177,14 +177,16 @@ def ela(
 
 
 # ============================================================================ causal polynomial kernels, Triton
-def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cdt):
+def _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt):
     """φ(q)·ψ(k) = q'·k' + a·c: the D-feature numerator on the linear-attention kernel in the inputs' precision (no
     D + 2 features padded to 2D inside it), then ``lazoo.kernels.ela`` forms the features from q and k and adds the
     scalar ones and the normaliser:
 
         num_i = q'_i S'_i + Σ_e a_ie Σ_{j≤i} c_je v_j,     den_i = q'_i·Σ_{j≤i} k'_j + Σ_e a_ie Σ_{j≤i} c_je
 
-    The state keeps the feature layout (S = [S', Σ v cᵀ], C = [Σ k', Σ c]): decoding and caches are unchanged."""
+    The state keeps the feature layout (S = [S', Σ v cᵀ], C = [Σ k', Σ c]): decoding and caches are unchanged.
+    (magnitude_direction: the numerator's q', k' are rounded to the inputs' precision for the kernel, the
+    normaliser's are formed in fp32 inside ``lazoo.kernels.ela``; they differ by that rounding.)"""
     from ..kernels.ela import ela_prefix
 
     D = q.shape[-1]
@@ -194,7 +196,7 @@ def _causal_poly_split(kernel, q, k, v, eps, state, output_final_state, mask, cd
         S0 = state["S"][..., :D].contiguous()
         carries = (state["C"][..., :D], state["C"][..., D:], state["S"][..., D:].transpose(-1, -2))
     o_main, S_main = linear_attention_as("ela", q1, k1, v, feature_map="identity", normalize=False, eps=eps,
-                                         chunk_size=64, initial_state=S0, output_final_state=output_final_state,
+                                         chunk_size=chunk_size, initial_state=S0, output_final_state=output_final_state,
                                          mask=mask, backend="triton", cu_seqlens=None)
     o, _, final_carries = ela_prefix(q, k, v, o_main, kernel=kernel, eps=eps, mask=mask, initial_state=carries,
                                      output_final_state=output_final_state)
