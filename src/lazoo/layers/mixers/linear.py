@@ -152,7 +152,8 @@ register(Mechanism(
     equation="S_t = S_{t−1} + v_t ψ(k_t)ᵀ, C_t = C_{t−1} + ψ(k_t); o_t = S_t φ(q_t) / φ(q_t)·C_t",
     source="Ou, Exact Linear Attention (2026)",
     state='{"op": {"S" [B, H, dv, F], "C" [B, H, F] (+ "m" [B, H, D] for hadamard_exp)}, "conv": short-conv tails}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.gla", "lazoo.kernels.linear"),
+    backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.ela", "lazoo.kernels.gla", "lazoo.kernels.linear"),
     option_docs={**RECURRENT_OPTION_DOCS, "qk_prenorm": QK_PRENORM_DOC}, class_prefix="LazooELA",
 ))
 
