@@ -323,7 +323,7 @@ def card_ceilings(device) -> dict:
     return {"matmul_TFLOPs": 2 * n ** 3 / matmul_ms / 1e9, "copy_GBps": 2 * src.numel() / copy_ms / 1e6}
 
 
-def add_rates(row, flops, io_bytes_fb, io_bytes_f):
+def add_rates(row, flops, io_bytes_f, io_bytes_fb):
     """TFLOP/s and GB/s of a row's forward and forward+backward, where it has timings."""
     f, b = row.get("fwd_ms"), row.get("fwd_bwd_ms")
     if f and b:
@@ -421,7 +421,7 @@ def main():
             io_f, io_fb = io_bytes(B, T, H, D, dtype, *op.io)
             f, b, err = time_fwd_bwd(op.ours, x, op.grads)
             row = {"op": name, "impl": "lazoo", "T": T, "D": D, "B": B, "fwd_ms": f, "fwd_bwd_ms": b, "error": err}
-            add_rates(row, (f_tok * n_th, b_tok * n_th), io_fb, io_f)
+            add_rates(row, (f_tok * n_th, b_tok * n_th), io_f, io_fb)
             roofline(row, env["ceilings"])
             rows.append(row)
             print("progress", row, flush=True)
@@ -453,7 +453,7 @@ def main():
                             "error": ferr}
                     f_tok, b_tok = op.flops(D)
                     io_f, io_fb = io_bytes(B, T, H, D, dtype, *op.io)
-                    add_rates(frow, (f_tok * B * T * H, b_tok * B * T * H), io_fb, io_f)
+                    add_rates(frow, (f_tok * B * T * H, b_tok * B * T * H), io_f, io_fb)
                     roofline(frow, env["ceilings"])
                     if ferr is None:
                         with torch.no_grad():

@@ -14,7 +14,7 @@ CEILINGS = {"matmul_TFLOPs": 800.0, "copy_GBps": 3000.0}
 
 def test_rates_and_roofline_of_a_row():
     row = {"fwd_ms": 1.0, "fwd_bwd_ms": 4.0}
-    bench.add_rates(row, flops=(2e11, 6e11), io_bytes_fb=6e9, io_bytes_f=2e9)
+    bench.add_rates(row, flops=(2e11, 6e11), io_bytes_f=2e9, io_bytes_fb=6e9)
     assert row["fwd_TFLOPs"] == pytest.approx(200.0) and row["fwd_bwd_TFLOPs"] == pytest.approx(200.0)
     assert row["fwd_GBps"] == pytest.approx(2000.0) and row["fwd_bwd_GBps"] == pytest.approx(1500.0)
     bench.roofline(row, CEILINGS)

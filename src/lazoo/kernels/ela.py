@@ -51,12 +51,14 @@ def _suffix(x):
 
 
 @triton.jit
-def _segment(T, L):
-    """This program's sample·head (int64), segment, and the segment's tokens [lo, hi)."""
+def _program(T, L, H, NS, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    """This program's sample·head (int64), its slot among the segment buffers, the segment's tokens [lo, hi), the
+    sample and head, and the head-dim and value-dim offsets with their masks."""
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     lo = s * L
-    return bh, s, lo, tl.minimum(lo + L, T)
+    od, ov = tl.arange(0, BD), tl.arange(0, BV)
+    return bh, bh * NS + s, lo, tl.minimum(lo + L, T), bh // H, bh % H, od, ov, od < D, ov < DV
 
 
 @triton.jit
@@ -121,10 +123,7 @@ def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, sign,
                    BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr):
     """Each segment's sums of k', c and c vᵀ (the forward's carries over it)."""
     sign = tl.cast(sign, tl.float32)  # fp64 (or a constant) when launched under torch.compile
-    bh, s, lo, hi = _segment(T, L)
-    i_b, i_h = bh // H, bh % H
-    od, ov = tl.arange(0, BD), tl.arange(0, BV)
-    md, mv = od < D, ov < DV
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
     kc = tl.zeros([BD], dtype=tl.float32)
     w0 = tl.zeros([BV], dtype=tl.float32)
     w1 = tl.zeros([BV], dtype=tl.float32)
@@ -141,7 +140,7 @@ def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, sign,
         cc1 += tl.sum(c1, 0)
         w0 += tl.sum(c0[:, None] * v, 0)
         w1 += tl.sum(c1[:, None] * v, 0)
-    _store_carries(KT, CT, WT, bh * NS + s, kc, cc0, cc1, w0, w1, D, DV, E, od, ov, md, mv)
+    _store_carries(KT, CT, WT, slot, kc, cc0, cc1, w0, w1, D, DV, E, od, ov, md, mv)
 
 
 @triton.jit
@@ -151,11 +150,8 @@ def _fwd_kernel(Q, K, M, Vv, OM, O, DEN, KS, CS, WS, T, H, L, NS, sign, eps,
     """One segment, from the carries at its start (``KS``, ``CS``, ``WS`` ``[B, H, NS, ..]``)."""
     sign = tl.cast(sign, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    bh, s, lo, hi = _segment(T, L)
-    i_b, i_h = bh // H, bh % H
-    od, ov = tl.arange(0, BD), tl.arange(0, BV)
-    md, mv = od < D, ov < DV
-    kc, cc0, cc1, w0, w1 = _load_carries(KS, CS, WS, bh * NS + s, D, DV, E, od, ov, md, mv)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    kc, cc0, cc1, w0, w1 = _load_carries(KS, CS, WS, slot, D, DV, E, od, ov, md, mv)
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
         mt = ot < hi
@@ -189,11 +185,8 @@ def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, 
     segments)."""
     sign = tl.cast(sign, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    bh, s, lo, hi = _segment(T, L)
-    i_b, i_h = bh // H, bh % H
-    od, ov = tl.arange(0, BD), tl.arange(0, BV)
-    md, mv = od < D, ov < DV
-    kc, cc0, cc1, w0, w1 = _load_carries(KS, CS, WS, bh * NS + s, D, DV, E, od, ov, md, mv)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    kc, cc0, _, w0, _ = _load_carries(KS, CS, WS, slot, D, DV, E, od, ov, md, mv)
     xs = tl.zeros([BD], dtype=tl.float32)
     ys0 = tl.zeros([BV], dtype=tl.float32)
     ys1 = tl.zeros([BV], dtype=tl.float32)
@@ -228,12 +221,10 @@ def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, 
         xs += tl.sum(dden[:, None] * q1, 0)
         zs0 += tl.sum(dden * a0, 0)
         ys0 += tl.sum(a0[:, None] * dnum, 0)
-        if E == 2:
-            cc1 += tl.sum(c1, 0)
-            w1 += tl.sum(c1[:, None] * v, 0)
+        if E == 2:  # a1 is a constant: its carries (Cc1, W1) feed no gradient here, only the reverse walk's sums
             zs1 += tl.sum(dden * a1, 0)
             ys1 += tl.sum(a1[:, None] * dnum, 0)
-    _store_carries(XT, ZT, YT, bh * NS + s, xs, zs0, zs1, ys0, ys1, D, DV, E, od, ov, md, mv)
+    _store_carries(XT, ZT, YT, slot, xs, zs0, zs1, ys0, ys1, D, DV, E, od, ov, md, mv)
 
 
 @triton.jit
@@ -244,11 +235,8 @@ def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H,
     through k' and c."""
     sign = tl.cast(sign, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    bh, s, lo, hi = _segment(T, L)
-    i_b, i_h = bh // H, bh % H
-    od, ov = tl.arange(0, BD), tl.arange(0, BV)
-    md, mv = od < D, ov < DV
-    rk, rc0, rc1, rw0, rw1 = _load_carries(RS, RCS, RWS, bh * NS + s, D, DV, E, od, ov, md, mv)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    rk, rc0, rc1, rw0, rw1 = _load_carries(RS, RCS, RWS, slot, D, DV, E, od, ov, md, mv)
     nb = tl.cdiv(hi - lo, BT)
     for i in range(0, nb):
         ot = lo + (nb - 1 - i) * BT + tl.arange(0, BT)
@@ -267,10 +255,8 @@ def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H,
         r0 = _suffix(y0) + rw0[None, :]
         rw0 += tl.sum(y0, 0)
         z0 = dden * a0  # ∂Cc0_t
-        dc0 = (tl.sum(v * r0, 1) + _suffix(z0) + rc0) * real
-        rc0 += tl.sum(z0, 0)
-        dv = c0[:, None] * r0
         if MAG:  # k' = (‖k‖²+1) k, c0 = ‖k‖²+1
+            dc0 = (tl.sum(v * r0, 1) + _suffix(z0) + rc0) * real
             dk = (kk + 1)[:, None] * dk1 + 2.0 * k * (tl.sum(k * dk1, 1) + dc0)[:, None]
         else:  # k' = ±2k, c = [1, ‖k‖²]
             y1 = a1[:, None] * dnum
@@ -279,15 +265,19 @@ def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H,
             z1 = dden * a1
             dc1 = (tl.sum(v * r1, 1) + _suffix(z1) + rc1) * real
             rc1 += tl.sum(z1, 0)
-            dv += c1[:, None] * r1
             dk = sign * dk1 + 2.0 * k * dc1[:, None]
+        rc0 += tl.sum(z0, 0)
+        dv = c0[:, None] * r0
+        if not MAG:
+            dv += c1[:, None] * r1
         tl.store(DK + tok[:, None] * D + od[None, :], dk, mask=mt[:, None] & md[None, :])
         tl.store(DVV + tok[:, None] * DV + ov[None, :], dv, mask=mt[:, None] & mv[None, :])
 
 
 def _launch_meta(D, V):
-    """8 warps, 32 tokens a block up to dims of 128: no register spills on sm_90 (Triton 3.6,
-    ``scripts/kernel_resources.py``), where 4 warps spilled 32-360 bytes in every kernel but the totals."""
+    """4 warps, 32 tokens a block up to dims of 128: the fastest of 4/8 warps at 16/32 tokens on an H100
+    (``scripts/tune_ela.py``), although ptxas reports 32-360 bytes of spills in three kernels where 8 warps has none
+    (``scripts/kernel_resources.py``, Triton 3.6)."""
     BD, BV = next_pow2(D), next_pow2(V)
     BT = 16 if max(BD, BV) > 128 else 32
     return dict(BD=BD, BV=BV, BT=BT, num_warps=4)
