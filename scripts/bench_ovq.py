@@ -4,8 +4,9 @@ For T in --lengths (default 1k, 4k, 16k, 64k), B = --batch, H = 8, d = 128, bf16
   * forward and forward+backward median ms (triton.testing.do_bench) of
       - ``ovq_attention(backend="triton")``: the whole op (assignments of every chunk, the running-mean
         dictionaries, the chunk-attention kernel),
-      - the chunk-attention kernel alone (``lazoo.kernels.ovq.ovq_chunk_attention``) with every chunk's
-        dictionary given (the part that is flash attention over ≤ N + L keys per query),
+      - the chunk-attention kernel alone (``lazoo.kernels.ovq.ovq_chunk_attention``) with the dictionary
+        versions given (the part that is flash attention over ≤ N + L keys per query): O(T + N) table rows,
+        every slot moving to a new row every N / L chunks, as one key a chunk per slot would,
       - ``scaled_dot_product_attention(is_causal=True)``;
   * bytes of OVQ's state after T tokens (dictionaries, counts, partial chunk: constant for fixed N) and
     of a bf16 KV cache of T tokens.
@@ -97,18 +98,22 @@ def bench_length(B, T, dtype, device, triton_assign=False):
     W = min(N, max(1, (T - L) * N // (T - L + N)))  # the widest dictionary a chunk reads
     try:
         gen = torch.Generator(device=device).manual_seed(1)
-        dk = F.normalize(torch.randn(G, B, H, W, D, device=device, generator=gen), dim=-1).to(dtype)
-        dv = torch.randn(G, B, H, W, D, device=device, generator=gen).to(dtype)
+        per = T // W + 2  # table rows per slot
+        dk = F.normalize(torch.randn(B, H, W * per, D, device=device, generator=gen), dim=-1).to(dtype)
+        dv = torch.randn(B, H, W * per, D, device=device, generator=gen).to(dtype)
         sizes = torch.tensor([min(W, c * L * N // (c * L + N)) for c in range(G)], device=device)
-        counts = (torch.arange(W, device=device) < sizes[:, None, None, None]).long().expand(G, B, H, W) * 3
+        version = 1 + torch.arange(G, device=device) * L // W  # [G]
+        counts = ((torch.arange(W, device=device) < sizes[:, None]) * version[:, None])[:, None, None].expand(
+            G, B, H, W).contiguous()
+        base = (torch.arange(W, device=device) * per).expand(B, H, W).contiguous()
         kernel_leaves = leaves + [dk.requires_grad_(), dv.requires_grad_()]
 
         def kernel():
-            return ovq_chunk_attention(q * scale, k, v, dk, dv, counts, L)
+            return ovq_chunk_attention(q * scale, k, v, dk, dv, counts, base, L)
     except torch.OutOfMemoryError:
         kernel, kernel_leaves = None, leaves
     cases = [("ovq", ovq, leaves), ("ovq_kernel", kernel, kernel_leaves), ("sdpa", sdpa, leaves)]
-    if triton_assign:  # the op again with the assignments as one Triton launch, and how far its output moves
+    if triton_assign:  # the op again with the assignments as Triton kernels, and how far its output moves
         def ovq_triton_assign():
             return ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, backend="triton",
                                  triton_assign=True)[0]

@@ -49,31 +49,42 @@ def chunk_attention_reference(q, k, v, Dk, Dv, counts, L, length):
     return torch.cat(outs, 1)
 
 
-def chunk_inputs(B, G, L, H, W, dk, dv, seed=0, device="cpu"):
+def chunk_inputs(B, G, L, H, W, R, dk, dv, seed=0, device="cpu"):
+    """Random version tables [B, H, R, d] and, per chunk, each slot's count (small, so chunks and slots share
+    rows: a row's gradient sums several readers) and the base its rows start from."""
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(B, G * L, H, dk, generator=gen, dtype=F64), dim=-1) * 3.0
     k = F.normalize(torch.randn(B, G * L, H, dk, generator=gen, dtype=F64), dim=-1)
     v = torch.randn(B, G * L, H, dv, generator=gen, dtype=F64)
-    Dk = F.normalize(torch.randn(G, B, H, W, dk, generator=gen, dtype=F64), dim=-1) * 0.8
-    Dv = torch.randn(G, B, H, W, dv, generator=gen, dtype=F64)
-    counts = torch.randint(1, 40, (G, B, H, W), generator=gen)
+    Dk = F.normalize(torch.randn(B, H, R, dk, generator=gen, dtype=F64), dim=-1) * 0.8
+    Dv = torch.randn(B, H, R, dv, generator=gen, dtype=F64)
+    counts = torch.randint(1, 6, (G, B, H, W), generator=gen)
     size = torch.randint(1, W + 1, (G, B, H), generator=gen)
     size[0] = 0  # the first chunk has an empty dictionary
     counts = counts * (torch.arange(W) < size[..., None])  # active prefix, empty slots after it
     counts[-1, 0, 0, 1] = 0  # and one empty slot inside a prefix: masked by its count
-    return [x.to(device) for x in (q, k, v, Dk, Dv, counts)]
+    base = torch.randint(0, R - 5, (B, H, W), generator=gen)
+    return [x.to(device) for x in (q, k, v, Dk, Dv, counts, base)]
 
 
-def check_chunk_kernel(B, G, L, H, W, dk, dv, length, dtype, rtol, grad_rtol, device="cpu"):
+def per_chunk(table, counts, base):
+    """The dictionary each chunk reads from a version table: [G, B, H, W, d]."""
+    rows = base[None] + counts  # [G, B, H, W]
+    G = counts.shape[0]
+    return table[None].expand(G, -1, -1, -1, -1).gather(3, rows[..., None].expand(-1, -1, -1, -1, table.shape[-1]))
+
+
+def check_chunk_kernel(B, G, L, H, W, R, dk, dv, length, dtype, rtol, grad_rtol, device="cpu"):
     from lazoo.kernels.ovq import ovq_chunk_attention
 
-    q, k, v, Dk, Dv, counts = chunk_inputs(B, G, L, H, W, dk, dv, device=device)
+    q, k, v, Dk, Dv, counts, base = chunk_inputs(B, G, L, H, W, R, dk, dv, device=device)
     length = torch.tensor(length, device=device)
     names = ("q", "k", "v", "Dk", "Dv")
     ref = {n: x.clone().requires_grad_() for n, x in zip(names, (q, k, v, Dk, Dv))}
     tst = {n: x.to(dtype).requires_grad_() for n, x in zip(names, (q, k, v, Dk, Dv))}
-    ro = chunk_attention_reference(*ref.values(), counts, L, length)
-    to = ovq_chunk_attention(*tst.values(), counts, L, length=length)
+    ro = chunk_attention_reference(ref["q"], ref["k"], ref["v"], per_chunk(ref["Dk"], counts, base),
+                                   per_chunk(ref["Dv"], counts, base), counts, L, length)
+    to = ovq_chunk_attention(*tst.values(), counts, base, L, length=length)
     w = torch.randn(ro.shape, generator=torch.Generator().manual_seed(9), dtype=F64).to(device)
     rg = torch.autograd.grad((ro * w).sum(), list(ref.values()))
     tg = torch.autograd.grad((to.double() * w).sum(), list(tst.values()))
@@ -83,6 +94,13 @@ def check_chunk_kernel(B, G, L, H, W, dk, dv, length, dtype, rtol, grad_rtol, de
     assert_close(to.double(), ro, rtol, "output")
     for n, a, b in zip(names, tg, rg):
         assert_close(a.double(), b, grad_rtol, f"grad {n}")
+    # rows no chunk reads get no gradient; some rows are read by several (chunk, slot) pairs
+    read = torch.zeros(B, H, R, dtype=torch.long, device=device)
+    rows = (base[None] + counts).masked_fill(counts == 0, 0)
+    read.scatter_add_(2, rows.permute(1, 2, 0, 3).reshape(B, H, -1), (counts > 0).long().permute(1, 2, 0, 3)
+                      .reshape(B, H, -1))
+    assert int(read.max()) > 1
+    assert tg[3][read == 0].abs().max() == 0
 
 
 def test_ovq_kernels_in_subprocess():
@@ -93,8 +111,9 @@ def test_ovq_kernels_in_subprocess():
 
 @needs_interp
 def test_interp_chunk_kernel_matches_float64():
-    # 3 chunks of 20 (not a tile multiple), 37 slots (3 key blocks), a ragged end for sample 1
-    check_chunk_kernel(2, 3, 20, 2, 37, 24, 20, [60, 47], torch.float32, 1e-5, 1e-5)
+    # 3 chunks of 20 (not a tile multiple), 37 slots (3 key blocks) in tables of 50 rows, a ragged end for
+    # sample 1
+    check_chunk_kernel(2, 3, 20, 2, 37, 50, 24, 20, [60, 47], torch.float32, 1e-5, 1e-5)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -190,7 +209,7 @@ def test_triton_backend_errors_are_clear():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_chunk_kernel_bf16_T1024_d128():
-    check_chunk_kernel(2, 8, 128, 4, 700, 128, 128, [1024, 1000], torch.bfloat16, 2e-2, 5e-2, device="cuda")
+    check_chunk_kernel(2, 8, 128, 4, 700, 1500, 128, 128, [1024, 1000], torch.bfloat16, 2e-2, 5e-2, device="cuda")
 
 
 @pytest.mark.gpu

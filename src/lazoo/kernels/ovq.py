@@ -7,9 +7,13 @@ dictionary followed by the chunk's own keys:
 
 (q already carries the scale β). Dictionary slots with count 0 are empty and masked out; keys at
 positions >= ``length[b]`` are masked out too (the packed tail of a sample). All chunks of a call run
-in one launch: every chunk's dictionary is given (``dict_k [G, B, H, W, dk]``), so chunks do not
-depend on each other here; the sequential part of OVQ, the dictionary update, stays in PyTorch
-(``lazoo.ops.ovq``), which builds those dictionaries as differentiable running means.
+in one launch: the assignments are known before (``lazoo.ops.ovq``), so chunks do not depend on each
+other here.
+
+The dictionaries come as *versions*, not one copy per chunk: a slot's centroid changes only when a key
+joins it, so every value a slot takes in the call is one row of a table ``dict_k [B, H, R, dk]`` (likewise
+``dict_v``), and chunk g reads slot s at row ``base[b, h, s] + counts[g, b, h, s]`` (its count before the
+chunk picks the version). The table holds O(T + M) rows where per-chunk dictionaries held O(T/L · M).
 
 Kernels, flash-attention style (online softmax over key blocks, fp32 accumulators, the log-sum-exp
 of every query row saved for the backward):
@@ -49,14 +53,17 @@ def _tile(ptr, rows, row_ok, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _dict_block(dk, dv, bias, dbase, j, n, DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                BDV: tl.constexpr, BN: tl.constexpr):
-    """Dictionary rows j..j+BN of one (chunk, sample, head): keys, values, bias, and which are active."""
+def _dict_block(dk, dv, counts, base, cbase, bbase, vbase, j, n, DQK: tl.constexpr, DV: tl.constexpr,
+                BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+    """Slots j..j+BN as one (chunk, sample, head) reads them: keys, values, the log-count bias, which are
+    active, and their rows in the version tables (slot s is row vbase + base[s] + count[s])."""
     cols = j + tl.arange(0, BN)
     ok = cols < n
-    bb = tl.load(bias + dbase + cols, mask=ok, other=NEG)
-    active = ok & (bb > NEG * 0.5)
-    return _tile(dk, dbase + cols, ok, DQK, BDK), _tile(dv, dbase + cols, ok, DV, BDV), bb, active
+    cnt = tl.load(counts + cbase + cols, mask=ok, other=0)
+    active = ok & (cnt > 0)
+    rows = vbase + tl.load(base + bbase + cols, mask=active, other=0) + cnt
+    bb = tl.where(active, tl.log(tl.maximum(cnt, 1).to(tl.float32)), NEG)
+    return _tile(dk, rows, active, DQK, BDK), _tile(dv, rows, active, DV, BDV), bb, active, rows
 
 
 @triton.jit
@@ -74,7 +81,8 @@ def _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK: tl.constexpr, DV: 
 def _query_block(size, length, B, T, H, W, L, BM: tl.constexpr):
     """A query-block program on grid (chunks · query blocks, B · H): chunk g, query block qb, head i_h, the
     sample's real length n_valid and row base qkbase in [B, T, H, *] (before * H + i_h), the block's rows in
-    the chunk rq (real: rq_ok) and in [B, T, H, *] (q_rows), and its dictionary's base and active size."""
+    the chunk rq (real: rq_ok) and in [B, T, H, *] (q_rows), the chunk's row in counts [G, B, H, W] (cbase),
+    the (sample, head)'s in base [B, H, W] (bbase), and the dictionary's active size."""
     nqb = tl.cdiv(L, BM)
     g = tl.program_id(0) // nqb
     qb = tl.program_id(0) % nqb
@@ -87,22 +95,25 @@ def _query_block(size, length, B, T, H, W, L, BM: tl.constexpr):
     qkbase = i_b * T
     q_rows = (qkbase + g * L + rq) * H + i_h
     gbh = (g * B + i_b) * H + i_h
-    return g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, gbh * W, tl.load(size + gbh)
+    return g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, gbh * W, bh * W, tl.load(size + gbh)
 
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
+def _fwd_kernel(q, k, v, dk, dv, counts, base, size, length, o, lse, B, T, H, W, R, L,
                 DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr):
-    g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, dbase, n = _query_block(size, length, B, T, H, W, L, BM)
+    g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, cbase, bbase, n = _query_block(size, length, B, T, H, W, L,
+                                                                                 BM)
+    vbase = tl.program_id(1).to(tl.int64) * R
     b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
 
     m_i = tl.full([BM], NEG, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     for j in range(0, n, BN):  # the dictionary (active prefix), bias log counts
-        b_k, b_v, bb, active = _dict_block(dk, dv, bias, dbase, j, n, DQK, DV, BDK, BDV, BN)
+        b_k, b_v, bb, active, _ = _dict_block(dk, dv, counts, base, cbase, bbase, vbase, j, n, DQK, DV, BDK,
+                                              BDV, BN)
         s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32) + bb[None, :]
         allowed = active[None, :] & rq_ok[:, None]
         s = tl.where(allowed, s, NEG)
@@ -133,10 +144,12 @@ def _fwd_kernel(q, k, v, dk, dv, bias, size, length, o, lse, B, T, H, W, L,
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_dq_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, dq, B, T, H, W, L,
+def _bwd_dq_kernel(q, k, v, dk, dv, counts, base, size, length, do, lse, delta, dq, B, T, H, W, R, L,
                    DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr):
-    g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, dbase, n = _query_block(size, length, B, T, H, W, L, BM)
+    g, qb, i_h, n_valid, rq, rq_ok, qkbase, q_rows, cbase, bbase, n = _query_block(size, length, B, T, H, W, L,
+                                                                                 BM)
+    vbase = tl.program_id(1).to(tl.int64) * R
     b_q = _tile(q, q_rows, rq_ok, DQK, BDK)
     b_do = _tile(do, q_rows, rq_ok, DV, BDV)
     b_lse = tl.load(lse + q_rows, mask=rq_ok, other=0.0)
@@ -144,7 +157,8 @@ def _bwd_dq_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, dq, B, T
 
     acc = tl.zeros([BM, BDK], tl.float32)
     for j in range(0, n, BN):
-        b_k, b_v, bb, active = _dict_block(dk, dv, bias, dbase, j, n, DQK, DV, BDK, BDV, BN)
+        b_k, b_v, bb, active, _ = _dict_block(dk, dv, counts, base, cbase, bbase, vbase, j, n, DQK, DV, BDK,
+                                              BDV, BN)
         s = tl.dot(b_q, tl.trans(b_k)).to(tl.float32) + bb[None, :]
         allowed = active[None, :] & rq_ok[:, None]
         p = tl.where(allowed, tl.exp(s - b_lse[:, None]), 0.0)
@@ -165,11 +179,12 @@ def _bwd_dq_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, dq, B, T
 
 
 @triton.jit
-def _bwd_dkv_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, gk, gv, B, T, H, W, L,
+def _bwd_dkv_kernel(q, k, v, dk, dv, counts, base, size, length, do, lse, delta, gk, gv, B, T, H, W, R, L,
                     DICT: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """One block of BN key rows: the dictionary's (DICT) or the chunk's own. Writes dK and dV of them
-    (fp32) into gk, gv: ``[G, B, H, W, d]`` for DICT, ``[B, T, H, d]`` otherwise."""
+    """One block of BN key rows: the slots one chunk reads (DICT) or the chunk's own keys. DICT adds dK and
+    dV (fp32) into the version rows read (``gk [B, H, R, dk]``, atomically: other chunks read them too);
+    otherwise writes them into ``gk [B, T, H, dk]``, ``gv``."""
     if DICT:
         nkb = tl.cdiv(W, BN)
     else:
@@ -182,21 +197,18 @@ def _bwd_dkv_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, gk, gv,
     n_valid = tl.load(length + i_b)
     qkbase = i_b * T
     gbh = (g * B + i_b) * H + i_h
-    dbase = gbh * W
     j = kb * BN
     if DICT:
         n = tl.load(size + gbh)
-        b_k, b_v, bb, active = _dict_block(dk, dv, bias, dbase, j, n, DQK, DV, BDK, BDV, BN)
+        b_k, b_v, bb, active, k_rows = _dict_block(dk, dv, counts, base, gbh * W, bh * W, bh * R, j, n, DQK, DV,
+                                                   BDK, BDV, BN)
         rk = j + tl.arange(0, BN)
-        k_rows = dbase + rk
-        k_ok = rk < W
         q_start = 0
-        q_end = tl.where(j < n, L, 0)  # an empty block: no query sees it, its gradient is 0
+        q_end = tl.where(j < n, L, 0)  # an empty block: no query sees it, nothing to add
     else:
         b_k, b_v, rk, active = _chunk_block(k, v, qkbase, i_h, g, j, L, H, n_valid, DQK, DV, BDK, BDV, BN)
         k_rows = (qkbase + g * L + rk) * H + i_h
         bb = tl.zeros([BN], tl.float32)
-        k_ok = rk < L
         q_start = (j // BM) * BM
         q_end = L
     acc_k = tl.zeros([BN, BDK], tl.float32)
@@ -220,10 +232,18 @@ def _bwd_dkv_kernel(q, k, v, dk, dv, bias, size, length, do, lse, delta, gk, gv,
         acc_k += tl.dot(tl.trans(ds.to(b_q.dtype)), b_q).to(tl.float32)
     od = tl.arange(0, BDK)
     ov = tl.arange(0, BDV)
-    tl.store(gk + k_rows[:, None] * DQK + od[None, :], acc_k.to(gk.dtype.element_ty),
-             mask=k_ok[:, None] & (od < DQK)[None, :])
-    tl.store(gv + k_rows[:, None] * DV + ov[None, :], acc_v.to(gv.dtype.element_ty),
-             mask=k_ok[:, None] & (ov < DV)[None, :])
+    if DICT:
+        if j < n:
+            tl.atomic_add(gk + k_rows[:, None] * DQK + od[None, :], acc_k,
+                          mask=active[:, None] & (od < DQK)[None, :], sem="relaxed")
+            tl.atomic_add(gv + k_rows[:, None] * DV + ov[None, :], acc_v,
+                          mask=active[:, None] & (ov < DV)[None, :], sem="relaxed")
+    else:
+        k_ok = rk < L
+        tl.store(gk + k_rows[:, None] * DQK + od[None, :], acc_k.to(gk.dtype.element_ty),
+                 mask=k_ok[:, None] & (od < DQK)[None, :])
+        tl.store(gv + k_rows[:, None] * DV + ov[None, :], acc_v.to(gv.dtype.element_ty),
+                 mask=k_ok[:, None] & (ov < DV)[None, :])
 
 
 # ----------------------------------------------------------------------------- launch
@@ -234,83 +254,86 @@ def _blocks(dk: int, dv: int) -> dict:
     return dict(BM=64, BN=64, num_warps=4, num_stages=2)
 
 
-def _prepare(q, dict_k, counts, length):
-    """The log-count bias (NEG_INF on empty slots), the rows to visit per (chunk, sample, head), lengths."""
+def _prepare(q, counts, length):
+    """The rows to visit per (chunk, sample, head) (up to the last active slot) and the lengths."""
     B, T, H, dk = q.shape
-    G, W = dict_k.shape[0], dict_k.shape[3]
+    G, W = counts.shape[0], counts.shape[3]
     active = counts > 0
-    bias = torch.where(active, counts.clamp_min(1).float().log(), torch.full((), NEG_INF, device=q.device))
-    # rows up to the last active slot (active slots are a prefix in OVQ; this only bounds the loop)
     size = ((torch.arange(1, W + 1, device=q.device, dtype=torch.int32) * active).amax(-1)
             if W else torch.zeros(G, B, H, dtype=torch.int32, device=q.device))
     if length is None:
         length = torch.full((B,), T, dtype=torch.int32, device=q.device)
-    return bias.contiguous(), size.to(torch.int32).contiguous(), length.to(torch.int32).contiguous()
+    return size.to(torch.int32).contiguous(), length.to(torch.int32).contiguous()
 
 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, dict_k, dict_v, bias, size, length, chunk_size):
+    def forward(ctx, q, k, v, dict_k, dict_v, counts, base, size, length, chunk_size):
         B, T, H, dk = q.shape
         dv = v.shape[-1]
-        G, W = dict_k.shape[0], max(dict_k.shape[3], 1)
+        G, W, R = counts.shape[0], max(counts.shape[3], 1), dict_k.shape[2]
         L = chunk_size
         cfg = _blocks(dk, dv)
         BDK, BDV = next_pow2(dk), next_pow2(dv)
         o = torch.empty(B, T, H, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         grid = (G * triton.cdiv(L, cfg["BM"]), B * H)
-        _fwd_kernel[grid](q, k, v, dict_k, dict_v, bias, size, length, o, lse, B, T, H, W, L,
+        _fwd_kernel[grid](q, k, v, dict_k, dict_v, counts, base, size, length, o, lse, B, T, H, W, R, L,
                           DQK=dk, DV=dv, BDK=BDK, BDV=BDV, **cfg)
-        ctx.save_for_backward(q, k, v, dict_k, dict_v, bias, size, length, o, lse)
+        ctx.save_for_backward(q, k, v, dict_k, dict_v, counts, base, size, length, o, lse)
         ctx.chunk_size = L
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, dict_k, dict_v, bias, size, length, o, lse = ctx.saved_tensors
+        q, k, v, dict_k, dict_v, counts, base, size, length, o, lse = ctx.saved_tensors
         B, T, H, dk = q.shape
         dv = v.shape[-1]
-        G, W = dict_k.shape[0], max(dict_k.shape[3], 1)
+        G, W, R = counts.shape[0], max(counts.shape[3], 1), dict_k.shape[2]
         L = ctx.chunk_size
         cfg = _blocks(dk, dv)
         BDK, BDV = next_pow2(dk), next_pow2(dv)
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1).contiguous()  # rowsum(dO ⊙ O)
-        # every row of every output is written (rows no query sees get zeros), in the inputs' dtypes
+        # every row of the chunk gradients is written (rows no query sees get zeros), in the inputs' dtypes;
+        # the version rows are summed into in fp32
         dq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        gdk, gdv = torch.empty_like(dict_k), torch.empty_like(dict_v)
-        args = (q, k, v, dict_k, dict_v, bias, size, length, do, lse, delta)
-        _bwd_dq_kernel[(G * triton.cdiv(L, cfg["BM"]), B * H)](*args, dq, B, T, H, W, L, DQK=dk, DV=dv,
+        gdk = torch.zeros(dict_k.shape, dtype=torch.float32, device=q.device)
+        gdv = torch.zeros(dict_v.shape, dtype=torch.float32, device=q.device)
+        args = (q, k, v, dict_k, dict_v, counts, base, size, length, do, lse, delta)
+        _bwd_dq_kernel[(G * triton.cdiv(L, cfg["BM"]), B * H)](*args, dq, B, T, H, W, R, L, DQK=dk, DV=dv,
                                                                 BDK=BDK, BDV=BDV, **cfg)
-        _bwd_dkv_kernel[(G * triton.cdiv(L, cfg["BN"]), B * H)](*args, gk, gv, B, T, H, W, L, DICT=False,
+        _bwd_dkv_kernel[(G * triton.cdiv(L, cfg["BN"]), B * H)](*args, gk, gv, B, T, H, W, R, L, DICT=False,
                                                                  DQK=dk, DV=dv, BDK=BDK, BDV=BDV, **cfg)
-        if dict_k.shape[3]:
-            _bwd_dkv_kernel[(G * triton.cdiv(W, cfg["BN"]), B * H)](*args, gdk, gdv, B, T, H, W, L, DICT=True,
+        if counts.shape[3]:
+            _bwd_dkv_kernel[(G * triton.cdiv(W, cfg["BN"]), B * H)](*args, gdk, gdv, B, T, H, W, R, L, DICT=True,
                                                                      DQK=dk, DV=dv, BDK=BDK, BDV=BDV, **cfg)
-        return dq, gk, gv, gdk, gdv, None, None, None, None
+        return dq, gk, gv, gdk.to(dict_k.dtype), gdv.to(dict_v.dtype), None, None, None, None, None
 
 
-def ovq_chunk_attention(q, k, v, dict_k, dict_v, counts, chunk_size: int, length=None):
+def ovq_chunk_attention(q, k, v, dict_k, dict_v, counts, base, chunk_size: int, length=None):
     """Every chunk's attention over [its dictionary (bias log counts); its own keys (causal)].
 
     q, k ``[B, G·L, H, dk]``, v ``[B, G·L, H, dv]`` (G whole chunks of L = ``chunk_size`` rows; q carries
-    the scale), dict_k ``[G, B, H, W, dk]``, dict_v ``[G, B, H, W, dv]`` (the dictionary each chunk
-    reads, in q's dtype), counts ``[G, B, H, W]`` (0 = empty slot; no gradient), length ``[B]`` or None
-    (keys at positions >= length[b] are ignored). Returns o ``[B, G·L, H, dv]`` in q's dtype, with
-    gradients to q, k, v, dict_k and dict_v."""
+    the scale); the dictionaries as version tables dict_k ``[B, H, R, dk]``, dict_v ``[B, H, R, dv]`` (q's
+    dtype), counts ``[G, B, H, W]`` (each slot's count before each chunk, 0 = empty; no gradient) and base
+    ``[B, H, W]``: chunk g reads slot s at row ``base[b, h, s] + counts[g, b, h, s]`` of the tables (every
+    such row of an active slot must be < R). length ``[B]`` or None: keys at positions >= length[b] are
+    ignored. Returns o ``[B, G·L, H, dv]`` in q's dtype, with gradients to q, k, v, dict_k and dict_v."""
     B, T, H, dk = q.shape
     if T % chunk_size:
         raise ValueError(f"ovq_chunk_attention: the length {T} is not a whole number of chunks of {chunk_size}")
     G = T // chunk_size
-    if dict_k.shape[:3] != (G, B, H) or dict_k.shape[-1] != dk or dict_v.shape[:4] != dict_k.shape[:4]:
-        raise ValueError(f"ovq_chunk_attention: dict_k must be [G, B, H, W, dk] = ({G}, {B}, {H}, W, {dk}) with "
-                         f"dict_v [G, B, H, W, dv], got {tuple(dict_k.shape)} and {tuple(dict_v.shape)}")
-    if tuple(counts.shape) != tuple(dict_k.shape[:4]):
-        raise ValueError(f"ovq_chunk_attention: counts must have shape {tuple(dict_k.shape[:4])}, "
-                         f"got {tuple(counts.shape)}")
+    if dict_k.dim() != 4 or dict_k.shape[:2] != (B, H) or dict_k.shape[-1] != dk \
+            or dict_v.dim() != 4 or dict_v.shape[:3] != dict_k.shape[:3]:
+        raise ValueError(f"ovq_chunk_attention: dict_k must be [B, H, R, dk] = ({B}, {H}, R, {dk}) with dict_v "
+                         f"[B, H, R, dv], got {tuple(dict_k.shape)} and {tuple(dict_v.shape)}")
+    if counts.dim() != 4 or counts.shape[:3] != (G, B, H) or tuple(base.shape) != (B, H, counts.shape[3]):
+        raise ValueError(f"ovq_chunk_attention: counts must be [G, B, H, W] = ({G}, {B}, {H}, W) and base "
+                         f"[B, H, W], got {tuple(counts.shape)} and {tuple(base.shape)}")
     if dict_k.dtype != q.dtype or dict_v.dtype != q.dtype:
         raise ValueError("ovq_chunk_attention: the dictionaries must have q's dtype")
-    bias, size, length = _prepare(q, dict_k, counts, length)
+    size, length = _prepare(q, counts, length)
     return _ChunkAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), dict_k.contiguous(),
-                                 dict_v.contiguous(), bias, size, length, chunk_size)
+                                 dict_v.contiguous(), counts.contiguous(), base.to(torch.int64).contiguous(), size,
+                                 length, chunk_size)

@@ -48,9 +48,9 @@ complete); ``"chunk"`` packs each sample's real tokens (after its partial chunk)
 chunks, L queries at a time. Both share the dictionary update (``_update_dictionary``), which is the
 definition. ``"triton"`` (auto on CUDA; fp32/fp16/bf16, head dims <= 128) runs the chunk attention of all
 chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (no gradient,
-``_assign``'s rule: a PyTorch loop over the chunks, or with ``triton_assign=True`` one launch of
-``lazoo.kernels.ovq_assign``), then every chunk's dictionary as differentiable running means (sums / counts)
-for a group of chunks at a time, then the kernel; decoding one token without autograd uses the chunk form.
+``_assign``'s rule: a PyTorch loop over the chunks, or with ``triton_assign=True`` ``lazoo.kernels.ovq_assign``),
+then every value each slot takes in the call as differentiable running means (``_dictionary_versions``), which
+the kernel reads by each chunk's counts; decoding one token without autograd uses the chunk form.
 
 VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
 C ``[H, N, dk]`` (dot product; the mixer normalises C and k), output = causal softmax attention over
@@ -122,7 +122,7 @@ def ovq_attention(
 ):
     """OVQ attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring).
 
-    ``triton_assign``: when the Triton backend runs, take every chunk's slot assignments in one launch of
+    ``triton_assign``: when the Triton backend runs, take every chunk's slot assignments with the kernels of
     ``lazoo.kernels.ovq_assign`` instead of a PyTorch loop over the chunks (opt-in until measured on a GPU; it
     applies where chunk_size <= 128 and the compute dtype is float32, the PyTorch loop runs otherwise). The
     "recurrent" and "chunk" backends ignore it (they assign chunk by chunk as they go)."""
@@ -435,8 +435,6 @@ def _ovq_chunk(q, k, v, real, state, L, N, sync=True, fresh=False):
 
 # ============================================================================ Triton path
 _TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.MAX_HEAD_DIM (not imported here: kernels load lazily)
-#: bytes of per-chunk dictionaries materialised at once (chunks run in groups that fit)
-_TRITON_GROUP_BYTES = 4 << 30
 _TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq_assign.MAX_CHUNK (its head dim limit is the op's, 128)
 
 
@@ -469,10 +467,11 @@ class _SlotGraph:
     kernel launches (about 40 small ops per chunk); a replay costs one launch for ``STEPS`` chunks."""
 
     STEPS = 16
-    _cache: dict = {}
-    _broken: set = set()
+    cache = None  # a lazoo.kernels._graphs.GraphCache, made on first use (ops import kernels lazily)
 
     def __init__(self, B, H, L, M, dk, dtype, N, device):
+        from ..kernels._graphs import capture
+
         S = self.STEPS
         self.Sk = torch.zeros(B, H, M, dk, dtype=dtype, device=device)
         self.counts = torch.zeros(B, H, M, dtype=torch.int64, device=device)
@@ -480,14 +479,7 @@ class _SlotGraph:
         self.t_end = torch.zeros(S, B, dtype=torch.int64, device=device)
         self.full = torch.zeros(S, B, dtype=torch.bool, device=device)
         self.N = N
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._run()  # warm-up outside the capture (library handles, allocator)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.before, self.slots = self._run()
+        self.graph, (self.before, self.slots) = capture(self._run, device)
 
     def _run(self):
         before, slots = [], []
@@ -498,18 +490,12 @@ class _SlotGraph:
 
     @classmethod
     def get(cls, B, H, L, M, dk, dtype, N, device):
-        key = (B, H, L, M, dk, dtype, N, device)
-        if key in cls._broken:
-            return None
-        if key not in cls._cache:
-            try:
-                if len(cls._cache) >= 8:
-                    cls._cache.pop(next(iter(cls._cache)))
-                cls._cache[key] = cls(B, H, L, M, dk, dtype, N, device)
-            except RuntimeError:  # an op that cannot be captured on this build: run eagerly
-                cls._broken.add(key)
-                return None
-        return cls._cache[key]
+        """The graph for this shape (built on first use), or None where it cannot be captured (run eagerly)."""
+        if cls.cache is None:
+            from ..kernels._graphs import GraphCache
+
+            cls.cache = GraphCache()
+        return cls.cache.get((B, H, L, M, dk, dtype, N, device), lambda: cls(B, H, L, M, dk, dtype, N, device))
 
 
 @torch.no_grad()
@@ -550,22 +536,71 @@ def _chunk_slots(Kp, valid, state, t0, nb, L, N):
     return torch.cat(slots), torch.cat(before), graph.counts.clone()
 
 
+def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end):
+    """Every value each slot takes during the call, as differentiable running means in one table per
+    (sample, head), instead of one dictionary per chunk.
+
+    A slot's centroid changes only when a key joins it. Rows are grouped by slot: slot s's group is its
+    initial value followed by its value after each key that joins it, in order (n_s = counts_end − counts0
+    keys, so n_s + 1 rows starting at ``start[s]``). A chunk whose count of slot s is c before it reads the
+    row ``start[s] + c − counts0[s]``, i.e. ``base[s] + c`` with ``base = start − counts0``.
+
+    Kp ``[B, P, H, dk]``, Vp ``[B, P, H, dv]`` (packed), slots ``[C, B, H, L]`` (−1: the key joins nothing),
+    Dk0/Dv0 ``[B, H, M, d]`` and counts0 the dictionary before the call, counts_end after it. Returns the
+    tables of means ``[B, H, M + P, d]`` (rows past the groups are unused), base ``[B, H, M]`` and the
+    final dictionaries ``[B, H, M, d]``. The running sums are prefix sums over each group in float64, so a
+    long call's sums keep the accuracy of the step-by-step means."""
+    B, P, H, _ = Kp.shape
+    M = counts0.shape[-1]
+    dev = Kp.device
+    n = counts_end - counts0
+    start = torch.arange(M, device=dev) + (n.cumsum(-1) - n)  # [B, H, M]
+    tok_slot = slots.permute(1, 2, 0, 3).reshape(B, H, P)  # packed order: p = c·L + i
+    joined = tok_slot >= 0
+    # the keys sorted by (slot, position): the t-th of them is row t + slot + 1 (after slot + 1 initial rows);
+    # keys that join nothing sort last, past every group (rows t + M >= M + number of joined keys)
+    order = (torch.where(joined, tok_slot, M) * P + torch.arange(P, device=dev)).argsort(-1)
+    sorted_slot = torch.where(joined, tok_slot, M).gather(-1, order)
+    t = torch.arange(P, device=dev)
+    sorted_row = t + torch.where(sorted_slot < M, sorted_slot + 1, M)
+    tok_row = torch.empty_like(sorted_row).scatter_(-1, order, sorted_row)  # [B, H, P], in packed order
+    rows = torch.cat([start, tok_row], -1)  # where each initial value and each key goes
+    # each row's group start and count (junk rows: themselves, count 1)
+    slot_of = torch.cat([torch.arange(M, device=dev).expand(B, H, M), tok_slot], -1)
+    group = torch.where(slot_of >= 0, start.gather(-1, slot_of.clamp(0, M - 1)), rows)
+    count = torch.where(slot_of >= 0, counts0.gather(-1, slot_of.clamp(0, M - 1)) + (rows - group), 1)
+    group_r = torch.empty_like(group).scatter_(-1, rows, group)
+    count_r = torch.empty_like(count).scatter_(-1, rows, count).clamp_min(1)
+
+    def table(D0, X):
+        d = X.shape[-1]
+        items = torch.cat([D0 * counts0[..., None].to(D0.dtype), X.transpose(1, 2)], 2).double()
+        placed = items.new_zeros(items.shape).scatter(2, rows[..., None].expand(-1, -1, -1, d), items)
+        csum = placed.cumsum(2)
+        sums = csum - (csum - placed).gather(2, group_r[..., None].expand(-1, -1, -1, d))
+        return sums / count_r[..., None].to(sums.dtype)
+
+    means_k, means_v = table(Dk0, Kp), table(Dv0, Vp)
+    last = (start + n)[..., None]
+    Dk_end = means_k.gather(2, last.expand(-1, -1, -1, means_k.shape[-1])).to(Dk0.dtype)
+    Dv_end = means_v.gather(2, last.expand(-1, -1, -1, means_v.shape[-1])).to(Dv0.dtype)
+    zero = torch.zeros((), dtype=Dk0.dtype, device=dev)
+    empty = (counts_end == 0)[..., None]
+    return means_k, means_v, start - counts0, torch.where(empty, zero, Dk_end), torch.where(empty, zero, Dv_end)
+
+
 def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
     """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
-    (sequential, PyTorch, no gradient; with ``triton_assign`` one launch of lazoo.kernels.ovq_assign); (2)
-    every chunk's dictionary as differentiable running means, sums of the keys / values assigned so far
-    over the counts, materialised for a group of chunks at a time; (3) one kernel launch per group for
-    the attention of all its chunks. Gradients reach q, k, v and the initial dictionaries through (2).
-    ``kdt``: the dtype the kernel computes in."""
+    (sequential, no gradient: a PyTorch loop over the chunks, or with ``triton_assign`` lazoo.kernels.ovq_assign);
+    (2) every value each slot takes, as differentiable running means (``_dictionary_versions``); (3) one kernel
+    launch for the attention of all chunks, each reading its dictionary from (2) by the counts before it.
+    Gradients reach q, k, v and the initial dictionaries through (2). ``kdt``: the dtype the kernel computes
+    in."""
     from ..kernels.ovq import ovq_chunk_attention  # lazy: importing defines the kernels
 
-    B, T, H, dk = q.shape
-    dv = v.shape[-1]
     st = dict(state)
     bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
     Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
-    P = Qp.shape[1]
-    C = P // L
     if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
         from ..kernels.ovq_assign import ovq_assign
 
@@ -573,40 +608,14 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
                                                st["counts"], L, N)
     else:
         slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
-    M = st["Dk"].shape[2]
-    c0 = st["counts"].to(q.dtype)[..., None]
-    Sk, Sv = st["Dk"] * c0, st["Dv"] * c0  # running sums (differentiable in the initial dictionaries)
-    # widths: the dictionary each chunk reads has at most size_before_last_chunk_of_group active slots
-    size_before = (before > 0).sum(-1).amax((1, 2)).tolist()  # [C], one host sync
-    per_chunk = B * H * M * (dk + dv) * 4 * 3
-    group = max(1, _TRITON_GROUP_BYTES // max(per_chunk, 1))
-    outs = []
-    for g0 in range(0, C, group):
-        g1 = min(C, g0 + group)
-        G = g1 - g0
-        W = max(size_before[g0:g1])
-        rows = slice(g0 * L, g1 * L)
-        Kg = Kp[:, rows].reshape(B, G, L, H, dk).permute(1, 0, 3, 2, 4)  # [G, B, H, L, dk]
-        Vg = Vp[:, rows].reshape(B, G, L, H, dv).permute(1, 0, 3, 2, 4)
-        sl = slots[g0:g1]
-        add = (sl >= 0)[..., None].to(q.dtype)
-        idx = sl.clamp_min(0)[..., None]
-        Ek = torch.zeros(G, B, H, M, dk, dtype=q.dtype, device=q.device).scatter_add(
-            3, idx.expand(-1, -1, -1, -1, dk), Kg * add)
-        Ev = torch.zeros(G, B, H, M, dv, dtype=q.dtype, device=q.device).scatter_add(
-            3, idx.expand(-1, -1, -1, -1, dv), Vg * add)
-        cnt = before[g0:g1, ..., :W]
-        inv = 1.0 / cnt.clamp_min(1).to(q.dtype)[..., None]
-        # the dictionary before chunk c: initial sums + the chunks before it (an exclusive prefix sum)
-        Dk_g = ((Sk[None] + Ek.cumsum(0) - Ek)[..., :W, :] * inv).to(kdt)
-        Dv_g = ((Sv[None] + Ev.cumsum(0) - Ev)[..., :W, :] * inv).to(kdt)
-        Sk, Sv = Sk + Ek.sum(0), Sv + Ev.sum(0)
-        length = (total - g0 * L).clamp(0, G * L)
-        outs.append(ovq_chunk_attention(Qp[:, rows].to(kdt), Kp[:, rows].to(kdt), Vp[:, rows].to(kdt),
-                                        Dk_g, Dv_g, cnt, L, length=length))
-    o = _unpack(torch.cat(outs, 1).to(q.dtype), dest, L)
-    ce = counts_end.to(q.dtype).clamp_min(1)[..., None]
-    st.update(Dk=Sk / ce, Dv=Sv / ce, counts=counts_end,
+    means_k, means_v, base, Dk_end, Dv_end = _dictionary_versions(Kp, Vp, slots, st["Dk"], st["Dv"],
+                                                                  st["counts"], counts_end)
+    # the slots any chunk reads: the largest dictionary before the last chunk (one host sync)
+    W = int((before[-1] > 0).sum(-1).max()) if before.shape[0] else 0
+    o = ovq_chunk_attention(Qp.to(kdt), Kp.to(kdt), Vp.to(kdt), means_k.to(kdt), means_v.to(kdt),
+                            before[..., :W], base[..., :W], L, length=total)
+    o = _unpack(o.to(q.dtype), dest, L)
+    st.update(Dk=Dk_end, Dv=Dv_end, counts=counts_end,
               k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
     return o, st
 
