@@ -1,8 +1,9 @@
 """Triton kernels of ELA's normaliser and scalar features (lazoo.kernels.ela) against a float64 token-by-token loop:
 the output, the denominators, the final carries and the gradients of every input (the initial carries included),
 for the three polynomial kernels (features formed in the kernel), ragged T, pads, dims that are not a power of two,
-with and without initial carries, a gradient on the final carries, several segments of time run in parallel; a
-denominator below eps (the clamp passes no gradient).
+with and without initial carries, a gradient on the final carries, several segments of time run in parallel,
+sequences packed along time (``cu_seqlens``, each with its own carries); a denominator below eps (the clamp passes no
+gradient).
 
 CPU (default run): ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported, so
 ``test_ela_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
@@ -48,6 +49,8 @@ def loop_reference(kernel, q, k, v, om, mask, eps, init):
         den = (q1[:, t] * kc).sum(-1) + (a[:, t] * cc).sum(-1)
         outs.append(num / den.clamp_min(eps)[..., None])
         dens.append(den)
+    if not outs:  # no token: the carries pass through
+        return q.new_zeros(B, 0, H, V), q.new_zeros(B, 0, H), (kc, cc, w)
     return torch.stack(outs, 1), torch.stack(dens, 1), (kc, cc, w)
 
 
@@ -146,6 +149,62 @@ def test_interp_segments_in_parallel(T, kernel):
     check(kernel, 1, T, 1, 16, 8, segment=64, masked=False)
 
 
+def check_packed(kernel, lengths, H, D, V, segment, seed=0, tol=5e-5):
+    """Sequences of ``lengths`` packed along time (``cu_seqlens``, an empty one included) against the float64 loop
+    run on each alone from its own initial carries: outputs, denominators, final carries and every gradient."""
+    from lazoo.kernels.ela import ela_prefix
+
+    T, N = sum(lengths), len(lengths)
+    inputs, _, _ = make(kernel, 1, T, H, D, V, seed, torch.float32, False, False, False)
+    E = 1 if kernel == "magnitude_direction" else 2
+    gen = torch.Generator().manual_seed(seed + 7)
+    init = [torch.randn(N, H, D, generator=gen, dtype=F64), torch.rand(N, H, E, generator=gen, dtype=F64) + 1,
+            torch.randn(N, H, E, V, generator=gen, dtype=F64)]
+    proj = torch.randn(1, T, H, V, generator=gen, dtype=F64)
+    proj_final = [torch.randn(x.shape, generator=gen, dtype=F64) for x in init]
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+
+    ref_in = [x.clone().requires_grad_() for x in inputs]
+    ref_init = [x.clone().requires_grad_() for x in init]
+    outs, dens, finals = [], [], []
+    for n in range(N):
+        sl = slice(bounds[n], bounds[n + 1])
+        o, den, fin = loop_reference(kernel, *(x[:, sl] for x in ref_in), None, 1e-6,
+                                     [x[n:n + 1] for x in ref_init])
+        outs.append(o)
+        dens.append(den)
+        finals.append(fin)
+    o_r, den_r = torch.cat(outs, 1), torch.cat(dens, 1)
+    fin_r = [torch.cat(parts, 0) for parts in zip(*finals)]
+    loss = (o_r * proj).sum() + sum((f * p).sum() for f, p in zip(fin_r, proj_final))
+    grads_r = torch.autograd.grad(loss, ref_in + ref_init)
+
+    kd = [x.float().requires_grad_() for x in inputs]
+    k_init = [x.float().requires_grad_() for x in init]
+    o, den, fin = ela_prefix(*kd, kernel=kernel, eps=1e-6, initial_state=k_init, output_final_state=True,
+                             segment=segment, cu_seqlens=torch.tensor(bounds))
+    loss = (o.to(F64) * proj).sum() + sum((f.to(F64) * p).sum() for f, p in zip(fin, proj_final))
+    grads = torch.autograd.grad(loss, kd + k_init)
+
+    def rel(got, want):
+        return ((got.detach().to(F64) - want.detach()).norm() / want.detach().norm().clamp_min(1e-30)).item()
+
+    assert rel(o, o_r) < tol and rel(den, den_r) < tol, (rel(o, o_r), rel(den, den_r))
+    for name, f, fr in zip(("Kc", "Cc", "W"), fin, fin_r):
+        assert rel(f, fr) < tol, f"final {name}: {rel(f, fr):.2e}"
+    for name, g, gr in zip(["q", "k", "v", "om", "Kc0", "Cc0", "W0"], grads, grads_r):
+        assert rel(g, gr) < tol, f"grad {name}: {rel(g, gr):.2e}"
+
+
+@needs_interp
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_interp_packed_sequences(kernel):
+    # segments of 32: sequences of one, several (with a short last one) and no segment, an empty sequence in the
+    # middle and at the end; and the device's default segment length
+    check_packed(kernel, [5, 70, 0, 33, 1, 0], 2, 12, 20, segment=32)
+    check_packed(kernel, [40, 3], 1, 8, 8, segment=None)
+
+
 @needs_interp
 def test_interp_half_precision_inputs():
     check("sum_sq_euclid", 2, 37, 2, 16, 16, dtype=torch.float16, with_init=True, tol=2e-3)
@@ -167,6 +226,11 @@ def test_interp_refuses_what_it_does_not_take():
         ela_prefix(x, x, x, x[..., :4], kernel="sum_sq_euclid", eps=1e-6)
     with pytest.raises(ValueError, match="segment must be a positive multiple of 32"):
         ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, segment=48)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, cu_seqlens=torch.tensor([0, 2, 3]))
+    with pytest.raises(ValueError, match="needs B = 1 and no mask"):
+        ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, mask=torch.ones(1, 4, dtype=torch.bool),
+                   cu_seqlens=torch.tensor([0, 4]))
 
 
 def test_ela_kernels_in_subprocess():

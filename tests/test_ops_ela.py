@@ -130,6 +130,61 @@ def test_split_sequence_equals_one_pass(kernel, backend):
     assert_close(o, ref, 1e-12, "vs quadratic")
 
 
+def packed_case(kernel, lengths, seed=6):
+    """Sequences of ``lengths`` (B = 1 each) packed along time, their boundaries and one state per sequence."""
+    T = sum(lengths)
+    q, k, v = make_inputs(T, b=1, seed=seed)
+    k = k * 4  # hadamard_exp: the running max moves inside each sequence
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    states = [real_state(kernel, seed=seed + n) for n in range(len(lengths))]
+    state = {key: torch.cat([st[key][:1] for st in states], 0) for key in states[0]}
+    return (q, k, v), bounds, state
+
+
+def assert_packed_equals_alone(kernel, backend, lengths, dtype=F64, tol=1e-12):
+    (q, k, v), bounds, state = packed_case(kernel, lengths)
+    cast = {key: x.to(dtype if dtype == F64 else torch.float32) for key, x in state.items()}
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    o, s = ela(*leaves, kernel=kernel, initial_state=cast, output_final_state=True, chunk_size=8, backend=backend,
+               cu_seqlens=torch.tensor(bounds))
+    for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        sl = (slice(None), slice(lo, hi))
+        alone = {key: x[n:n + 1] for key, x in state.items()}
+        if hi > lo:
+            o_n, s_n = ela(q[sl], k[sl], v[sl], kernel=kernel, initial_state=alone, output_final_state=True,
+                           chunk_size=8, backend="recurrent")
+            assert_close(o[sl].detach().double(), o_n, tol, f"sequence {n} output")
+        else:
+            s_n = alone  # an empty sequence passes its state through
+        assert_state_close({key: x[n:n + 1].double() for key, x in s.items()}, s_n, tol, f"sequence {n} state")
+    # gradients: the packed call against the sequences run one by one in one graph
+    grads = torch.autograd.grad(o.double().square().sum(), leaves)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    outs = [ela(*(x[:, lo:hi] for x in ref_leaves), kernel=kernel, backend="recurrent",
+                initial_state={key: x[n:n + 1] for key, x in state.items()})[0]
+            for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])) if hi > lo]
+    ref = torch.autograd.grad(torch.cat(outs, 1).square().sum(), ref_leaves)
+    for name, g, r in zip("qkv", grads, ref):
+        assert_close(g.double(), r, tol * 10, f"grad {name}")
+
+
+@pytest.mark.parametrize("backend", ["chunk", "recurrent"])
+@pytest.mark.parametrize("kernel", ELA_KERNELS)
+def test_packed_sequences_equal_each_sequence_alone(kernel, backend):
+    assert_packed_equals_alone(kernel, backend, [7, 0, 12, 5])
+
+
+@pytest.mark.parametrize("kernel", ["hadamard_exp", "magnitude_direction"])
+def test_packed_bidirectional_never_crosses_a_boundary(kernel):
+    (q, k, v), bounds, _ = packed_case(kernel, [6, 9, 4])
+    o, _ = ela(q, k, v, kernel=kernel, causal=False, cu_seqlens=torch.tensor(bounds))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        alone, _ = ela(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], kernel=kernel, causal=False)
+        assert_close(o[:, lo:hi], alone, 1e-12, "bidirectional sequence")
+    with pytest.raises(ValueError, match="either mask or cu_seqlens"):
+        ela(q, k, v, kernel=kernel, mask=torch.ones(1, q.shape[1], dtype=torch.bool), cu_seqlens=torch.tensor(bounds))
+
+
 # ----------------------------------------------------------------------------- finite exp, clamps, dtypes
 @pytest.mark.parametrize("causal", [True, False])
 def test_hadamard_exp_stays_finite_where_exp_overflows(causal):
@@ -248,6 +303,14 @@ def test_interp_triton_matches_reference(kernel):
                      initial_state={key: x.float() for key, x in s_r.items()})
         o_dr, _ = ela(q[:, :2], k[:, :2], v[:, :2], kernel=kernel, backend="recurrent", initial_state=s_r)
     assert_close(o_d, o_dr, 1e-5, "decode")
+
+
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (run via the subprocess test)")
+@pytest.mark.parametrize("kernel", ELA_KERNELS)
+def test_interp_triton_packed_sequences(kernel):
+    """backend="triton" with cu_seqlens (the linear / GLA kernels and lazoo.kernels.ela on packed sequences), fp32:
+    each sequence as if alone, outputs, states and gradients."""
+    assert_packed_equals_alone(kernel, "triton", [7, 0, 40, 5], dtype=torch.float32, tol=1e-5)
 
 
 # ----------------------------------------------------------------------------- GPU (-m gpu)

@@ -21,7 +21,8 @@ Layout: q, k ``[B, T, H, D]`` (zero at pads), v, om ``[B, T, H, dv]``, mask ``[B
 zeroed there). Every loaded value is cast to fp32. A program holds one sample·head's whole value row (∂den needs do·o
 over all of dv) and one segment of time: a first kernel sums each segment, the carries at every segment's start are a
 short prefix sum over segments, and the segments then run in parallel (the backward likewise, with suffix sums for the
-reverse walk). Long sequences with few samples would otherwise run on B·H programs.
+reverse walk). Long sequences with few samples would otherwise run on B·H programs. Packed sequences (``cu_seqlens``,
+B = 1) are cut into segments that never cross a boundary, and the carries flow only within a sequence.
 """
 
 from __future__ import annotations
@@ -51,14 +52,21 @@ def _suffix(x):
 
 
 @triton.jit
-def _program(T, L, H, NS, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+def _program(T, L, H, NS, SEGS, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+             VARLEN: tl.constexpr):
     """This program's sample·head (int64), its slot among the segment buffers, the segment's tokens [lo, hi), the
-    sample and head, and the head-dim and value-dim offsets with their masks."""
+    sample and head, and the head-dim and value-dim offsets with their masks. Segments are [s·L, s·L + L) ∩ [0, T),
+    or with ``VARLEN`` the rows of ``SEGS`` ``[NS, 2]`` (packed sequences: no segment crosses a boundary)."""
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    lo = s * L
+    if VARLEN:
+        lo = tl.load(SEGS + 2 * s)
+        hi = tl.load(SEGS + 2 * s + 1)
+    else:
+        lo = s * L
+        hi = tl.minimum(lo + L, T)
     od, ov = tl.arange(0, BD), tl.arange(0, BV)
-    return bh, bh * NS + s, lo, tl.minimum(lo + L, T), bh // H, bh % H, od, ov, od < D, ov < DV
+    return bh, bh * NS + s, lo, hi, bh // H, bh % H, od, ov, od < D, ov < DV
 
 
 @triton.jit
@@ -118,12 +126,12 @@ def _store_carries(KS, CS, WS, i_c, kc, cc0, cc1, w0, w1, D: tl.constexpr, DV: t
 
 
 @triton.jit
-def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, sign,
+def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, SEGS, sign,
                    D: tl.constexpr, DV: tl.constexpr, E: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-                   BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr):
+                   BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr):
     """Each segment's sums of k', c and c vᵀ (the forward's carries over it)."""
     sign = tl.cast(sign, tl.float32)  # fp64 (or a constant) when launched under torch.compile
-    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, SEGS, D, DV, BD, BV, VARLEN)
     kc = tl.zeros([BD], dtype=tl.float32)
     w0 = tl.zeros([BV], dtype=tl.float32)
     w1 = tl.zeros([BV], dtype=tl.float32)
@@ -144,13 +152,13 @@ def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, sign,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, M, Vv, OM, O, DEN, KS, CS, WS, T, H, L, NS, sign, eps,
+def _fwd_kernel(Q, K, M, Vv, OM, O, DEN, KS, CS, WS, T, H, L, NS, SEGS, sign, eps,
                 D: tl.constexpr, DV: tl.constexpr, E: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-                BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr):
+                BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr):
     """One segment, from the carries at its start (``KS``, ``CS``, ``WS`` ``[B, H, NS, ..]``)."""
     sign = tl.cast(sign, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, SEGS, D, DV, BD, BV, VARLEN)
     kc, cc0, cc1, w0, w1 = _load_carries(KS, CS, WS, slot, D, DV, E, od, ov, md, mv)
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
@@ -177,15 +185,16 @@ def _fwd_kernel(Q, K, M, Vv, OM, O, DEN, KS, CS, WS, T, H, L, NS, sign, eps,
 
 
 @triton.jit
-def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, ZT, YT, T, H, L, NS, sign, eps,
-                        D: tl.constexpr, DV: tl.constexpr, E: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-                        BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr):
+def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, ZT, YT, T, H, L, NS, SEGS, sign,
+                        eps, D: tl.constexpr, DV: tl.constexpr, E: tl.constexpr, BD: tl.constexpr,
+                        BV: tl.constexpr, BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr,
+                        VARLEN: tl.constexpr):
     """The backward's forward walk over one segment: the carries again, then ∂om = ∂num, ∂den and ∂q (through q' and
     a); and the segment's sums of ∂den q', ∂den a and a ∂numᵀ (what the reverse walk carries into earlier
     segments)."""
     sign = tl.cast(sign, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, SEGS, D, DV, BD, BV, VARLEN)
     kc, cc0, _, w0, _ = _load_carries(KS, CS, WS, slot, D, DV, E, od, ov, md, mv)
     xs = tl.zeros([BD], dtype=tl.float32)
     ys0 = tl.zeros([BV], dtype=tl.float32)
@@ -228,14 +237,14 @@ def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, 
 
 
 @triton.jit
-def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H, L, NS, sign, eps,
+def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H, L, NS, SEGS, sign, eps,
                         D: tl.constexpr, DV: tl.constexpr, E: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
-                        BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr):
+                        BT: tl.constexpr, MAG: tl.constexpr, HAS_MASK: tl.constexpr, VARLEN: tl.constexpr):
     """The reverse walk over one segment, from the suffix sums after it (``RS``, ``RCS``, ``RWS``): ∂v, and ∂k
     through k' and c."""
     sign = tl.cast(sign, tl.float32)
     eps = tl.cast(eps, tl.float32)
-    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, D, DV, BD, BV)
+    bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, SEGS, D, DV, BD, BV, VARLEN)
     rk, rc0, rc1, rw0, rw1 = _load_carries(RS, RCS, RWS, slot, D, DV, E, od, ov, md, mv)
     nb = tl.cdiv(hi - lo, BT)
     for i in range(0, nb):
@@ -292,39 +301,101 @@ def _segment_length(T, BH, BT, device, segment):
     return triton.cdiv(triton.cdiv(max(T, 1), n), BT) * BT
 
 
-def _exclusive(totals, start):
-    """The carries at every segment's start: ``start`` plus the sums of the segments before it (dim 2)."""
-    return start.unsqueeze(2) + totals.cumsum(2) - totals
+class _Segments:
+    """The parallel segments of time and how the carries flow between them.
+
+    Without ``cu_seqlens``: segments [s·L, s·L + L) of each sample; a sample's carries flow through all of them.
+    With ``cu_seqlens`` (B = 1, N sequences packed along time): each sequence is cut into segments of L tokens
+    (``table`` ``[NS, 2]`` int32, their [lo, hi)), carries flow only between segments of one sequence, and the
+    initial and final carries are one per sequence ``[N, H, ...]``. Buffers of per-segment sums are
+    ``[B, H, NS, ...]``."""
+
+    def __init__(self, T, B, H, BT, device, segment, cu_seqlens):
+        self.varlen = cu_seqlens is not None
+        if not self.varlen:
+            self.L = _segment_length(T, B * H, BT, device, segment)
+            self.NS = triton.cdiv(T, self.L)
+            self.N = B
+            self.table = torch.zeros(2, dtype=torch.int32, device=device)  # unused pointer
+            return
+        bounds = cu_seqlens.tolist()
+        self.N = len(bounds) - 1
+        self.L = _segment_length(T, H, BT, device, segment)
+        rows, seq = [], []
+        for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            for start in range(lo, hi, self.L):
+                rows.append((start, min(start + self.L, hi)))
+                seq.append(n)
+        self.NS = len(rows)
+        self.table = torch.tensor(rows or [(0, 0)], dtype=torch.int32, device=device)
+        self.seq = torch.tensor(seq, dtype=torch.int64, device=device)  # [NS]: each segment's sequence
+        index = torch.arange(self.NS, device=device)
+        ends = torch.zeros(self.N, dtype=torch.int64, device=device)
+        # [NS]: the first and the last segment of each segment's sequence
+        self.first = ends.scatter_reduce(0, self.seq, index, "amin", include_self=False)[self.seq]
+        self.last = ends.scatter_reduce(0, self.seq, index, "amax", include_self=False)[self.seq]
+
+    def _per_segment(self, y):
+        """Per-sequence values ``[N, H, ...]`` at each segment ``[1, H, NS, ...]``."""
+        return y[self.seq].transpose(0, 1).unsqueeze(0)
+
+    def _sum_per_sequence(self, x):
+        """Per-segment sums ``[1, H, NS, ...]`` added up over each sequence ``[N, H, ...]``."""
+        parts = x[0].transpose(0, 1)
+        return parts.new_zeros((self.N,) + parts.shape[1:]).index_add_(0, self.seq, parts)
+
+    def starts(self, totals, init):
+        """The carries at every segment's start: the initial ones plus the segments before it (its sequence's)."""
+        before = totals.cumsum(2) - totals
+        if not self.varlen:
+            return init.unsqueeze(2) + before
+        return self._per_segment(init) + before - before.index_select(2, self.first)
+
+    def final(self, init, totals):
+        """The carries after the last token (per sample, or per sequence)."""
+        if not self.varlen:
+            return init + totals.sum(2)
+        return init + self._sum_per_sequence(totals)
+
+    def suffix(self, totals, after):
+        """The reverse walk's carries after every segment: ``after`` (the final carries' gradients) plus the
+        later segments of the same sample or sequence."""
+        inclusive = totals.cumsum(2)
+        if not self.varlen:
+            return after.unsqueeze(2) + totals.sum(2, keepdim=True) - inclusive
+        return self._per_segment(after) + inclusive.index_select(2, self.last) - inclusive
 
 
 class ElaPrefixFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, om, mask, kc0, cc0, w0, kernel, eps, output_final_state, segment):
+    def forward(ctx, q, k, v, om, mask, kc0, cc0, w0, kernel, eps, output_final_state, segment, cu_seqlens):
         B, T, H, D = q.shape
         V = v.shape[-1]
         mag, sign = KERNELS[kernel]
         E = 1 if mag else 2
-        meta = dict(_launch_meta(D, V), MAG=mag, HAS_MASK=mask is not None)
-        L = _segment_length(T, B * H, meta["BT"], v.device, segment)
-        NS = triton.cdiv(T, L)
+        meta = dict(_launch_meta(D, V), MAG=mag, HAS_MASK=mask is not None, VARLEN=cu_seqlens is not None)
+        seg = _Segments(T, B, H, meta["BT"], v.device, segment, cu_seqlens)
+        L, NS = seg.L, seg.NS
         f32 = dict(dtype=torch.float32, device=v.device)
-        shapes = ((B, H, D), (B, H, E), (B, H, E, V))
-        init = [torch.zeros(sh, **f32) for sh in shapes] if kc0 is None else [kc0, cc0, w0]
-        totals = [torch.empty(sh[:2] + (NS,) + sh[2:], **f32) for sh in shapes]
+        shapes = ((H, D), (H, E), (H, E, V))
+        init = [torch.zeros((seg.N,) + sh, **f32) for sh in shapes] if kc0 is None else [kc0, cc0, w0]
+        totals = [torch.empty((B, H, NS) + sh[1:], **f32) for sh in shapes]
         m = mask if mask is not None else q  # an unused pointer without a mask
-        _totals_kernel[(B * H, NS)](q, k, m, v, *totals, T, H, L, NS, sign, D=D, DV=V, E=E, **meta)
-        starts = [_exclusive(t, x) for t, x in zip(totals, init)]
-        o = torch.empty_like(v)
-        den = torch.empty(B, T, H, **f32)
-        _fwd_kernel[(B * H, NS)](q, k, m, v, om, o, den, *starts, T, H, L, NS, sign, float(eps), D=D, DV=V, E=E,
-                                 **meta)
+        new = torch.empty if NS else torch.zeros  # the segments cover every token; no token, no segment
+        o = new(v.shape, dtype=v.dtype, device=v.device)
+        den = new(B, T, H, **f32)
+        starts = totals
+        if NS:
+            _totals_kernel[(B * H, NS)](q, k, m, v, *totals, T, H, L, NS, seg.table, sign, D=D, DV=V, E=E, **meta)
+            starts = [seg.starts(t, x).contiguous() for t, x in zip(totals, init)]
+            _fwd_kernel[(B * H, NS)](q, k, m, v, om, o, den, *starts, T, H, L, NS, seg.table, sign, float(eps), D=D,
+                                     DV=V, E=E, **meta)
         ctx.save_for_backward(q, k, m, v, o, den, *starts)
-        ctx.meta, ctx.sign, ctx.eps, ctx.L, ctx.has_init = meta, sign, eps, L, kc0 is not None
+        ctx.meta, ctx.sign, ctx.eps, ctx.seg, ctx.has_init = meta, sign, eps, seg, kc0 is not None
         ctx.mark_non_differentiable(den)
         if not output_final_state:
             return o, den
-        final = [x + t.sum(2) for x, t in zip(init, totals)]
-        return (o, den, *final)
+        return (o, den, *(seg.final(x, t) for x, t in zip(init, totals)))
 
     @staticmethod
     def backward(ctx, do, _dden, *dfinal):
@@ -332,34 +403,39 @@ class ElaPrefixFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         V = v.shape[-1]
         E = starts[1].shape[-1]
-        L, meta = ctx.L, ctx.meta
-        NS = triton.cdiv(T, L)
+        seg, meta = ctx.seg, ctx.meta
+        L, NS = seg.L, seg.NS
         f32 = dict(dtype=torch.float32, device=v.device)
-        shapes = ((B, H, D), (B, H, E), (B, H, E, V))
-        dq, dk, dvv, dom = (torch.empty_like(x) for x in (q, k, v, v))
-        dden = torch.empty(B, T, H, **f32)
-        totals = [torch.empty(sh[:2] + (NS,) + sh[2:], **f32) for sh in shapes]
-        do = do.contiguous()
-        args = (T, H, L, NS, ctx.sign, float(ctx.eps))
-        _bwd_forward_kernel[(B * H, NS)](q, k, m, v, o, den, do, *starts, dq, dom, dden, *totals, *args, D=D, DV=V,
-                                         E=E, **meta)
+        shapes = ((seg.N, H, D), (seg.N, H, E), (seg.N, H, E, V))
+        new = torch.empty_like if NS else torch.zeros_like  # the segments cover every token
+        dq, dk, dvv, dom = (new(x) for x in (q, k, v, v))
+        dden = new(den)
+        totals = [torch.empty((B, H, NS) + sh[2:], **f32) for sh in shapes]
         # the reverse walk of a segment starts from the final carries' gradients plus every later segment's sums
         after = [torch.zeros(sh, **f32) if g is None else g.float() for g, sh in zip(list(dfinal) or [None] * 3,
                                                                                   shapes)]
-        suffix = [(x.unsqueeze(2) + t.sum(2, keepdim=True) - t.cumsum(2)).contiguous() for t, x in zip(totals, after)]
-        _bwd_reverse_kernel[(B * H, NS)](q, k, m, v, den, do, dden, *suffix, dk, dvv, *args, D=D, DV=V, E=E, **meta)
-        dinit = [x + t.sum(2) for x, t in zip(after, totals)] if ctx.has_init else [None, None, None]
-        return dq, dk, dvv, dom, None, *dinit, None, None, None, None
+        if NS:
+            do = do.contiguous()
+            args = (T, H, L, NS, seg.table, ctx.sign, float(ctx.eps))
+            _bwd_forward_kernel[(B * H, NS)](q, k, m, v, o, den, do, *starts, dq, dom, dden, *totals, *args, D=D,
+                                             DV=V, E=E, **meta)
+            suffix = [seg.suffix(t, x).contiguous() for t, x in zip(totals, after)]
+            _bwd_reverse_kernel[(B * H, NS)](q, k, m, v, den, do, dden, *suffix, dk, dvv, *args, D=D, DV=V, E=E,
+                                             **meta)
+        dinit = [seg.final(x, t) for x, t in zip(after, totals)] if ctx.has_init else [None, None, None]
+        return dq, dk, dvv, dom, None, *dinit, None, None, None, None, None
 
 
 def ela_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, om: torch.Tensor, *, kernel: str, eps: float,
                mask: torch.Tensor | None = None, initial_state=None, output_final_state: bool = False,
-               segment: int | None = None):
+               segment: int | None = None, cu_seqlens: torch.Tensor | None = None):
     """``(o [B, T, H, dv] in v's dtype, den [B, T, H] fp32, final carries (Kc, Cc, W) fp32 or None)`` (module
     docstring) for ``kernel`` (``KERNELS``). q, k zero at pads; ``mask`` ``[B, T]`` (True = a real token) or None.
     ``initial_state``: the carries ``(Kc0 [B, H, D], Cc0 [B, H, E], W0 [B, H, E, dv])``, fp32, or None (zeros).
-    Differentiable in q, k, v, om and the initial carries; ``den`` carries no gradient. ``segment``: tokens per
-    parallel segment (a multiple of the token block; default: from the device)."""
+    ``cu_seqlens`` ``[N + 1]`` (int, 0 to T, B = 1, no mask): N sequences packed along time, each with its own
+    carries (initial and final ones ``[N, ...]``). Differentiable in q, k, v, om and the initial carries; ``den``
+    carries no gradient. ``segment``: tokens per parallel segment (a multiple of the token block; default: from the
+    device)."""
     B, T, H, D = q.shape
     V = v.shape[-1]
     why = device_unsupported(q)
@@ -372,13 +448,18 @@ def ela_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, om: torch.Tens
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or om.shape != v.shape:
         raise ValueError(f"ela_prefix: q and k of one float dtype and om shaped like v expected, got "
                          f"{q.dtype}/{k.dtype}, om {tuple(om.shape)} vs v {tuple(v.shape)}")
+    if cu_seqlens is not None and (B != 1 or mask is not None or cu_seqlens.dim() != 1
+                                   or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T):
+        raise ValueError(f"ela_prefix: cu_seqlens [N + 1] from 0 to T = {T} needs B = 1 and no mask, got B = {B}, "
+                         f"mask {'given' if mask is not None else 'None'}, cu_seqlens {cu_seqlens.tolist()}")
     block = _launch_meta(D, V)["BT"]
     if segment is not None and (segment < block or segment % block):
         raise ValueError(f"ela_prefix: segment must be a positive multiple of {block}, got {segment}")
     q, k, v, om = (x.contiguous() for x in (q, k, v, om))
     mask = None if mask is None else mask.to(torch.int8).contiguous()
     init = [None, None, None] if initial_state is None else [x.float().contiguous() for x in initial_state]
-    out = ElaPrefixFunction.apply(q, k, v, om, mask, *init, kernel, float(eps), output_final_state, segment)
+    out = ElaPrefixFunction.apply(q, k, v, om, mask, *init, kernel, float(eps), output_final_state, segment,
+                                  cu_seqlens)
     if output_final_state:
         o, den, *final = out
         return o, den, tuple(final)

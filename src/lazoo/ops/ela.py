@@ -18,7 +18,9 @@ over j <= i (``causal=True``: prefix sums, a recurrent state) or over the whole 
                          k = (‖a‖²+1)(‖b‖²+1)(a·b + 1)
 
 Layout: q/k ``[B, T, H, D]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token: a pad adds
-nothing to the sums and outputs 0). State (causal): ``{"S": [B, H, dv, F], "C": [B, H, F]}``, and
+nothing to the sums and outputs 0). Packed batches: ``cu_seqlens`` ``[N + 1]`` (ints from 0 to T, B = 1,
+no mask) holds the boundaries of N sequences packed along time; no sequence sees another, and states are
+``[N, ...]``, one per sequence. State (causal): ``{"S": [B, H, dv, F], "C": [B, H, F]}``, and
 for ``hadamard_exp`` also ``"m": [B, H, D]`` (the running key maximum per feature, below). States are
 in the compute dtype (float64 for float64 inputs, else float32); the features are formed in it too,
 so exp and the cubic magnitude_direction features never overflow in half precision.
@@ -61,6 +63,7 @@ from __future__ import annotations
 import torch
 
 from ._common import (
+    check_cu_seqlens,
     check_positive_int,
     check_positive_number,
     check_state_dict,
@@ -137,6 +140,7 @@ def ela(
     output_final_state: bool = False,
     mask: torch.Tensor | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """Exact Linear Attention with kernel pair ``kernel`` (see the module docstring).
 
@@ -150,34 +154,42 @@ def ela(
     chunk_size = check_positive_int(op, "chunk_size", chunk_size)
     check_positive_number(op, "eps", eps)
     resolve_backend(op, backend, q.device, None)  # validates backend / LAZOO_BACKEND; the inner op picks
+    cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
     cdt = compute_dtype(q.dtype)
     F_ = ela_feature_dim(kernel, D)
     if not causal:
         if initial_state is not None or output_final_state:
             raise ValueError(f"{op}: the bidirectional form (causal=False) has no state; "
                              "leave initial_state=None and output_final_state=False")
+        if cu_seqlens is not None:  # each sequence attends to itself only
+            bounds = cu_seqlens.tolist()
+            parts = [_bidirectional(q[:, s:e], k[:, s:e], v[:, s:e], kernel, eps, None, backend, cdt)
+                     for s, e in zip(bounds[:-1], bounds[1:])]
+            return torch.cat(parts, 1), None
         return _bidirectional(q, k, v, kernel, eps, mask, backend, cdt), None
-    state = _initial_state(op, initial_state, kernel, B, H, F_, dv, q.device, cdt)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    state = _initial_state(op, initial_state, kernel, N, H, F_, dv, q.device, cdt)
     q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
     if kernel == "hadamard_exp":
-        o, final = _causal_exp(q_c, k_c, v_c, eps, chunk_size, state, output_final_state, mask, backend)
+        o, final = _causal_exp(q_c, k_c, v_c, eps, chunk_size, state, output_final_state, mask, backend, cu_seqlens)
     elif q.dtype != torch.float16 and resolve_backend(op, backend, q.device,
                                                       linear_kernel_unsupported(q, v)) == "triton":
         # the numerator leaves the kernel unnormalised, in the inputs' dtype: fp16's range (6.5e4) would not hold
         # it (magnitude_direction is cubic), so fp16 keeps the fp32 feature path below
-        o, final = _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt)
+        o, final = _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt,
+                                      cu_seqlens)
     else:
         fq, fk = ela_features(kernel, q_c, k_c)
         inner = None if state is None else {"S": state["S"], "z": state["C"]}
         o, st = linear_attention_as(op, fq, fk, v_c, feature_map="identity", normalize=True, eps=eps,
                                     chunk_size=chunk_size, initial_state=inner, output_final_state=output_final_state,
-                                    mask=mask, backend=backend, cu_seqlens=None)
+                                    mask=mask, backend=backend, cu_seqlens=cu_seqlens)
         final = None if st is None else {"S": st["S"], "C": st["z"]}
     return op_result(o, mask, v.dtype, final, output_final_state)
 
 
 # ============================================================================ causal polynomial kernels, Triton
-def _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt):
+def _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt, cu_seqlens=None):
     """φ(q)·ψ(k) = q'·k' + a·c: the D-feature numerator on the linear-attention kernel in the inputs' precision (no
     D + 2 features padded to 2D inside it), then ``lazoo.kernels.ela`` forms the features from q and k and adds the
     scalar ones and the normaliser:
@@ -197,9 +209,9 @@ def _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_sta
         carries = (state["C"][..., :D], state["C"][..., D:], state["S"][..., D:].transpose(-1, -2))
     o_main, S_main = linear_attention_as("ela", q1, k1, v, feature_map="identity", normalize=False, eps=eps,
                                          chunk_size=chunk_size, initial_state=S0, output_final_state=output_final_state,
-                                         mask=mask, backend="triton", cu_seqlens=None)
+                                         mask=mask, backend="triton", cu_seqlens=cu_seqlens)
     o, _, final_carries = ela_prefix(q, k, v, o_main, kernel=kernel, eps=eps, mask=mask, initial_state=carries,
-                                     output_final_state=output_final_state)
+                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     final = None
     if output_final_state:
         Kc, Cc, W = final_carries
@@ -219,19 +231,20 @@ def _linear_operands(kernel, q, k):
 
 
 # ============================================================================ causal hadamard_exp
-def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backend):
+def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backend, cu_seqlens=None):
     """Running-max-shifted hadamard_exp as GLA (a decay per feature) on ``[v, 1]`` (module docstring)."""
     dv = v.shape[-1]
+    m_init = None if state is None else state["m"]
     with torch.no_grad():
-        kk = k if mask is None else k.masked_fill(~mask[..., None, None], float("-inf"))
-        run = kk.cummax(1).values  # [B, T, H, D]: -inf until the first real token
-        if state is not None:
-            m0 = state["m"]
-        else:  # the first real key (0 for a sample with no real token)
-            m0 = run.masked_fill(torch.isinf(run), float("inf")).amin(1)
-            m0 = torch.where(torch.isinf(m0), torch.zeros_like(m0), m0)
-        m = torch.maximum(run, m0[:, None])  # the per-feature shift seen by each query
-        g = torch.cat([m0[:, None], m[:, :-1]], 1) - m  # log decay <= 0; 0 at pads (m moves at real keys)
+        if cu_seqlens is None:
+            m, prev, m_last = _running_max(k, mask, m_init)
+        else:  # each sequence from its own m0 (few sequences: a loop of elementwise ops)
+            bounds = cu_seqlens.tolist()
+            parts = [_running_max(k[:, s:e], None, None if m_init is None else m_init[n:n + 1])
+                     for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+            m, prev = (torch.cat([p[i] for p in parts], 1) for i in (0, 1))
+            m_last = torch.cat([p[2] for p in parts], 0)
+        g = prev - m  # log decay <= 0; 0 at pads (m moves at real keys)
         M = (q + m).amax(-1, keepdim=True)  # per-query scale: the largest term of φ̃·ψ̃ is exactly 1
     fq = (q + m - M).exp()  # <= 1
     fk = (k - m).exp()  # <= 1
@@ -241,15 +254,31 @@ def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backe
         S0 = torch.cat([state["S"], state["C"][:, :, None, :]], 2)
     # g <= 0 by construction (m never decreases): no check, no host sync
     o1, S1 = gla_as("ela", fq, fk, v1, g, scale=1.0, chunk_size=min(chunk_size, 16), initial_state=S0,
-                    output_final_state=output_final_state, mask=mask, backend=backend, cu_seqlens=None, check_g=False)
+                    output_final_state=output_final_state, mask=mask, backend=backend, cu_seqlens=cu_seqlens,
+                    check_g=False)
     o1 = o1.to(q.dtype)
     num, den = o1[..., :dv], o1[..., dv:]
     floor = torch.exp(torch.log(torch.tensor(eps, dtype=q.dtype, device=q.device)) - M)
     o = num / torch.maximum(den, floor)  # max(true denominator, eps), in the scaled units
     final = None
     if output_final_state:
-        final = {"S": S1[:, :, :dv], "C": S1[:, :, dv], "m": m[:, -1]}
+        final = {"S": S1[:, :, :dv], "C": S1[:, :, dv], "m": m_last}
     return o, final
+
+
+def _running_max(k, mask, m0):
+    """The per-feature shift of every query ``m [B, T, H, D]``, the one before it (``m0`` at the first token) and
+    the last one ``[B, H, D]``. m0: from the state, or the first real key (0 for a sample with no real token)."""
+    kk = k if mask is None else k.masked_fill(~mask[..., None, None], float("-inf"))
+    run = kk.cummax(1).values  # [B, T, H, D]: -inf until the first real token
+    if m0 is None and k.shape[1] == 0:
+        m0 = k.new_zeros(k.shape[0], *k.shape[2:])
+    elif m0 is None:
+        m0 = run.masked_fill(torch.isinf(run), float("inf")).amin(1)
+        m0 = torch.where(torch.isinf(m0), torch.zeros_like(m0), m0)
+    m = torch.maximum(run, m0[:, None])
+    prev = torch.cat([m0[:, None], m[:, :-1]], 1)[:, :m.shape[1]]  # (no token: empty)
+    return m, prev, (m[:, -1] if m.shape[1] else m0)
 
 
 # ============================================================================ bidirectional

@@ -75,10 +75,10 @@ class ELAMixer(RecurrentMixer):
                              f"valid kernels are {', '.join(ops.ELA_KERNELS)}")
         super().__init__(config, layer_idx, options)
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         q, k = self.apply_qk_prenorm(q, k)
         return ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"],
-                       **self.op_kwargs(mask, state, want_state))
+                       **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 
 class BidirectionalELAMixer(ELAMixer):
@@ -86,10 +86,10 @@ class BidirectionalELAMixer(ELAMixer):
     token of its sequence (pads excluded through the mask). Same parameters as `ELAMixer`; no state (an encoder
     reads whole sequences). The optional short convolution (`use_short_conv`) stays causal."""
 
-    def mix(self, q, k, v, x, *, mask, state, want_state):
+    def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         q, k = self.apply_qk_prenorm(q, k)
         o, _ = ops.ela(q, k, v, kernel=self.options["kernel"], eps=self.options["eps"], causal=False,
-                       mask=mask, backend=self.options.get("backend"))
+                       mask=mask, backend=self.options.get("backend"), cu_seqlens=cu_seqlens)
         return o, None
 
 
