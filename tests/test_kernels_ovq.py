@@ -196,6 +196,43 @@ def test_interp_op_decoding_one_token_uses_the_state():
     assert torch.equal(st["counts"], s_whole["counts"])
 
 
+@needs_interp
+def test_interp_decode_kernel_across_chunk_ends_with_padding():
+    # two samples (one left-padded by 5), a prompt, then one token at a time through two chunk ends (L = 8):
+    # every decoded output and the final state equal the float64 recurrent pass over the whole sequence
+    x = op_inputs(2, 30, 2, 16, 12, seed=5)
+    mask = left_pad_mask([30, 25], 30)
+    kw = dict(scale=x["beta"], chunk_size=8, max_dict_size=10, output_final_state=True)
+    with torch.no_grad():
+        whole, s_whole = ovq_attention(x["q"], x["k"], x["v"], mask=mask, backend="recurrent", **kw)
+        xf = {n: t.float() for n, t in x.items()}
+        kwf = dict(kw, scale=xf["beta"])
+        o, st = ovq_attention(xf["q"][:, :11], xf["k"][:, :11], xf["v"][:, :11], mask=mask[:, :11],
+                              backend="triton", **kwf)
+        outs = [o]
+        for t in range(11, 30):
+            o, st = ovq_attention(xf["q"][:, t:t + 1], xf["k"][:, t:t + 1], xf["v"][:, t:t + 1],
+                                  mask=mask[:, t:t + 1], initial_state=st, backend="triton", **kwf)
+            outs.append(o)
+    assert_close(torch.cat(outs, 1).double(), whole, 1e-5, "decoded output")
+    for name in ("Dk", "Dv", "k", "v"):
+        assert_close(st[name].double(), s_whole[name], 1e-5, f"decoded {name}")
+    assert torch.equal(st["counts"], s_whole["counts"]) and torch.equal(st["t"], s_whole["t"])
+
+
+def test_decoding_one_token_runs_the_decode_kernel(monkeypatch):
+    """backend="triton", one token, no autograd: the per-token form with the attention in the decode kernel."""
+    import lazoo.ops.ovq as ovq_mod
+
+    seen = []
+    monkeypatch.setattr(ovq_mod, "_attend_token_triton",
+                        lambda *a: seen.append(1) or ovq_mod._attend_token(*a))
+    monkeypatch.setattr(ovq_mod, "resolve_backend", lambda *a, **k: "triton")
+    x = op_inputs(1, 1, 1, 8, 8)
+    ovq_attention(x["q"].float(), x["k"].float(), x["v"].float(), chunk_size=4, backend="triton")
+    assert seen == [1]
+
+
 def test_triton_backend_errors_are_clear():
     x = op_inputs(1, 5, 1, 8, 8)
     with pytest.raises(NotImplementedError, match="float64"):

@@ -20,10 +20,13 @@ of every query row saved for the backward):
   * ``_fwd_kernel``: one program per (chunk, block of BM query rows, sample·head); loops over the
     chunk's active dictionary rows (up to the last non-empty slot) and then its causal key blocks.
   * ``_bwd_dq_kernel``: the same loops, accumulating dQ = Σ dS K.
-  * ``_bwd_dkv_kernel``: one program per block of BN key rows, either dictionary rows of one chunk
-    (DICT: all L queries of that chunk see them) or the chunk's own keys (the queries at or after
-    them); accumulates dK = dSᵀ Q and dV = Pᵀ dO. Dictionary gradients come back per chunk
-    (``[G, B, H, W, d]``); the op's autograd carries them into the keys and values that built them.
+  * ``_bwd_dkv_kernel``: one program per block of BN key rows, either the slots one chunk reads (DICT: all L
+    queries of that chunk see them) or the chunk's own keys (the queries at or after them); accumulates
+    dK = dSᵀ Q and dV = Pᵀ dO. A version row read by several chunks gets the sum of their gradients (fp32
+    atomic adds, so the last bits depend on the order); the op's autograd carries them into the keys and
+    values that built the versions.
+  * ``_decode_kernel``: one token (no autograd) against the state: the dictionary split over programs plus the
+    partial chunk, combined from each share's softmax statistics (``ovq_decode_attention``).
 
 bf16/fp16 inputs go to ``tl.dot`` as they are, with fp32 accumulation; fp32 inputs use the default
 dot precision (tf32 on GPUs). Under ``TRITON_INTERPRET=1`` the kernels run in fp32/fp16 only.
@@ -35,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import is_interpreting, next_pow2
+from ._utils import is_interpreting, next_pow2, num_sms
 
 #: largest head dim (q/k tiles and the [BM, dv] accumulator are held whole)
 MAX_HEAD_DIM = 128
@@ -244,6 +247,87 @@ def _bwd_dkv_kernel(q, k, v, dk, dv, counts, base, size, length, do, lse, delta,
                  mask=k_ok[:, None] & (od < DQK)[None, :])
         tl.store(gv + k_rows[:, None] * DV + ov[None, :], acc_v.to(gv.dtype.element_ty),
                  mask=k_ok[:, None] & (ov < DV)[None, :])
+
+
+# ----------------------------------------------------------------------------- decoding one token
+@triton.jit
+def _decode_kernel(q, dk, dv, counts, pk, pv, n_part, m_out, l_out, acc_out, H, M, L, ROWS,
+                   DQK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                   BL: tl.constexpr):
+    """One query per sample·head against a share of its state: dictionary rows [sp·ROWS, sp·ROWS + ROWS) for
+    programs sp < last, the partial chunk's first n_part rows for the last one. Writes the share's softmax
+    statistics (max, sum of exponentials, weighted sum of values) for the combine."""
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    nsp = tl.num_programs(1)
+    i_b = bh // H
+    i_h = bh % H
+    od = tl.arange(0, BDK)
+    ov = tl.arange(0, BDV)
+    md = od < DQK
+    mv = ov < DV
+    b_q = tl.load(q + bh * DQK + od, mask=md, other=0.0).to(tl.float32)
+    m_i = tl.max(tl.full([BN], NEG, tl.float32), 0)
+    l_i = m_i * 0.0
+    acc = tl.zeros([BDV], tl.float32)
+    if sp < nsp - 1:  # dictionary rows, bias log counts
+        lo = sp * ROWS
+        hi = tl.minimum(lo + ROWS, M)
+        for j in range(lo, hi, BN):
+            cols = j + tl.arange(0, BN)
+            cnt = tl.load(counts + bh * M + cols, mask=cols < hi, other=0)
+            act = cnt > 0
+            rows = bh * M + cols
+            b_k = tl.load(dk + rows[:, None] * DQK + od[None, :], mask=act[:, None] & md[None, :], other=0.0)
+            s = tl.sum(b_k.to(tl.float32) * b_q[None, :], 1) + tl.log(tl.maximum(cnt, 1).to(tl.float32))
+            s = tl.where(act, s, NEG)
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            p = tl.where(act, tl.exp(s - m_new), 0.0)
+            b_v = tl.load(dv + rows[:, None] * DV + ov[None, :], mask=act[:, None] & mv[None, :], other=0.0)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * b_v.to(tl.float32), 0)
+            m_i = m_new
+    else:  # the partial chunk (the new token included)
+        r = tl.arange(0, BL)
+        ok = r < tl.load(n_part + i_b)
+        rows = (i_b * L + r) * H + i_h
+        b_k = tl.load(pk + rows[:, None] * DQK + od[None, :], mask=ok[:, None] & md[None, :], other=0.0)
+        s = tl.where(ok, tl.sum(b_k.to(tl.float32) * b_q[None, :], 1), NEG)
+        m_i = tl.max(s, 0)
+        p = tl.where(ok, tl.exp(s - m_i), 0.0)
+        b_v = tl.load(pv + rows[:, None] * DV + ov[None, :], mask=ok[:, None] & mv[None, :], other=0.0)
+        l_i = tl.sum(p, 0)
+        acc = tl.sum(p[:, None] * b_v.to(tl.float32), 0)
+    out = bh * nsp + sp
+    tl.store(m_out + out, m_i)
+    tl.store(l_out + out, l_i)
+    tl.store(acc_out + out * DV + ov, acc, mask=mv)
+
+
+@torch.no_grad()
+def ovq_decode_attention(q, dict_k, dict_v, counts, part_k, part_v, n_part):
+    """One token's attention over [the dictionary (bias log counts); the partial chunk's first ``n_part`` rows]:
+    q ``[B, H, dk]`` (carrying the scale), dict_k ``[B, H, M, dk]``, dict_v ``[B, H, M, dv]``, counts ``[B, H, M]``
+    (0 = empty), part_k ``[B, L, H, dk]``, part_v ``[B, L, H, dv]`` (the new token already written), n_part ``[B]``.
+    Returns o ``[B, H, dv]`` fp32 (0 where nothing is visible). No autograd (decoding). The dictionary is split
+    over programs so that a few sequences still fill the GPU; the shares' statistics are combined here."""
+    B, H, dk = q.shape
+    M, dv, L = dict_k.shape[2], dict_v.shape[-1], part_k.shape[1]
+    BN = 16 if is_interpreting() else 64
+    splits = max(1, min(triton.cdiv(2 * num_sms(q.device), B * H), triton.cdiv(max(M, 1), BN)))
+    rows = triton.cdiv(triton.cdiv(max(M, 1), splits), BN) * BN
+    S = triton.cdiv(max(M, 1), rows) + 1  # the dictionary's shares and the partial chunk
+    f32 = dict(dtype=torch.float32, device=q.device)
+    m, l, acc = torch.empty(B * H, S, **f32), torch.empty(B * H, S, **f32), torch.empty(B * H, S, dv, **f32)
+    _decode_kernel[(B * H, S)](q.contiguous(), dict_k.contiguous(), dict_v.contiguous(), counts.contiguous(),
+                               part_k.contiguous(), part_v.contiguous(), n_part.to(torch.int32).contiguous(),
+                               m, l, acc, H, M, L, rows, DQK=dk, DV=dv, BDK=next_pow2(dk), BDV=next_pow2(dv), BN=BN,
+                               BL=next_pow2(L))
+    w = torch.exp(m - m.amax(1, keepdim=True))  # shares with nothing visible hold NEG_INF: weight 0
+    den = (w * l).sum(1)
+    o = (w[..., None] * acc).sum(1) / torch.where(den > 0, den, 1.0)[:, None]
+    return o.view(B, H, dv)
 
 
 # ----------------------------------------------------------------------------- launch

@@ -50,7 +50,8 @@ definition. ``"triton"`` (auto on CUDA; fp32/fp16/bf16, head dims <= 128) runs t
 chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (no gradient,
 ``_assign``'s rule: a PyTorch loop over the chunks, or with ``triton_assign=True`` ``lazoo.kernels.ovq_assign``),
 then every value each slot takes in the call as differentiable running means (``_dictionary_versions``), which
-the kernel reads by each chunk's counts; decoding one token without autograd uses the chunk form.
+the kernel reads by each chunk's counts; decoding one token without autograd is the per-token form with its
+attention in one kernel (``ovq_decode_attention``).
 
 VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
 C ``[H, N, dk]`` (dot product; the mixer normalises C and k), output = causal softmax attention over
@@ -143,13 +144,13 @@ def ovq_attention(
         return empty_batch_result(q, v, state, output_final_state)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, kc, vc, state["Dk"], state["Dv"]))
-    if backend == "triton" and T == 1 and not needs_grad:
-        backend = "chunk"  # decoding one token: a matrix-vector product over the state, PyTorch suffices
     if backend == "triton" and not sync:
         # compiled or captured: the Triton form sizes its launches from the dictionaries (host reads); the chunk
         # form has static bounds, and the compiler fuses its elementwise work
         backend = "chunk"
-    if backend == "triton":
+    if backend == "triton" and T == 1 and not needs_grad:  # decoding: the per-token form, attention in one kernel
+        o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync, attend=_attend_token_triton)
+    elif backend == "triton":
         o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign)
     elif backend == "recurrent":
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync)
@@ -325,9 +326,29 @@ def _masked_softmax(scores, allowed):
     return torch.softmax(scores, dim=-1) * allowed
 
 
-def _ovq_recurrent(q, k, v, real, state, L, N, sync=True):
+def _attend_token(qi, st, bk, bv, nb, sync):
+    """One token's output ``[B, H, dv]``: qi ``[B, H, dk]`` over [dictionary (log counts); partial chunk rows
+    0..nb] (bk, bv ``[B, L, H, d]``, the token already written at row nb)."""
+    B, L, H, _ = bk.shape
+    S = _read_width(st["counts"], sync)
+    qi = qi[:, :, None, :]  # [B, H, 1, dk]
+    ld, active = _dict_logits(qi, st["Dk"][:, :, :S], st["counts"][:, :, :S])
+    lb = qi @ bk.permute(0, 2, 3, 1)  # [B, H, 1, L]
+    seen = (torch.arange(L, device=bk.device)[None] <= nb[:, None])[:, None, None, :].expand(B, H, 1, L)
+    p = _masked_softmax(torch.cat([ld, lb], -1), torch.cat([active[:, :, None, :], seen], -1))
+    return (p[..., :S] @ st["Dv"][:, :, :S] + p[..., S:] @ bv.transpose(1, 2))[:, :, 0]
+
+
+def _attend_token_triton(qi, st, bk, bv, nb, sync):
+    """``_attend_token`` as one kernel (``lazoo.kernels.ovq.ovq_decode_attention``): decoding without autograd."""
+    from ..kernels.ovq import ovq_decode_attention  # lazy: importing defines the kernels
+
+    return ovq_decode_attention(qi, st["Dk"], st["Dv"], st["counts"], bk, bv, nb + 1).to(qi.dtype)
+
+
+def _ovq_recurrent(q, k, v, real, state, L, N, sync=True, attend=_attend_token):
     """Literal per-token form: write the token into the partial chunk, attend over [dictionary (log
-    counts); partial chunk up to this token], update the dictionary when the chunk is complete."""
+    counts); partial chunk up to this token] (``attend``), update the dictionary when the chunk is complete."""
     B, T, H, dk = q.shape
     st = dict(state)
     bk, bv, t = st.pop("k"), st.pop("v"), st.pop("t")
@@ -339,14 +360,7 @@ def _ovq_recurrent(q, k, v, real, state, L, N, sync=True):
         sel = (m[:, None] & (slots[None] == nb[:, None]))[:, :, None, None]  # [B, L, 1, 1]
         bk = torch.where(sel, k[:, i, None], bk)
         bv = torch.where(sel, v[:, i, None], bv)
-        S = _read_width(st["counts"], sync)
-        qi = q[:, i, :, None, :]  # [B, H, 1, dk]
-        ld, active = _dict_logits(qi, st["Dk"][:, :, :S], st["counts"][:, :, :S])
-        lb = qi @ bk.permute(0, 2, 3, 1)  # [B, H, 1, L]
-        seen = (slots[None] <= nb[:, None])[:, None, None, :].expand(B, H, 1, L)
-        p = _masked_softmax(torch.cat([ld, lb], -1), torch.cat([active[:, :, None, :], seen], -1))
-        o = p[..., :S] @ st["Dv"][:, :, :S] + p[..., S:] @ bv.transpose(1, 2)  # [B, H, 1, dv]
-        outs.append(o[:, :, 0])
+        outs.append(attend(q[:, i], st, bk, bv, nb, sync))
         t = t + m.long()
         full = m & (t % L == 0)
         if not sync or bool(full.any()):  # without sync always: the update leaves samples not full unchanged
