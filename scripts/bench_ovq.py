@@ -9,7 +9,9 @@ For T in --lengths (default 1k, 4k, 16k, 64k), B = --batch, H = 8, d = 128, bf16
         every slot moving to a new row every N / L chunks, as one key a chunk per slot would,
       - ``scaled_dot_product_attention(is_causal=True)``;
   * bytes of OVQ's state after T tokens (dictionaries, counts, partial chunk: constant for fixed N) and
-    of a bf16 KV cache of T tokens.
+    of a bf16 KV cache of T tokens;
+  * one more token after T (no autograd): OVQ from its state (the decode kernel, and the PyTorch chunk form),
+    SDPA over the KV cache.
 A case that does not fit in memory is recorded as "oom" and skipped. Prints a table, writes JSON (--out).
 
     PYTHONPATH=src python scripts/bench_ovq.py --out docs/results/ovq_bench.json
@@ -66,6 +68,32 @@ def timed(fn, backward, leaves):
         torch.cuda.empty_cache()
 
 
+def decode_ms(q, k, v, state, scale):
+    """Median ms of one more token after T: OVQ from its state (the decode kernel, and the PyTorch chunk form it
+    replaced), and SDPA over a KV cache of the T tokens."""
+    import triton.testing
+
+    from lazoo.ops import ovq_attention
+
+    q1, k1, v1 = q[:, -1:].detach(), k[:, -1:].detach(), v[:, -1:].detach()
+    kv = (k.detach().transpose(1, 2), v.detach().transpose(1, 2))
+
+    def ovq(backend):
+        return lambda: ovq_attention(q1, k1, v1, scale=scale, chunk_size=L, max_dict_size=N, initial_state=state,
+                                     output_final_state=True, backend=backend)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q1.transpose(1, 2), *kv)
+
+    out = {}
+    with torch.no_grad():
+        for name, fn in (("ovq_decode_ms", ovq("triton")), ("ovq_decode_chunk_form_ms", ovq("chunk")),
+                         ("sdpa_decode_ms", sdpa)):
+            out[name] = round(float(triton.testing.do_bench(fn, warmup=3, rep=50, return_mode="median")), 4)
+            print(f"  T={q.shape[1]} {name}: {out[name]}", flush=True)
+    return out
+
+
 def bench_length(B, T, dtype, device, triton_assign=False):
     from lazoo.kernels.ovq import ovq_chunk_attention
     from lazoo.ops import ovq_attention
@@ -90,6 +118,7 @@ def bench_length(B, T, dtype, device, triton_assign=False):
                                   backend="triton")
             row["ovq_state_bytes"] = state_bytes(st)
             row["ovq_dict_size"] = int((st["counts"] > 0).sum(-1).max())
+            row.update(decode_ms(q, k, v, st, scale))
             del st
         except torch.OutOfMemoryError:
             row["ovq_state_bytes"] = "oom"
@@ -163,7 +192,8 @@ def main(argv=None):
     cols = ["T", "ovq_fwd_ms", "ovq_fwdbwd_ms", *(["ovq_triton_assign_fwd_ms", "ovq_triton_assign_fwdbwd_ms",
                                                    "triton_assign_rel_diff"] if args.triton_assign else []),
             "ovq_kernel_fwd_ms", "ovq_kernel_fwdbwd_ms", "sdpa_fwd_ms",
-            "sdpa_fwdbwd_ms", "ovq_state_bytes", "kv_cache_bytes"]
+            "sdpa_fwdbwd_ms", "ovq_decode_ms", "ovq_decode_chunk_form_ms", "sdpa_decode_ms", "ovq_state_bytes",
+            "kv_cache_bytes"]
     print("\n" + " | ".join(cols))
     for r in rows:
         print(" | ".join(str(r.get(c, "-")) for c in cols))

@@ -1,0 +1,39 @@
+"""scripts/bench_ovq.py's cases on the CPU at toy sizes, through the Triton interpreter (its timings need a CUDA
+GPU): every case of a row runs (the op, the op with the Triton assignments, the kernel alone on version tables,
+SDPA, the decode step three ways) and the row holds a number for each."""
+
+import pytest
+import torch
+
+from conftest import load_script
+from lazoo.ops._testing import run_interpreter_tests
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+INTERP = interpreter_ready()
+
+
+def test_bench_ovq_in_subprocess():
+    if INTERP:
+        pytest.skip("the interpreter tests run in this process")
+    run_interpreter_tests(__file__)
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")
+def test_interp_every_case_of_a_row_runs(monkeypatch):
+    import triton.testing
+
+    bench = load_script("bench_ovq")
+    for name, value in (("H", 2), ("D", 16), ("N", 24), ("L", 8)):
+        monkeypatch.setattr(bench, name, value)
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(fn()) or 1.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    row = bench.bench_length(1, 40, torch.float32, "cpu", triton_assign=True)
+    timed = ["ovq", "ovq_triton_assign", "ovq_kernel", "sdpa"]
+    for key in [f"{c}_{m}_ms" for c in timed for m in ("fwd", "fwdbwd")] + \
+            ["ovq_decode_ms", "ovq_decode_chunk_form_ms", "sdpa_decode_ms"]:
+        assert row[key] == 1.0, (key, row.get(key))
+    assert row["triton_assign_rel_diff"] < 1e-6 and "triton_assign_error" not in row
+    assert row["ovq_dict_size"] > 0 and len(calls) == 11
