@@ -301,23 +301,13 @@ def _segment_length(T, BH, BT, device, segment):
     return triton.cdiv(triton.cdiv(max(T, 1), n), BT) * BT
 
 
-class _Segments:
-    """The parallel segments of time and how the carries flow between them.
-
-    Without ``cu_seqlens``: segments [s·L, s·L + L) of each sample; a sample's carries flow through all of them.
-    With ``cu_seqlens`` (B = 1, N sequences packed along time): each sequence is cut into segments of L tokens
-    (``table`` ``[NS, 2]`` int32, their [lo, hi)), carries flow only between segments of one sequence, and the
+class _PackedSegments:
+    """Packed sequences (``cu_seqlens``, B = 1, N sequences along time): each sequence cut into segments of L tokens
+    (``table`` ``[NS, 2]`` int32, their [lo, hi)); the carries flow only between segments of one sequence, and the
     initial and final carries are one per sequence ``[N, H, ...]``. Buffers of per-segment sums are
-    ``[B, H, NS, ...]``."""
+    ``[1, H, NS, ...]``."""
 
-    def __init__(self, T, B, H, BT, device, segment, cu_seqlens):
-        self.varlen = cu_seqlens is not None
-        if not self.varlen:
-            self.L = _segment_length(T, B * H, BT, device, segment)
-            self.NS = triton.cdiv(T, self.L)
-            self.N = B
-            self.table = torch.zeros(2, dtype=torch.int32, device=device)  # unused pointer
-            return
+    def __init__(self, T, H, BT, device, segment, cu_seqlens):
         bounds = cu_seqlens.tolist()
         self.N = len(bounds) - 1
         self.L = _segment_length(T, H, BT, device, segment)
@@ -339,31 +329,36 @@ class _Segments:
         """Per-sequence values ``[N, H, ...]`` at each segment ``[1, H, NS, ...]``."""
         return y[self.seq].transpose(0, 1).unsqueeze(0)
 
-    def _sum_per_sequence(self, x):
-        """Per-segment sums ``[1, H, NS, ...]`` added up over each sequence ``[N, H, ...]``."""
-        parts = x[0].transpose(0, 1)
-        return parts.new_zeros((self.N,) + parts.shape[1:]).index_add_(0, self.seq, parts)
-
     def starts(self, totals, init):
-        """The carries at every segment's start: the initial ones plus the segments before it (its sequence's)."""
         before = totals.cumsum(2) - totals
-        if not self.varlen:
-            return init.unsqueeze(2) + before
         return self._per_segment(init) + before - before.index_select(2, self.first)
 
     def final(self, init, totals):
-        """The carries after the last token (per sample, or per sequence)."""
-        if not self.varlen:
-            return init + totals.sum(2)
-        return init + self._sum_per_sequence(totals)
+        parts = totals[0].transpose(0, 1)
+        return init + parts.new_zeros((self.N,) + parts.shape[1:]).index_add_(0, self.seq, parts)
 
     def suffix(self, totals, after):
-        """The reverse walk's carries after every segment: ``after`` (the final carries' gradients) plus the
-        later segments of the same sample or sequence."""
         inclusive = totals.cumsum(2)
-        if not self.varlen:
-            return after.unsqueeze(2) + totals.sum(2, keepdim=True) - inclusive
         return self._per_segment(after) + inclusive.index_select(2, self.last) - inclusive
+
+
+def _carries_at_starts(packed, totals, init):
+    """The carries at every segment's start: the initial ones plus the segments before it (of its sample, or of its
+    sequence where ``packed``)."""
+    return init.unsqueeze(2) + totals.cumsum(2) - totals if packed is None else packed.starts(totals, init)
+
+
+def _final_carries(packed, init, totals):
+    """The carries after the last token (per sample, or per sequence)."""
+    return init + totals.sum(2) if packed is None else packed.final(init, totals)
+
+
+def _carries_after(packed, totals, after):
+    """The reverse walk's carries after every segment: ``after`` (the final carries' gradients) plus the later
+    segments of the same sample or sequence."""
+    if packed is None:
+        return after.unsqueeze(2) + totals.sum(2, keepdim=True) - totals.cumsum(2)
+    return packed.suffix(totals, after)
 
 
 class ElaPrefixFunction(torch.autograd.Function):
@@ -374,11 +369,16 @@ class ElaPrefixFunction(torch.autograd.Function):
         mag, sign = KERNELS[kernel]
         E = 1 if mag else 2
         meta = dict(_launch_meta(D, V), MAG=mag, HAS_MASK=mask is not None, VARLEN=cu_seqlens is not None)
-        seg = _Segments(T, B, H, meta["BT"], v.device, segment, cu_seqlens)
-        L, NS = seg.L, seg.NS
+        if cu_seqlens is None:
+            packed, N = None, B
+            L = _segment_length(T, B * H, meta["BT"], v.device, segment)
+            NS, table = triton.cdiv(T, L), q  # q: an unused pointer without VARLEN
+        else:
+            packed = _PackedSegments(T, H, meta["BT"], v.device, segment, cu_seqlens)
+            L, NS, N, table = packed.L, packed.NS, packed.N, packed.table
         f32 = dict(dtype=torch.float32, device=v.device)
         shapes = ((H, D), (H, E), (H, E, V))
-        init = [torch.zeros((seg.N,) + sh, **f32) for sh in shapes] if kc0 is None else [kc0, cc0, w0]
+        init = [torch.zeros((N,) + sh, **f32) for sh in shapes] if kc0 is None else [kc0, cc0, w0]
         totals = [torch.empty((B, H, NS) + sh[1:], **f32) for sh in shapes]
         m = mask if mask is not None else q  # an unused pointer without a mask
         new = torch.empty if NS else torch.zeros  # the segments cover every token; no token, no segment
@@ -386,16 +386,17 @@ class ElaPrefixFunction(torch.autograd.Function):
         den = new(B, T, H, **f32)
         starts = totals
         if NS:
-            _totals_kernel[(B * H, NS)](q, k, m, v, *totals, T, H, L, NS, seg.table, sign, D=D, DV=V, E=E, **meta)
-            starts = [seg.starts(t, x).contiguous() for t, x in zip(totals, init)]
-            _fwd_kernel[(B * H, NS)](q, k, m, v, om, o, den, *starts, T, H, L, NS, seg.table, sign, float(eps), D=D,
+            _totals_kernel[(B * H, NS)](q, k, m, v, *totals, T, H, L, NS, table, sign, D=D, DV=V, E=E, **meta)
+            starts = [_carries_at_starts(packed, t, x).contiguous() for t, x in zip(totals, init)]
+            _fwd_kernel[(B * H, NS)](q, k, m, v, om, o, den, *starts, T, H, L, NS, table, sign, float(eps), D=D,
                                      DV=V, E=E, **meta)
         ctx.save_for_backward(q, k, m, v, o, den, *starts)
-        ctx.meta, ctx.sign, ctx.eps, ctx.seg, ctx.has_init = meta, sign, eps, seg, kc0 is not None
+        ctx.meta, ctx.sign, ctx.eps, ctx.has_init = meta, sign, eps, kc0 is not None
+        ctx.L, ctx.NS, ctx.N, ctx.packed = L, NS, N, packed
         ctx.mark_non_differentiable(den)
         if not output_final_state:
             return o, den
-        return (o, den, *(seg.final(x, t) for x, t in zip(init, totals)))
+        return (o, den, *(_final_carries(packed, x, t) for x, t in zip(init, totals)))
 
     @staticmethod
     def backward(ctx, do, _dden, *dfinal):
@@ -403,10 +404,10 @@ class ElaPrefixFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         V = v.shape[-1]
         E = starts[1].shape[-1]
-        seg, meta = ctx.seg, ctx.meta
-        L, NS = seg.L, seg.NS
+        meta, packed, L, NS = ctx.meta, ctx.packed, ctx.L, ctx.NS
+        table = q if packed is None else packed.table
         f32 = dict(dtype=torch.float32, device=v.device)
-        shapes = ((seg.N, H, D), (seg.N, H, E), (seg.N, H, E, V))
+        shapes = ((ctx.N, H, D), (ctx.N, H, E), (ctx.N, H, E, V))
         new = torch.empty_like if NS else torch.zeros_like  # the segments cover every token
         dq, dk, dvv, dom = (new(x) for x in (q, k, v, v))
         dden = new(den)
@@ -416,13 +417,13 @@ class ElaPrefixFunction(torch.autograd.Function):
                                                                                   shapes)]
         if NS:
             do = do.contiguous()
-            args = (T, H, L, NS, seg.table, ctx.sign, float(ctx.eps))
+            args = (T, H, L, NS, table, ctx.sign, float(ctx.eps))
             _bwd_forward_kernel[(B * H, NS)](q, k, m, v, o, den, do, *starts, dq, dom, dden, *totals, *args, D=D,
                                              DV=V, E=E, **meta)
-            suffix = [seg.suffix(t, x).contiguous() for t, x in zip(totals, after)]
+            suffix = [_carries_after(packed, t, x).contiguous() for t, x in zip(totals, after)]
             _bwd_reverse_kernel[(B * H, NS)](q, k, m, v, den, do, dden, *suffix, dk, dvv, *args, D=D, DV=V, E=E,
                                              **meta)
-        dinit = [seg.final(x, t) for x, t in zip(after, totals)] if ctx.has_init else [None, None, None]
+        dinit = [_final_carries(packed, x, t) for x, t in zip(after, totals)] if ctx.has_init else [None, None, None]
         return dq, dk, dvv, dom, None, *dinit, None, None, None, None, None
 
 
