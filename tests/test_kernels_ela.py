@@ -149,7 +149,11 @@ def test_interp_segments_in_parallel(T, kernel):
     check(kernel, 1, T, 1, 16, 8, segment=64, masked=False)
 
 
-def check_packed(kernel, lengths, H, D, V, segment, seed=0, tol=5e-5):
+def check_packed_on(kernel, lengths, H, D, V, device, tol=1e-4):
+    check_packed(kernel, lengths, H, D, V, None, tol=tol, device=device)
+
+
+def check_packed(kernel, lengths, H, D, V, segment, seed=0, tol=5e-5, device="cpu"):
     """Sequences of ``lengths`` packed along time (``cu_seqlens``, an empty one included) against the float64 loop
     run on each alone from its own initial carries: outputs, denominators, final carries and every gradient."""
     from lazoo.kernels.ela import ela_prefix
@@ -179,15 +183,15 @@ def check_packed(kernel, lengths, H, D, V, segment, seed=0, tol=5e-5):
     loss = (o_r * proj).sum() + sum((f * p).sum() for f, p in zip(fin_r, proj_final))
     grads_r = torch.autograd.grad(loss, ref_in + ref_init)
 
-    kd = [x.float().requires_grad_() for x in inputs]
-    k_init = [x.float().requires_grad_() for x in init]
+    kd = [x.float().to(device).requires_grad_() for x in inputs]
+    k_init = [x.float().to(device).requires_grad_() for x in init]
     o, den, fin = ela_prefix(*kd, kernel=kernel, eps=1e-6, initial_state=k_init, output_final_state=True,
-                             segment=segment, cu_seqlens=torch.tensor(bounds))
-    loss = (o.to(F64) * proj).sum() + sum((f.to(F64) * p).sum() for f, p in zip(fin, proj_final))
+                             segment=segment, cu_seqlens=torch.tensor(bounds, device=device))
+    loss = (o.to(F64) * proj.to(device)).sum() + sum((f.to(F64) * p.to(device)).sum() for f, p in zip(fin, proj_final))
     grads = torch.autograd.grad(loss, kd + k_init)
 
     def rel(got, want):
-        return ((got.detach().to(F64) - want.detach()).norm() / want.detach().norm().clamp_min(1e-30)).item()
+        return ((got.detach().cpu().to(F64) - want.detach()).norm() / want.detach().norm().clamp_min(1e-30)).item()
 
     assert rel(o, o_r) < tol and rel(den, den_r) < tol, (rel(o, o_r), rel(den, den_r))
     for name, f, fr in zip(("Kc", "Cc", "W"), fin, fin_r):
@@ -246,6 +250,14 @@ def test_gpu_bf16_long(kernel):
           device="cuda", segment=256)
     check(kernel, 1, 4096, 2, 128, 64, dtype=torch.bfloat16, with_init=True, final_grad=True, tol=1e-2,
           device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gpu_packed_sequences(kernel):
+    """cu_seqlens on the GPU: ragged sequences (one of 1 token, one empty), fp32 inputs, the device's segments."""
+    check_packed_on(kernel, [700, 1, 0, 1333, 64], 4, 128, 128, "cuda")
 
 
 @pytest.mark.gpu

@@ -273,3 +273,23 @@ def test_gpu_op_bf16_T1024_d128():
     assert_close(ts["Dk"].double(), rs["Dk"], 2e-2, "Dk")
     for n, a, b in zip("qkv", tg, rg):
         assert_close(a.double(), b, 6e-2, f"grad {n}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_kernel_matches_the_chunk_form():
+    # a 1000-token prompt (d = 128, N = 2048, L = 128), then 40 tokens one at a time through a chunk end: the decode
+    # kernel against the PyTorch chunk form on the same states (fp32 state, bf16 inputs)
+    x = op_inputs(2, 1040, 4, 128, 128, seed=6)
+    x = {n: t.to("cuda", torch.bfloat16) for n, t in x.items()}
+    kw = dict(scale=x["beta"], chunk_size=128, max_dict_size=2048, output_final_state=True)
+    with torch.no_grad():
+        _, st = ovq_attention(x["q"][:, :1000], x["k"][:, :1000], x["v"][:, :1000], backend="triton", **kw)
+        st_ref = dict(st)
+        for t in range(1000, 1040):
+            step = [x[n][:, t:t + 1] for n in ("q", "k", "v")]
+            o, st = ovq_attention(*step, initial_state=st, backend="triton", **kw)
+            o_ref, st_ref = ovq_attention(*step, initial_state=st_ref, backend="chunk", **kw)
+            assert_close(o.double(), o_ref.double(), 1e-2, f"token {t}")
+    assert torch.equal(st["counts"], st_ref["counts"])
+    assert_close(st["Dk"].double(), st_ref["Dk"].double(), 1e-5, "Dk")
