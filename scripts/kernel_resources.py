@@ -7,7 +7,7 @@ use) and ``ptxas -v``'s registers and spill bytes. Resource use depends on the T
 a GPU machine will do, run with the same Triton as it has (e.g. ``pip install --target /tmp/t36 --no-deps
 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36:src``); that reproduced a launch failure of the OVQ assignment kernel
 (262 656 bytes asked) to the byte. The report covers the short-convolution kernels at their launch settings;
-``measure`` takes any kernel.
+``measure`` takes any kernel; OVQ's kernels are reported too.
 
     PYTHONPATH=src python scripts/kernel_resources.py
 """
@@ -69,13 +69,64 @@ def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int =
     return {name: measure(fn, sig, ce, num_warps=warps) for name, (fn, sig, ce) in kernels.items()}
 
 
+def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
+    """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq`` and ``ovq_assign``): the
+    assignments' search and merge (fp32), the chunk attention's forward and backward (bf16) and the decode step."""
+    from lazoo.kernels import ovq, ovq_assign
+
+    f32, i64 = "*fp32", "*i64"
+    acfg = ovq_assign._blocks()
+    ints = dict.fromkeys(("B", "P", "H", "M", "L"), "i32")
+    shapes = dict(DK=dk, BL=chunk, BD=dk, SIM_PRECISION=ovq_assign.SIM_PRECISION)
+    cx = {n: "constexpr" for n in ("DK", "BL", "BD", "SIM_PRECISION")}
+    sig_n = dict(k=f32, sums=f32, counts=i64, best=f32, arg="*i32", n_full="*i32", step="i32", **ints, **cx,
+                 BN="constexpr")
+    sig_m = dict(k=f32, sums=f32, counts=i64, best=f32, arg="*i32", before=i64, slots=i64, n_full="*i32",
+                 t_base=i64, step="i32", **ints, N="i32", NBLK="i32", **cx, BS="constexpr", BR="constexpr")
+    out = {
+        "assign: nearest": measure(ovq_assign._nearest_kernel, sig_n, dict(shapes, BN=acfg["BN"]), **_opts(
+            acfg["nearest"])),
+        "assign: merge": measure(ovq_assign._merge_kernel, sig_m, dict(shapes, BS=acfg["BS"], BR=acfg["BR"]),
+                                 **_opts(acfg["merge"])),
+    }
+    cfg = ovq._blocks(dk, dk)
+    tiles = dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BM=cfg["BM"], BN=cfg["BN"])
+    tcx = {n: "constexpr" for n in tiles}
+    bf = "*bf16"
+    common = dict(q=bf, k=bf, v=bf, dk=bf, dv=bf, counts=i64, base=i64, size="*i32", length="*i32")
+    dims = dict.fromkeys(("B", "T", "H", "W", "R", "L"), "i32")
+    grads = dict(do=bf, lse=f32, delta=f32)
+    opts = _opts(cfg)
+    out["attention: forward"] = measure(ovq._fwd_kernel, dict(common, o=bf, lse=f32, **dims, **tcx), tiles, **opts)
+    out["attention: dq"] = measure(ovq._bwd_dq_kernel, dict(common, **grads, dq=bf, **dims, **tcx), tiles, **opts)
+    for name, dict_rows, g in (("chunk keys", False, bf), ("dictionary", True, f32)):
+        out[f"attention: dk, dv ({name})"] = measure(
+            ovq._bwd_dkv_kernel, dict(common, **grads, gk=g, gv=g, **dims, DICT="constexpr", **tcx),
+            dict(tiles, DICT=dict_rows), **opts)
+    sig_d = dict(q=f32, dk=f32, dv=f32, counts=i64, pk=f32, pv=f32, n_part="*i32", m_out=f32, l_out=f32,
+                 acc_out=f32, H="i32", M="i32", L="i32", ROWS="i32", DQK="constexpr", DV="constexpr", BDK="constexpr",
+                 BDV="constexpr", BN="constexpr", BL="constexpr")
+    out["decode"] = measure(ovq._decode_kernel, sig_d, dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BN=64, BL=chunk))
+    return out
+
+
+def _opts(cfg: dict) -> dict:
+    """The launch options of a ``_blocks`` entry (num_warps, num_stages) as ``measure`` takes them."""
+    return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+
+
+def _print(title: str, report: dict) -> None:
+    print(title)
+    for name, r in report.items():
+        over = "  OVER THE LIMIT" if r["shared"] > SHARED_LIMIT else ""
+        print(f"  {name:30s} shared {r['shared']:6d} B  registers {r['regs']}  spill stores {r['spill_stores']} B{over}")
+
+
 def main() -> None:
     import triton
 
-    print(f"Triton {triton.__version__}, sm_90, short convolution (bf16, K = 4, C = 768):")
-    for name, r in short_conv_report().items():
-        over = "  OVER THE LIMIT" if r["shared"] > SHARED_LIMIT else ""
-        print(f"  {name:18s} shared {r['shared']:6d} B  registers {r['regs']}  spill stores {r['spill_stores']} B{over}")
+    _print(f"Triton {triton.__version__}, sm_90, short convolution (bf16, K = 4, C = 768):", short_conv_report())
+    _print("OVQ (d = 128, chunk 128; assignments fp32, attention bf16, decode fp32):", ovq_report())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """scripts/kernel_resources.py: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
-block (shared memory) and do not spill at their launch settings; an oversized tile is reported as over the
-limit, so the check can fail."""
+block (shared memory) and do not spill at their launch settings, OVQ's fit; an oversized tile is reported as over
+the limit, so the check can fail."""
 
 import pytest
 
@@ -37,3 +37,13 @@ def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
     r = kernel_resources.measure(matmul_tile, {"a": "*fp32", "b": "*fp32", "c": "*fp32", "N": "constexpr"},
                                  {"N": 256}, num_warps=8, num_stages=3)
     assert r["shared"] > kernel_resources.SHARED_LIMIT, r
+
+
+def test_ovq_kernels_fit_hopper(single_thread):
+    """OVQ's kernels at their launch settings (d = 128, chunk 128) fit a Hopper block. (Spills are allowed: several
+    of them hold a 128 × 128 fp32 accumulator or a chunk's keys; the report prints them.)"""
+    report = kernel_resources.ovq_report()
+    assert {"assign: nearest", "assign: merge", "attention: forward", "attention: dq", "decode"} <= set(report)
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
