@@ -110,6 +110,45 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     return out
 
 
+def vla_report(dk: int = 128, heads: int = 16) -> dict:
+    """VLA's A scans at their launch settings: the token scan (``lazoo.kernels.vla``: forward, the two backward
+    passes) and the chunked Woodbury scan (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
+    from lazoo.kernels import vla, vla_chunk
+
+    f32, dev = "*fp32", _FakeDevice()
+    c = dict(H=heads, D=dk, BD=dk)
+    cx = dict.fromkeys(c, "constexpr")
+    tok = vla._launch_opts(dk, dev)
+    out = {
+        "token scan: forward": measure(vla._scan_fwd_kernel, dict(
+            k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, zbuf=f32, dbuf=f32, A_out=f32, ckpt=f32,
+            T="i32", eta="fp32", eps="fp32", **cx, CK="constexpr", SAVE="constexpr"), dict(c, CK=256, SAVE=True), **tok),
+        "token scan: backward (gradient of A)": measure(vla._scan_bwd_gs_kernel, dict(
+            k=f32, u=f32, alpha=f32, rnorm=f32, dalpha=f32, zbuf=f32, dbuf=f32, dA_end=f32, ga_out=f32, gz_out=f32,
+            gd_out=f32, dA0=f32, T="i32", **cx, USE_DA="constexpr"), dict(c, USE_DA=True), **tok),
+        "token scan: backward (A rebuilt)": measure(vla._scan_bwd_a_kernel, dict(
+            flags="*i8", zbuf=f32, dbuf=f32, A_end=f32, ckpt=f32, dk=f32, du=f32, gd=f32, T="i32", eta="fp32", **cx,
+            CK="constexpr"), dict(c, CK=256), **tok),
+    }
+    c2 = dict(c, BC=16, K=16, PREC="tf32x3")
+    cx2 = dict.fromkeys(c2, "constexpr")
+    chunk = vla_chunk._launch_opts(dk, dev)
+    out["chunked scan: forward"] = measure(vla_chunk._chunk_fwd_kernel, dict(
+        k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, A_out=f32, ckpt=f32, T="i32", NB="i32", NCK="i32",
+        eta="fp32", **cx2, SAVE="constexpr"), dict(c2, SAVE=True), **chunk)
+    out["chunked scan: backward"] = measure(vla_chunk._chunk_bwd_kernel, dict(
+        k=f32, u=f32, flags="*i8", alpha=f32, rnorm=f32, dalpha=f32, dA_end=f32, ckpt=f32, scratch=f32, dk=f32,
+        du=f32, dA0=f32, T="i32", NB="i32", NCK="i32", eta="fp32", **cx2, USE_DA="constexpr"), dict(c2, USE_DA=True),
+        **chunk)
+    return out
+
+
+class _FakeDevice:
+    """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
+
+    type = "cuda"
+
+
 def _opts(cfg: dict) -> dict:
     """The launch options of a ``_blocks`` entry (num_warps, num_stages) as ``measure`` takes them."""
     return {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
@@ -119,7 +158,7 @@ def _print(title: str, report: dict) -> None:
     print(title)
     for name, r in report.items():
         over = "  OVER THE LIMIT" if r["shared"] > SHARED_LIMIT else ""
-        print(f"  {name:30s} shared {r['shared']:6d} B  registers {r['regs']}  spill stores {r['spill_stores']} B{over}")
+        print(f"  {name:38s} shared {r['shared']:6d} B  registers {r['regs']}  spill stores {r['spill_stores']} B{over}")
 
 
 def main() -> None:
@@ -127,6 +166,7 @@ def main() -> None:
 
     _print(f"Triton {triton.__version__}, sm_90, short convolution (bf16, K = 4, C = 768):", short_conv_report())
     _print("OVQ (d = 128, chunk 128; assignments fp32, attention bf16, decode fp32):", ovq_report())
+    _print("VLA's A scans (d = 128, fp32):", vla_report())
 
 
 if __name__ == "__main__":
