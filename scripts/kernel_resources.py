@@ -122,7 +122,8 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     out = {
         "token scan: forward": measure(vla._scan_fwd_kernel, dict(
             k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, zbuf=f32, dbuf=f32, A_out=f32, ckpt=f32,
-            T="i32", eta="fp32", eps="fp32", **cx, CK="constexpr", SAVE="constexpr"), dict(c, CK=256, SAVE=True), **tok),
+            T="i32", eta="fp32", eps="fp32", **cx, CK="constexpr", SAVE="constexpr"), dict(c, CK=256, SAVE=True),
+            **tok),
         "token scan: backward (gradient of A)": measure(vla._scan_bwd_gs_kernel, dict(
             k=f32, u=f32, alpha=f32, rnorm=f32, dalpha=f32, zbuf=f32, dbuf=f32, dA_end=f32, ga_out=f32, gz_out=f32,
             gd_out=f32, dA0=f32, T="i32", **cx, USE_DA="constexpr"), dict(c, USE_DA=True), **tok),
@@ -158,7 +159,8 @@ def _print(title: str, report: dict) -> None:
     print(title)
     for name, r in report.items():
         over = "  OVER THE LIMIT" if r["shared"] > SHARED_LIMIT else ""
-        print(f"  {name:38s} shared {r['shared']:6d} B  registers {r['regs']}  spill stores {r['spill_stores']} B{over}")
+        print(f"  {name:38s} shared {r['shared']:6d} B  registers {r['regs']}  "
+              f"spill stores {r['spill_stores']} B{over}")
 
 
 def main() -> None:

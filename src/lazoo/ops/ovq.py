@@ -550,7 +550,7 @@ def _chunk_slots(Kp, valid, state, t0, nb, L, N):
     return torch.cat(slots), torch.cat(before), graph.counts.clone()
 
 
-def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end):
+def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
     """Every value each slot takes during the call, as differentiable running means in one table per
     (sample, head), instead of one dictionary per chunk.
 
@@ -561,9 +561,9 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end):
 
     Kp ``[B, P, H, dk]``, Vp ``[B, P, H, dv]`` (packed), slots ``[C, B, H, L]`` (−1: the key joins nothing),
     Dk0/Dv0 ``[B, H, M, d]`` and counts0 the dictionary before the call, counts_end after it. Returns the
-    tables of means ``[B, H, M + P, d]`` (rows past the groups are unused), base ``[B, H, M]`` and the
-    final dictionaries ``[B, H, M, d]``. The running sums are prefix sums over each group in float64, so a
-    long call's sums keep the accuracy of the step-by-step means."""
+    tables of means ``[B, H, M + P, d]`` in ``kdt`` (rows past the groups are unused), base ``[B, H, M]`` and
+    the final dictionaries ``[B, H, M, d]`` in Dk0's dtype. The running sums are prefix sums over each group in
+    float64, so a long call's sums keep the accuracy of the step-by-step means."""
     B, P, H, _ = Kp.shape
     M = counts0.shape[-1]
     dev = Kp.device
@@ -586,21 +586,23 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end):
     group_r = torch.empty_like(group).scatter_(-1, rows, group)
     count_r = torch.empty_like(count).scatter_(-1, rows, count).clamp_min(1)
 
+    last = (start + n)[..., None]  # each slot's final row
+    empty = (counts_end == 0)[..., None]
+
     def table(D0, X):
+        """The table of means in ``kdt`` and the final dictionary in D0's dtype (the float64 sums are freed here)."""
         d = X.shape[-1]
         items = torch.cat([D0 * counts0[..., None].to(D0.dtype), X.transpose(1, 2)], 2).double()
         placed = items.new_zeros(items.shape).scatter(2, rows[..., None].expand(-1, -1, -1, d), items)
         csum = placed.cumsum(2)
         sums = csum - (csum - placed).gather(2, group_r[..., None].expand(-1, -1, -1, d))
-        return sums / count_r[..., None].to(sums.dtype)
+        means = sums / count_r[..., None].to(sums.dtype)
+        end = means.gather(2, last.expand(-1, -1, -1, d)).to(D0.dtype)
+        return means.to(kdt), torch.where(empty, torch.zeros((), dtype=D0.dtype, device=dev), end)
 
-    means_k, means_v = table(Dk0, Kp), table(Dv0, Vp)
-    last = (start + n)[..., None]
-    Dk_end = means_k.gather(2, last.expand(-1, -1, -1, means_k.shape[-1])).to(Dk0.dtype)
-    Dv_end = means_v.gather(2, last.expand(-1, -1, -1, means_v.shape[-1])).to(Dv0.dtype)
-    zero = torch.zeros((), dtype=Dk0.dtype, device=dev)
-    empty = (counts_end == 0)[..., None]
-    return means_k, means_v, start - counts0, torch.where(empty, zero, Dk_end), torch.where(empty, zero, Dv_end)
+    means_k, Dk_end = table(Dk0, Kp)
+    means_v, Dv_end = table(Dv0, Vp)
+    return means_k, means_v, start - counts0, Dk_end, Dv_end
 
 
 def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
@@ -623,11 +625,11 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
     else:
         slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
     means_k, means_v, base, Dk_end, Dv_end = _dictionary_versions(Kp, Vp, slots, st["Dk"], st["Dv"],
-                                                                  st["counts"], counts_end)
+                                                                  st["counts"], counts_end, kdt)
     # the slots any chunk reads: the largest dictionary before the last chunk (one host sync)
     W = int((before[-1] > 0).sum(-1).max()) if before.shape[0] else 0
-    o = ovq_chunk_attention(Qp.to(kdt), Kp.to(kdt), Vp.to(kdt), means_k.to(kdt), means_v.to(kdt),
-                            before[..., :W], base[..., :W], L, length=total)
+    o = ovq_chunk_attention(Qp.to(kdt), Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
+                            length=total)
     o = _unpack(o.to(q.dtype), dest, L)
     st.update(Dk=Dk_end, Dv=Dv_end, counts=counts_end,
               k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
