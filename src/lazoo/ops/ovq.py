@@ -626,8 +626,9 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
         slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
     means_k, means_v, base, Dk_end, Dv_end = _dictionary_versions(Kp, Vp, slots, st["Dk"], st["Dv"],
                                                                   st["counts"], counts_end, kdt)
-    # the slots any chunk reads: the largest dictionary before the last chunk (one host sync)
-    W = int((before[-1] > 0).sum(-1).max()) if before.shape[0] else 0
+    # the slots any chunk reads: up to the last active slot before the last chunk (one host sync)
+    M = before.shape[-1]
+    W = int((torch.arange(1, M + 1, device=before.device) * (before[-1] > 0)).amax()) if before.numel() else 0
     o = ovq_chunk_attention(Qp.to(kdt), Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
                             length=total)
     o = _unpack(o.to(q.dtype), dest, L)
