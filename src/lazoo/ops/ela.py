@@ -42,8 +42,11 @@ the largest term of φ̃(q_i)·C̃_i is exactly 1 (the key that set m_{i,d*} is 
 the scaled denominator is >= 1: nothing overflows and nothing underflows to 0/0, for any input
 range. Rescaling the prefix sums when the maximum grows is a decay per feature,
 ``S̃_i = S̃_{i-1} diag(exp(m_{i-1} - m_i)) + v_i ψ̃(k_i)^T``: GLA (``ops.gla``) with log decay
-``m_{i-1} - m_i <= 0`` on the values ``[v, 1]`` (the extra row carries C̃). The clamp is applied to
-the true (unscaled) denominator: ``o_i = num_i / max(den_i, eps · exp(-M_i))``. The state stores
+``m_{i-1} - m_i <= 0`` on the values v. The normaliser's sums need no decay: C̃_i = Σ_{j≤i} exp(k_j - m_i)
+= exp(lse_i - m_i) with lse_i = logcumsumexp of the keys (plus the state's log(C̃_0) + m_0 as a first term), so
+``φ̃(q_i)·C̃_i = Σ_d exp(q_id + lse_id - M_i)``, in fp32 whatever the GLA runs in (before, C̃ rode along as a
+(dv+1)-th value column). The clamp is applied to the true (unscaled) denominator:
+``o_i = num_i / max(den_i, eps · exp(-M_i))``. The state stores
 S̃, C̃ and m (``S = S̃ diag(exp(m))``). The maxima carry no gradient (the output does not depend on
 them). The bidirectional form uses the largest real key per feature over the whole sequence.
 
@@ -232,38 +235,71 @@ def _linear_operands(kernel, q, k):
 
 # ============================================================================ causal hadamard_exp
 def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backend, cu_seqlens=None):
-    """Running-max-shifted hadamard_exp as GLA (a decay per feature) on ``[v, 1]`` (module docstring)."""
-    dv = v.shape[-1]
-    m_init = None if state is None else state["m"]
+    """Running-max-shifted hadamard_exp (module docstring): the numerator as GLA (a decay per feature) on v, the
+    normaliser from log-space prefix sums of the keys."""
+    m_init, c_init = (None, None) if state is None else (state["m"], state["C"])
+    if cu_seqlens is None:
+        (m, prev, m_last), lse = _shifts(k, mask, m_init, c_init)
+    else:  # each sequence from its own state (few sequences: a loop of elementwise ops)
+        bounds = cu_seqlens.tolist()
+        parts = [_shifts(k[:, s:e], None, *(None if x is None else x[n:n + 1] for x in (m_init, c_init)))
+                 for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        m, prev = (torch.cat([p[0][i] for p in parts], 1) for i in (0, 1))
+        m_last = torch.cat([p[0][2] for p in parts], 0)
+        lse = torch.cat([p[1] for p in parts], 1)
     with torch.no_grad():
-        if cu_seqlens is None:
-            m, prev, m_last = _running_max(k, mask, m_init)
-        else:  # each sequence from its own m0 (few sequences: a loop of elementwise ops)
-            bounds = cu_seqlens.tolist()
-            parts = [_running_max(k[:, s:e], None, None if m_init is None else m_init[n:n + 1])
-                     for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
-            m, prev = (torch.cat([p[i] for p in parts], 1) for i in (0, 1))
-            m_last = torch.cat([p[2] for p in parts], 0)
         g = prev - m  # log decay <= 0; 0 at pads (m moves at real keys)
         M = (q + m).amax(-1, keepdim=True)  # per-query scale: the largest term of φ̃·ψ̃ is exactly 1
     fq = (q + m - M).exp()  # <= 1
     fk = (k - m).exp()  # <= 1
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], -1)  # the last row of the state is C̃
-    S0 = None
-    if state is not None:
-        S0 = torch.cat([state["S"], state["C"][:, :, None, :]], 2)
     # g <= 0 by construction (m never decreases): no check, no host sync
-    o1, S1 = gla_as("ela", fq, fk, v1, g, scale=1.0, chunk_size=min(chunk_size, 16), initial_state=S0,
-                    output_final_state=output_final_state, mask=mask, backend=backend, cu_seqlens=cu_seqlens,
-                    check_g=False)
-    o1 = o1.to(q.dtype)
-    num, den = o1[..., :dv], o1[..., dv:]
+    num, S1 = gla_as("ela", fq, fk, v, g, scale=1.0, chunk_size=min(chunk_size, 16),
+                     initial_state=None if state is None else state["S"], output_final_state=output_final_state,
+                     mask=mask, backend=backend, cu_seqlens=cu_seqlens, check_g=False)
+    # φ̃(q_i)·C̃_i = Σ_d exp(q_id + m_id - M_i) exp(lse_id - m_id), C̃_i = Σ_{j≤i} exp(k_j - m_i) (+ the state's)
+    den = (q + lse - M).exp().sum(-1, keepdim=True)
     floor = torch.exp(torch.log(torch.tensor(eps, dtype=q.dtype, device=q.device)) - M)
-    o = num / torch.maximum(den, floor)  # max(true denominator, eps), in the scaled units
+    o = num.to(q.dtype) / torch.maximum(den, floor)  # max(true denominator, eps), in the scaled units
     final = None
     if output_final_state:
-        final = {"S": S1[:, :, :dv], "C": S1[:, :, dv], "m": m_last}
+        final = {"S": S1, "C": _last(lse, cu_seqlens, c_init, m_last).sub(m_last).exp(), "m": m_last}
     return o, final
+
+
+#: log of nothing in the key sums: finite, so that logcumsumexp's backward stays finite before the first key
+_LOG_ZERO = -1.0e30
+
+
+def _shifts(k, mask, m0, c0):
+    """``(m, m before each token, last m)`` of ``_running_max`` (no gradient) and the log of the key sums
+    ``lse [B, T, H, D]`` = log(Σ_{j≤t} exp(k_j) + C̃_0 exp(m_0)) (pads add nothing; differentiable in k and C̃_0)."""
+    with torch.no_grad():
+        shifts = _running_max(k, mask, m0)
+    kk = k if mask is None else k.masked_fill(~mask[..., None, None], _LOG_ZERO)
+    if c0 is None:
+        return shifts, torch.logcumsumexp(kk, 1)
+    first = _log_sums(c0, m0)  # the state's sums as a first term
+    return shifts, torch.logcumsumexp(torch.cat([first[:, None], kk], 1), 1)[:, 1:]
+
+
+def _log_sums(c, m):
+    """log(C̃ exp(m)), the state's key sums in log space (log 0 -> _LOG_ZERO, and no NaN gradient there)."""
+    has = c > 0
+    return torch.where(has, torch.where(has, c, 1.0).log() + m, _LOG_ZERO)
+
+
+def _last(lse, cu_seqlens, c0, m_last):
+    """log C̃ after each sample's (or packed sequence's) last token ``[N, H, D]``; with no token, the state's."""
+    bounds = [0, lse.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    parts = []
+    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if e > s:
+            parts.append(lse[:, e - 1])
+        else:
+            rows = slice(None) if cu_seqlens is None else slice(n, n + 1)
+            c = torch.zeros_like(m_last[rows]) if c0 is None else c0[rows]
+            parts.append(_log_sums(c, m_last[rows]))
+    return torch.cat(parts, 0)
 
 
 def _running_max(k, mask, m0):
