@@ -185,6 +185,28 @@ def test_packed_bidirectional_never_crosses_a_boundary(kernel):
         ela(q, k, v, kernel=kernel, mask=torch.ones(1, q.shape[1], dtype=torch.bool), cu_seqlens=torch.tensor(bounds))
 
 
+@pytest.mark.parametrize("kernel", ELA_KERNELS)
+def test_gradients_equal_the_quadratic_form_through_a_split(kernel):
+    """Gradients of q, k, v against autograd through the quadratic form, the sequence run in two parts (the second
+    from the first's state: the state's gradient path, e.g. hadamard_exp's log key sums, is exercised)."""
+    T, cut = 23, 9
+    q, k, v = make_inputs(T, seed=7)
+    k = k + torch.linspace(0, 2, T, dtype=F64)[None, :, None, None]  # hadamard_exp: the max moves in part two
+    mask = left_pad_mask([T, T - 4, T - 12], T)
+    w = torch.randn(B, T, H, DV, generator=torch.Generator().manual_seed(3), dtype=F64)
+    ref_l = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref, _ = quadratic(kernel, *ref_l, True, mask)
+    g_ref = torch.autograd.grad((ref * w).sum(), ref_l)
+    for backend in ("chunk", "recurrent"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        kw = dict(kernel=kernel, backend=backend, chunk_size=8)
+        o1, s1 = ela(*(x[:, :cut] for x in leaves), mask=mask[:, :cut], output_final_state=True, **kw)
+        o2, _ = ela(*(x[:, cut:] for x in leaves), mask=mask[:, cut:], initial_state=s1, **kw)
+        g = torch.autograd.grad((torch.cat([o1, o2], 1) * w).sum(), leaves)
+        for name, a, b in zip("qkv", g, g_ref):
+            assert_close(a, b, 1e-10, f"{kernel} {backend} grad {name}")
+
+
 # ----------------------------------------------------------------------------- finite exp, clamps, dtypes
 @pytest.mark.parametrize("causal", [True, False])
 def test_hadamard_exp_stays_finite_where_exp_overflows(causal):
