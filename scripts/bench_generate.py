@@ -367,11 +367,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompt ids")
-    ap.add_argument("--hidden-size", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--intermediate-size", type=int, default=3072)
-    ap.add_argument("--vocab-size", type=int, default=32000)
+    add_model_size_args(ap)
     ap.add_argument("--fla-site", default=None, help="a folder holding fla (needed by fla:<model_type> models)")
     ap.add_argument("--out", default="bench_generate.jsonl")
     args = ap.parse_args(argv)
@@ -380,11 +376,24 @@ def parse_args(argv=None):
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.prompts, args.batch_sizes = int_list(args.prompts), int_list(args.batch_sizes)
-    args.sizes = dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, intermediate_size=args.intermediate_size,
-                      vocab_size=args.vocab_size)
+    args.sizes = model_sizes(args)
     check_args(ap, args)
     return args
+
+
+def add_model_size_args(ap):
+    """The model shape options (also scripts/profile_decode.py's): a ~110M model at the defaults."""
+    ap.add_argument("--hidden-size", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--intermediate-size", type=int, default=3072)
+    ap.add_argument("--vocab-size", type=int, default=32000)
+
+
+def model_sizes(args) -> dict:
+    """``add_model_size_args``' options as config fields, what the model builders read."""
+    return dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
 
 
 def check_args(ap, args):

@@ -109,11 +109,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed in each loop")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(bench_generate.DTYPES))
-    ap.add_argument("--hidden-size", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--intermediate-size", type=int, default=3072)
-    ap.add_argument("--vocab-size", type=int, default=32000)
+    bench_generate.add_model_size_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="append the result as one JSON line")
     args = ap.parse_args(argv)
@@ -121,8 +117,7 @@ def parse_args(argv=None):
         ap.error(f"--model {args.model}: a lazoo mechanism or hybrid preset (the bare loop drives lazoo's cache)")
     if args.batch < 1 or args.prompt < 1 or args.steps < 2:
         ap.error("--batch and --prompt must be at least 1, --steps at least 2")
-    args.sizes = dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
+    args.sizes = bench_generate.model_sizes(args)
     # what bench_generate's builders and timing read
     args.prompts, args.new_tokens, args.fla_error, args.fla_site = [args.prompt], args.steps, None, None
     args.warmup_tokens, args.repeats = 8, 3

@@ -115,6 +115,14 @@ def _load_carries(KS, CS, WS, i_c, D: tl.constexpr, DV: tl.constexpr, E: tl.cons
 
 
 @triton.jit
+def _zero_carries(BD: tl.constexpr, BV: tl.constexpr):
+    """Carries (or their gradients' sums) at zero: ``[BD]``, two fp32 scalars, two ``[BV]`` rows."""
+    w0 = tl.zeros([BV], dtype=tl.float32)
+    zero = tl.sum(w0, 0)
+    return tl.zeros([BD], dtype=tl.float32), zero, zero, w0, tl.zeros([BV], dtype=tl.float32)
+
+
+@triton.jit
 def _store_carries(KS, CS, WS, i_c, kc, cc0, cc1, w0, w1, D: tl.constexpr, DV: tl.constexpr, E: tl.constexpr, od,
                    ov, md, mv):
     tl.store(KS + i_c * D + od, kc, mask=md)
@@ -132,11 +140,7 @@ def _totals_kernel(Q, K, M, Vv, KT, CT, WT, T, H, L, NS, SEGS, sign,
     """Each segment's sums of k', c and c vᵀ (the forward's carries over it)."""
     sign = tl.cast(sign, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, SEGS, D, DV, BD, BV, VARLEN)
-    kc = tl.zeros([BD], dtype=tl.float32)
-    w0 = tl.zeros([BV], dtype=tl.float32)
-    w1 = tl.zeros([BV], dtype=tl.float32)
-    cc0 = tl.sum(w0, 0)
-    cc1 = tl.sum(w0, 0)
+    kc, cc0, cc1, w0, w1 = _zero_carries(BD, BV)
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
         mt = ot < hi
@@ -196,11 +200,7 @@ def _bwd_forward_kernel(Q, K, M, Vv, O, DEN, DO, KS, CS, WS, DQ, DOM, DDEN, XT, 
     eps = tl.cast(eps, tl.float32)
     bh, slot, lo, hi, i_b, i_h, od, ov, md, mv = _program(T, L, H, NS, SEGS, D, DV, BD, BV, VARLEN)
     kc, cc0, _, w0, _ = _load_carries(KS, CS, WS, slot, D, DV, E, od, ov, md, mv)
-    xs = tl.zeros([BD], dtype=tl.float32)
-    ys0 = tl.zeros([BV], dtype=tl.float32)
-    ys1 = tl.zeros([BV], dtype=tl.float32)
-    zs0 = tl.sum(ys0, 0)
-    zs1 = tl.sum(ys0, 0)
+    xs, zs0, zs1, ys0, ys1 = _zero_carries(BD, BV)
     for t0 in range(lo, hi, BT):
         ot = t0 + tl.arange(0, BT)
         mt = ot < hi
@@ -311,19 +311,17 @@ class _PackedSegments:
         bounds = cu_seqlens.tolist()
         self.N = len(bounds) - 1
         self.L = _segment_length(T, H, BT, device, segment)
-        rows, seq = [], []
+        rows, seq, first, last = [], [], [], []  # per segment: [lo, hi), its sequence, that sequence's ends
         for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            for start in range(lo, hi, self.L):
-                rows.append((start, min(start + self.L, hi)))
-                seq.append(n)
+            starts = range(lo, hi, self.L)
+            rows += [(start, min(start + self.L, hi)) for start in starts]
+            seq += [n] * len(starts)
+            first += [len(rows) - len(starts)] * len(starts)
+            last += [len(rows) - 1] * len(starts)
         self.NS = len(rows)
         self.table = torch.tensor(rows or [(0, 0)], dtype=torch.int32, device=device)
-        self.seq = torch.tensor(seq, dtype=torch.int64, device=device)  # [NS]: each segment's sequence
-        index = torch.arange(self.NS, device=device)
-        ends = torch.zeros(self.N, dtype=torch.int64, device=device)
-        # [NS]: the first and the last segment of each segment's sequence
-        self.first = ends.scatter_reduce(0, self.seq, index, "amin", include_self=False)[self.seq]
-        self.last = ends.scatter_reduce(0, self.seq, index, "amax", include_self=False)[self.seq]
+        self.seq, self.first, self.last = (torch.tensor(x, dtype=torch.int64, device=device)
+                                           for x in (seq, first, last))
 
     def _per_segment(self, y):
         """Per-sequence values ``[N, H, ...]`` at each segment ``[1, H, NS, ...]``."""
