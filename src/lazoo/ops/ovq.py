@@ -573,9 +573,10 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
     joined = tok_slot >= 0
     # the keys sorted by (slot, position): the t-th of them is row t + slot + 1 (after slot + 1 initial rows);
     # keys that join nothing sort last, past every group (rows t + M >= M + number of joined keys)
-    order = (torch.where(joined, tok_slot, M) * P + torch.arange(P, device=dev)).argsort(-1)
-    sorted_slot = torch.where(joined, tok_slot, M).gather(-1, order)
     t = torch.arange(P, device=dev)
+    slot_or_last = torch.where(joined, tok_slot, M)
+    order = (slot_or_last * P + t).argsort(-1)
+    sorted_slot = slot_or_last.gather(-1, order)
     sorted_row = t + torch.where(sorted_slot < M, sorted_slot + 1, M)
     tok_row = torch.empty_like(sorted_row).scatter_(-1, order, sorted_row)  # [B, H, P], in packed order
     rows = torch.cat([start, tok_row], -1)  # where each initial value and each key goes
