@@ -149,7 +149,9 @@ def test_interp_segments_in_parallel(T, kernel):
     check(kernel, 1, T, 1, 16, 8, segment=64, masked=False)
 
 
-def check_packed_on(kernel, lengths, H, D, V, device, tol=1e-4):
+def check_packed_on(kernel, lengths, H, D, V, device, tol=3e-4):
+    """fp32 sums over ~1k tokens in the device's order: magnitude_direction's features carry ‖k‖² + 1 ≈ 129 at
+    D = 128 (the H200 measured 1.3e-4 on ∂Kc0)."""
     check_packed(kernel, lengths, H, D, V, None, tol=tol, device=device)
 
 
@@ -228,8 +230,8 @@ def test_interp_refuses_what_it_does_not_take():
         ela_prefix(x, x, x, x, kernel="hadamard_exp", eps=1e-6)
     with pytest.raises(ValueError, match="om shaped like v"):
         ela_prefix(x, x, x, x[..., :4], kernel="sum_sq_euclid", eps=1e-6)
-    with pytest.raises(ValueError, match="segment must be a positive multiple of 32"):
-        ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, segment=48)
+    with pytest.raises(ValueError, match="segment must be a positive multiple of 8"):
+        ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, segment=20)
     with pytest.raises(ValueError, match="cu_seqlens"):
         ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, cu_seqlens=torch.tensor([0, 2, 3]))
     with pytest.raises(ValueError, match="needs B = 1 and no mask"):
@@ -250,6 +252,14 @@ def test_gpu_bf16_long(kernel):
           device="cuda", segment=256)
     check(kernel, 1, 4096, 2, 128, 64, dtype=torch.bfloat16, with_init=True, final_grad=True, tol=1e-2,
           device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gpu_head_dim_256(kernel):
+    """The widest head (4 tokens a block): fp32, ragged T, a mask, the device's segments."""
+    check(kernel, 2, 333, 2, 256, 200, with_init=True, final_grad=True, tol=3e-4, device="cuda")
 
 
 @pytest.mark.gpu

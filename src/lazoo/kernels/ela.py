@@ -284,20 +284,28 @@ def _bwd_reverse_kernel(Q, K, M, Vv, DEN, DO, DDEN, RS, RCS, RWS, DK, DVV, T, H,
 
 
 def _launch_meta(D, V):
-    """4 warps, 32 tokens a block up to dims of 128: the fastest of 4/8 warps at 16/32 tokens on an H100
-    (``scripts/tune_ela.py``), although ptxas reports 32-360 bytes of spills in three kernels where 8 warps has none
-    (``scripts/kernel_resources.py``, Triton 3.6)."""
+    """One warp, 8 tokens a block up to dims of 128 (4 above). The sums and scans over a block's tokens cross
+    threads; with more warps they go through shared memory, which bound the kernels (Nsight Compute on an H200:
+    memory pipes 60-90 % busy, DRAM 17-20 %, at 4 warps). sum_sq_euclid fwd + bwd at T = 1k / 8k / 32k on an
+    H200 (``scripts/tune_ela.py``, 16 programs an SM): 3.70 / 3.67 / 4.34 ms at 1 warp × 8 tokens, 3.94 / 3.89 /
+    4.56 at 1 × 16, 4.69 / 4.79 / 5.48 at 2 × 8; 4.97 / 5.04 / 5.67 at 4 × 32 (8 programs an SM)."""
     BD, BV = next_pow2(D), next_pow2(V)
-    BT = 16 if max(BD, BV) > 128 else 32
-    return dict(BD=BD, BV=BV, BT=BT, num_warps=4)
+    BT = 4 if max(BD, BV) > 128 else 8
+    return dict(BD=BD, BV=BV, BT=BT, num_warps=1)
+
+
+#: programs per SM the segments aim at (each walks its tokens one block at a time, so few programs leave the
+#: memory system idle). sum_sq_euclid fwd + bwd at T = 1k / 8k / 32k on an H200, 1 warp × 8 tokens: 3.82 / 4.13 /
+#: 4.29 ms at 8, 3.70 / 3.67 / 4.34 at 16, 3.65 / 3.74 / 4.53 at 32
+PROGRAMS_PER_SM = 16
 
 
 def _segment_length(T, BH, BT, device, segment):
-    """Tokens per segment: enough segments for two programs per SM (one segment where B·H already fills them),
-    a multiple of BT; ``segment`` (a multiple of BT) overrides it (tests)."""
+    """Tokens per segment: enough segments for ``PROGRAMS_PER_SM`` programs per SM (one segment where B·H already
+    fills them), a multiple of BT; ``segment`` (a multiple of BT) overrides it (tests)."""
     if segment is not None:
         return segment
-    n = max(1, min(triton.cdiv(2 * num_sms(device), BH), triton.cdiv(T, BT)))
+    n = max(1, min(triton.cdiv(PROGRAMS_PER_SM * num_sms(device), BH), triton.cdiv(T, BT)))
     return triton.cdiv(triton.cdiv(max(T, 1), n), BT) * BT
 
 

@@ -5,11 +5,16 @@ The same rule as ``lazoo.ops.ovq._assign`` / ``_chunk_slots`` (no gradient: it o
 dictionary is tracked as sums Σk (fp32, ``[B, H, M, dk]``) and int64 counts. The chunks depend on each other
 (a chunk's keys move the centroids the next chunk compares with), so they run in order, two launches each:
 
-  * ``_nearest_kernel``, one program per (block of BN slots, sample·head): the similarities of the chunk's
-    L keys to the block's active centroids (sums / counts) and, per key, the block's best similarity and the
-    FIRST slot reaching it (``torch.max``'s choice). The whole GPU searches one chunk at a time.
+  * ``_nearest_kernel``, one program per (block of BN slots, sample·head):
+      1. the previous chunk's keys are added to the block's slots (a one-hot BN×L product on tensor cores, the
+         keys split into three bf16 parts that add up to them exactly: each program owns its rows, so no two
+         writers touch one) and the block's counts before this chunk are
+         written out;
+      2. the similarities of the chunk's L keys to the block's active centroids (sums / counts) and, per key,
+         the block's best similarity and the FIRST slot reaching it (``torch.max``'s choice).
+    The whole GPU applies and searches one chunk at a time.
   * ``_merge_kernel``, one program per sample·head (the short sequential part):
-      1. the counts before the chunk are written out; size = number of active slots (count > 0);
+      1. size = number of active slots (carried from chunk to chunk: the slots in use are 0..size-1);
          n_new = clamp(ovq_dict_size(t_end, N) − size, 0, L);
       2. each key's best over the blocks (an earlier block keeps a tie: the first slot overall);
       3. rank of every key in a stable ascending sort of the best similarities, computed exactly as
@@ -17,9 +22,8 @@ dictionary is tracked as sums Σk (fp32, ``[B, H, M, dk]``) and int64 counts. Th
          keys with rank < n_new open slots size + rank;
       4. with an empty dictionary (size = 0) every other key goes to its most similar new centroid
          (K Kᵀ over the new keys, first index on ties);
-      5. the sums and counts are updated, BR keys at a time: keys sharing a slot are added up (a one-hot
-         BR×L product in full fp32) and the first key of each slot adds that sum to its slot, so no two
-         writers touch one row (a slot that receives one key gets exactly PyTorch's sum).
+      5. the slots are written; the next launch of ``_nearest_kernel`` adds the keys to them (after the last
+         chunk, a launch that only adds).
 
 Chunks past a sample's complete ones get slots −1 and leave the dictionary unchanged (the counts before them
 are still written). Everything is deterministic. Tie-breaking follows PyTorch exactly given the same
@@ -62,61 +66,83 @@ def _chunk_keys(k, i_b, i_h, step, P, H, L, DK: tl.constexpr, BL: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["step"])
-def _nearest_kernel(k, sums, counts, best, arg, n_full, step, B, P, H, M, L,
+def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, P, H, M, L,
                     DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                    SIM_PRECISION: tl.constexpr):
-    """Per key of chunk ``step``: the best similarity to this block's active centroids and its first slot."""
+                    SIM_PRECISION: tl.constexpr, SEARCH: tl.constexpr, BDA: tl.constexpr,
+                    BF16_PARTS: tl.constexpr):
+    """This block's slots: chunk ``step − 1``'s keys added, the counts before chunk ``step`` written out, and per
+    key of chunk ``step`` the best similarity to the block's active centroids and its first slot (``SEARCH``;
+    without it, only the addition: the launch after the last chunk)."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     i_b = bh // H
     i_h = bh % H
     nblk = tl.num_programs(0)
     rl = tl.arange(0, BL)
-    out = (bh * nblk + blk) * BL + rl
-    bmax = tl.full([BL], float("-inf"), tl.float32)
-    barg = tl.full([BL], 2147483647, tl.int32)
+    od = tl.arange(0, BD)
     cols = blk * BN + tl.arange(0, BN)
     ok = cols < M
+    rows = (bh * M + cols)[:, None] * DK + od[None, :]
+    row_ok = ok[:, None] & (od < DK)[None, :]
     cnt = tl.load(counts + bh * M + cols, mask=ok, other=0)
-    if (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0):  # a complete chunk and a non-empty block
-        kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
-        od = tl.arange(0, BD)
-        sk = tl.load(sums + (bh * M + cols)[:, None] * DK + od[None, :], mask=ok[:, None] & (od < DK)[None, :],
-                     other=0.0)
-        mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
-        sim = tl.dot(kt, tl.trans(mean), input_precision=SIM_PRECISION)
-        sim = tl.where((cnt > 0)[None, :], sim, float("-inf"))
-        bmax = tl.max(sim, 1)
-        barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
-    tl.store(best + out, bmax)
-    tl.store(arg + out, barg)
+    if step > 0:  # 1. the previous chunk's keys join their slots (slots −1 join nothing)
+        prev = tl.load(slots + ((step - 1) * B * H + bh) * L + rl, mask=rl < L, other=-1).to(tl.int32)
+        hit = prev[None, :] == cols[:, None]  # [BN, BL]
+        joined = tl.sum(hit.to(tl.int64), 1)
+        if tl.max(joined, 0) > 0:
+            onehot = hit.to(tl.float32)
+            key_rows = (i_b * P + (step - 1) * L + rl) * H + i_h
+            for d0 in range(0, BD, BDA):  # BDA columns at a time: the whole [BN, BD] product spills
+                oc = d0 + tl.arange(0, BDA)
+                c_ok = oc < DK
+                kc = tl.load(k + key_rows[:, None] * DK + oc[None, :], mask=(rl < L)[:, None] & c_ok[None, :],
+                             other=0.0)
+                if BF16_PARTS:
+                    # fp32 keys as three bf16 parts that add up to them exactly (8 + 8 + 8 bits of mantissa): the
+                    # one-hot sums on tensor cores, fp32-accurate (full-fp32 "ieee" products cost 3× the search)
+                    k1 = kc.to(tl.bfloat16)
+                    r1 = kc - k1.to(tl.float32)
+                    k2 = r1.to(tl.bfloat16)
+                    k3 = (r1 - k2.to(tl.float32)).to(tl.bfloat16)
+                    agg = tl.dot(onehot.to(tl.bfloat16), k1) + tl.dot(onehot.to(tl.bfloat16), k2) + \
+                        tl.dot(onehot.to(tl.bfloat16), k3)  # [BN, BDA], fp32
+                else:  # the interpreter (bf16 is broken there)
+                    agg = tl.dot(onehot, kc, input_precision="ieee")
+                at = (bh * M + cols)[:, None] * DK + oc[None, :]
+                a_ok = ok[:, None] & c_ok[None, :]
+                tl.store(sums + at, tl.load(sums + at, mask=a_ok, other=0.0) + agg, mask=a_ok)
+            cnt += joined
+            tl.store(counts + bh * M + cols, cnt, mask=ok)
+    if SEARCH:
+        tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
+        out = (bh * nblk + blk) * BL + rl
+        bmax = tl.full([BL], float("-inf"), tl.float32)
+        barg = tl.full([BL], 2147483647, tl.int32)
+        if (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0):  # 2. a complete chunk and a non-empty block
+            kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
+            sk = tl.load(sums + rows, mask=row_ok, other=0.0)
+            mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
+            sim = tl.dot(kt, tl.trans(mean), input_precision=SIM_PRECISION)
+            sim = tl.where((cnt > 0)[None, :], sim, float("-inf"))
+            bmax = tl.max(sim, 1)
+            barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
+        tl.store(best + out, bmax)
+        tl.store(arg + out, barg)
 
 
 @triton.jit(do_not_specialize=["step"])
-def _merge_kernel(k, sums, counts, best, arg, before, slots, n_full, t_base, step, B, P, H, M, L, N, NBLK,
-                  DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr,
-                  SIM_PRECISION: tl.constexpr):
-    """Chunk ``step`` of one (sample, head): the counts before it, the slots of its keys, the update."""
+def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M, L, N, NBLK,
+                  DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr):
+    """Chunk ``step`` of one (sample, head): the slots of its keys, and the dictionary's size after it."""
     bh = tl.program_id(0).to(tl.int64)
     i_b = bh // H
     i_h = bh % H
     rl = tl.arange(0, BL)
     row_ok = rl < L
-    sbase = bh * M  # row of slot 0 of this (sample, head) in sums / counts
-    cbase = (step * B * H + bh) * M
     srow = (step * B * H + bh) * L
     NEG_INF = float("-inf")
-
-    # 1. the counts before the chunk, the dictionary's size
-    size = 0
-    for s0 in range(0, M, BS):
-        cols = s0 + tl.arange(0, BS)
-        ok = cols < M
-        cnt = tl.load(counts + sbase + cols, mask=ok, other=0)
-        tl.store(before + cbase + cols, cnt, mask=ok)
-        size += tl.sum((cnt > 0).to(tl.int32), 0)
-
     if step < tl.load(n_full + i_b):
+        size = tl.load(size_of + bh)  # 1. the dictionary's size
         t_end = tl.load(t_base + i_b) + L * (step + 1)
         n_new = tl.minimum(tl.maximum(tl.maximum((t_end * N) // (t_end + N), 1) - size, 0), L)
         # 2. best old centroid per key over the blocks (strict: an earlier block keeps a tie)
@@ -137,9 +163,9 @@ def _merge_kernel(k, sums, counts, best, arg, before, slots, n_full, t_base, ste
         is_new = (rank < n_new) & row_ok
         new_slot = size + rank
 
-        kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
         old = best_i
         if size == 0:  # 4. empty dictionary: the other keys go to their most similar new centroid
+            kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
             s2 = tl.dot(kt, tl.trans(kt), input_precision=SIM_PRECISION)
             s2 = tl.where(is_new[None, :], s2, NEG_INF)
             # the first key j at the row's max, encoded with its rank as j·BL + rank_j
@@ -147,43 +173,25 @@ def _merge_kernel(k, sums, counts, best, arg, before, slots, n_full, t_base, ste
                                    BL * BL), 1)
             old = code % BL  # size + rank of that key, size = 0
         slot = tl.where(is_new, tl.minimum(new_slot, M - 1), tl.minimum(tl.maximum(old, 0), M - 1))
-        tl.store(slots + srow + rl, slot.to(tl.int64), mask=row_ok)
-
-        # 5. update: the first key of each slot adds the chunk's sum of that slot's keys, BR keys at a time
-        tl.debug_barrier()  # the slots just stored are read back in blocks
-        od = tl.arange(0, BD)
-        d_ok = od < DK
-        for r0 in range(0, L, BR):
-            rr = r0 + tl.arange(0, BR)
-            rr_ok = rr < L
-            s_blk = tl.load(slots + srow + rr, mask=rr_ok, other=-1).to(tl.int32)
-            same = (s_blk[:, None] == slot[None, :]) & rr_ok[:, None] & row_ok[None, :]
-            lead = rr_ok & (tl.sum((same & (rl[None, :] < rr[:, None])).to(tl.int32), 1) == 0)
-            m = tl.sum(same.to(tl.int64), 1)
-            agg = tl.dot(same.to(tl.float32), kt, input_precision="ieee")  # [BR, BD]
-            dst = sbase + s_blk
-            wmask = lead[:, None] & d_ok[None, :]
-            acc = tl.load(sums + dst[:, None] * DK + od[None, :], mask=wmask, other=0.0)
-            tl.store(sums + dst[:, None] * DK + od[None, :], acc + agg, mask=wmask)
-            cnt_old = tl.load(counts + dst, mask=lead, other=0)
-            tl.store(counts + dst, cnt_old + m, mask=lead)
+        tl.store(slots + srow + rl, slot.to(tl.int64), mask=row_ok)  # 5. (added by the next search launch)
+        tl.store(size_of + bh, tl.minimum(size + n_new, M))
     else:  # an incomplete chunk: no update, slots -1
         tl.store(slots + srow + rl, tl.full([BL], -1, tl.int64), mask=row_ok)
 
 
 def _blocks() -> dict:
     if is_interpreting():
-        return dict(BN=16, BS=64, BR=16, nearest={}, merge={})
-    # sm_90, Triton 3.6, L = dk = 128 (scripts/kernel_resources.py, no GPU): the search at BN = 64 with 8 warps
-    # spills nothing (4 warps: 416 bytes); the merge program holds a chunk's L×dk keys, L×L rank comparisons
-    # and a BR×L one-hot: BR = 8 spills 204 bytes (16: 1.3 KB), 197 KB of shared memory
-    return dict(BN=64, BS=256, BR=8, nearest=dict(num_warps=8, num_stages=1),
+        return dict(BN=16, BDA=16, BF16_PARTS=False, nearest={}, merge={})
+    # sm_90, Triton 3.6, L = dk = 128 (scripts/kernel_resources.py): 8 warps, one stage
+    # (BDA = 128: 5.75 ms for T = 16k, H = 8 on an H200, against 6.0-12.4 ms for BN 32-128 × BDA 32-64 × 4-8 warps;
+    # ptxas: 36 bytes of spills)
+    return dict(BN=64, BDA=128, BF16_PARTS=True, nearest=dict(num_warps=8, num_stages=1),
                 merge=dict(num_warps=8, num_stages=1))
 
 
 class _Launcher:
-    """The two launches of one chunk on fixed buffers: keys ``[B, S·L, H, dk]`` (S chunks), the running sums
-    and counts, the per-block bests, and the outputs ``before [S, B, H, M]``, ``slots [S, B, H, L]``."""
+    """The launches of S chunks on fixed buffers: keys ``[B, S·L, H, dk]``, the running sums, counts and
+    dictionary sizes, the per-block bests, and the outputs ``before [S, B, H, M]``, ``slots [S, B, H, L]``."""
 
     def __init__(self, B, H, L, M, dk, N, steps, device):
         self.B, self.H, self.L, self.M, self.dk, self.N, self.steps = B, H, L, M, dk, N, steps
@@ -194,6 +202,7 @@ class _Launcher:
         self.k = torch.zeros(B, steps * L, H, dk, **f32)
         self.sums = torch.zeros(B, H, M, dk, **f32)
         self.counts = torch.zeros(B, H, M, **i64)
+        self.size = torch.zeros(B * H, dtype=torch.int32, device=device)  # active slots (0..size-1)
         self.n_full = torch.zeros(B, dtype=torch.int32, device=device)  # complete chunks among the S
         self.t_base = torch.zeros(B, **i64)  # real tokens before the first of the S chunks
         self.best = torch.empty(B * H * self.nblk * self.BL, **f32)
@@ -202,17 +211,20 @@ class _Launcher:
         self.slots = torch.empty(steps, B, H, L, **i64)
 
     def run(self, n: int | None = None):
-        """Chunks 0..n-1 of the buffers (all S by default)."""
+        """Chunks 0..n-1 of the buffers (all S by default), ending with the last one's keys added."""
         B, H, L, M, dk, cfg = self.B, self.H, self.L, self.M, self.dk, self.cfg
         P = self.steps * L
-        for step in range(self.steps if n is None else n):
+        n = self.steps if n is None else n
+        for step in range(n + 1):
             _nearest_kernel[(self.nblk, B * H)](
-                self.k, self.sums, self.counts, self.best, self.arg, self.n_full, step, B, P, H, M, L,
-                DK=dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION, **cfg["nearest"])
-            _merge_kernel[(B * H,)](
-                self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full,
-                self.t_base, step, B, P, H, M, L, self.N, self.nblk, DK=dk, BL=self.BL, BD=self.BD,
-                BS=cfg["BS"], BR=cfg["BR"], SIM_PRECISION=SIM_PRECISION, **cfg["merge"])
+                self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full, step,
+                B, P, H, M, L, DK=dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION,
+                SEARCH=step < n, BDA=cfg["BDA"], BF16_PARTS=cfg["BF16_PARTS"], **cfg["nearest"])
+            if step < n:
+                _merge_kernel[(B * H,)](
+                    self.k, self.best, self.arg, self.slots, self.size, self.n_full, self.t_base, step, B, P, H, M,
+                    L, self.N, self.nblk, DK=dk, BL=self.BL, BD=self.BD, SIM_PRECISION=SIM_PRECISION,
+                    **cfg["merge"])
 
 
 class _Graph:
@@ -258,6 +270,7 @@ def ovq_assign(k, n_full, t_base, dict_k, counts, chunk_size: int, max_dict_size
     run = graph.launcher if graph is not None else _Launcher(B, H, L, M, dk, max_dict_size, C, k.device)
     S = run.steps
     run.counts.copy_(cnt)
+    run.size.copy_((cnt > 0).sum(-1).flatten())
     # the running sums, computed as _chunk_slots does (an exact mean times its count)
     run.sums.copy_(dict_k.detach() * cnt[..., None].to(dict_k.dtype))
     kd = k.detach()

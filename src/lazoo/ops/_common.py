@@ -376,11 +376,18 @@ def time_mask(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     return mask.view(mask.shape + (1,) * (x.dim() - 2))
 
 
+def innermost_scan(scan, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``scan(x, dim)`` (``torch.cumsum``, ``torch.logcumsumexp``, ...) computed with ``dim`` as the last (contiguous)
+    dim. CUDA's scan along an outer dim walks it one step at a time per column: at T = 8k the linear-attention
+    normaliser's cumsum took 72 of a 259 ms training step, OVQ's dictionary sums 9 of 16 ms and ELA's logcumsumexp
+    12 of 35 ms (H200 profiles, BENCHMARKS.md); the innermost-dim scan is parallel. The result is laid out like
+    ``x`` again: elementwise ops on the transposed view took the slow strided path (0.4 ms each at 8k)."""
+    return scan(x.movedim(dim, -1).contiguous(), -1).movedim(-1, dim).contiguous()
+
+
 def time_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """``x.cumsum(1)`` of a ``[B, T, ...]`` tensor, scanned with T as the last (contiguous) dim. CUDA's scan along
-    an outer dim walks T one step at a time per column: at T = 8k the linear-attention normaliser's cumsum took
-    72 of a 259 ms training step (H200 profile, BENCHMARKS.md); the innermost-dim scan is parallel."""
-    return x.movedim(1, -1).contiguous().cumsum(-1).movedim(-1, 1)
+    """``x.cumsum(1)`` of a ``[B, T, ...]`` tensor (``innermost_scan``)."""
+    return innermost_scan(torch.cumsum, x, 1)
 
 
 def zero_masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

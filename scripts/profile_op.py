@@ -1,0 +1,91 @@
+"""Where an op's forward + backward time goes, on a CUDA GPU: torch.profiler's table of GPU kernels and host ops.
+
+    python scripts/profile_op.py --op ela_hadamard_exp --T 8192          # an entry of bench_kernels' OPS
+    python scripts/profile_op.py --op ovq --T 4096                       # bench_ovq's shape (B = 1, H = 8, d = 128)
+
+bench_kernels' ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step (median of
+--repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host time.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench_kernels_step(name: str, T: int, D: int):
+    import bench_kernels
+
+    op = bench_kernels._ops()[name]
+    B = max(1, bench_kernels.TOKENS // T)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = op.make(B, T, bench_kernels.H, D, torch.bfloat16, "cuda", gen)
+    leaves = [x[n].requires_grad_() for n in op.grads]
+
+    def step():
+        op.ours(x).float().sum().backward()
+        for t in leaves:
+            t.grad = None
+    return step
+
+
+def ovq_step(T: int, triton_assign: bool):
+    import bench_ovq
+
+    from lazoo.ops import ovq_attention
+
+    q, k, v = (t.requires_grad_() for t in bench_ovq.inputs(1, T, torch.bfloat16, "cuda"))
+
+    def step():
+        o = ovq_attention(q, k, v, scale=math.sqrt(bench_ovq.D), chunk_size=bench_ovq.L,
+                          max_dict_size=bench_ovq.N, backend="triton", triton_assign=triton_assign)[0]
+        o.float().sum().backward()
+        for t in (q, k, v):
+            t.grad = None
+    return step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_triton_assign")
+    ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("profile_op.py needs a CUDA GPU")
+    if args.op.startswith("ovq"):
+        step = ovq_step(args.T, args.op == "ovq_triton_assign")
+    else:
+        step = bench_kernels_step(args.op, args.T, args.D)
+    for _ in range(2):  # compile and autotune outside the profile
+        step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    walls.sort()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"{args.op} T={args.T} D={args.D} on {torch.cuda.get_device_name()}: "
+          f"wall {1e3 * walls[len(walls) // 2]:.3f} ms (median of {args.repeats}), GPU busy {gpu:.3f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
