@@ -89,7 +89,8 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
                                                                                    SEARCH=True, BDA=acfg["BDA"],
                                                                                    BF16_PARTS=acfg["BF16_PARTS"]),
                                           **_opts(acfg["nearest"])),
-        "assign: merge": measure(ovq_assign._merge_kernel, sig_m, shapes, **_opts(acfg["merge"])),
+        "assign: merge": measure(ovq_assign._merge_kernel, dict(sig_m, BRK="constexpr"), dict(shapes, BRK=acfg["BRK"]),
+                                 **_opts(acfg["merge"])),
     }
     cfg = ovq._blocks(dk, dk)
     tiles = dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BM=cfg["BM"], BN=cfg["BN"])

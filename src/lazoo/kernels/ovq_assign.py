@@ -27,8 +27,8 @@ dictionary is tracked as sums Σk (fp32, ``[B, H, M, dk]``) and int64 counts. Th
 
 Chunks past a sample's complete ones get slots −1 and leave the dictionary unchanged (the counts before them
 are still written). Everything is deterministic. Tie-breaking follows PyTorch exactly given the same
-similarity values; the values themselves are fp32 dot products summed in another order (``tl.dot``, tf32x3
-on the GPU: fp32-accurate, not bit-equal), so a key whose two best similarities differ by rounding only may
+similarity values; the values themselves are fp32 dot products summed in another order (``SIM_PRECISION``:
+full fp32, not bit-equal), so a key whose two best similarities differ by rounding only may
 pick another slot than PyTorch does (exact ties, e.g. duplicated keys or exactly representable values, break
 identically).
 
@@ -50,8 +50,11 @@ from ._utils import is_interpreting, next_pow2
 #: largest chunk size and head dim (keys of a chunk and L×L matrices are held in registers)
 MAX_CHUNK = 128
 MAX_HEAD_DIM = 128
-#: fp32-accurate products on tensor cores for the similarities (plain tf32 would flip near ties)
-SIM_PRECISION = "tf32x3"
+#: the similarities' products: full fp32 ("ieee"). Split products on tensor cores changed the assignments: at
+#: T = 64k (H = 8, d = 128, N = 2048, bench_ovq's inputs) "tf32x3" and a six-product bf16 split both left the op's
+#: output 6.9e-2 from the float64 chunk form, where PyTorch's fp32 assignment and "ieee" were 2.7e-3 (equal
+#: slots); "ieee" costs 1.5× the split's forward time there (65.6 against 43 ms, H200)
+SIM_PRECISION = "ieee"
 #: chunks per captured CUDA graph (one replay runs this many chunks)
 GRAPH_STEPS = 16
 
@@ -63,6 +66,15 @@ def _chunk_keys(k, i_b, i_h, step, P, H, L, DK: tl.constexpr, BL: tl.constexpr, 
     od = tl.arange(0, BD)
     rows = (i_b * P + step * L + rl) * H + i_h
     return tl.load(k + rows[:, None] * DK + od[None, :], mask=(rl < L)[:, None] & (od < DK)[None, :], other=0.0)
+
+
+@triton.jit
+def _bf16_parts(x):
+    """fp32 ``x`` as three bf16 tiles whose sum is ``x`` exactly (8 + 8 + 8 bits of mantissa)."""
+    x1 = x.to(tl.bfloat16)
+    r1 = x - x1.to(tl.float32)
+    x2 = r1.to(tl.bfloat16)
+    return x1, x2, (r1 - x2.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit(do_not_specialize=["step"])
@@ -98,14 +110,11 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
                 kc = tl.load(k + key_rows[:, None] * DK + oc[None, :], mask=(rl < L)[:, None] & c_ok[None, :],
                              other=0.0)
                 if BF16_PARTS:
-                    # fp32 keys as three bf16 parts that add up to them exactly (8 + 8 + 8 bits of mantissa): the
-                    # one-hot sums on tensor cores, fp32-accurate (full-fp32 "ieee" products cost 3× the search)
-                    k1 = kc.to(tl.bfloat16)
-                    r1 = kc - k1.to(tl.float32)
-                    k2 = r1.to(tl.bfloat16)
-                    k3 = (r1 - k2.to(tl.float32)).to(tl.bfloat16)
-                    agg = tl.dot(onehot.to(tl.bfloat16), k1) + tl.dot(onehot.to(tl.bfloat16), k2) + \
-                        tl.dot(onehot.to(tl.bfloat16), k3)  # [BN, BDA], fp32
+                    # the keys' exact bf16 parts: the one-hot sums on tensor cores, fp32-accurate (full-fp32
+                    # "ieee" products cost 3× the search)
+                    k1, k2, k3 = _bf16_parts(kc)
+                    h = onehot.to(tl.bfloat16)
+                    agg = tl.dot(h, k3) + tl.dot(h, k2) + tl.dot(h, k1)  # [BN, BDA], fp32
                 else:  # the interpreter (bf16 is broken there)
                     agg = tl.dot(onehot, kc, input_precision="ieee")
                 at = (bh * M + cols)[:, None] * DK + oc[None, :]
@@ -132,7 +141,8 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
 
 @triton.jit(do_not_specialize=["step"])
 def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M, L, N, NBLK,
-                  DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr):
+                  DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr,
+                  BRK: tl.constexpr):
     """Chunk ``step`` of one (sample, head): the slots of its keys, and the dictionary's size after it."""
     bh = tl.program_id(0).to(tl.int64)
     i_b = bh // H
@@ -163,17 +173,28 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
         is_new = (rank < n_new) & row_ok
         new_slot = size + rank
 
-        old = best_i
         if size == 0:  # 4. empty dictionary: the other keys go to their most similar new centroid
+            # BRK keys at a time (a full-fp32 L×L product held whole spills)
             kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
-            s2 = tl.dot(kt, tl.trans(kt), input_precision=SIM_PRECISION)
-            s2 = tl.where(is_new[None, :], s2, NEG_INF)
-            # the first key j at the row's max, encoded with its rank as j·BL + rank_j
-            code = tl.min(tl.where(s2 == tl.max(s2, 1)[:, None], rl[None, :] * BL + rank[None, :],
-                                   BL * BL), 1)
-            old = code % BL  # size + rank of that key, size = 0
-        slot = tl.where(is_new, tl.minimum(new_slot, M - 1), tl.minimum(tl.maximum(old, 0), M - 1))
-        tl.store(slots + srow + rl, slot.to(tl.int64), mask=row_ok)  # 5. (added by the next search launch)
+            od = tl.arange(0, BD)
+            for r0 in range(0, BL, BRK):
+                rr = r0 + tl.arange(0, BRK)
+                pick = rl[None, :] == rr[:, None]  # [BRK, BL]: row r's own entry of a [BL] vector
+                new_r = tl.sum(tl.where(pick, is_new.to(tl.int32)[None, :], 0), 1) > 0
+                rank_r = tl.sum(tl.where(pick, rank[None, :], 0), 1)
+                key_rows = (i_b * P + step * L + rr) * H + i_h
+                kr = tl.load(k + key_rows[:, None] * DK + od[None, :],
+                             mask=(rr < L)[:, None] & (od < DK)[None, :], other=0.0)
+                s2 = tl.dot(kr, tl.trans(kt), input_precision=SIM_PRECISION)  # [BRK, BL]
+                s2 = tl.where(is_new[None, :], s2, NEG_INF)
+                # the first key j at the row's max, encoded with its rank as j·BL + rank_j
+                code = tl.min(tl.where(s2 == tl.max(s2, 1)[:, None], rl[None, :] * BL + rank[None, :],
+                                       BL * BL), 1)
+                slot_r = tl.where(new_r, tl.minimum(rank_r, M - 1), tl.minimum(code % BL, M - 1))
+                tl.store(slots + srow + rr, slot_r.to(tl.int64), mask=rr < L)  # 5. (added by the next search)
+        else:
+            slot = tl.where(is_new, tl.minimum(new_slot, M - 1), tl.minimum(tl.maximum(best_i, 0), M - 1))
+            tl.store(slots + srow + rl, slot.to(tl.int64), mask=row_ok)  # 5. (added by the next search launch)
         tl.store(size_of + bh, tl.minimum(size + n_new, M))
     else:  # an incomplete chunk: no update, slots -1
         tl.store(slots + srow + rl, tl.full([BL], -1, tl.int64), mask=row_ok)
@@ -181,11 +202,11 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
 
 def _blocks() -> dict:
     if is_interpreting():
-        return dict(BN=16, BDA=16, BF16_PARTS=False, nearest={}, merge={})
+        return dict(BN=16, BDA=16, BRK=8, BF16_PARTS=False, nearest={}, merge={})
     # sm_90, Triton 3.6, L = dk = 128 (scripts/kernel_resources.py): 8 warps, one stage
     # (BDA = 128: 5.75 ms for T = 16k, H = 8 on an H200, against 6.0-12.4 ms for BN 32-128 × BDA 32-64 × 4-8 warps;
-    # ptxas: 36 bytes of spills)
-    return dict(BN=64, BDA=128, BF16_PARTS=True, nearest=dict(num_warps=8, num_stages=1),
+    # ptxas: 36 bytes of spills); the merge's first-chunk rule BRK = 16 keys at a time: no spills (32: 4.3 KB)
+    return dict(BN=64, BDA=128, BRK=16, BF16_PARTS=True, nearest=dict(num_warps=8, num_stages=1),
                 merge=dict(num_warps=8, num_stages=1))
 
 
@@ -224,7 +245,7 @@ class _Launcher:
                 _merge_kernel[(B * H,)](
                     self.k, self.best, self.arg, self.slots, self.size, self.n_full, self.t_base, step, B, P, H, M,
                     L, self.N, self.nblk, DK=dk, BL=self.BL, BD=self.BD, SIM_PRECISION=SIM_PRECISION,
-                    **cfg["merge"])
+                    BRK=min(self.BL, cfg["BRK"]), **cfg["merge"])
 
 
 class _Graph:
