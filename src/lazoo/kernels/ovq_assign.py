@@ -204,8 +204,9 @@ def _blocks() -> dict:
     if is_interpreting():
         return dict(BN=16, BDA=16, BRK=8, BF16_PARTS=False, nearest={}, merge={})
     # sm_90, Triton 3.6, L = dk = 128 (scripts/kernel_resources.py): 8 warps, one stage
-    # (BDA = 128: 5.75 ms for T = 16k, H = 8 on an H200, against 6.0-12.4 ms for BN 32-128 × BDA 32-64 × 4-8 warps;
-    # ptxas: 36 bytes of spills); the merge's first-chunk rule BRK = 16 keys at a time: no spills (32: 4.3 KB)
+    # (BDA = 128: 5.75 ms for T = 16k, H = 8 on an H200, against 6.0-12.4 ms for BN 32-128 × BDA 32-64 × 4-8 warps,
+    # tf32x3 similarities); no spills in either kernel; the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB
+    # of spills)
     return dict(BN=64, BDA=128, BRK=16, BF16_PARTS=True, nearest=dict(num_warps=8, num_stages=1),
                 merge=dict(num_warps=8, num_stages=1))
 
