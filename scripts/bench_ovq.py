@@ -3,7 +3,8 @@
 For T in --lengths (default 1k, 4k, 16k, 64k), B = --batch, H = 8, d = 128, bf16, N = 2048, L = 128:
   * forward and forward+backward median ms (triton.testing.do_bench) of
       - ``ovq_attention(backend="triton")``: the whole op (assignments of every chunk, the running-mean
-        dictionaries, the chunk-attention kernel),
+        dictionaries, the chunk-attention kernel); with --pytorch-assign also the op with the assignments as a
+        PyTorch loop (``triton_assign=False``) and how far its output is from the default's,
       - the chunk-attention kernel alone (``lazoo.kernels.ovq.ovq_chunk_attention``) with the dictionary
         versions given (the part that is flash attention over ≤ N + L keys per query): O(T + N) table rows,
         every slot moving to a new row every N / L chunks, as one key a chunk per slot would,
@@ -94,7 +95,7 @@ def decode_ms(q, k, v, state, scale):
     return out
 
 
-def bench_length(B, T, dtype, device, triton_assign=False):
+def bench_length(B, T, dtype, device, pytorch_assign=False):
     from lazoo.kernels.ovq import ovq_chunk_attention
     from lazoo.ops import ovq_attention
 
@@ -142,20 +143,20 @@ def bench_length(B, T, dtype, device, triton_assign=False):
     except torch.OutOfMemoryError:
         kernel, kernel_leaves = None, leaves
     cases = [("ovq", ovq, leaves), ("ovq_kernel", kernel, kernel_leaves), ("sdpa", sdpa, leaves)]
-    if triton_assign:  # the op again with the assignments as Triton kernels, and how far its output moves
-        def ovq_triton_assign():
+    if pytorch_assign:  # the op again with the assignments as a PyTorch loop, and how far its output moves
+        def ovq_pytorch_assign():
             return ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, backend="triton",
-                                 triton_assign=True)[0]
+                                 triton_assign=False)[0]
 
         try:  # a kernel that does not build here (resources) must not lose the row's other timings
             with torch.no_grad():
-                a, b = ovq().float(), ovq_triton_assign().float()
-            row["triton_assign_max_abs_diff"] = float((a - b).abs().max())
-            row["triton_assign_rel_diff"] = float((a - b).norm() / a.norm())
-            cases.insert(1, ("ovq_triton_assign", ovq_triton_assign, leaves))
+                a, b = ovq().float(), ovq_pytorch_assign().float()
+            row["pytorch_assign_max_abs_diff"] = float((a - b).abs().max())
+            row["pytorch_assign_rel_diff"] = float((a - b).norm() / a.norm())
+            cases.insert(1, ("ovq_pytorch_assign", ovq_pytorch_assign, leaves))
         except Exception as err:  # noqa: BLE001  (recorded in the row)
-            row["triton_assign_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            print(f"  T={T} triton assign failed: {row['triton_assign_error']}", flush=True)
+            row["pytorch_assign_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            print(f"  T={T} PyTorch assign failed: {row['pytorch_assign_error']}", flush=True)
     for name, fn, lv in cases:
         for mode, backward in (("fwd", False), ("fwdbwd", True)):
             row[f"{name}_{mode}_ms"] = "oom" if fn is None else timed(fn, backward, lv)
@@ -168,10 +169,10 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON file to write")
-    ap.add_argument("--triton-assign", action="store_true",
-                    help="also time the op with step 1 (the assignments) as the Triton kernel "
-                         "lazoo.kernels.ovq_assign (ovq_attention(..., triton_assign=True)), and record how far its output "
-                         "is from the PyTorch step's")
+    ap.add_argument("--pytorch-assign", action="store_true",
+                    help="also time the op with step 1 (the assignments) as the PyTorch loop "
+                         "(ovq_attention(..., triton_assign=False)), and record how far its output is from the "
+                         "default's (the Triton kernels of lazoo.kernels.ovq_assign)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_ovq.py needs a CUDA GPU")
@@ -180,17 +181,17 @@ def main(argv=None):
     device, dtype = "cuda", torch.bfloat16
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "H": H, "d": D, "N": N, "chunk_size": L, "dtype": "bfloat16",
-            "timing": "triton.testing.do_bench median, ms", "triton_assign": args.triton_assign}
+            "timing": "triton.testing.do_bench median, ms", "pytorch_assign": args.pytorch_assign}
     rows = []
     for T in args.lengths:
         try:
-            rows.append(bench_length(args.batch, T, dtype, device, args.triton_assign))
+            rows.append(bench_length(args.batch, T, dtype, device, args.pytorch_assign))
         except Exception:  # one length failing must not lose the others
             traceback.print_exc()
             rows.append({"T": T, "B": args.batch, "error": traceback.format_exc(limit=2)})
         torch.cuda.empty_cache()
-    cols = ["T", "ovq_fwd_ms", "ovq_fwdbwd_ms", *(["ovq_triton_assign_fwd_ms", "ovq_triton_assign_fwdbwd_ms",
-                                                   "triton_assign_rel_diff"] if args.triton_assign else []),
+    cols = ["T", "ovq_fwd_ms", "ovq_fwdbwd_ms", *(["ovq_pytorch_assign_fwd_ms", "ovq_pytorch_assign_fwdbwd_ms",
+                                                   "pytorch_assign_rel_diff"] if args.pytorch_assign else []),
             "ovq_kernel_fwd_ms", "ovq_kernel_fwdbwd_ms", "sdpa_fwd_ms",
             "sdpa_fwdbwd_ms", "ovq_decode_ms", "ovq_decode_chunk_form_ms", "sdpa_decode_ms", "ovq_state_bytes",
             "kv_cache_bytes"]

@@ -2,6 +2,7 @@
 
     python scripts/profile_op.py --op ela_hadamard_exp --T 8192          # an entry of bench_kernels' OPS
     python scripts/profile_op.py --op ovq --T 4096                       # bench_ovq's shape (B = 1, H = 8, d = 128)
+    python scripts/profile_op.py --op ovq_pytorch_assign --T 4096        # the same with the PyTorch assignments
 
 bench_kernels' ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step (median of
 --repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host time.
@@ -36,7 +37,7 @@ def bench_kernels_step(name: str, T: int, D: int):
     return step
 
 
-def ovq_step(T: int, triton_assign: bool):
+def ovq_step(T: int, triton_assign: bool = True):
     import bench_ovq
 
     from lazoo.ops import ovq_attention
@@ -54,7 +55,7 @@ def ovq_step(T: int, triton_assign: bool):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_triton_assign")
+    ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_pytorch_assign")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--rows", type=int, default=25)
@@ -63,7 +64,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("profile_op.py needs a CUDA GPU")
     if args.op.startswith("ovq"):
-        step = ovq_step(args.T, args.op == "ovq_triton_assign")
+        step = ovq_step(args.T, triton_assign=args.op != "ovq_pytorch_assign")
     else:
         step = bench_kernels_step(args.op, args.T, args.D)
     for _ in range(2):  # compile and autotune outside the profile

@@ -94,7 +94,7 @@ def test_every_op_with_a_backend_is_covered():
 
 # ----------------------------------------------------------------------------- Triton kernel variants
 VARIANTS = [("vla", "triton_scan", "token", ("chunk",), ("chunk ", "Token", None, 1)),
-            ("ovq_attention", "triton_assign", False, (True,), ("yes", 1, 0, None))]
+            ("ovq_attention", "triton_assign", True, (False,), ("yes", 1, 0, None))]
 
 
 @pytest.mark.parametrize("op,arg,default,others,bad", VARIANTS)
@@ -118,7 +118,7 @@ def test_triton_variants_leave_the_other_backends_alone(op, arg, default, others
 
 
 @pytest.mark.parametrize("mechanism,op,option,value,default", [("vla", "vla", "triton_scan", "chunk", "token"),
-                                                               ("ovq", "ovq_attention", "triton_assign", True, False)])
+                                                               ("ovq", "ovq_attention", "triton_assign", False, True)])
 def test_mixer_option_reaches_the_op(mechanism, op, option, value, default, monkeypatch):
     seen = []
     real = getattr(ops, op)

@@ -33,7 +33,7 @@ class OVQMixer(RecurrentMixer):
         "output_norm": False,  # the softmax read-out is already an average of values
         "chunk_size": 128,
         "max_dict_size": 2048,
-        "triton_assign": False,  # the Triton backend's slot assignments as Triton kernels (lazoo.ops.ovq_attention)
+        "triton_assign": True,  # the Triton backend's slot assignments as Triton kernels (lazoo.ops.ovq_attention)
     }
 
     def __init__(self, config, layer_idx, options):
@@ -141,7 +141,7 @@ register(Mechanism(
     option_docs={
         "chunk_size": "L: tokens per chunk (the dictionaries are updated once per chunk)",
         "max_dict_size": "N: the dictionaries' size limit (read at every forward, can change after loading)",
-        "triton_assign": "the Triton backend's slot assignments as Triton kernels (default off)",
+        "triton_assign": "the Triton backend's slot assignments as Triton kernels (default on; off: a PyTorch loop)",
     },
     tiny_options={"chunk_size": 4, "max_dict_size": 12}, class_prefix="LazooOVQ",
 ))
