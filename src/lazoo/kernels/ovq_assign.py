@@ -218,6 +218,8 @@ class _Launcher:
     def __init__(self, B, H, L, M, dk, N, steps, device):
         self.B, self.H, self.L, self.M, self.dk, self.N, self.steps = B, H, L, M, dk, N, steps
         self.cfg = _blocks()
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:  # no bf16 products before sm_80
+            self.cfg = dict(self.cfg, BF16_PARTS=False)
         self.nblk = triton.cdiv(M, self.cfg["BN"])
         self.BL, self.BD = next_pow2(L), next_pow2(dk)
         f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)

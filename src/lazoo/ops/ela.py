@@ -72,8 +72,8 @@ from ._common import (
     check_state_dict,
     check_state_tensor,
     compute_dtype,
+    fast_scan,
     host_sync_allowed,
-    innermost_scan,
     op_result,
     prepare_inputs,
     resolve_backend,
@@ -278,9 +278,9 @@ def _shifts(k, mask, m0, c0):
         shifts = _running_max(k, mask, m0)
     kk = k if mask is None else k.masked_fill(~mask[..., None, None], _LOG_ZERO)
     if c0 is None:
-        return shifts, innermost_scan(torch.logcumsumexp, kk, 1)
+        return shifts, fast_scan(torch.logcumsumexp, kk, 1)
     first = _log_sums(c0, m0)  # the state's sums as a first term
-    return shifts, innermost_scan(torch.logcumsumexp, torch.cat([first[:, None], kk], 1), 1)[:, 1:]
+    return shifts, fast_scan(torch.logcumsumexp, torch.cat([first[:, None], kk], 1), 1)[:, 1:]
 
 
 def _log_sums(c, m):
@@ -311,7 +311,7 @@ def _running_max(k, mask, m0):
     """The per-feature shift of every query ``m [B, T, H, D]``, the one before it (``m0`` at the first token) and
     the last one ``[B, H, D]``. m0: from the state, or the first real key (0 for a sample with no real token)."""
     kk = k if mask is None else k.masked_fill(~mask[..., None, None], float("-inf"))
-    run = innermost_scan(_cummax, kk, 1)  # [B, T, H, D]: -inf until the first real token
+    run = fast_scan(_cummax, kk, 1)  # [B, T, H, D]: -inf until the first real token
     if m0 is None and k.shape[1] == 0:
         m0 = k.new_zeros(k.shape[0], *k.shape[2:])
     elif m0 is None:

@@ -79,8 +79,8 @@ from ._common import (
     check_state_tensor,
     compute_dtype,
     empty_batch_result,
+    fast_scan,
     host_sync_allowed,
-    innermost_scan,
     op_result,
     prepare_inputs,
     resolve_backend,
@@ -597,7 +597,7 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
         d = X.shape[-1]
         items = torch.cat([D0 * counts0[..., None].to(D0.dtype), X.transpose(1, 2)], 2).double()
         placed = items.new_zeros(items.shape).scatter(2, rows[..., None].expand(-1, -1, -1, d), items)
-        csum = innermost_scan(torch.cumsum, placed, 2)
+        csum = fast_scan(torch.cumsum, placed, 2)
         sums = csum - (csum - placed).gather(2, group_r[..., None].expand(-1, -1, -1, d))
         means = sums / count_r[..., None].to(sums.dtype)
         end = means.gather(2, last.expand(-1, -1, -1, d)).to(D0.dtype)
