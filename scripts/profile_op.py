@@ -53,6 +53,12 @@ def ovq_step(T: int, triton_assign: bool = True):
     return step
 
 
+def op_names() -> list[str]:
+    import bench_kernels
+
+    return sorted(bench_kernels._ops()) + ["ovq", "ovq_pytorch_assign"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_pytorch_assign")
@@ -61,6 +67,9 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    known = op_names()
+    if args.op not in known:
+        ap.error(f"--op must be one of {', '.join(known)}, got {args.op!r}")
     if not torch.cuda.is_available():
         sys.exit("profile_op.py needs a CUDA GPU")
     if args.op.startswith("ovq"):

@@ -122,6 +122,8 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
                 tl.store(sums + at, tl.load(sums + at, mask=a_ok, other=0.0) + agg, mask=a_ok)
             cnt += joined
             tl.store(counts + bh * M + cols, cnt, mask=ok)
+    # the sums just stored are read back below in another layout, so by other threads of this program
+    tl.debug_barrier()
     if SEARCH:
         tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
         out = (bh * nblk + blk) * BL + rl
