@@ -71,8 +71,9 @@ def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int =
 
 def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq`` and ``ovq_assign``): the
-    assignments' search and merge (fp32), the chunk attention's forward and backward (bf16) and the decode step."""
-    from lazoo.kernels import ovq, ovq_assign
+    assignments' search and merge (fp32), the version tables' two walks (``ovq_versions``), the chunk attention's
+    forward and backward (bf16) and the decode step."""
+    from lazoo.kernels import ovq, ovq_assign, ovq_versions
 
     f32, i64 = "*fp32", "*i64"
     acfg = ovq_assign._blocks()
@@ -92,6 +93,15 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
         "assign: merge": measure(ovq_assign._merge_kernel, dict(sig_m, BRK="constexpr"), dict(shapes, BRK=acfg["BRK"]),
                                  **_opts(acfg["merge"])),
     }
+    i64s = dict.fromkeys(("C0", "START", "N", "ORDER"), i64)
+    sizes = dict.fromkeys(("P", "H", "M", "ROWS"), "i32")
+    vcx = dict(D="constexpr", BD="constexpr")
+    out["version table: forward"] = measure(
+        ovq_versions._fwd_kernel, dict(X=f32, D0=f32, **i64s, OUT="*bf16", END=f32, **sizes, **vcx),
+        dict(D=dk, BD=dk), num_warps=ovq_versions.NUM_WARPS)
+    out["version table: backward"] = measure(
+        ovq_versions._bwd_kernel, dict(DOUT="*bf16", DEND=f32, **i64s, DX=f32, DD0=f32, **sizes, **vcx),
+        dict(D=dk, BD=dk), num_warps=ovq_versions.NUM_WARPS)
     cfg = ovq._blocks(dk, dk)
     tiles = dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BM=cfg["BM"], BN=cfg["BN"])
     tcx = {n: "constexpr" for n in tiles}

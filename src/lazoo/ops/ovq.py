@@ -49,7 +49,8 @@ chunks, L queries at a time. Both share the dictionary update (``_update_diction
 definition. ``"triton"`` (auto on CUDA; fp32/fp16/bf16, head dims <= 128) runs the chunk attention of all
 chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (no gradient,
 ``_assign``'s rule: the kernels of ``lazoo.kernels.ovq_assign``, or with ``triton_assign=False`` a PyTorch loop),
-then every value each slot takes in the call as differentiable running means (``_dictionary_versions``), which
+then every value each slot takes in the call as differentiable running means (``_dictionary_versions``,
+``lazoo.kernels.ovq_versions``), which
 the kernel reads by each chunk's counts; decoding one token without autograd is the per-token form with its
 attention in one kernel (``ovq_decode_attention``).
 
@@ -79,7 +80,6 @@ from ._common import (
     check_state_tensor,
     compute_dtype,
     empty_batch_result,
-    fast_scan,
     host_sync_allowed,
     op_result,
     prepare_inputs,
@@ -563,48 +563,21 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
 
     Kp ``[B, P, H, dk]``, Vp ``[B, P, H, dv]`` (packed), slots ``[C, B, H, L]`` (−1: the key joins nothing),
     Dk0/Dv0 ``[B, H, M, d]`` and counts0 the dictionary before the call, counts_end after it. Returns the
-    tables of means ``[B, H, M + P, d]`` in ``kdt`` (rows past the groups are unused), base ``[B, H, M]`` and
-    the final dictionaries ``[B, H, M, d]`` in Dk0's dtype. The running sums are prefix sums over each group in
-    float64, so a long call's sums keep the accuracy of the step-by-step means."""
+    tables of means ``[B, H, M + P, d]`` in ``kdt`` (rows past the groups are zero), base ``[B, H, M]`` and the
+    final dictionaries ``[B, H, M, d]`` in Dk0's dtype. The means are built by ``lazoo.kernels.ovq_versions``:
+    one program per slot sums its keys in fp32 in the order of the step-by-step update."""
+    from ..kernels.ovq_versions import version_table  # lazy: importing defines the kernels
+
     B, P, H, _ = Kp.shape
     M = counts0.shape[-1]
-    dev = Kp.device
     n = counts_end - counts0
-    start = torch.arange(M, device=dev) + (n.cumsum(-1) - n)  # [B, H, M]
+    start = torch.arange(M, device=Kp.device) + (n.cumsum(-1) - n)  # [B, H, M]
     tok_slot = slots.permute(1, 2, 0, 3).reshape(B, H, P)  # packed order: p = c·L + i
-    joined = tok_slot >= 0
-    # the keys sorted by (slot, position): the t-th of them is row t + slot + 1 (after slot + 1 initial rows);
-    # keys that join nothing sort last, past every group (rows t + M >= M + number of joined keys)
-    t = torch.arange(P, device=dev)
-    slot_or_last = torch.where(joined, tok_slot, M)
-    order = (slot_or_last * P + t).argsort(-1)
-    sorted_slot = slot_or_last.gather(-1, order)
-    sorted_row = t + torch.where(sorted_slot < M, sorted_slot + 1, M)
-    tok_row = torch.empty_like(sorted_row).scatter_(-1, order, sorted_row)  # [B, H, P], in packed order
-    rows = torch.cat([start, tok_row], -1)  # where each initial value and each key goes
-    # each row's group start and count (junk rows: themselves, count 1)
-    slot_of = torch.cat([torch.arange(M, device=dev).expand(B, H, M), tok_slot], -1)
-    group = torch.where(slot_of >= 0, start.gather(-1, slot_of.clamp(0, M - 1)), rows)
-    count = torch.where(slot_of >= 0, counts0.gather(-1, slot_of.clamp(0, M - 1)) + (rows - group), 1)
-    group_r = torch.empty_like(group).scatter_(-1, rows, group)
-    count_r = torch.empty_like(count).scatter_(-1, rows, count).clamp_min(1)
-
-    last = (start + n)[..., None]  # each slot's final row
-    empty = (counts_end == 0)[..., None]
-
-    def table(D0, X):
-        """The table of means in ``kdt`` and the final dictionary in D0's dtype (the float64 sums are freed here)."""
-        d = X.shape[-1]
-        items = torch.cat([D0 * counts0[..., None].to(D0.dtype), X.transpose(1, 2)], 2).double()
-        placed = items.new_zeros(items.shape).scatter(2, rows[..., None].expand(-1, -1, -1, d), items)
-        csum = fast_scan(torch.cumsum, placed, 2)
-        sums = csum - (csum - placed).gather(2, group_r[..., None].expand(-1, -1, -1, d))
-        means = sums / count_r[..., None].to(sums.dtype)
-        end = means.gather(2, last.expand(-1, -1, -1, d)).to(D0.dtype)
-        return means.to(kdt), torch.where(empty, torch.zeros((), dtype=D0.dtype, device=dev), end)
-
-    means_k, Dk_end = table(Dk0, Kp)
-    means_v, Dv_end = table(Dv0, Vp)
+    # the keys sorted by (slot, position); keys that join nothing sort last
+    t = torch.arange(P, device=Kp.device)
+    order = (torch.where(tok_slot >= 0, tok_slot, M) * P + t).argsort(-1)
+    means_k, Dk_end = version_table(Kp, Dk0, counts0, start, n, order, M + P, kdt)
+    means_v, Dv_end = version_table(Vp, Dv0, counts0, start, n, order, M + P, kdt)
     return means_k, means_v, start - counts0, Dk_end, Dv_end
 
 
