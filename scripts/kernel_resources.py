@@ -24,7 +24,8 @@ from pathlib import Path
 SHARED_LIMIT = 232448
 
 
-def measure(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
+def measure(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+            maxnreg: int | None = None) -> dict:
     """``{"shared", "regs", "spill_stores"}`` of ``fn`` compiled for sm_90 (pointers 16-byte aligned, as
     PyTorch allocations are). ``signature`` maps every argument to a Triton type ("*bf16", "i32", ...) or
     "constexpr"; ``constexprs`` gives the constexpr values."""
@@ -36,7 +37,8 @@ def measure(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stage
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(kernel.asm["ptx"])
@@ -125,8 +127,9 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
 
 def vla_report(dk: int = 128, heads: int = 16) -> dict:
     """VLA's A scans at their launch settings: the token scan (``lazoo.kernels.vla``: forward, the two backward
-    passes) and the chunked Woodbury scan (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
-    from lazoo.kernels import vla, vla_chunk
+    passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla_split``) and the chunked
+    Woodbury scan (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
+    from lazoo.kernels import vla, vla_chunk, vla_split
 
     f32, dev = "*fp32", _FakeDevice()
     c = dict(H=heads, D=dk, BD=dk)
@@ -135,15 +138,26 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     out = {
         "token scan: forward": measure(vla._scan_fwd_kernel, dict(
             k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, zbuf=f32, dbuf=f32, A_out=f32, ckpt=f32,
-            T="i32", eta="fp32", eps="fp32", **cx, CK="constexpr", SAVE="constexpr"), dict(c, CK=256, SAVE=True),
+            T="i32", L="i32", eta="fp32", eps="fp32", **cx, CK="constexpr", SAVE="constexpr"),
+            dict(c, CK=256, SAVE=True),
             **tok),
         "token scan: backward (gradient of A)": measure(vla._scan_bwd_gs_kernel, dict(
             k=f32, u=f32, alpha=f32, rnorm=f32, dalpha=f32, zbuf=f32, dbuf=f32, dA_end=f32, ga_out=f32, gz_out=f32,
-            gd_out=f32, dA0=f32, T="i32", **cx, USE_DA="constexpr"), dict(c, USE_DA=True), **tok),
+            gd_out=f32, dA0=f32, T="i32", L="i32", **cx, USE_DA="constexpr", STORE="constexpr"),
+            dict(c, USE_DA=True, STORE=True), **tok),
         "token scan: backward (A rebuilt)": measure(vla._scan_bwd_a_kernel, dict(
-            flags="*i8", zbuf=f32, dbuf=f32, A_end=f32, ckpt=f32, dk=f32, du=f32, gd=f32, T="i32", eta="fp32", **cx,
+            flags="*i8", zbuf=f32, dbuf=f32, A_end=f32, ckpt=f32, dk=f32, du=f32, gd=f32, T="i32", L="i32", eta="fp32",
+            **cx,
             CK="constexpr"), dict(c, CK=256), **tok),
     }
+    out["split scan: piece maps"] = measure(vla_split._piece_map_kernel, dict(
+        u=f32, flags=f32, maps=f32, T="i32", L="i32", eta="fp32", **cx, BJ="constexpr", BC="constexpr",
+        PREC="constexpr"), dict(c, BJ=vla_split.COLUMNS, BC=vla_split.BLOCK, PREC=vla_split.PRECISION),
+        num_warps=vla_split.WARPS)
+    out["split scan: inverse"] = measure(vla_split._inverse_kernel, dict(
+        Y=f32, R=f32, E=f32, D="constexpr", BD="constexpr", TOL="constexpr", MAXIT="constexpr", PREC="constexpr"),
+        dict(D=dk, BD=dk, TOL=vla_split.INVERSE_TOL, MAXIT=vla_split.INVERSE_MAXIT, PREC=vla_split.INVERSE_PRECISION),
+        num_warps=vla_split.INVERSE_WARPS)
     c2 = dict(c, BC=16, K=16, PREC="tf32x3")
     cx2 = dict.fromkeys(c2, "constexpr")
     chunk = vla_chunk._launch_opts(dk, dev)

@@ -3,6 +3,7 @@
     python scripts/profile_op.py --op ela_hadamard_exp --T 8192          # an entry of bench_kernels' OPS
     python scripts/profile_op.py --op ovq --T 4096                       # bench_ovq's shape (B = 1, H = 8, d = 128)
     python scripts/profile_op.py --op ovq_pytorch_assign --T 4096        # the same with the PyTorch assignments
+    python scripts/profile_op.py --op vla --T 32768 --B 1                # bench_vla's shape (H = 16, d = 128)
 
 bench_kernels' ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step (median of
 --repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host time.
@@ -53,16 +54,32 @@ def ovq_step(T: int, triton_assign: bool = True):
     return step
 
 
+def vla_step(T: int, B: int):
+    import bench_vla
+
+    from lazoo.ops import vla
+
+    x = bench_vla.make(B, T, torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
+    q, k, v, u = (x[n].requires_grad_() for n in "qkvu")
+
+    def step():
+        vla(q, k, v, u, backend="triton")[0].float().sum().backward()
+        for t in (q, k, v, u):
+            t.grad = None
+    return step
+
+
 def op_names() -> list[str]:
     import bench_kernels
 
-    return sorted(bench_kernels._ops()) + ["ovq", "ovq_pytorch_assign"]
+    return sorted(bench_kernels._ops()) + ["ovq", "ovq_pytorch_assign", "vla"]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_pytorch_assign")
+    ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_pytorch_assign / vla")
     ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--B", type=int, default=1, help="batch size of the vla op")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=5)
@@ -74,6 +91,8 @@ def main(argv=None):
         sys.exit("profile_op.py needs a CUDA GPU")
     if args.op.startswith("ovq"):
         step = ovq_step(args.T, triton_assign=args.op != "ovq_pytorch_assign")
+    elif args.op == "vla":
+        step = vla_step(args.T, args.B)
     else:
         step = bench_kernels_step(args.op, args.T, args.D)
     for _ in range(2):  # compile and autotune outside the profile

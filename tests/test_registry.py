@@ -49,7 +49,8 @@ def _ops_called(mixer_cls) -> set[str]:
 
 def _kernel_modules(module_name: str, function: str, seen: set) -> set[str]:
     """The `lazoo.kernels.*` modules `module_name.function` can reach: the kernel imports in its body and,
-    recursively, in the functions it calls (same module, or imported from a sibling op module)."""
+    recursively, in the functions it calls (same module, or imported from a sibling op module), and the kernel
+    modules those import."""
     if (module_name, function) in seen:
         return set()
     seen.add((module_name, function))
@@ -73,7 +74,26 @@ def _kernel_modules(module_name: str, function: str, seen: set) -> set[str]:
                 found |= _kernel_modules(module_name, node.id, seen)
             elif node.id in imported:
                 found |= _kernel_modules(imported[node.id], node.id, seen)
-    return {k for k in found if k != "lazoo.kernels._common" and importlib.util.find_spec(k) is not None}
+    found = {k for k in found if importlib.util.find_spec(k) is not None}
+    # private helpers (_common, _utils, _graphs) are shared plumbing, not kernels
+    return {k for k in _with_kernel_imports(found) if not k.rsplit(".", 1)[1].startswith("_")}
+
+
+def _with_kernel_imports(modules: set[str]) -> set[str]:
+    """``modules`` and the sibling kernel modules they import (anywhere in them, e.g. inside a launcher),
+    recursively: a kernel module may call another one."""
+    todo, out = list(modules), set(modules)
+    while todo:
+        tree = ast.parse(inspect.getsource(importlib.import_module(todo.pop())))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [f"lazoo.kernels.{node.module}"] if node.module else [
+                    f"lazoo.kernels.{a.name}" for a in node.names]
+                for name in names:
+                    if name not in out and importlib.util.find_spec(name) is not None:
+                        out.add(name)
+                        todo.append(name)
+    return out
 
 
 @pytest.mark.parametrize("name", lazoo.list_mechanisms())

@@ -21,8 +21,9 @@ Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_
 S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f or q̂).
 Triton (auto on CUDA): the α̂ from the scan kernel that the ``triton_scan`` argument names: "token"
 (``lazoo.kernels.vla``: token by token, A in registers, hand-written backward; the default and the reference, and
-always for a few tokens) or "chunk" (``lazoo.kernels.vla_chunk``: Woodbury per block of 16 tokens as matrix
-products), then S by the chunk-parallel generalised delta rule kernel. The other backends have no scan kernel and
+always for a few tokens; where B·H programs leave the GPU idle it splits time into pieces whose start A come from
+``lazoo.kernels.vla_split``, exact algebra, and runs them at once) or "chunk" (``lazoo.kernels.vla_chunk``:
+Woodbury per block of 16 tokens as matrix products), then S by the chunk-parallel generalised delta rule kernel. The other backends have no scan kernel and
 ignore ``triton_scan``.
 """
 

@@ -92,6 +92,6 @@ register(Mechanism(
     ),
     source="Wang et al. 2025, Test-time regression (eqs 52–54)",
     state='{"op": {"k", "v", "mask"}, a KV cache (the last window - 1 positions with a window), "conv": None}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.local_linear",),
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.local_linear", "lazoo.kernels.slope_features"),
     tiny_options={"chunk_size": 16},
 ))
