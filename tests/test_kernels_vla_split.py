@@ -94,17 +94,19 @@ def test_interp_piece_maps_match_float64(T, period, L):
     k_hat, u_hat, flags, A0 = scan_inputs(2, T, 2, 20, period=period, offsets=(1, 2), pads=[(0, 5), (1, 40)])
     got = piece_maps(u_hat.float(), flags.float(), L, 0.3)
     want = maps_reference(u_hat, flags, L, 0.3)
+    assert_close(piece_maps(u_hat.float(), flags.float(), L, 0.3, pieces=2).double(), want[:, :2], 1e-5,
+                 "the first two pieces' maps")
     print(f"piece maps rel error {rel_err(got.double(), want):.1e}")
     assert_close(got.double(), want, 1e-5, "piece maps")
 
 
 def chain_reference(maps, A0):
-    """float64 starts, L_n, R_n: A_{n+1} = (A + a' A + b)(I + d' + c A)⁻¹, R_n that inverse,
+    """float64 starts (one more than maps), L_n, R_n: A_{n+1} = (A + a' A + b)(I + d' + c A)⁻¹, R_n that inverse,
     L_n = I + a' - A_{n+1} c."""
     m = maps.double()
     eye = torch.eye(m.shape[-1], dtype=F64)
     A, starts, Ls, Rs = A0.double(), [A0.double()], [], []
-    for n in range(m.shape[1] - 1):
+    for n in range(m.shape[1]):
         a, b, c, d = m[:, n, :, 0, :, 0], m[:, n, :, 0, :, 1], m[:, n, :, 1, :, 0], m[:, n, :, 1, :, 1]
         R = torch.linalg.inv(eye + d + c @ A)
         A = (A + a @ A + b) @ R
@@ -145,7 +147,7 @@ def test_interp_chain_matches_float64():
         print(f"chain {name} rel error {rel_err(got.double(), ref):.1e}")
         assert_close(got.double(), ref, 1e-5, f"chain {name}")
     no_jac = chain_starts(maps, A0.float(), with_jacobians=False)
-    assert chain_starts(maps[:, :1], A0.float(), with_jacobians=True)[1:] == (None, None)  # one piece: no chain
+    assert chain_starts(maps[:, :0], A0.float(), with_jacobians=True)[1:] == (None, None)  # one piece: no chain
     assert no_jac[1] is None
     assert_close(no_jac[0].double(), want[0], 1e-5, "chain starts without the Jacobians")
 

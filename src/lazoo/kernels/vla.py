@@ -245,7 +245,7 @@ class VLAScanFunction(torch.autograd.Function):
         f32 = torch.float32
         Ls = Rs = None
         if N > 1:
-            maps = vla_split.piece_maps(u_hat, flags, L, eta)
+            maps = vla_split.piece_maps(u_hat, flags, L, eta, pieces=N - 1)  # the last one leads nowhere
             starts, Ls, Rs = vla_split.chain_starts(maps, A0, with_jacobians=save)
         else:
             starts = A0[:, None]

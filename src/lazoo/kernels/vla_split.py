@@ -71,19 +71,18 @@ def _segment_rows(u, i_b, i_h, s, e, T, r, col, x_col, H: tl.constexpr, D: tl.co
 
 @triton.jit
 def _piece_map_kernel(
-    u, flags, maps, T, L, eta,
+    u, flags, maps, T, L, NM, eta,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Columns [j·BJ, (j+1)·BJ) of one piece's map, deviations from the identity, ``maps [B, N, H, 2, D, 2, D]``
+    """Columns [j·BJ, (j+1)·BJ) of one piece's map, deviations from the identity, ``maps [B, NM, H, 2, D, 2, D]``
     (row block 0: X = [a - I, b], 1: Y = [c, d - I]; column block 0: the map of X's identity part, 1: of Y's).
-    Grid (B·N, H, 2·BD/BJ). The piece goes in segments that end at its flagged tokens (or after BC tokens): within
-    one, X is fixed, so Y gains Uᵀ (U X) at once."""
+    Grid (B·NM, H, 2·BD/BJ) for the first NM pieces. The piece goes in segments that end at its flagged tokens (or
+    after BC tokens): within one, X is fixed, so Y gains Uᵀ (U X) at once."""
     eta = tl.cast(eta, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_bn = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     i_j = tl.program_id(2)
-    NPC = tl.cdiv(T, L)
-    i_b, i_n = i_bn // NPC, i_bn % NPC
+    i_b, i_n = i_bn // NM, i_bn % NM
     part = (i_j * BJ) // BD  # 0: columns of the map of X, 1: of Y
     col = (i_j * BJ) % BD + tl.arange(0, BJ)
     x_col = tl.where(part == 0, col, D)  # col for the map of X, else none
@@ -101,24 +100,27 @@ def _piece_map_kernel(
         Yd += tl.dot(tl.trans(U), UX, input_precision=PREC)
         Xd += (f * eta) * (Yd + ident)
         s = e + 1
-    base = ((i_b * NPC + i_n) * H + i_h) * 2 * D * 2 * D  # [2, D, 2, D] per piece and head
+    base = ((i_b * NM + i_n) * H + i_h) * 2 * D * 2 * D  # [2, D, 2, D] per piece and head
     offs = od[:, None] * (2 * D) + part * D + col[None, :]
     keep = (od < D)[:, None] & (col < D)[None, :]
     tl.store(maps + base + offs, Xd, mask=keep)
     tl.store(maps + base + D * 2 * D + offs, Yd, mask=keep)
 
 
-def piece_maps(u_hat: torch.Tensor, flags: torch.Tensor, L: int, eta: float) -> torch.Tensor:
-    """``[B, N, H, 2, D, 2, D]`` fp32: the deviations (a - I, b; c, d - I) of every piece of L tokens.
-    ``u_hat [B, T, H, D]`` (0 at pads), ``flags [B, T]`` fp32 (1 where the refresh follows the token)."""
+def piece_maps(u_hat: torch.Tensor, flags: torch.Tensor, L: int, eta: float, pieces: int | None = None):
+    """``[B, N, H, 2, D, 2, D]`` fp32: the deviations (a - I, b; c, d - I) of the first ``pieces`` pieces of L
+    tokens (default all; the chain needs all but the last). ``u_hat [B, T, H, D]`` (0 at pads), ``flags [B, T]``
+    fp32 (1 where the refresh follows the token)."""
     B, T, H, D = u_hat.shape
-    N = triton.cdiv(T, L)
+    N = triton.cdiv(T, L) if pieces is None else pieces
     BD = max(16, triton.next_power_of_2(D))
     BJ = min(COLUMNS, BD)
     maps = torch.empty(B, N, H, 2, D, 2, D, device=u_hat.device, dtype=torch.float32)
     interp = u_hat.device.type == "cpu"
+    if N == 0:
+        return maps
     _piece_map_kernel[(B * N, H, 2 * BD // BJ)](
-        u_hat.contiguous(), flags.contiguous(), maps, T, L, float(eta), H=H, D=D, BD=BD, BJ=BJ, BC=BLOCK,
+        u_hat.contiguous(), flags.contiguous(), maps, T, L, N, float(eta), H=H, D=D, BD=BD, BJ=BJ, BC=BLOCK,
         PREC="ieee" if interp else PRECISION, **({} if interp else {"num_warps": WARPS}))
     return maps
 
@@ -195,10 +197,12 @@ def inverse(Y: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def chain_starts(maps: torch.Tensor, A0: torch.Tensor, with_jacobians: bool):
-    """The A at the start of every piece, ``[B, N, H, D, D]`` fp32, from A0 ``[B, H, D, D]`` through the maps
-    (products in float64, one fp32 inverse a piece, refined from the previous piece's), and the chain's L_n, R_n
-    ``[B, N-1, H, D, D]`` fp32 (L_n only ``with_jacobians``, else None; both None for one piece)."""
+    """The A at the start of every piece, ``[B, N, H, D, D]`` fp32, from A0 ``[B, H, D, D]`` through the maps of
+    the first N - 1 pieces ``maps [B, N - 1, ...]`` (products in float64, one fp32 inverse a piece, refined from
+    the previous piece's), and the chain's L_n, R_n ``[B, N-1, H, D, D]`` fp32 (L_n only ``with_jacobians``, else
+    None; both None for one piece)."""
     B, N, H, _, D, _, _ = maps.shape
+    N += 1
     eye = torch.eye(D, dtype=torch.float64, device=maps.device)
     A = A0.to(torch.float64)
     starts, Ls, Rs = [A], [], []

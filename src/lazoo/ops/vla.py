@@ -23,8 +23,8 @@ Triton (auto on CUDA): the α̂ from the scan kernel that the ``triton_scan`` ar
 (``lazoo.kernels.vla``: token by token, A in registers, hand-written backward; the default and the reference, and
 always for a few tokens; where B·H programs leave the GPU idle it splits time into pieces whose start A come from
 ``lazoo.kernels.vla_split``, exact algebra, and runs them at once) or "chunk" (``lazoo.kernels.vla_chunk``:
-Woodbury per block of 16 tokens as matrix products), then S by the chunk-parallel generalised delta rule kernel. The other backends have no scan kernel and
-ignore ``triton_scan``.
+Woodbury per block of 16 tokens as matrix products), then S by the chunk-parallel generalised delta rule kernel.
+The other backends have no scan kernel and ignore ``triton_scan``.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ def vla(
     if backend == "recurrent":
         o, final = _recurrent_vla(q_r, k_feat, k_hat, u_hat, v_c, real, state, **hp)
     elif backend == "triton":
-        o, final = _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, **hp)
+        o, final = _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, mask, state, chunk_size, triton_scan, **hp)
     else:
-        o, final = _chunk_vla(q_r, k_feat, k_hat, u_hat, v_c, real, state, chunk_size, **hp)
+        o, final = _chunk_vla(q_r, k_feat, k_hat, u_hat, v_c, real, mask, state, chunk_size, **hp)
     return op_result(o, mask, v.dtype, final, output_final_state)
 
 
@@ -242,9 +242,10 @@ def _triton_unsupported(q, v, chunk_size) -> str | None:
     return delta_kernel_unsupported(q, v, chunk_size)
 
 
-def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_scan, *, refresh_period,
+def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, mask, state, chunk_size, triton_scan, *, refresh_period,
                 refresh_eta, eps, normalized):
-    """α̂ by the scan kernel ``triton_scan`` names, S by the generalised delta rule kernel (operands in v's dtype)."""
+    """α̂ by the scan kernel ``triton_scan`` names, S by the generalised delta rule kernel (operands in v's dtype).
+    ``real`` is ``mask`` or all ones; zeroing the pads takes ``mask`` (None: nothing to zero, no pass over the data)."""
     from ..kernels import delta as kd
 
     flags = _refresh_flags(real, state["t"], refresh_period)
@@ -253,9 +254,9 @@ def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_sc
         from ..kernels.vla_chunk import vla_scan_chunked as scan
     else:
         from ..kernels.vla import vla_scan as scan
-    alpha_hat, A = scan(k_hat, zero_masked(u_hat, real), flags, state["A"], eta=refresh_eta, eps=eps)
+    alpha_hat, A = scan(k_hat, zero_masked(u_hat, mask), flags, state["A"], eta=refresh_eta, eps=eps)
     dt = v.dtype
-    w = zero_masked(alpha_hat, real)  # a pad writes nothing
+    w = zero_masked(alpha_hat, mask)  # a pad writes nothing
     args = (q_r.to(dt), k_hat.to(dt), v, w.to(dt))  # the kernels read S with q_f or q̂ alike
     decoding = q_r.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
         x.requires_grad for x in (*args, state["S"])))
@@ -265,21 +266,21 @@ def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, triton_sc
     else:
         num, S = kd.chunk_generalized_delta_rule(*args, initial_state=state["S"], output_final_state=True,
                                                  chunk_size=chunk_size)
-    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, real))
+    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, mask))
     o = _read_out(num.float(), z_t, q_r, eps, normalized)
     t = state["t"] + real.long().sum(1)
     return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
 
 
 # ============================================================================ chunk form
-def _chunk_vla(q_r, k_feat, k_hat, u_hat, v, real, state, chunk_size, *, refresh_period,
+def _chunk_vla(q_r, k_feat, k_hat, u_hat, v, real, mask, state, chunk_size, *, refresh_period,
                refresh_eta, eps, normalized):
     """(a) α̂ for all tokens chunk-wise by Woodbury; (b) S by the generalised delta rule."""
     alpha_hat, A = _chunk_alphas(k_hat, u_hat, real, state["A"], state["t"], chunk_size,
                                  refresh_period, refresh_eta)
-    w = zero_masked(alpha_hat, real)  # a pad writes nothing
+    w = zero_masked(alpha_hat, mask)  # a pad writes nothing
     num, S = chunk_generalized_delta(q_r, k_hat, v, w, None, state["S"], chunk_size)
-    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, real))  # z after each token
+    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, mask))  # z after each token
     o = _read_out(num, z_t, q_r, eps, normalized)
     t = state["t"] + real.long().sum(1)
     return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
