@@ -19,7 +19,8 @@ k_feat in every mode, so the state keeps one layout.
 
 Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
 S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f or q̂).
-Triton (auto on CUDA): the α̂ from the scan kernel that the ``triton_scan`` argument names: "token"
+Triton (auto on CUDA): the features and the normaliser z·q_f in fused kernels (``lazoo.kernels.vla_features``), the
+α̂ from the scan kernel that the ``triton_scan`` argument names: "token"
 (``lazoo.kernels.vla``: token by token, A in registers, hand-written backward; the default and the reference, and
 always for a few tokens; where B·H programs leave the GPU idle it splits time into pieces whose start A come from
 ``lazoo.kernels.vla_split``, exact algebra, and runs them at once) or "chunk" (``lazoo.kernels.vla_chunk``:
@@ -116,17 +117,19 @@ def vla(
     state = _initial_state(initial_state, lambda0, B, H, dk, dv, q.device, cdt)
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
+    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    hp = dict(refresh_period=refresh_period, refresh_eta=refresh_eta, eps=eps, normalized=normalized)
+    if backend == "triton":  # the features in fused kernels (lazoo.kernels.vla_features)
+        o, final = _triton_vla(q, k, u, v, real, mask, state, chunk_size, triton_scan,
+                               elu=feature_map == "elu1", **hp)
+        return op_result(o, mask, v.dtype, final, output_final_state)
+
     phi = FEATURE_MAPS[feature_map]  # linear attention's map of that name
     k_feat, k_hat, u_hat = _key_features(k.to(cdt), u.to(cdt), phi)
     q_r = _query_features(q.to(cdt), phi, normalized)
     v_c = v.to(cdt)
-    real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-    hp = dict(refresh_period=refresh_period, refresh_eta=refresh_eta, eps=eps, normalized=normalized)
-
     if backend == "recurrent":
         o, final = _recurrent_vla(q_r, k_feat, k_hat, u_hat, v_c, real, state, **hp)
-    elif backend == "triton":
-        o, final = _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, mask, state, chunk_size, triton_scan, **hp)
     else:
         o, final = _chunk_vla(q_r, k_feat, k_hat, u_hat, v_c, real, mask, state, chunk_size, **hp)
     return op_result(o, mask, v.dtype, final, output_final_state)
@@ -242,23 +245,26 @@ def _triton_unsupported(q, v, chunk_size) -> str | None:
     return delta_kernel_unsupported(q, v, chunk_size)
 
 
-def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, mask, state, chunk_size, triton_scan, *, refresh_period,
-                refresh_eta, eps, normalized):
-    """α̂ by the scan kernel ``triton_scan`` names, S by the generalised delta rule kernel (operands in v's dtype).
-    ``real`` is ``mask`` or all ones; zeroing the pads takes ``mask`` (None: nothing to zero, no pass over the data)."""
+def _triton_vla(q, k, u, v, real, mask, state, chunk_size, triton_scan, *, elu, refresh_period, refresh_eta, eps,
+                normalized):
+    """The features and the normaliser by ``lazoo.kernels.vla_features``, α̂ by the scan kernel ``triton_scan``
+    names, S by the generalised delta rule kernel (operands in v's dtype). ``real`` is ``mask`` or all ones;
+    zeroing the pads takes ``mask`` (None: nothing to zero, no pass over the data)."""
     from ..kernels import delta as kd
+    from ..kernels.vla_features import vla_features, vla_normaliser
 
+    dt = v.dtype
+    k_hat, u_hat, k_d, q_d = vla_features(q, k, u, dt, elu=elu, unit_query=not normalized)
     flags = _refresh_flags(real, state["t"], refresh_period)
     # a few tokens (decoding) fill less than one block of the chunked scan: the token scan is cheaper there
-    if triton_scan == "chunk" and q_r.shape[1] > _DECODE_MAX_T:
+    if triton_scan == "chunk" and q.shape[1] > _DECODE_MAX_T:
         from ..kernels.vla_chunk import vla_scan_chunked as scan
     else:
         from ..kernels.vla import vla_scan as scan
     alpha_hat, A = scan(k_hat, zero_masked(u_hat, mask), flags, state["A"], eta=refresh_eta, eps=eps)
-    dt = v.dtype
     w = zero_masked(alpha_hat, mask)  # a pad writes nothing
-    args = (q_r.to(dt), k_hat.to(dt), v, w.to(dt))  # the kernels read S with q_f or q̂ alike
-    decoding = q_r.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
+    args = (q_d, k_d, v, w.to(dt))  # the kernels read S with q_f or q̂ alike
+    decoding = q.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
         x.requires_grad for x in (*args, state["S"])))
     if decoding:  # one or a few tokens against the cache: token by token, no chunk machinery
         num, S = kd.fused_recurrent_generalized_delta_rule(*args, initial_state=state["S"].contiguous(),
@@ -266,10 +272,10 @@ def _triton_vla(q_r, k_feat, k_hat, u_hat, v, real, mask, state, chunk_size, tri
     else:
         num, S = kd.chunk_generalized_delta_rule(*args, initial_state=state["S"], output_final_state=True,
                                                  chunk_size=chunk_size)
-    z_t = state["z"][:, None] + time_cumsum(zero_masked(k_feat, mask))
-    o = _read_out(num.float(), z_t, q_r, eps, normalized)
+    den, z = vla_normaliser(q, k, state["z"], mask, eps, elu=elu)
+    o = num.float() / den[..., None] if normalized else num.float()
     t = state["t"] + real.long().sum(1)
-    return o, {"S": S, "A": A, "z": z_t[:, -1], "t": t}
+    return o, {"S": S, "A": A, "z": z.to(state["z"].dtype), "t": t}
 
 
 # ============================================================================ chunk form
