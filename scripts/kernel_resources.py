@@ -127,9 +127,10 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
 
 def vla_report(dk: int = 128, heads: int = 16) -> dict:
     """VLA's A scans at their launch settings: the token scan (``lazoo.kernels.vla``: forward, the two backward
-    passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla_split``) and the chunked
-    Woodbury scan (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
-    from lazoo.kernels import vla, vla_chunk, vla_split
+    passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla_split``), the fused features and
+    normaliser (``lazoo.kernels.vla_features``, bf16 inputs) and the chunked Woodbury scan
+    (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
+    from lazoo.kernels import vla, vla_chunk, vla_features, vla_split
 
     f32, dev = "*fp32", _FakeDevice()
     c = dict(H=heads, D=dk, BD=dk)
@@ -151,13 +152,30 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
             CK="constexpr"), dict(c, CK=256), **tok),
     }
     out["split scan: piece maps"] = measure(vla_split._piece_map_kernel, dict(
-        u=f32, flags=f32, maps=f32, T="i32", L="i32", eta="fp32", **cx, BJ="constexpr", BC="constexpr",
+        u=f32, flags=f32, maps=f32, T="i32", L="i32", NM="i32", eta="fp32", **cx, BJ="constexpr", BC="constexpr",
         PREC="constexpr"), dict(c, BJ=vla_split.COLUMNS, BC=vla_split.BLOCK, PREC=vla_split.PRECISION),
         num_warps=vla_split.WARPS)
     out["split scan: inverse"] = measure(vla_split._inverse_kernel, dict(
         Y=f32, R=f32, E=f32, D="constexpr", BD="constexpr", TOL="constexpr", MAXIT="constexpr", PREC="constexpr"),
         dict(D=dk, BD=dk, TOL=vla_split.INVERSE_TOL, MAXIT=vla_split.INVERSE_MAXIT, PREC=vla_split.INVERSE_PRECISION),
         num_warps=vla_split.INVERSE_WARPS)
+    b16 = "*bf16"
+    cf = dict(D=dk, BD=dk, ROWS=vla_features.ROWS, ELU=True, UNIT_Q=False, NEPS=vla_features.NORM_EPS)
+    cfx = dict.fromkeys(cf, "constexpr")
+    out["features: forward"] = measure(vla_features._features_fwd_kernel, dict(
+        q=b16, k=b16, u=b16, k_hat=f32, u_hat=f32, k_out=b16, q_out=b16, R="i32", scale_u="fp32", **cfx), cf)
+    out["features: backward"] = measure(vla_features._features_bwd_kernel, dict(
+        q=b16, k=b16, u=b16, g_kh=f32, g_uh=f32, g_kout=f32, g_qout=f32, dq=f32, dk=f32, du=f32, R="i32",
+        scale_u="fp32", **cfx), cf)
+    cn = dict(H=heads, D=dk, BD=dk, BT=vla_features.BT, ELU=True, HAS_MASK=True)
+    cnx = dict.fromkeys(cn, "constexpr")
+    warps = vla_features.NORMALISER_WARPS
+    out["normaliser: forward"] = measure(vla_features._normaliser_fwd_kernel, dict(
+        q=b16, k=b16, mask=f32, z_range=f32, den=f32, z_end=f32, z_starts=f32, T="i32", LS="i32", eps="fp32",
+        **cnx, SAVE="constexpr"), dict(cn, SAVE=True), num_warps=warps)
+    out["normaliser: backward"] = measure(vla_features._normaliser_bwd_kernel, dict(
+        q=b16, k=b16, mask=f32, z_starts=f32, dden=f32, carry=f32, sums=f32, dq=f32, dk=f32, dz0=f32, T="i32",
+        LS="i32", eps="fp32", **cnx, SUMS="constexpr"), dict(cn, SUMS=False), num_warps=warps)
     c2 = dict(c, BC=16, K=16, PREC="tf32x3")
     cx2 = dict.fromkeys(c2, "constexpr")
     chunk = vla_chunk._launch_opts(dk, dev)

@@ -15,6 +15,10 @@ so that is all the rule needs; the initial A gets gS / 2), and needs no A since 
 ``_scan_bwd_a_kernel`` rebuilds A token by token with the exact inverse of the Sherman–Morrison
 downdate, A_prev = A - f ηI + z zᵀ/δ, reset from the checkpoint at every segment boundary (rounding
 never accumulates over more than ``CKPT`` tokens), and applies it to the gradients.
+
+Pieces: every kernel runs on a grid (B, H, N), program n taking the tokens of piece n. With N > 1 (where B·H
+programs leave the GPU idle, ``time_pieces``) each piece's start A comes from ``lazoo.kernels.vla_split``, and the
+backward runs the gradient-of-A pass twice (see ``VLAScanFunction``).
 """
 
 from __future__ import annotations

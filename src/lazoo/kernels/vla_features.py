@@ -30,8 +30,10 @@ import triton.language as tl
 
 #: rows (token-heads) a program of the features kernels takes
 ROWS = 16
-#: tokens a step of the normaliser kernels takes
+#: tokens a step of the normaliser kernels takes, and their num_warps (d = 128, sm_90: the backward spills 884
+#: bytes at 4 warps, none at 8; scripts/kernel_resources.py)
 BT = 64
+NORMALISER_WARPS = 8
 #: F.normalize's floor of the norm
 NORM_EPS = 1e-12
 
@@ -270,7 +272,8 @@ class VLANormaliser(torch.autograd.Function):
         save = any(ctx.needs_input_grad[:3])
         z_starts = torch.empty(B, H, triton.cdiv(T, BT), D, device=q.device, dtype=torch.float32) if save else den
         LS, R = _range_length(B, H, T, q.device, ranges)
-        ctx.opts = dict(H=H, D=D, BD=triton.next_power_of_2(D), BT=BT, ELU=elu, HAS_MASK=m is not None)
+        ctx.opts = dict(H=H, D=D, BD=triton.next_power_of_2(D), BT=BT, ELU=elu, HAS_MASK=m is not None,
+                        **({} if q.device.type == "cpu" else {"num_warps": NORMALISER_WARPS}))
         mask_arg = den if m is None else m
         z_range = z0[:, :, None]
         if R > 1:  # each range's start z: z0 plus the sums of the ranges before it
