@@ -141,7 +141,7 @@ def test_interp_initial_carries_and_final_gradient(kernel):
 
 
 @needs_interp
-@pytest.mark.parametrize("T", [32, 65, 100])
+@pytest.mark.parametrize("T", [32, 65, pytest.param(100, marks=pytest.mark.slow)])  # 65 already crosses segments
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_interp_segments_in_parallel(T, kernel):
     """Segments of 32 tokens (several per sequence, a short last one): the carries handed between segments."""

@@ -111,7 +111,7 @@ def test_vla_chunk_rejects_bad_options():
 
 
 @needs_interp
-@pytest.mark.parametrize("T,ckpt_blocks", [(37, 1), (70, 2)])
+@pytest.mark.parametrize("T,ckpt_blocks", [(37, 1), pytest.param(70, 2, marks=pytest.mark.slow)])
 def test_interp_chunk_scan_matches_float64(T, ckpt_blocks):
     # blocks of 16 with a ragged last one; refreshes at period 20 from per-sample step offsets (a flag on
     # a block's last token: sample 0 at t = 15), pads in the middle, 3 checkpoint intervals
@@ -121,6 +121,7 @@ def test_interp_chunk_scan_matches_float64(T, ckpt_blocks):
 
 
 @needs_interp
+@pytest.mark.slow  # the chunked scan is not the default; the full matrix runs with -m slow
 def test_interp_chunk_scan_fp16_several_flags_per_block():
     # period 5 and blocks of 32: up to 7 segments per block (the backward rebuilds each segment's start);
     # d = 24 pads the 32-wide tiles; fp16 inputs (the kernel computes in fp32, gradients come back in fp16)
@@ -130,6 +131,7 @@ def test_interp_chunk_scan_fp16_several_flags_per_block():
 
 
 @needs_interp
+@pytest.mark.slow  # both kernels are checked against float64 in the default run
 def test_interp_chunk_scan_matches_token_kernel():
     from lazoo.kernels.vla import vla_scan
 
