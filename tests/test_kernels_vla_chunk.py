@@ -148,7 +148,7 @@ def test_interp_chunk_scan_matches_token_kernel():
 
 
 @needs_interp
-@pytest.mark.parametrize("scan", ["chunk", "token"])
+@pytest.mark.parametrize("scan", ["chunk", pytest.param("token", marks=pytest.mark.slow)])  # token: test_kernels_vla
 def test_interp_vla_op_with_either_scan(scan):
     # the whole op through backend="triton" with the scan that ``triton_scan`` selects, against Algorithm 1
     from lazoo.ops._testing import left_pad_mask
