@@ -123,3 +123,41 @@ def lm_blocks(chapters, tokenizer):
     blocks = lazoo.data.tokenize_and_chunk(Dataset.from_dict({"text": chapters[:40]}), tokenizer, block_size=32)
     assert len(blocks) >= 256, len(blocks)
     return blocks.shuffle(seed=0).select(range(256))
+
+
+# ----------------------------------------------------------------------------- the Triton interpreter
+# Every test named ``test_interp_*`` needs TRITON_INTERPRET=1 set before triton is imported, so they run in one
+# child process (``lazoo.ops._testing.InterpreterRun``), started as soon as collection ends so that it runs beside
+# the other tests; ``tests/test_interpreter.py`` checks its results, one test per file, after everything else.
+INTERPRETER_CHECK = "test_kernels_in_interpreter"
+_interpreter_run = None
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: getattr(item, "originalname", "") == INTERPRETER_CHECK)  # stable: last, in order
+
+
+def pytest_collection_finish(session):
+    global _interpreter_run
+    from lazoo.kernels._utils import interpreter_ready
+    from lazoo.ops._testing import InterpreterRun
+
+    checks = [item for item in session.items if getattr(item, "originalname", "") == INTERPRETER_CHECK]
+    if not checks or interpreter_ready() or session.config.option.collectonly:
+        return
+    files = sorted({item.callspec.params["path"] for item in checks})
+    kinds = {item.callspec.params["kind"] for item in checks}
+    markexpr = {frozenset({"default"}): "not slow and not gpu", frozenset({"slow"}): "slow and not gpu"}.get(
+        frozenset(kinds), "not gpu")
+    _interpreter_run = InterpreterRun(files, markexpr)
+
+
+def pytest_unconfigure(config):
+    if _interpreter_run is not None:
+        _interpreter_run.stop()
+
+
+@pytest.fixture(scope="session")
+def interpreter_run():
+    """The session's interpreter run (None when this process interprets: its tests then run here directly)."""
+    return _interpreter_run

@@ -6,18 +6,11 @@ import pytest
 import torch
 
 from conftest import load_script
-from lazoo.ops._testing import run_interpreter_tests
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
-
-
-def test_bench_ovq_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")

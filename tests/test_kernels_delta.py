@@ -5,7 +5,7 @@ recurrent (decoding) kernel against the same references.
 
 CPU (default run): the ``interp_*`` tests need the Triton interpreter, and ``TRITON_INTERPRET=1`` must be
 set before triton is first imported (conftest imports lazoo and transformers, which import triton), so
-``test_delta_kernels_in_subprocess`` runs them in a fresh process with the variable set. Running this
+``tests/test_interpreter.py`` runs them in a fresh process with the variable set. Running this
 file with ``TRITON_INTERPRET=1`` runs them in-process. GPU: ``-m gpu`` at real shapes
 (B=2, T=1000, H=4, D=128) in bf16/fp16/fp32 against float64.
 """
@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import run_interpreter_tests, assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_delta_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -89,10 +89,6 @@ def test_triton_refuses_clearly():
 
 
 # ============================================================================ interpreter (CPU)
-def test_delta_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

@@ -6,14 +6,12 @@ sequences packed along time (``cu_seqlens``, each with its own carries); a denom
 gradient).
 
 CPU (default run): ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported, so
-``test_ela_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
+``tests/test_interpreter.py`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from lazoo.ops._testing import run_interpreter_tests
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -237,10 +235,6 @@ def test_interp_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="needs B = 1 and no mask"):
         ela_prefix(x, x, x, x, kernel="sum_sq_euclid", eps=1e-6, mask=torch.ones(1, 4, dtype=torch.bool),
                    cu_seqlens=torch.tensor([0, 4]))
-
-
-def test_ela_kernels_in_subprocess():
-    run_interpreter_tests(__file__)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ decays strong enough (log decay -5 to -20 per step in some key dims) that exp(-G
 overflows if it is ever formed.
 
 CPU (default run): the ``interp_*`` tests run in a fresh process with ``TRITON_INTERPRET=1``
-(``test_kernels_in_subprocess``). GPU shapes are in tests/test_ops_gpu.py (``-m gpu``).
+(``tests/test_interpreter.py``). GPU shapes are in tests/test_ops_gpu.py (``-m gpu``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask,
-                                run_interpreter_tests)
+from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -83,9 +82,6 @@ def count_chunk_calls(monkeypatch):
 
 
 # ============================================================================ CPU: the interpreter
-@pytest.mark.skipif(INTERP, reason="already interpreting: the interp_ tests run in this process")
-def test_kernels_in_subprocess():
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

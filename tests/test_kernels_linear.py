@@ -4,7 +4,7 @@ gradients of q, k, v, g and the initial state, at ragged T, with masks and with 
 
 CPU (default run): the ``interp_*`` tests need the Triton interpreter, and ``TRITON_INTERPRET=1``
 must be set before triton is first imported (conftest imports lazoo, which imports triton through
-torch), so ``test_kernels_in_subprocess`` runs them in a fresh process with the variable set.
+torch), so ``tests/test_interpreter.py`` runs them in a fresh process with the variable set.
 Running this file with ``TRITON_INTERPRET=1`` runs them in-process. GPU: ``-m gpu`` at real shapes.
 """
 
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import run_interpreter_tests, assert_close, assert_state_close, forward_and_grads, left_pad_mask
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -90,9 +90,6 @@ def gated_call(chunk_size=16, mask=None, cu_seqlens=None, scale=None):
 
 
 # ============================================================================ CPU: the interpreter
-@pytest.mark.skipif(INTERP, reason="already interpreting: the interp_ tests run in this process")
-def test_kernels_in_subprocess():
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

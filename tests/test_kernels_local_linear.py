@@ -6,7 +6,7 @@ sliding window; pads and a KV cache; the gradients of q, k, v, the scale and P v
 reference. Also the PyTorch projection path (chunk and recurrent forms) against the same reference.
 
 CPU (default run): the ``interp_*`` tests need ``TRITON_INTERPRET=1`` from the start, so
-``test_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu`` (T = 1024, dk = 64, bf16).
+``tests/test_interpreter.py`` runs them in a fresh process. GPU: ``-m gpu`` (T = 1024, dk = 64, bf16).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import local_linear_attention
-from lazoo.ops._testing import assert_close, left_pad_mask, run_interpreter_tests
+from lazoo.ops._testing import assert_close, left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -138,9 +138,6 @@ def test_bad_projection_and_unsupported_triton_cases_are_named():
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter)
-@pytest.mark.skipif(INTERP, reason="already interpreting: the interp_ tests run in this process")
-def test_kernels_in_subprocess():
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

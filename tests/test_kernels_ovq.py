@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lazoo.ops import ovq_attention
 from lazoo.ops._testing import (assert_close, forward_and_grads, left_pad_mask, rel_err,
-                                run_interpreter_tests, state_parts)
+                                state_parts)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -101,12 +101,6 @@ def check_chunk_kernel(B, G, L, H, W, R, dk, dv, length, dtype, rtol, grad_rtol,
                       .reshape(B, H, -1))
     assert int(read.max()) > 1
     assert tg[3][read == 0].abs().max() == 0
-
-
-def test_ovq_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import lazoo.ops.ovq as ovq_mod
 from lazoo.ops import ovq_attention
-from lazoo.ops._testing import left_pad_mask, run_interpreter_tests
+from lazoo.ops._testing import left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -65,12 +65,6 @@ def carried_state(B, H, dk, L, N, lengths, seed):
         _, st = ovq_attention(k, k, torch.randn(B, T, H, dk), chunk_size=L, max_dict_size=N,
                               mask=left_pad_mask(lengths, T), output_final_state=True, backend="chunk")
     return st
-
-
-def test_ovq_assign_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

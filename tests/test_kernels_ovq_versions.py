@@ -8,8 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import run_interpreter_tests
-
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
 
@@ -38,12 +36,6 @@ def reference(x, d0, counts0, slot_of):
                     row += 1
                 end[b, h, s] = acc / (c0 + len(keys)) if c0 + len(keys) else 0
     return table, end
-
-
-def test_version_tables_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")

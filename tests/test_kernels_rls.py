@@ -2,7 +2,7 @@
 linear-attention kernel, against the float64 closed form and the float64 chunk form (outputs, final
 moments, gradients of q, k, v, λ and the initial moments), at ragged T with pads and an initial state.
 
-CPU (default run): ``test_rls_kernels_in_subprocess`` runs the ``interp`` tests with ``TRITON_INTERPRET=1``
+CPU (default run): ``tests/test_interpreter.py`` runs the ``interp`` tests with ``TRITON_INTERPRET=1``
 in a fresh process. GPU: ``-m gpu`` at real shapes in fp32 and bf16.
 """
 
@@ -13,15 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import rls
-from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err,
-                                run_interpreter_tests)
+from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_rls_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -60,10 +59,6 @@ def check(tensors, state, dtype, device, rtol, mask=None, chunk_size=16):
 
 
 # ============================================================================ interpreter (CPU)
-def test_rls_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

@@ -5,7 +5,7 @@ counts that are not a multiple of the block; ShortConvolution with the kernel eq
 "triton" cannot run).
 
 CPU (default run): ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported, so
-``test_short_conv_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
+``tests/test_interpreter.py`` runs them in a fresh process. GPU: ``-m gpu``, bf16 at T = 2048."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lazoo.ops._testing import run_interpreter_tests
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -203,12 +202,6 @@ def test_unsupported_inputs_are_named():
     assert "activation" in check_supported(torch.zeros(1, 2, 3), 4, "gelu")
     with pytest.raises(ValueError, match="activation"):
         short_conv(torch.zeros(1, 2, 3), torch.zeros(3, 1, 4), "gelu")
-
-
-def test_short_conv_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @pytest.mark.gpu

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close, run_interpreter_tests
+from lazoo.ops._testing import assert_close
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -37,10 +37,6 @@ def check(B, T, H, dk, r, R, per_head, dtype, device, rtol):
     assert torch.all(f[..., r:] == 0), "the padded features must be exactly zero"
     # against the float64 product of the rounded inputs, so only the kernel's arithmetic is measured
     assert_close(f.double().cpu(), reference(xs.double().cpu(), P.float().double(), R), rtol, "features")
-
-
-def test_kernels_in_subprocess():
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

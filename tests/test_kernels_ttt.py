@@ -5,7 +5,7 @@ ragged T (not a multiple of the mini-batch), with an initial state. And the fuse
 and ttt_mlp against one step of the reference.
 
 CPU (default run): the ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported, so
-``test_ttt_kernels_in_subprocess`` runs them in a fresh process. GPU: ``-m gpu`` at T = 1024, D = 64/128, bf16.
+``tests/test_interpreter.py`` runs them in a fresh process. GPU: ``-m gpu`` at T = 1024, D = 64/128, bf16.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err,
-                                run_interpreter_tests)
+from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err)
 from lazoo.ops.ttt import ttt_linear_decode_step, ttt_mlp_decode_step
 
 pytest.importorskip("triton")
@@ -24,7 +23,7 @@ from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no ke
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(
-    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (test_ttt_kernels_in_subprocess runs it)")
+    not INTERP, reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 F64 = torch.float64
 
 
@@ -89,10 +88,6 @@ def test_triton_refuses_clearly():
 
 
 # ============================================================================ interpreter (CPU)
-def test_ttt_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

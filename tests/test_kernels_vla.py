@@ -14,7 +14,7 @@ import torch
 
 from lazoo.ops import vla
 from lazoo.ops._testing import (assert_close, forward_and_grads, left_pad_mask, rel_err,
-                                run_interpreter_tests, state_parts)
+                                state_parts)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -66,12 +66,6 @@ def check(B, T, H, dk, dv, rtol, grad_rtol, dtype=torch.float32, device="cpu", m
     for n in tst:
         assert tg[n] is not None, f"no gradient reaches {n}"
         assert_close(tg[n].cpu(), rg[n].cpu(), grad_rtol, f"grad {n}")
-
-
-def test_vla_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 @needs_interp

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lazoo.ops._testing import assert_close, rel_err, run_interpreter_tests
+from lazoo.ops._testing import assert_close, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -89,12 +89,6 @@ def chunked(**kw):
     from lazoo.kernels.vla_chunk import vla_scan_chunked
 
     return lambda *a, **k: vla_scan_chunked(*a, **k, **kw)
-
-
-def test_vla_chunk_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 def test_vla_chunk_rejects_bad_options():

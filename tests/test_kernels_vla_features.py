@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lazoo.ops._testing import assert_close, rel_err, run_interpreter_tests
+from lazoo.ops._testing import assert_close, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -56,12 +56,6 @@ def inputs(B, T, H, D, seed=0, device="cpu", dtype=torch.float32, zero_rows=Fals
     if zero_rows:  # a pad's û, a signed key or query of 0: the norm's clamp (gradient g / 1e-12)
         u[0, 1, 0] = k[0, 2, 1] = q[1, 3, 2] = 0.0
     return [x.to(device, dtype) for x in (q, k, u)]
-
-
-def test_vla_features_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 def check_features(q, k, u, elu, unit_query, rtol, rows=(slice(None),)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close, left_pad_mask, rel_err, run_interpreter_tests
+from lazoo.ops._testing import assert_close, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -57,12 +57,6 @@ def maps_reference(u_hat, flags, L, eta):
                         X = X + eta * Y
                 out[b, n, h] = torch.cat([X, Y], 0) - torch.eye(2 * D, dtype=F64)
     return out.view(B, N, H, 2, D, 2, D)
-
-
-def test_vla_split_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 def test_vla_scan_rejects_zero_pieces():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import delta_product, delta_rule, gated_delta_rule
-from lazoo.ops._testing import run_interpreter_tests, assert_close, compare_backends, left_pad_mask
+from lazoo.ops._testing import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5
@@ -152,25 +152,7 @@ def _interpreting():
     return interpreter_ready()
 
 
-def _has_delta_kernel():
-    try:
-        from lazoo.kernels import delta as kd
-    except ImportError:
-        return False
-    return hasattr(kd, "chunk_delta_rule")
-
-
-@pytest.mark.skipif(_interpreting(), reason="already interpreting: the interp_ tests run in this process")
-def test_triton_backend_in_subprocess():
-    """TRITON_INTERPRET=1 must be set before triton is imported: run the interp_ tests in a fresh process."""
-
-    pytest.importorskip("triton")
-    if not _has_delta_kernel():
-        pytest.skip("lazoo.kernels.delta has no chunk_delta_rule")
-    run_interpreter_tests(__file__)
-
-
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (run via the subprocess test)")
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_interp_triton_matches_reference(gated):
     """backend="triton" (the delta rule kernel on the interleaved sequence), fp32, vs the float64 per-token

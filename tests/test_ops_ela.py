@@ -6,7 +6,7 @@ import torch
 
 from lazoo.ops import ELA_KERNELS, ela
 from lazoo.ops.ela import ela_feature_dim, ela_features, ela_kernel
-from lazoo.ops._testing import run_interpreter_tests, assert_close, assert_state_close, compare_backends, left_pad_mask
+from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5
@@ -285,15 +285,7 @@ def _interpreting():
     return interpreter_ready()
 
 
-@pytest.mark.skipif(_interpreting(), reason="already interpreting: the interp_ tests run in this process")
-def test_triton_backend_in_subprocess():
-    """TRITON_INTERPRET=1 must be set before triton is imported: run the interp_ tests in a fresh process."""
-
-    pytest.importorskip("triton")
-    run_interpreter_tests(__file__)
-
-
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (run via the subprocess test)")
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 @pytest.mark.parametrize("kernel", ELA_KERNELS)
 def test_interp_triton_matches_reference(kernel):
     """backend="triton" (linear_attention's / gla's kernels on the features), fp32, vs the float64 reference:
@@ -327,7 +319,7 @@ def test_interp_triton_matches_reference(kernel):
     assert_close(o_d, o_dr, 1e-5, "decode")
 
 
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (run via the subprocess test)")
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 @pytest.mark.parametrize("kernel", ELA_KERNELS)
 def test_interp_triton_packed_sequences(kernel):
     """backend="triton" with cu_seqlens (the linear / GLA kernels and lazoo.kernels.ela on packed sequences), fp32:

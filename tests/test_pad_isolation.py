@@ -7,7 +7,7 @@ finite garbage at the pads; outputs and gradients at pads are 0.
 Table-driven refusals: masks that are not 0/1, log decays g > 0 (and Titans' η, α outside [0, 1]) at real
 tokens; B = 0 gives empty results; errors of ops that run another op name the op called.
 
-The Triton backend runs under the interpreter in a subprocess (``test_kernels_in_subprocess``), one small
+The Triton backend runs under the interpreter in a subprocess (``tests/test_interpreter.py``), one small
 ragged shape per kernel; the other kernel paths are ``-m slow`` (run this file with ``TRITON_INTERPRET=1``).
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import forward_and_grads, run_interpreter_tests, state_parts
+from lazoo.ops._testing import forward_and_grads, state_parts
 
 B, T, H, D = 3, 13, 2, 16  # D = 16: the kernels' tl.dot needs 16 rows
 BAD = 2  # the sample that gets NaN / Inf in its real tokens
@@ -202,9 +202,6 @@ def test_gpu_kernels_isolate_pads_and_bad_samples(name):
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter)
-def test_kernels_in_subprocess():
-    pytest.importorskip("triton")
-    run_interpreter_tests(__file__)
 
 
 def _needs_interp():
@@ -212,7 +209,7 @@ def _needs_interp():
     from lazoo.kernels._utils import interpreter_ready
 
     if not interpreter_ready():
-        pytest.skip("needs TRITON_INTERPRET=1 from the start (test_kernels_in_subprocess runs it)")
+        pytest.skip("needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 
 
 @pytest.mark.parametrize("name", TRITON_DEFAULT)

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lazoo import ops
 from lazoo.layers.mixers import mixer_class
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, rel_err, run_interpreter_tests
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, rel_err
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -185,11 +185,6 @@ def test_signed_keys_with_the_normalized_readout_are_refused():
 
 
 # ----------------------------------------------------------------------------- op: Triton (interpreter)
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_vla_options_kernels_in_subprocess():
-    if INTERP:
-        pytest.skip("the interpreter tests run in this process")
-    run_interpreter_tests(__file__)
 
 
 def as_float32(x, state):

@@ -1,0 +1,36 @@
+"""The Triton kernels on the CPU: every ``test_interp_*`` test of the test files, through the interpreter.
+
+TRITON_INTERPRET=1 must be set before triton is first imported, and importing lazoo has already done that here, so
+those tests run in one child process that conftest starts when collection ends (it runs beside the other tests).
+One test per file below waits for it and reports that file's results: its default interpreter tests, and under
+``-m slow`` its slow ones. Running a file with ``TRITON_INTERPRET=1`` runs its interpreter tests in-process instead.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+HERE = Path(__file__).parent
+#: the test files that define interpreter tests (``def test_interp_...`` at the start of a line)
+FILES = sorted(p.name for p in HERE.glob("test_*.py")
+               if p.name != Path(__file__).name and re.search(r"^def test_interp_", p.read_text(), re.M))
+CASES = ([pytest.param(str(HERE / name), "default", id=name[:-3]) for name in FILES]
+         + [pytest.param(str(HERE / name), "slow", id=f"{name[:-3]}-slow", marks=pytest.mark.slow) for name in FILES])
+
+
+def test_the_files_are_found():
+    assert len(FILES) >= 20 and "test_kernels_linear.py" in FILES, FILES
+
+
+@pytest.mark.skipif(interpreter_ready(), reason="already interpreting: the interpreter tests run in this process")
+@pytest.mark.parametrize("path,kind", CASES)
+def test_kernels_in_interpreter(path, kind, interpreter_run):
+    assert interpreter_run is not None, "conftest did not start the interpreter run"
+    # a file's slow tests may be none; its default ones never are
+    interpreter_run.check("tests." + Path(path).stem, require_one=kind == "default")
