@@ -326,11 +326,14 @@ def test_gpu_gla_matches_float64(dtype):
 def test_gpu_auto_backend_is_triton(monkeypatch):
     monkeypatch.delenv("LAZOO_BACKEND", raising=False)
     from lazoo.kernels import linear as kl
+    from lazoo.kernels import normalized as kn
 
     calls = []
-    orig = kl.chunk_linear_attention
-    monkeypatch.setattr(kl, "chunk_linear_attention", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    for module, name in ((kl, "chunk_linear_attention"), (kn, "chunk_normalized_linear_attention")):
+        orig = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, name=name, orig=orig, **kw: calls.append(name) or orig(*a, **kw))
     q, k, v, g = inputs(1, 100, 2, 64, 64, dtype=torch.bfloat16, device="cuda")
     ops.gated_linear_attention(q, k, v, g)
-    ops.linear_attention(q, k, v)
-    assert len(calls) == 2
+    ops.linear_attention(q, k, v)  # normalised: the normaliser inside the kernel
+    ops.linear_attention(q, k, v, normalize=False)
+    assert calls == ["chunk_linear_attention", "chunk_normalized_linear_attention", "chunk_linear_attention"], calls

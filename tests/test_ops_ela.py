@@ -322,7 +322,7 @@ def test_interp_triton_matches_reference(kernel):
 @pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 @pytest.mark.parametrize("kernel", ELA_KERNELS)
 def test_interp_triton_packed_sequences(kernel):
-    """backend="triton" with cu_seqlens (the linear / GLA kernels and lazoo.kernels.ela on packed sequences), fp32:
+    """backend="triton" with cu_seqlens (the normalised-linear, linear and GLA kernels on packed sequences), fp32:
     each sequence as if alone, outputs, states and gradients."""
     assert_packed_equals_alone(kernel, "triton", [7, 0, 40, 5], dtype=torch.float32, tol=1e-5)
 

@@ -144,6 +144,31 @@ class ChunkLayout:
         return (*lead, triton.cdiv(self.T, self.BT), self.B * self.H)
 
 
+# ============================================================================ launching
+_CONFIG_INDEX: dict = {}
+
+
+def launch_first_fitting(kernel, grid, key, configs, *args, **meta):
+    """Launch with the first of ``configs`` (meta-parameters) that fits the GPU's resources, remembering it per
+    ``key`` (no benchmarking: device time is scarce, and shapes vary). ``grid(config)`` gives the grid; keys are
+    shared by every module, so they name their kernel."""
+    from triton.runtime.errors import OutOfResources
+
+    if torch.compiler.is_compiling():  # traced: the config found eagerly (a traced launch cannot be retried)
+        config = configs[_CONFIG_INDEX.get(key, 0)]
+        kernel[grid(config)](*args, **meta, **config)
+        return config
+    for i in range(_CONFIG_INDEX.get(key, 0), len(configs)):
+        try:
+            kernel[grid(configs[i])](*args, **meta, **configs[i])
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _CONFIG_INDEX[key] = i
+        return configs[i]
+
+
 # ============================================================================ types and block sizes
 def dot_types(x: torch.Tensor):
     """(Triton dot-operand dtype, precision of fp32 products) for inputs of x's dtype."""

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, end_state, fill_device, load_end_state,
-                      seq_bounds, state_blocks, state_program, store_chunk_state)
+from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, end_state, fill_device, launch_first_fitting,
+                      load_end_state, seq_bounds, state_blocks, state_program, store_chunk_state)
 from ._utils import device_unsupported, next_pow2
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
@@ -316,29 +316,6 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-_CONFIG_INDEX: dict = {}
-
-
-def _launch(kernel, grid, key, configs, *args, **meta):
-    """Launch with the first of ``configs`` (meta-parameters) that fits the GPU's resources,
-    remembering it per ``key`` (no benchmarking: device time is scarce, and shapes vary)."""
-    from triton.runtime.errors import OutOfResources
-
-    if torch.compiler.is_compiling():  # traced: the config found eagerly (a traced launch cannot be retried)
-        config = configs[_CONFIG_INDEX.get(key, 0)]
-        kernel[grid(config)](*args, **meta, **config)
-        return config
-    for i in range(_CONFIG_INDEX.get(key, 0), len(configs)):
-        try:
-            kernel[grid(configs[i])](*args, **meta, **configs[i])
-        except OutOfResources:
-            if i == len(configs) - 1:
-                raise
-            continue
-        _CONFIG_INDEX[key] = i
-        return configs[i]
-
-
 class _Ctx(ChunkLayout):
     """Shapes and launch parameters shared by the forward and the backward."""
 
@@ -366,9 +343,9 @@ def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     BK = min(64, next_pow2(c.K))
     configs = [dict(BV=min(128 if c.two_byte else 64, next_pow2(c.V)), num_warps=4, num_stages=2),
                dict(BV=min(32, next_pow2(c.V)), num_warps=4, num_stages=1)]
-    _launch(_fwd_o_kernel, lambda cfg: c.grid(triton.cdiv(c.V, cfg["BV"])), ("fwd_o", c.key), configs,
-            q, k, v, g, h, o, c.cu, c.chunk_indices, scale, c.T,
-            H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
+    launch_first_fitting(_fwd_o_kernel, lambda cfg: c.grid(triton.cdiv(c.V, cfg["BV"])), ("linear fwd_o", c.key),
+                         configs, q, k, v, g, h, o, c.cu, c.chunk_indices, scale, c.T,
+                         H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
     return o, h, ht
 
 
@@ -391,9 +368,9 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
                     num_warps=8 if BK >= 128 else 4, num_stages=1),
                dict(BV=min(32, next_pow2(c.V)), num_warps=8 if BK >= 128 else 4, num_stages=1),
                dict(BV=16, num_warps=8, num_stages=1)]
-    _launch(_bwd_dqkv_kernel, lambda cfg: c.grid(), ("bwd_dqkv", c.key), configs,
-            q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
-            H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
+    launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), ("linear bwd_dqkv", c.key), configs,
+                         q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
+                         H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
     return dq, dk, dv, dg, dh0
 
 

@@ -53,10 +53,10 @@ them). The bidirectional form uses the largest real key per feature over the who
 Backends: the causal forms run ``linear_attention`` (polynomial kernels, feature_map="identity",
 normalize=True) or ``gla`` (hadamard_exp) on the feature tensors, with ``backend`` passed through, so
 the chunk forms, the step-by-step references and the Triton kernels (auto on CUDA) are theirs. On the
-Triton backend with fp32 or bf16 inputs, a polynomial kernel splits its features as φ(q) = [q', a],
-ψ(k) = [k', c] (D scaled inputs and 1-2 scalars a token): the linear-attention kernel runs on the
-D-dim part in the inputs' precision, and ``lazoo.kernels.ela`` adds the scalar features and the
-normaliser in one pass over time in fp32 (``_causal_poly_split``): the same sums in another order. The
+Triton backend with fp32 or bf16 inputs (and more than a few tokens, or gradients), a polynomial kernel
+splits its features as φ(q) = [q', a], ψ(k) = [k', c] (D scaled inputs and 1-2 scalars a token) and
+runs ``lazoo.kernels.normalized``: the D-dim part in the inputs' precision, the scalar features in fp32,
+and the normaliser inside the kernel's chunks (``_causal_poly_fused``): the same sums in another order. The
 bidirectional form is two matmuls on every backend except "recurrent", which sums token by token
 (the reference).
 """
@@ -80,7 +80,7 @@ from ._common import (
     without_autocast,
     zero_masked,
 )
-from .linear import gla_as, linear_attention_as, linear_kernel_unsupported
+from .linear import decoding, gla_as, linear_attention_as, linear_kernel_unsupported
 
 __all__ = ["ELA_KERNELS", "ela", "ela_feature_dim", "ela_features", "ela_kernel"]
 
@@ -173,19 +173,20 @@ def ela(
         return _bidirectional(q, k, v, kernel, eps, mask, backend, cdt), None
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     state = _initial_state(op, initial_state, kernel, N, H, F_, dv, q.device, cdt)
-    q_c, k_c, v_c = q.to(cdt), k.to(cdt), v.to(cdt)
     if kernel == "hadamard_exp":
-        o, final = _causal_exp(q_c, k_c, v_c, eps, chunk_size, state, output_final_state, mask, backend, cu_seqlens)
-    elif q.dtype != torch.float16 and resolve_backend(op, backend, q.device,
-                                                      linear_kernel_unsupported(q, v)) == "triton":
-        # the numerator leaves the kernel unnormalised, in the inputs' dtype: fp16's range (6.5e4) would not hold
-        # it (magnitude_direction is cubic), so fp16 keeps the fp32 feature path below
-        o, final = _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt,
+        o, final = _causal_exp(q.to(cdt), k.to(cdt), v.to(cdt), eps, chunk_size, state, output_final_state, mask,
+                               backend, cu_seqlens)
+    elif (q.dtype != torch.float16 and not decoding(T, cu_seqlens, q, k, v)
+          and resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v)) == "triton"):
+        # the kernel's score tiles are in the inputs' dtype: fp16's range (6.5e4) would not hold them
+        # (magnitude_direction is cubic), so fp16 keeps the fp32 feature path below, as decoding does (a few
+        # tokens against the state, through the fused recurrent kernel)
+        o, final = _causal_poly_fused(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt,
                                       cu_seqlens)
     else:
-        fq, fk = ela_features(kernel, q_c, k_c)
+        fq, fk = ela_features(kernel, q.to(cdt), k.to(cdt))
         inner = None if state is None else {"S": state["S"], "z": state["C"]}
-        o, st = linear_attention_as(op, fq, fk, v_c, feature_map="identity", normalize=True, eps=eps,
+        o, st = linear_attention_as(op, fq, fk, v.to(cdt), feature_map="identity", normalize=True, eps=eps,
                                     chunk_size=chunk_size, initial_state=inner, output_final_state=output_final_state,
                                     mask=mask, backend=backend, cu_seqlens=cu_seqlens)
         final = None if st is None else {"S": st["S"], "C": st["z"]}
@@ -193,45 +194,27 @@ def ela(
 
 
 # ============================================================================ causal polynomial kernels, Triton
-def _causal_poly_split(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt, cu_seqlens=None):
-    """φ(q)·ψ(k) = q'·k' + a·c: the D-feature numerator on the linear-attention kernel in the inputs' precision (no
-    D + 2 features padded to 2D inside it), then ``lazoo.kernels.ela`` forms the features from q and k and adds the
-    scalar ones and the normaliser:
-
-        num_i = q'_i S'_i + Σ_e a_ie Σ_{j≤i} c_je v_j,     den_i = q'_i·Σ_{j≤i} k'_j + Σ_e a_ie Σ_{j≤i} c_je
-
-    The state keeps the feature layout (S = [S', Σ v cᵀ], C = [Σ k', Σ c]): decoding and caches are unchanged.
-    (magnitude_direction: the numerator's q', k' are rounded to the inputs' precision for the kernel, the
-    normaliser's are formed in fp32 inside ``lazoo.kernels.ela``; they differ by that rounding.)"""
-    from ..kernels.ela import ela_prefix
+def _causal_poly_fused(kernel, q, k, v, eps, chunk_size, state, output_final_state, mask, cdt, cu_seqlens=None):
+    """φ(q)·ψ(k) = q'·k' + a·c on ``lazoo.kernels.normalized``: the D features q', k' in the inputs' precision (no
+    D + 2 features padded to 2D), the 1-2 scalar features a, c in fp32 (both formed by ``lazoo.kernels.ela_features``
+    in one pass), and the normaliser formed inside the kernel's chunks. The state keeps the feature layout
+    (S = [S', Σ v cᵀ], C = [Σ k', Σ c]): decoding and caches are unchanged. (magnitude_direction: q', k' are
+    rounded to the inputs' precision, a and c are not.)"""
+    from ..kernels.ela_features import poly_features
+    from ..kernels.normalized import chunk_normalized_linear_attention
 
     D = q.shape[-1]
-    q1, k1 = _linear_operands(kernel, q, k)  # zero at pads, as q and k are
-    S0 = carries = None
+    q1, k1, a, c = poly_features(q, k, kernel, mask)  # q, k are zero at pads; c is made so
+    s0 = None
     if state is not None:
-        S0 = state["S"][..., :D].contiguous()
-        carries = (state["C"][..., :D], state["C"][..., D:], state["S"][..., D:].transpose(-1, -2))
-    o_main, S_main = linear_attention_as("ela", q1, k1, v, feature_map="identity", normalize=False, eps=eps,
-                                         chunk_size=chunk_size, initial_state=S0, output_final_state=output_final_state,
-                                         mask=mask, backend="triton", cu_seqlens=cu_seqlens)
-    o, _, final_carries = ela_prefix(q, k, v, o_main, kernel=kernel, eps=eps, mask=mask, initial_state=carries,
-                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    final = None
-    if output_final_state:
-        Kc, Cc, W = final_carries
-        final = {"S": torch.cat([S_main.to(cdt), W.transpose(-1, -2).to(cdt)], -1),
-                 "C": torch.cat([Kc, Cc], -1).to(cdt)}
+        s0 = (state["S"][..., :D], state["S"][..., D:], state["C"][..., :D], state["C"][..., D:])
+    o, final = chunk_normalized_linear_attention(q1, k1, v, a, c, eps=eps, initial_state=s0,
+                                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                                 chunk_size=chunk_size)
+    if final is not None:
+        h, he, z, ze = final
+        final = {"S": torch.cat([h, he], -1).to(cdt), "C": torch.cat([z, ze], -1).to(cdt)}
     return o, final
-
-
-def _linear_operands(kernel, q, k):
-    """q', k' in the inputs' dtype for the linear-attention kernel: q and ±2k (exact), or magnitude_direction's
-    (‖·‖²+1)-scaled inputs (the norms summed in fp32 straight from q and k, the products rounded once)."""
-    if kernel != "magnitude_direction":
-        return q, (2.0 if kernel == "sum_sq_euclid" else -2.0) * k
-    qq = torch.linalg.vector_norm(q, dim=-1, keepdim=True, dtype=torch.float32).square()
-    kk = torch.linalg.vector_norm(k, dim=-1, keepdim=True, dtype=torch.float32).square()
-    return ((qq + 1) * q).to(q.dtype), ((kk + 1) * k).to(k.dtype)
 
 
 # ============================================================================ causal hadamard_exp

@@ -13,8 +13,9 @@ and outputs 0).
 
 Packed batches: ``cu_seqlens`` ``[N + 1]`` (int, starting at 0 and ending at T, B = 1) holds the
 boundaries of N sequences packed along time; states are then ``[N, ...]``, one per sequence.
-Backend "triton" (auto on CUDA) runs lazoo.kernels.linear (lazoo.kernels.gla for gla): chunked forward
-and hand-written backward, and a fused recurrent kernel for decoding (T <= 16 without autograd).
+Backend "triton" (auto on CUDA) runs lazoo.kernels.linear (lazoo.kernels.gla for gla; lazoo.kernels.normalized
+with the normaliser, which it forms inside the chunks): chunked forward and hand-written backward, and a fused
+recurrent kernel for decoding (T <= 16 without autograd).
 """
 
 from __future__ import annotations
@@ -243,22 +244,11 @@ def linear_kernel_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return check_supported(q, v)
 
 
-def _decoding(T, cu_seqlens, *tensors) -> bool:
+def decoding(T, cu_seqlens, *tensors) -> bool:
     """Few tokens, no packed batch and no autograd: the fused recurrent kernel."""
     if T > 16 or cu_seqlens is not None:
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-
-
-def _segment_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
-    """Cumulative sum over time (dim 1), restarting at every packed sequence start."""
-    c = time_cumsum(x)
-    if cu_seqlens is None:
-        return c
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    bos = torch.repeat_interleave(cu_seqlens[:-1], lens, output_size=x.shape[1])
-    c_pad = torch.cat([torch.zeros_like(c[:, :1]), c], 1)
-    return c - c_pad[:, bos]
 
 
 def _linear_triton(op, q, k, v, phi, normalize, eps, chunk_size, initial_state, output_final_state,
@@ -274,44 +264,26 @@ def _linear_triton(op, q, k, v, phi, normalize, eps, chunk_size, initial_state, 
     fq = q if identity else phi(q)  # the feature map in the input dtype, before the kernel
     fk = zero_masked(k if identity else phi(k), mask)  # a pad adds nothing to S or z
 
-    if _decoding(T, cu_seqlens, q, k, v, S0, z0):
+    if decoding(T, cu_seqlens, q, k, v, S0, z0):
         if normalize and S0 is None:
             S0 = q.new_zeros(N, H, dv, dk, dtype=torch.float32)
             z0 = q.new_zeros(N, H, dk, dtype=torch.float32)
         o, S, z = kl.fused_recurrent_linear_attention(
             fq, fk, v, None, scale=1.0, initial_state=S0, z0=z0, normalize=normalize, eps=eps,
             output_final_state=output_final_state)
+    elif normalize:  # the normaliser inside the chunks (lazoo.kernels.normalized)
+        from ..kernels.normalized import chunk_normalized_linear_attention
+
+        o, final = chunk_normalized_linear_attention(
+            fq, fk, v, eps=eps, initial_state=None if S0 is None else (S0, None, z0, None),
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        S, z = (None, None) if final is None else (final[0], final[2])
     else:
         o, S = kl.chunk_linear_attention(fq, fk, v, None, scale=1.0, initial_state=S0,
                                          output_final_state=output_final_state,
                                          cu_seqlens=cu_seqlens, chunk_size=chunk_size)
         z = None
-        if normalize:
-            z_t = _segment_cumsum(fk.float(), cu_seqlens)  # [B, T, H, dk]: z after each step
-            if z0 is not None:
-                if cu_seqlens is None:
-                    z_t = z_t + z0[:, None]
-                else:
-                    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-                    z_t = z_t + z0[torch.repeat_interleave(torch.arange(N, device=q.device), lens,
-                                                           output_size=T)][None]
-            o = o.float() / _denominator(fq.float(), z_t, eps)
-            if output_final_state:
-                z = _sequence_ends(z_t, cu_seqlens, z0, (N, H, dk))
     return op_result(o, mask, v.dtype, _as_state((S, z), normalize), output_final_state)
-
-
-def _sequence_ends(x_t, cu_seqlens, x0, shape):
-    """The value after the last step of each sequence (x0, or zeros, for an empty one)."""
-    if cu_seqlens is None:
-        return x_t[:, -1]
-    ends = cu_seqlens[1:] - 1
-    empty = cu_seqlens[1:] == cu_seqlens[:-1]
-    out = x_t[0, ends.clamp_min(0)]
-    if bool(empty.any()):
-        base = x0 if x0 is not None else torch.zeros(shape, dtype=out.dtype, device=out.device)
-        out = torch.where(empty.view(-1, 1, 1), base, out)
-    return out
 
 
 def _gla_triton(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, cu_seqlens, N):
@@ -319,7 +291,7 @@ def _gla_triton(op, q, k, v, g, scale, chunk_size, initial_state, output_final_s
     from ..kernels import linear as kl
 
     q, scale, S0 = _gated_kernel_inputs(op, q, v, scale, initial_state, N)
-    if _decoding(q.shape[1], cu_seqlens, q, k, v, g, S0):
+    if decoding(q.shape[1], cu_seqlens, q, k, v, g, S0):
         o, S = kl.fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=S0,
                                       output_final_state=output_final_state)
     else:
@@ -335,7 +307,7 @@ def _gated_triton(op, q, k, v, g, scale, chunk_size, initial_state, output_final
     from ..kernels import linear as kl
 
     q, scale, S0 = _gated_kernel_inputs(op, q, v, scale, initial_state, N)
-    if _decoding(q.shape[1], cu_seqlens, q, k, v, g, S0):
+    if decoding(q.shape[1], cu_seqlens, q, k, v, g, S0):
         o, S, _ = kl.fused_recurrent_linear_attention(
             q, k, v, g.float(), scale=scale, initial_state=S0, output_final_state=output_final_state)
     else:

@@ -134,7 +134,7 @@ register(Mechanism(
     equation="S_t = S_{t−1} + v_t φ(k_t)ᵀ, z_t = z_{t−1} + φ(k_t); o_t = S_t φ(q_t) / φ(q_t)·z_t",
     source="Katharopoulos et al. 2020, Transformers are RNNs",
     state='{"op": {"S" [B, H, dv, dk], "z" [B, H, dk]} (or S alone without normalize), "conv": short-conv tails}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",),
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear", "lazoo.kernels.normalized"),
     option_docs={**RECURRENT_OPTION_DOCS, "qk_prenorm": QK_PRENORM_DOC},
 ))
 
@@ -153,7 +153,7 @@ register(Mechanism(
     source="Ou, Exact Linear Attention (2026)",
     state='{"op": {"S" [B, H, dv, F], "C" [B, H, F] (+ "m" [B, H, D] for hadamard_exp)}, "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.ela", "lazoo.kernels.gla", "lazoo.kernels.linear"),
+    kernels=("lazoo.kernels.ela_features", "lazoo.kernels.gla", "lazoo.kernels.linear", "lazoo.kernels.normalized"),
     option_docs={**RECURRENT_OPTION_DOCS, "qk_prenorm": QK_PRENORM_DOC}, class_prefix="LazooELA",
 ))
 

@@ -60,6 +60,6 @@ register(Mechanism(
     state=(
         '{"op": {"KK" [B, H, dk, dk], "VK" [B, H, dv, dk]} (weighted moments, no ridge), "conv": short-conv tails}'
     ),
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear", "lazoo.kernels.rls"),
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear", "lazoo.kernels.normalized", "lazoo.kernels.rls"),
     tiny_options={"chunk_size": 16}, class_prefix="LazooRLS",
 ))

@@ -1,0 +1,549 @@
+"""Triton kernels for normalised linear attention, with optional scalar features: the normaliser inside the chunks.
+
+Per sequence and head, with features q, k ``[T, K]`` (storage dtype) and, optionally, E = 1 or 2 scalar features a
+token a, c ``[T, E]`` (fp32; ELA's ‖q‖², ‖k‖² and ones):
+
+    num_i = Σ_{j≤i} (q_i·k_j + a_i·c_j) v_j,    den_i = Σ_{j≤i} (q_i·k_j + a_i·c_j),
+    o_i = num_i / max(den_i, eps)
+
+Chunk form (chunks of BT tokens; at a chunk's start the state h = Σ k vᵀ [K, V], he = Σ c vᵀ [E, V], z = Σ k [K],
+ze = Σ c [E], each from the initial state): with P = causal(Q Kᵀ + A Cᵀ) inside the chunk,
+
+    num = Q h + A he + P V,    den = Q z + A ze + P 1
+
+so the normaliser is the row sums of the score tile the outputs already form, plus one more column of the state.
+The backward is linear attention's with the values [v, 1] and the output gradients [do / den', dden], where
+den' = max(den, eps) and dden = -(do·o) / den' (0 where the clamp holds): a small kernel forms 1/den' and dden from
+do, o and den (stored by the forward). The state-gradient kernel scales do by 1/den' as it loads it (its products
+are fp32 for fp16 inputs); the dq, dk, dv kernel scales its products' results instead, since do / den' can fall
+below fp16's normal range. The state kernels form every sum over a chunk's tokens (z, he, ze) as a tile product:
+their walk over the chunks then has no reduction across warps.
+
+Kernels: ``_fwd_h`` (chunk-start states, sequential over chunks), ``_fwd_o`` (outputs and den, parallel over
+chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse) and
+``_bwd_dqkv`` (parallel over chunks). No computed matrix is transposed (see lazoo.kernels.linear).
+
+Layout as in lazoo.kernels.linear: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, a, c ``[B, T, H, E]`` float32, states
+``h0 [N, H, V, K]``, ``he0 [N, H, V, E]``, ``z0 [N, H, K]``, ``ze0 [N, H, E]`` (float32), ``cu_seqlens`` packing N
+sequences into B = 1. k and c must be zero at pads (a pad adds nothing); q at a pad only reaches its own output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, end_state, launch_first_fitting, load_end_state,
+                      state_blocks, state_program, store_chunk_state)
+from ._utils import next_pow2
+
+#: the largest scalar-feature count (E = 1 or 2, ELA's)
+MAX_SCALARS = 2
+#: the value block of the output kernel for 16-bit inputs (at 128, bf16 outputs with scalar features were 4e-2 off
+#: on an H100 with Triton 3.6, in two builds of the kernel; 64 was right in every case measured)
+FWD_BV = 64
+#: the value block of the dq, dk, dv kernel for 16-bit inputs
+DQKV_BV = 64
+
+
+# ============================================================================ tile helpers
+@triton.jit
+def _vec(ptr, row0, width, o, m):
+    """fp32 ``[len(o)]`` slice of row ``row0`` of a ``[.., width]`` buffer (zeros outside ``m``)."""
+    return tl.load(ptr + row0 * width + o, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tokens(ptr, bos, o_t, m_t, i_h, H: tl.constexpr, W: tl.constexpr, o_w, TRANS: tl.constexpr):
+    """A chunk's rows of a ``[.., H, W]`` tensor, ``[BT, BW]`` (or ``[BW, BT]`` with TRANS), storage dtype, zeros
+    outside the sequence and past W."""
+    if TRANS:  # (one return: the compiler wants one return type, whichever branch is taken)
+        x = tl.load(ptr + (bos + o_t[None, :]) * (H * W) + i_h * W + o_w[:, None],
+                    mask=m_t[None, :] & (o_w[:, None] < W), other=0.0)
+    else:
+        x = tl.load(ptr + (bos + o_t[:, None]) * (H * W) + i_h * W + o_w[None, :],
+                    mask=m_t[:, None] & (o_w[None, :] < W), other=0.0)
+    return x
+
+
+@triton.jit
+def _row_values(ptr, bos, o_t, m_t, i_h, H: tl.constexpr):
+    """fp32 ``[BT]`` of a ``[.., H]`` per-token buffer (den, 1/den', dden)."""
+    return tl.load(ptr + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _col(ptr, bos, o_t, m_t, i_h, e: tl.constexpr, H: tl.constexpr, E: tl.constexpr):
+    """fp32 ``[BT]``: scalar feature e of a chunk's tokens (a or c, ``[.., H, E]``)."""
+    return tl.load(ptr + (bos + o_t) * (H * E) + i_h * E + e, mask=m_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _srow(ptr, i_tg, i_h, e: tl.constexpr, o_v, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr):
+    """fp32 ``[BV]``: row e of a chunk's he or dhe (``[chunks, H, E, V]``)."""
+    return tl.load(ptr + (i_tg * H + i_h) * (E * V) + e * V + o_v, mask=o_v < V, other=0.0)
+
+
+@triton.jit
+def _put_srow(ptr, x, i_tg, i_h, e: tl.constexpr, o_v, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr):
+    tl.store(ptr + (i_tg * H + i_h) * (E * V) + e * V + o_v, x, mask=o_v < V)
+
+
+@triton.jit
+def _end_srow(ptr, i_nh, e: tl.constexpr, o_v, E: tl.constexpr, V: tl.constexpr):
+    """Pointers to column e of an initial or final he ``[N, H, V, E]`` (head i_nh), ``[BV]``."""
+    return ptr + i_nh.to(tl.int64) * (V * E) + o_v * E + e
+
+
+@triton.jit
+def _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K: tl.constexpr, V: tl.constexpr,
+                 E: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr, EXTRA: tl.constexpr):
+    """A state kernel's starting tiles, h [BK, BV], z [BK, 16], he [16, BV] and ze [16, 16] (z and ze repeated over
+    their 16 columns), from the given states when USE, else zeros."""
+    b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE)
+    b_z = tl.zeros([BK, 16], dtype=tl.float32)
+    b_he = tl.zeros([16, BV], dtype=tl.float32)
+    b_ze = tl.zeros([16, 16], dtype=tl.float32)
+    if USE:
+        b_z += _vec(z0, i_nh, K, o_k, o_k < K)[:, None]
+        if EXTRA:
+            b_he += load_end_state(he0, i_nh, o_e, o_v, m_ev, E, V, 16, BV, True)
+            b_ze += _vec(ze0, i_nh, E, o_e, m_e)[:, None]
+    return b_h, b_z, b_he, b_ze
+
+
+@triton.jit
+def _store_col0(ptr, row, width, o, m, tile, o_e):
+    """Store column 0 of ``tile`` ``[len(o), 16]`` into row ``row`` of a ``[.., width]`` buffer (elements o, m)."""
+    tl.store(ptr + row * width + o[:, None] + 0 * o_e[None, :], tile, mask=m[:, None] & (o_e == 0)[None, :])
+
+
+@triton.jit
+def _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k, first_v,
+                     K: tl.constexpr, V: tl.constexpr, E: tl.constexpr, EXTRA: tl.constexpr):
+    """A state kernel's last tiles into the final states (or the initial states' gradients)."""
+    tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+    if first_v:
+        _store_col0(zt, i_nh.to(tl.int64), K, o_k, o_k < K, b_z, o_e)
+    if EXTRA:
+        if first_k:
+            tl.store(end_state(het, i_nh, o_e, o_v, E, V), b_he, mask=m_ev)
+            if first_v:
+                _store_col0(zet, i_nh.to(tl.int64), E, o_e, m_e, b_ze, o_e)
+
+
+@triton.jit
+def _first_blocks(V: tl.constexpr, BV: tl.constexpr):
+    """Whether a state program (grid (NK * NV, N * H)) holds the first key block and the first value block."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_kv = tl.program_id(0)
+    return i_kv // NV == 0, i_kv % NV == 0
+
+
+# ============================================================================ forward
+# The scalar features (E = 1 or 2) are per-token vectors, not tiles: their products are outer products and row
+# sums in fp32 (a tile product would pad E to 16).
+@triton.jit
+def _fwd_h_kernel(
+    k, c, v, h, he, z, ze, h0, he0, z0, ze0, ht, het, zt, zet, cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXTRA: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr,
+):
+    """Grid (NK * NV, N * H): every chunk's starting state, then the final one. Every program keeps its [BK, BV]
+    tile of h; those of the first key block keep he's [16, BV] tile (rows past E are 0), those of the first value
+    block z as a [BK, 16] tile (16 equal columns). Every sum over a chunk's tokens is a tile product, so that
+    the walk over chunks has no reduction across warps."""
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                   BV, IS_VARLEN)
+    first_k, first_v = _first_blocks(V, BV)
+    o_e = tl.arange(0, 16)
+    m_e = o_e < E
+    m_ev = m_e[:, None] & (o_v[None, :] < V)
+    ones = tl.full([BT, 16], 1.0, tl.float32)
+    b_h, b_z, b_he, b_ze = _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK, BV,
+                                        USE_H0, EXTRA)
+    for i_t in range(NT):
+        i_tg = boh + i_t
+        store_chunk_state(h, b_h, i_tg, i_h, o_k, o_v, m_kv, H, K, V)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T_seq
+        b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
+        b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
+        if first_v:
+            _store_col0(z, i_tg * H + i_h, K, o_k, o_k < K, b_z, o_e)
+            b_z += tl.dot(b_kt, ones.to(b_kt.dtype), input_precision=PREC)
+        if EXTRA:
+            if first_k:
+                store_chunk_state(he, b_he, i_tg, i_h, o_e, o_v, m_ev, H, E, V)
+                b_ct = _tokens(c, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT] fp32, rows past E zero
+                b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
+                if first_v:
+                    _store_col0(ze, i_tg * H + i_h, E, o_e, m_e, b_ze, o_e)
+                    b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
+        b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
+    if STORE_HT:
+        _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k, first_v,
+                         K, V, E, EXTRA)
+
+
+@triton.jit
+def _fwd_o_kernel(
+    q, k, a, c, v, h, he, z, ze, o, den, cu_seqlens, chunk_indices, eps, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NV, NT, B * H) or (NV, total chunks, H): one chunk's outputs (and, from the first value block, its
+    denominators)."""
+    eps = tl.cast(eps, tl.float32)
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)
+    b_den = tl.zeros([BT], dtype=tl.float32)
+    row = i_tg * H + i_h
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, False)
+        b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True)
+        b_h = tl.load(h + row * (K * V) + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V),
+                      other=0.0)
+        b_o += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
+        b_s += tl.dot(b_q, b_kt, input_precision=PREC)
+        b_den += tl.sum(b_q.to(tl.float32) * _vec(z, row, K, o_k, m_k)[None, :], 1)
+    if EXTRA:
+        for e in tl.static_range(E):
+            a_e = _col(a, bos, o_t, m_t, i_h, e, H, E)
+            b_s += a_e[:, None] * _col(c, bos, o_t, m_t, i_h, e, H, E)[None, :]
+            b_o += a_e[:, None] * _srow(he, i_tg, i_h, e, o_v, H, E, V)[None, :]
+            b_den += a_e * tl.load(ze + row * E + e)
+    o_i = tl.arange(0, BT)
+    b_s = tl.where(o_i[:, None] >= o_i[None, :], b_s, 0.0)
+    b_den += tl.sum(b_s, 1)
+    b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
+    b_o += tl.dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)
+    b_o = b_o / tl.maximum(b_den, eps)[:, None]
+    p_o = o + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v[None, :] < V))
+    if i_v == 0:
+        tl.store(den + (bos + o_t) * H + i_h, b_den, mask=m_t)
+
+
+# ============================================================================ backward
+@triton.jit
+def _bwd_prep_kernel(o, do, den, rden, dden, eps, rows, H: tl.constexpr, V: tl.constexpr, BR: tl.constexpr,
+                     BV: tl.constexpr):
+    """Grid (cdiv(B * T * H, BR)): per token and head, 1/den' and dden = -(do·o)/den' (0 where den <= eps)."""
+    eps = tl.cast(eps, tl.float32)
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = o_r < rows
+    o_v = tl.arange(0, BV)
+    m = m_r[:, None] & (o_v[None, :] < V)
+    b_o = tl.load(o + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
+    b_do = tl.load(do + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
+    b_den = tl.load(den + o_r, mask=m_r, other=1.0)
+    r = 1.0 / tl.maximum(b_den, eps)
+    tl.store(rden + o_r, r, mask=m_r)
+    tl.store(dden + o_r, tl.where(b_den > eps, -tl.sum(b_o * b_do, 1) * r, 0.0), mask=m_r)
+
+
+@triton.jit
+def _bwd_dh_kernel(
+    q, a, do, rden, dden, dh, dhe, dz, dze, dht, dhet, dzt, dzet, dh0, dhe0, dz0, dze0,
+    cu_seqlens, chunk_offsets, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXTRA: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr,
+):
+    """Grid (NK * NV, N * H): the gradients of the states at every chunk's end, in reverse (tiles as in _fwd_h;
+    dden enters the tile products as the first of 16 columns)."""
+    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
+                                                                   BV, IS_VARLEN)
+    first_k, first_v = _first_blocks(V, BV)
+    o_e = tl.arange(0, 16)
+    m_e = o_e < E
+    m_ev = m_e[:, None] & (o_v[None, :] < V)
+    col0 = (o_e == 0)[None, :]
+    b_dh, b_dz, b_dhe, b_dze = _start_tiles(dht, dhet, dzt, dzet, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK,
+                                            BV, USE_DHT, EXTRA)
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        i_tg = boh + i_t
+        store_chunk_state(dh, b_dh, i_tg, i_h, o_k, o_v, m_kv, H, K, V)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T_seq
+        b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
+        b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
+        b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]  # do / den'
+        b_dd = tl.where(col0, _row_values(dden, bos, o_t, m_t, i_h, H)[:, None], 0.0)  # [BT, 16]
+        if first_v:
+            _store_col0(dz, i_tg * H + i_h, K, o_k, o_k < K, b_dz, o_e)
+            b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision=SPREC)
+        if EXTRA:
+            if first_k:
+                store_chunk_state(dhe, b_dhe, i_tg, i_h, o_e, o_v, m_ev, H, E, V)
+                b_at = _tokens(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
+                b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
+                if first_v:
+                    _store_col0(dze, i_tg * H + i_h, E, o_e, m_e, b_dze, o_e)
+                    b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
+        b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty), input_precision=PREC)
+    if STORE_DH0:
+        _store_end_tiles(dh0, dhe0, dz0, dze0, b_dh, b_dz, b_dhe, b_dze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k,
+                         first_v, K, V, E, EXTRA)
+
+
+@triton.jit
+def _bwd_dqkv_kernel(
+    q, k, a, c, v, h, he, z, ze, do, rden, dden, dh, dhe, dz, dze, dq, dk, da, dc, dv,
+    cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K.
+
+    With dnum = do / den' and P the chunk's causal scores: dS_ij = dnum_i·v_j + dden_i (i >= j) and
+        dq = dnum hᵀ + dden zᵀ + dS K,      dk = v dhᵀ + 1 dzᵀ + dSᵀ Q,      dv = Pᵀ dnum + K dh + C dhe
+    (da, dc likewise with he, ze, dhe, dze and A, C), h, z from the chunk's start and dh, dz from its end."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    E2: tl.constexpr = E == 2
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_q = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, False)
+    b_k = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, False)
+    b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)
+    b_r = _row_values(rden, bos, o_t, m_t, i_h, H)
+    b_dden = _row_values(dden, bos, o_t, m_t, i_h, H)
+    o_i = tl.arange(0, BT)
+    causal = o_i[:, None] >= o_i[None, :]  # [i, j]: i >= j
+    causal_t = o_i[:, None] <= o_i[None, :]  # [j, i]: i >= j
+    b_pt = tl.dot(b_k, b_qt, input_precision=PREC)  # Pᵀ[j, i] = k_j·q_i (+ c_j·a_i), computed directly
+    b_da0 = tl.zeros([BT], dtype=tl.float32)
+    b_da1 = tl.zeros([BT], dtype=tl.float32)
+    b_dc0 = tl.zeros([BT], dtype=tl.float32)
+    b_dc1 = tl.zeros([BT], dtype=tl.float32)
+    if EXTRA:
+        b_pt += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 0, H, E)[None, :]
+        if E2:
+            b_pt += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 1, H, E)[None, :]
+    # 1/den' scales the products' results, not do: do / den' can fall below fp16's normal range
+    b_pt = tl.where(causal_t, b_pt * b_r[None, :], 0.0).to(b_k.dtype)  # Pᵀ diag(1/den')
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dst = tl.zeros([BT, BT], dtype=tl.float32)
+    p_h = h + (i_tg * H + i_h) * (K * V)
+    p_dh = dh + (i_tg * H + i_h) * (K * V)
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        m_vk = m_v[:, None] & m_k[None, :]
+        b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
+        b_vt = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, True)
+        b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)
+        b_dot = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, True)
+        b_ht = tl.load(p_h + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)  # [BV, BK]
+        b_dht = tl.load(p_dh + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dq += tl.dot(b_do.to(b_ht.dtype), b_ht, input_precision=PREC)
+        b_dk += tl.dot(b_v.to(b_dht.dtype), b_dht, input_precision=PREC)
+        b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
+        b_dst += tl.dot(b_v, b_dot, input_precision=PREC)
+        b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
+        if EXTRA:
+            b_vf = b_v.to(tl.float32)
+            dhe0 = _srow(dhe, i_tg, i_h, 0, o_v, H, E, V)
+            b_dof = b_do.to(tl.float32)
+            b_da0 += tl.sum(b_dof * _srow(he, i_tg, i_h, 0, o_v, H, E, V)[None, :], 1)
+            b_dc0 += tl.sum(b_vf * dhe0[None, :], 1)
+            b_dv += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * dhe0[None, :]
+            if E2:
+                dhe1 = _srow(dhe, i_tg, i_h, 1, o_v, H, E, V)
+                b_da1 += tl.sum(b_dof * _srow(he, i_tg, i_h, 1, o_v, H, E, V)[None, :], 1)
+                b_dc1 += tl.sum(b_vf * dhe1[None, :], 1)
+                b_dv += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * dhe1[None, :]
+        p_dv = dv + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+        tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+    # dnum = do / den'; the normaliser is one more value column of ones, with output gradient dden
+    b_ds = tl.where(causal, b_ds * b_r[:, None] + b_dden[:, None], 0.0)
+    b_dst = tl.where(causal_t, b_dst * b_r[None, :] + b_dden[None, :], 0.0)
+    row = i_tg * H + i_h
+    b_dq = b_dq * b_r[:, None] + b_dden[:, None] * _vec(z, row, K, o_k, m_k)[None, :]
+    b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
+    b_dk += _vec(dz, row, K, o_k, m_k)[None, :]
+    b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=PREC)
+    m_tk = m_t[:, None] & m_k[None, :]
+    tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if EXTRA:
+        p_e = (bos + o_t) * (H * E) + i_h * E
+        a0 = _col(a, bos, o_t, m_t, i_h, 0, H, E)
+        c0 = _col(c, bos, o_t, m_t, i_h, 0, H, E)
+        b_da0 = b_da0 * b_r + b_dden * tl.load(ze + row * E) + tl.sum(b_ds * c0[None, :], 1)
+        b_dc0 += tl.load(dze + row * E) + tl.sum(b_dst * a0[None, :], 1)
+        tl.store(da + p_e, b_da0, mask=m_t)
+        tl.store(dc + p_e, b_dc0, mask=m_t)
+        if E2:
+            a1 = _col(a, bos, o_t, m_t, i_h, 1, H, E)
+            c1 = _col(c, bos, o_t, m_t, i_h, 1, H, E)
+            b_da1 = b_da1 * b_r + b_dden * tl.load(ze + row * E + 1) + tl.sum(b_ds * c1[None, :], 1)
+            b_dc1 += tl.load(dze + row * E + 1) + tl.sum(b_dst * a1[None, :], 1)
+            tl.store(da + p_e + 1, b_da1, mask=m_t)
+            tl.store(dc + p_e + 1, b_dc1, mask=m_t)
+
+
+# ============================================================================ launchers
+class _Ctx(ChunkLayout):
+    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps):
+        super().__init__(q, v, cu_seqlens, chunk_size)
+        self.E = 0 if a is None else a.shape[-1]
+        self.extra = a is not None
+        self.eps = float(eps)
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.state_dtype = chunk_state_dtype(q.dtype)
+        self.two_byte = q.element_size() == 2
+
+    def meta(self):
+        return dict(H=self.H, K=self.K, V=self.V, E=max(self.E, 1), BT=self.BT, EXTRA=self.extra,
+                    IS_VARLEN=self.varlen, PREC=self.prec)
+
+    def state_meta(self):
+        """``meta`` and the precision of the state kernels' fp32 tile products (tf32 for 16-bit inputs)."""
+        return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32")
+
+    def buffers(self, dev):
+        """Per-chunk buffers (h, he, z, ze) for the states or their gradients."""
+        NT, H, K, V, E = self.NT, self.H, self.K, self.V, max(self.E, 1)
+        f32 = torch.float32
+        return (torch.empty(NT, H, K, V, dtype=self.state_dtype, device=dev), torch.empty(NT, H, E, V, dtype=f32,
+                device=dev) if self.extra else None, torch.empty(NT, H, K, dtype=f32, device=dev),
+                torch.empty(NT, H, E, dtype=f32, device=dev) if self.extra else None)
+
+    def end_states(self, dev):
+        N, H, K, V, E = self.N, self.H, self.K, self.V, max(self.E, 1)
+        f32 = torch.float32
+        return (torch.empty(N, H, V, K, dtype=f32, device=dev),
+                torch.empty(N, H, V, E, dtype=f32, device=dev) if self.extra else None,
+                torch.empty(N, H, K, dtype=f32, device=dev),
+                torch.empty(N, H, E, dtype=f32, device=dev) if self.extra else None)
+
+
+def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
+    dev = q.device
+    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
+    h, he, z, ze = c.buffers(dev)
+    st = c.end_states(dev) if output_final_state else (None,) * 4
+    s0 = s0 if s0 is not None else (None,) * 4
+    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
+    _fwd_h_kernel[grid](k, cf, v, h, he, z, ze, *s0, *st, c.cu, c.chunk_offsets, c.T, BK=BK, BV=BV,
+                        USE_H0=s0[0] is not None, STORE_HT=output_final_state, **c.state_meta(), num_warps=4,
+                        num_stages=2)
+    o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
+    den = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
+    BV = min(FWD_BV if c.two_byte else 64, next_pow2(c.V))
+    _fwd_o_kernel[c.grid(triton.cdiv(c.V, BV))](q, k, a, cf, v, h, he, z, ze, o, den, c.cu, c.chunk_indices,
+                                                c.eps, c.T, BK=min(64, next_pow2(c.K)), BV=BV, **c.meta(),
+                                                num_warps=4, num_stages=2)
+    return o, den, (h, he, z, ze), st
+
+
+def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
+    dev = q.device
+    rows = c.B * c.T * c.H
+    rden = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
+    dden = torch.empty_like(rden)
+    BR = 32
+    _bwd_prep_kernel[(triton.cdiv(rows, BR),)](o, do, den, rden, dden, c.eps, rows, H=c.H, V=c.V, BR=BR,
+                                               BV=next_pow2(c.V), num_warps=4)
+    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
+    dh, dhe, dz, dze = c.buffers(dev)
+    ds0 = c.end_states(dev) if want_ds0 else (None,) * 4
+    dst = dst if dst is not None else (None,) * 4
+    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
+    _bwd_dh_kernel[grid](q, a, do, rden, dden, dh, dhe, dz, dze, *dst, *ds0, c.cu, c.chunk_offsets, c.T,
+                         BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=want_ds0, **c.state_meta(), num_warps=4,
+                         num_stages=2)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    da = torch.empty_like(a) if c.extra else None
+    dc = torch.empty_like(cf) if c.extra else None
+    BK = next_pow2(c.K)
+    h, he, z, ze = states
+    warps = 8 if BK >= 128 else 4
+    configs = [dict(BV=min(DQKV_BV if c.two_byte or BK <= 64 else 32, next_pow2(c.V)), num_warps=warps, num_stages=1),
+               dict(BV=min(32, next_pow2(c.V)), num_warps=warps, num_stages=1), dict(BV=16, num_warps=8, num_stages=1)]
+    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, q.device.type)
+    launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
+                         dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, c.cu, c.chunk_indices, c.T, BK=BK, **c.meta())
+    return dq, dk, da, dc, dv, ds0
+
+
+class NormalizedLinearAttentionFunction(torch.autograd.Function):
+    """Chunked normalised linear attention with scalar features and a hand-written backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, a, cf, v, h0, he0, z0, ze0, eps, output_final_state, cu_seqlens, chunk_size):
+        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps)
+        s0 = None if h0 is None else (h0, he0, z0, ze0)
+        o, den, states, st = _fwd(c, q, k, a, cf, v, s0, output_final_state)
+        ctx.c = c
+        ctx.s0_dtypes = None if s0 is None else [None if x is None else x.dtype for x in s0]
+        ctx.save_for_backward(q, k, a, cf, v, o, den, *states)
+        return (o, *st)
+
+    @staticmethod
+    def backward(ctx, do, dht, dhet, dzt, dzet):
+        q, k, a, cf, v, o, den, *states = ctx.saved_tensors
+        c = ctx.c
+        finals = (dht, dhet, dzt, dzet)
+        dst = None
+        if any(x is not None for x in finals):  # the gradients of the final states (zeros for those not used)
+            dst = tuple(None if like is None else like.zero_() if x is None else x.contiguous().float()
+                        for x, like in zip(finals, c.end_states(q.device)))
+        want = ctx.s0_dtypes is not None
+        dq, dk, da, dc, dv, ds0 = _bwd(c, q, k, a, cf, v, states, o, den, do.contiguous(), dst, want)
+        if want:
+            ds0 = tuple(None if x is None or t is None else x.to(t) for x, t in zip(ds0, ctx.s0_dtypes))
+        else:
+            ds0 = (None,) * 4
+        return dq, dk, da, dc, dv, *ds0, None, None, None, None
+
+
+def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1e-6, initial_state=None,
+                                      output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+    """``(o [B, T, H, V] in v's dtype, final state or None)``: o_i = num_i / max(den_i, eps) (module docstring).
+
+    q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
+    features (cast to float32; c zero at pads) or None. States are tuples ``(h [N, H, V, K], he [N, H, V, E],
+    z [N, H, K], ze [N, H, E])`` in float32 (he, ze None without scalar features). Differentiable in all of them.
+    """
+    if (a is None) != (c is None):
+        raise ValueError("chunk_normalized_linear_attention: give both scalar features a and c, or neither")
+    if a is not None and not (a.shape == c.shape and a.shape[:3] == q.shape[:3] and a.shape[-1] <= MAX_SCALARS):
+        raise ValueError(f"chunk_normalized_linear_attention: a and c must be [B, T, H, E] with E <= {MAX_SCALARS}, "
+                         f"got {tuple(a.shape)} and {tuple(c.shape)} for q {tuple(q.shape)}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if a is not None:
+        a, c = a.float().contiguous(), c.float().contiguous()
+    s0 = (None,) * 4
+    if initial_state is not None:
+        s0 = tuple(None if x is None else x.float().contiguous() for x in initial_state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
+    chunk = chunk_size if chunk_size in (16, 32, 64) else 64
+    o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, float(eps), bool(output_final_state),
+                                                     cu_seqlens, chunk)
+    return o, (tuple(st) if output_final_state else None)
