@@ -17,7 +17,9 @@ den' = max(den, eps) and dden = -(do·o) / den' (0 where the clamp holds): a sma
 do, o and den (stored by the forward). The state-gradient kernel scales do by 1/den' as it loads it (its products
 are fp32 for fp16 inputs); the dq, dk, dv kernel scales its products' results instead, since do / den' can fall
 below fp16's normal range. The state kernels form every sum over a chunk's tokens (z, he, ze) as a tile product:
-their walk over the chunks then has no reduction across warps.
+their walk over the chunks then has no reduction across warps. The normaliser's sums (z, ze and their gradients)
+are exact fp32 products: dk and dc are differences of the numerator's and the normaliser's terms, which cancel
+closely, so a tf32 rounding there shows in them.
 
 Kernels: ``_fwd_h`` (chunk-start states, sequential over chunks), ``_fwd_o`` (outputs and den, parallel over
 chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse) and
@@ -182,7 +184,7 @@ def _fwd_h_kernel(
                 b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
                 if first_v:
                     _store_col0(ze, i_tg * H + i_h, E, o_e, m_e, b_ze, o_e)
-                    b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
+                    b_ze += tl.dot(b_ct, ones, input_precision="ieee")
         b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
     if STORE_HT:
         _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k, first_v,
@@ -286,7 +288,7 @@ def _bwd_dh_kernel(
         b_dd = tl.where(col0, _row_values(dden, bos, o_t, m_t, i_h, H)[:, None], 0.0)  # [BT, 16]
         if first_v:
             _store_col0(dz, i_tg * H + i_h, K, o_k, o_k < K, b_dz, o_e)
-            b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision=SPREC)
+            b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision="ieee")
         if EXTRA:
             if first_k:
                 store_chunk_state(dhe, b_dhe, i_tg, i_h, o_e, o_v, m_ev, H, E, V)
@@ -294,7 +296,7 @@ def _bwd_dh_kernel(
                 b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
                 if first_v:
                     _store_col0(dze, i_tg * H + i_h, E, o_e, m_e, b_dze, o_e)
-                    b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
+                    b_dze += tl.dot(b_at, b_dd, input_precision="ieee")
         b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty), input_precision=PREC)
     if STORE_DH0:
         _store_end_tiles(dh0, dhe0, dz0, dze0, b_dh, b_dz, b_dhe, b_dze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k,
