@@ -58,6 +58,12 @@ def qkv_gk(B, T, H, D, dtype, device, gen):
     return x
 
 
+def positive_qk(B, T, H, D, dtype, device, gen):
+    """elu + 1 features of q, k (the normalised linear attention's default map), formed before the op."""
+    x = qkv(B, T, H, D, torch.float32, device, gen)
+    return {"q": (F.elu(x["q"]) + 1).to(dtype), "k": (F.elu(x["k"]) + 1).to(dtype), "v": x["v"].to(dtype)}
+
+
 def unit_qk(B, T, H, D, dtype, device, gen):
     """Unit-norm q, k (RLS / MesaNet take them L2-normalised), a ridge λ = 1 per head and key dim."""
     x = qkv(B, T, H, D, torch.float32, device, gen)
@@ -118,6 +124,12 @@ def _ops():
                                                 normalize=False, backend="triton")[0],
             fla=lambda fla, x: fla.chunk_linear_attn(x["q"], x["k"], x["v"], scale=1.0, normalize=False)[0],
         ),
+        "linear_attention_normalized": Op(  # the normaliser inside the chunks (lazoo.kernels.normalized)
+            make=positive_qk,
+            ours=lambda x: ops.linear_attention(x["q"], x["k"], x["v"], feature_map="identity",
+                                                normalize=True, backend="triton")[0],
+            fla=lambda fla, x: fla.chunk_linear_attn(x["q"], x["k"], x["v"], scale=1.0, normalize=True)[0],
+        ),
         "gated_linear_attention": Op(
             make=qkv_g,
             ours=lambda x: ops.gated_linear_attention(x["q"], x["k"], x["v"], x["g"], scale=1.0,
@@ -126,8 +138,8 @@ def _ops():
             io=(5, 9),
             grads=("q", "k", "v", "g"),
         ),
-        # the polynomial kernels: the kernel on D features in the inputs' dtype, the 1-2 scalar features as fp32
-        # prefix sums (ops.ela's split form)
+        # the polynomial kernels: D features in the inputs' dtype and 1-2 fp32 scalar features a token, on the
+        # normalised kernel (ops.ela's split form)
         "ela_sum_sq_euclid": Op(
             make=qkv,
             ours=lambda x: ops.ela(x["q"], x["k"], x["v"], kernel="sum_sq_euclid", backend="triton")[0],
