@@ -144,8 +144,8 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
             **tok),
         "token scan: backward (gradient of A)": measure(vla._scan_bwd_gs_kernel, dict(
             k=f32, u=f32, alpha=f32, rnorm=f32, dalpha=f32, zbuf=f32, dbuf=f32, dA_end=f32, ga_out=f32, gz_out=f32,
-            gd_out=f32, dA0=f32, T="i32", L="i32", **cx, USE_DA="constexpr", STORE="constexpr"),
-            dict(c, USE_DA=True, STORE=True), **tok),
+            gd_out=f32, dA0=f32, T="i32", L="i32", **cx, STORE="constexpr"),
+            dict(c, STORE=True), **tok),
         "token scan: backward (A rebuilt)": measure(vla._scan_bwd_a_kernel, dict(
             flags="*i8", zbuf=f32, dbuf=f32, A_end=f32, ckpt=f32, dk=f32, du=f32, gd=f32, T="i32", L="i32", eta="fp32",
             **cx,

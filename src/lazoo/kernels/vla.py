@@ -117,7 +117,7 @@ def _scan_fwd_kernel(
 @triton.jit
 def _scan_bwd_gs_kernel(
     k, u, alpha, rnorm, dalpha, zbuf, dbuf, dA_end, ga_out, gz_out, gd_out, dA0, T, L,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, USE_DA: tl.constexpr, STORE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, STORE: tl.constexpr,
 ):
     """Backward, part 1 (reverse order, needs no A): the gradient of A held symmetrised, gS = gA + gAᵀ.
     Per token: ga (through α̂ = a/|a|), and back through A' = A_prev - z zᵀ/δ, δ = 1 + û·z, z = A_prev û:
@@ -131,9 +131,8 @@ def _scan_bwd_gs_kernel(
     p2 = o[:, None] * D + o[None, :]
     pt = o[None, :] * D + o[:, None]  # the transposed view of the same D x D block
     base = piece * D * D
-    gS = tl.zeros([BD, BD], dtype=tl.float32)
-    if USE_DA:
-        gS += tl.load(dA_end + base + p2, mask=m2, other=0.0) + tl.load(dA_end + base + pt, mask=m2, other=0.0)
+    # the end gradient (zeros where the output's A is not used) symmetrised
+    gS = tl.load(dA_end + base + p2, mask=m2, other=0.0) + tl.load(dA_end + base + pt, mask=m2, other=0.0)
     for tt in range(start, end):
         t = start + end - 1 - tt
         row = (i_b * T + t) * H + i_h
@@ -288,7 +287,7 @@ class VLAScanFunction(torch.autograd.Function):
         ends = torch.zeros_like(A_ends)  # the end gradient of every piece
         if dA_end is not None:
             ends[:, -1] = dA_end.to(f32)
-        opts = dict(H=H, D=D, BD=BD, USE_DA=True, **_launch_opts(D, dev))
+        opts = dict(H=H, D=D, BD=BD, **_launch_opts(D, dev))
         grid = (B, H, N)
         if N > 1:  # each piece's own gradient of its start A, then the chain's adjoint gives the true ends
             _scan_bwd_gs_kernel[grid](k_hat, u_hat, alpha, rnorm, dalpha, zbuf, dbuf, ends, dk, du, gd, dA0, T,
