@@ -164,3 +164,13 @@ def test_gpu_matches_reference(dtype, rtol, E):
     T = 2048
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
     check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_gpu_head_dim_256(dtype, rtol):
+    """The largest head dim: the dq, dk, dv kernel holds a whole key row (fp32 falls back to a smaller value block
+    when the first does not fit the shared memory)."""
+    T = 600
+    check(1, T, 2, 256, 256, 2, dtype, "cuda", rtol, chunk=64, mask=left_pad_mask([T - 50], T), grad_rtol=3 * rtol)
