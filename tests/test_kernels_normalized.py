@@ -143,12 +143,17 @@ def test_interp_from_zero_state_one_chunk_width():
 
 
 @needs_interp
-def test_interp_refuses_half_the_features():
+def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 
     x = torch.ones(1, 4, 1, 16)
     with pytest.raises(ValueError, match="both scalar features"):
         chunk_normalized_linear_attention(x, x, x, x[..., :2])
+    with pytest.raises(ValueError, match="E <= 2"):
+        chunk_normalized_linear_attention(x, x, x, x[..., :3], x[..., :3])
+    h0, z0 = torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match="exactly when there are scalar features"):
+        chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], initial_state=(h0, None, z0, None))
 
 
 @pytest.mark.gpu

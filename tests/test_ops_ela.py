@@ -288,7 +288,7 @@ def _interpreting():
 @pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 @pytest.mark.parametrize("kernel", ELA_KERNELS)
 def test_interp_triton_matches_reference(kernel):
-    """backend="triton" (linear_attention's / gla's kernels on the features), fp32, vs the float64 reference:
+    """backend="triton" (the normalised kernel, or gla's for hadamard_exp), fp32, vs the float64 reference:
     outputs, final states and gradients at ragged T with a mask and a carried state; then a no-grad decode step."""
     from lazoo.ops._testing import forward_and_grads
 

@@ -529,14 +529,20 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1
     """``(o [B, T, H, V] in v's dtype, final state or None)``: o_i = num_i / max(den_i, eps) (module docstring).
 
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
-    features (cast to float32; c zero at pads) or None. States are tuples ``(h [N, H, V, K], he [N, H, V, E],
+    features, E = 1 or 2 (cast to float32; c zero at pads), or None. States are tuples ``(h [N, H, V, K], he [N, H, V, E],
     z [N, H, K], ze [N, H, E])`` in float32 (he, ze None without scalar features). Differentiable in all of them.
     """
     if (a is None) != (c is None):
         raise ValueError("chunk_normalized_linear_attention: give both scalar features a and c, or neither")
-    if a is not None and not (a.shape == c.shape and a.shape[:3] == q.shape[:3] and a.shape[-1] <= MAX_SCALARS):
-        raise ValueError(f"chunk_normalized_linear_attention: a and c must be [B, T, H, E] with E <= {MAX_SCALARS}, "
-                         f"got {tuple(a.shape)} and {tuple(c.shape)} for q {tuple(q.shape)}")
+    if a is not None and not (a.shape == c.shape and a.shape[:3] == q.shape[:3]
+                              and 1 <= a.shape[-1] <= MAX_SCALARS):
+        raise ValueError(f"chunk_normalized_linear_attention: a and c must be [B, T, H, E] with 1 <= E <= "
+                         f"{MAX_SCALARS}, got {tuple(a.shape)} and {tuple(c.shape)} for q {tuple(q.shape)}")
+    if initial_state is not None:
+        given = [x is not None for x in initial_state]
+        if len(given) != 4 or given != [True, a is not None, True, a is not None]:
+            raise ValueError("chunk_normalized_linear_attention: initial_state is (h, he, z, ze), with he and ze "
+                             "exactly when there are scalar features")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if a is not None:
         a, c = a.float().contiguous(), c.float().contiguous()
