@@ -530,7 +530,8 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1
 
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
     features, E = 1 or 2 (cast to float32; c zero at pads), or None. States are tuples
-    ``(h [N, H, V, K], he [N, H, V, E], z [N, H, K], ze [N, H, E])`` in float32 (he, ze None without scalar features). Differentiable in all of them.
+    ``(h [N, H, V, K], he [N, H, V, E], z [N, H, K], ze [N, H, E])`` in float32 (he, ze None without scalar
+    features). Differentiable in all of them.
     """
     if (a is None) != (c is None):
         raise ValueError("chunk_normalized_linear_attention: give both scalar features a and c, or neither")
