@@ -169,6 +169,15 @@ def launch_first_fitting(kernel, grid, key, configs, *args, **meta):
         return configs[i]
 
 
+def dqkv_configs(BK: int, V: int, two_byte: bool, first_bv: int = 64) -> list[dict]:
+    """Launch settings, best first, of a chunk kernel that holds a chunk's whole key rows (BK wide) and walks the
+    values in blocks of BV (the dq, dk, dv kernels): smaller value blocks where the first does not fit."""
+    warps = 8 if BK >= 128 else 4
+    return [dict(BV=min(first_bv if two_byte or BK <= 64 else 32, next_pow2(V)), num_warps=warps, num_stages=1),
+            dict(BV=min(32, next_pow2(V)), num_warps=warps, num_stages=1),
+            dict(BV=16, num_warps=8, num_stages=1)]
+
+
 # ============================================================================ types and block sizes
 def dot_types(x: torch.Tensor):
     """(Triton dot-operand dtype, precision of fp32 products) for inputs of x's dtype."""

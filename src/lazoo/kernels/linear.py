@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, end_state, fill_device, launch_first_fitting,
-                      load_end_state, seq_bounds, state_blocks, state_program, store_chunk_state)
+from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
+                      launch_first_fitting, load_end_state, seq_bounds, state_blocks, state_program, store_chunk_state)
 from ._utils import device_unsupported, next_pow2
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
@@ -364,10 +364,7 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev) if g is not None else None
     BK = next_pow2(c.K)
-    configs = [dict(BV=min(64 if c.two_byte or BK <= 64 else 32, next_pow2(c.V)),
-                    num_warps=8 if BK >= 128 else 4, num_stages=1),
-               dict(BV=min(32, next_pow2(c.V)), num_warps=8 if BK >= 128 else 4, num_stages=1),
-               dict(BV=16, num_warps=8, num_stages=1)]
+    configs = dqkv_configs(BK, c.V, c.two_byte)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), ("linear bwd_dqkv", c.key), configs,
                          q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
                          H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, end_state, launch_first_fitting, load_end_state,
-                      state_blocks, state_program, store_chunk_state)
+from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, launch_first_fitting,
+                      load_end_state, state_blocks, state_program, store_chunk_state)
 from ._utils import next_pow2
 
 #: the largest scalar-feature count (E = 1 or 2, ELA's)
@@ -136,11 +136,14 @@ def _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_k
 
 
 @triton.jit
-def _first_blocks(V: tl.constexpr, BV: tl.constexpr):
-    """Whether a state program (grid (NK * NV, N * H)) holds the first key block and the first value block."""
+def _state_roles(o_v, V: tl.constexpr, BV: tl.constexpr, E: tl.constexpr):
+    """A state program's (grid (NK * NV, N * H)) roles and scalar-feature offsets: whether it holds the first key
+    block (it keeps he) and the first value block (it keeps z), the 16 feature offsets and masks o_e, m_e, m_ev."""
     NV: tl.constexpr = (V + BV - 1) // BV
     i_kv = tl.program_id(0)
-    return i_kv // NV == 0, i_kv % NV == 0
+    o_e = tl.arange(0, 16)
+    m_e = o_e < E
+    return i_kv // NV == 0, i_kv % NV == 0, o_e, m_e, m_e[:, None] & (o_v[None, :] < V)
 
 
 # ============================================================================ forward
@@ -160,10 +163,7 @@ def _fwd_h_kernel(
     the walk over chunks has no reduction across warps."""
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
-    first_k, first_v = _first_blocks(V, BV)
-    o_e = tl.arange(0, 16)
-    m_e = o_e < E
-    m_ev = m_e[:, None] & (o_v[None, :] < V)
+    first_k, first_v, o_e, m_e, m_ev = _state_roles(o_v, V, BV, E)
     ones = tl.full([BT, 16], 1.0, tl.float32)
     b_h, b_z, b_he, b_ze = _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK, BV,
                                         USE_H0, EXTRA)
@@ -269,10 +269,7 @@ def _bwd_dh_kernel(
     dden enters the tile products as the first of 16 columns)."""
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
-    first_k, first_v = _first_blocks(V, BV)
-    o_e = tl.arange(0, 16)
-    m_e = o_e < E
-    m_ev = m_e[:, None] & (o_v[None, :] < V)
+    first_k, first_v, o_e, m_e, m_ev = _state_roles(o_v, V, BV, E)
     col0 = (o_e == 0)[None, :]
     b_dh, b_dz, b_dhe, b_dze = _start_tiles(dht, dhet, dzt, dzet, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK,
                                             BV, USE_DHT, EXTRA)
@@ -412,7 +409,7 @@ def _bwd_dqkv_kernel(
 class _Ctx(ChunkLayout):
     def __init__(self, q, v, a, cu_seqlens, chunk_size, eps):
         super().__init__(q, v, cu_seqlens, chunk_size)
-        self.E = 0 if a is None else a.shape[-1]
+        self.E = 1 if a is None else a.shape[-1]  # (without features: the width of the unused buffers)
         self.extra = a is not None
         self.eps = float(eps)
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -420,7 +417,7 @@ class _Ctx(ChunkLayout):
         self.two_byte = q.element_size() == 2
 
     def meta(self):
-        return dict(H=self.H, K=self.K, V=self.V, E=max(self.E, 1), BT=self.BT, EXTRA=self.extra,
+        return dict(H=self.H, K=self.K, V=self.V, E=self.E, BT=self.BT, EXTRA=self.extra,
                     IS_VARLEN=self.varlen, PREC=self.prec)
 
     def state_meta(self):
@@ -429,14 +426,14 @@ class _Ctx(ChunkLayout):
 
     def buffers(self, dev):
         """Per-chunk buffers (h, he, z, ze) for the states or their gradients."""
-        NT, H, K, V, E = self.NT, self.H, self.K, self.V, max(self.E, 1)
+        NT, H, K, V, E = self.NT, self.H, self.K, self.V, self.E
         f32 = torch.float32
         return (torch.empty(NT, H, K, V, dtype=self.state_dtype, device=dev), torch.empty(NT, H, E, V, dtype=f32,
                 device=dev) if self.extra else None, torch.empty(NT, H, K, dtype=f32, device=dev),
                 torch.empty(NT, H, E, dtype=f32, device=dev) if self.extra else None)
 
     def end_states(self, dev):
-        N, H, K, V, E = self.N, self.H, self.K, self.V, max(self.E, 1)
+        N, H, K, V, E = self.N, self.H, self.K, self.V, self.E
         f32 = torch.float32
         return (torch.empty(N, H, V, K, dtype=f32, device=dev),
                 torch.empty(N, H, V, E, dtype=f32, device=dev) if self.extra else None,
@@ -484,9 +481,7 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     dc = torch.empty_like(cf) if c.extra else None
     BK = next_pow2(c.K)
     h, he, z, ze = states
-    warps = 8 if BK >= 128 else 4
-    configs = [dict(BV=min(DQKV_BV if c.two_byte or BK <= 64 else 32, next_pow2(c.V)), num_warps=warps, num_stages=1),
-               dict(BV=min(32, next_pow2(c.V)), num_warps=warps, num_stages=1), dict(BV=16, num_warps=8, num_stages=1)]
+    configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
     key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, c.cu, c.chunk_indices, c.T, BK=BK, **c.meta())
