@@ -18,8 +18,10 @@ do, o and den (stored by the forward). The state-gradient kernel scales do by 1/
 are fp32 for fp16 inputs); the dq, dk, dv kernel scales its products' results instead, since do / den' can fall
 below fp16's normal range. The state kernels form every sum over a chunk's tokens (z, he, ze) as a tile product:
 their walk over the chunks then has no reduction across warps. The normaliser's sums (z, ze and their gradients)
-are exact fp32 products: dk and dc are differences of the numerator's and the normaliser's terms, which cancel
-closely, so a tf32 rounding there shows in them.
+keep fp32's precision on tf32 tensor cores: each fp32 operand enters as two parts exact in tf32 (``_tf32_split``)
+in spare rows or columns of the same tile, and a tile's value is the sum of its parts (``_fold``). dk and dc are
+differences of the numerator's and the normaliser's terms, which cancel closely, so a single tf32 rounding there
+shows in them; exact fp32 products ("ieee") there made the backward 20% slower.
 
 Kernels: ``_fwd_h`` (chunk-start states, sequential over chunks), ``_fwd_o`` (outputs and den, parallel over
 chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse) and
@@ -99,40 +101,88 @@ def _end_srow(ptr, i_nh, e: tl.constexpr, o_v, E: tl.constexpr, V: tl.constexpr)
 
 
 @triton.jit
+def _tf32_split(x):
+    """(hi, lo), x = hi + lo exactly, hi exact in tf32 (its low 13 mantissa bits cleared): tf32 products of both
+    parts carry x to about 2^-21 of itself, where one of x would round it at 2^-11."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _split_features(ptr, bos, o_t, m_t, i_h, H: tl.constexpr, E: tl.constexpr, o_e):
+    """``[16, BT]`` fp32: a chunk's scalar features (a or c, ``[.., H, E]``) split by ``_tf32_split``, the high
+    parts in rows e, the low in rows 8 + e (other rows zero)."""
+    x = _tokens(ptr, bos, o_t, m_t, i_h, H, E, o_e % 8, True)
+    hi, lo = _tf32_split(x)
+    return tl.where((o_e < 8)[:, None], hi, lo)
+
+
+@triton.jit
+def _split_column(d, o_e):
+    """``[BT, 16]``: a per-token fp32 value split by ``_tf32_split``, the high part in column 0, the low in 1."""
+    hi, lo = _tf32_split(d)
+    return tl.where((o_e == 0)[None, :], hi[:, None], tl.where((o_e == 1)[None, :], lo[:, None], 0.0))
+
+
+@triton.jit
+def _fold(tile, N: tl.constexpr):
+    """``[8, N]``: a scalar-feature tile's value, rows e plus rows 8 + e of ``[16, N]``."""
+    return tl.sum(tl.reshape(tile, [2, 8, N]), 0)
+
+
+@triton.jit
 def _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K: tl.constexpr, V: tl.constexpr,
                  E: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr, EXTRA: tl.constexpr):
-    """A state kernel's starting tiles, h [BK, BV], z [BK, 16], he [16, BV] and ze [16, 16] (z and ze repeated over
-    their 16 columns), from the given states when USE, else zeros."""
+    """A state kernel's starting tiles, h [BK, BV], z [BK, 16], he [16, BV] and ze [16, 16], from the given states
+    when USE, else zeros. z and ze hold their values as column sums, he and ze as ``_fold`` sums: the given values
+    start in column 0 and rows 0..E-1."""
+    col0 = (o_e == 0)[None, :]
     b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE)
     b_z = tl.zeros([BK, 16], dtype=tl.float32)
     b_he = tl.zeros([16, BV], dtype=tl.float32)
     b_ze = tl.zeros([16, 16], dtype=tl.float32)
     if USE:
-        b_z += _vec(z0, i_nh, K, o_k, o_k < K)[:, None]
+        b_z += tl.where(col0, _vec(z0, i_nh, K, o_k, o_k < K)[:, None], 0.0)
         if EXTRA:
             b_he += load_end_state(he0, i_nh, o_e, o_v, m_ev, E, V, 16, BV, True)
-            b_ze += _vec(ze0, i_nh, E, o_e, m_e)[:, None]
+            b_ze += tl.where(col0, _vec(ze0, i_nh, E, o_e, m_e)[:, None], 0.0)
     return b_h, b_z, b_he, b_ze
 
 
 @triton.jit
-def _store_col0(ptr, row, width, o, m, tile, o_e):
-    """Store column 0 of ``tile`` ``[len(o), 16]`` into row ``row`` of a ``[.., width]`` buffer (elements o, m)."""
-    tl.store(ptr + row * width + o[:, None] + 0 * o_e[None, :], tile, mask=m[:, None] & (o_e == 0)[None, :])
+def _store_z(ptr, row, K: tl.constexpr, o_k, b_z):
+    """Store a z-like tile's value (its column sums) into row ``row`` of a ``[.., K]`` buffer."""
+    tl.store(ptr + row * K + o_k, tl.sum(b_z, 1), mask=o_k < K)
 
 
 @triton.jit
-def _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k, first_v,
-                     K: tl.constexpr, V: tl.constexpr, E: tl.constexpr, EXTRA: tl.constexpr):
+def _store_ze(ptr, row, E: tl.constexpr, b_ze):
+    """Store a ze-like tile's value (``_fold`` and column sums) into row ``row`` of a ``[.., E]`` buffer."""
+    o_e = tl.arange(0, 8)
+    tl.store(ptr + row * E + o_e, tl.sum(_fold(b_ze, 16), 1), mask=o_e < E)
+
+
+@triton.jit
+def _store_he(ptr, b_he, i_tg, i_h, o_v, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Store an he-like tile's value (``_fold``) as chunk i_tg's (buffer ``[chunks, H, E, V]``)."""
+    o_e = tl.arange(0, 8)
+    store_chunk_state(ptr, _fold(b_he, BV), i_tg, i_h, o_e, o_v, (o_e[:, None] < E) & (o_v[None, :] < V), H, E, V)
+
+
+@triton.jit
+def _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, first_k, first_v,
+                     K: tl.constexpr, V: tl.constexpr, E: tl.constexpr, BV: tl.constexpr, EXTRA: tl.constexpr):
     """A state kernel's last tiles into the final states (or the initial states' gradients)."""
     tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
     if first_v:
-        _store_col0(zt, i_nh.to(tl.int64), K, o_k, o_k < K, b_z, o_e)
+        _store_z(zt, i_nh.to(tl.int64), K, o_k, b_z)
     if EXTRA:
         if first_k:
-            tl.store(end_state(het, i_nh, o_e, o_v, E, V), b_he, mask=m_ev)
+            o_e = tl.arange(0, 8)
+            tl.store(end_state(het, i_nh, o_e, o_v, E, V), _fold(b_he, BV),
+                     mask=(o_e[:, None] < E) & (o_v[None, :] < V))
             if first_v:
-                _store_col0(zet, i_nh.to(tl.int64), E, o_e, m_e, b_ze, o_e)
+                _store_ze(zet, i_nh.to(tl.int64), E, b_ze)
 
 
 @triton.jit
@@ -164,7 +214,7 @@ def _fwd_h_kernel(
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
     first_k, first_v, o_e, m_e, m_ev = _state_roles(o_v, V, BV, E)
-    ones = tl.full([BT, 16], 1.0, tl.float32)
+    ones = tl.where((o_e == 0)[None, :], tl.full([BT, 16], 1.0, tl.float32), 0.0)  # sums into column 0
     b_h, b_z, b_he, b_ze = _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK, BV,
                                         USE_H0, EXTRA)
     for i_t in range(NT):
@@ -172,25 +222,25 @@ def _fwd_h_kernel(
         store_chunk_state(h, b_h, i_tg, i_h, o_k, o_v, m_kv, H, K, V)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T_seq
-        # k in the state's dtype for both products (fp32 for fp16 inputs: an fp16 product for z beside the fp32
-        # one for h gave z 1% off at chunks of 64 on an H200, Triton 3.6)
+        # k in the state's dtype for both products (fp32, exact in tf32, for fp16 inputs: an fp16 product for z
+        # beside the fp32 one for h gave z 1% off at chunks of 64 on an H200, Triton 3.6)
         b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True).to(h.dtype.element_ty)  # [BK, BT]
         b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
         if first_v:
-            _store_col0(z, i_tg * H + i_h, K, o_k, o_k < K, b_z, o_e)
+            _store_z(z, i_tg * H + i_h, K, o_k, b_z)
             b_z += tl.dot(b_kt, ones.to(b_kt.dtype), input_precision=PREC)
         if EXTRA:
             if first_k:
-                store_chunk_state(he, b_he, i_tg, i_h, o_e, o_v, m_ev, H, E, V)
-                b_ct = _tokens(c, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT] fp32, rows past E zero
+                _store_he(he, b_he, i_tg, i_h, o_v, H, E, V, BV)
+                b_ct = _split_features(c, bos, o_t, m_t, i_h, H, E, o_e)  # [16, BT]
                 b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
                 if first_v:
-                    _store_col0(ze, i_tg * H + i_h, E, o_e, m_e, b_ze, o_e)
-                    b_ze += tl.dot(b_ct, ones, input_precision="ieee")
+                    _store_ze(ze, i_tg * H + i_h, E, b_ze)
+                    b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
         b_h += tl.dot(b_kt, b_v.to(h.dtype.element_ty), input_precision=PREC)
     if STORE_HT:
-        _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k, first_v,
-                         K, V, E, EXTRA)
+        _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, first_k, first_v, K, V, E, BV,
+                         EXTRA)
 
 
 @triton.jit
@@ -272,7 +322,6 @@ def _bwd_dh_kernel(
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
     first_k, first_v, o_e, m_e, m_ev = _state_roles(o_v, V, BV, E)
-    col0 = (o_e == 0)[None, :]
     b_dh, b_dz, b_dhe, b_dze = _start_tiles(dht, dhet, dzt, dzet, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK,
                                             BV, USE_DHT, EXTRA)
     for i_r in range(NT):
@@ -284,22 +333,22 @@ def _bwd_dh_kernel(
         b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
         b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
         b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]  # do / den'
-        b_dd = tl.where(col0, _row_values(dden, bos, o_t, m_t, i_h, H)[:, None], 0.0)  # [BT, 16]
-        if first_v:
-            _store_col0(dz, i_tg * H + i_h, K, o_k, o_k < K, b_dz, o_e)
-            b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision="ieee")
+        b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)  # [BT, 16]
+        if first_v:  # (q is exact in tf32)
+            _store_z(dz, i_tg * H + i_h, K, o_k, b_dz)
+            b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision=SPREC)
         if EXTRA:
             if first_k:
-                store_chunk_state(dhe, b_dhe, i_tg, i_h, o_e, o_v, m_ev, H, E, V)
-                b_at = _tokens(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
+                _store_he(dhe, b_dhe, i_tg, i_h, o_v, H, E, V, BV)
+                b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e)  # [16, BT]
                 b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
                 if first_v:
-                    _store_col0(dze, i_tg * H + i_h, E, o_e, m_e, b_dze, o_e)
-                    b_dze += tl.dot(b_at, b_dd, input_precision="ieee")
+                    _store_ze(dze, i_tg * H + i_h, E, b_dze)
+                    b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
         b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty), input_precision=PREC)
     if STORE_DH0:
-        _store_end_tiles(dh0, dhe0, dz0, dze0, b_dh, b_dz, b_dhe, b_dze, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, first_k,
-                         first_v, K, V, E, EXTRA)
+        _store_end_tiles(dh0, dhe0, dz0, dze0, b_dh, b_dz, b_dhe, b_dze, i_nh, o_k, o_v, m_kv, first_k, first_v, K,
+                         V, E, BV, EXTRA)
 
 
 @triton.jit
