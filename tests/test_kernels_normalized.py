@@ -143,6 +143,13 @@ def test_interp_from_zero_state_one_chunk_width():
 
 
 @needs_interp
+def test_interp_several_key_and_value_blocks():
+    """K, V over several blocks of the state kernels (the last ones ragged): each role (h tiles, z key blocks, he
+    value blocks, ze in the first) from a given state to the final one."""
+    check(2, 40, 1, 72, 80, 2, torch.float32, "cpu", 2e-5, chunk=16, mask=left_pad_mask([40, 31], 40))
+
+
+@needs_interp
 def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, launch_first_fitting,
-                      load_end_state, state_blocks, state_program, store_chunk_state)
+                      load_end_state, seq_bounds, state_blocks, store_chunk_state)
 from ._utils import next_pow2
 
 #: the largest scalar-feature count (E = 1 or 2, ELA's)
@@ -90,17 +90,6 @@ def _srow(ptr, i_tg, i_h, e: tl.constexpr, o_v, H: tl.constexpr, E: tl.constexpr
 
 
 @triton.jit
-def _put_srow(ptr, x, i_tg, i_h, e: tl.constexpr, o_v, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr):
-    tl.store(ptr + (i_tg * H + i_h) * (E * V) + e * V + o_v, x, mask=o_v < V)
-
-
-@triton.jit
-def _end_srow(ptr, i_nh, e: tl.constexpr, o_v, E: tl.constexpr, V: tl.constexpr):
-    """Pointers to column e of an initial or final he ``[N, H, V, E]`` (head i_nh), ``[BV]``."""
-    return ptr + i_nh.to(tl.int64) * (V * E) + o_v * E + e
-
-
-@triton.jit
 def _tf32_split(x):
     """(hi, lo), x = hi + lo exactly, hi exact in tf32 (its low 13 mantissa bits cleared): tf32 products of both
     parts carry x to about 2^-21 of itself, where one of x would round it at 2^-11."""
@@ -131,22 +120,25 @@ def _fold(tile, N: tl.constexpr):
 
 
 @triton.jit
-def _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K: tl.constexpr, V: tl.constexpr,
-                 E: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr, EXTRA: tl.constexpr):
-    """A state kernel's starting tiles, h [BK, BV], z [BK, 16], he [16, BV] and ze [16, 16], from the given states
-    when USE, else zeros. z and ze hold their values as column sums, he and ze as ``_fold`` sums: the given values
-    start in column 0 and rows 0..E-1."""
-    col0 = (o_e == 0)[None, :]
-    b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE)
+def _start_z(z0, i_nh, o_k, o_e, K: tl.constexpr, BK: tl.constexpr, USE: tl.constexpr):
+    """A key block's starting z tile ``[BK, 16]``: the given z in column 0 when USE, else zeros."""
     b_z = tl.zeros([BK, 16], dtype=tl.float32)
+    if USE:
+        b_z += tl.where((o_e == 0)[None, :], _vec(z0, i_nh, K, o_k, o_k < K)[:, None], 0.0)
+    return b_z
+
+
+@triton.jit
+def _start_e(he0, ze0, i_nh, o_e, o_v, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr):
+    """A value block's starting he ``[16, BV]`` and ze ``[16, 16]`` tiles: the given ones in rows 0..E-1 (ze in
+    column 0) when USE, else zeros."""
     b_he = tl.zeros([16, BV], dtype=tl.float32)
     b_ze = tl.zeros([16, 16], dtype=tl.float32)
     if USE:
-        b_z += tl.where(col0, _vec(z0, i_nh, K, o_k, o_k < K)[:, None], 0.0)
-        if EXTRA:
-            b_he += load_end_state(he0, i_nh, o_e, o_v, m_ev, E, V, 16, BV, True)
-            b_ze += tl.where(col0, _vec(ze0, i_nh, E, o_e, m_e)[:, None], 0.0)
-    return b_h, b_z, b_he, b_ze
+        m_e = o_e < E
+        b_he += load_end_state(he0, i_nh, o_e, o_v, m_e[:, None] & (o_v[None, :] < V), E, V, 16, BV, True)
+        b_ze += tl.where((o_e == 0)[None, :], _vec(ze0, i_nh, E, o_e, m_e)[:, None], 0.0)
+    return b_he, b_ze
 
 
 @triton.jit
@@ -170,35 +162,33 @@ def _store_he(ptr, b_he, i_tg, i_h, o_v, H: tl.constexpr, E: tl.constexpr, V: tl
 
 
 @triton.jit
-def _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, first_k, first_v,
-                     K: tl.constexpr, V: tl.constexpr, E: tl.constexpr, BV: tl.constexpr, EXTRA: tl.constexpr):
-    """A state kernel's last tiles into the final states (or the initial states' gradients)."""
-    tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
-    if first_v:
-        _store_z(zt, i_nh.to(tl.int64), K, o_k, b_z)
-    if EXTRA:
-        if first_k:
-            o_e = tl.arange(0, 8)
-            tl.store(end_state(het, i_nh, o_e, o_v, E, V), _fold(b_he, BV),
-                     mask=(o_e[:, None] < E) & (o_v[None, :] < V))
-            if first_v:
-                _store_ze(zet, i_nh.to(tl.int64), E, b_ze)
+def _store_he_end(ptr, b_he, i_nh, o_v, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Store an he-like tile's value into an initial or final he ``[N, H, V, E]`` (head i_nh)."""
+    o_e = tl.arange(0, 8)
+    tl.store(end_state(ptr, i_nh, o_e, o_v, E, V), _fold(b_he, BV), mask=(o_e[:, None] < E) & (o_v[None, :] < V))
 
 
 @triton.jit
-def _state_roles(o_v, V: tl.constexpr, BV: tl.constexpr, E: tl.constexpr):
-    """A state program's (grid (NK * NV, N * H)) roles and scalar-feature offsets: whether it holds the first key
-    block (it keeps he) and the first value block (it keeps z), the 16 feature offsets and masks o_e, m_e, m_ev."""
+def _role_program(cu_seqlens, chunk_offsets, T, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A state program's role index i_p (its grid column), head (i_nh, i_h) and sequence (``seq_bounds``)."""
+    i_p, i_nh = tl.program_id(0), tl.program_id(1)
+    bos, T_seq, NT, boh = seq_bounds(cu_seqlens, chunk_offsets, i_nh // H, T, BT, IS_VARLEN)
+    return i_p, i_nh, i_nh % H, bos, T_seq, NT, boh
+
+
+@triton.jit
+def _h_tile(i_p, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The offsets and mask of program i_p's [BK, BV] tile of h (i_p < NK * NV)."""
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_kv = tl.program_id(0)
-    o_e = tl.arange(0, 16)
-    m_e = o_e < E
-    return i_kv // NV == 0, i_kv % NV == 0, o_e, m_e, m_e[:, None] & (o_v[None, :] < V)
+    o_k = (i_p // NV) * BK + tl.arange(0, BK)
+    o_v = (i_p % NV) * BV + tl.arange(0, BV)
+    return o_k, o_v, (o_k[:, None] < K) & (o_v[None, :] < V)
 
 
 # ============================================================================ forward
-# The scalar features (E = 1 or 2) are per-token vectors, not tiles: their products are outer products and row
-# sums in fp32 (a tile product would pad E to 16).
+# The state kernels' programs take one of three roles and walk the chunks side by side: a [BK, BV] tile of h; a
+# key block of z; with scalar features, a value block of he (the first also ze). The walk lasts as long as its
+# slowest program, so no program carries another's sums. Grid: (NK * NV + NK (+ NV), N * H).
 @triton.jit
 def _fwd_h_kernel(
     k, c, v, h, he, z, ze, h0, he0, z0, ze0, ht, het, zt, zet, cu_seqlens, chunk_offsets, T,
@@ -207,42 +197,61 @@ def _fwd_h_kernel(
     EXTRA: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     SPREC: tl.constexpr,
 ):
-    """Grid (NK * NV, N * H): every chunk's starting state, then the final one. Every program keeps its [BK, BV]
-    tile of h; those of the first key block keep he's [16, BV] tile (rows past E are 0), those of the first value
-    block z as a [BK, 16] tile (16 equal columns). Every sum over a chunk's tokens is a tile product, so that
-    the walk over chunks has no reduction across warps."""
-    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
-                                                                   BV, IS_VARLEN)
-    first_k, first_v, o_e, m_e, m_ev = _state_roles(o_v, V, BV, E)
+    """Every chunk's starting state, then the final one (roles above). z is a ``[BK, 16]`` tile whose column 0
+    holds it, he and ze ``_fold`` tiles: every sum over a chunk's tokens is a tile product."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_p, i_nh, i_h, bos, T_seq, NT, boh = _role_program(cu_seqlens, chunk_offsets, T, H, BT, IS_VARLEN)
+    o_e = tl.arange(0, 16)
     ones = tl.where((o_e == 0)[None, :], tl.full([BT, 16], 1.0, tl.float32), 0.0)  # sums into column 0
-    b_h, b_z, b_he, b_ze = _start_tiles(h0, he0, z0, ze0, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK, BV,
-                                        USE_H0, EXTRA)
-    for i_t in range(NT):
-        i_tg = boh + i_t
-        store_chunk_state(h, b_h, i_tg, i_h, o_k, o_v, m_kv, H, K, V)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T_seq
-        # k in the state's dtype for both products (fp32, exact in tf32, for fp16 inputs: an fp16 product for z
-        # beside the fp32 one for h gave z 1% off at chunks of 64 on an H200, Triton 3.6)
-        b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True).to(h.dtype.element_ty)  # [BK, BT]
-        b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
-        if first_v:
-            _store_z(z, i_tg * H + i_h, K, o_k, b_z)
+    if i_p < NK * NV:  # a tile of h
+        o_k, o_v, m_kv = _h_tile(i_p, K, V, BK, BV)
+        b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
+        for i_t in range(NT):
+            store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
+            b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
+            b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
+        if STORE_HT:
+            tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+    elif i_p < NK * NV + NK:  # a key block of z
+        o_k = (i_p - NK * NV) * BK + tl.arange(0, BK)
+        b_z = _start_z(z0, i_nh, o_k, o_e, K, BK, USE_H0)
+        for i_t in range(NT):
+            _store_z(z, (boh + i_t) * H + i_h, K, o_k, b_z)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            # k in the state's dtype (fp32, exact in tf32, for fp16 inputs: an fp16 product for z beside the fp32
+            # one for h gave z 1% off at chunks of 64 on an H200, Triton 3.6)
+            b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True).to(h.dtype.element_ty)  # [BK, BT]
             b_z += tl.dot(b_kt, ones.to(b_kt.dtype), input_precision=PREC)
-        if EXTRA:
-            if first_k:
-                _store_he(he, b_he, i_tg, i_h, o_v, H, E, V, BV)
-                b_ct = _split_features(c, bos, o_t, m_t, i_h, H, E, o_e)  # [16, BT]
-                b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
-                if first_v:
-                    _store_ze(ze, i_tg * H + i_h, E, b_ze)
-                    b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
-        b_h += tl.dot(b_kt, b_v.to(h.dtype.element_ty), input_precision=PREC)
-    if STORE_HT:
-        _store_end_tiles(ht, het, zt, zet, b_h, b_z, b_he, b_ze, i_nh, o_k, o_v, m_kv, first_k, first_v, K, V, E, BV,
-                         EXTRA)
+        if STORE_HT:
+            _store_z(zt, i_nh.to(tl.int64), K, o_k, b_z)
+    elif EXTRA:  # a value block of he (the first: and ze)
+        i_v = i_p - NK * NV - NK
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_he, b_ze = _start_e(he0, ze0, i_nh, o_e, o_v, E, V, BV, USE_H0)
+        for i_t in range(NT):
+            i_tg = boh + i_t
+            _store_he(he, b_he, i_tg, i_h, o_v, H, E, V, BV)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            b_ct = _split_features(c, bos, o_t, m_t, i_h, H, E, o_e)  # [16, BT]
+            b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
+            b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
+            if i_v == 0:
+                _store_ze(ze, i_tg * H + i_h, E, b_ze)
+                b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
+        if STORE_HT:
+            _store_he_end(het, b_he, i_nh, o_v, E, V, BV)
+            if i_v == 0:
+                _store_ze(zet, i_nh.to(tl.int64), E, b_ze)
 
 
+# The output and dq, dk, dv kernels take the scalar features (E = 1 or 2) as per-token vectors, not tiles: their
+# products are outer products and row sums in fp32 (a tile product would pad E to 16).
 @triton.jit
 def _fwd_o_kernel(
     q, k, a, c, v, h, he, z, ze, o, den, cu_seqlens, chunk_indices, eps, T,
@@ -317,38 +326,61 @@ def _bwd_dh_kernel(
     EXTRA: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr,
 ):
-    """Grid (NK * NV, N * H): the gradients of the states at every chunk's end, in reverse (tiles as in _fwd_h;
-    dden enters the tile products as the first of 16 columns)."""
-    i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
-                                                                   BV, IS_VARLEN)
-    first_k, first_v, o_e, m_e, m_ev = _state_roles(o_v, V, BV, E)
-    b_dh, b_dz, b_dhe, b_dze = _start_tiles(dht, dhet, dzt, dzet, i_nh, o_k, o_v, m_kv, o_e, m_e, m_ev, K, V, E, BK,
-                                            BV, USE_DHT, EXTRA)
-    for i_r in range(NT):
-        i_t = NT - 1 - i_r
-        i_tg = boh + i_t
-        store_chunk_state(dh, b_dh, i_tg, i_h, o_k, o_v, m_kv, H, K, V)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T_seq
-        b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
-        b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
-        b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]  # do / den'
-        b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)  # [BT, 16]
-        if first_v:  # (q is exact in tf32)
-            _store_z(dz, i_tg * H + i_h, K, o_k, b_dz)
+    """The gradients of the states at every chunk's end, in reverse (roles and tiles as in _fwd_h; dden enters the
+    products of dz and dze as columns 0 and 1, its two tf32 parts)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_p, i_nh, i_h, bos, T_seq, NT, boh = _role_program(cu_seqlens, chunk_offsets, T, H, BT, IS_VARLEN)
+    o_e = tl.arange(0, 16)
+    if i_p < NK * NV:  # a tile of dh
+        o_k, o_v, m_kv = _h_tile(i_p, K, V, BK, BV)
+        b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
+        for i_r in range(NT):
+            i_t = NT - 1 - i_r
+            store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
+            b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
+            b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]  # do / den'
+            b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty), input_precision=PREC)
+        if STORE_DH0:
+            tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
+    elif i_p < NK * NV + NK:  # a key block of dz (q is exact in tf32)
+        o_k = (i_p - NK * NV) * BK + tl.arange(0, BK)
+        b_dz = _start_z(dzt, i_nh, o_k, o_e, K, BK, USE_DHT)
+        for i_r in range(NT):
+            i_t = NT - 1 - i_r
+            _store_z(dz, (boh + i_t) * H + i_h, K, o_k, b_dz)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
+            b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)  # [BT, 16]
             b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision=SPREC)
-        if EXTRA:
-            if first_k:
-                _store_he(dhe, b_dhe, i_tg, i_h, o_v, H, E, V, BV)
-                b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e)  # [16, BT]
-                b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
-                if first_v:
-                    _store_ze(dze, i_tg * H + i_h, E, b_dze)
-                    b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
-        b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty), input_precision=PREC)
-    if STORE_DH0:
-        _store_end_tiles(dh0, dhe0, dz0, dze0, b_dh, b_dz, b_dhe, b_dze, i_nh, o_k, o_v, m_kv, first_k, first_v, K,
-                         V, E, BV, EXTRA)
+        if STORE_DH0:
+            _store_z(dz0, i_nh.to(tl.int64), K, o_k, b_dz)
+    elif EXTRA:  # a value block of dhe (the first: and dze)
+        i_v = i_p - NK * NV - NK
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_dhe, b_dze = _start_e(dhet, dzet, i_nh, o_e, o_v, E, V, BV, USE_DHT)
+        for i_r in range(NT):
+            i_t = NT - 1 - i_r
+            i_tg = boh + i_t
+            _store_he(dhe, b_dhe, i_tg, i_h, o_v, H, E, V, BV)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e)  # [16, BT]
+            b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
+            b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]
+            b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
+            if i_v == 0:
+                _store_ze(dze, i_tg * H + i_h, E, b_dze)
+                b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)
+                b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
+        if STORE_DH0:
+            _store_he_end(dhe0, b_dhe, i_nh, o_v, E, V, BV)
+            if i_v == 0:
+                _store_ze(dze0, i_nh.to(tl.int64), E, b_dze)
 
 
 @triton.jit
@@ -475,6 +507,12 @@ class _Ctx(ChunkLayout):
         """``meta`` and the precision of the state kernels' fp32 tile products (tf32 for 16-bit inputs)."""
         return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32")
 
+    def state_grid(self, BK, BV):
+        """The state kernels' grid: the tiles of h, the key blocks of z and, with scalar features, the value blocks
+        of he (the roles in the kernels' comment)."""
+        NK, NV = triton.cdiv(self.K, BK), triton.cdiv(self.V, BV)
+        return (NK * NV + NK + (NV if self.extra else 0), self.N * self.H)
+
     def buffers(self, dev):
         """Per-chunk buffers (h, he, z, ze) for the states or their gradients."""
         NT, H, K, V, E = self.NT, self.H, self.K, self.V, self.E
@@ -498,7 +536,7 @@ def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     h, he, z, ze = c.buffers(dev)
     st = c.end_states(dev) if output_final_state else (None,) * 4
     s0 = s0 if s0 is not None else (None,) * 4
-    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
+    grid = c.state_grid(BK, BV)
     _fwd_h_kernel[grid](k, cf, v, h, he, z, ze, *s0, *st, c.cu, c.chunk_offsets, c.T, BK=BK, BV=BV,
                         USE_H0=s0[0] is not None, STORE_HT=output_final_state, **c.state_meta(), num_warps=4,
                         num_stages=2)
@@ -523,7 +561,7 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     dh, dhe, dz, dze = c.buffers(dev)
     ds0 = c.end_states(dev) if want_ds0 else (None,) * 4
     dst = dst if dst is not None else (None,) * 4
-    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
+    grid = c.state_grid(BK, BV)
     _bwd_dh_kernel[grid](q, a, do, rden, dden, dh, dhe, dz, dze, *dst, *ds0, c.cu, c.chunk_offsets, c.T,
                          BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=want_ds0, **c.state_meta(), num_warps=4,
                          num_stages=2)
