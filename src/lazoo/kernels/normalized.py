@@ -16,8 +16,9 @@ The backward is linear attention's with the values [v, 1] and the output gradien
 den' = max(den, eps) and dden = -(do·o) / den' (0 where the clamp holds): a small kernel forms 1/den' and dden from
 do, o and den (stored by the forward). The state-gradient kernel scales do by 1/den' as it loads it (its products
 are fp32 for fp16 inputs); the dq, dk, dv kernel scales its products' results instead, since do / den' can fall
-below fp16's normal range. The state kernels form every sum over a chunk's tokens (z, he, ze) as a tile product:
-their walk over the chunks then has no reduction across warps. The normaliser's sums (z, ze and their gradients)
+below fp16's normal range. The state kernels give each state its own programs (tiles of h, key blocks of z, value
+blocks of he and ze), which walk the chunks side by side, and form every sum over a chunk's tokens as a tile
+product, so the walk has no reduction across warps. The normaliser's sums (z, ze and their gradients)
 keep fp32's precision on tf32 tensor cores: each fp32 operand enters as two parts exact in tf32 (``_tf32_split``)
 in spare rows or columns of the same tile, and a tile's value is the sum of its parts (``_fold``). dk and dc are
 differences of the numerator's and the normaliser's terms, which cancel closely, so a single tf32 rounding there
