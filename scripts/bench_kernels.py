@@ -18,11 +18,19 @@ before any is timed (the warm-up's seconds are in the JSON's env), so fla's rows
 
 Adding an op is one entry in ``OPS``: how to make its inputs, how to call it (ours and fla's), and
 its FLOP count per token and head.
+
+``--variant LABEL:module.ATTR=value[,...]`` (repeatable) times lazoo's ops again with module settings changed,
+in the same run, as rows of impl ``lazoo:LABEL``: alternative kernel forms side by side on one card, e.g.
+
+    --variant tiles:lazoo.kernels.normalized.FEATURE_TILES=True
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import importlib
 import json
 import platform
 import sys
@@ -310,6 +318,41 @@ def breakdown(device, dtype, T, D=128):
     return out
 
 
+def parse_variant(text: str) -> tuple[str, list]:
+    """``"LABEL:module.ATTR=value,..."`` -> ``(LABEL, [(module, ATTR, value), ...])``; values are Python literals,
+    and each ATTR must exist already (a misspelt setting would otherwise time the default twice)."""
+    label, sep, settings = text.partition(":")
+    if not sep or not label or not settings:
+        raise ValueError(f"--variant {text!r}: expected LABEL:module.ATTR=value[,module.ATTR=value...]")
+    parsed = []
+    for item in settings.split(","):
+        path, eq, value = item.partition("=")
+        module_name, dot, attr = path.strip().rpartition(".")
+        if not eq or not dot:
+            raise ValueError(f"--variant {text!r}: {item!r} is not module.ATTR=value")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise ValueError(f"--variant {text!r}: {module_name} has no setting {attr!r}")
+        try:
+            parsed.append((module, attr, ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"--variant {text!r}: {value!r} is not a Python literal") from e
+    return label, parsed
+
+
+@contextlib.contextmanager
+def variant_settings(settings: list):
+    """Apply a variant's module settings inside the block, then restore the previous values."""
+    before = [(module, attr, getattr(module, attr)) for module, attr, _ in settings]
+    try:
+        for module, attr, value in settings:
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in before:
+            setattr(module, attr, value)
+
+
 def use_triton_cache(path) -> dict:
     """Keep Triton's kernels and autotuning choices in ``path`` (created if missing) from here on; says how many
     files it held already (0: a cold cache, fla will autotune)."""
@@ -389,7 +432,10 @@ def main():
                     help="seconds for the fla runs (its first calls autotune for minutes); 0 skips fla")
     ap.add_argument("--triton-cache", default=None,
                     help="a folder for Triton's kernels and autotuning choices, kept across runs on one machine")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:module.ATTR=value[,...]: time lazoo's ops again with these settings (repeatable)")
     args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variant]
     triton_cache = use_triton_cache(args.triton_cache) if args.triton_cache else None
 
     import triton
@@ -431,12 +477,14 @@ def main():
             f_tok, b_tok = op.flops(D)
             n_th = B * T * H
             io_f, io_fb = io_bytes(B, T, H, D, dtype, *op.io)
-            f, b, err = time_fwd_bwd(op.ours, x, op.grads)
-            row = {"op": name, "impl": "lazoo", "T": T, "D": D, "B": B, "fwd_ms": f, "fwd_bwd_ms": b, "error": err}
-            add_rates(row, (f_tok * n_th, b_tok * n_th), io_f, io_fb)
-            roofline(row, env["ceilings"])
-            rows.append(row)
-            print("progress", row, flush=True)
+            for impl, settings in [("lazoo", [])] + [(f"lazoo:{label}", st) for label, st in variants]:
+                with variant_settings(settings):
+                    f, b, err = time_fwd_bwd(op.ours, x, op.grads)
+                row = {"op": name, "impl": impl, "T": T, "D": D, "B": B, "fwd_ms": f, "fwd_bwd_ms": b, "error": err}
+                add_rates(row, (f_tok * n_th, b_tok * n_th), io_f, io_fb)
+                roofline(row, env["ceilings"])
+                rows.append(row)
+                print("progress", row, flush=True)
             del x
             torch.cuda.empty_cache()
         save()
@@ -491,7 +539,7 @@ def main():
     ceil = env["ceilings"]
     print(f"card: {env['gpu']}; ceilings measured in this run: {ceil['matmul_TFLOPs']:.0f} TFLOP/s (bf16 matrix "
           f"product), {ceil['copy_GBps']:.0f} GB/s (copy)")
-    print(f"{'op':24s} {'impl':6s} {'T':>6s} {'D':>4s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s f+b':>11s}"
+    print(f"{'op':24s} {'impl':12s} {'T':>6s} {'D':>4s} {'fwd ms':>8s} {'f+b ms':>8s} {'TFLOP/s f+b':>11s}"
           f" {'GB/s f+b':>9s} {'roofline':>14s}  note")
     for r in sorted(rows, key=lambda r: (r["D"] != 128, r["T"], r["op"], r["impl"])):
         fmt = lambda v, p=3: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -501,7 +549,7 @@ def main():
         if "rel_err_ours_vs_fla" in r:
             note = f"max rel diff vs ours {r['rel_err_ours_vs_fla']:.1e}"
         roof = f"{100 * r['roofline_frac']:.0f} % {r['bound']}" if "roofline_frac" in r else "-"
-        print(f"{r['op']:24s} {r['impl']:6s} {r['T']:6d} {r['D']:4d} {fmt(r['fwd_ms']):>8s} {fmt(r['fwd_bwd_ms']):>8s}"
+        print(f"{r['op']:24s} {r['impl']:12s} {r['T']:6d} {r['D']:4d} {fmt(r['fwd_ms']):>8s} {fmt(r['fwd_bwd_ms']):>8s}"
               f" {fmt(r.get('fwd_bwd_TFLOPs'), 1):>11s} {fmt(r.get('fwd_bwd_GBps'), 0):>9s} {roof:>14s}  {note}")
     print()
     print(f"decode B={DECODE_B} H={H} D=128 (CUDA graph, ms per token):")
