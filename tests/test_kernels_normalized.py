@@ -163,6 +163,17 @@ def test_interp_feature_tiles(E, monkeypatch):
 
 
 @needs_interp
+def test_interp_one_feature_padded_to_two(monkeypatch):
+    """``PAD_ONE_FEATURE``: one scalar feature run as two (the second zero) gives the one feature's outputs, final
+    states and gradients, initial state included."""
+    from lazoo.kernels import normalized
+
+    monkeypatch.setattr(normalized, "PAD_ONE_FEATURE", True)
+    T = 37
+    check(2, T, 2, 24, 20, 1, torch.float32, "cpu", 2e-5, mask=left_pad_mask([T, T - 9], T), clamped=[(1, 30)])
+
+
+@needs_interp
 def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 

@@ -53,6 +53,9 @@ DQKV_BV = 64
 #: the dq, dk, dv kernel forms the scalar features' terms as 16-wide tile products (tf32, each fp32 operand split in
 #: two exact parts, as the state kernels do) instead of fp32 row sums across the warps. Off until timed on a GPU.
 FEATURE_TILES = False
+#: one scalar feature runs as two, the second zero: with one, the state kernels took 0.57 / 0.69 ms at T = 8k on an
+#: H200 (Triton 3.6) where two took 0.35 / 0.46, and its c tile's shared-memory layout differs. Off until timed.
+PAD_ONE_FEATURE = False
 
 
 # ============================================================================ tile helpers
@@ -689,14 +692,25 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1
             raise ValueError("chunk_normalized_linear_attention: initial_state is (h, he, z, ze), with he and ze "
                              "exactly when there are scalar features")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pad = a is not None and a.shape[-1] == 1 and PAD_ONE_FEATURE
     if a is not None:
-        a, c = a.float().contiguous(), c.float().contiguous()
+        a, c = (_second_zero(x) if pad else x.float().contiguous() for x in (a, c))
     s0 = (None,) * 4
     if initial_state is not None:
         s0 = tuple(None if x is None else x.float().contiguous() for x in initial_state)
+        if pad:  # he0 [N, H, V, 1], ze0 [N, H, 1]
+            s0 = (s0[0], _second_zero(s0[1]), s0[2], _second_zero(s0[3]))
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
     chunk = chunk_size if chunk_size in (16, 32, 64) else 64
     o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, float(eps), bool(output_final_state),
                                                      cu_seqlens, chunk)
+    if pad and output_final_state:
+        st = [st[0], st[1][..., :1], st[2], st[3][..., :1]]
     return o, (tuple(st) if output_final_state else None)
+
+
+def _second_zero(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 1]`` -> ``[..., 2]`` fp32, the second feature zero (``PAD_ONE_FEATURE``; differentiable)."""
+    x = x.float()
+    return torch.cat([x, torch.zeros_like(x)], -1).contiguous()
