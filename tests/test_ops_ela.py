@@ -351,9 +351,14 @@ def test_cuda_auto_backend_matches_reference(kernel):
     assert_state_close({key: x.cpu() for key, x in s.items()}, s_r, 1e-4, "state")
     for name in g_r:
         assert_close(g[name].cpu(), g_r[name], 1e-3, f"grad {name}")
+    big = [x * 40 for x in (q, k)] + [v]
+    big_ref, _ = ela(*big, kernel=kernel, backend="recurrent")
     for dtype in (torch.bfloat16, torch.float16):
-        o, s = ela(*(x.cuda().to(dtype) for x in (q * 40, k * 40, v)), kernel="hadamard_exp", output_final_state=True)
-        assert o.dtype == dtype and torch.isfinite(o).all() and all(x.dtype == torch.float32 for x in s.values())
+        o, s = ela(*(x.cuda().to(dtype) for x in big), kernel=kernel, output_final_state=True)
+        # finite wherever the float64 output fits the dtype (magnitude_direction's eps rows reach 1e17: inf in fp16)
+        fits = big_ref.abs() <= torch.finfo(dtype).max / 2
+        assert o.dtype == dtype and torch.isfinite(o.cpu()[fits]).all() and not torch.isnan(o).any()
+        assert all(x.dtype == torch.float32 for x in s.values())
     # bf16 against float64 on the same rounded inputs: the polynomial kernels' split form (D features in the kernel in
     # bf16, the scalars in fp32) and hadamard_exp's bf16 features
     rounded = {n: x.to(torch.bfloat16).to(F64).requires_grad_(True) for n, x in (("q", q), ("k", k), ("v", v))}

@@ -29,9 +29,10 @@ The denominator. ``max(φ(q)·C, eps)`` is the clamp in every form, the quadrati
 ``sum_sq_euclid`` and ``hadamard_exp`` the kernel is positive, so the clamp only acts on sums that
 vanish. ``sub_sq_euclid`` is 0 at k = q (a query whose every visible key equals it has denominator
 0), and ``magnitude_direction`` is negative where a·b < -1, so its sum can be 0 or negative: those
-rows get the denominator eps (output ``S φ(q) / eps``: finite, possibly large; the sign of the
-numerator is kept). No |·| is taken: a negative sum is not a valid normaliser, and clamping it to
-eps is the documented, deterministic choice.
+rows get the denominator eps (output ``S φ(q) / eps``: finite in the compute dtype, possibly large, so
+it can round to ±inf in fp16 output, as its float64 value would; the sign of the numerator is kept).
+No |·| is taken: a negative sum is not a valid normaliser, and clamping it to eps is the documented,
+deterministic choice.
 
 Keeping ``hadamard_exp`` finite, exactly. ``k(a, b) = Σ_d exp(a_d + c_d) exp(b_d - c_d)`` for any
 per-feature constants c_d, and the ratio is invariant to a per-query factor on φ(q_i). The op uses
