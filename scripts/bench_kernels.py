@@ -22,7 +22,7 @@ its FLOP count per token and head.
 ``--variant LABEL:module.ATTR=value[,...]`` (repeatable) times lazoo's ops again with module settings changed,
 in the same run, as rows of impl ``lazoo:LABEL``: alternative kernel forms side by side on one card, e.g.
 
-    --variant tiles:lazoo.kernels.normalized.FEATURE_TILES=True
+    --variant bv:lazoo.kernels.normalized.FWD_BV=128
 """
 
 from __future__ import annotations

@@ -52,23 +52,23 @@ def test_triton_cache_folder(tmp_path, monkeypatch):
 def test_variants_set_module_settings_and_restore_them():
     from lazoo.kernels import normalized
 
-    label, settings = bench.parse_variant("tiles:lazoo.kernels.normalized.FEATURE_TILES=True,"
+    label, settings = bench.parse_variant("bv:lazoo.kernels.normalized.FWD_BV=128,"
                                           "lazoo.kernels.normalized.DQKV_BV=32")
-    assert label == "tiles" and [(m, a, v) for m, a, v in settings] == [
-        (normalized, "FEATURE_TILES", True), (normalized, "DQKV_BV", 32)]
-    before = (normalized.FEATURE_TILES, normalized.DQKV_BV)
+    assert label == "bv" and [(m, a, v) for m, a, v in settings] == [
+        (normalized, "FWD_BV", 128), (normalized, "DQKV_BV", 32)]
+    before = (normalized.FWD_BV, normalized.DQKV_BV)
     with pytest.raises(RuntimeError):
         with bench.variant_settings(settings):
-            assert (normalized.FEATURE_TILES, normalized.DQKV_BV) == (True, 32)
+            assert (normalized.FWD_BV, normalized.DQKV_BV) == (128, 32)
             raise RuntimeError
-    assert (normalized.FEATURE_TILES, normalized.DQKV_BV) == before
+    assert (normalized.FWD_BV, normalized.DQKV_BV) == before
 
 
 @pytest.mark.parametrize("text,problem", [
-    ("lazoo.kernels.normalized.FEATURE_TILES=True", "expected LABEL:"),
-    ("t:lazoo.kernels.normalized.FEATURE_TILE=True", "has no setting 'FEATURE_TILE'"),
-    ("t:FEATURE_TILES=True", "is not module.ATTR=value"),
-    ("t:lazoo.kernels.normalized.FEATURE_TILES=yes", "is not a Python literal"),
+    ("lazoo.kernels.normalized.FWD_BV=128", "expected LABEL:"),
+    ("t:lazoo.kernels.normalized.FWD_B=128", "has no setting 'FWD_B'"),
+    ("t:FWD_BV=128", "is not module.ATTR=value"),
+    ("t:lazoo.kernels.normalized.FWD_BV=yes", "is not a Python literal"),
 ])
 def test_a_bad_variant_names_its_problem(text, problem):
     with pytest.raises(ValueError, match=problem):

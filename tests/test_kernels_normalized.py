@@ -150,30 +150,6 @@ def test_interp_several_key_and_value_blocks():
 
 
 @needs_interp
-@pytest.mark.parametrize("E", [1, 2])
-def test_interp_feature_tiles(E, monkeypatch):
-    """The dq, dk, dv kernel's other form of the scalar features' terms (tile products, ``FEATURE_TILES``), over
-    two value blocks, with pads and clamped rows."""
-    from lazoo.kernels import normalized
-
-    monkeypatch.setattr(normalized, "FEATURE_TILES", True)
-    T = 37
-    check(2, T, 2, 24, 80, E, torch.float32, "cpu", 2e-5, mask=left_pad_mask([T, T - 9], T, holes=[(0, 20)]),
-          clamped=[(0, 5), (1, 30)])
-
-
-@needs_interp
-def test_interp_one_feature_padded_to_two(monkeypatch):
-    """``PAD_ONE_FEATURE``: one scalar feature run as two (the second zero) gives the one feature's outputs, final
-    states and gradients, initial state included."""
-    from lazoo.kernels import normalized
-
-    monkeypatch.setattr(normalized, "PAD_ONE_FEATURE", True)
-    T = 37
-    check(2, T, 2, 24, 20, 1, torch.float32, "cpu", 2e-5, mask=left_pad_mask([T, T - 9], T), clamped=[(1, 30)])
-
-
-@needs_interp
 def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 
@@ -210,16 +186,3 @@ def test_gpu_head_dim_256(dtype, rtol):
     when the first does not fit the shared memory)."""
     T = 600
     check(1, T, 2, 256, 256, 2, dtype, "cuda", rtol, chunk=64, mask=left_pad_mask([T - 50], T), grad_rtol=3 * rtol)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("E", [1, 2])
-def test_gpu_feature_tiles(E, monkeypatch):
-    """``FEATURE_TILES``'s tf32 tile products keep the gradients of a and c as close as the row sums do."""
-    from lazoo.kernels import normalized
-
-    monkeypatch.setattr(normalized, "FEATURE_TILES", True)
-    T = 2048
-    mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
-    check(2, T, 2, 128, 128, E, torch.bfloat16, "cuda", 2e-2, chunk=64, mask=mask, grad_rtol=6e-2)

@@ -50,12 +50,6 @@ MAX_SCALARS = 2
 FWD_BV = 64
 #: the value block of the dq, dk, dv kernel for 16-bit inputs
 DQKV_BV = 64
-#: the dq, dk, dv kernel forms the scalar features' terms as 16-wide tile products (tf32, each fp32 operand split in
-#: two exact parts, as the state kernels do) instead of fp32 row sums across the warps. Off until timed on a GPU.
-FEATURE_TILES = False
-#: one scalar feature runs as two, the second zero: with one, the state kernels took 0.57 / 0.69 ms at T = 8k on an
-#: H200 (Triton 3.6) where two took 0.35 / 0.46, and its c tile's shared-memory layout differs. Off until timed.
-PAD_ONE_FEATURE = False
 
 
 # ============================================================================ tile helpers
@@ -115,27 +109,6 @@ def _split_features(ptr, bos, o_t, m_t, i_h, H: tl.constexpr, E: tl.constexpr, o
     else:
         x = tl.where((o_e < 8)[None, :], hi, lo)
     return x
-
-
-@triton.jit
-def _state_tile(ptr, i_tg, i_h, o_v, o_e, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr, TRANS: tl.constexpr):
-    """A chunk's he or dhe (``[chunks, H, E, V]``) as an fp32 tile with feature e at e (zeros elsewhere): ``[BV, 16]``
-    split by ``_tf32_split`` (the low parts at 8 + e) with TRANS, else ``[16, BV]`` as it is."""
-    base = ptr + (i_tg * H + i_h) * (E * V)
-    if TRANS:
-        e = o_e % 8
-        x = tl.load(base + e[None, :] * V + o_v[:, None], mask=(e[None, :] < E) & (o_v[:, None] < V), other=0.0)
-        hi, lo = _tf32_split(x)
-        x = tl.where((o_e < 8)[None, :], hi, lo)
-    else:
-        x = tl.load(base + o_e[:, None] * V + o_v[None, :], mask=(o_e[:, None] < E) & (o_v[None, :] < V), other=0.0)
-    return x
-
-
-@triton.jit
-def _fold_cols(tile, BT: tl.constexpr):
-    """``[BT, 8]``: a split ``[BT, 16]`` tile's value, columns e plus columns 8 + e."""
-    return tl.sum(tl.reshape(tile, [BT, 2, 8]), 1)
 
 
 @triton.jit
@@ -423,14 +396,14 @@ def _bwd_dqkv_kernel(
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, TILES: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K.
 
     With dnum = do / den' and P the chunk's causal scores: dS_ij = dnum_i·v_j + dden_i (i >= j) and
         dq = dnum hᵀ + dden zᵀ + dS K,      dk = v dhᵀ + 1 dzᵀ + dSᵀ Q,      dv = Pᵀ dnum + K dh + C dhe
     (da, dc likewise with he, ze, dhe, dze and A, C), h, z from the chunk's start and dh, dz from its end. The
-    scalar features' terms are fp32 row sums, or with TILES 16-wide tile products (``FEATURE_TILES``)."""
+    scalar features' terms are fp32 row sums."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     E2: tl.constexpr = E == 2
@@ -451,13 +424,7 @@ def _bwd_dqkv_kernel(
     b_da1 = tl.zeros([BT], dtype=tl.float32)
     b_dc0 = tl.zeros([BT], dtype=tl.float32)
     b_dc1 = tl.zeros([BT], dtype=tl.float32)
-    o_f = tl.arange(0, 16)
-    b_dat = tl.zeros([BT, 16], dtype=tl.float32)  # (TILES) Σ_v do he, Σ_v v dhe, split by feature as _state_tile
-    b_dct = tl.zeros([BT, 16], dtype=tl.float32)
-    b_cf = tl.zeros([BT, 16], dtype=tl.float32)
     if EXTRA:
-        if TILES:
-            b_cf += _tokens(c, bos, o_t, m_t, i_h, H, E, o_f, False)  # [BT, 16]: c_e in column e
         b_pt += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 0, H, E)[None, :]
         if E2:
             b_pt += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 1, H, E)[None, :]
@@ -486,13 +453,7 @@ def _bwd_dqkv_kernel(
         b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
         b_dst += tl.dot(b_v, b_dot, input_precision=PREC)
         b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
-        if EXTRA and TILES:
-            b_dat += tl.dot(b_do.to(tl.float32), _state_tile(he, i_tg, i_h, o_v, o_f, H, E, V, True),
-                            input_precision=PREC)
-            b_dct += tl.dot(b_v.to(tl.float32), _state_tile(dhe, i_tg, i_h, o_v, o_f, H, E, V, True),
-                            input_precision=PREC)
-            b_dv += tl.dot(b_cf, _state_tile(dhe, i_tg, i_h, o_v, o_f, H, E, V, False), input_precision=PREC)
-        elif EXTRA:
+        if EXTRA:
             b_vf = b_v.to(tl.float32)
             dhe0 = _srow(dhe, i_tg, i_h, 0, o_v, H, E, V)
             b_dof = b_do.to(tl.float32)
@@ -518,24 +479,7 @@ def _bwd_dqkv_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    if EXTRA and TILES:
-        # Σ_j dS_ij c_j and Σ_i dSᵀ_ji a_i with every operand split in two tf32-exact parts: fp32's precision
-        ds_hi, ds_lo = _tf32_split(b_ds)
-        dst_hi, dst_lo = _tf32_split(b_dst)
-        b_cs = _split_features(c, bos, o_t, m_t, i_h, H, E, o_f, False)
-        b_as = _split_features(a, bos, o_t, m_t, i_h, H, E, o_f, False)
-        b_dat = b_dat * b_r[:, None] + tl.dot(ds_hi, b_cs, input_precision=PREC)
-        b_dat += tl.dot(ds_lo, b_cs, input_precision=PREC)
-        b_dct += tl.dot(dst_hi, b_as, input_precision=PREC)
-        b_dct += tl.dot(dst_lo, b_as, input_precision=PREC)
-        o_e = tl.arange(0, 8)
-        m_e = o_e < E
-        b_da = _fold_cols(b_dat, BT) + b_dden[:, None] * tl.load(ze + row * E + o_e, mask=m_e, other=0.0)[None, :]
-        b_dc = _fold_cols(b_dct, BT) + tl.load(dze + row * E + o_e, mask=m_e, other=0.0)[None, :]
-        p_e = (bos + o_t[:, None]) * (H * E) + i_h * E + o_e[None, :]
-        tl.store(da + p_e, b_da, mask=m_t[:, None] & m_e[None, :])
-        tl.store(dc + p_e, b_dc, mask=m_t[:, None] & m_e[None, :])
-    elif EXTRA:
+    if EXTRA:
         p_e = (bos + o_t) * (H * E) + i_h * E
         a0 = _col(a, bos, o_t, m_t, i_h, 0, H, E)
         c0 = _col(c, bos, o_t, m_t, i_h, 0, H, E)
@@ -635,10 +579,10 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     BK = next_pow2(c.K)
     h, he, z, ze = states
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
-    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, FEATURE_TILES, q.device.type)
+    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, c.cu, c.chunk_indices, c.T, BK=BK,
-                         TILES=FEATURE_TILES, **c.meta())
+                         **c.meta())
     return dq, dk, da, dc, dv, ds0
 
 
@@ -694,7 +638,10 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1
             raise ValueError("chunk_normalized_linear_attention: initial_state is (h, he, z, ze), with he and ze "
                              "exactly when there are scalar features")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    pad = a is not None and a.shape[-1] == 1 and PAD_ONE_FEATURE
+    # one scalar feature runs as two, the second zero: with one, the state kernels took 0.57 / 0.69 ms at T = 8k on
+    # an H200 (Triton 3.6) where two took 0.35 / 0.46 (ELA magnitude_direction fwd + bwd at 8k / 32k: 2.97 / 4.03 ms
+    # as one, 2.72 / 3.36 as two; 2.23 / 2.33 at 1k, where the dq, dk, dv kernel's second feature costs more)
+    pad = a is not None and a.shape[-1] == 1
     if a is not None:
         a, c = (_second_zero(x) if pad else x.float().contiguous() for x in (a, c))
     s0 = (None,) * 4
@@ -713,6 +660,6 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1
 
 
 def _second_zero(x: torch.Tensor) -> torch.Tensor:
-    """``[..., 1]`` -> ``[..., 2]`` fp32, the second feature zero (``PAD_ONE_FEATURE``; differentiable)."""
+    """``[..., 1]`` -> ``[..., 2]`` fp32, the second feature zero (differentiable)."""
     x = x.float()
     return torch.cat([x, torch.zeros_like(x)], -1).contiguous()
