@@ -123,7 +123,7 @@ def check(B, T, H, K, V, E, dtype, device, rtol, *, chunk=16, mask=None, cu=None
 
 
 @needs_interp
-@pytest.mark.parametrize("E", [0, 2], ids=["plain", "scalars"])
+@pytest.mark.parametrize("E", [0, 1, 2], ids=["plain", "one-scalar", "scalars"])
 def test_interp_matches_reference_with_pads_and_clamps(E):
     B, T, H, K, V = 2, 37, 2, 24, 20  # T ragged against chunks of 16; K, V not powers of two
     mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
@@ -145,7 +145,7 @@ def test_interp_from_zero_state_one_chunk_width():
 @needs_interp
 def test_interp_several_key_and_value_blocks():
     """K, V over several blocks of the state kernels (the last ones ragged): each role (h tiles, z key blocks, he
-    value blocks, ze in the first) from a given state to the final one."""
+    value blocks, ze) from a given state to the final one."""
     check(2, 40, 1, 72, 80, 2, torch.float32, "cpu", 2e-5, chunk=16, mask=left_pad_mask([40, 31], 40))
 
 

@@ -134,16 +134,19 @@ def _start_z(z0, i_nh, o_k, o_e, K: tl.constexpr, BK: tl.constexpr, USE: tl.cons
 
 
 @triton.jit
-def _start_e(he0, ze0, i_nh, o_e, o_v, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr):
-    """A value block's starting he ``[16, BV]`` and ze ``[16, 16]`` tiles: the given ones in rows 0..E-1 (ze in
-    column 0) when USE, else zeros."""
-    b_he = tl.zeros([16, BV], dtype=tl.float32)
+def _start_he(he0, i_nh, o_e, o_v, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, USE: tl.constexpr):
+    """A value block's starting he tile ``[16, BV]``: the given one in rows 0..E-1 when USE, else zeros."""
+    m_ev = (o_e[:, None] < E) & (o_v[None, :] < V)
+    return load_end_state(he0, i_nh, o_e, o_v, m_ev, E, V, 16, BV, USE)
+
+
+@triton.jit
+def _start_ze(ze0, i_nh, o_e, E: tl.constexpr, USE: tl.constexpr):
+    """The starting ze tile ``[16, 16]``: the given ze in column 0 (rows 0..E-1) when USE, else zeros."""
     b_ze = tl.zeros([16, 16], dtype=tl.float32)
     if USE:
-        m_e = o_e < E
-        b_he += load_end_state(he0, i_nh, o_e, o_v, m_e[:, None] & (o_v[None, :] < V), E, V, 16, BV, True)
-        b_ze += tl.where((o_e == 0)[None, :], _vec(ze0, i_nh, E, o_e, m_e)[:, None], 0.0)
-    return b_he, b_ze
+        b_ze += tl.where((o_e == 0)[None, :], _vec(ze0, i_nh, E, o_e, o_e < E)[:, None], 0.0)
+    return b_ze
 
 
 @triton.jit
@@ -193,9 +196,9 @@ def _h_tile(i_p, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.cons
 
 
 # ============================================================================ forward
-# The state kernels' programs take one of three roles and walk the chunks side by side: a [BK, BV] tile of h; a
-# key block of z; with scalar features, a value block of he (the first also ze). The walk lasts as long as its
-# slowest program, so no program carries another's sums. Grid: (NK * NV + NK (+ NV), N * H).
+# The state kernels' programs take one of four roles and walk the chunks side by side: a [BK, BV] tile of h; a
+# key block of z; with scalar features, a value block of he, or ze. The walk lasts as long as its slowest program,
+# so no program carries another's sums, and no loop branches on its role. Grid: (NK * NV + NK (+ NV + 1), N * H).
 @triton.jit
 def _fwd_h_kernel(
     k, c, v, h, he, z, ze, h0, he0, z0, ze0, ht, het, zt, zet, cu_seqlens, chunk_offsets, T,
@@ -236,25 +239,27 @@ def _fwd_h_kernel(
             b_z += tl.dot(b_kt, ones.to(b_kt.dtype), input_precision=PREC)
         if STORE_HT:
             _store_z(zt, i_nh.to(tl.int64), K, o_k, b_z)
-    elif EXTRA:  # a value block of he (the first: and ze)
-        i_v = i_p - NK * NV - NK
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_he, b_ze = _start_e(he0, ze0, i_nh, o_e, o_v, E, V, BV, USE_H0)
+    elif EXTRA and i_p < NK * NV + NK + NV:  # a value block of he
+        o_v = (i_p - NK * NV - NK) * BV + tl.arange(0, BV)
+        b_he = _start_he(he0, i_nh, o_e, o_v, E, V, BV, USE_H0)
         for i_t in range(NT):
-            i_tg = boh + i_t
-            _store_he(he, b_he, i_tg, i_h, o_v, H, E, V, BV)
+            _store_he(he, b_he, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_ct = _split_features(c, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
             b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
             b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
-            if i_v == 0:
-                _store_ze(ze, i_tg * H + i_h, E, b_ze)
-                b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
         if STORE_HT:
             _store_he_end(het, b_he, i_nh, o_v, E, V, BV)
-            if i_v == 0:
-                _store_ze(zet, i_nh.to(tl.int64), E, b_ze)
+    elif EXTRA:  # ze
+        b_ze = _start_ze(ze0, i_nh, o_e, E, USE_H0)
+        for i_t in range(NT):
+            _store_ze(ze, (boh + i_t) * H + i_h, E, b_ze)
+            o_t = i_t * BT + tl.arange(0, BT)
+            b_ct = _split_features(c, bos, o_t, o_t < T_seq, i_h, H, E, o_e, True)
+            b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
+        if STORE_HT:
+            _store_ze(zet, i_nh.to(tl.int64), E, b_ze)
 
 
 # The output and dq, dk, dv kernels take the scalar features (E = 1 or 2) as per-token vectors, not tiles: their
@@ -366,28 +371,32 @@ def _bwd_dh_kernel(
             b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision=SPREC)
         if STORE_DH0:
             _store_z(dz0, i_nh.to(tl.int64), K, o_k, b_dz)
-    elif EXTRA:  # a value block of dhe (the first: and dze)
-        i_v = i_p - NK * NV - NK
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_dhe, b_dze = _start_e(dhet, dzet, i_nh, o_e, o_v, E, V, BV, USE_DHT)
+    elif EXTRA and i_p < NK * NV + NK + NV:  # a value block of dhe
+        o_v = (i_p - NK * NV - NK) * BV + tl.arange(0, BV)
+        b_dhe = _start_he(dhet, i_nh, o_e, o_v, E, V, BV, USE_DHT)
         for i_r in range(NT):
             i_t = NT - 1 - i_r
-            i_tg = boh + i_t
-            _store_he(dhe, b_dhe, i_tg, i_h, o_v, H, E, V, BV)
+            _store_he(dhe, b_dhe, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
             b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
             b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]
             b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
-            if i_v == 0:
-                _store_ze(dze, i_tg * H + i_h, E, b_dze)
-                b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)
-                b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
         if STORE_DH0:
             _store_he_end(dhe0, b_dhe, i_nh, o_v, E, V, BV)
-            if i_v == 0:
-                _store_ze(dze0, i_nh.to(tl.int64), E, b_dze)
+    elif EXTRA:  # dze
+        b_dze = _start_ze(dzet, i_nh, o_e, E, USE_DHT)
+        for i_r in range(NT):
+            i_t = NT - 1 - i_r
+            _store_ze(dze, (boh + i_t) * H + i_h, E, b_dze)
+            o_t = i_t * BT + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)
+            b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)
+            b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
+        if STORE_DH0:
+            _store_ze(dze0, i_nh.to(tl.int64), E, b_dze)
 
 
 @triton.jit
@@ -517,9 +526,9 @@ class _Ctx(ChunkLayout):
 
     def state_grid(self, BK, BV):
         """The state kernels' grid: the tiles of h, the key blocks of z and, with scalar features, the value blocks
-        of he (the roles in the kernels' comment)."""
+        of he and one program for ze (the roles in the kernels' comment)."""
         NK, NV = triton.cdiv(self.K, BK), triton.cdiv(self.V, BV)
-        return (NK * NV + NK + (NV if self.extra else 0), self.N * self.H)
+        return (NK * NV + NK + (NV + 1 if self.extra else 0), self.N * self.H)
 
     def buffers(self, dev):
         """Per-chunk buffers (h, he, z, ze) for the states or their gradients."""
