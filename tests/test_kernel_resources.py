@@ -54,7 +54,7 @@ def test_normalized_kernels_fit_hopper(single_thread):
     """The normalised linear-attention kernels (bf16, d = 128, two scalar features) fit a Hopper block. (Spills are
     allowed, and depend on the Triton version: with 3.9 only the dq, dk, dv kernel spills, 180 bytes.)"""
     report = kernel_resources.normalized_report()
-    assert len(report) == 6, report
+    assert len(report) == 5, report
     for name, r in report.items():
         assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
