@@ -205,14 +205,15 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2) -> dict:
         k=b16, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, h0=f32, he0=f32, z0=f32, ze0=f32, ht=f32, het=f32, zt=f32,
         zet=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx, **dict.fromkeys(end, "constexpr")),
         {**meta, **state, **end}, num_stages=2)
-    fo = dict(BK=64, BV=kn.FWD_BV)
+    fo = dict(BK=64, BV=kn.FWD_BV, ROW_EPS=False)
     out["forward: outputs"] = measure(kn._fwd_o_kernel, dict(
         q=b16, k=b16, a=f32, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, o=b16, den=f32, cu_seqlens=i64,
-        chunk_indices=i64, eps="fp32", T="i32", **mx, **dict.fromkeys(fo, "constexpr")), {**meta, **fo},
+        chunk_indices=i64, eps="fp32", eps_rows=f32, T="i32", **mx, **dict.fromkeys(fo, "constexpr")), {**meta, **fo},
         num_stages=2)
     out["backward: 1/den, dden"] = measure(kn._bwd_prep_kernel, dict(
-        o=b16, do=b16, den=f32, rden=f32, dden=f32, eps="fp32", rows="i32", H="constexpr", V="constexpr",
-        BR="constexpr", BV="constexpr"), dict(H=16, V=dv, BR=32, BV=dv))
+        o=b16, do=b16, den=f32, rden=f32, dden=f32, eps="fp32", eps_rows=f32, rows="i32", H="constexpr",
+        V="constexpr", BR="constexpr", BV="constexpr", ROW_EPS="constexpr"),
+        dict(H=16, V=dv, BR=32, BV=dv, ROW_EPS=False))
     end = dict(USE_DHT=True, STORE_DH0=True)
     out["backward: state gradients"] = measure(kn._bwd_dh_kernel, dict(
         q=b16, a=f32, do=b16, rden=f32, dden=f32, dh=b16, dhe=f32, dz=f32, dze=f32, dht=f32, dhet=f32, dzt=f32,

@@ -158,6 +158,8 @@ def test_interp_refuses_what_it_does_not_take():
         chunk_normalized_linear_attention(x, x, x, x[..., :2])
     with pytest.raises(ValueError, match="E <= 2"):
         chunk_normalized_linear_attention(x, x, x, x[..., :3], x[..., :3])
+    with pytest.raises(ValueError, match="eps per row must be"):
+        chunk_normalized_linear_attention(x, x, x, eps=torch.ones(1, 4))
     h0, z0 = torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16)
     with pytest.raises(ValueError, match="exactly when there are scalar features"):
         chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], initial_state=(h0, None, z0, None))

@@ -327,6 +327,59 @@ def test_interp_triton_packed_sequences(kernel):
     assert_packed_equals_alone(kernel, "triton", [7, 0, 40, 5], dtype=torch.float32, tol=1e-5)
 
 
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+@pytest.mark.parametrize("limit", [60.0, 1.0], ids=["one-shift", "falls-back"])
+def test_interp_triton_hadamard_exp_shift_and_fallback(limit, monkeypatch, caplog):
+    """hadamard_exp on the normalised kernel with one shift per sequence (keys within the spread limit), and the
+    running-max form where they spread further (said once): both match the float64 reference with a mask, a state
+    and packed sequences, gradients included."""
+    import importlib
+
+    from lazoo.ops._testing import forward_and_grads
+
+    ela_module = importlib.import_module("lazoo.ops.ela")  # (lazoo.ops.ela is also the function's name)
+
+    monkeypatch.setattr(ela_module, "EXP_SPREAD_LIMIT", limit)
+    monkeypatch.setattr(ela_module, "_EXP_FALLBACK_SAID", set())
+    T = 19
+    q, k, v = make_inputs(T, seed=3)
+    k = k * 4
+    mask = left_pad_mask([T, T - 5, T - 11], T)
+    state = real_state("hadamard_exp")
+
+    def run(backend, dtype):
+        leaves = {n: x.detach().to(dtype).requires_grad_(True) for n, x in (("q", q), ("k", k), ("v", v))}
+        st = {key: x.to(dtype) for key, x in state.items()}
+        return forward_and_grads(lambda: ela(leaves["q"], leaves["k"], leaves["v"], kernel="hadamard_exp", mask=mask,
+                                             initial_state=st, output_final_state=True, chunk_size=16,
+                                             backend=backend), leaves)
+
+    with caplog.at_level("WARNING", logger="lazoo"):
+        o_t, s_t, g_t = run("triton", torch.float32)
+        run("triton", torch.float32)
+    o_r, s_r, g_r = run("recurrent", F64)
+    assert_close(o_t, o_r, 1e-5, "output")
+    assert_state_close(s_t, s_r, 1e-5, "final state")
+    for name in g_r:
+        assert_close(g_t[name], g_r[name], 1e-4, f"grad {name}")
+    said = [r for r in caplog.records if "spread by more than" in r.getMessage()]
+    assert len(said) == (0 if limit == 60.0 else 1), [r.getMessage() for r in said]
+
+
+@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+def test_interp_triton_hadamard_exp_clamp_per_query():
+    """Keys and queries near -9: the true denominators fall under eps for early tokens, so the clamp holds there;
+    the normalised kernel's per-query clamp eps·exp(-M) gives the reference's max(den, eps)."""
+    T = 23
+    q, k, v = make_inputs(T, scale=0.1, seed=4)
+    q, k = q - 9, k - 9
+    o_r, _ = ela(q, k, v, kernel="hadamard_exp", eps=1e-6, backend="recurrent")
+    den = torch.einsum("bihd,bjhd->bhij", q.exp(), k.exp()).tril().sum(-1)
+    assert (den < 1e-6).any() and (den > 1e-6).any()  # both sides of the clamp
+    o_t, _ = ela(q.float(), k.float(), v.float(), kernel="hadamard_exp", eps=1e-6, backend="triton", chunk_size=16)
+    assert_close(o_t, o_r, 1e-5, "output")
+
+
 # ----------------------------------------------------------------------------- GPU (-m gpu)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,9 +13,15 @@ c is zero at pads. One pass over q and k forms them; one pass forms dq and dk fr
 
 Layout: q, k ``[B, T, H, D]`` contiguous (rows of D), mask ``[B, T]`` or None; a, c ``[B, T, H, E]`` float32. The
 norms are summed in fp32 from the inputs; q' and k' are rounded once, to the inputs' dtype.
+
+hadamard_exp (``exp_features``), with one shift c per sequence, head and feature: φ̃(q) = exp(q + c - M) with
+M = max_d (q + c), ψ̃(k) = exp(k - c), and the clamp eps·exp(-M) per token and head, in one pass; the backward is
+dq = dφ̃ φ̃, dk = dψ̃ ψ̃ (the shifts carry no gradient).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -134,3 +140,73 @@ def poly_features(q: torch.Tensor, k: torch.Tensor, kernel: str, mask: torch.Ten
     if mask is not None:
         mask = mask.to(torch.int8).contiguous()
     return PolyFeaturesFunction.apply(q, k, mask, kernel)
+
+
+# ============================================================================ hadamard_exp, one shift a sequence
+@triton.jit
+def _exp_features_fwd_kernel(q, k, shift, seq, mask, fq, fk, eps_rows, log_eps, rows, T, H,
+                             D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, HAS_SEQ: tl.constexpr,
+                             HAS_MASK: tl.constexpr):
+    """Grid (cdiv(rows, BR)): φ̃(q) = exp(q + c - M), ψ̃(k) = exp(k - c) (0 at pads) and eps·exp(-M) of BR rows, c the
+    row's sequence's shift ``[N, H, D]`` and M = max_d (q + c)."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # row = (b·T + t)·H + h
+    m_r = o_r < rows
+    o_d = tl.arange(0, BD)
+    m = m_r[:, None] & (o_d[None, :] < D)
+    tok = o_r // H
+    if HAS_SEQ:  # packed sequences (B = 1): the token's sequence
+        n = tl.load(seq + tok, mask=m_r, other=0).to(tl.int64)
+    else:
+        n = tok // T
+    p_c = (n * H + o_r % H)[:, None] * D + o_d[None, :]
+    b_c = tl.load(shift + p_c, mask=m, other=0.0)
+    p = o_r[:, None] * D + o_d[None, :]
+    b_qc = tl.load(q + p, mask=m, other=0.0).to(tl.float32) + b_c
+    b_M = tl.max(tl.where(m, b_qc, float("-inf")), 1)
+    b_M = tl.where(m_r, b_M, 0.0)
+    tl.store(fq + p, tl.exp(b_qc - b_M[:, None]).to(fq.dtype.element_ty), mask=m)
+    b_fk = tl.exp(tl.load(k + p, mask=m, other=0.0).to(tl.float32) - b_c)
+    if HAS_MASK:
+        b_fk = b_fk * tl.load(mask + tok, mask=m_r, other=0).to(tl.float32)[:, None]
+    tl.store(fk + p, b_fk.to(fk.dtype.element_ty), mask=m)
+    tl.store(eps_rows + o_r, tl.exp(log_eps - b_M), mask=m_r)
+
+
+class ExpFeaturesFunction(torch.autograd.Function):
+    """``(φ̃(q), ψ̃(k), eps·exp(-M))`` of ``exp_features``; the shifts carry no gradient, so dq = dφ̃ φ̃, dk = dψ̃ ψ̃."""
+
+    @staticmethod
+    def forward(ctx, q, k, shift, seq, mask, eps):
+        B, T, H, D = q.shape
+        rows = B * T * H
+        fq, fk = torch.empty_like(q), torch.empty_like(k)
+        eps_rows = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        _exp_features_fwd_kernel[(triton.cdiv(rows, ROWS),)](
+            q, k, shift, seq, mask, fq, fk, eps_rows, math.log(eps), rows, T, H, D=D, BD=next_pow2(D), BR=ROWS,
+            HAS_SEQ=seq is not None, HAS_MASK=mask is not None, num_warps=4)
+        ctx.save_for_backward(fq, fk)
+        ctx.mark_non_differentiable(eps_rows)
+        return fq, fk, eps_rows
+
+    @staticmethod
+    def backward(ctx, dfq, dfk, _):
+        fq, fk = ctx.saved_tensors
+        dq = None if dfq is None else dfq * fq
+        dk = None if dfk is None else dfk * fk
+        return dq, dk, None, None, None, None
+
+
+def exp_features(q: torch.Tensor, k: torch.Tensor, shift: torch.Tensor, eps: float, mask: torch.Tensor | None = None,
+                 cu_seqlens: torch.Tensor | None = None):
+    """hadamard_exp's features with one shift per sequence (``lazoo.ops.ela._causal_exp_fused``): for q, k
+    ``[B, T, H, D]`` and ``shift`` c ``[N, H, D]`` float32 (N = B, or the packed sequences of ``cu_seqlens``),
+    ``(exp(q + c - M), exp(k - c), eps·exp(-M))`` with M = max_d (q + c) per token and head: the features in q's
+    dtype (ψ̃ zero at pads), the clamp per row ``[B, T, H]`` float32. Differentiable in q and k."""
+    q, k, shift = q.contiguous(), k.contiguous(), shift.detach().float().contiguous()
+    seq = None
+    if cu_seqlens is not None:
+        seq = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device, dtype=torch.int32),
+                                      cu_seqlens.diff(), output_size=q.shape[1])
+    if mask is not None:
+        mask = mask.to(torch.int8).contiguous()
+    return ExpFeaturesFunction.apply(q, k, shift, seq, mask, float(eps))

@@ -266,10 +266,10 @@ def _fwd_h_kernel(
 # products are outer products and row sums in fp32 (a tile product would pad E to 16).
 @triton.jit
 def _fwd_o_kernel(
-    q, k, a, c, v, h, he, z, ze, o, den, cu_seqlens, chunk_indices, eps, T,
+    q, k, a, c, v, h, he, z, ze, o, den, cu_seqlens, chunk_indices, eps, eps_rows, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ROW_EPS: tl.constexpr,
 ):
     """Grid (NV, NT, B * H) or (NV, total chunks, H): one chunk's outputs (and, from the first value block, its
     denominators)."""
@@ -304,7 +304,10 @@ def _fwd_o_kernel(
     b_den += tl.sum(b_s, 1)
     b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
     b_o += tl.dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)
-    b_o = b_o / tl.maximum(b_den, eps)[:, None]
+    if ROW_EPS:  # a clamp per token and head
+        b_o = b_o / tl.maximum(b_den, tl.load(eps_rows + (bos + o_t) * H + i_h, mask=m_t, other=1.0))[:, None]
+    else:
+        b_o = b_o / tl.maximum(b_den, eps)[:, None]
     p_o = o + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v[None, :] < V))
     if i_v == 0:
@@ -313,8 +316,8 @@ def _fwd_o_kernel(
 
 # ============================================================================ backward
 @triton.jit
-def _bwd_prep_kernel(o, do, den, rden, dden, eps, rows, H: tl.constexpr, V: tl.constexpr, BR: tl.constexpr,
-                     BV: tl.constexpr):
+def _bwd_prep_kernel(o, do, den, rden, dden, eps, eps_rows, rows, H: tl.constexpr, V: tl.constexpr,
+                     BR: tl.constexpr, BV: tl.constexpr, ROW_EPS: tl.constexpr):
     """Grid (cdiv(B * T * H, BR)): per token and head, 1/den' and dden = -(do·o)/den' (0 where den <= eps)."""
     eps = tl.cast(eps, tl.float32)
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -324,6 +327,8 @@ def _bwd_prep_kernel(o, do, den, rden, dden, eps, rows, H: tl.constexpr, V: tl.c
     b_o = tl.load(o + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
     b_do = tl.load(do + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(tl.float32)
     b_den = tl.load(den + o_r, mask=m_r, other=1.0)
+    if ROW_EPS:
+        eps = tl.load(eps_rows + o_r, mask=m_r, other=1.0)
     r = 1.0 / tl.maximum(b_den, eps)
     tl.store(rden + o_r, r, mask=m_r)
     tl.store(dden + o_r, tl.where(b_den > eps, -tl.sum(b_o * b_do, 1) * r, 0.0), mask=m_r)
@@ -511,10 +516,15 @@ class _Ctx(ChunkLayout):
         super().__init__(q, v, cu_seqlens, chunk_size)
         self.E = 1 if a is None else a.shape[-1]  # (without features: the width of the unused buffers)
         self.extra = a is not None
-        self.eps = float(eps)
+        self.row_eps = isinstance(eps, torch.Tensor)  # [B, T, H] float32, or one number
+        self.eps = eps if self.row_eps else float(eps)
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
         self.state_dtype = chunk_state_dtype(q.dtype)
         self.two_byte = q.element_size() == 2
+
+    def eps_args(self):
+        """(eps, eps_rows) for the kernels: one number and an unused pointer, or 0 and the per-row tensor."""
+        return (0.0, self.eps) if self.row_eps else (self.eps, None)
 
     def meta(self):
         return dict(H=self.H, K=self.K, V=self.V, E=self.E, BT=self.BT, EXTRA=self.extra,
@@ -560,8 +570,10 @@ def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
     den = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
     BV = min(FWD_BV if c.two_byte else 64, next_pow2(c.V))
+    eps, eps_rows = c.eps_args()
     _fwd_o_kernel[c.grid(triton.cdiv(c.V, BV))](q, k, a, cf, v, h, he, z, ze, o, den, c.cu, c.chunk_indices,
-                                                c.eps, c.T, BK=min(64, next_pow2(c.K)), BV=BV, **c.meta(),
+                                                eps, eps_rows, c.T, BK=min(64, next_pow2(c.K)), BV=BV,
+                                                ROW_EPS=c.row_eps, **c.meta(),
                                                 num_warps=4, num_stages=2)
     return o, den, (h, he, z, ze), st
 
@@ -572,8 +584,8 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     rden = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
     dden = torch.empty_like(rden)
     BR = 32
-    _bwd_prep_kernel[(triton.cdiv(rows, BR),)](o, do, den, rden, dden, c.eps, rows, H=c.H, V=c.V, BR=BR,
-                                               BV=next_pow2(c.V), num_warps=4)
+    _bwd_prep_kernel[(triton.cdiv(rows, BR),)](o, do, den, rden, dden, *c.eps_args(), rows, H=c.H, V=c.V, BR=BR,
+                                               BV=next_pow2(c.V), ROW_EPS=c.row_eps, num_warps=4)
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     dh, dhe, dz, dze = c.buffers(dev)
     ds0 = c.end_states(dev) if want_ds0 else (None,) * 4
@@ -626,14 +638,15 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
         return dq, dk, da, dc, dv, *ds0, None, None, None, None
 
 
-def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1e-6, initial_state=None,
+def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | torch.Tensor = 1e-6, initial_state=None,
                                       output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
     """``(o [B, T, H, V] in v's dtype, final state or None)``: o_i = num_i / max(den_i, eps) (module docstring).
 
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
     features, E = 1 or 2 (cast to float32; c zero at pads), or None. States are tuples
     ``(h [N, H, V, K], he [N, H, V, E], z [N, H, K], ze [N, H, E])`` in float32 (he, ze None without scalar
-    features). Differentiable in all of them.
+    features). Differentiable in all of them. ``eps`` is one number, or a clamp per token and head ``[B, T, H]``
+    (float32, no gradient; ELA's hadamard_exp, whose features are scaled per query).
     """
     if (a is None) != (c is None):
         raise ValueError("chunk_normalized_linear_attention: give both scalar features a and c, or neither")
@@ -661,7 +674,14 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float = 1
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
     chunk = chunk_size if chunk_size in (16, 32, 64) else 64
-    o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, float(eps), bool(output_final_state),
+    if isinstance(eps, torch.Tensor):
+        if eps.shape != q.shape[:3]:
+            raise ValueError(f"chunk_normalized_linear_attention: eps per row must be [B, T, H] = "
+                             f"{tuple(q.shape[:3])}, got {tuple(eps.shape)}")
+        eps = eps.detach().float().contiguous()
+    else:
+        eps = float(eps)
+    o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, eps, bool(output_final_state),
                                                      cu_seqlens, chunk)
     if pad and output_final_state:
         st = [st[0], st[1][..., :1], st[2], st[3][..., :1]]

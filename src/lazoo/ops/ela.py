@@ -57,8 +57,10 @@ the chunk forms, the step-by-step references and the Triton kernels (auto on CUD
 Triton backend with fp32 or bf16 inputs (and more than a few tokens, or gradients), a polynomial kernel
 splits its features as φ(q) = [q', a], ψ(k) = [k', c] (D scaled inputs and 1-2 scalars a token) and
 runs ``lazoo.kernels.normalized``: the D-dim part in the inputs' precision, the scalar features in fp32,
-and the normaliser inside the kernel's chunks (``_causal_poly_fused``): the same sums in another order. The
-bidirectional form is two matmuls on every backend except "recurrent", which sums token by token
+and the normaliser inside the kernel's chunks (``_causal_poly_fused``): the same sums in another order.
+hadamard_exp runs there too, with one shift per sequence and feature (its largest key) instead of the running
+maximum, where every feature's keys spread by at most ``EXP_SPREAD_LIMIT`` (``_causal_exp_fused``; else the GLA
+form, said once). The bidirectional form is two matmuls on every backend except "recurrent", which sums token by token
 (the reference).
 """
 
@@ -75,6 +77,7 @@ from ._common import (
     compute_dtype,
     fast_scan,
     host_sync_allowed,
+    logger,
     op_result,
     prepare_inputs,
     resolve_backend,
@@ -174,11 +177,17 @@ def ela(
         return _bidirectional(q, k, v, kernel, eps, mask, backend, cdt), None
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     state = _initial_state(op, initial_state, kernel, N, H, F_, dv, q.device, cdt)
+    fused = (q.dtype != torch.float16 and not decoding(T, cu_seqlens, q, k, v)
+             and resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v)) == "triton")
     if kernel == "hadamard_exp":
-        o, final = _causal_exp(q.to(cdt), k.to(cdt), v.to(cdt), eps, chunk_size, state, output_final_state, mask,
-                               backend, cu_seqlens)
-    elif (q.dtype != torch.float16 and not decoding(T, cu_seqlens, q, k, v)
-          and resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v)) == "triton"):
+        out = None
+        if fused:  # None where the keys spread too far for one shift per sequence
+            out = _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask, cu_seqlens)
+        if out is None:
+            out = _causal_exp(q.to(cdt), k.to(cdt), v.to(cdt), eps, chunk_size, state, output_final_state, mask,
+                              backend, cu_seqlens)
+        o, final = out
+    elif fused:
         # the kernel's score tiles are in the inputs' dtype: fp16's range (6.5e4) would not hold them
         # (magnitude_direction is cubic), so fp16 keeps the fp32 feature path below, as decoding does (a few
         # tokens against the state, through the fused recurrent kernel)
@@ -219,6 +228,60 @@ def _causal_poly_fused(kernel, q, k, v, eps, chunk_size, state, output_final_sta
 
 
 # ============================================================================ causal hadamard_exp
+#: the largest spread (max - min) of a feature's keys over a sequence for which hadamard_exp runs on the normalised
+#: kernel with one shift per sequence: every scaled key feature exp(k - c) stays above e^-60, far from underflow
+EXP_SPREAD_LIMIT = 60.0
+_EXP_FALLBACK_SAID: set[str] = set()
+
+
+def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask, cu_seqlens):
+    """hadamard_exp on ``lazoo.kernels.normalized`` (no scalar features): one shift per sequence and feature, its
+    largest real key c (with the state's m), in place of the running maximum. ψ̃(k) = exp(k - c) <= 1 and
+    φ̃(q_i) = exp(q_i + c - M_i) <= 1 with M_i = max_d (q_id + c_d); the clamp is eps·exp(-M_i) per query, the true
+    max(den, eps). The ratio is the same for any shift; a shift from later keys is exact but can underflow the early
+    ones, so this runs only where every feature's keys (and the state's m) spread by at most ``EXP_SPREAD_LIMIT``,
+    and returns None otherwise (the running-max form then runs; said once). The state is the running-max form's:
+    S̃ and C̃ relative to m = c."""
+    from ..kernels.ela_features import exp_features
+    from ..kernels.normalized import chunk_normalized_linear_attention
+
+    if not host_sync_allowed():  # the spread check reads back one number
+        return None
+    B, T, H, D = q.shape
+    with torch.no_grad():  # the largest and smallest real key per sequence, head and feature (in k's dtype: exact)
+        if cu_seqlens is None:
+            real = None if mask is None else mask[..., None, None]
+            hi = (k if real is None else k.masked_fill(~real, float("-inf"))).amax(1).float()  # [B, H, D]
+            lo = (k if real is None else k.masked_fill(~real, float("inf"))).amin(1).float()
+        else:
+            N = cu_seqlens.numel() - 1
+            seq = torch.repeat_interleave(torch.arange(N, device=q.device), cu_seqlens.diff(), output_size=T)
+            idx = seq[:, None, None].expand(T, H, D)
+            hi = k.new_full((N, H, D), float("-inf")).scatter_reduce_(0, idx, k[0], "amax").float()
+            lo = k.new_full((N, H, D), float("inf")).scatter_reduce_(0, idx, k[0], "amin").float()
+        if state is not None:
+            hi, lo = torch.maximum(hi, state["m"]), torch.minimum(lo, state["m"])
+        keys = torch.isfinite(hi)  # a sequence with no real key (and no state): shift 0
+        c = torch.where(keys, hi, 0.0)
+        if bool(((hi - lo) > EXP_SPREAD_LIMIT).logical_and_(keys).any()):
+            if "spread" not in _EXP_FALLBACK_SAID:
+                _EXP_FALLBACK_SAID.add("spread")
+                logger.warning("ela: hadamard_exp keys spread by more than %g along a sequence; using the running-max "
+                               "form (GLA kernels), exact for any range and slower.", EXP_SPREAD_LIMIT)
+            return None
+    fq, fk, eps_rows = exp_features(q, k, c, eps, mask, cu_seqlens)
+    s0 = None
+    if state is not None:  # S̃, C̃ relative to the state's m, rescaled to c (>= m)
+        r = (state["m"] - c).exp()
+        s0 = (state["S"] * r[:, :, None, :], None, state["C"] * r, None)
+    o, final = chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, initial_state=s0,
+                                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                                 chunk_size=chunk_size)
+    if final is not None:
+        final = {"S": final[0], "C": final[2], "m": c}
+    return o, final
+
+
 def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backend, cu_seqlens=None):
     """Running-max-shifted hadamard_exp (module docstring): the numerator as GLA (a decay per feature) on v, the
     normaliser from log-space prefix sums of the keys."""
