@@ -50,6 +50,8 @@ MAX_SCALARS = 2
 FWD_BV = 64
 #: the value block of the dq, dk, dv kernel for 16-bit inputs
 DQKV_BV = 64
+#: warps of the state kernels' programs
+STATE_WARPS = 4
 
 
 # ============================================================================ tile helpers
@@ -565,7 +567,8 @@ def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     s0 = s0 if s0 is not None else (None,) * 4
     grid = c.state_grid(BK, BV)
     _fwd_h_kernel[grid](k, cf, v, h, he, z, ze, *s0, *st, c.cu, c.chunk_offsets, c.T, BK=BK, BV=BV,
-                        USE_H0=s0[0] is not None, STORE_HT=output_final_state, **c.state_meta(), num_warps=4,
+                        USE_H0=s0[0] is not None, STORE_HT=output_final_state, **c.state_meta(),
+                        num_warps=STATE_WARPS,
                         num_stages=2)
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
     den = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
@@ -592,7 +595,8 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     dst = dst if dst is not None else (None,) * 4
     grid = c.state_grid(BK, BV)
     _bwd_dh_kernel[grid](q, a, do, rden, dden, dh, dhe, dz, dze, *dst, *ds0, c.cu, c.chunk_offsets, c.T,
-                         BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=want_ds0, **c.state_meta(), num_warps=4,
+                         BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=want_ds0, **c.state_meta(),
+                         num_warps=STATE_WARPS,
                          num_stages=2)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     da = torch.empty_like(a) if c.extra else None
