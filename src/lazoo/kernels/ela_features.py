@@ -173,7 +173,7 @@ def _exp_features_fwd_kernel(q, k, shift, seq, mask, fq, fk, eps_rows, log_eps, 
 
 
 class ExpFeaturesFunction(torch.autograd.Function):
-    """``(φ̃(q), ψ̃(k), eps·exp(-M))`` of ``exp_features``; the shifts carry no gradient, so dq = dφ̃ φ̃, dk = dψ̃ ψ̃."""
+    """``(φ̃(q), ψ̃(k), eps·exp(-M))`` of ``exp_features``; the shifts carry no gradient: dq = dφ̃ φ̃, dk = dψ̃ ψ̃."""
 
     @staticmethod
     def forward(ctx, q, k, shift, seq, mask, eps):
@@ -196,17 +196,14 @@ class ExpFeaturesFunction(torch.autograd.Function):
         return dq, dk, None, None, None, None
 
 
-def exp_features(q: torch.Tensor, k: torch.Tensor, shift: torch.Tensor, eps: float, mask: torch.Tensor | None = None,
-                 cu_seqlens: torch.Tensor | None = None):
+def exp_features(q: torch.Tensor, k: torch.Tensor, shift: torch.Tensor, eps: float,
+                 mask: torch.Tensor | None = None, seq: torch.Tensor | None = None):
     """hadamard_exp's features with one shift per sequence (``lazoo.ops.ela._causal_exp_fused``): for q, k
-    ``[B, T, H, D]`` and ``shift`` c ``[N, H, D]`` float32 (N = B, or the packed sequences of ``cu_seqlens``),
+    ``[B, T, H, D]`` and ``shift`` c ``[N, H, D]`` float32 (N = B, or with packed sequences (B = 1) ``seq`` ``[T]``
+    holds each token's sequence, ``ops._common.packed_sequence_ids``),
     ``(exp(q + c - M), exp(k - c), eps·exp(-M))`` with M = max_d (q + c) per token and head: the features in q's
     dtype (ψ̃ zero at pads), the clamp per row ``[B, T, H]`` float32. Differentiable in q and k."""
     q, k, shift = q.contiguous(), k.contiguous(), shift.detach().float().contiguous()
-    seq = None
-    if cu_seqlens is not None:
-        seq = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device, dtype=torch.int32),
-                                      cu_seqlens.diff(), output_size=q.shape[1])
     if mask is not None:
         mask = mask.to(torch.int8).contiguous()
     return ExpFeaturesFunction.apply(q, k, shift, seq, mask, float(eps))

@@ -307,9 +307,8 @@ def _fwd_o_kernel(
     b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
     b_o += tl.dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)
     if ROW_EPS:  # a clamp per token and head
-        b_o = b_o / tl.maximum(b_den, tl.load(eps_rows + (bos + o_t) * H + i_h, mask=m_t, other=1.0))[:, None]
-    else:
-        b_o = b_o / tl.maximum(b_den, eps)[:, None]
+        eps = tl.load(eps_rows + (bos + o_t) * H + i_h, mask=m_t, other=1.0)
+    b_o = b_o / tl.maximum(b_den, eps)[:, None]
     p_o = o + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v[None, :] < V))
     if i_v == 0:

@@ -60,8 +60,8 @@ runs ``lazoo.kernels.normalized``: the D-dim part in the inputs' precision, the 
 and the normaliser inside the kernel's chunks (``_causal_poly_fused``): the same sums in another order.
 hadamard_exp runs there too, with one shift per sequence and feature (its largest key) instead of the running
 maximum, where every feature's keys spread by at most ``EXP_SPREAD_LIMIT`` (``_causal_exp_fused``; else the GLA
-form, said once). The bidirectional form is two matmuls on every backend except "recurrent", which sums token by token
-(the reference).
+form, said once). The bidirectional form is two matmuls on every backend except "recurrent", which sums token by
+token (the reference).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ from ._common import (
     host_sync_allowed,
     logger,
     op_result,
+    packed_sequence_ids,
     prepare_inputs,
     resolve_backend,
     without_autocast,
@@ -177,8 +178,10 @@ def ela(
         return _bidirectional(q, k, v, kernel, eps, mask, backend, cdt), None
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     state = _initial_state(op, initial_state, kernel, N, H, F_, dv, q.device, cdt)
+    # (hadamard_exp's fallback, the GLA form, resolves its own backend and says why if it cannot run Triton)
     fused = (q.dtype != torch.float16 and not decoding(T, cu_seqlens, q, k, v)
-             and resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v)) == "triton")
+             and resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v),
+                                 log_fallback=kernel != "hadamard_exp") == "triton")
     if kernel == "hadamard_exp":
         out = None
         if fused:  # None where the keys spread too far for one shift per sequence
@@ -247,15 +250,15 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
 
     if not host_sync_allowed():  # the spread check reads back one number
         return None
-    B, T, H, D = q.shape
+    T, H, D = q.shape[1:]
+    seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, T)  # [T]: each token's sequence
     with torch.no_grad():  # the largest and smallest real key per sequence, head and feature (in k's dtype: exact)
-        if cu_seqlens is None:
+        if seq is None:
             real = None if mask is None else mask[..., None, None]
             hi = (k if real is None else k.masked_fill(~real, float("-inf"))).amax(1).float()  # [B, H, D]
             lo = (k if real is None else k.masked_fill(~real, float("inf"))).amin(1).float()
         else:
             N = cu_seqlens.numel() - 1
-            seq = torch.repeat_interleave(torch.arange(N, device=q.device), cu_seqlens.diff(), output_size=T)
             idx = seq[:, None, None].expand(T, H, D)
             hi = k.new_full((N, H, D), float("-inf")).scatter_reduce_(0, idx, k[0], "amax").float()
             lo = k.new_full((N, H, D), float("inf")).scatter_reduce_(0, idx, k[0], "amin").float()
@@ -269,7 +272,7 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
                 logger.warning("ela: hadamard_exp keys spread by more than %g along a sequence; using the running-max "
                                "form (GLA kernels), exact for any range and slower.", EXP_SPREAD_LIMIT)
             return None
-    fq, fk, eps_rows = exp_features(q, k, c, eps, mask, cu_seqlens)
+    fq, fk, eps_rows = exp_features(q, k, c, eps, mask, seq)
     s0 = None
     if state is not None:  # S̃, C̃ relative to the state's m, rescaled to c (>= m)
         r = (state["m"] - c).exp()
