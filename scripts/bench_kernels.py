@@ -102,6 +102,11 @@ def chunk_flops(D, C=CHUNK):
     return fwd, bwd
 
 
+def bidirectional_flops(D):
+    """The non-causal form's two products per token and head, Σ v ψ(k)ᵀ and S φ(q) (4 D²), and the backward's four."""
+    return 4 * D * D, 8 * D * D
+
+
 def io_bytes(B, T, H, D, dtype, n_fwd, n_bwd):
     """Bytes of the inputs and outputs, each read or written once (the floor, states excluded)."""
     size = B * T * H * D * torch.finfo(dtype).bits // 8
@@ -161,6 +166,18 @@ def _ops():
             ours=lambda x: ops.ela(x["q"], x["k"], x["v"], kernel="hadamard_exp", backend="triton")[0],
             flops=recurrent_flops,
         ),
+        # the non-causal forms (vision, Memory Lobe, encoders): every token sees every token, no state
+        "linear_attention_bidirectional": Op(
+            make=qkv,
+            ours=lambda x: ops.bidirectional_linear_attention(x["q"], x["k"], x["v"], feature_map="elu1")[0],
+            flops=bidirectional_flops,
+        ),
+        **{f"ela_{kernel}_bidirectional": Op(
+            make=qkv,
+            ours=lambda x, kernel=kernel: ops.ela(x["q"], x["k"], x["v"], kernel=kernel, causal=False,
+                                                  backend="triton")[0],
+            flops=bidirectional_flops,
+        ) for kernel in ("sum_sq_euclid", "magnitude_direction", "hadamard_exp")},
         "delta_product": Op(  # two Householder steps per token: the delta rule over 2T steps
             make=qkv_householder,
             ours=lambda x: ops.delta_product(x["q"], x["k"], x["v"], x["beta"], backend="triton")[0],

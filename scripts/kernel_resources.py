@@ -189,15 +189,17 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     return out
 
 
-def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2) -> dict:
+def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bool = True) -> dict:
     """The normalised linear-attention kernels (``lazoo.kernels.normalized``), bf16, chunks of 64, with the scalar
-    features (ELA's polynomial kernels), at their launch settings."""
+    features (ELA's polynomial kernels), at their launch settings; causal, or the non-causal form."""
+    import triton.language as tl
+
     from lazoo.kernels import normalized as kn
 
     b16, f32, i64 = "*bf16", "*fp32", "*i64"
     meta = dict(H=16, K=dk, V=dv, E=scalars, BT=64, EXTRA=True, IS_VARLEN=False, PREC="tf32")
     mx = dict.fromkeys(meta, "constexpr")
-    state = dict(BK=64, BV=64, SPREC="tf32")
+    state = dict(BK=64, BV=64, SPREC="tf32", STORE_CHUNKS=causal, SDT=tl.bfloat16)
     sx = dict.fromkeys(state, "constexpr")
     out = {}
     end = dict(USE_H0=True, STORE_HT=True)
@@ -205,7 +207,7 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2) -> dict:
         k=b16, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, h0=f32, he0=f32, z0=f32, ze0=f32, ht=f32, het=f32, zt=f32,
         zet=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx, **dict.fromkeys(end, "constexpr")),
         {**meta, **state, **end}, num_stages=2)
-    fo = dict(BK=64, BV=kn.FWD_BV, ROW_EPS=False)
+    fo = dict(BK=64, BV=kn.FWD_BV, ROW_EPS=False, CAUSAL=causal)
     out["forward: outputs"] = measure(kn._fwd_o_kernel, dict(
         q=b16, k=b16, a=f32, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, o=b16, den=f32, cu_seqlens=i64,
         chunk_indices=i64, eps="fp32", eps_rows=f32, T="i32", **mx, **dict.fromkeys(fo, "constexpr")), {**meta, **fo},
@@ -219,7 +221,7 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2) -> dict:
         q=b16, a=f32, do=b16, rden=f32, dden=f32, dh=b16, dhe=f32, dz=f32, dze=f32, dht=f32, dhet=f32, dzt=f32,
         dzet=f32, dh0=f32, dhe0=f32, dz0=f32, dze0=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx,
         **dict.fromkeys(end, "constexpr")), {**meta, **state, **end}, num_stages=2)
-    bq = dict(BK=dk, BV=kn.DQKV_BV)
+    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal)
     out["backward: dq, dk, dv"] = measure(kn._bwd_dqkv_kernel, dict(
         q=b16, k=b16, a=f32, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, do=b16, rden=f32, dden=f32, dh=b16,
         dhe=f32, dz=f32, dze=f32, dq=b16, dk=b16, da=f32, dc=f32, dv=b16, cu_seqlens=i64, chunk_indices=i64,
@@ -253,6 +255,7 @@ def main() -> None:
     _print("OVQ (d = 128, chunk 128; assignments fp32, attention bf16, decode fp32):", ovq_report())
     _print("VLA's A scans (d = 128, fp32):", vla_report())
     _print("Normalised linear attention with 2 scalar features (d = 128, bf16):", normalized_report())
+    _print("The same, non-causal:", normalized_report(causal=False))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python scripts/profile_op.py --op ovq --T 4096                       # bench_ovq's shape (B = 1, H = 8, d = 128)
     python scripts/profile_op.py --op ovq_pytorch_assign --T 4096        # the same with the PyTorch assignments
     python scripts/profile_op.py --op vla --T 32768 --B 1                # bench_vla's shape (H = 16, d = 128)
+    python scripts/profile_op.py --op gla --T 8192 --fla                 # fla's chunk_gla at the same shape
 
 bench_kernels' ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step (median of
 --repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host time.
@@ -22,17 +23,24 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_kernels_step(name: str, T: int, D: int):
+def bench_kernels_step(name: str, T: int, D: int, fla: bool = False):
+    """One forward + backward of a bench_kernels op: lazoo's, or (``fla``) fla's where it has the op."""
     import bench_kernels
 
     op = bench_kernels._ops()[name]
+    run = op.ours
+    if fla:
+        module, version = bench_kernels.load_fla()
+        if module is None or op.fla is None:
+            sys.exit(f"fla has no {name} here ({version})")
+        run = lambda t: op.fla(module, t)  # noqa: E731
     B = max(1, bench_kernels.TOKENS // T)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = op.make(B, T, bench_kernels.H, D, torch.bfloat16, "cuda", gen)
     leaves = [x[n].requires_grad_() for n in op.grads]
 
     def step():
-        op.ours(x).float().sum().backward()
+        run(x).float().sum().backward()
         for t in leaves:
             t.grad = None
     return step
@@ -83,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fla", action="store_true", help="profile fla's form of a bench_kernels op instead of lazoo's")
     args = ap.parse_args(argv)
     known = op_names()
     if args.op not in known:
@@ -94,7 +103,7 @@ def main(argv=None):
     elif args.op == "vla":
         step = vla_step(args.T, args.B)
     else:
-        step = bench_kernels_step(args.op, args.T, args.D)
+        step = bench_kernels_step(args.op, args.T, args.D, fla=args.fla)
     for _ in range(2):  # compile and autotune outside the profile
         step()
     torch.cuda.synchronize()
@@ -110,7 +119,7 @@ def main(argv=None):
         torch.cuda.synchronize()
     events = prof.key_averages()
     gpu = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"{args.op} T={args.T} D={args.D} on {torch.cuda.get_device_name()}: "
+    print(f"{args.op}{' (fla)' if args.fla else ''} T={args.T} D={args.D} on {torch.cuda.get_device_name()}: "
           f"wall {1e3 * walls[len(walls) // 2]:.3f} ms (median of {args.repeats}), GPU busy {gpu:.3f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -1,6 +1,7 @@
 """The normalised linear-attention kernels (lazoo.kernels.normalized) against a float64 token-by-token loop: outputs,
 final states and the gradients of q, k, v, the scalar features a, c and every part of the initial state, at ragged T,
-with pads (k and c zero there), denominators under the clamp, and packed sequences with an empty one.
+with pads (k and c zero there), denominators under the clamp, and packed sequences with an empty one; the
+non-causal form (every token reads its whole sequence's sums) likewise.
 
 CPU (default run): the ``interp_*`` tests run under the Triton interpreter (tests/test_interpreter.py runs them).
 GPU: ``-m gpu``, bf16 and fp32 at T = 2048 and D = 128."""
@@ -22,8 +23,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 F64 = torch.float64
 
 
-def reference(q, k, v, a, c, eps, state, cu_seqlens):
-    """Token by token in the inputs' dtype: ``(o, (h, he, z, ze))``, states as the kernel lays them out."""
+def reference(q, k, v, a, c, eps, state, cu_seqlens, causal=True):
+    """Token by token in the inputs' dtype: ``(o, (h, he, z, ze))``, states as the kernel lays them out. Non-causal:
+    the sums over the whole sequence first, then every token's output from them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     E = 0 if a is None else a.shape[-1]
@@ -38,14 +40,21 @@ def reference(q, k, v, a, c, eps, state, cu_seqlens):
         else:
             h, z = state[0][n], state[2][n]
             he, ze = (state[1][n], state[3][n]) if E else (q.new_zeros(H, V, 0), q.new_zeros(H, 0))
+        def add(t, h, he, z, ze):  # token t into the sums
+            h, z = h + v[b, t, :, :, None] * k[b, t, :, None, :], z + k[b, t]
+            if E:
+                he, ze = he + v[b, t, :, :, None] * c[b, t, :, None, :], ze + c[b, t]
+            return h, he, z, ze
+
+        if not causal:
+            for t in range(s, e):
+                h, he, z, ze = add(t, h, he, z, ze)
         for t in range(s, e):
-            h = h + v[b, t, :, :, None] * k[b, t, :, None, :]
-            z = z + k[b, t]
+            if causal:
+                h, he, z, ze = add(t, h, he, z, ze)
             num = (h * q[b, t, :, None, :]).sum(-1)
             den = (z * q[b, t]).sum(-1)
             if E:
-                he = he + v[b, t, :, :, None] * c[b, t, :, None, :]
-                ze = ze + c[b, t]
                 num = num + (he * a[b, t, :, None, :]).sum(-1)
                 den = den + (ze * a[b, t]).sum(-1)
             outs[b][t] = num / den.clamp_min(eps)[:, None]
@@ -83,9 +92,10 @@ def make_state(N, H, K, V, E, seed=9):
 
 
 def check(B, T, H, K, V, E, dtype, device, rtol, *, chunk=16, mask=None, cu=None, with_state=True, clamped=(),
-          eps=1e-3, seed=0, grad_rtol=None):
+          eps=1e-3, seed=0, grad_rtol=None, causal=True):
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 
+    with_state = with_state and causal  # (the non-causal form has no state)
     q, k, v, a, c = make_inputs(B, T, H, K, V, E, seed, mask, clamped)
     N = B if cu is None else len(cu) - 1
     state = make_state(N, H, K, V, E) if with_state else None
@@ -96,21 +106,21 @@ def check(B, T, H, K, V, E, dtype, device, rtol, *, chunk=16, mask=None, cu=None
     def run(leaves, fn):
         st = None if state is None else tuple(leaves.get(n) for n in ("h0", "he0", "z0", "ze0"))
         o, final = fn(*(leaves.get(n) for n in ("q", "k", "v", "a", "c")), st)
-        return o, {f"final_{i}": x for i, x in enumerate(final) if x is not None}
+        return o, {f"final_{i}": x for i, x in enumerate(final if causal else ()) if x is not None}
 
     ref_leaves = {n: tensors[n].clone().requires_grad_(True) for n in names}
     ref_leaves.update({n: x.clone().requires_grad_(True) for n, x in zip(("h0", "he0", "z0", "ze0"), state or ())
                        if x is not None})
     o_r, s_r, g_r = forward_and_grads(
-        lambda: run(ref_leaves, lambda q_, k_, v_, a_, c_, st: reference(q_, k_, v_, a_, c_, eps, st, cu)),
+        lambda: run(ref_leaves, lambda q_, k_, v_, a_, c_, st: reference(q_, k_, v_, a_, c_, eps, st, cu, causal)),
         ref_leaves)
     tri_leaves = {n: x.detach().to(device, dtype if n in ("q", "k", "v") else torch.float32).requires_grad_(True)
                   for n, x in ref_leaves.items()}
     cu_d = None if cu is None else cu.to(device)
     o, s, g = forward_and_grads(
         lambda: run(tri_leaves, lambda q_, k_, v_, a_, c_, st: chunk_normalized_linear_attention(
-            q_, k_, v_, a_, c_, eps=eps, initial_state=st, output_final_state=True, cu_seqlens=cu_d,
-            chunk_size=chunk)), tri_leaves)
+            q_, k_, v_, a_, c_, eps=eps, initial_state=st, output_final_state=causal, cu_seqlens=cu_d,
+            chunk_size=chunk, causal=causal)), tri_leaves)
     real = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
     # outputs at pads are not defined (the op zeroes them): compared at real tokens only
     assert_close(o.cpu().double()[real], o_r[real], rtol, "output")
@@ -150,6 +160,23 @@ def test_interp_several_key_and_value_blocks():
 
 
 @needs_interp
+@pytest.mark.parametrize("E", [0, 1, 2], ids=["plain", "one-scalar", "scalars"])
+def test_interp_non_causal_with_pads_and_clamps(E):
+    """Every token reads its whole sequence's sums (no score tiles), from the same kernels: pads add nothing, rows
+    under the clamp, K and V over several blocks of the state kernels."""
+    B, T, H, K, V = 2, 37, 2, 72, 20
+    mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
+    check(B, T, H, K, V, E, torch.float32, "cpu", 2e-5, mask=mask, clamped=[(0, 5), (1, 30)], causal=False)
+
+
+@needs_interp
+def test_interp_non_causal_packed_sequences_with_an_empty_one():
+    """Packed sequences: each token reads its own sequence's sums only (chunks of 16 straddle no sequence)."""
+    cu = torch.tensor([0, 7, 7, 30, 45])
+    check(1, 45, 2, 16, 24, 2, torch.float32, "cpu", 2e-5, cu=cu, chunk=16, causal=False)
+
+
+@needs_interp
 def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 
@@ -163,6 +190,8 @@ def test_interp_refuses_what_it_does_not_take():
     h0, z0 = torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16)
     with pytest.raises(ValueError, match="exactly when there are scalar features"):
         chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], initial_state=(h0, None, z0, None))
+    with pytest.raises(ValueError, match="non-causal form .* has no state"):
+        chunk_normalized_linear_attention(x, x, x, output_final_state=True, causal=False)
 
 
 @pytest.mark.gpu
@@ -178,6 +207,17 @@ def test_gpu_matches_reference(dtype, rtol, E):
     T = 2048
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
     check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,rtol,E", [(torch.bfloat16, 2e-2, 0), (torch.float32, 1e-4, 0),
+                                          (torch.bfloat16, 2e-2, 2), (torch.float32, 1e-4, 2)],
+                         ids=["plain-bf16", "plain-fp32", "two-scalars-bf16", "two-scalars-fp32"])
+def test_gpu_non_causal(dtype, rtol, E):
+    T = 1500
+    mask = left_pad_mask([T, T - 300], T, holes=[(0, 700)])
+    check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol, causal=False)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import delta_product, delta_rule, gated_delta_rule
-from lazoo.ops._testing import assert_close, compare_backends, left_pad_mask
+from lazoo.ops._testing import assert_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5
@@ -144,15 +144,7 @@ def test_bad_arguments_raise_clear_errors():
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter on CPU)
-def _interpreting():
-    try:
-        from lazoo.kernels._utils import interpreter_ready
-    except ImportError:  # no triton
-        return False
-    return interpreter_ready()
-
-
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+@needs_interpreter
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_interp_triton_matches_reference(gated):
     """backend="triton" (the delta rule kernel on the interleaved sequence), fp32, vs the float64 per-token

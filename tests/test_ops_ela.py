@@ -6,7 +6,7 @@ import torch
 
 from lazoo.ops import ELA_KERNELS, ela
 from lazoo.ops.ela import ela_feature_dim, ela_features, ela_kernel
-from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
+from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5
@@ -277,15 +277,7 @@ def test_bad_arguments_raise_clear_errors():
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter on CPU)
-def _interpreting():
-    try:
-        from lazoo.kernels._utils import interpreter_ready
-    except ImportError:  # no triton
-        return False
-    return interpreter_ready()
-
-
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+@needs_interpreter
 @pytest.mark.parametrize("kernel", ELA_KERNELS)
 def test_interp_triton_matches_reference(kernel):
     """backend="triton" (the normalised kernel, or gla's for hadamard_exp), fp32, vs the float64 reference:
@@ -319,7 +311,7 @@ def test_interp_triton_matches_reference(kernel):
     assert_close(o_d, o_dr, 1e-5, "decode")
 
 
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+@needs_interpreter
 @pytest.mark.parametrize("kernel", ELA_KERNELS)
 def test_interp_triton_packed_sequences(kernel):
     """backend="triton" with cu_seqlens (the normalised-linear, linear and GLA kernels on packed sequences), fp32:
@@ -327,7 +319,41 @@ def test_interp_triton_packed_sequences(kernel):
     assert_packed_equals_alone(kernel, "triton", [7, 0, 40, 5], dtype=torch.float32, tol=1e-5)
 
 
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+@needs_interpreter
+@pytest.mark.parametrize("kernel", ELA_KERNELS)
+def test_interp_triton_bidirectional(kernel):
+    """The bidirectional form on the normalised kernel (causal=False), fp32, vs the float64 reference: outputs and
+    gradients with a mask (hadamard_exp with keys spread far beyond the causal form's limit: one shift is safe here),
+    then packed sequences (one empty) against each sequence alone."""
+    from lazoo.ops._testing import forward_and_grads
+
+    T = 21
+    q, k, v = make_inputs(T, seed=8)
+    if kernel == "hadamard_exp":
+        k = k * 6 + torch.linspace(-40, 40, T, dtype=F64)[None, :, None, None]
+    mask = left_pad_mask([T, T - 6, T - 13], T, holes=[(0, 4)])
+
+    def run(backend, dtype, cu=None, leaves_from=(q, k, v), m=mask):
+        leaves = {n: x.detach().to(dtype).requires_grad_(True) for n, x in zip("qkv", leaves_from)}
+        return forward_and_grads(lambda: (ela(leaves["q"], leaves["k"], leaves["v"], kernel=kernel, causal=False,
+                                              mask=m, chunk_size=16, backend=backend, cu_seqlens=cu)[0], None), leaves)
+
+    o_r, _, g_r = run("recurrent", F64)
+    o_t, _, g_t = run("triton", torch.float32)
+    assert o_t.dtype == torch.float32 and torch.all(o_t[~mask] == 0)
+    assert_close(o_t, o_r, 1e-5, "output")
+    for name in g_r:
+        assert_close(g_t[name], g_r[name], 1e-4, f"grad {name}")
+    bounds = [0, 7, 7, 30, 35]  # packed: each sequence attends to itself only
+    packed = [x[:1, :35] if x.shape[1] >= 35 else x[:1] for x in make_inputs(35, seed=9)]
+    o_p, _, _ = run("triton", torch.float32, torch.tensor(bounds), packed, None)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            alone, _ = ela(*(x[:, lo:hi] for x in packed), kernel=kernel, causal=False, backend="recurrent")
+            assert_close(o_p[:, lo:hi].double(), alone, 1e-5, f"sequence {lo}:{hi}")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("limit", [60.0, 1.0], ids=["one-shift", "falls-back"])
 def test_interp_triton_hadamard_exp_shift_and_fallback(limit, monkeypatch, caplog):
     """hadamard_exp on the normalised kernel with one shift per sequence (keys within the spread limit), and the
@@ -366,7 +392,7 @@ def test_interp_triton_hadamard_exp_shift_and_fallback(limit, monkeypatch, caplo
     assert len(said) == (0 if limit == 60.0 else 1), [r.getMessage() for r in said]
 
 
-@pytest.mark.skipif(not _interpreting(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+@needs_interpreter
 def test_interp_triton_hadamard_exp_clamp_per_query():
     """Keys and queries near -9: the true denominators fall under eps for early tokens, so the clamp holds there;
     the normalised kernel's per-query clamp eps·exp(-M) gives the reference's max(den, eps)."""
@@ -426,3 +452,36 @@ def test_cuda_auto_backend_matches_reference(kernel):
     assert_state_close({key: x.cpu() for key, x in s.items()}, s_r, 1e-2, "bf16 state")
     for name in g_r:
         assert_close(g[name].cpu(), g_r[name], 3e-2, f"bf16 grad {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ELA_KERNELS)
+def test_cuda_bidirectional_matches_reference(kernel):
+    """The bidirectional form on CUDA (auto: the non-causal kernels) against the float64 CPU reference with grads:
+    fp32, and bf16 on the same rounded inputs; packed sequences as each alone."""
+    from lazoo.ops._testing import forward_and_grads
+
+    T, Dh = 300, 64
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(2, T, 2, Dh, generator=gen, dtype=F64) * 0.15 for _ in range(2))
+    v = torch.randn(2, T, 2, Dh, generator=gen, dtype=F64)
+    mask = left_pad_mask([T, T - 41], T)
+    for dtype, rtol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        rounded = {n: x.to(dtype).to(F64).requires_grad_(True) for n, x in zip("qkv", (q, k, v))}
+        o_r, _, g_r = forward_and_grads(lambda: (ela(rounded["q"], rounded["k"], rounded["v"], kernel=kernel,
+                                                     causal=False, mask=mask, backend="recurrent")[0], None), rounded)
+        cu = {n: x.detach().cuda().to(dtype).requires_grad_(True) for n, x in zip("qkv", (q, k, v))}
+        o, _, g = forward_and_grads(lambda: (ela(cu["q"], cu["k"], cu["v"], kernel=kernel, causal=False,
+                                                 mask=mask.cuda())[0], None), cu)
+        assert o.dtype == dtype
+        assert_close(o.cpu().double(), o_r, rtol, f"{dtype} output")
+        for name in g_r:
+            assert_close(g[name].cpu().double(), g_r[name], 3 * rtol, f"{dtype} grad {name}")
+    bounds = [0, 100, 100, 260, 300]
+    packed = [x[:1].cuda().float() for x in (q, k, v)]
+    o, _ = ela(*packed, kernel=kernel, causal=False, cu_seqlens=torch.tensor(bounds, device="cuda"))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            alone, _ = ela(*(x[:1, lo:hi] for x in (q, k, v)), kernel=kernel, causal=False, backend="recurrent")
+            assert_close(o[:, lo:hi].cpu().double(), alone, 1e-4, f"sequence {lo}:{hi}")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import gated_linear_attention, linear_attention
-from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
+from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5
@@ -171,3 +171,58 @@ def test_linear_ops_float32_close_to_float64():
         assert_close(o, ref_g, 1e-4, f"gla fp32 {backend}")
     o, s = gated_linear_attention(*(x.half() for x in (q, k, v, g)), output_final_state=True)
     assert o.dtype == torch.float16 and s.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- non-causal, Triton (interpreter on CPU)
+@needs_interpreter
+def test_interp_bidirectional_triton_matches_float64():
+    """bidirectional_linear_attention on the non-causal kernels, fp32, vs its float64 matmul form: outputs and the
+    gradients of q, k, v, with a left-padded sample and a hole; pads output 0 and a NaN at a pad reaches nothing."""
+    from lazoo.ops._testing import forward_and_grads
+    from lazoo.ops.bidirectional import bidirectional_linear_attention
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, D, Dv = 2, 37, 2, 24, 20
+    q, k = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, H, Dv, generator=gen, dtype=torch.float64)
+    mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
+    q[1, 0], k[1, 0], v[1, 0] = float("nan"), float("nan"), float("nan")  # a pad
+
+    def run(backend, dtype):
+        leaves = {n: x.detach().to(dtype).requires_grad_(True) for n, x in zip("qkv", (q, k, v))}
+        return forward_and_grads(lambda: (bidirectional_linear_attention(
+            leaves["q"], leaves["k"], leaves["v"], mask=mask, backend=backend)[0], None), leaves)
+
+    o_r, _, g_r = run("chunk", torch.float64)
+    o_t, _, g_t = run("triton", torch.float32)
+    assert o_t.dtype == torch.float32 and torch.all(o_t[~mask] == 0)
+    assert_close(o_t, o_r, 1e-5, "output")
+    for name in g_r:
+        assert_close(g_t[name], g_r[name], 1e-4, f"grad {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bidirectional_matches_float64():
+    """bidirectional_linear_attention on CUDA (auto: the non-causal kernels), fp32 and bf16 on the same rounded
+    inputs, and under bf16 autocast with fp32 inputs, against its float64 matmul form on the CPU, gradients too."""
+    from lazoo.ops._testing import forward_and_grads
+    from lazoo.ops.bidirectional import bidirectional_linear_attention
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = 2, 700, 2, 128
+    q, k, v = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = left_pad_mask([T, T - 99], T)
+    for dtype, rtol, autocast in ((torch.float32, 1e-4, False), (torch.bfloat16, 1e-2, False),
+                                  (torch.float32, 2e-2, True)):
+        rounded = {n: x.to(dtype).double().requires_grad_(True) for n, x in zip("qkv", (q, k, v))}
+        o_r, _, g_r = forward_and_grads(lambda: (bidirectional_linear_attention(
+            rounded["q"], rounded["k"], rounded["v"], mask=mask)[0], None), rounded)
+        cu = {n: x.detach().cuda().to(dtype).requires_grad_(True) for n, x in zip("qkv", (q, k, v))}
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            o, _, g = forward_and_grads(lambda: (bidirectional_linear_attention(
+                cu["q"], cu["k"], cu["v"], mask=mask.cuda())[0], None), cu)
+        assert o.dtype == dtype
+        assert_close(o.cpu().double(), o_r, rtol, f"{dtype} autocast={autocast} output")
+        for name in g_r:
+            assert_close(g[name].cpu().double(), g_r[name], 3 * rtol, f"{dtype} autocast={autocast} grad {name}")

@@ -79,6 +79,8 @@ OPS = {
                                                  **kw)),
     "ela_bidirectional": (_qkv, lambda x, output_final_state, **kw: ops.ela(x["q"], x["k"], x["v"], causal=False,
                                                                            **kw)),
+    "bidirectional_linear_attention": (_qkv, lambda x, output_final_state, **kw: ops.bidirectional_linear_attention(
+        x["q"], x["k"], x["v"], **kw)),
     "ovq_attention": (lambda g: _qkv(g, unit=True),
                       lambda x, **kw: ops.ovq_attention(x["q"], x["k"], x["v"], chunk_size=3, max_dict_size=4, **kw)),
     "vq_attention": (lambda g: _qkv(g, unit=True), None),  # and a codebook
@@ -94,8 +96,8 @@ OPS = {
 }
 #: ops with a Triton path; the first set runs in the default (interpreter) run: each kernel module once
 TRITON_DEFAULT = ("linear_attention", "gla", "gated_delta_rule", "vla", "ovq_attention", "rls",
-                  "local_linear_attention", "ttt_linear")
-TRITON_SLOW = ("gated_linear_attention", "delta_rule", "delta_product", "ela_exp", "ela_sum_sq")
+                  "local_linear_attention", "ttt_linear", "bidirectional_linear_attention")
+TRITON_SLOW = ("gated_linear_attention", "delta_rule", "delta_product", "ela_exp", "ela_sum_sq", "ela_bidirectional")
 #: local-linear's step-by-step reference takes seconds per run: in the full matrix only
 CPU_CASES = [pytest.param(name, be, marks=[pytest.mark.slow] if (name, be) == ("local_linear_attention", "recurrent")
                           else []) for name in OPS for be in ("chunk", "recurrent")]

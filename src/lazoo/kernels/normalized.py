@@ -28,6 +28,10 @@ Kernels: ``_fwd_h`` (chunk-start states, sequential over chunks), ``_fwd_o`` (ou
 chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse) and
 ``_bwd_dqkv`` (parallel over chunks). No computed matrix is transposed (see lazoo.kernels.linear).
 
+The non-causal form (``causal=False``; j ≤ i becomes every j of the sequence) runs the same kernels: ``_fwd_h`` and
+``_bwd_dh`` store only the sums over the whole sequence (as a final state, and as an initial state's gradient),
+and ``_fwd_o`` and ``_bwd_dqkv`` read those for every chunk (``CAUSAL``: no score tiles).
+
 Layout as in lazoo.kernels.linear: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, a, c ``[B, T, H, E]`` float32, states
 ``h0 [N, H, V, K]``, ``he0 [N, H, V, E]``, ``z0 [N, H, K]``, ``ze0 [N, H, E]`` (float32), ``cu_seqlens`` packing N
 sequences into B = 1. k and c must be zero at pads (a pad adds nothing); q at a pad only reaches its own output.
@@ -189,6 +193,19 @@ def _role_program(cu_seqlens, chunk_offsets, T, H: tl.constexpr, BT: tl.constexp
 
 
 @triton.jit
+def _state_index(chunk_indices, i_t, i_bh, i_tg, H: tl.constexpr, IS_VARLEN: tl.constexpr, CAUSAL: tl.constexpr):
+    """The index of a chunk program's state rows: its global chunk (causal: the state at the chunk's start), or its
+    sequence (non-causal: the sums over the whole sequence, one per sequence)."""
+    i_s = i_tg
+    if not CAUSAL:
+        if IS_VARLEN:
+            i_s = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        else:
+            i_s = (i_bh // H).to(tl.int64)
+    return i_s
+
+
+@triton.jit
 def _h_tile(i_p, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """The offsets and mask of program i_p's [BK, BV] tile of h (i_p < NK * NV)."""
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -207,9 +224,10 @@ def _fwd_h_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr,
+    SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr,
 ):
-    """Every chunk's starting state, then the final one (roles above). z is a ``[BK, 16]`` tile whose column 0
+    """Every chunk's starting state (unless not STORE_CHUNKS: the non-causal form needs the sums only), then the final
+    one (roles above). z is a ``[BK, 16]`` tile whose column 0
     holds it, he and ze ``_fold`` tiles: every sum over a chunk's tokens is a tile product."""
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -220,24 +238,26 @@ def _fwd_h_kernel(
         o_k, o_v, m_kv = _h_tile(i_p, K, V, BK, BV)
         b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
         for i_t in range(NT):
-            store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+            if STORE_CHUNKS:
+                store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
             b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
-            b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
+            b_h += tl.dot(b_kt.to(SDT), b_v.to(SDT), input_precision=PREC)
         if STORE_HT:
             tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
     elif i_p < NK * NV + NK:  # a key block of z
         o_k = (i_p - NK * NV) * BK + tl.arange(0, BK)
         b_z = _start_z(z0, i_nh, o_k, o_e, K, BK, USE_H0)
         for i_t in range(NT):
-            _store_z(z, (boh + i_t) * H + i_h, K, o_k, b_z)
+            if STORE_CHUNKS:
+                _store_z(z, (boh + i_t) * H + i_h, K, o_k, b_z)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             # k in the state's dtype (fp32, exact in tf32, for fp16 inputs: an fp16 product for z beside the fp32
             # one for h gave z 1% off at chunks of 64 on an H200, Triton 3.6)
-            b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True).to(h.dtype.element_ty)  # [BK, BT]
+            b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True).to(SDT)  # [BK, BT]
             b_z += tl.dot(b_kt, ones.to(b_kt.dtype), input_precision=PREC)
         if STORE_HT:
             _store_z(zt, i_nh.to(tl.int64), K, o_k, b_z)
@@ -245,7 +265,8 @@ def _fwd_h_kernel(
         o_v = (i_p - NK * NV - NK) * BV + tl.arange(0, BV)
         b_he = _start_he(he0, i_nh, o_e, o_v, E, V, BV, USE_H0)
         for i_t in range(NT):
-            _store_he(he, b_he, boh + i_t, i_h, o_v, H, E, V, BV)
+            if STORE_CHUNKS:
+                _store_he(he, b_he, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_ct = _split_features(c, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
@@ -256,7 +277,8 @@ def _fwd_h_kernel(
     elif EXTRA:  # ze
         b_ze = _start_ze(ze0, i_nh, o_e, E, USE_H0)
         for i_t in range(NT):
-            _store_ze(ze, (boh + i_t) * H + i_h, E, b_ze)
+            if STORE_CHUNKS:
+                _store_ze(ze, (boh + i_t) * H + i_h, E, b_ze)
             o_t = i_t * BT + tl.arange(0, BT)
             b_ct = _split_features(c, bos, o_t, o_t < T_seq, i_h, H, E, o_e, True)
             b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
@@ -271,13 +293,14 @@ def _fwd_o_kernel(
     q, k, a, c, v, h, he, z, ze, o, den, cu_seqlens, chunk_indices, eps, eps_rows, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ROW_EPS: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, ROW_EPS: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Grid (NV, NT, B * H) or (NV, total chunks, H): one chunk's outputs (and, from the first value block, its
-    denominators)."""
+    denominators). Non-causal: the sequence's sums alone, no score tile."""
     eps = tl.cast(eps, tl.float32)
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_tg = _state_index(chunk_indices, i_t, i_bh, i_tg, H, IS_VARLEN, CAUSAL)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
     o_v = i_v * BV + tl.arange(0, BV)
@@ -289,23 +312,25 @@ def _fwd_o_kernel(
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
         b_q = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, False)
-        b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True)
         b_h = tl.load(h + row * (K * V) + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v[None, :] < V),
                       other=0.0)
         b_o += tl.dot(b_q.to(b_h.dtype), b_h, input_precision=PREC)
-        b_s += tl.dot(b_q, b_kt, input_precision=PREC)
+        if CAUSAL:
+            b_s += tl.dot(b_q, _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True), input_precision=PREC)
         b_den += tl.sum(b_q.to(tl.float32) * _vec(z, row, K, o_k, m_k)[None, :], 1)
     if EXTRA:
         for e in tl.static_range(E):
             a_e = _col(a, bos, o_t, m_t, i_h, e, H, E)
-            b_s += a_e[:, None] * _col(c, bos, o_t, m_t, i_h, e, H, E)[None, :]
+            if CAUSAL:
+                b_s += a_e[:, None] * _col(c, bos, o_t, m_t, i_h, e, H, E)[None, :]
             b_o += a_e[:, None] * _srow(he, i_tg, i_h, e, o_v, H, E, V)[None, :]
             b_den += a_e * tl.load(ze + row * E + e)
-    o_i = tl.arange(0, BT)
-    b_s = tl.where(o_i[:, None] >= o_i[None, :], b_s, 0.0)
-    b_den += tl.sum(b_s, 1)
-    b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
-    b_o += tl.dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)
+    if CAUSAL:
+        o_i = tl.arange(0, BT)
+        b_s = tl.where(o_i[:, None] >= o_i[None, :], b_s, 0.0)
+        b_den += tl.sum(b_s, 1)
+        b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
+        b_o += tl.dot(b_s.to(b_v.dtype), b_v, input_precision=PREC)
     if ROW_EPS:  # a clamp per token and head
         eps = tl.load(eps_rows + (bos + o_t) * H + i_h, mask=m_t, other=1.0)
     b_o = b_o / tl.maximum(b_den, eps)[:, None]
@@ -342,10 +367,10 @@ def _bwd_dh_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr,
 ):
-    """The gradients of the states at every chunk's end, in reverse (roles and tiles as in _fwd_h; dden enters the
-    products of dz and dze as columns 0 and 1, its two tf32 parts)."""
+    """The gradients of the states at every chunk's end (unless not STORE_CHUNKS), in reverse (roles and tiles as in
+    _fwd_h; dden enters the products of dz and dze as columns 0 and 1, its two tf32 parts)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     i_p, i_nh, i_h, bos, T_seq, NT, boh = _role_program(cu_seqlens, chunk_offsets, T, H, BT, IS_VARLEN)
@@ -355,13 +380,14 @@ def _bwd_dh_kernel(
         b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
         for i_r in range(NT):
             i_t = NT - 1 - i_r
-            store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+            if STORE_CHUNKS:
+                store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
             b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
             b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]  # do / den'
-            b_dh += tl.dot(b_qt.to(dh.dtype.element_ty), b_do.to(dh.dtype.element_ty), input_precision=PREC)
+            b_dh += tl.dot(b_qt.to(SDT), b_do.to(SDT), input_precision=PREC)
         if STORE_DH0:
             tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
     elif i_p < NK * NV + NK:  # a key block of dz (q is exact in tf32)
@@ -369,7 +395,8 @@ def _bwd_dh_kernel(
         b_dz = _start_z(dzt, i_nh, o_k, o_e, K, BK, USE_DHT)
         for i_r in range(NT):
             i_t = NT - 1 - i_r
-            _store_z(dz, (boh + i_t) * H + i_h, K, o_k, b_dz)
+            if STORE_CHUNKS:
+                _store_z(dz, (boh + i_t) * H + i_h, K, o_k, b_dz)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)  # [BK, BT]
@@ -382,7 +409,8 @@ def _bwd_dh_kernel(
         b_dhe = _start_he(dhet, i_nh, o_e, o_v, E, V, BV, USE_DHT)
         for i_r in range(NT):
             i_t = NT - 1 - i_r
-            _store_he(dhe, b_dhe, boh + i_t, i_h, o_v, H, E, V, BV)
+            if STORE_CHUNKS:
+                _store_he(dhe, b_dhe, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
@@ -395,7 +423,8 @@ def _bwd_dh_kernel(
         b_dze = _start_ze(dzet, i_nh, o_e, E, USE_DHT)
         for i_r in range(NT):
             i_t = NT - 1 - i_r
-            _store_ze(dze, (boh + i_t) * H + i_h, E, b_dze)
+            if STORE_CHUNKS:
+                _store_ze(dze, (boh + i_t) * H + i_h, E, b_dze)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
             b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)
@@ -411,16 +440,17 @@ def _bwd_dqkv_kernel(
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K.
 
     With dnum = do / den' and P the chunk's causal scores: dS_ij = dnum_i·v_j + dden_i (i >= j) and
         dq = dnum hᵀ + dden zᵀ + dS K,      dk = v dhᵀ + 1 dzᵀ + dSᵀ Q,      dv = Pᵀ dnum + K dh + C dhe
     (da, dc likewise with he, ze, dhe, dze and A, C), h, z from the chunk's start and dh, dz from its end. The
-    scalar features' terms are fp32 row sums."""
+    scalar features' terms are fp32 row sums. Non-causal: h, z, dh, dz are the sequence's sums, and no dS, P."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_tg = _state_index(chunk_indices, i_t, i_bh, i_tg, H, IS_VARLEN, CAUSAL)
     E2: tl.constexpr = E == 2
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T_seq
@@ -428,23 +458,24 @@ def _bwd_dqkv_kernel(
     m_k = o_k < K
     b_q = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, False)
     b_k = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, False)
-    b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)
     b_r = _row_values(rden, bos, o_t, m_t, i_h, H)
     b_dden = _row_values(dden, bos, o_t, m_t, i_h, H)
-    o_i = tl.arange(0, BT)
-    causal = o_i[:, None] >= o_i[None, :]  # [i, j]: i >= j
-    causal_t = o_i[:, None] <= o_i[None, :]  # [j, i]: i >= j
-    b_pt = tl.dot(b_k, b_qt, input_precision=PREC)  # Pᵀ[j, i] = k_j·q_i (+ c_j·a_i), computed directly
     b_da0 = tl.zeros([BT], dtype=tl.float32)
     b_da1 = tl.zeros([BT], dtype=tl.float32)
     b_dc0 = tl.zeros([BT], dtype=tl.float32)
     b_dc1 = tl.zeros([BT], dtype=tl.float32)
-    if EXTRA:
-        b_pt += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 0, H, E)[None, :]
-        if E2:
-            b_pt += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 1, H, E)[None, :]
-    # 1/den' scales the products' results, not do: do / den' can fall below fp16's normal range
-    b_pt = tl.where(causal_t, b_pt * b_r[None, :], 0.0).to(b_k.dtype)  # Pᵀ diag(1/den')
+    if CAUSAL:
+        b_qt = _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True)
+        o_i = tl.arange(0, BT)
+        causal = o_i[:, None] >= o_i[None, :]  # [i, j]: i >= j
+        causal_t = o_i[:, None] <= o_i[None, :]  # [j, i]: i >= j
+        b_pt = tl.dot(b_k, b_qt, input_precision=PREC)  # Pᵀ[j, i] = k_j·q_i (+ c_j·a_i), computed directly
+        if EXTRA:
+            b_pt += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 0, H, E)[None, :]
+            if E2:
+                b_pt += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 1, H, E)[None, :]
+        # 1/den' scales the products' results, not do: do / den' can fall below fp16's normal range
+        b_pt = tl.where(causal_t, b_pt * b_r[None, :], 0.0).to(b_k.dtype)  # Pᵀ diag(1/den')
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -457,17 +488,22 @@ def _bwd_dqkv_kernel(
         m_v = o_v < V
         m_vk = m_v[:, None] & m_k[None, :]
         b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)
-        b_vt = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, True)
+        if CAUSAL:
+            b_vt = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, True)
         b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)
-        b_dot = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, True)
+        if CAUSAL:
+            b_dot = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, True)
         b_ht = tl.load(p_h + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)  # [BV, BK]
         b_dht = tl.load(p_dh + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)
         b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dq += tl.dot(b_do.to(b_ht.dtype), b_ht, input_precision=PREC)
         b_dk += tl.dot(b_v.to(b_dht.dtype), b_dht, input_precision=PREC)
-        b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
-        b_dst += tl.dot(b_v, b_dot, input_precision=PREC)
-        b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
+        if CAUSAL:
+            b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
+            b_dst += tl.dot(b_v, b_dot, input_precision=PREC)
+            b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
+        else:
+            b_dv = tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
         if EXTRA:
             b_vf = b_v.to(tl.float32)
             dhe0 = _srow(dhe, i_tg, i_h, 0, o_v, H, E, V)
@@ -484,13 +520,14 @@ def _bwd_dqkv_kernel(
         tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     # dnum = do / den'; the normaliser is one more value column of ones, with output gradient dden
-    b_ds = tl.where(causal, b_ds * b_r[:, None] + b_dden[:, None], 0.0)
-    b_dst = tl.where(causal_t, b_dst * b_r[None, :] + b_dden[None, :], 0.0)
     row = i_tg * H + i_h
     b_dq = b_dq * b_r[:, None] + b_dden[:, None] * _vec(z, row, K, o_k, m_k)[None, :]
-    b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
     b_dk += _vec(dz, row, K, o_k, m_k)[None, :]
-    b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=PREC)
+    if CAUSAL:
+        b_ds = tl.where(causal, b_ds * b_r[:, None] + b_dden[:, None], 0.0)
+        b_dst = tl.where(causal_t, b_dst * b_r[None, :] + b_dden[None, :], 0.0)
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
+        b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=PREC)
     m_tk = m_t[:, None] & m_k[None, :]
     tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -498,23 +535,30 @@ def _bwd_dqkv_kernel(
         p_e = (bos + o_t) * (H * E) + i_h * E
         a0 = _col(a, bos, o_t, m_t, i_h, 0, H, E)
         c0 = _col(c, bos, o_t, m_t, i_h, 0, H, E)
-        b_da0 = b_da0 * b_r + b_dden * tl.load(ze + row * E) + tl.sum(b_ds * c0[None, :], 1)
-        b_dc0 += tl.load(dze + row * E) + tl.sum(b_dst * a0[None, :], 1)
+        b_da0 = b_da0 * b_r + b_dden * tl.load(ze + row * E)
+        b_dc0 += tl.load(dze + row * E)
+        if CAUSAL:
+            b_da0 += tl.sum(b_ds * c0[None, :], 1)
+            b_dc0 += tl.sum(b_dst * a0[None, :], 1)
         tl.store(da + p_e, b_da0, mask=m_t)
         tl.store(dc + p_e, b_dc0, mask=m_t)
         if E2:
             a1 = _col(a, bos, o_t, m_t, i_h, 1, H, E)
             c1 = _col(c, bos, o_t, m_t, i_h, 1, H, E)
-            b_da1 = b_da1 * b_r + b_dden * tl.load(ze + row * E + 1) + tl.sum(b_ds * c1[None, :], 1)
-            b_dc1 += tl.load(dze + row * E + 1) + tl.sum(b_dst * a1[None, :], 1)
+            b_da1 = b_da1 * b_r + b_dden * tl.load(ze + row * E + 1)
+            b_dc1 += tl.load(dze + row * E + 1)
+            if CAUSAL:
+                b_da1 += tl.sum(b_ds * c1[None, :], 1)
+                b_dc1 += tl.sum(b_dst * a1[None, :], 1)
             tl.store(da + p_e + 1, b_da1, mask=m_t)
             tl.store(dc + p_e + 1, b_dc1, mask=m_t)
 
 
 # ============================================================================ launchers
 class _Ctx(ChunkLayout):
-    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps):
+    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps, causal=True):
         super().__init__(q, v, cu_seqlens, chunk_size)
+        self.causal = causal
         self.E = 1 if a is None else a.shape[-1]  # (without features: the width of the unused buffers)
         self.extra = a is not None
         self.row_eps = isinstance(eps, torch.Tensor)  # [B, T, H] float32, or one number
@@ -532,8 +576,10 @@ class _Ctx(ChunkLayout):
                     IS_VARLEN=self.varlen, PREC=self.prec)
 
     def state_meta(self):
-        """``meta`` and the precision of the state kernels' fp32 tile products (tf32 for 16-bit inputs)."""
-        return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32")
+        """``meta``, the precision of the state kernels' fp32 tile products (tf32 for 16-bit inputs), the dtype of
+        their products' operands (the chunk states' dtype), and whether they store every chunk's state (causal)."""
+        sdt = tl.bfloat16 if self.state_dtype == torch.bfloat16 else tl.float32
+        return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32", SDT=sdt, STORE_CHUNKS=self.causal)
 
     def state_grid(self, BK, BV):
         """The state kernels' grid: the tiles of h, the key blocks of z and, with scalar features, the value blocks
@@ -549,6 +595,12 @@ class _Ctx(ChunkLayout):
                 device=dev) if self.extra else None, torch.empty(NT, H, K, dtype=f32, device=dev),
                 torch.empty(NT, H, E, dtype=f32, device=dev) if self.extra else None)
 
+    def sums_as_chunk_states(self, h, he, z, ze):
+        """The non-causal form's sums (``end_states`` layout) as the chunk kernels read states, one row per sequence:
+        ``[N, H, K, V]`` in the chunk states' dtype, ``[N, H, E, V]``, z and ze as they are."""
+        return (h.transpose(-1, -2).to(self.state_dtype).contiguous(),
+                None if he is None else he.transpose(-1, -2).contiguous(), z, ze)
+
     def end_states(self, dev):
         N, H, K, V, E = self.N, self.H, self.K, self.V, self.E
         f32 = torch.float32
@@ -561,21 +613,23 @@ class _Ctx(ChunkLayout):
 def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     dev = q.device
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
-    h, he, z, ze = c.buffers(dev)
-    st = c.end_states(dev) if output_final_state else (None,) * 4
+    # non-causal: the sequence's sums alone (as its final state), which every chunk then reads
+    h, he, z, ze = c.buffers(dev) if c.causal else (None,) * 4
+    st = c.end_states(dev) if output_final_state or not c.causal else (None,) * 4
     s0 = s0 if s0 is not None else (None,) * 4
     grid = c.state_grid(BK, BV)
     _fwd_h_kernel[grid](k, cf, v, h, he, z, ze, *s0, *st, c.cu, c.chunk_offsets, c.T, BK=BK, BV=BV,
-                        USE_H0=s0[0] is not None, STORE_HT=output_final_state, **c.state_meta(),
-                        num_warps=STATE_WARPS,
-                        num_stages=2)
+                        USE_H0=s0[0] is not None, STORE_HT=st[0] is not None, **c.state_meta(),
+                        num_warps=STATE_WARPS, num_stages=2)
+    if not c.causal:
+        (h, he, z, ze), st = c.sums_as_chunk_states(*st), (None,) * 4
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
     den = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
     BV = min(FWD_BV if c.two_byte else 64, next_pow2(c.V))
     eps, eps_rows = c.eps_args()
     _fwd_o_kernel[c.grid(triton.cdiv(c.V, BV))](q, k, a, cf, v, h, he, z, ze, o, den, c.cu, c.chunk_indices,
                                                 eps, eps_rows, c.T, BK=min(64, next_pow2(c.K)), BV=BV,
-                                                ROW_EPS=c.row_eps, **c.meta(),
+                                                ROW_EPS=c.row_eps, CAUSAL=c.causal, **c.meta(),
                                                 num_warps=4, num_stages=2)
     return o, den, (h, he, z, ze), st
 
@@ -589,24 +643,26 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     _bwd_prep_kernel[(triton.cdiv(rows, BR),)](o, do, den, rden, dden, *c.eps_args(), rows, H=c.H, V=c.V, BR=BR,
                                                BV=next_pow2(c.V), ROW_EPS=c.row_eps, num_warps=4)
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
-    dh, dhe, dz, dze = c.buffers(dev)
-    ds0 = c.end_states(dev) if want_ds0 else (None,) * 4
+    # non-causal: the gradients of the sequence's sums (as an initial state's), which every chunk then reads
+    dh, dhe, dz, dze = c.buffers(dev) if c.causal else (None,) * 4
+    ds0 = c.end_states(dev) if want_ds0 or not c.causal else (None,) * 4
     dst = dst if dst is not None else (None,) * 4
     grid = c.state_grid(BK, BV)
     _bwd_dh_kernel[grid](q, a, do, rden, dden, dh, dhe, dz, dze, *dst, *ds0, c.cu, c.chunk_offsets, c.T,
-                         BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=want_ds0, **c.state_meta(),
-                         num_warps=STATE_WARPS,
-                         num_stages=2)
+                         BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=ds0[0] is not None, **c.state_meta(),
+                         num_warps=STATE_WARPS, num_stages=2)
+    if not c.causal:
+        (dh, dhe, dz, dze), ds0 = c.sums_as_chunk_states(*ds0), (None,) * 4
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     da = torch.empty_like(a) if c.extra else None
     dc = torch.empty_like(cf) if c.extra else None
     BK = next_pow2(c.K)
     h, he, z, ze = states
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
-    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, q.device.type)
+    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, c.cu, c.chunk_indices, c.T, BK=BK,
-                         **c.meta())
+                         CAUSAL=c.causal, **c.meta())
     return dq, dk, da, dc, dv, ds0
 
 
@@ -614,8 +670,8 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
     """Chunked normalised linear attention with scalar features and a hand-written backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, a, cf, v, h0, he0, z0, ze0, eps, output_final_state, cu_seqlens, chunk_size):
-        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps)
+    def forward(ctx, q, k, a, cf, v, h0, he0, z0, ze0, eps, output_final_state, cu_seqlens, chunk_size, causal):
+        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps, causal)
         s0 = None if h0 is None else (h0, he0, z0, ze0)
         o, den, states, st = _fwd(c, q, k, a, cf, v, s0, output_final_state)
         ctx.c = c
@@ -638,11 +694,12 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
             ds0 = tuple(None if x is None or t is None else x.to(t) for x, t in zip(ds0, ctx.s0_dtypes))
         else:
             ds0 = (None,) * 4
-        return dq, dk, da, dc, dv, *ds0, None, None, None, None
+        return dq, dk, da, dc, dv, *ds0, None, None, None, None, None
 
 
 def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | torch.Tensor = 1e-6, initial_state=None,
-                                      output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+                                      output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64,
+                                      causal: bool = True):
     """``(o [B, T, H, V] in v's dtype, final state or None)``: o_i = num_i / max(den_i, eps) (module docstring).
 
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
@@ -650,7 +707,13 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
     ``(h [N, H, V, K], he [N, H, V, E], z [N, H, K], ze [N, H, E])`` in float32 (he, ze None without scalar
     features). Differentiable in all of them. ``eps`` is one number, or a clamp per token and head ``[B, T, H]``
     (float32, no gradient; ELA's hadamard_exp, whose features are scaled per query).
+
+    ``causal=False`` is the non-causal form: every token's sums run over its whole sequence (j ≤ i becomes any j).
+    The same kernels run without the chunks' score tiles, on the sequence's sums; it has no state.
     """
+    if not causal and (initial_state is not None or output_final_state):
+        raise ValueError("chunk_normalized_linear_attention: the non-causal form (causal=False) has no state; leave "
+                         "initial_state=None and output_final_state=False")
     if (a is None) != (c is None):
         raise ValueError("chunk_normalized_linear_attention: give both scalar features a and c, or neither")
     if a is not None and not (a.shape == c.shape and a.shape[:3] == q.shape[:3]
@@ -685,7 +748,7 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
     else:
         eps = float(eps)
     o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, eps, bool(output_final_state),
-                                                     cu_seqlens, chunk)
+                                                     cu_seqlens, chunk, bool(causal))
     if pad and output_final_state:
         st = [st[0], st[1][..., :1], st[2], st[3][..., :1]]
     return o, (tuple(st) if output_final_state else None)

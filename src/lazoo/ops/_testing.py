@@ -7,7 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import pytest
 import torch
+
+
+def interpreted() -> bool:
+    """Whether the Triton interpreter is on from the start (``TRITON_INTERPRET=1``; False without Triton)."""
+    try:
+        from ..kernels._utils import interpreter_ready
+    except ImportError:  # no triton
+        return False
+    return interpreter_ready()
+
+
+#: the mark of an op test that runs Triton kernels through the interpreter (tests/test_interpreter.py runs them)
+needs_interpreter = pytest.mark.skipif(not interpreted(), reason="needs TRITON_INTERPRET=1 from the start "
+                                                                  "(tests/test_interpreter.py runs it)")
 
 
 def left_pad_mask(lengths: Sequence[int], T: int, holes: Sequence[tuple[int, int]] = ()) -> torch.Tensor:

@@ -60,8 +60,9 @@ runs ``lazoo.kernels.normalized``: the D-dim part in the inputs' precision, the 
 and the normaliser inside the kernel's chunks (``_causal_poly_fused``): the same sums in another order.
 hadamard_exp runs there too, with one shift per sequence and feature (its largest key) instead of the running
 maximum, where every feature's keys spread by at most ``EXP_SPREAD_LIMIT`` (``_causal_exp_fused``; else the GLA
-form, said once). The bidirectional form is two matmuls on every backend except "recurrent", which sums token by
-token (the reference).
+form, said once). The bidirectional form runs the same kernels without their score tiles on the Triton backend
+(``causal=False``: each sequence's sums once, then every token's output from them; fp16 excepted), and is two matmuls
+on "chunk" and token-by-token sums on "recurrent" (the reference).
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ def ela(
         if initial_state is not None or output_final_state:
             raise ValueError(f"{op}: the bidirectional form (causal=False) has no state; "
                              "leave initial_state=None and output_final_state=False")
+        kernels = resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v)) == "triton"
+        if kernels and q.dtype != torch.float16:
+            return op_result(_bidirectional_fused(kernel, q, k, v, eps, mask, cu_seqlens), mask, v.dtype, None, False)
         if cu_seqlens is not None:  # each sequence attends to itself only
             bounds = cu_seqlens.tolist()
             parts = [_bidirectional(q[:, s:e], k[:, s:e], v[:, s:e], kernel, eps, None, backend, cdt)
@@ -373,6 +377,34 @@ def _running_max(k, mask, m0):
 
 
 # ============================================================================ bidirectional
+def _bidirectional_fused(kernel, q, k, v, eps, mask, cu_seqlens):
+    """The bidirectional form on the causal form's kernels (``lazoo.kernels.normalized`` with ``causal=False``: each
+    sequence's sums once, then every token's output from them), with the same features: a polynomial kernel's split
+    form, or hadamard_exp's exp(k - c), exp(q + c - M) with c the largest real key per sequence and feature. One
+    shift needs no spread check here: every query sees the key that sets c, so the largest term of its denominator is
+    exactly 1, and a key that underflows would add under e^-87 of it. (fp16 keeps the matmul form: the kernel's
+    score tiles are in the inputs' dtype, as in the causal form.)"""
+    from ..kernels.ela_features import exp_features, poly_features
+    from ..kernels.normalized import chunk_normalized_linear_attention
+
+    run = dict(causal=False, cu_seqlens=cu_seqlens)
+    if kernel != "hadamard_exp":
+        q1, k1, a, c = poly_features(q, k, kernel, mask)
+        return chunk_normalized_linear_attention(q1, k1, v, a, c, eps=eps, **run)[0]
+    T, H, D = q.shape[1:]
+    seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, T)
+    with torch.no_grad():  # the largest real key per sequence, head and feature (0 where there is none)
+        if seq is None:
+            hi = (k if mask is None else k.masked_fill(~mask[..., None, None], float("-inf"))).amax(1)
+        else:
+            idx = seq[:, None, None].expand(T, H, D)
+            hi = k.new_full((cu_seqlens.numel() - 1, H, D), float("-inf")).scatter_reduce_(0, idx, k[0], "amax")
+        hi = hi.float()
+        shift = torch.where(torch.isfinite(hi), hi, 0.0)
+    fq, fk, eps_rows = exp_features(q, k, shift, eps, mask, seq)
+    return chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, **run)[0]
+
+
 def _bidirectional(q, k, v, kernel, eps, mask, backend, cdt):
     backend = resolve_backend("ela", backend, q.device, None)  # any backend runs the matmuls
     out_dtype = v.dtype
