@@ -89,6 +89,21 @@ def gated_call(chunk_size=16, mask=None, cu_seqlens=None, scale=None):
     return call
 
 
+def kernels_linear():
+    import importlib
+
+    return importlib.import_module("lazoo.kernels.linear")
+
+
+def state_grids(monkeypatch) -> list:
+    """The grids of lazoo.kernels.linear's forward state-kernel launches, recorded from now on."""
+    kl, calls = kernels_linear(), []
+    real = kl._fwd_h_kernel
+    monkeypatch.setattr(kl, "_fwd_h_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        calls.append(grid), real[grid])[1]})())
+    return calls
+
+
 # ============================================================================ CPU: the interpreter
 
 
@@ -100,6 +115,22 @@ def test_interp_linear_matches_reference(feature_map, normalize):
     mask = left_pad_mask([T, T - 7], T, holes=[(0, 20)])
     check_against_reference(linear_call(feature_map, normalize, mask=mask), {"q": q, "k": k, "v": v},
                             linear_state(B, H, dk, dv, normalize), torch.float32, 1e-5)
+
+
+@needs_interp
+@pytest.mark.parametrize("T,seg", [(100, 3), (45, 2)], ids=["three-segments", "two-segments"])
+def test_interp_segmented_state_walks_match_reference(T, seg, monkeypatch):
+    """The state walks split into segments of ``seg`` chunks (the last one shorter), as at long T with a small batch:
+    the segments' sums, their prefix sums from the initial state, the walks from each segment's start, and the same
+    in reverse for the gradients (dht into the last segment's end, dh0 out of the first one's start)."""
+    monkeypatch.setattr(kernels_linear(), "FORCE_SEGMENT_CHUNKS", seg)
+    calls = state_grids(monkeypatch)
+    B, H, dk, dv = 2, 2, 8, 12
+    q, k, v, _ = inputs(B, T, H, dk, dv, seed=7)
+    mask = left_pad_mask([T, T - 7], T, holes=[(0, 20)])
+    check_against_reference(linear_call("identity", False, mask=mask), {"q": q, "k": k, "v": v},
+                            linear_state(B, H, dk, dv, False), torch.float32, 1e-5)
+    assert calls and all(grid[2] == -(-((T + 15) // 16) // seg) for grid in calls), calls
 
 
 @needs_interp
@@ -279,6 +310,20 @@ def test_gpu_matches_float64(name, dtype):
             q, k = q * D ** -0.5, k * D ** -0.5
         call, t, st = linear_call(fm, norm, chunk_size=64, mask=mask), {"q": q, "k": k, "v": v}, linear_state(B, H, D, D, norm)
     gpu_reference_check(call, t, st, dtype, GPU_RTOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_long_sequence_walks_in_segments(dtype, monkeypatch):
+    """One long sample with few heads: the state walks split into segments by themselves, against float64."""
+    calls = state_grids(monkeypatch)
+    B, T, H, D = 1, 8192, 2, 128
+    q, k, v, _ = inputs(B, T, H, D, D, seed=17)
+    q, k = q * D ** -0.5, k * D ** -0.5
+    gpu_reference_check(linear_call("identity", False, chunk_size=64, mask=left_pad_mask([T - 77], T)),
+                        {"q": q, "k": k, "v": v}, linear_state(B, H, D, D, False), dtype, GPU_RTOL[dtype])
+    assert calls and all(grid[2] > 1 for grid in calls), calls
 
 
 @pytest.mark.gpu

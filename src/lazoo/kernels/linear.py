@@ -20,7 +20,10 @@ Backward (``dH_n`` the gradient of the state at the end of chunk ``n``):
 
 Kernels: ``_fwd_h`` (states at chunk starts, sequential over chunks), ``_fwd_o`` (outputs, parallel
 over chunks), ``_bwd_dh`` (state gradients, sequential in reverse), ``_bwd_dqkv`` (parallel over
-chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd).
+chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd). Without a
+decay, at long T with few sequences × heads, the two sequential walks run in segments side by side
+(``_segments``): each segment's sum, a prefix sum over the segments, then the walks from each
+segment's start.
 
 Conventions (see lazoo.ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
 ``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
@@ -41,10 +44,18 @@ import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
                       launch_first_fitting, load_end_state, seq_bounds, state_blocks, state_program, store_chunk_state)
-from ._utils import device_unsupported, next_pow2
+from ._utils import device_unsupported, next_pow2, num_sms
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
 MAX_HEAD_DIM = 256
+#: the state walks split into segments (``_segments``) up to this many programs per SM, each segment at least
+#: SEGMENT_MIN_CHUNKS chunks long, and only into MIN_SEGMENTS or more: a segmented walk is two walks of NT / S
+#: chunks in place of one of NT, so fewer segments barely shorten it
+SEGMENT_PROGRAMS_PER_SM = 4
+SEGMENT_MIN_CHUNKS = 16
+MIN_SEGMENTS = 4
+#: chunks per segment, forced (tests: segments at small T); None: ``_segments`` decides
+FORCE_SEGMENT_CHUNKS = None
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -72,19 +83,35 @@ def _chunk_decay(g, bos, i_t, T_seq, i_h, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _segment(i_nh, NT, SEG: tl.constexpr):
+    """(row of the program's start and end states, first chunk, chunk past the last) of a state program on grid
+    axis 2 (segments of SEG chunks; SEG = 0: one walk over the sequence)."""
+    i_s = tl.program_id(2)
+    lo = i_s * SEG
+    hi = NT
+    if SEG > 0:
+        hi = tl.minimum(lo + SEG, NT)
+    return i_nh * tl.num_programs(2) + i_s, lo, hi
+
+
+@triton.jit
 def _fwd_h_kernel(
     k, v, g, h, h0, ht, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, STORE_CHUNKS: tl.constexpr,
 ):
-    """Grid (NK * NV, N * H): store the state at the start of every chunk, then the final state."""
+    """Grid (NK * NV, N * H, S): store the state at the start of every chunk, then the final state. With S
+    segments of SEG chunks (``_segments``), a program walks one segment, from and to its own rows of h0 and ht
+    (``[N, H, S, V, K]``); without STORE_CHUNKS it only sums (the segments' totals)."""
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
-    b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
-    for i_t in range(NT):
-        store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+    i_st, lo, hi = _segment(i_nh, NT, SEG)
+    b_h = load_end_state(h0, i_st, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
+    for i_t in range(lo, hi):
+        if STORE_CHUNKS:
+            store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
         b_kt, b_v = _chunk_tiles(k, v, bos, i_t, T_seq, i_h, o_k, o_v, H, K, V, BT)  # k^T [BK, BT], v [BT, BV]
         if USE_G:
             b_G, g_last = _chunk_decay(g, bos, i_t, T_seq, i_h, H, BT)
@@ -93,7 +120,7 @@ def _fwd_h_kernel(
         b_h += tl.dot(b_kt.to(h.dtype.element_ty), b_v.to(h.dtype.element_ty), input_precision=PREC)
 
     if STORE_HT:
-        tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+        tl.store(end_state(ht, i_st, o_k, o_v, K, V), b_h, mask=m_kv)
 
 
 @triton.jit
@@ -147,16 +174,19 @@ def _bwd_dh_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, STORE_CHUNKS: tl.constexpr,
 ):
-    """Grid (NK * NV, N * H): the gradient of the state at the end of every chunk, in reverse."""
+    """Grid (NK * NV, N * H, S): the gradient of the state at the end of every chunk, in reverse (segments as in
+    ``_fwd_h_kernel``: dht holds each segment's end, dh0 receives its start)."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
-    b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
-    for i_r in range(NT):
-        i_t = NT - 1 - i_r
-        store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
+    i_st, lo, hi = _segment(i_nh, NT, SEG)
+    b_dh = load_end_state(dht, i_st, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
+    for i_r in range(hi - lo):
+        i_t = hi - 1 - i_r
+        if STORE_CHUNKS:
+            store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
         b_qt, b_do = _chunk_tiles(q, do, bos, i_t, T_seq, i_h, o_k, o_v, H, K, V, BT)  # q^T [BK, BT], do [BT, BV]
         if USE_G:
             b_G, g_last = _chunk_decay(g, bos, i_t, T_seq, i_h, H, BT)
@@ -166,7 +196,7 @@ def _bwd_dh_kernel(
                        input_precision=PREC) * scale
 
     if STORE_DH0:
-        tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
+        tl.store(end_state(dh0, i_st, o_k, o_v, K, V), b_dh, mask=m_kv)
 
 
 @triton.jit
@@ -327,18 +357,52 @@ class _Ctx(ChunkLayout):
         self.key = (q.dtype, self.H, self.K, self.V, chunk_size, self.varlen, q.device.type)
 
 
+def _segments(c: _Ctx, tiles: int, gated: bool, device) -> int:
+    """Chunks per segment of the state walks, or 0 for one walk per sequence. A walk is sequential in its chunks, so
+    where few sequences × heads × state tiles would leave most SMs idle (long T, small batch), each sequence's walk
+    is split into segments that run side by side: their sums first, then (from their starts, a prefix sum over the
+    segments) every chunk's state. Not with a decay (the starts would need the segments' decays) nor packed
+    sequences (their chunk counts are on the GPU)."""
+    if gated or c.varlen:
+        return 0
+    chunks = triton.cdiv(c.T, c.BT)
+    if FORCE_SEGMENT_CHUNKS:  # (tests)
+        return FORCE_SEGMENT_CHUNKS if FORCE_SEGMENT_CHUNKS < chunks else 0
+    programs = c.N * c.H * tiles
+    segments = min(triton.cdiv(SEGMENT_PROGRAMS_PER_SM * num_sms(device), programs), chunks // SEGMENT_MIN_CHUNKS)
+    return triton.cdiv(chunks, segments) if segments >= MIN_SEGMENTS else 0
+
+
+def _fwd_states(c: _Ctx, k, v, g, h, h0, ht, BK, BV, tiles, seg):
+    """Every chunk's starting state into h (and the final state into ht): one walk per sequence, or with segments
+    of ``seg`` chunks their sums, a prefix sum over them, and the walks from each segment's start."""
+    meta = dict(H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec,
+                num_warps=4, num_stages=2)
+    if not seg:
+        _fwd_h_kernel[(tiles, c.N * c.H, 1)](k, v, g, h, h0, ht, c.cu, c.chunk_offsets, c.T, USE_H0=h0 is not None,
+                                             STORE_HT=ht is not None, SEG=0, STORE_CHUNKS=True, **meta)
+        return
+    S = triton.cdiv(triton.cdiv(c.T, c.BT), seg)
+    sums = torch.empty(c.N, c.H, S, c.V, c.K, dtype=torch.float32, device=k.device)
+    grid = (tiles, c.N * c.H, S)
+    _fwd_h_kernel[grid](k, v, g, h, None, sums, c.cu, c.chunk_offsets, c.T, USE_H0=False, STORE_HT=True, SEG=seg,
+                        STORE_CHUNKS=False, **meta)
+    starts = sums.cumsum(2) - sums  # each segment's start: the sums of the segments before it
+    if h0 is not None:
+        starts += h0.float()[:, :, None]
+    _fwd_h_kernel[grid](k, v, g, h, starts, None, c.cu, c.chunk_offsets, c.T, USE_H0=True, STORE_HT=False, SEG=seg,
+                        STORE_CHUNKS=True, **meta)
+    if ht is not None:
+        ht.copy_(starts[:, :, -1] + sums[:, :, -1])
+
+
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     dev = q.device
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     h = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
     ht = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if output_final_state else None
-    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
-    _fwd_h_kernel[grid](
-        k, v, g, h, h0, ht, c.cu, c.chunk_offsets, c.T,
-        H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV,
-        USE_G=g is not None, USE_H0=h0 is not None, STORE_HT=output_final_state,
-        IS_VARLEN=c.varlen, PREC=c.prec, num_warps=4, num_stages=2,
-    )
+    tiles = triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV)
+    _fwd_states(c, k, v, g, h, h0, ht, BK, BV, tiles, _segments(c, tiles, g is not None, dev))
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
     BK = min(64, next_pow2(c.K))
     configs = [dict(BV=min(128 if c.two_byte else 64, next_pow2(c.V)), num_warps=4, num_stages=2),
@@ -354,13 +418,8 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     dh = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
     dh0 = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if want_dh0 else None
-    grid = (triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV), c.N * c.H)
-    _bwd_dh_kernel[grid](
-        q, do, g, dh, dht, dh0, c.cu, c.chunk_offsets, scale, c.T,
-        H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV,
-        USE_G=g is not None, USE_DHT=dht is not None, STORE_DH0=want_dh0,
-        IS_VARLEN=c.varlen, PREC=c.prec, num_warps=4, num_stages=2,
-    )
+    tiles = triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV)
+    _bwd_states(c, q, do, g, dh, dht, dh0, scale, BK, BV, tiles, _segments(c, tiles, g is not None, dev))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev) if g is not None else None
     BK = next_pow2(c.K)
@@ -369,6 +428,30 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
                          q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
                          H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
     return dq, dk, dv, dg, dh0
+
+
+def _bwd_states(c: _Ctx, q, do, g, dh, dht, dh0, scale, BK, BV, tiles, seg):
+    """Every chunk's end-state gradient into dh (and the initial state's into dh0), as ``_fwd_states`` in reverse:
+    a segment's end gradient is the sums of the segments after it (and dht)."""
+    meta = dict(H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec,
+                num_warps=4, num_stages=2)
+    if not seg:
+        _bwd_dh_kernel[(tiles, c.N * c.H, 1)](q, do, g, dh, dht, dh0, c.cu, c.chunk_offsets, scale, c.T,
+                                              USE_DHT=dht is not None, STORE_DH0=dh0 is not None, SEG=0,
+                                              STORE_CHUNKS=True, **meta)
+        return
+    S = triton.cdiv(triton.cdiv(c.T, c.BT), seg)
+    sums = torch.empty(c.N, c.H, S, c.V, c.K, dtype=torch.float32, device=q.device)
+    grid = (tiles, c.N * c.H, S)
+    _bwd_dh_kernel[grid](q, do, g, dh, None, sums, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=False, STORE_DH0=True,
+                         SEG=seg, STORE_CHUNKS=False, **meta)
+    ends = sums.flip(2).cumsum(2).flip(2) - sums  # each segment's end: the sums of the segments after it
+    if dht is not None:
+        ends += dht.float()[:, :, None]
+    _bwd_dh_kernel[grid](q, do, g, dh, ends, None, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=True, STORE_DH0=False,
+                         SEG=seg, STORE_CHUNKS=True, **meta)
+    if dh0 is not None:
+        dh0.copy_(ends[:, :, 0] + sums[:, :, 0])
 
 
 def _reverse_cumsum_dg(dG: torch.Tensor, cu_seqlens, BT: int = 64) -> torch.Tensor:
