@@ -199,7 +199,7 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
     b16, f32, i64 = "*bf16", "*fp32", "*i64"
     meta = dict(H=16, K=dk, V=dv, E=scalars, BT=64, EXTRA=True, IS_VARLEN=False, PREC="tf32")
     mx = dict.fromkeys(meta, "constexpr")
-    state = dict(BK=64, BV=64, SPREC="tf32", STORE_CHUNKS=causal, SDT=tl.bfloat16)
+    state = dict(BK=64, BV=64, SPREC="tf32", STORE_CHUNKS=causal, SDT=tl.bfloat16, SEG=0)
     sx = dict.fromkeys(state, "constexpr")
     out = {}
     end = dict(USE_H0=True, STORE_HT=True)

@@ -177,6 +177,28 @@ def test_interp_non_causal_packed_sequences_with_an_empty_one():
 
 
 @needs_interp
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("E", [0, 2], ids=["plain", "scalars"])
+def test_interp_state_walks_in_segments(E, causal, monkeypatch):
+    """The state walks split into segments of 2 chunks (the last one shorter), as at long T with a small batch: every
+    role's segment sums, their prefix sums from the initial state (and, in reverse, from the final state's gradient),
+    the walks from each segment's start; non-causal, the sums' total. K and V over several blocks."""
+    import importlib
+
+    kn = importlib.import_module("lazoo.kernels.normalized")
+    monkeypatch.setattr(kn, "FORCE_SEGMENT_CHUNKS", 2)
+    grids = []
+    for name in ("_fwd_h_kernel", "_bwd_dh_kernel"):
+        real = getattr(kn, name)
+        monkeypatch.setattr(kn, name, type("Spy", (), {"__getitem__": lambda self, grid, real=real: (
+            grids.append(grid), real[grid])[1]})())
+    T = 80  # 5 chunks of 16: segments of 2, 2 and 1
+    mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
+    check(2, T, 2, 72, 40, E, torch.float32, "cpu", 2e-5, mask=mask, causal=causal)
+    assert len(grids) == (4 if causal else 2) and all(g[2] == 3 for g in grids), grids
+
+
+@needs_interp
 def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 
@@ -218,6 +240,20 @@ def test_gpu_non_causal(dtype, rtol, E):
     T = 1500
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 700)])
     check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol, causal=False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_gpu_state_walks_in_segments(dtype, rtol, causal, monkeypatch):
+    """The state walks in segments of 7 chunks (the last one shorter) on the GPU, scalar features, pads."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "FORCE_SEGMENT_CHUNKS", 7)
+    T = 1500  # 24 chunks of 64
+    check(1, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=left_pad_mask([T - 70], T), grad_rtol=3 * rtol,
+          causal=causal)
 
 
 @pytest.mark.gpu

@@ -201,6 +201,57 @@ def state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device, max_blo
     return BK, BV
 
 
+# ============================================================================ state walks in segments
+# A state walk is sequential in its chunks. Where few sequences × heads × state tiles would leave most SMs idle
+# (long T, small batch), each sequence's walk is split into S segments that run side by side (grid axis 2): the
+# segments' sums first (``segment_bounds``' programs without per-chunk stores), their prefix sums (``segment_starts``,
+# ``segment_ends``), then the walks from each segment's start. Not with a decay (the starts would need each segment's
+# decay) nor packed sequences (their chunk counts are on the GPU). A segmented walk is two walks of NT / S chunks in
+# place of one of NT: fewer than MIN_SEGMENTS segments barely shorten it.
+SEGMENT_PROGRAMS_PER_SM = 4
+SEGMENT_MIN_CHUNKS = 16
+MIN_SEGMENTS = 4
+
+
+@triton.jit
+def segment_bounds(i_nh, NT, SEG: tl.constexpr):
+    """(row of the program's start and end states ``[N, H, S, ...]``, first chunk, chunk past the last) of a state
+    program on grid axis 2 (segments of SEG chunks; SEG = 0: one walk over the sequence, row i_nh)."""
+    i_s = tl.program_id(2)
+    lo = i_s * SEG
+    hi = NT
+    if SEG > 0:
+        hi = tl.minimum(lo + SEG, NT)
+    return i_nh * tl.num_programs(2) + i_s, lo, hi
+
+
+def walk_segments(layout: ChunkLayout, programs: int, device, force: int | None = None,
+                  min_segments: int = MIN_SEGMENTS) -> int:
+    """Chunks per segment of a layout's state walks run by ``programs`` programs, or 0 for one walk per sequence
+    (``force``: that many chunks per segment, for tests and benchmarks)."""
+    if layout.varlen:
+        return 0
+    chunks = triton.cdiv(layout.T, layout.BT)
+    if force:
+        return force if force < chunks else 0
+    segments = min(triton.cdiv(SEGMENT_PROGRAMS_PER_SM * num_sms(device), programs), chunks // SEGMENT_MIN_CHUNKS)
+    return triton.cdiv(chunks, segments) if segments >= min_segments else 0
+
+
+def segment_starts(sums: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    """Each segment's starting state ``[N, H, S, ...]`` from the segments' sums: the sums before it, plus ``first``
+    (the initial state ``[N, H, ...]``, or None)."""
+    starts = sums.cumsum(2) - sums
+    return starts if first is None else starts + first.float()[:, :, None]
+
+
+def segment_ends(sums: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """Each segment's end-state gradient ``[N, H, S, ...]`` from the segments' sums of gradients: the sums after it,
+    plus ``last`` (the final state's gradient, or None)."""
+    ends = sums.flip(2).cumsum(2).flip(2) - sums
+    return ends if last is None else ends + last.float()[:, :, None]
+
+
 def fill_device(BV: int, V: int, parallel: int, device: torch.device, per_sm: int = 2) -> int:
     """The value block BV of a kernel run by ``parallel * cdiv(V, BV)`` programs, halved (down to 16) until
     there are ``per_sm`` programs per multiprocessor: few sequences x heads would leave most of the GPU idle."""

@@ -43,18 +43,16 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
-                      launch_first_fitting, load_end_state, seq_bounds, state_blocks, state_program, store_chunk_state)
-from ._utils import device_unsupported, next_pow2, num_sms
+                      launch_first_fitting, load_end_state, segment_bounds, segment_ends, segment_starts, seq_bounds,
+                      state_blocks, state_program, store_chunk_state, walk_segments)
+from . import _common
+from ._utils import device_unsupported, next_pow2
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
 MAX_HEAD_DIM = 256
-#: the state walks split into segments (``_segments``) up to this many programs per SM, each segment at least
-#: SEGMENT_MIN_CHUNKS chunks long, and only into MIN_SEGMENTS or more: a segmented walk is two walks of NT / S
-#: chunks in place of one of NT, so fewer segments barely shorten it
-SEGMENT_PROGRAMS_PER_SM = 4
-SEGMENT_MIN_CHUNKS = 16
-MIN_SEGMENTS = 4
-#: chunks per segment, forced (tests: segments at small T); None: ``_segments`` decides
+#: the state walks in segments (``_common.walk_segments``): at least this many, and chunks per segment forced
+#: (tests: segments at small T; None: walk_segments decides)
+MIN_SEGMENTS = _common.MIN_SEGMENTS
 FORCE_SEGMENT_CHUNKS = None
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -83,18 +81,6 @@ def _chunk_decay(g, bos, i_t, T_seq, i_h, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _segment(i_nh, NT, SEG: tl.constexpr):
-    """(row of the program's start and end states, first chunk, chunk past the last) of a state program on grid
-    axis 2 (segments of SEG chunks; SEG = 0: one walk over the sequence)."""
-    i_s = tl.program_id(2)
-    lo = i_s * SEG
-    hi = NT
-    if SEG > 0:
-        hi = tl.minimum(lo + SEG, NT)
-    return i_nh * tl.num_programs(2) + i_s, lo, hi
-
-
-@triton.jit
 def _fwd_h_kernel(
     k, v, g, h, h0, ht, cu_seqlens, chunk_offsets, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -103,11 +89,11 @@ def _fwd_h_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, STORE_CHUNKS: tl.constexpr,
 ):
     """Grid (NK * NV, N * H, S): store the state at the start of every chunk, then the final state. With S
-    segments of SEG chunks (``_segments``), a program walks one segment, from and to its own rows of h0 and ht
-    (``[N, H, S, V, K]``); without STORE_CHUNKS it only sums (the segments' totals)."""
+    segments of SEG chunks (``_common.walk_segments``), a program walks one segment, from and to its own rows of h0
+    and ht (``[N, H, S, V, K]``); without STORE_CHUNKS it only sums (the segments' totals)."""
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
-    i_st, lo, hi = _segment(i_nh, NT, SEG)
+    i_st, lo, hi = segment_bounds(i_nh, NT, SEG)
     b_h = load_end_state(h0, i_st, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
     for i_t in range(lo, hi):
         if STORE_CHUNKS:
@@ -181,7 +167,7 @@ def _bwd_dh_kernel(
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
-    i_st, lo, hi = _segment(i_nh, NT, SEG)
+    i_st, lo, hi = segment_bounds(i_nh, NT, SEG)
     b_dh = load_end_state(dht, i_st, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
     for i_r in range(hi - lo):
         i_t = hi - 1 - i_r
@@ -358,19 +344,10 @@ class _Ctx(ChunkLayout):
 
 
 def _segments(c: _Ctx, tiles: int, gated: bool, device) -> int:
-    """Chunks per segment of the state walks, or 0 for one walk per sequence. A walk is sequential in its chunks, so
-    where few sequences × heads × state tiles would leave most SMs idle (long T, small batch), each sequence's walk
-    is split into segments that run side by side: their sums first, then (from their starts, a prefix sum over the
-    segments) every chunk's state. Not with a decay (the starts would need the segments' decays) nor packed
-    sequences (their chunk counts are on the GPU)."""
-    if gated or c.varlen:
+    """Chunks per segment of the state walks (``_common.walk_segments``), or 0; never with a decay."""
+    if gated:
         return 0
-    chunks = triton.cdiv(c.T, c.BT)
-    if FORCE_SEGMENT_CHUNKS:  # (tests)
-        return FORCE_SEGMENT_CHUNKS if FORCE_SEGMENT_CHUNKS < chunks else 0
-    programs = c.N * c.H * tiles
-    segments = min(triton.cdiv(SEGMENT_PROGRAMS_PER_SM * num_sms(device), programs), chunks // SEGMENT_MIN_CHUNKS)
-    return triton.cdiv(chunks, segments) if segments >= MIN_SEGMENTS else 0
+    return walk_segments(c, c.N * c.H * tiles, device, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
 
 
 def _fwd_states(c: _Ctx, k, v, g, h, h0, ht, BK, BV, tiles, seg):
@@ -387,9 +364,7 @@ def _fwd_states(c: _Ctx, k, v, g, h, h0, ht, BK, BV, tiles, seg):
     grid = (tiles, c.N * c.H, S)
     _fwd_h_kernel[grid](k, v, g, h, None, sums, c.cu, c.chunk_offsets, c.T, USE_H0=False, STORE_HT=True, SEG=seg,
                         STORE_CHUNKS=False, **meta)
-    starts = sums.cumsum(2) - sums  # each segment's start: the sums of the segments before it
-    if h0 is not None:
-        starts += h0.float()[:, :, None]
+    starts = segment_starts(sums, h0)
     _fwd_h_kernel[grid](k, v, g, h, starts, None, c.cu, c.chunk_offsets, c.T, USE_H0=True, STORE_HT=False, SEG=seg,
                         STORE_CHUNKS=True, **meta)
     if ht is not None:
@@ -445,9 +420,7 @@ def _bwd_states(c: _Ctx, q, do, g, dh, dht, dh0, scale, BK, BV, tiles, seg):
     grid = (tiles, c.N * c.H, S)
     _bwd_dh_kernel[grid](q, do, g, dh, None, sums, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=False, STORE_DH0=True,
                          SEG=seg, STORE_CHUNKS=False, **meta)
-    ends = sums.flip(2).cumsum(2).flip(2) - sums  # each segment's end: the sums of the segments after it
-    if dht is not None:
-        ends += dht.float()[:, :, None]
+    ends = segment_ends(sums, dht)
     _bwd_dh_kernel[grid](q, do, g, dh, ends, None, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=True, STORE_DH0=False,
                          SEG=seg, STORE_CHUNKS=True, **meta)
     if dh0 is not None:

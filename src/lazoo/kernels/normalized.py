@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, launch_first_fitting,
-                      load_end_state, seq_bounds, state_blocks, store_chunk_state)
+                      load_end_state, segment_bounds, segment_ends, segment_starts, seq_bounds, state_blocks,
+                      store_chunk_state, walk_segments)
 from ._utils import next_pow2
 
 #: the largest scalar-feature count (E = 1 or 2, ELA's)
@@ -56,6 +57,12 @@ FWD_BV = 64
 DQKV_BV = 64
 #: warps of the state kernels' programs
 STATE_WARPS = 4
+#: the state walks in segments (``_common.walk_segments``): at least this many, and chunks per segment forced
+#: (tests: segments at small T; None: walk_segments decides). Off by default here until timed and tested on a GPU
+#: (the interpreter tests pass; linear attention's segments, the same scheme, were: BENCHMARKS); turn them on with
+#: MIN_SEGMENTS = _common.MIN_SEGMENTS
+MIN_SEGMENTS = 1 << 30
+FORCE_SEGMENT_CHUNKS = None
 
 
 # ============================================================================ tile helpers
@@ -224,7 +231,7 @@ def _fwd_h_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr,
+    SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr, SEG: tl.constexpr,
 ):
     """Every chunk's starting state (unless not STORE_CHUNKS: the non-causal form needs the sums only), then the final
     one (roles above). z is a ``[BK, 16]`` tile whose column 0
@@ -232,12 +239,13 @@ def _fwd_h_kernel(
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     i_p, i_nh, i_h, bos, T_seq, NT, boh = _role_program(cu_seqlens, chunk_offsets, T, H, BT, IS_VARLEN)
+    i_st, lo, hi = segment_bounds(i_nh, NT, SEG)  # (segments: its own rows of the end states)
     o_e = tl.arange(0, 16)
     ones = tl.where((o_e == 0)[None, :], tl.full([BT, 16], 1.0, tl.float32), 0.0)  # sums into column 0
     if i_p < NK * NV:  # a tile of h
         o_k, o_v, m_kv = _h_tile(i_p, K, V, BK, BV)
-        b_h = load_end_state(h0, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
-        for i_t in range(NT):
+        b_h = load_end_state(h0, i_st, o_k, o_v, m_kv, K, V, BK, BV, USE_H0)
+        for i_t in range(lo, hi):
             if STORE_CHUNKS:
                 store_chunk_state(h, b_h, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -246,11 +254,11 @@ def _fwd_h_kernel(
             b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
             b_h += tl.dot(b_kt.to(SDT), b_v.to(SDT), input_precision=PREC)
         if STORE_HT:
-            tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+            tl.store(end_state(ht, i_st, o_k, o_v, K, V), b_h, mask=m_kv)
     elif i_p < NK * NV + NK:  # a key block of z
         o_k = (i_p - NK * NV) * BK + tl.arange(0, BK)
-        b_z = _start_z(z0, i_nh, o_k, o_e, K, BK, USE_H0)
-        for i_t in range(NT):
+        b_z = _start_z(z0, i_st, o_k, o_e, K, BK, USE_H0)
+        for i_t in range(lo, hi):
             if STORE_CHUNKS:
                 _store_z(z, (boh + i_t) * H + i_h, K, o_k, b_z)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -260,11 +268,11 @@ def _fwd_h_kernel(
             b_kt = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, True).to(SDT)  # [BK, BT]
             b_z += tl.dot(b_kt, ones.to(b_kt.dtype), input_precision=PREC)
         if STORE_HT:
-            _store_z(zt, i_nh.to(tl.int64), K, o_k, b_z)
+            _store_z(zt, i_st.to(tl.int64), K, o_k, b_z)
     elif EXTRA and i_p < NK * NV + NK + NV:  # a value block of he
         o_v = (i_p - NK * NV - NK) * BV + tl.arange(0, BV)
-        b_he = _start_he(he0, i_nh, o_e, o_v, E, V, BV, USE_H0)
-        for i_t in range(NT):
+        b_he = _start_he(he0, i_st, o_e, o_v, E, V, BV, USE_H0)
+        for i_t in range(lo, hi):
             if STORE_CHUNKS:
                 _store_he(he, b_he, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -273,17 +281,17 @@ def _fwd_h_kernel(
             b_v = _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
             b_he += tl.dot(b_ct, b_v.to(tl.float32), input_precision=SPREC)
         if STORE_HT:
-            _store_he_end(het, b_he, i_nh, o_v, E, V, BV)
+            _store_he_end(het, b_he, i_st, o_v, E, V, BV)
     elif EXTRA:  # ze
-        b_ze = _start_ze(ze0, i_nh, o_e, E, USE_H0)
-        for i_t in range(NT):
+        b_ze = _start_ze(ze0, i_st, o_e, E, USE_H0)
+        for i_t in range(lo, hi):
             if STORE_CHUNKS:
                 _store_ze(ze, (boh + i_t) * H + i_h, E, b_ze)
             o_t = i_t * BT + tl.arange(0, BT)
             b_ct = _split_features(c, bos, o_t, o_t < T_seq, i_h, H, E, o_e, True)
             b_ze += tl.dot(b_ct, ones, input_precision=SPREC)
         if STORE_HT:
-            _store_ze(zet, i_nh.to(tl.int64), E, b_ze)
+            _store_ze(zet, i_st.to(tl.int64), E, b_ze)
 
 
 # The output and dq, dk, dv kernels take the scalar features (E = 1 or 2) as per-token vectors, not tiles: their
@@ -367,19 +375,20 @@ def _bwd_dh_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr, SEG: tl.constexpr,
 ):
     """The gradients of the states at every chunk's end (unless not STORE_CHUNKS), in reverse (roles and tiles as in
     _fwd_h; dden enters the products of dz and dze as columns 0 and 1, its two tf32 parts)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     i_p, i_nh, i_h, bos, T_seq, NT, boh = _role_program(cu_seqlens, chunk_offsets, T, H, BT, IS_VARLEN)
+    i_st, lo, hi = segment_bounds(i_nh, NT, SEG)  # (segments: its own rows of the end states)
     o_e = tl.arange(0, 16)
     if i_p < NK * NV:  # a tile of dh
         o_k, o_v, m_kv = _h_tile(i_p, K, V, BK, BV)
-        b_dh = load_end_state(dht, i_nh, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
-        for i_r in range(NT):
-            i_t = NT - 1 - i_r
+        b_dh = load_end_state(dht, i_st, o_k, o_v, m_kv, K, V, BK, BV, USE_DHT)
+        for i_r in range(hi - lo):
+            i_t = hi - 1 - i_r
             if STORE_CHUNKS:
                 store_chunk_state(dh, b_dh, boh + i_t, i_h, o_k, o_v, m_kv, H, K, V)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -389,12 +398,12 @@ def _bwd_dh_kernel(
             b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]  # do / den'
             b_dh += tl.dot(b_qt.to(SDT), b_do.to(SDT), input_precision=PREC)
         if STORE_DH0:
-            tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
+            tl.store(end_state(dh0, i_st, o_k, o_v, K, V), b_dh, mask=m_kv)
     elif i_p < NK * NV + NK:  # a key block of dz (q is exact in tf32)
         o_k = (i_p - NK * NV) * BK + tl.arange(0, BK)
-        b_dz = _start_z(dzt, i_nh, o_k, o_e, K, BK, USE_DHT)
-        for i_r in range(NT):
-            i_t = NT - 1 - i_r
+        b_dz = _start_z(dzt, i_st, o_k, o_e, K, BK, USE_DHT)
+        for i_r in range(hi - lo):
+            i_t = hi - 1 - i_r
             if STORE_CHUNKS:
                 _store_z(dz, (boh + i_t) * H + i_h, K, o_k, b_dz)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -403,12 +412,12 @@ def _bwd_dh_kernel(
             b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)  # [BT, 16]
             b_dz += tl.dot(b_qt.to(tl.float32), b_dd, input_precision=SPREC)
         if STORE_DH0:
-            _store_z(dz0, i_nh.to(tl.int64), K, o_k, b_dz)
+            _store_z(dz0, i_st.to(tl.int64), K, o_k, b_dz)
     elif EXTRA and i_p < NK * NV + NK + NV:  # a value block of dhe
         o_v = (i_p - NK * NV - NK) * BV + tl.arange(0, BV)
-        b_dhe = _start_he(dhet, i_nh, o_e, o_v, E, V, BV, USE_DHT)
-        for i_r in range(NT):
-            i_t = NT - 1 - i_r
+        b_dhe = _start_he(dhet, i_st, o_e, o_v, E, V, BV, USE_DHT)
+        for i_r in range(hi - lo):
+            i_t = hi - 1 - i_r
             if STORE_CHUNKS:
                 _store_he(dhe, b_dhe, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -418,11 +427,11 @@ def _bwd_dh_kernel(
             b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]
             b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
         if STORE_DH0:
-            _store_he_end(dhe0, b_dhe, i_nh, o_v, E, V, BV)
+            _store_he_end(dhe0, b_dhe, i_st, o_v, E, V, BV)
     elif EXTRA:  # dze
-        b_dze = _start_ze(dzet, i_nh, o_e, E, USE_DHT)
-        for i_r in range(NT):
-            i_t = NT - 1 - i_r
+        b_dze = _start_ze(dzet, i_st, o_e, E, USE_DHT)
+        for i_r in range(hi - lo):
+            i_t = hi - 1 - i_r
             if STORE_CHUNKS:
                 _store_ze(dze, (boh + i_t) * H + i_h, E, b_dze)
             o_t = i_t * BT + tl.arange(0, BT)
@@ -431,7 +440,7 @@ def _bwd_dh_kernel(
             b_dd = _split_column(_row_values(dden, bos, o_t, m_t, i_h, H), o_e)
             b_dze += tl.dot(b_at, b_dd, input_precision=SPREC)
         if STORE_DH0:
-            _store_ze(dze0, i_nh.to(tl.int64), E, b_dze)
+            _store_ze(dze0, i_st.to(tl.int64), E, b_dze)
 
 
 @triton.jit
@@ -582,8 +591,8 @@ class _Ctx(ChunkLayout):
         return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32", SDT=sdt, STORE_CHUNKS=self.causal)
 
     def state_grid(self, BK, BV):
-        """The state kernels' grid: the tiles of h, the key blocks of z and, with scalar features, the value blocks
-        of he and one program for ze (the roles in the kernels' comment)."""
+        """The state kernels' grid, less its segments: the tiles of h, the key blocks of z and, with scalar
+        features, the value blocks of he and one program for ze (the roles in the kernels' comment)."""
         NK, NV = triton.cdiv(self.K, BK), triton.cdiv(self.V, BV)
         return (NK * NV + NK + (NV + 1 if self.extra else 0), self.N * self.H)
 
@@ -601,26 +610,58 @@ class _Ctx(ChunkLayout):
         return (h.transpose(-1, -2).to(self.state_dtype).contiguous(),
                 None if he is None else he.transpose(-1, -2).contiguous(), z, ze)
 
-    def end_states(self, dev):
+    def end_states(self, dev, segments: int | None = None):
+        """Initial- or final-state buffers (h, he, z, ze), or with ``segments`` one per segment: ``[N, H, S, ...]``."""
         N, H, K, V, E = self.N, self.H, self.K, self.V, self.E
+        lead = (N, H) if segments is None else (N, H, segments)
         f32 = torch.float32
-        return (torch.empty(N, H, V, K, dtype=f32, device=dev),
-                torch.empty(N, H, V, E, dtype=f32, device=dev) if self.extra else None,
-                torch.empty(N, H, K, dtype=f32, device=dev),
-                torch.empty(N, H, E, dtype=f32, device=dev) if self.extra else None)
+        return (torch.empty(*lead, V, K, dtype=f32, device=dev),
+                torch.empty(*lead, V, E, dtype=f32, device=dev) if self.extra else None,
+                torch.empty(*lead, K, dtype=f32, device=dev),
+                torch.empty(*lead, E, dtype=f32, device=dev) if self.extra else None)
+
+
+def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, flags, prefix):
+    """Run a state kernel (``_fwd_h_kernel``, or ``_bwd_dh_kernel`` walking in reverse): every chunk's state into
+    ``chunks`` (causal), from ``first`` (4 parts or None); returns the walk's last states (4 parts) where
+    ``want_last``, else None. ``flags``: the kernel's names for "start from first" and "store the last". With
+    segments (``_common.walk_segments``): the segments' sums, then (causal) their prefix sums (``prefix``) and the
+    walks from each segment's start; non-causal needs only the sums' total."""
+    dev = inputs[0].device
+    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
+    roles, rows = c.state_grid(BK, BV)
+    meta = dict(c.state_meta(), BK=BK, BV=BV, num_warps=STATE_WARPS, num_stages=2)
+    use, store = flags
+    first = first if first is not None else (None,) * 4
+    none = (None,) * 4
+    seg = walk_segments(c, roles * rows, dev, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
+    if not seg:
+        last = c.end_states(dev) if want_last else none
+        kernel[(roles, rows, 1)](*inputs, *chunks, *first, *last, c.cu, c.chunk_offsets, c.T, SEG=0,
+                                 **{use: first[0] is not None, store: want_last}, **meta)
+        return last if want_last else None
+    S = triton.cdiv(triton.cdiv(c.T, c.BT), seg)
+    sums = c.end_states(dev, S)
+    kernel[(roles, rows, S)](*inputs, *chunks, *none, *sums, c.cu, c.chunk_offsets, c.T, SEG=seg,
+                             **{use: False, store: True}, **dict(meta, STORE_CHUNKS=False))
+    if not c.causal:  # every token reads the whole sequence's sums
+        return tuple(None if x is None else x.sum(2) for x in sums)
+    starts = tuple(None if x is None else prefix(x, f) for x, f in zip(sums, first))
+    kernel[(roles, rows, S)](*inputs, *chunks, *starts, *none, c.cu, c.chunk_offsets, c.T, SEG=seg,
+                             **{use: True, store: False}, **meta)
+    if not want_last:
+        return None
+    end = -1 if prefix is segment_starts else 0  # the walk's last segment: the sequence's end, or (reverse) start
+    return tuple(None if x is None else st[:, :, end] + x[:, :, end] for st, x in zip(starts, sums))
 
 
 def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     dev = q.device
-    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     # non-causal: the sequence's sums alone (as its final state), which every chunk then reads
     h, he, z, ze = c.buffers(dev) if c.causal else (None,) * 4
-    st = c.end_states(dev) if output_final_state or not c.causal else (None,) * 4
-    s0 = s0 if s0 is not None else (None,) * 4
-    grid = c.state_grid(BK, BV)
-    _fwd_h_kernel[grid](k, cf, v, h, he, z, ze, *s0, *st, c.cu, c.chunk_offsets, c.T, BK=BK, BV=BV,
-                        USE_H0=s0[0] is not None, STORE_HT=st[0] is not None, **c.state_meta(),
-                        num_warps=STATE_WARPS, num_stages=2)
+    st = _state_walks(_fwd_h_kernel, c, (k, cf, v), (h, he, z, ze), s0, output_final_state or not c.causal,
+                      ("USE_H0", "STORE_HT"), segment_starts)
+    st = st if st is not None else (None,) * 4
     if not c.causal:
         (h, he, z, ze), st = c.sums_as_chunk_states(*st), (None,) * 4
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
@@ -642,15 +683,11 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     BR = 32
     _bwd_prep_kernel[(triton.cdiv(rows, BR),)](o, do, den, rden, dden, *c.eps_args(), rows, H=c.H, V=c.V, BR=BR,
                                                BV=next_pow2(c.V), ROW_EPS=c.row_eps, num_warps=4)
-    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     # non-causal: the gradients of the sequence's sums (as an initial state's), which every chunk then reads
     dh, dhe, dz, dze = c.buffers(dev) if c.causal else (None,) * 4
-    ds0 = c.end_states(dev) if want_ds0 or not c.causal else (None,) * 4
-    dst = dst if dst is not None else (None,) * 4
-    grid = c.state_grid(BK, BV)
-    _bwd_dh_kernel[grid](q, a, do, rden, dden, dh, dhe, dz, dze, *dst, *ds0, c.cu, c.chunk_offsets, c.T,
-                         BK=BK, BV=BV, USE_DHT=dst[0] is not None, STORE_DH0=ds0[0] is not None, **c.state_meta(),
-                         num_warps=STATE_WARPS, num_stages=2)
+    ds0 = _state_walks(_bwd_dh_kernel, c, (q, a, do, rden, dden), (dh, dhe, dz, dze), dst, want_ds0 or not c.causal,
+                       ("USE_DHT", "STORE_DH0"), segment_ends)
+    ds0 = ds0 if ds0 is not None else (None,) * 4
     if not c.causal:
         (dh, dhe, dz, dze), ds0 = c.sums_as_chunk_states(*ds0), (None,) * 4
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
