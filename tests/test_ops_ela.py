@@ -344,6 +344,8 @@ def test_interp_triton_bidirectional(kernel):
     assert_close(o_t, o_r, 1e-5, "output")
     for name in g_r:
         assert_close(g_t[name], g_r[name], 1e-4, f"grad {name}")
+    empty, _ = ela(*(x[:0].float() for x in (q, k, v)), kernel=kernel, causal=False, backend="triton")
+    assert empty.shape == (0, T, H, DV)
     bounds = [0, 7, 7, 30, 35]  # packed: each sequence attends to itself only
     packed = [x[:1, :35] if x.shape[1] >= 35 else x[:1] for x in make_inputs(35, seed=9)]
     o_p, _, _ = run("triton", torch.float32, torch.tensor(bounds), packed, None)

@@ -199,6 +199,8 @@ def test_interp_bidirectional_triton_matches_float64():
     assert_close(o_t, o_r, 1e-5, "output")
     for name in g_r:
         assert_close(g_t[name], g_r[name], 1e-4, f"grad {name}")
+    empty = bidirectional_linear_attention(*(x[:0].float() for x in (q, k, v)), backend="triton")[0]
+    assert empty.shape == (0, T, H, Dv)
 
 
 @pytest.mark.gpu

@@ -229,7 +229,7 @@ def walk_segments(layout: ChunkLayout, programs: int, device, force: int | None 
                   min_segments: int = MIN_SEGMENTS) -> int:
     """Chunks per segment of a layout's state walks run by ``programs`` programs, or 0 for one walk per sequence
     (``force``: that many chunks per segment, for tests and benchmarks)."""
-    if layout.varlen:
+    if layout.varlen or programs == 0:
         return 0
     chunks = triton.cdiv(layout.T, layout.BT)
     if force:
