@@ -10,6 +10,9 @@ The roofline: the card's ceilings are measured in the same run (a bf16 8192³ ma
 copy); each row's bound is whichever of its FLOPs and its I/O floor (inputs and outputs read or written once) takes
 longer at those ceilings, and ``roofline_frac`` is that bound's time over the measured time.
 
+Each lazoo row is marked against the kernel targets (``mark_targets``: fla's speed, ELA against linear attention, the
+roofline at 32k) where the run has what they compare with.
+
 fla autotunes for minutes on a fresh machine. ``--triton-cache DIR`` keeps Triton's compiled kernels and autotuning
 choices (``TRITON_CACHE_AUTOTUNING``) in DIR across runs on one machine, and fla's ops run once at every shape
 before any is timed (the warm-up's seconds are in the JSON's env), so fla's rows at every T come from one run.
@@ -414,6 +417,47 @@ def roofline(row, ceilings) -> None:
     row["roofline_frac"] = max(compute, memory)
 
 
+#: the kernel targets: lazoo's fwd + bwd at least this many times faster than fla's (fla's forward where its
+#: backward refuses), ELA's ops at most ELA_OVER_LINEAR × lazoo linear attention's time, and every op at
+#: ROOFLINE_FRACTION of its roofline bound at ROOFLINE_T
+FLA_SPEEDUP = {"linear_attention": 1.25, "gla": 1.1, "delta_rule": 1.1, "gated_delta_rule": 1.1}
+ELA_OVER_LINEAR = 1.5
+ROOFLINE_FRACTION, ROOFLINE_T = 0.5, 32768
+
+
+def mark_targets(rows: list) -> None:
+    """Add ``targets`` (a list of "what: met" / "what: NOT met") to lazoo's rows where the run has what a target
+    compares against (fla's row, lazoo's linear attention at the same shape, the roofline)."""
+    def same_shape(r, op, impl):
+        return next((x for x in rows if x["op"] == op and x["impl"] == impl and x["T"] == r["T"] and x["D"] == r["D"]),
+                    None)
+
+    for r in rows:
+        if r["impl"] != "lazoo":
+            continue
+        marks = []
+        fla = same_shape(r, r["op"], "fla")
+        if r["op"] in FLA_SPEEDUP and fla is not None:
+            want = FLA_SPEEDUP[r["op"]]
+            for key, what in (("fwd_bwd_ms", "fwd+bwd"), ("fwd_ms", "fwd")):
+                if r.get(key) and fla.get(key):
+                    ratio = fla[key] / r[key]
+                    marks.append(f"fla/ours {what} {ratio:.2f} >= {want}: {'met' if ratio >= want else 'NOT met'}")
+                    break
+        linear = same_shape(r, "linear_attention", "lazoo")
+        if r["op"].startswith("ela_") and not r["op"].endswith("_bidirectional") and linear is not None \
+                and r.get("fwd_bwd_ms") and linear.get("fwd_bwd_ms"):
+            ratio = r["fwd_bwd_ms"] / linear["fwd_bwd_ms"]
+            met = ratio <= ELA_OVER_LINEAR
+            marks.append(f"x linear {ratio:.2f} <= {ELA_OVER_LINEAR}: {'met' if met else 'NOT met'}")
+        if r["T"] == ROOFLINE_T and "roofline_frac" in r:
+            met = r["roofline_frac"] >= ROOFLINE_FRACTION
+            marks.append(f"roofline {100 * r['roofline_frac']:.0f} % >= {100 * ROOFLINE_FRACTION:.0f} %: "
+                         f"{'met' if met else 'NOT met'}")
+        if marks:
+            r["targets"] = marks
+
+
 def warm_fla(fla, ops_table, shapes, device, dtype) -> float:
     """Run every fla op forward and backward once at every shape (its autotuning happens here, not in the timed
     runs); the seconds it took."""
@@ -552,6 +596,8 @@ def main():
             signal.alarm(0)
         save()
 
+    mark_targets(rows)
+    save()
     print()
     ceil = env["ceilings"]
     print(f"card: {env['gpu']}; ceilings measured in this run: {ceil['matmul_TFLOPs']:.0f} TFLOP/s (bf16 matrix "
@@ -566,6 +612,7 @@ def main():
         if "rel_err_ours_vs_fla" in r:
             note = f"max rel diff vs ours {r['rel_err_ours_vs_fla']:.1e}"
         roof = f"{100 * r['roofline_frac']:.0f} % {r['bound']}" if "roofline_frac" in r else "-"
+        note = "; ".join([note] * bool(note) + r.get("targets", []))
         print(f"{r['op']:24s} {r['impl']:12s} {r['T']:6d} {r['D']:4d} {fmt(r['fwd_ms']):>8s} {fmt(r['fwd_bwd_ms']):>8s}"
               f" {fmt(r.get('fwd_bwd_TFLOPs'), 1):>11s} {fmt(r.get('fwd_bwd_GBps'), 0):>9s} {roof:>14s}  {note}")
     print()

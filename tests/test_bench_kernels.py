@@ -35,6 +35,29 @@ def test_rows_without_rates_get_no_roofline():
     assert "roofline_frac" not in sdpa
 
 
+def test_targets_are_marked_against_what_the_run_has():
+    def row(op, impl, T, f, b, frac=None):
+        r = {"op": op, "impl": impl, "T": T, "D": 128, "fwd_ms": f, "fwd_bwd_ms": b}
+        if frac is not None:
+            r["roofline_frac"] = frac
+        return r
+
+    rows = [row("linear_attention", "lazoo", 32768, 0.6, 1.8, 0.28), row("linear_attention", "fla", 32768, 0.5, 2.34),
+            row("gla", "lazoo", 1024, 2.6, 8.0), row("gla", "fla", 1024, 1.6, 6.8),
+            row("gated_delta_rule", "lazoo", 1024, 1.8, 4.4), row("gated_delta_rule", "fla", 1024, 1.0, None),
+            row("ela_sum_sq_euclid", "lazoo", 32768, 1.0, 2.6),
+            row("ela_hadamard_exp_bidirectional", "lazoo", 32768, 1, 2), row("delta_rule", "lazoo", 8192, 1.4, 4.0)]
+    bench.mark_targets(rows)
+    marks = {(r["op"], r["T"]): r.get("targets") for r in rows if r["impl"] == "lazoo"}
+    assert marks[("linear_attention", 32768)] == ["fla/ours fwd+bwd 1.30 >= 1.25: met",
+                                                  "roofline 28 % >= 50 %: NOT met"]
+    assert marks[("gla", 1024)] == ["fla/ours fwd+bwd 0.85 >= 1.1: NOT met"]
+    assert marks[("gated_delta_rule", 1024)] == ["fla/ours fwd 0.56 >= 1.1: NOT met"]  # fla's backward refused
+    assert marks[("ela_sum_sq_euclid", 32768)] == ["x linear 1.44 <= 1.5: met"]
+    assert marks[("ela_hadamard_exp_bidirectional", 32768)] is None  # no target for the non-causal form
+    assert marks[("delta_rule", 8192)] is None  # no fla row in the run: nothing to compare with
+
+
 def test_triton_cache_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
