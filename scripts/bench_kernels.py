@@ -1,7 +1,7 @@
 """Benchmark lazoo's Triton kernels against SDPA and flash-linear-attention (fla), on a CUDA GPU.
 
 Training: forward and forward+backward median ms (triton.testing.do_bench) at B·T = 32k tokens,
-H = 16, D = 128, T in {1k, 8k, 32k}, plus D = 64 at T = 8k, bf16, for every op in ``OPS``, side by
+H = 16, D = 128, T in {1k, 8k, 32k}, plus D = 64 and 256 at T = 8k, bf16, for every op in ``OPS``, side by
 side with causal ``scaled_dot_product_attention`` and fla where installed and where it has the op.
 Decoding: per-token latency (CUDA-graph replays) at B = 8, H = 16, D = 128 against a state, and SDPA
 over a KV cache of 1k..64k tokens. Prints a table, writes JSON (--out) and a PNG plot (--plot).
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 TOKENS = 32 * 1024
-SHAPES = [(1024, 128), (8192, 128), (32768, 128), (8192, 64)]  # (T, D); B = TOKENS // T
+SHAPES = [(1024, 128), (8192, 128), (32768, 128), (8192, 64), (8192, 256)]  # (T, D); B = TOKENS // T
 H = 16
 DECODE_B, DECODE_CONTEXTS = 8, [1024, 8192, 32768, 65536]
 CHUNK = 64
