@@ -54,10 +54,13 @@ def ovq_step(T: int, triton_assign: bool = True):
 
     q, k, v = (t.requires_grad_() for t in bench_ovq.inputs(1, T, torch.bfloat16, "cuda"))
 
+    def run():
+        return ovq_attention(q, k, v, scale=math.sqrt(bench_ovq.D), chunk_size=bench_ovq.L,
+                             max_dict_size=bench_ovq.N, backend="triton", triton_assign=triton_assign)[0]
+    do = torch.randn_like(run())  # a ready output gradient, as the benches give it
+
     def step():
-        o = ovq_attention(q, k, v, scale=math.sqrt(bench_ovq.D), chunk_size=bench_ovq.L,
-                          max_dict_size=bench_ovq.N, backend="triton", triton_assign=triton_assign)[0]
-        o.float().sum().backward()
+        run().backward(do)
         for t in (q, k, v):
             t.grad = None
     return step
@@ -71,8 +74,10 @@ def vla_step(T: int, B: int):
     x = bench_vla.make(B, T, torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
     q, k, v, u = (x[n].requires_grad_() for n in "qkvu")
 
+    do = torch.randn_like(vla(q, k, v, u, backend="triton")[0])  # a ready output gradient, as bench_vla gives it
+
     def step():
-        vla(q, k, v, u, backend="triton")[0].float().sum().backward()
+        vla(q, k, v, u, backend="triton")[0].backward(do)
         for t in (q, k, v, u):
             t.grad = None
     return step
