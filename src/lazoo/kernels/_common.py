@@ -205,9 +205,10 @@ def state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device, max_blo
 # A state walk is sequential in its chunks. Where few sequences × heads × state tiles would leave most SMs idle
 # (long T, small batch), each sequence's walk is split into S segments that run side by side (grid axis 2): the
 # segments' sums first (``segment_bounds``' programs without per-chunk stores), their prefix sums (``segment_starts``,
-# ``segment_ends``), then the walks from each segment's start. Not with a decay (the starts would need each segment's
-# decay) nor packed sequences (their chunk counts are on the GPU). A segmented walk is two walks of NT / S chunks in
-# place of one of NT: fewer than MIN_SEGMENTS segments barely shorten it.
+# ``segment_ends``), then the walks from each segment's start. Not for packed sequences (their chunk counts are on
+# the GPU). A segmented walk is two walks of NT / S chunks in
+# place of one of NT: fewer than MIN_SEGMENTS segments barely shorten it. With a decay (``segment_log_decays``) a
+# segment's start carries the sums before it through the decays between them.
 SEGMENT_PROGRAMS_PER_SM = 4
 SEGMENT_MIN_CHUNKS = 16
 MIN_SEGMENTS = 4
@@ -238,18 +239,69 @@ def walk_segments(layout: ChunkLayout, programs: int, device, force: int | None 
     return triton.cdiv(chunks, segments) if segments >= min_segments else 0
 
 
-def segment_starts(sums: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+def segment_log_decays(g: torch.Tensor, BT: int, seg: int, S: int) -> torch.Tensor:
+    """Each segment's total log decay ``[B, H, S]`` (float64) from the per-token log decays g ``[B, T, H]``."""
+    B, T, H = g.shape
+    g = torch.nn.functional.pad(g.double(), (0, 0, 0, S * seg * BT - T))
+    return g.view(B, S, seg * BT, H).sum(2).transpose(1, 2)
+
+
+def _decay_weights(decay: torch.Tensor, forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """With Λ_s the log decay before segment s (an exclusive prefix sum of ``decay`` [N, H, S]): the weights
+    ``[N, H, S, S]`` that carry segment t's sum to segment s's start (forward, t < s: exp(Λ_s - Λ_{t+1})) or its
+    start's gradient to segment s's end (reverse, t > s: exp(Λ_t - Λ_{s+1})), and the factor ``[N, H, S]`` of the
+    initial state at each start (exp(Λ_s)) or of the final state's gradient at each end (exp(Λ_S - Λ_{s+1})). Every
+    exponent is <= 0."""
+    after = decay.cumsum(-1)  # Λ_{s+1}
+    before = after - decay  # Λ_s
+    S = decay.shape[-1]
+    if forward:
+        expo, keep = before[..., :, None] - after[..., None, :], torch.ones(S, S, dtype=torch.bool).tril(-1)
+        edge = before
+    else:
+        expo, keep = before[..., None, :] - after[..., :, None], torch.ones(S, S, dtype=torch.bool).triu(1)
+        edge = after[..., -1:] - after
+    keep = keep.to(decay.device)
+    return torch.where(keep, expo, float("-inf")).exp().float(), edge.exp().float()
+
+
+def _carry(weights, sums, edge, given):
+    """Σ_t weights[s, t] sums_t (+ edge_s · given): the prefix sums over the segments ``[N, H, S, ...]``."""
+    N, H, S = sums.shape[:3]
+    out = torch.einsum("nhst,nhtx->nhsx", weights, sums.reshape(N, H, S, -1)).view_as(sums)
+    if given is not None:
+        out = out + edge.view(N, H, S, *([1] * (sums.dim() - 3))) * given.float()[:, :, None]
+    return out
+
+
+def segment_starts(sums: torch.Tensor, first: torch.Tensor | None, decay: torch.Tensor | None = None):
     """Each segment's starting state ``[N, H, S, ...]`` from the segments' sums: the sums before it, plus ``first``
-    (the initial state ``[N, H, ...]``, or None)."""
+    (the initial state ``[N, H, ...]``, or None); with ``decay`` (each segment's total log decay ``[N, H, S]``)
+    each carried through the decays between."""
+    if decay is not None:
+        weights, edge = _decay_weights(decay, forward=True)
+        return _carry(weights, sums, edge, first)
     starts = sums.cumsum(2) - sums
     return starts if first is None else starts + first.float()[:, :, None]
 
 
-def segment_ends(sums: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+def segment_ends(sums: torch.Tensor, last: torch.Tensor | None, decay: torch.Tensor | None = None):
     """Each segment's end-state gradient ``[N, H, S, ...]`` from the segments' sums of gradients: the sums after it,
-    plus ``last`` (the final state's gradient, or None)."""
+    plus ``last`` (the final state's gradient, or None); with ``decay`` as in ``segment_starts``."""
+    if decay is not None:
+        weights, edge = _decay_weights(decay, forward=False)
+        return _carry(weights, sums, edge, last)
     ends = sums.flip(2).cumsum(2).flip(2) - sums
     return ends if last is None else ends + last.float()[:, :, None]
+
+
+def segment_through(states: torch.Tensor, sums: torch.Tensor, decay: torch.Tensor | None, index: int):
+    """Segment ``index``'s state carried through it: ``exp(decay) · states + sums`` there (the final state from the
+    last segment's start, or the initial state's gradient from the first segment's end)."""
+    if decay is None:
+        return states[:, :, index] + sums[:, :, index]
+    factor = decay[:, :, index].exp().float()
+    return factor.view(*factor.shape, *([1] * (sums.dim() - 3))) * states[:, :, index] + sums[:, :, index]
 
 
 def fill_device(BV: int, V: int, parallel: int, device: torch.device, per_sm: int = 2) -> int:

@@ -20,10 +20,10 @@ Backward (``dH_n`` the gradient of the state at the end of chunk ``n``):
 
 Kernels: ``_fwd_h`` (states at chunk starts, sequential over chunks), ``_fwd_o`` (outputs, parallel
 over chunks), ``_bwd_dh`` (state gradients, sequential in reverse), ``_bwd_dqkv`` (parallel over
-chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd). Without a
-decay, at long T with few sequences × heads, the two sequential walks run in segments side by side
-(``_segments``): each segment's sum, a prefix sum over the segments, then the walks from each
-segment's start.
+chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd). At long T
+with few sequences × heads, the two sequential walks run in segments side by side (``_segments``):
+each segment's sum, a prefix sum over the segments (through their decays, with g: not by default
+yet, ``DECAY_SEGMENTS``), then the walks from each segment's start.
 
 Conventions (see lazoo.ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
 ``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
@@ -43,8 +43,9 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
-                      launch_first_fitting, load_end_state, segment_bounds, segment_ends, segment_starts, seq_bounds,
-                      state_blocks, state_program, store_chunk_state, walk_segments)
+                      launch_first_fitting, load_end_state, segment_bounds, segment_ends, segment_log_decays,
+                      segment_starts, segment_through, seq_bounds, state_blocks, state_program, store_chunk_state,
+                      walk_segments)
 from . import _common
 from ._utils import device_unsupported, next_pow2
 
@@ -54,6 +55,8 @@ MAX_HEAD_DIM = 256
 #: (tests: segments at small T; None: walk_segments decides)
 MIN_SEGMENTS = _common.MIN_SEGMENTS
 FORCE_SEGMENT_CHUNKS = None
+#: segments with a decay (the gated op): off by default until timed and tested on a GPU (the interpreter tests pass)
+DECAY_SEGMENTS = False
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -344,8 +347,9 @@ class _Ctx(ChunkLayout):
 
 
 def _segments(c: _Ctx, tiles: int, gated: bool, device) -> int:
-    """Chunks per segment of the state walks (``_common.walk_segments``), or 0; never with a decay."""
-    if gated:
+    """Chunks per segment of the state walks (``_common.walk_segments``), or 0 (with a decay: only where
+    DECAY_SEGMENTS, or forced)."""
+    if gated and not (DECAY_SEGMENTS or FORCE_SEGMENT_CHUNKS):
         return 0
     return walk_segments(c, c.N * c.H * tiles, device, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
 
@@ -364,11 +368,12 @@ def _fwd_states(c: _Ctx, k, v, g, h, h0, ht, BK, BV, tiles, seg):
     grid = (tiles, c.N * c.H, S)
     _fwd_h_kernel[grid](k, v, g, h, None, sums, c.cu, c.chunk_offsets, c.T, USE_H0=False, STORE_HT=True, SEG=seg,
                         STORE_CHUNKS=False, **meta)
-    starts = segment_starts(sums, h0)
+    decay = None if g is None else segment_log_decays(g, c.BT, seg, S)
+    starts = segment_starts(sums, h0, decay)
     _fwd_h_kernel[grid](k, v, g, h, starts, None, c.cu, c.chunk_offsets, c.T, USE_H0=True, STORE_HT=False, SEG=seg,
                         STORE_CHUNKS=True, **meta)
     if ht is not None:
-        ht.copy_(starts[:, :, -1] + sums[:, :, -1])
+        ht.copy_(segment_through(starts, sums, decay, -1))
 
 
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
@@ -420,11 +425,12 @@ def _bwd_states(c: _Ctx, q, do, g, dh, dht, dh0, scale, BK, BV, tiles, seg):
     grid = (tiles, c.N * c.H, S)
     _bwd_dh_kernel[grid](q, do, g, dh, None, sums, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=False, STORE_DH0=True,
                          SEG=seg, STORE_CHUNKS=False, **meta)
-    ends = segment_ends(sums, dht)
+    decay = None if g is None else segment_log_decays(g, c.BT, seg, S)
+    ends = segment_ends(sums, dht, decay)
     _bwd_dh_kernel[grid](q, do, g, dh, ends, None, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=True, STORE_DH0=False,
                          SEG=seg, STORE_CHUNKS=True, **meta)
     if dh0 is not None:
-        dh0.copy_(ends[:, :, 0] + sums[:, :, 0])
+        dh0.copy_(segment_through(ends, sums, decay, 0))
 
 
 def _reverse_cumsum_dg(dG: torch.Tensor, cu_seqlens, BT: int = 64) -> torch.Tensor:
