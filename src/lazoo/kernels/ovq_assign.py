@@ -33,7 +33,12 @@ pick another slot than PyTorch does (exact ties, e.g. duplicated keys or exactly
 identically).
 
 On CUDA the launches of ``GRAPH_STEPS`` chunks are captured once in a CUDA graph (per shape) and replayed, so
-a chunk costs two kernel nodes and no host work. (The first form, one program per sample·head walking all
+a chunk costs two kernel nodes and no host work. ``_persistent_kernel`` (``PERSISTENT``, off by default until
+timed on a GPU) runs all the chunks in one launch: the programs of a (sample, head) wait for each other once a
+chunk (an atomic counter) and each takes the merge's result itself; it runs only where all its programs fit on the
+GPU at once (``_utils.resident_programs``), else the two launches a chunk do. Offline (sm_90, Triton 3.9) it takes
+255 registers and spills 4 KB at the search's settings (8 warps, BN = 64): one program an SM, so at B·H = 8 with
+2048 slots (256 programs) it does not fit yet. (The first form, one program per sample·head walking all
 chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits: chunk_size <= 128 and
 dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are held whole by one program).
 """
@@ -45,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._graphs import GraphCache, capture
-from ._utils import is_interpreting, next_pow2
+from ._utils import is_interpreting, next_pow2, resident_programs
 
 #: largest chunk size and head dim (keys of a chunk and L×L matrices are held in registers)
 MAX_CHUNK = 128
@@ -57,6 +62,9 @@ MAX_HEAD_DIM = 128
 SIM_PRECISION = "ieee"
 #: chunks per captured CUDA graph (one replay runs this many chunks)
 GRAPH_STEPS = 16
+#: one launch for all chunks (``_persistent_kernel``) where all its programs fit on the GPU at once, in place of two
+#: launches a chunk: off by default until tested and timed on a GPU (the interpreter tests pass, one block a head)
+PERSISTENT = False
 
 
 @triton.jit
@@ -77,6 +85,72 @@ def _bf16_parts(x):
     return x1, x2, (r1 - x2.to(tl.float32)).to(tl.bfloat16)
 
 
+@triton.jit
+def _block_program(counts, H, M, DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """A search program on grid (blocks of BN slots, B·H): its block and (sample, head), the offsets of its slots
+    (``cols``, their sums' ``rows``) and their counts."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    nblk = tl.num_programs(0)
+    od = tl.arange(0, BD)
+    cols = blk * BN + tl.arange(0, BN)
+    ok = cols < M
+    rows = (bh * M + cols)[:, None] * DK + od[None, :]
+    row_ok = ok[:, None] & (od < DK)[None, :]
+    cnt = tl.load(counts + bh * M + cols, mask=ok, other=0)
+    return blk, bh, bh // H, bh % H, nblk, tl.arange(0, BL), cols, ok, rows, row_ok, cnt
+
+
+@triton.jit
+def _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L,
+              DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BDA: tl.constexpr, BF16_PARTS: tl.constexpr):
+    """Chunk ``step − 1``'s keys (slots ``prev`` ``[BL]``; −1 joins nothing) added to this block's slots ``cols``:
+    their sums in ``sums`` and counts ``cnt`` (stored, and returned)."""
+    rl = tl.arange(0, BL)
+    hit = prev.to(tl.int32)[None, :] == cols[:, None]  # [BN, BL]
+    joined = tl.sum(hit.to(tl.int64), 1)
+    if tl.max(joined, 0) > 0:
+        onehot = hit.to(tl.float32)
+        key_rows = (i_b * P + (step - 1) * L + rl) * H + i_h
+        for d0 in range(0, BD, BDA):  # BDA columns at a time: the whole [BN, BD] product spills
+            oc = d0 + tl.arange(0, BDA)
+            c_ok = oc < DK
+            kc = tl.load(k + key_rows[:, None] * DK + oc[None, :], mask=(rl < L)[:, None] & c_ok[None, :],
+                         other=0.0)
+            if BF16_PARTS:
+                # the keys' exact bf16 parts: the one-hot sums on tensor cores, fp32-accurate (with full-fp32
+                # "ieee" products the launch took 39.7 µs a chunk, with these 36.8: H200, T = 16k, BDA = 32)
+                k1, k2, k3 = _bf16_parts(kc)
+                h = onehot.to(tl.bfloat16)
+                agg = tl.dot(h, k3) + tl.dot(h, k2) + tl.dot(h, k1)  # [BN, BDA], fp32
+            else:  # the interpreter (bf16 is broken there)
+                agg = tl.dot(onehot, kc, input_precision="ieee")
+            at = (bh * M + cols)[:, None] * DK + oc[None, :]
+            a_ok = ok[:, None] & c_ok[None, :]
+            tl.store(sums + at, tl.load(sums + at, mask=a_ok, other=0.0) + agg, mask=a_ok)
+        cnt += joined
+        tl.store(counts + bh * M + cols, cnt, mask=ok)
+    return cnt
+
+
+@triton.jit
+def _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L, active,
+                DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr):
+    """Per key of chunk ``step``: the best similarity to this block's active centroids (their sums at ``rows``) and
+    the FIRST slot reaching it (-inf and a huge slot where not ``active``: an incomplete chunk or an empty block)."""
+    bmax = tl.full([BL], float("-inf"), tl.float32)
+    barg = tl.full([BL], 2147483647, tl.int32)
+    if active:
+        kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
+        sk = tl.load(sums + rows, mask=row_ok, other=0.0)
+        mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
+        sim = tl.dot(kt, tl.trans(mean), input_precision=SIM_PRECISION)
+        sim = tl.where((cnt > 0)[None, :], sim, float("-inf"))
+        bmax = tl.max(sim, 1)
+        barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
+    return bmax, barg
+
+
 @triton.jit(do_not_specialize=["step"])
 def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, P, H, M, L,
                     DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
@@ -85,121 +159,142 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
     """This block's slots: chunk ``step − 1``'s keys added, the counts before chunk ``step`` written out, and per
     key of chunk ``step`` the best similarity to the block's active centroids and its first slot (``SEARCH``;
     without it, only the addition: the launch after the last chunk)."""
-    blk = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    i_b = bh // H
-    i_h = bh % H
-    nblk = tl.num_programs(0)
-    rl = tl.arange(0, BL)
-    od = tl.arange(0, BD)
-    cols = blk * BN + tl.arange(0, BN)
-    ok = cols < M
-    rows = (bh * M + cols)[:, None] * DK + od[None, :]
-    row_ok = ok[:, None] & (od < DK)[None, :]
-    cnt = tl.load(counts + bh * M + cols, mask=ok, other=0)
-    if step > 0:  # 1. the previous chunk's keys join their slots (slots −1 join nothing)
-        prev = tl.load(slots + ((step - 1) * B * H + bh) * L + rl, mask=rl < L, other=-1).to(tl.int32)
-        hit = prev[None, :] == cols[:, None]  # [BN, BL]
-        joined = tl.sum(hit.to(tl.int64), 1)
-        if tl.max(joined, 0) > 0:
-            onehot = hit.to(tl.float32)
-            key_rows = (i_b * P + (step - 1) * L + rl) * H + i_h
-            for d0 in range(0, BD, BDA):  # BDA columns at a time: the whole [BN, BD] product spills
-                oc = d0 + tl.arange(0, BDA)
-                c_ok = oc < DK
-                kc = tl.load(k + key_rows[:, None] * DK + oc[None, :], mask=(rl < L)[:, None] & c_ok[None, :],
-                             other=0.0)
-                if BF16_PARTS:
-                    # the keys' exact bf16 parts: the one-hot sums on tensor cores, fp32-accurate (with full-fp32
-                    # "ieee" products the launch took 39.7 µs a chunk, with these 36.8: H200, T = 16k, BDA = 32)
-                    k1, k2, k3 = _bf16_parts(kc)
-                    h = onehot.to(tl.bfloat16)
-                    agg = tl.dot(h, k3) + tl.dot(h, k2) + tl.dot(h, k1)  # [BN, BDA], fp32
-                else:  # the interpreter (bf16 is broken there)
-                    agg = tl.dot(onehot, kc, input_precision="ieee")
-                at = (bh * M + cols)[:, None] * DK + oc[None, :]
-                a_ok = ok[:, None] & c_ok[None, :]
-                tl.store(sums + at, tl.load(sums + at, mask=a_ok, other=0.0) + agg, mask=a_ok)
-            cnt += joined
-            tl.store(counts + bh * M + cols, cnt, mask=ok)
+    blk, bh, i_b, i_h, nblk, rl, cols, ok, rows, row_ok, cnt = _block_program(counts, H, M, DK, BL, BD, BN)
+    if step > 0:  # 1. the previous chunk's keys join their slots
+        prev = tl.load(slots + ((step - 1) * B * H + bh) * L + rl, mask=rl < L, other=-1)
+        cnt = _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L, DK, BL, BD, BDA,
+                        BF16_PARTS)
     # the sums just stored are read back below in another layout, so by other threads of this program
     tl.debug_barrier()
-    if SEARCH:
+    if SEARCH:  # 2. the counts before this chunk, and the block's best for a complete chunk
         tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
+        active = (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0)
+        bmax, barg = _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L, active, DK, BL, BD,
+                                 SIM_PRECISION)
         out = (bh * nblk + blk) * BL + rl
-        bmax = tl.full([BL], float("-inf"), tl.float32)
-        barg = tl.full([BL], 2147483647, tl.int32)
-        if (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0):  # 2. a complete chunk and a non-empty block
-            kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
-            sk = tl.load(sums + rows, mask=row_ok, other=0.0)
-            mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
-            sim = tl.dot(kt, tl.trans(mean), input_precision=SIM_PRECISION)
-            sim = tl.where((cnt > 0)[None, :], sim, float("-inf"))
-            bmax = tl.max(sim, 1)
-            barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
         tl.store(best + out, bmax)
         tl.store(arg + out, barg)
+
+
+@triton.jit
+def _chunk_slots_of(k, best, arg, part, nblk, size, t_end, i_b, i_h, step, P, H, M, L, N,
+                    DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr,
+                    BRK: tl.constexpr):
+    """The slots ``[BL]`` of a complete chunk ``step``'s keys and the dictionary's size after it, from the blocks'
+    bests (``best`` / ``arg`` rows ``part .. part + nblk − 1``) and the size before it."""
+    rl = tl.arange(0, BL)
+    row_ok = rl < L
+    NEG_INF = float("-inf")
+    n_new = tl.minimum(tl.maximum(tl.maximum((t_end * N) // (t_end + N), 1) - size, 0), L)
+    # best old centroid per key over the blocks (strict: an earlier block keeps a tie); ".cg": another program of
+    # the persistent kernel wrote them
+    best_v = tl.full([BL], NEG_INF, tl.float32)
+    best_i = tl.zeros([BL], tl.int32)
+    for blk in range(0, nblk):
+        v = tl.load(best + (part + blk) * BL + rl, cache_modifier=".cg")
+        a = tl.load(arg + (part + blk) * BL + rl, cache_modifier=".cg")
+        better = v > best_v
+        best_i = tl.where(better, a, best_i)
+        best_v = tl.where(better, v, best_v)
+
+    # rank in a stable ascending sort of the best similarities (real keys only)
+    bi = best_v[:, None]
+    bj = best_v[None, :]
+    earlier = (bj < bi) | ((bj == bi) & (rl[None, :] < rl[:, None]))
+    rank = tl.sum((earlier & row_ok[None, :]).to(tl.int32), 1)
+    is_new = (rank < n_new) & row_ok
+    slot = tl.where(is_new, tl.minimum(size + rank, M - 1), tl.minimum(tl.maximum(best_i, 0), M - 1)).to(tl.int64)
+    if size == 0:  # empty dictionary: the other keys go to their most similar new centroid
+        # BRK keys at a time (a full-fp32 L×L product held whole spills)
+        slot = tl.zeros([BL], tl.int64)
+        kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
+        od = tl.arange(0, BD)
+        for r0 in range(0, BL, BRK):
+            rr = r0 + tl.arange(0, BRK)
+            pick = rl[None, :] == rr[:, None]  # [BRK, BL]: row r's own entry of a [BL] vector
+            new_r = tl.sum(tl.where(pick, is_new.to(tl.int32)[None, :], 0), 1) > 0
+            rank_r = tl.sum(tl.where(pick, rank[None, :], 0), 1)
+            key_rows = (i_b * P + step * L + rr) * H + i_h
+            kr = tl.load(k + key_rows[:, None] * DK + od[None, :],
+                         mask=(rr < L)[:, None] & (od < DK)[None, :], other=0.0)
+            s2 = tl.dot(kr, tl.trans(kt), input_precision=SIM_PRECISION)  # [BRK, BL]
+            s2 = tl.where(is_new[None, :], s2, NEG_INF)
+            # the first key j at the row's max, encoded with its rank as j·BL + rank_j
+            code = tl.min(tl.where(s2 == tl.max(s2, 1)[:, None], rl[None, :] * BL + rank[None, :], BL * BL), 1)
+            slot_r = tl.where(new_r, tl.minimum(rank_r, M - 1), tl.minimum(code % BL, M - 1)).to(tl.int64)
+            slot += tl.sum(tl.where(pick, slot_r[:, None], 0), 0)
+    slot = tl.where(row_ok, slot, -1)  # rows past L join nothing (the persistent kernel adds the vector as it is)
+    return slot, tl.minimum(size + n_new, M).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["step"])
 def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M, L, N, NBLK,
                   DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr,
                   BRK: tl.constexpr):
-    """Chunk ``step`` of one (sample, head): the slots of its keys, and the dictionary's size after it."""
+    """Chunk ``step`` of one (sample, head): the slots of its keys (written; the next search launch adds the keys),
+    and the dictionary's size after it."""
     bh = tl.program_id(0).to(tl.int64)
     i_b = bh // H
     i_h = bh % H
     rl = tl.arange(0, BL)
-    row_ok = rl < L
     srow = (step * B * H + bh) * L
-    NEG_INF = float("-inf")
+    slot = tl.full([BL], -1, tl.int64)  # an incomplete chunk: no update, slots -1
     if step < tl.load(n_full + i_b):
-        size = tl.load(size_of + bh)  # 1. the dictionary's size
         t_end = tl.load(t_base + i_b) + L * (step + 1)
-        n_new = tl.minimum(tl.maximum(tl.maximum((t_end * N) // (t_end + N), 1) - size, 0), L)
-        # 2. best old centroid per key over the blocks (strict: an earlier block keeps a tie)
-        best_v = tl.full([BL], NEG_INF, tl.float32)
-        best_i = tl.zeros([BL], tl.int32)
-        for blk in range(0, NBLK):
-            v = tl.load(best + (bh * NBLK + blk) * BL + rl)
-            a = tl.load(arg + (bh * NBLK + blk) * BL + rl)
-            better = v > best_v
-            best_i = tl.where(better, a, best_i)
-            best_v = tl.where(better, v, best_v)
+        slot, size = _chunk_slots_of(k, best, arg, bh * NBLK, NBLK, tl.load(size_of + bh), t_end, i_b, i_h, step,
+                                     P, H, M, L, N, DK, BL, BD, SIM_PRECISION, BRK)
+        tl.store(size_of + bh, size)
+    tl.store(slots + srow + rl, slot, mask=rl < L)
 
-        # 3. rank in a stable ascending sort of the best similarities (real keys only)
-        bi = best_v[:, None]
-        bj = best_v[None, :]
-        earlier = (bj < bi) | ((bj == bi) & (rl[None, :] < rl[:, None]))
-        rank = tl.sum((earlier & row_ok[None, :]).to(tl.int32), 1)
-        is_new = (rank < n_new) & row_ok
-        new_slot = size + rank
 
-        if size == 0:  # 4. empty dictionary: the other keys go to their most similar new centroid
-            # BRK keys at a time (a full-fp32 L×L product held whole spills)
-            kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
-            od = tl.arange(0, BD)
-            for r0 in range(0, BL, BRK):
-                rr = r0 + tl.arange(0, BRK)
-                pick = rl[None, :] == rr[:, None]  # [BRK, BL]: row r's own entry of a [BL] vector
-                new_r = tl.sum(tl.where(pick, is_new.to(tl.int32)[None, :], 0), 1) > 0
-                rank_r = tl.sum(tl.where(pick, rank[None, :], 0), 1)
-                key_rows = (i_b * P + step * L + rr) * H + i_h
-                kr = tl.load(k + key_rows[:, None] * DK + od[None, :],
-                             mask=(rr < L)[:, None] & (od < DK)[None, :], other=0.0)
-                s2 = tl.dot(kr, tl.trans(kt), input_precision=SIM_PRECISION)  # [BRK, BL]
-                s2 = tl.where(is_new[None, :], s2, NEG_INF)
-                # the first key j at the row's max, encoded with its rank as j·BL + rank_j
-                code = tl.min(tl.where(s2 == tl.max(s2, 1)[:, None], rl[None, :] * BL + rank[None, :],
-                                       BL * BL), 1)
-                slot_r = tl.where(new_r, tl.minimum(rank_r, M - 1), tl.minimum(code % BL, M - 1))
-                tl.store(slots + srow + rr, slot_r.to(tl.int64), mask=rr < L)  # 5. (added by the next search)
-        else:
-            slot = tl.where(is_new, tl.minimum(new_slot, M - 1), tl.minimum(tl.maximum(best_i, 0), M - 1))
-            tl.store(slots + srow + rl, slot.to(tl.int64), mask=row_ok)  # 5. (added by the next search launch)
-        tl.store(size_of + bh, tl.minimum(size + n_new, M))
-    else:  # an incomplete chunk: no update, slots -1
-        tl.store(slots + srow + rl, tl.full([BL], -1, tl.int64), mask=row_ok)
+@triton.jit
+def _arrive_and_wait(counter, target):
+    """A barrier of the programs of one (sample, head): count this one in, then wait until ``target`` have (the
+    stores before it become visible to the programs past it)."""
+    tl.debug_barrier()  # every thread's stores, before the arrival
+    seen = tl.atomic_add(counter, 1, sem="release", scope="gpu") + 1
+    while seen < target:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["n"])
+def _persistent_kernel(k, sums, counts, best, arg, before, slots, size_of, n_full, t_base, barrier, n, B, P, H, M,
+                       L, N, DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+                       SIM_PRECISION: tl.constexpr, BDA: tl.constexpr, BF16_PARTS: tl.constexpr,
+                       BRK: tl.constexpr):
+    """Chunks 0..n−1 in one launch (``PERSISTENT``): the programs of a (sample, head), one a block of slots, all
+    resident, walk the chunks together. Per chunk each adds the previous chunk's keys to its slots and finds its
+    block's bests, as ``_nearest_kernel``; a barrier per (sample, head); then every program takes the chunk's slots
+    from all blocks' bests, as ``_merge_kernel`` (the same numbers in each: no second barrier). The bests alternate
+    between two buffers, so a fast program never overwrites those a slow one still reads."""
+    blk, bh, i_b, i_h, nblk, rl, cols, ok, rows, row_ok, cnt = _block_program(counts, H, M, DK, BL, BD, BN)
+    size = tl.load(size_of + bh)
+    nf = tl.load(n_full + i_b)
+    t_base0 = tl.load(t_base + i_b)
+    prev = tl.full([BL], -1, tl.int64)
+    for step in range(0, n + 1):
+        if step > 0:
+            cnt = _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L, DK, BL, BD, BDA,
+                            BF16_PARTS)
+        tl.debug_barrier()
+        if step < n:
+            tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
+            bmax, barg = _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L,
+                                     (step < nf) & (tl.max(cnt, 0) > 0), DK, BL, BD, SIM_PRECISION)
+            part = ((step % 2) * B * H + bh) * nblk
+            tl.store(best + (part + blk) * BL + rl, bmax)
+            tl.store(arg + (part + blk) * BL + rl, barg)
+            _arrive_and_wait(barrier + bh, (step + 1) * nblk)
+            slot = tl.full([BL], -1, tl.int64)
+            if step < nf:
+                slot, size = _chunk_slots_of(k, best, arg, part, nblk, size, t_base0 + L * (step + 1), i_b, i_h,
+                                             step, P, H, M, L, N, DK, BL, BD, SIM_PRECISION, BRK)
+            if blk == 0:
+                tl.store(slots + (step * B * H + bh) * L + rl, slot, mask=rl < L)
+            prev = slot
+    if blk == 0:
+        tl.store(size_of + bh, size)
 
 
 def _blocks() -> dict:
@@ -235,12 +330,43 @@ class _Launcher:
         self.arg = torch.empty(B * H * self.nblk * self.BL, dtype=torch.int32, device=device)
         self.before = torch.empty(steps, B, H, M, **i64)
         self.slots = torch.empty(steps, B, H, L, **i64)
+        self.barrier = torch.zeros(B * H, dtype=torch.int32, device=device)  # per (sample, head), persistent only
+        self.persistent = PERSISTENT and self._persistent_fits(device)
+        if self.persistent:  # the bests of two chunks, alternating
+            self.best = torch.empty(2 * B * H * self.nblk * self.BL, **f32)
+            self.arg = torch.empty(2 * B * H * self.nblk * self.BL, dtype=torch.int32, device=device)
+
+    def _persistent_args(self, n: int) -> list:
+        return [self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.size, self.n_full,
+                self.t_base, self.barrier, n, self.B, self.steps * self.L, self.H, self.M, self.L, self.N]
+
+    def _persistent_meta(self) -> dict:
+        cfg = self.cfg
+        return dict(DK=self.dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION, BDA=cfg["BDA"],
+                    BF16_PARTS=cfg["BF16_PARTS"], BRK=min(self.BL, cfg["BRK"]), **cfg["nearest"])
+
+    def _persistent_fits(self, device) -> bool:
+        """Whether every program of the persistent kernel can be resident at once (its barriers need that): one
+        block a head under the interpreter, which runs programs one after another; on a GPU, from the compiled
+        kernel's registers and shared memory."""
+        if is_interpreting():
+            self.cfg = dict(self.cfg, BN=max(16, next_pow2(self.M)))
+            self.nblk = 1
+            return True
+        if device.type != "cuda":
+            return False
+        compiled = _persistent_kernel.warmup(*self._persistent_args(self.steps), grid=(1,), **self._persistent_meta())
+        return self.nblk * self.B * self.H <= resident_programs(compiled, device)
 
     def run(self, n: int | None = None):
         """Chunks 0..n-1 of the buffers (all S by default), ending with the last one's keys added."""
         B, H, L, M, dk, cfg = self.B, self.H, self.L, self.M, self.dk, self.cfg
         P = self.steps * L
         n = self.steps if n is None else n
+        if self.persistent:
+            self.barrier.zero_()
+            _persistent_kernel[(self.nblk, B * H)](*self._persistent_args(n), **self._persistent_meta())
+            return
         for step in range(n + 1):
             _nearest_kernel[(self.nblk, B * H)](
                 self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full, step,
