@@ -38,7 +38,8 @@ timed on a GPU) runs all the chunks in one launch: the programs of a (sample, he
 chunk (an atomic counter) and each takes the merge's result itself; it runs only where all its programs fit on the
 GPU at once (``_utils.resident_programs``), else the two launches a chunk do. Offline (sm_90, Triton 3.9) it takes
 255 registers and spills 4 KB at the search's settings (8 warps, BN = 64): one program an SM, so at B·H = 8 with
-2048 slots (256 programs) it does not fit yet. (The first form, one program per sample·head walking all
+2048 slots it fits with blocks of 128 slots (128 programs, 11 KB spilled offline), the first block it tries that
+fits. (The first form, one program per sample·head walking all
 chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits: chunk_size <= 128 and
 dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are held whole by one program).
 """
@@ -346,17 +347,26 @@ class _Launcher:
                     BF16_PARTS=cfg["BF16_PARTS"], BRK=min(self.BL, cfg["BRK"]), **cfg["nearest"])
 
     def _persistent_fits(self, device) -> bool:
-        """Whether every program of the persistent kernel can be resident at once (its barriers need that): one
-        block a head under the interpreter, which runs programs one after another; on a GPU, from the compiled
-        kernel's registers and shared memory."""
+        """Whether every program of the persistent kernel can be resident at once (its barriers need that), with
+        the first block of slots (BN, 2·BN, 4·BN) for which they can; the launcher then uses that block. One block
+        a head under the interpreter, which runs programs one after another; on a GPU, from the compiled kernel's
+        registers and shared memory."""
         if is_interpreting():
             self.cfg = dict(self.cfg, BN=max(16, next_pow2(self.M)))
             self.nblk = 1
             return True
         if device.type != "cuda":
             return False
-        compiled = _persistent_kernel.warmup(*self._persistent_args(self.steps), grid=(1,), **self._persistent_meta())
-        return self.nblk * self.B * self.H <= resident_programs(compiled, device)
+        base = self.cfg
+        for BN in (base["BN"], 2 * base["BN"], 4 * base["BN"]):
+            self.cfg = dict(base, BN=BN)
+            compiled = _persistent_kernel.warmup(*self._persistent_args(self.steps), grid=(1,),
+                                                 **self._persistent_meta())
+            if triton.cdiv(self.M, BN) * self.B * self.H <= resident_programs(compiled, device):
+                self.nblk = triton.cdiv(self.M, BN)
+                return True
+        self.cfg = base
+        return False
 
     def run(self, n: int | None = None):
         """Chunks 0..n-1 of the buffers (all S by default), ending with the last one's keys added."""
