@@ -257,10 +257,12 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
     T, H, D = q.shape[1:]
     seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, T)  # [T]: each token's sequence
     with torch.no_grad():  # the largest and smallest real key per sequence, head and feature (in k's dtype: exact)
-        if seq is None:
-            real = None if mask is None else mask[..., None, None]
-            hi = (k if real is None else k.masked_fill(~real, float("-inf"))).amax(1).float()  # [B, H, D]
-            lo = (k if real is None else k.masked_fill(~real, float("inf"))).amin(1).float()
+        if seq is None and mask is None:
+            lo, hi = (x.float() for x in torch.aminmax(k, dim=1))  # [B, H, D], one pass
+        elif seq is None:
+            real = mask[..., None, None]
+            hi = k.masked_fill(~real, float("-inf")).amax(1).float()
+            lo = k.masked_fill(~real, float("inf")).amin(1).float()
         else:
             N = cu_seqlens.numel() - 1
             idx = seq[:, None, None].expand(T, H, D)
