@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask, record_launches
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -97,11 +97,7 @@ def kernels_linear():
 
 def state_grids(monkeypatch) -> list:
     """The grids of lazoo.kernels.linear's forward state-kernel launches, recorded from now on."""
-    kl, calls = kernels_linear(), []
-    real = kl._fwd_h_kernel
-    monkeypatch.setattr(kl, "_fwd_h_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
-        calls.append(grid), real[grid])[1]})())
-    return calls
+    return record_launches(monkeypatch, kernels_linear(), "_fwd_h_kernel")
 
 
 # ============================================================================ CPU: the interpreter

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close, forward_and_grads, left_pad_mask
+from lazoo.ops._testing import assert_close, forward_and_grads, left_pad_mask, record_launches
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -187,11 +187,7 @@ def test_interp_state_walks_in_segments(E, causal, monkeypatch):
 
     kn = importlib.import_module("lazoo.kernels.normalized")
     monkeypatch.setattr(kn, "FORCE_SEGMENT_CHUNKS", 2)
-    grids = []
-    for name in ("_fwd_h_kernel", "_bwd_dh_kernel"):
-        real = getattr(kn, name)
-        monkeypatch.setattr(kn, name, type("Spy", (), {"__getitem__": lambda self, grid, real=real: (
-            grids.append(grid), real[grid])[1]})())
+    grids = record_launches(monkeypatch, kn, "_fwd_h_kernel", "_bwd_dh_kernel")
     T = 80  # 5 chunks of 16: segments of 2, 2 and 1
     mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
     check(2, T, 2, 72, 40, E, torch.float32, "cpu", 2e-5, mask=mask, causal=causal)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import lazoo.ops.ovq as ovq_mod
 from lazoo.ops import ovq_attention
-from lazoo.ops._testing import left_pad_mask
+from lazoo.ops._testing import left_pad_mask, record_launches
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -116,10 +116,7 @@ def test_interp_persistent_kernel_matches_pytorch(monkeypatch):
     import lazoo.kernels.ovq_assign as oa
 
     monkeypatch.setattr(oa, "PERSISTENT", True)
-    launches = []
-    real = oa._persistent_kernel
-    monkeypatch.setattr(oa, "_persistent_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
-        launches.append(grid), real[grid])[1]})())
+    launches = record_launches(monkeypatch, oa, "_persistent_kernel")
     mask = left_pad_mask([45, 30, 7], 45, holes=[(1, 20)])
     assert_same(*run_both(keys(3, 45, 2, 16, seed=0), 8, 9, mask=mask))
     assert_same(*run_both(keys(2, 70, 1, 40, seed=4), 12, 30, mask=left_pad_mask([70, 51], 70)))

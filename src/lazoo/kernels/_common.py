@@ -304,6 +304,37 @@ def segment_through(states: torch.Tensor, sums: torch.Tensor, decay: torch.Tenso
     return factor.view(*factor.shape, *([1] * (sums.dim() - 3))) * states[:, :, index] + sums[:, :, index]
 
 
+def state_walks(launch, layout: ChunkLayout, seg: int, first, want_last: bool, end_states, reverse: bool,
+                decays=None, totals_only: bool = False):
+    """A state kernel's walks over every sequence (or, ``reverse``, the gradients' walks back), one walk each or in
+    segments of ``seg`` chunks (``walk_segments``). States are tuples of parts (one tensor, or several).
+
+    ``launch(S, SEG, start, end, store_chunks)`` runs the kernel with S segments on grid axis 2, from the states
+    ``start`` (None: zeros) to the states ``end`` (None: not stored); ``end_states(S)`` makes end-state buffers
+    (``[N, H, ...]`` parts, or ``[N, H, S, ...]`` for S segments); ``first``: the walk's given start, or None;
+    ``decays(seg, S)``: each segment's total log decay (``segment_log_decays``), or None. Returns the walk's last
+    states where ``want_last``, else None. ``totals_only`` (the non-causal form): each sequence's sums alone, no
+    chunk's state."""
+    if not seg:
+        last = end_states(None) if want_last else None
+        launch(1, 0, first, last, not totals_only)
+        return last
+    S = triton.cdiv(triton.cdiv(layout.T, layout.BT), seg)
+    sums = end_states(S)
+    launch(S, seg, None, sums, False)
+    if totals_only:
+        return tuple(None if x is None else x.sum(2) for x in sums)
+    decay = None if decays is None else decays(seg, S)
+    carry = segment_ends if reverse else segment_starts
+    first = first if first is not None else (None,) * len(sums)
+    starts = tuple(None if x is None else carry(x, f, decay) for x, f in zip(sums, first))
+    launch(S, seg, starts, None, True)
+    if not want_last:
+        return None
+    end = 0 if reverse else -1  # the walk's last segment: the sequence's end, or (reverse) its start
+    return tuple(None if x is None else segment_through(st, x, decay, end) for st, x in zip(starts, sums))
+
+
 def fill_device(BV: int, V: int, parallel: int, device: torch.device, per_sm: int = 2) -> int:
     """The value block BV of a kernel run by ``parallel * cdiv(V, BV)`` programs, halved (down to 16) until
     there are ``per_sm`` programs per multiprocessor: few sequences x heads would leave most of the GPU idle."""

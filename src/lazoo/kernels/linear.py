@@ -43,9 +43,8 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
-                      launch_first_fitting, load_end_state, segment_bounds, segment_ends, segment_log_decays,
-                      segment_starts, segment_through, seq_bounds, state_blocks, state_program, store_chunk_state,
-                      walk_segments)
+                      launch_first_fitting, load_end_state, segment_bounds, segment_log_decays, seq_bounds,
+                      state_blocks, state_program, state_walks, store_chunk_state, walk_segments)
 from . import _common
 from ._utils import device_unsupported, next_pow2
 
@@ -354,35 +353,37 @@ def _segments(c: _Ctx, tiles: int, gated: bool, device) -> int:
     return walk_segments(c, c.N * c.H * tiles, device, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
 
 
-def _fwd_states(c: _Ctx, k, v, g, h, h0, ht, BK, BV, tiles, seg):
-    """Every chunk's starting state into h (and the final state into ht): one walk per sequence, or with segments
-    of ``seg`` chunks their sums, a prefix sum over them, and the walks from each segment's start."""
+def _walks(kernel, c: _Ctx, args, state_args, g, first, want_last: bool, BK, BV, tiles, reverse: bool):
+    """``_fwd_h_kernel``'s walks (or ``_bwd_dh_kernel``'s, ``reverse``) through ``_common.state_walks``: ``args`` go
+    before the start and end states (``first``: the initial state, or the final state's gradient; None: zeros),
+    ``state_args`` after them. Returns the last state (the final state, or the initial state's gradient) where
+    ``want_last``."""
     meta = dict(H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec,
                 num_warps=4, num_stages=2)
-    if not seg:
-        _fwd_h_kernel[(tiles, c.N * c.H, 1)](k, v, g, h, h0, ht, c.cu, c.chunk_offsets, c.T, USE_H0=h0 is not None,
-                                             STORE_HT=ht is not None, SEG=0, STORE_CHUNKS=True, **meta)
-        return
-    S = triton.cdiv(triton.cdiv(c.T, c.BT), seg)
-    sums = torch.empty(c.N, c.H, S, c.V, c.K, dtype=torch.float32, device=k.device)
-    grid = (tiles, c.N * c.H, S)
-    _fwd_h_kernel[grid](k, v, g, h, None, sums, c.cu, c.chunk_offsets, c.T, USE_H0=False, STORE_HT=True, SEG=seg,
-                        STORE_CHUNKS=False, **meta)
-    decay = None if g is None else segment_log_decays(g, c.BT, seg, S)
-    starts = segment_starts(sums, h0, decay)
-    _fwd_h_kernel[grid](k, v, g, h, starts, None, c.cu, c.chunk_offsets, c.T, USE_H0=True, STORE_HT=False, SEG=seg,
-                        STORE_CHUNKS=True, **meta)
-    if ht is not None:
-        ht.copy_(segment_through(starts, sums, decay, -1))
+    use, store = ("USE_DHT", "STORE_DH0") if reverse else ("USE_H0", "STORE_HT")
+
+    def launch(S, SEG, start, end, store_chunks):
+        start, end = (None if x is None else x[0] for x in (start, end))
+        kernel[(tiles, c.N * c.H, S)](*args, start, end, *state_args, SEG=SEG, STORE_CHUNKS=store_chunks,
+                                      **{use: start is not None, store: end is not None}, **meta)
+
+    def end_states(S):
+        lead = (c.N, c.H) if S is None else (c.N, c.H, S)
+        return (torch.empty(*lead, c.V, c.K, dtype=torch.float32, device=args[0].device),)
+
+    seg = _segments(c, tiles, g is not None, args[0].device)
+    decays = None if g is None else (lambda seg, S: segment_log_decays(g, c.BT, seg, S))
+    last = state_walks(launch, c, seg, None if first is None else (first,), want_last, end_states, reverse, decays)
+    return None if last is None else last[0]
 
 
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     dev = q.device
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     h = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
-    ht = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if output_final_state else None
     tiles = triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV)
-    _fwd_states(c, k, v, g, h, h0, ht, BK, BV, tiles, _segments(c, tiles, g is not None, dev))
+    ht = _walks(_fwd_h_kernel, c, (k, v, g, h), (c.cu, c.chunk_offsets, c.T), g, h0, output_final_state, BK, BV,
+                tiles, reverse=False)
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
     BK = min(64, next_pow2(c.K))
     configs = [dict(BV=min(128 if c.two_byte else 64, next_pow2(c.V)), num_warps=4, num_stages=2),
@@ -397,9 +398,9 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
     dev = q.device
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     dh = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
-    dh0 = torch.empty(c.N, c.H, c.V, c.K, dtype=torch.float32, device=dev) if want_dh0 else None
     tiles = triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV)
-    _bwd_states(c, q, do, g, dh, dht, dh0, scale, BK, BV, tiles, _segments(c, tiles, g is not None, dev))
+    dh0 = _walks(_bwd_dh_kernel, c, (q, do, g, dh), (c.cu, c.chunk_offsets, scale, c.T), g, dht, want_dh0, BK, BV,
+                 tiles, reverse=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev) if g is not None else None
     BK = next_pow2(c.K)
@@ -408,29 +409,6 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
                          q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T,
                          H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec)
     return dq, dk, dv, dg, dh0
-
-
-def _bwd_states(c: _Ctx, q, do, g, dh, dht, dh0, scale, BK, BV, tiles, seg):
-    """Every chunk's end-state gradient into dh (and the initial state's into dh0), as ``_fwd_states`` in reverse:
-    a segment's end gradient is the sums of the segments after it (and dht)."""
-    meta = dict(H=c.H, K=c.K, V=c.V, BT=c.BT, BK=BK, BV=BV, USE_G=g is not None, IS_VARLEN=c.varlen, PREC=c.prec,
-                num_warps=4, num_stages=2)
-    if not seg:
-        _bwd_dh_kernel[(tiles, c.N * c.H, 1)](q, do, g, dh, dht, dh0, c.cu, c.chunk_offsets, scale, c.T,
-                                              USE_DHT=dht is not None, STORE_DH0=dh0 is not None, SEG=0,
-                                              STORE_CHUNKS=True, **meta)
-        return
-    S = triton.cdiv(triton.cdiv(c.T, c.BT), seg)
-    sums = torch.empty(c.N, c.H, S, c.V, c.K, dtype=torch.float32, device=q.device)
-    grid = (tiles, c.N * c.H, S)
-    _bwd_dh_kernel[grid](q, do, g, dh, None, sums, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=False, STORE_DH0=True,
-                         SEG=seg, STORE_CHUNKS=False, **meta)
-    decay = None if g is None else segment_log_decays(g, c.BT, seg, S)
-    ends = segment_ends(sums, dht, decay)
-    _bwd_dh_kernel[grid](q, do, g, dh, ends, None, c.cu, c.chunk_offsets, scale, c.T, USE_DHT=True, STORE_DH0=False,
-                         SEG=seg, STORE_CHUNKS=True, **meta)
-    if dh0 is not None:
-        dh0.copy_(segment_through(ends, sums, decay, 0))
 
 
 def _reverse_cumsum_dg(dG: torch.Tensor, cu_seqlens, BT: int = 64) -> torch.Tensor:

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, launch_first_fitting,
-                      load_end_state, segment_bounds, segment_ends, segment_starts, seq_bounds, state_blocks,
-                      store_chunk_state, walk_segments)
+                      load_end_state, segment_bounds, seq_bounds, state_blocks, state_walks, store_chunk_state,
+                      walk_segments)
 from ._utils import next_pow2
 
 #: the largest scalar-feature count (E = 1 or 2, ELA's)
@@ -585,10 +585,10 @@ class _Ctx(ChunkLayout):
                     IS_VARLEN=self.varlen, PREC=self.prec)
 
     def state_meta(self):
-        """``meta``, the precision of the state kernels' fp32 tile products (tf32 for 16-bit inputs), the dtype of
-        their products' operands (the chunk states' dtype), and whether they store every chunk's state (causal)."""
+        """``meta``, the precision of the state kernels' fp32 tile products (tf32 for 16-bit inputs) and the dtype of
+        their products' operands (the chunk states' dtype)."""
         sdt = tl.bfloat16 if self.state_dtype == torch.bfloat16 else tl.float32
-        return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32", SDT=sdt, STORE_CHUNKS=self.causal)
+        return dict(self.meta(), SPREC="ieee" if self.prec == "ieee" else "tf32", SDT=sdt)
 
     def state_grid(self, BK, BV):
         """The state kernels' grid, less its segments: the tiles of h, the key blocks of z and, with scalar
@@ -621,38 +621,26 @@ class _Ctx(ChunkLayout):
                 torch.empty(*lead, E, dtype=f32, device=dev) if self.extra else None)
 
 
-def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, flags, prefix):
-    """Run a state kernel (``_fwd_h_kernel``, or ``_bwd_dh_kernel`` walking in reverse): every chunk's state into
-    ``chunks`` (causal), from ``first`` (4 parts or None); returns the walk's last states (4 parts) where
-    ``want_last``, else None. ``flags``: the kernel's names for "start from first" and "store the last". With
-    segments (``_common.walk_segments``): the segments' sums, then (causal) their prefix sums (``prefix``) and the
-    walks from each segment's start; non-causal needs only the sums' total."""
+def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, reverse: bool):
+    """Run a state kernel (``_fwd_h_kernel``, or ``_bwd_dh_kernel`` walking in ``reverse``) through
+    ``_common.state_walks``: every chunk's state into ``chunks`` (causal), from ``first`` (4 parts or None); returns
+    the walk's last states (4 parts) where ``want_last``, else None. Non-causal: the sequences' sums alone."""
     dev = inputs[0].device
     BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
     roles, rows = c.state_grid(BK, BV)
     meta = dict(c.state_meta(), BK=BK, BV=BV, num_warps=STATE_WARPS, num_stages=2)
-    use, store = flags
-    first = first if first is not None else (None,) * 4
+    use, store = ("USE_DHT", "STORE_DH0") if reverse else ("USE_H0", "STORE_HT")
     none = (None,) * 4
+
+    def launch(S, SEG, start, end, store_chunks):
+        start, end = start or none, end or none
+        kernel[(roles, rows, S)](*inputs, *chunks, *start, *end, c.cu, c.chunk_offsets, c.T, SEG=SEG,
+                                 STORE_CHUNKS=store_chunks, **{use: start[0] is not None, store: end[0] is not None},
+                                 **meta)
+
     seg = walk_segments(c, roles * rows, dev, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
-    if not seg:
-        last = c.end_states(dev) if want_last else none
-        kernel[(roles, rows, 1)](*inputs, *chunks, *first, *last, c.cu, c.chunk_offsets, c.T, SEG=0,
-                                 **{use: first[0] is not None, store: want_last}, **meta)
-        return last if want_last else None
-    S = triton.cdiv(triton.cdiv(c.T, c.BT), seg)
-    sums = c.end_states(dev, S)
-    kernel[(roles, rows, S)](*inputs, *chunks, *none, *sums, c.cu, c.chunk_offsets, c.T, SEG=seg,
-                             **{use: False, store: True}, **dict(meta, STORE_CHUNKS=False))
-    if not c.causal:  # every token reads the whole sequence's sums
-        return tuple(None if x is None else x.sum(2) for x in sums)
-    starts = tuple(None if x is None else prefix(x, f) for x, f in zip(sums, first))
-    kernel[(roles, rows, S)](*inputs, *chunks, *starts, *none, c.cu, c.chunk_offsets, c.T, SEG=seg,
-                             **{use: True, store: False}, **meta)
-    if not want_last:
-        return None
-    end = -1 if prefix is segment_starts else 0  # the walk's last segment: the sequence's end, or (reverse) start
-    return tuple(None if x is None else st[:, :, end] + x[:, :, end] for st, x in zip(starts, sums))
+    return state_walks(launch, c, seg, first, want_last, lambda S: c.end_states(dev, S), reverse,
+                       totals_only=not c.causal)
 
 
 def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
@@ -660,7 +648,7 @@ def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     # non-causal: the sequence's sums alone (as its final state), which every chunk then reads
     h, he, z, ze = c.buffers(dev) if c.causal else (None,) * 4
     st = _state_walks(_fwd_h_kernel, c, (k, cf, v), (h, he, z, ze), s0, output_final_state or not c.causal,
-                      ("USE_H0", "STORE_HT"), segment_starts)
+                      reverse=False)
     st = st if st is not None else (None,) * 4
     if not c.causal:
         (h, he, z, ze), st = c.sums_as_chunk_states(*st), (None,) * 4
@@ -686,7 +674,7 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     # non-causal: the gradients of the sequence's sums (as an initial state's), which every chunk then reads
     dh, dhe, dz, dze = c.buffers(dev) if c.causal else (None,) * 4
     ds0 = _state_walks(_bwd_dh_kernel, c, (q, a, do, rden, dden), (dh, dhe, dz, dze), dst, want_ds0 or not c.causal,
-                       ("USE_DHT", "STORE_DH0"), segment_ends)
+                       reverse=True)
     ds0 = ds0 if ds0 is not None else (None,) * 4
     if not c.causal:
         (dh, dhe, dz, dze), ds0 = c.sums_as_chunk_states(*ds0), (None,) * 4

@@ -332,7 +332,7 @@ class _Launcher:
         self.before = torch.empty(steps, B, H, M, **i64)
         self.slots = torch.empty(steps, B, H, L, **i64)
         self.barrier = torch.zeros(B * H, dtype=torch.int32, device=device)  # per (sample, head), persistent only
-        self.persistent = PERSISTENT and self._persistent_fits(device)
+        self.persistent = PERSISTENT and self._choose_persistent_block(device)
         if self.persistent:  # the bests of two chunks, alternating
             self.best = torch.empty(2 * B * H * self.nblk * self.BL, **f32)
             self.arg = torch.empty(2 * B * H * self.nblk * self.BL, dtype=torch.int32, device=device)
@@ -346,9 +346,9 @@ class _Launcher:
         return dict(DK=self.dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION, BDA=cfg["BDA"],
                     BF16_PARTS=cfg["BF16_PARTS"], BRK=min(self.BL, cfg["BRK"]), **cfg["nearest"])
 
-    def _persistent_fits(self, device) -> bool:
-        """Whether every program of the persistent kernel can be resident at once (its barriers need that), with
-        the first block of slots (BN, 2·BN, 4·BN) for which they can; the launcher then uses that block. One block
+    def _choose_persistent_block(self, device) -> bool:
+        """Set the persistent kernel's block of slots to the first of BN, 2·BN, 4·BN for which all its programs can be
+        resident at once (its barriers need that), and say whether one was found. One block
         a head under the interpreter, which runs programs one after another; on a GPU, from the compiled kernel's
         registers and shared memory."""
         if is_interpreting():

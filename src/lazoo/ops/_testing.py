@@ -25,6 +25,17 @@ needs_interpreter = pytest.mark.skipif(not interpreted(), reason="needs TRITON_I
                                                                   "(tests/test_interpreter.py runs it)")
 
 
+def record_launches(monkeypatch, module, *names: str) -> list:
+    """Replace the Triton kernels ``module.<name>`` by ones that record each launch's grid, then launch it; returns
+    the list the grids go to."""
+    grids = []
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, type("Recording", (), {
+            "__getitem__": lambda self, grid, real=real: (grids.append(grid), real[grid])[1]})())
+    return grids
+
+
 def left_pad_mask(lengths: Sequence[int], T: int, holes: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
     """``[B, T]`` bool mask with ``lengths[b]`` real tokens at the right end of each row,
     plus optional interior pads ``(b, t)``."""

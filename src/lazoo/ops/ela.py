@@ -254,20 +254,9 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
 
     if not host_sync_allowed():  # the spread check reads back one number
         return None
-    T, H, D = q.shape[1:]
-    seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, T)  # [T]: each token's sequence
-    with torch.no_grad():  # the largest and smallest real key per sequence, head and feature (in k's dtype: exact)
-        if seq is None and mask is None:
-            lo, hi = (x.float() for x in torch.aminmax(k, dim=1))  # [B, H, D], one pass
-        elif seq is None:
-            real = mask[..., None, None]
-            hi = k.masked_fill(~real, float("-inf")).amax(1).float()
-            lo = k.masked_fill(~real, float("inf")).amin(1).float()
-        else:
-            N = cu_seqlens.numel() - 1
-            idx = seq[:, None, None].expand(T, H, D)
-            hi = k.new_full((N, H, D), float("-inf")).scatter_reduce_(0, idx, k[0], "amax").float()
-            lo = k.new_full((N, H, D), float("inf")).scatter_reduce_(0, idx, k[0], "amin").float()
+    seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, q.shape[1])  # [T]: each token's sequence
+    with torch.no_grad():
+        lo, hi = (x.float() for x in _key_extremes(k, mask, cu_seqlens, seq, smallest=True))
         if state is not None:
             hi, lo = torch.maximum(hi, state["m"]), torch.minimum(lo, state["m"])
         keys = torch.isfinite(hi)  # a sequence with no real key (and no state): shift 0
@@ -289,6 +278,24 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
     if final is not None:
         final = {"S": final[0], "C": final[2], "m": c}
     return o, final
+
+
+def _key_extremes(k, mask, cu_seqlens, seq, smallest: bool = False):
+    """``(smallest or None, largest)`` real key per sample (or packed sequence: ``cu_seqlens``, and ``seq`` ``[T]``
+    each token's), head and feature ``[N, H, D]`` in k's dtype (exact), -inf / inf where there is none."""
+    if seq is not None:
+        T, H, D = k.shape[1:]
+        N = cu_seqlens.numel() - 1
+        idx = seq[:, None, None].expand(T, H, D)
+        hi = k.new_full((N, H, D), float("-inf")).scatter_reduce_(0, idx, k[0], "amax")
+        lo = k.new_full((N, H, D), float("inf")).scatter_reduce_(0, idx, k[0], "amin") if smallest else None
+    elif mask is None:
+        lo, hi = torch.aminmax(k, dim=1) if smallest else (None, k.amax(1))  # (one pass for both)
+    else:
+        real = mask[..., None, None]
+        hi = k.masked_fill(~real, float("-inf")).amax(1)
+        lo = k.masked_fill(~real, float("inf")).amin(1) if smallest else None
+    return lo, hi
 
 
 def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backend, cu_seqlens=None):
@@ -393,15 +400,9 @@ def _bidirectional_fused(kernel, q, k, v, eps, mask, cu_seqlens):
     if kernel != "hadamard_exp":
         q1, k1, a, c = poly_features(q, k, kernel, mask)
         return chunk_normalized_linear_attention(q1, k1, v, a, c, eps=eps, **run)[0]
-    T, H, D = q.shape[1:]
-    seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, T)
+    seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, q.shape[1])
     with torch.no_grad():  # the largest real key per sequence, head and feature (0 where there is none)
-        if seq is None:
-            hi = (k if mask is None else k.masked_fill(~mask[..., None, None], float("-inf"))).amax(1)
-        else:
-            idx = seq[:, None, None].expand(T, H, D)
-            hi = k.new_full((cu_seqlens.numel() - 1, H, D), float("-inf")).scatter_reduce_(0, idx, k[0], "amax")
-        hi = hi.float()
+        hi = _key_extremes(k, mask, cu_seqlens, seq)[1].float()
         shift = torch.where(torch.isfinite(hi), hi, 0.0)
     fq, fk, eps_rows = exp_features(q, k, shift, eps, mask, seq)
     return chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, **run)[0]
@@ -411,11 +412,9 @@ def _bidirectional(q, k, v, kernel, eps, mask, backend, cdt):
     backend = resolve_backend("ela", backend, q.device, None)  # any backend runs the matmuls
     out_dtype = v.dtype
     q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
-    real = None if mask is None else mask[..., None, None]  # [B, T, 1, 1]
     if kernel == "hadamard_exp":
         with torch.no_grad():
-            kk = k if real is None else k.masked_fill(~real, float("-inf"))
-            m = kk.amax(1, keepdim=True)  # [B, 1, H, D]: the largest real key per feature
+            m = _key_extremes(k, mask, None, None)[1][:, None]  # [B, 1, H, D]: the largest real key per feature
             m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             M = (q + m).amax(-1, keepdim=True)  # [B, T, H, 1]
         fq, fk = (q + m - M).exp(), (k - m).exp()
