@@ -235,6 +235,34 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
     return out
 
 
+def gla_report(dk: int = 128, dv: int = 128) -> dict:
+    """GLA's sub-chunk kernels (``lazoo.kernels.gla``), bf16, chunks of 64 in sub-chunks of 16, at their launch
+    settings (``INTRA_WARPS``, ``A_BK``, ``DIAG_BK``), and the inter-chunk backward kernel."""
+    import triton.language as tl
+
+    from lazoo.kernels import gla as kg
+
+    b16, f32, i64 = "*bf16", "*fp32", "*i64"
+    meta = dict(H=16, K=dk, BT=kg.CHUNK, BC=kg.SUB, IS_VARLEN=False, PREC="tf32")
+    out = {}
+    for diag, bk in ((False, kg.A_BK), (True, kg.DIAG_BK)):
+        c = dict(meta, BK=min(bk, dk), DIAG=diag, DT=tl.bfloat16)
+        out[f"forward: A, {'diagonal' if diag else 'off-diagonal'} blocks"] = measure(kg._fwd_A_kernel, dict(
+            q=b16, k=b16, G=f32, A=f32, cu_seqlens=i64, chunk_indices=i64, T="i32", **dict.fromkeys(c, "constexpr")),
+            c, num_warps=kg.INTRA_WARPS, num_stages=2)
+    c = dict(meta, BK=min(kg.MAX_BLOCK, dk), DT=tl.bfloat16)
+    out["backward: intra-chunk dq, dk"] = measure(kg._bwd_intra_kernel, dict(
+        q=b16, k=b16, G=f32, dA=f32, dq=f32, dk=f32, cu_seqlens=i64, chunk_indices=i64, T="i32",
+        **dict.fromkeys(c, "constexpr")), c, num_warps=kg.INTRA_WARPS, num_stages=2)
+    c = dict(H=16, K=dk, V=dv, BT=kg.CHUNK, BK=min(kg.MAX_BLOCK, dk), BV=min(kg.MAX_BLOCK, dv), IS_VARLEN=False,
+             PREC="tf32")
+    out["backward: inter-chunk dq, dk, dg"] = measure(kg._bwd_inter_kernel, dict(
+        q=b16, k=b16, v=b16, G=f32, h=b16, do=b16, dh=b16, dq=f32, dk=f32, dq_out=b16, dk_out=b16, dg=b16,
+        cu_seqlens=i64, chunk_indices=i64, scale="fp32", T="i32", **dict.fromkeys(c, "constexpr")), c,
+        num_warps=kg.INTER_WARPS, num_stages=2)
+    return out
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -262,6 +290,7 @@ def main() -> None:
     _print("VLA's A scans (d = 128, fp32):", vla_report())
     _print("Normalised linear attention with 2 scalar features (d = 128, bf16):", normalized_report())
     _print("The same, non-causal:", normalized_report(causal=False))
+    _print("GLA (d = 128, bf16):", gla_report())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Rule, per sequence and head (``h = S^T`` ``[dk, dv]`` is the state in the kernel
     S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T,        o_t = scale * S_t q_t,     g ``[B, T, H, dk]`` <= 0
 
 Chunks of ``BT = 64`` tokens (never straddling a packed sequence), ``G`` the cumulative log decay
-inside a chunk (per key dim, stored in float32), ``H_n`` the state at the start of chunk ``n``:
+inside a chunk (per key dim, stored in float32 in base 2, ``log2(e)`` times the natural one, so that every
+decay is one ``exp2``; the formulas below write it in base e), ``H_n`` the state at the start of chunk ``n``:
 
     O       = scale * ((Q ⊙ exp(G)) H_n + A V),      A_ij = Σ_d q_id k_jd exp(G_id - G_jd)  (i >= j)
     H_{n+1} = diag(exp(G_C)) H_n + (K ⊙ exp(G_C - G))^T V
@@ -24,20 +25,24 @@ Backward (``dH_n`` the gradient of the state at the end of chunk n, ``dA_ij = sc
     dg = reverse cumsum over the sequence of (q ⊙ dq - k ⊙ dk), plus (dS_T ⊙ S_T) summed over dv at
          the last token of each sequence (the final state), per key dim
 
+Scaling the state's key dims by e^ε and every later q, k by e^∓ε changes no output, so the part of that
+sum from the chunks after chunk n, with the final state's term, is Σ_dv H_{n+1} ⊙ dH_n; with
+H_{n+1} = diag(exp(G_C)) H_n + (K ⊙ exp(G_C - G))^T V that is exp(G_C) ⊙ Σ_dv H_n ⊙ dH_n plus the chunk's
+Σ_t k_t ⊙ (its inter-chunk part of dk_t). So dg needs no pass over the sequence: each chunk adds it to
+its own reverse cumsum.
 The bracketed sums use the same sub-chunk split as A (off-diagonal blocks through a reference row:
 the first row of I for dq, the last row of J for dk; diagonal blocks pair by pair).
 
 Kernels: ``_cumsum`` (G), ``_fwd_h`` (states at chunk starts; the only sequential forward pass),
 ``_fwd_A`` (A, per sub-chunk pair), ``_fwd_o``; ``_bwd_dh`` (sequential, reverse), ``_bwd_dA``,
-``_bwd_dv``, ``_bwd_intra`` (the bracketed sums), ``_bwd_inter`` (the state terms, dq, dk, and the
-reverse cumsum of q ⊙ dq - k ⊙ dk inside each chunk); the carry from later chunks (one number per
-chunk, key dim and head, summed in float64) is added in PyTorch.
+``_bwd_dv``, ``_bwd_intra`` (the bracketed sums), ``_bwd_inter`` (the state terms; dq, dk in the
+inputs' dtype; dg in g's).
 
 Precision: products take 16-bit operands for 16-bit inputs where both are bounded by the inputs
 (decay factors <= 1), fp32 accumulation; the per-chunk states are float32 (bfloat16 for bfloat16
 inputs, as in lazoo.kernels.linear) and enter their products in that type (tf32 for fp16 inputs);
-fp32 inputs use tf32x3 products (about fp32 accuracy); A, dA, G, dq, dk and the state carried
-between chunks are float32.
+fp32 inputs use tf32x3 products (about fp32 accuracy); A, dA, G, the intra-chunk parts of dq and dk and the
+state carried between chunks are float32.
 
 Triton 3.4-3.7 on Hopper miscompiles ``tl.trans`` of a ``tl.dot`` result (see lazoo.kernels.delta):
 these kernels never transpose anything; transposed operands (``K^T``, ``A^T``, ``dA^T``, ``H^T``,
@@ -61,6 +66,14 @@ CHUNK = 64
 SUB = 16
 #: largest tile along a head dim (the kernels loop over blocks of it; tests lower it to cover the loops)
 MAX_BLOCK = 64
+#: key blocks of A's off-diagonal and diagonal sub-chunk blocks (within MAX_BLOCK and 2 * MAX_BLOCK)
+A_BK = 32
+DIAG_BK = 128
+#: warps of the sub-chunk kernels' programs (16-row tiles; fla 0.6.0's autotuning also picks one warp for its
+#: kernels of the same shape on the H200)
+INTRA_WARPS = 1
+#: warps of _bwd_inter (at 4 it spills: 255 registers, sm_90)
+INTER_WARPS = 8
 
 
 # ============================================================================ forward kernels
@@ -68,7 +81,7 @@ MAX_BLOCK = 64
 def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    IS_VARLEN: tl.constexpr):
-    """Grid (NK, NT, B * H): G = cumulative sum of g inside each chunk (float32)."""
+    """Grid (NK, NT, B * H): G = cumulative sum of g inside each chunk (float32, base 2)."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
@@ -76,7 +89,7 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, T,
     m = (o_t < T_seq)[:, None] & (o_k < K)[None, :]
     p = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
     b_g = tl.load(g + p, mask=m, other=0.0).to(tl.float32)
-    tl.store(G + p, tl.cumsum(b_g, axis=0), mask=m)
+    tl.store(G + p, tl.cumsum(b_g, axis=0) * 1.4426950408889634, mask=m)  # base 2: times log2(e)
 
 
 @triton.jit
@@ -104,26 +117,38 @@ def _fwd_h_kernel(
         b_gl = tl.load(G + (bos + last) * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
         p_v = v + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
-        b_kt = b_kt * tl.exp(b_gl[:, None] - b_Gt)  # exponent <= 0 (k = 0 on masked rows)
-        b_h = b_h * tl.exp(b_gl)[:, None] + tl.dot(b_kt.to(DT), b_v.to(DT), input_precision=PREC)
+        b_kt = b_kt * tl.exp2(b_gl[:, None] - b_Gt)  # exponent <= 0 (k = 0 on masked rows)
+        b_h = b_h * tl.exp2(b_gl)[:, None] + tl.dot(b_kt.to(DT), b_v.to(DT), input_precision=PREC)
     if STORE_HT:
         tl.store(end_state(ht, i_nh, o_k, o_v, K, V), b_h, mask=m_kv)
+
+
+@triton.jit
+def _below_diagonal(p, NC: tl.constexpr):
+    """Block (I, J), I > J, of the p-th program in the order (1, 0), (2, 0), (2, 1), (3, 0), ..."""
+    i = p * 0 + 1
+    for s in tl.static_range(1, NC - 1):
+        past = p >= s
+        p = tl.where(past, p - s, p)
+        i = tl.where(past, i + 1, i)
+    return i, p
 
 
 @triton.jit
 def _fwd_A_kernel(
     q, k, G, A, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    DIAG: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (NC * NC, NT, B * H): block (I, J) of A (I >= J) for the rows of sub-chunk I.
-    A ``[B, T, H, BT]`` float32: row t holds A_{t, chunk start + c}; blocks above the diagonal are
-    never written (readers mask them)."""
-    i_ij, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Grid (NC (NC - 1) / 2, or NC with DIAG; NT; B * H): block (I, J) of A for the rows of sub-chunk I, one
+    program per block below the diagonal (I > J) or, DIAG, per diagonal block. A ``[B, T, H, BT]`` float32:
+    row t holds A_{t, chunk start + c}; blocks above the diagonal are never written (readers mask them)."""
+    i_p, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
-    i_i, i_j = i_ij // NC, i_ij % NC
-    if i_i < i_j:
-        return
+    if DIAG:
+        i_i, i_j = i_p, i_p
+    else:
+        i_i, i_j = _below_diagonal(i_p, NC)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     t0 = i_c * BT + i_i * BC  # first row of sub-chunk I
     if t0 >= T_seq:
@@ -133,7 +158,7 @@ def _fwd_A_kernel(
     m_i = o_i < T_seq
     o_j = i_c * BT + i_j * BC + o_c  # all valid when J < I
     b_A = tl.zeros([BC, BC], dtype=tl.float32)
-    if i_i > i_j:
+    if not DIAG:
         for i_k in range(0, K, BK):
             o_k = i_k + tl.arange(0, BK)
             m_k = o_k < K
@@ -146,8 +171,8 @@ def _fwd_A_kernel(
             b_kt = tl.load(k + p_jt, mask=m_kj, other=0.0).to(tl.float32)
             b_Gjt = tl.load(G + p_jt, mask=m_kj, other=0.0)
             b_Gr = tl.load(G + (bos + t0) * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
-            b_qg = b_q * tl.exp(tl.where(m_ik, b_Gi - b_Gr[None, :], float("-inf")))
-            b_kg = b_kt * tl.exp(b_Gr[:, None] - b_Gjt)
+            b_qg = b_q * tl.exp2(tl.where(m_ik, b_Gi - b_Gr[None, :], float("-inf")))
+            b_kg = b_kt * tl.exp2(b_Gr[:, None] - b_Gjt)
             b_A += tl.dot(b_qg.to(DT), b_kg.to(DT), input_precision=PREC)
     else:  # diagonal block: exact per pair, exp(G_i - G_j) for i >= j only
         for i_k in range(0, K, BK):
@@ -163,7 +188,7 @@ def _fwd_A_kernel(
                 b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
                 b_Gj = tl.load(G + p_j, mask=m_j, other=0.0)
                 keep = m_ik & (o_c >= j)[:, None]
-                b_e = tl.exp(tl.where(keep, b_Gi - b_Gj[None, :], float("-inf")))
+                b_e = tl.exp2(tl.where(keep, b_Gi - b_Gj[None, :], float("-inf")))
                 b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)
                 b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0.0)
     p_A = A + (bos + o_i[:, None]) * (H * BT) + i_h * BT + i_j * BC + o_c[None, :]
@@ -194,7 +219,7 @@ def _fwd_o_kernel(
         p_q = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
         b_q = tl.load(q + p_q, mask=m_tk, other=0.0).to(tl.float32)
         b_G = tl.load(G + p_q, mask=m_tk, other=0.0)
-        b_qg = b_q * tl.exp(b_G)
+        b_qg = b_q * tl.exp2(b_G)
         p_h = h + (i_tg * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
         b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_o += tl.dot(b_qg.to(b_h.dtype), b_h, input_precision=PREC)
@@ -235,8 +260,8 @@ def _bwd_dh_kernel(
         b_gl = tl.load(G + (bos + last) * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
         p_do = do + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
         b_do = tl.load(p_do, mask=m_t[:, None] & (o_v[None, :] < V), other=0.0)
-        b_qt = b_qt * tl.exp(b_Gt) * scale
-        b_dh = b_dh * tl.exp(b_gl)[:, None] + tl.dot(b_qt.to(DT), b_do.to(DT), input_precision=PREC)
+        b_qt = b_qt * tl.exp2(b_Gt) * scale
+        b_dh = b_dh * tl.exp2(b_gl)[:, None] + tl.dot(b_qt.to(DT), b_do.to(DT), input_precision=PREC)
     if STORE_DH0:
         tl.store(end_state(dh0, i_nh, o_k, o_v, K, V), b_dh, mask=m_kv)
 
@@ -293,7 +318,7 @@ def _bwd_dv_kernel(
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_G = tl.load(G + p_k, mask=m_tk, other=0.0)
         b_gl = tl.load(G + (bos + last) * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
-        b_kg = b_k * tl.exp(b_gl[None, :] - b_G)
+        b_kg = b_k * tl.exp2(b_gl[None, :] - b_G)
         p_dh = dh + (i_tg * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
         b_dh = tl.load(p_dh, mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dv += tl.dot(b_kg.to(b_dh.dtype), b_dh, input_precision=PREC)
@@ -342,10 +367,10 @@ def _bwd_intra_kernel(
         p_j = (bos + o_j[:, None]) * (H * K) + i_h * K + o_k[None, :]
         b_kj = tl.load(k + p_j, mask=m_jk, other=0.0).to(tl.float32)
         b_Gj = tl.load(G + p_j, mask=m_jk, other=0.0)
-        b_kg = b_kj * tl.exp(b_Gr[None, :] - b_Gj)
+        b_kg = b_kj * tl.exp2(b_Gr[None, :] - b_Gj)
         b_dAij = tl.load(p_dA_i + i_j * BC + o_c[None, :], mask=m_i[:, None], other=0.0)
         b_dq += tl.dot(b_dAij.to(DT), b_kg.to(DT), input_precision=PREC)
-    b_dq = b_dq * tl.exp(tl.where(m_ik, b_Gi - b_Gr[None, :], float("-inf")))
+    b_dq = b_dq * tl.exp2(tl.where(m_ik, b_Gi - b_Gr[None, :], float("-inf")))
     # dq, diagonal block, pair by pair
     for j in range(0, BC):
         m_j = m_k & (t0 + j + o_k * 0 < T_seq)
@@ -355,7 +380,7 @@ def _bwd_intra_kernel(
         p_dAc = dA + (bos + o_i) * (H * BT) + i_h * BT + i_i * BC + j  # dA[i, t0 + j]
         b_dAj = tl.load(p_dAc, mask=m_i & (o_c >= j), other=0.0)
         keep = m_ik & (o_c >= j)[:, None]
-        b_e = tl.exp(tl.where(keep, b_Gi - b_Gj[None, :], float("-inf")))
+        b_e = tl.exp2(tl.where(keep, b_Gi - b_Gj[None, :], float("-inf")))
         b_dq += b_dAj[:, None] * b_kj[None, :] * b_e
 
     # dk, sub-chunks J > I, through the last row n of I: exp(G_n - G_i) Σ_t dA_ti (q_t exp(G_t - G_n))
@@ -369,12 +394,12 @@ def _bwd_intra_kernel(
         p_j = (bos + o_j[:, None]) * (H * K) + i_h * K + o_k[None, :]
         b_qj = tl.load(q + p_j, mask=m_jk, other=0.0).to(tl.float32)
         b_Gj = tl.load(G + p_j, mask=m_jk, other=0.0)
-        b_qg = b_qj * tl.exp(tl.where(m_jk, b_Gj - b_Gn[None, :], float("-inf")))
+        b_qg = b_qj * tl.exp2(tl.where(m_jk, b_Gj - b_Gn[None, :], float("-inf")))
         # dA^T [i in I, t in J] = dA[t, i], loaded transposed
         p_dAt = dA + (bos + o_j[None, :]) * (H * BT) + i_h * BT + i_i * BC + o_c[:, None]
         b_dAt = tl.load(p_dAt, mask=m_j[None, :], other=0.0)
         b_dk += tl.dot(b_dAt.to(DT), b_qg.to(DT), input_precision=PREC)
-    b_dk = b_dk * tl.exp(tl.where(m_ik, b_Gn[None, :] - b_Gi, float("-inf")))
+    b_dk = b_dk * tl.exp2(tl.where(m_ik, b_Gn[None, :] - b_Gi, float("-inf")))
     # dk, diagonal block, pair by pair: row t = t0 + j of I, columns i <= t
     for j in range(0, BC):
         m_j = m_k & (t0 + j + o_k * 0 < T_seq)
@@ -385,7 +410,7 @@ def _bwd_intra_kernel(
         m_r = (o_c <= j) & (t0 + j + o_c * 0 < T_seq)  # i <= t, row t valid
         b_dAr = tl.load(p_dAr, mask=m_r, other=0.0)
         keep = m_ik & m_r[:, None]
-        b_e = tl.exp(tl.where(keep, b_Gj[None, :] - b_Gi, float("-inf")))
+        b_e = tl.exp2(tl.where(keep, b_Gj[None, :] - b_Gi, float("-inf")))
         b_dk += b_dAr[:, None] * b_qj[None, :] * b_e
 
     tl.store(dq + p_i, b_dq, mask=m_ik)
@@ -394,13 +419,14 @@ def _bwd_intra_kernel(
 
 @triton.jit
 def _bwd_inter_kernel(
-    q, k, v, G, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale, T,
+    q, k, v, G, h, do, dh, dq, dk, dq_out, dk_out, dg, cu_seqlens, chunk_indices, scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid (NK, NT, B * H): dq += scale exp(G) ⊙ dO H_n^T, dk += exp(G_C - G) ⊙ V dH_n^T (in place,
-    float32), and the reverse cumsum of q ⊙ dq - k ⊙ dk inside the chunk."""
+    """Grid (NK, NT, B * H): dq = scale exp(G) ⊙ dO H_n^T + dq_intra and dk = exp(G_C - G) ⊙ V dH_n^T + dk_intra
+    (into dq_out, dk_out in their dtype; they may be dq, dk), and dg: the reverse cumsum of q ⊙ dq - k ⊙ dk inside
+    the chunk plus the later chunks' share, Σ_dv H_{n+1} ⊙ dH_n (module docstring), in dg's dtype."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
@@ -412,6 +438,7 @@ def _bwd_inter_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)  # Σ_dv H_n ⊙ dH_n
     p_h = h + (i_tg * H + i_h) * (K * V)
     p_dh = dh + (i_tg * H + i_h) * (K * V)
     for i_v in range(0, V, BV):
@@ -427,19 +454,21 @@ def _bwd_inter_kernel(
         b_dht = tl.load(p_dh + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)
         b_dq += tl.dot(b_do.to(b_ht.dtype), b_ht, input_precision=PREC)
         b_dk += tl.dot(b_v.to(b_dht.dtype), b_dht, input_precision=PREC)
+        b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
     p_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
     b_G = tl.load(G + p_k, mask=m_tk, other=0.0)
     b_gl = tl.load(G + (bos + last) * (H * K) + i_h * K + o_k, mask=m_k, other=0.0)
-    b_dq = b_dq * (tl.exp(b_G) * scale) + tl.load(dq + p_k, mask=m_tk, other=0.0)
-    b_dk = b_dk * tl.exp(b_gl[None, :] - b_G) + tl.load(dk + p_k, mask=m_tk, other=0.0)
-    tl.store(dq + p_k, b_dq, mask=m_tk)
-    tl.store(dk + p_k, b_dk, mask=m_tk)
-    b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    # q ⊙ dq - k ⊙ dk, summed over the rows at and after each one inside the chunk (rows past the
-    # sequence are 0); the later chunks and the final state are added outside (_dg_carry)
-    b_dg = tl.cumsum(b_q * b_dq - b_k * b_dk, axis=0, reverse=True)
-    tl.store(dg + p_k, b_dg, mask=m_tk)
+    b_dk = b_dk * tl.exp2(b_gl[None, :] - b_G)  # the inter-chunk part of dk
+    b_later = tl.exp2(b_gl) * b_hdh + tl.sum(b_k * b_dk, axis=0)  # Σ_dv H_{n+1} ⊙ dH_n
+    b_dk = b_dk + tl.load(dk + p_k, mask=m_tk, other=0.0)
+    tl.store(dk_out + p_k, b_dk.to(dk_out.dtype.element_ty), mask=m_tk)
+    b_dq = b_dq * (tl.exp2(b_G) * scale) + tl.load(dq + p_k, mask=m_tk, other=0.0)
+    tl.store(dq_out + p_k, b_dq.to(dq_out.dtype.element_ty), mask=m_tk)
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    # q ⊙ dq - k ⊙ dk summed over the rows at and after each one inside the chunk (rows past the sequence are 0)
+    b_dg = tl.cumsum(b_q * b_dq - b_k * b_dk, axis=0, reverse=True) + b_later[None, :]
+    tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
 # ============================================================================ launch helpers
@@ -456,6 +485,8 @@ class _Ctx(ChunkLayout):
         self.BK = min(MAX_BLOCK, next_pow2(K))
         self.BV = min(MAX_BLOCK, next_pow2(V))
         self.BKC = self.BK  # sub-chunk kernels
+        self.BKA = min(A_BK, self.BK)
+        self.BKD = min(DIAG_BK, 2 * MAX_BLOCK, next_pow2(K))
         self.NK = triton.cdiv(K, self.BK)
         self.NV = triton.cdiv(V, self.BV)
         self.state_blocks = state_blocks(K, V, self.N * self.H, q.device, MAX_BLOCK)
@@ -476,9 +507,10 @@ def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
         num_warps=4, num_stages=2)
 
     A = torch.empty(c.B, c.T, c.H, c.BT, dtype=torch.float32, device=dev)
-    _fwd_A_kernel[c.grid(c.NC * c.NC)](
-        q, k, G, A, c.cu, c.chunk_indices, c.T, H=c.H, K=c.K, BT=c.BT, BC=c.BC, BK=c.BKC,
-        IS_VARLEN=c.varlen, DT=c.DT, PREC=c.prec, num_warps=2)
+    for diag, programs, BK in ((False, c.NC * (c.NC - 1) // 2, c.BKA), (True, c.NC, c.BKD)):
+        _fwd_A_kernel[c.grid(programs)](
+            q, k, G, A, c.cu, c.chunk_indices, c.T, H=c.H, K=c.K, BT=c.BT, BC=c.BC, BK=BK, DIAG=diag,
+            IS_VARLEN=c.varlen, DT=c.DT, PREC=c.prec, num_warps=INTRA_WARPS)
 
     o = torch.empty(c.B, c.T, c.H, c.V, dtype=v.dtype, device=dev)
     _fwd_o_kernel[c.grid(c.NV)](
@@ -487,7 +519,7 @@ def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     return o, G, h, A, ht
 
 
-def _bwd(c: _Ctx, q, k, v, G, h, A, scale, do, dht, want_dh0):
+def _bwd(c: _Ctx, q, k, v, G, h, A, scale, do, dht, want_dh0, g_dtype):
     dev = q.device
     BKs, BVs = c.state_blocks
     dh = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
@@ -515,39 +547,15 @@ def _bwd(c: _Ctx, q, k, v, G, h, A, scale, do, dht, want_dh0):
         grid = (triton.cdiv(c.K, c.BKC), triton.cdiv(c.T, c.BT) * c.NC, c.B * c.H)
     _bwd_intra_kernel[grid](
         q, k, G, dA, dq, dk, c.cu, c.chunk_indices, c.T, H=c.H, K=c.K, BT=c.BT, BC=c.BC, BK=c.BKC,
-        IS_VARLEN=c.varlen, DT=c.DT, PREC=c.prec, num_warps=2)
+        IS_VARLEN=c.varlen, DT=c.DT, PREC=c.prec, num_warps=INTRA_WARPS)
 
-    dG = torch.empty(c.B, c.T, c.H, c.K, dtype=torch.float32, device=dev)
+    # the totals in the inputs' dtype (fp32 inputs: in place of the intra-chunk parts), dg in g's
+    dq_out, dk_out = (x if x.dtype == q.dtype else torch.empty_like(q) for x in (dq, dk))
+    dg = torch.empty(c.B, c.T, c.H, c.K, dtype=g_dtype, device=dev)
     _bwd_inter_kernel[c.grid(c.NK)](
-        q, k, v, G, h, do, dh, dq, dk, dG, c.cu, c.chunk_indices, scale, c.T, H=c.H, K=c.K, V=c.V,
-        BT=c.BT, BK=c.BK, BV=c.BV, IS_VARLEN=c.varlen, PREC=c.prec, num_warps=4, num_stages=2)
-    return dq, dk, dv, dG, dh0
-
-
-def _dg_carry(c: _Ctx, dG: torch.Tensor, term) -> torch.Tensor:
-    """dg from the in-chunk suffix sums dG ``[B, T, H, K]`` (float32): add, per chunk, the totals of
-    the later chunks of its sequence and the final state's term ``[N, H, K]`` (or None). The carries
-    (one per chunk) are summed in float64."""
-    B, T, H, K = dG.shape
-    BT = c.BT
-    dev = dG.device
-    if not c.varlen:
-        tot = dG[:, ::BT].double()  # [B, NT, H, K]: a chunk's first suffix sum is its total
-        carry = tot.flip(1).cumsum(1).flip(1) - tot  # the later chunks of the same sequence
-        if term is not None:
-            carry = carry + term[:, None].double()
-        return dG + carry.float()[:, torch.arange(T, device=dev) // BT]
-    seq = c.chunk_indices[:, 0]
-    starts = c.cu[seq] + c.chunk_indices[:, 1] * BT  # first token of every chunk
-    tot = dG[0, starts].double()  # [NT, H, K]
-    suffix = torch.cat([tot.flip(0).cumsum(0).flip(0), tot.new_zeros(1, H, K)])  # [NT + 1]: chunks >= i
-    carry = suffix[1:] - suffix[c.chunk_offsets[seq + 1]]  # chunks after i, up to its sequence's end
-    if term is not None:
-        carry = carry + term[seq].double()
-    lens = c.cu[1:] - c.cu[:-1]
-    tok_seq = torch.repeat_interleave(torch.arange(c.N, device=dev), lens, output_size=T)
-    tok_chunk = c.chunk_offsets[tok_seq] + (torch.arange(T, device=dev) - c.cu[tok_seq]) // BT
-    return dG + carry.float()[tok_chunk][None]
+        q, k, v, G, h, do, dh, dq, dk, dq_out, dk_out, dg, c.cu, c.chunk_indices, scale, c.T, H=c.H, K=c.K,
+        V=c.V, BT=c.BT, BK=c.BK, BV=c.BV, IS_VARLEN=c.varlen, PREC=c.prec, num_warps=INTER_WARPS, num_stages=2)
+    return dq_out, dk_out, dv, dg, dh0
 
 
 class ChunkGLAFunction(torch.autograd.Function):
@@ -560,24 +568,21 @@ class ChunkGLAFunction(torch.autograd.Function):
         ctx.c, ctx.scale = c, scale
         ctx.h0_dtype = None if h0 is None else h0.dtype
         ctx.g_dtype = g.dtype
-        ctx.save_for_backward(q, k, v, G, h, A, ht)
+        ctx.save_for_backward(q, k, v, G, h, A)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, G, h, A, ht = ctx.saved_tensors
+        q, k, v, G, h, A = ctx.saved_tensors
         c = ctx.c
         do = do.contiguous()
         if dht is not None:
             dht = dht.contiguous().float()
         want_dh0 = ctx.h0_dtype is not None
-        dq, dk, dv, dG, dh0 = _bwd(c, q, k, v, G, h, A, ctx.scale, do, dht, want_dh0)
-        # S_T = S_... diag(exp(G_T)): d/dG_T gets (dS_T ⊙ S_T) summed over dv, per key dim
-        term = None if dht is None else (dht * ht).sum(-2)  # [N, H, K]
-        dg = _dg_carry(c, dG, term).to(ctx.g_dtype)
+        dq, dk, dv, dg, dh0 = _bwd(c, q, k, v, G, h, A, ctx.scale, do, dht, want_dh0, ctx.g_dtype)
         if dh0 is not None:
             dh0 = dh0.to(ctx.h0_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, dg, dh0, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None
 
 
 # ============================================================================ public entry point
@@ -587,7 +592,7 @@ def chunk_gla(q, k, v, g, *, scale: float, initial_state=None, output_final_stat
     [N, H, dv, dk] float32 or None)``.
 
     q, k ``[B, T, H, dk]``, v ``[B, T, H, dv]`` of one dtype (float32/float16/bfloat16); g
-    ``[B, T, H, dk]`` log decay (<= 0; cast to float32 here); initial_state ``[N, H, dv, dk]``;
+    ``[B, T, H, dk]`` log decay (<= 0; a float dtype, read in float32); initial_state ``[N, H, dv, dk]``;
     cu_seqlens ``[N + 1]`` int (B must be 1) or None. Differentiable in q, k, v, g and initial_state.
     Head dims up to MAX_HEAD_DIM (ValueError beyond).
     """
@@ -597,12 +602,14 @@ def chunk_gla(q, k, v, g, *, scale: float, initial_state=None, output_final_stat
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"chunk_gla: q, k, v must share one dtype of float32/float16/bfloat16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not g.is_floating_point():
+        raise ValueError(f"chunk_gla: g must be a float tensor, got {g.dtype}")
     if tuple(g.shape) != tuple(q.shape):
         raise ValueError(f"chunk_gla: g must have q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"chunk_gla: with cu_seqlens, B must be 1, got {q.shape[0]}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g = g.contiguous().float() if g.dtype != torch.float32 else g.contiguous()
+    g = g.contiguous()  # any float dtype: the cumsum kernel reads it in float32, dg comes back in it
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     if cu_seqlens is not None:
