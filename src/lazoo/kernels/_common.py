@@ -335,7 +335,7 @@ def state_walks(launch, layout: ChunkLayout, seg: int, first, want_last: bool, e
     return tuple(None if x is None else segment_through(st, x, decay, end) for st, x in zip(starts, sums))
 
 
-def fill_device(BV: int, V: int, parallel: int, device: torch.device, per_sm: int = 2) -> int:
+def fill_device(BV: int, V: int, parallel: int, device: torch.device, per_sm: float = 2) -> int:
     """The value block BV of a kernel run by ``parallel * cdiv(V, BV)`` programs, halved (down to 16) until
     there are ``per_sm`` programs per multiprocessor: few sequences x heads would leave most of the GPU idle."""
     while BV > 16 and parallel * triton.cdiv(V, BV) < per_sm * num_sms(device):

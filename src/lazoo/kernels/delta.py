@@ -785,6 +785,12 @@ def _blocks(K: int, V: int, interpret: bool):
     return BKF, BK, BV
 
 
+#: programs a multiprocessor the sequential kernels' dv block aims at (``_common.fill_device``): at 0.5, T = 8k
+#: (B = 4, H = 16) runs 64-wide dv blocks, not 16-wide ones that read every chunk's keys 8 times a head. H200, bf16,
+#: fwd + bwd at 1k / 8k / 32k in one run: delta rule 2.94 / 3.58 / 3.71 ms at 2, 2.93 / 2.92 / 3.71 at 0.5
+SEQ_PROGRAMS_PER_SM = 0.5
+
+
 def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool = False) -> int:
     """dv block of the sequential kernels: small enough to keep S^T in registers and to give the
     GPU enough programs when there are few sequences x heads."""
@@ -792,7 +798,7 @@ def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool =
         return next_pow2(V)
     BKF = next_pow2(K)
     bv = min(32 if fp32 else 64, next_pow2(V), max(16, 8192 // BKF))
-    return fill_device(bv, V, parallel, device)
+    return fill_device(bv, V, parallel, device, per_sm=SEQ_PROGRAMS_PER_SM)
 
 
 #: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the

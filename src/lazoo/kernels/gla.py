@@ -72,8 +72,9 @@ DIAG_BK = 128
 #: warps of the sub-chunk kernels' programs (16-row tiles; fla 0.6.0's autotuning also picks one warp for its
 #: kernels of the same shape on the H200)
 INTRA_WARPS = 1
-#: warps of _bwd_inter (at 4 it spills: 255 registers, sm_90)
-INTER_WARPS = 8
+#: warps of _bwd_inter. At 4 it spills 36 B offline (255 registers, sm_90) and is still the faster: H200, GLA fwd +
+#: bwd at T = 1k / 8k / 32k, 5.30 / 5.55 / 6.53 ms against 5.75 / 5.98 / 6.97 at 8 warps, in one run
+INTER_WARPS = 4
 
 
 # ============================================================================ forward kernels

@@ -22,8 +22,8 @@ Kernels: ``_fwd_h`` (states at chunk starts, sequential over chunks), ``_fwd_o``
 over chunks), ``_bwd_dh`` (state gradients, sequential in reverse), ``_bwd_dqkv`` (parallel over
 chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd). At long T
 with few sequences × heads, the two sequential walks run in segments side by side (``_segments``):
-each segment's sum, a prefix sum over the segments (through their decays, with g: not by default
-yet, ``DECAY_SEGMENTS``), then the walks from each segment's start.
+each segment's sum, a prefix sum over the segments (through their decays, with g: off, slower
+on an H200, ``DECAY_SEGMENTS``), then the walks from each segment's start.
 
 Conventions (see lazoo.ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
 ``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
@@ -54,7 +54,8 @@ MAX_HEAD_DIM = 256
 #: (tests: segments at small T; None: walk_segments decides)
 MIN_SEGMENTS = _common.MIN_SEGMENTS
 FORCE_SEGMENT_CHUNKS = None
-#: segments with a decay (the gated op): off by default until timed and tested on a GPU (the interpreter tests pass)
+#: segments with a decay (the gated op). Off: exact on an H200 (GPU test), but slower there: the gated op's fwd + bwd
+#: at T = 32k, B = 1, 2.89 ms one walk against 4.33 in segments
 DECAY_SEGMENTS = False
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
