@@ -318,6 +318,18 @@ def test_gates_outside_their_range_are_refused_at_real_tokens_only(name, gate, v
         _call(name, at_real, 12, mask=mask, backend=backend, output_final_state=False)
 
 
+@pytest.mark.parametrize("name", ["gated_linear_attention", "gla", "gated_delta_rule", "delta_product"])
+def test_interp_log_decays_above_zero_are_refused_on_the_kernels(name):
+    """On the kernels the g <= 0 check is read back after the launches (one host sync that waits on the op's own
+    work): the op must still raise, naming g, and never return the outputs of a bad g."""
+    _needs_interp()
+    x = OPS[name][0](torch.Generator().manual_seed(16))
+    x["g"] = x["g"].clone()
+    x["g"][2, 7] = 0.5
+    with pytest.raises(ValueError, match=rf"^{name}: g must lie in \[-inf, 0\] at real tokens"):
+        _call(name, x, 16, backend="triton", output_final_state=False)
+
+
 @pytest.mark.parametrize("name", list(OPS))
 def test_empty_batch_gives_empty_results(name):
     x = {n: t[:0] for n, t in OPS[name][0](torch.Generator().manual_seed(13)).items()}

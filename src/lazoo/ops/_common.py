@@ -299,22 +299,53 @@ def check_range(op: str, name: str, x: torch.Tensor | None, low: float | None = 
     """Refuse values of ``x`` outside ``[low, high]`` (None: unbounded), naming ``name`` and the range.
     Pass ``x`` with its pads already zeroed (``zero_pads``): a pad is no input. NaN passes (it stays in its
     own sample, like a NaN in q). One host sync; skipped under torch.compile and CUDA-graph capture."""
+    queue_range_check(op, name, x, low, high, hint)()
+
+
+def queue_range_check(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
+                      high: float | None = None, hint: str = ""):
+    """``check_range`` in two steps: the comparison is queued on x's device now, and the call returned reads its
+    answer back (the host sync) and raises. An op queues it before its kernels and calls it once they are launched
+    (``reported``): the sync then waits on the op's own work, where a sync before the launches left the GPU idle
+    while the host launched them."""
     if x is None or not host_sync_allowed():
-        return
-    outside = torch.zeros_like(x, dtype=torch.bool)
-    if low is not None:
-        outside |= x < low
-    if high is not None:
-        outside |= x > high
-    if bool(outside.any()):
-        bad = x[outside].flatten()[0].item()
-        lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
-        raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
+        return no_check
+    found = _outside(x, low, high).any()
+
+    def report() -> None:
+        if bool(found):
+            bad = x[_outside(x, low, high)].flatten()[0].item()
+            lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
+            raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
+    return report
+
+
+def _outside(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    if low is None:
+        return x > high
+    if high is None:
+        return x < low
+    return (x < low) | (x > high)
+
+
+def no_check() -> None:
+    """A queued check with nothing to check."""
+
+
+def reported(report, result):
+    """``result``, once the queued check ``report`` has passed."""
+    report()
+    return result
 
 
 def check_log_decay(op: str, name: str, g: torch.Tensor | None) -> None:
     """A log decay (pads zeroed) must be <= 0: g > 0 would grow the state by exp(g) and overflow."""
-    check_range(op, name, g, high=0.0, hint=" (a log decay: the state is multiplied by exp(g) <= 1)")
+    queue_log_decay_check(op, name, g)()
+
+
+def queue_log_decay_check(op: str, name: str, g: torch.Tensor | None):
+    """``check_log_decay`` queued (``queue_range_check``)."""
+    return queue_range_check(op, name, g, high=0.0, hint=" (a log decay: the state is multiplied by exp(g) <= 1)")
 
 
 def check_scale(op: str, scale, dk: int) -> float:

@@ -23,16 +23,18 @@ import torch
 
 from ._common import (
     check_cu_seqlens,
-    check_log_decay,
     check_positive_int,
     check_scale,
     compute_dtype,
     l2norm,
     matrix_initial_state,
     merge_chunks,
+    no_check,
     op_result,
     pad_time,
     prepare_inputs,
+    queue_log_decay_check,
+    reported,
     resolve_backend,
     run_per_sequence,
     split_chunks,
@@ -79,15 +81,16 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
     scale = check_scale(op, scale, dk)
     chunk_size = check_positive_int(op, "chunk_size", chunk_size)
     backend = resolve_backend(op, backend, q.device, delta_kernel_unsupported(q, v, chunk_size))
-    if check_g:
-        check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
+    # the value check (a host sync) after the cheap ones, read back once the kernels are launched
+    report_g = queue_log_decay_check(op, "g", g) if check_g else no_check
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":  # no zero state allocated when none is given
         S0 = None if initial_state is None else matrix_initial_state(op, initial_state, N, H, dk, dv,
                                                                      q.device, cdt)
-        return _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state,
-                             mask, cu_seqlens)
+        return reported(report_g, _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0,
+                                                output_final_state, mask, cu_seqlens))
+    report_g()
     S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt)
     if cu_seqlens is not None:
         return run_per_sequence(

@@ -30,7 +30,6 @@ import torch
 from ._common import (
     apply_mask,
     check_float,
-    check_log_decay,
     check_positive_int,
     check_same_device,
     check_same_dtype,
@@ -39,6 +38,7 @@ from ._common import (
     l2norm,
     matrix_initial_state,
     op_result,
+    queue_log_decay_check,
     resolve_backend,
     without_autocast,
 )
@@ -80,8 +80,10 @@ def delta_product(
 
     # validates backend / LAZOO_BACKEND; the chunk and triton choices are left to the delta rule op
     mode = resolve_backend(op, backend, q.device, None)
-    check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
+    # the value check (a host sync) after the cheap ones, read back once the kernels are launched
+    report_g = queue_log_decay_check(op, "g", g)
     if mode == "recurrent":
+        report_g()
         S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
         o, S = _recurrent_delta_product(q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt),
                                         None if g is None else g.to(cdt), S0, scale, use_qk_l2norm, mask)
@@ -98,6 +100,7 @@ def delta_product(
     o_x, S = delta_rule_as(op, q_x, k_x, v_x, g_x, b_x, scale=scale, use_qk_l2norm=use_qk_l2norm,
                            chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
                            mask=m_x, backend=backend, check_g=False)
+    report_g()
     o = o_x.view(B, T, n, H, dv)[:, :, -1]  # each token's output after its last step
     return op_result(o, mask, v.dtype, S, output_final_state)
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from ._common import (
     check_cu_seqlens,
-    check_log_decay,
     check_positive_int,
     check_scale,
     check_state_dict,
@@ -35,9 +34,12 @@ from ._common import (
     compute_dtype,
     matrix_initial_state,
     merge_chunks,
+    no_check,
     op_result,
     pad_time,
     prepare_inputs,
+    queue_log_decay_check,
+    reported,
     resolve_backend,
     run_per_sequence,
     split_chunks,
@@ -175,12 +177,14 @@ def _gated_linear(op, q, k, v, g, triton_path, *, per_key, scale, chunk_size, in
     scale = check_scale(op, scale, dk)
     chunk_size = check_positive_int(op, "chunk_size", chunk_size)
     backend = resolve_backend(op, backend, q.device, linear_kernel_unsupported(q, v))
-    if check_g:
-        check_log_decay(op, "g", g)  # the value check (a host sync) after the cheap ones
+    # the value check (a host sync) after the cheap ones, read back once the kernels are launched
+    report_g = queue_log_decay_check(op, "g", g) if check_g else no_check
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
-        return triton_path(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state, mask, cu_seqlens, N)
+        return reported(report_g, triton_path(op, q, k, v, g, scale, chunk_size, initial_state, output_final_state,
+                                              mask, cu_seqlens, N))
+    report_g()
     if cu_seqlens is not None:
         return run_per_sequence(
             lambda sl, st: _gated_linear(
