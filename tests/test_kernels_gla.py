@@ -103,6 +103,22 @@ def test_interp_gla_chunk_cu_seqlens_strong_decay(count_chunk_calls):
 
 
 @needs_interp
+def test_interp_gla_one_pass_diagonal(monkeypatch):
+    """ONE_PASS_DIAGONAL: _bwd_intra's diagonal blocks with one exponent a pair for dq and dk. Ragged T with a mask
+    (rows past the sequence in the last sub-chunk), and packed sequences with strong decays."""
+    from lazoo.kernels import gla as kg
+
+    monkeypatch.setattr(kg, "ONE_PASS_DIAGONAL", True)
+    B, T, H, dk, dv = 2, 70, 2, 32, 16
+    mask = left_pad_mask([T, T - 11], T, holes=[(0, 40)])
+    check(gla_call(mask=mask), gla_inputs(B, T, H, dk, dv, seed=6, strong=True), state(B, H, dk, dv), torch.float32,
+          1e-5)
+    cu = torch.tensor([0, 37, 37, 107, 120])
+    check(gla_call(cu_seqlens=cu), gla_inputs(1, 120, H, dk, dv, seed=7, strong=True), state(4, H, dk, dv),
+          torch.float32, 1e-5)
+
+
+@needs_interp
 def test_interp_gla_chunk_fp16_strong_decay():
     B, T, H, dk, dv = 1, 37, 2, 32, 32
     t = gla_inputs(B, T, H, dk, dv, seed=3, strong=True)
