@@ -218,8 +218,16 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="keys"):
         run(q, k, v, beta, initial_state={"Dk": s["Dk"]})
     bad = dict(s, Dk=s["Dk"].clone().fill_(math.nan))
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match=r"initial_state\['Dk'\] holds NaN"):
         run(q, k, v, beta, initial_state=bad)
+    bad_v = s["Dv"].clone()
+    bad_v[0, 0, 0, 0] = math.inf
+    with pytest.raises(ValueError, match=r"initial_state\['Dv'\] holds NaN or inf"):
+        run(q, k, v, beta, initial_state=dict(s, Dv=bad_v))
+    bad_counts = s["counts"].clone()
+    bad_counts[0, 0, 0] = -1
+    with pytest.raises(ValueError, match=r"initial_state\['counts'\] must be >= 0"):
+        run(q, k, v, beta, initial_state=dict(s, counts=bad_counts))
     with pytest.raises(ValueError, match="shape"):
         vq_attention(q, k, v, torch.randn(H + 1, 4, D, dtype=F64))
 

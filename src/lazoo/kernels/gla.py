@@ -31,7 +31,8 @@ H_{n+1} = diag(exp(G_C)) H_n + (K ⊙ exp(G_C - G))^T V that is exp(G_C) ⊙ Σ_
 Σ_t k_t ⊙ (its inter-chunk part of dk_t). So dg needs no pass over the sequence: each chunk adds it to
 its own reverse cumsum.
 The bracketed sums use the same sub-chunk split as A (off-diagonal blocks through a reference row:
-the first row of I for dq, its last row for dk; diagonal blocks pair by pair, dq and dk in one pass).
+the first row of I for dq, its last row for dk; diagonal blocks pair by pair, and with ONE_PASS_DIAGONAL dq and
+dk in one pass).
 
 Kernels: ``_cumsum`` (G), ``_fwd_h`` (states at chunk starts; the only sequential forward pass),
 ``_fwd_A`` (A, per sub-chunk pair), ``_fwd_o``; ``_bwd_dh`` (sequential, reverse), ``_bwd_dA``,

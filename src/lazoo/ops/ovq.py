@@ -216,18 +216,22 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True):
     check_state_tensor(_OP, "initial_state['v']", state["v"], (B, L, H, dv), device)
     _check_int_tensor(_OP, "initial_state['t']", state["t"], (B,), device)
     counts = state["counts"].to(torch.int64)
-    checked = sync  # value checks read back to the host: not while compiled or captured
-    if checked and bool((counts < 0).any()):
-        raise ValueError(f"{_OP}: initial_state['counts'] must be >= 0")
     Dk, Dv = Dk.to(cdt), state["Dv"].to(cdt)
-    for name, x in (("Dk", Dk), ("Dv", Dv)):
-        if checked and not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{_OP}: initial_state[{name!r}] holds NaN or inf")
+    size = None
+    if sync:  # the value checks and the size in one read-back (a host sync: not while compiled or captured)
+        negative, bad_k, bad_v, size = torch.stack([
+            (counts < 0).any().long(), (~torch.isfinite(Dk).all()).long(), (~torch.isfinite(Dv).all()).long(),
+            _max_size_tensor(counts)]).tolist()
+        if negative:
+            raise ValueError(f"{_OP}: initial_state['counts'] must be >= 0")
+        for name, bad in (("Dk", bad_k), ("Dv", bad_v)):
+            if bad:
+                raise ValueError(f"{_OP}: initial_state[{name!r}] holds NaN or inf")
     # an empty slot holds nothing (a new centroid placed there is its key alone, whatever the slot held)
     empty = (counts == 0)[..., None]
     Dk, Dv = Dk.masked_fill(empty, 0.0), Dv.masked_fill(empty, 0.0)
     # capacity M = max(N, current size): pad with empty slots or drop empty ones
-    M = max(N, _max_size(counts)) if sync else max(N, M0)
+    M = max(N, size) if sync else max(N, M0)
     if M0 < M:
         Dk = F.pad(Dk, (0, 0, 0, M - M0))
         Dv = F.pad(Dv, (0, 0, 0, M - M0))
@@ -240,7 +244,14 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True):
 
 def _max_size(counts) -> int:
     """The largest number of active centroids over samples and heads (one host sync)."""
-    return int((counts > 0).sum(-1).max()) if counts.numel() else 0
+    return int(_max_size_tensor(counts))
+
+
+def _max_size_tensor(counts) -> torch.Tensor:
+    """``_max_size`` as a 0-d int64 tensor on counts' device, not read back."""
+    if counts.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=counts.device)
+    return (counts > 0).sum(-1).max()
 
 
 def _read_width(counts, sync: bool) -> int:
