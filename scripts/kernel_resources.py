@@ -94,12 +94,6 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
                                           **_opts(acfg["nearest"])),
         "assign: merge": measure(ovq_assign._merge_kernel, dict(sig_m, BRK="constexpr"), dict(shapes, BRK=acfg["BRK"]),
                                  **_opts(acfg["merge"])),
-        "assign: persistent (all chunks)": measure(ovq_assign._persistent_kernel, dict(
-            k=f32, sums=f32, counts=i64, best=f32, arg="*i32", before=i64, slots=i64, size_of="*i32", n_full="*i32",
-            t_base=i64, barrier="*i32", n="i32", **ints, N="i32", **cx, BN="constexpr", BDA="constexpr",
-            BF16_PARTS="constexpr", BRK="constexpr"), dict(shapes, BN=acfg["BN"], BDA=acfg["BDA"],
-                                                           BF16_PARTS=acfg["BF16_PARTS"], BRK=acfg["BRK"]),
-            **_opts(acfg["nearest"])),
     }
     i64s = dict.fromkeys(("C0", "START", "N", "ORDER"), i64)
     sizes = dict.fromkeys(("P", "H", "M", "ROWS"), "i32")

@@ -130,22 +130,6 @@ def test_interp_segmented_state_walks_match_reference(T, seg, monkeypatch):
 
 
 @needs_interp
-@pytest.mark.parametrize("T,seg", [(100, 3), (45, 2)], ids=["three-segments", "two-segments"])
-def test_interp_segmented_walks_with_a_decay(T, seg, monkeypatch):
-    """The gated op's walks in segments: each segment's start carries the sums before it through the decays between
-    (forward), its end the gradients after it (reverse); the decay's gradient too. A segment's decay is about
-    exp(-1.5): carries that matter, and differ from the undecayed ones."""
-    monkeypatch.setattr(kernels_linear(), "FORCE_SEGMENT_CHUNKS", seg)
-    calls = state_grids(monkeypatch)
-    B, H, dk, dv = 2, 2, 16, 8
-    q, k, v, g = inputs(B, T, H, dk, dv, seed=9, g_bias=3.0)
-    mask = left_pad_mask([T, T - 9], T, holes=[(0, 30)])
-    check_against_reference(gated_call(mask=mask), {"q": q, "k": k, "v": v, "g": g},
-                            linear_state(B, H, dk, dv, False), torch.float32, 1e-5)
-    assert calls and all(grid[2] == -(-((T + 15) // 16) // seg) for grid in calls), calls
-
-
-@needs_interp
 def test_interp_gated_matches_reference_with_mask():
     B, T, H, dk, dv = 2, 45, 2, 16, 8
     q, k, v, g = inputs(B, T, H, dk, dv)
@@ -327,20 +311,14 @@ def test_gpu_matches_float64(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
-def test_gpu_long_sequence_walks_in_segments(dtype, gated, monkeypatch):
-    """One long sample with few heads: the state walks split into segments by themselves (with a decay: where
-    DECAY_SEGMENTS is on), against float64."""
-    monkeypatch.setattr(kernels_linear(), "DECAY_SEGMENTS", True)
+def test_gpu_long_sequence_walks_in_segments(dtype, monkeypatch):
+    """One long sample with few heads: the state walks split into segments by themselves, against float64."""
     calls = state_grids(monkeypatch)
     B, T, H, D = 1, 8192, 2, 128
-    q, k, v, g = inputs(B, T, H, D, D, seed=17, g_bias=6.0)  # a segment's decay about exp(-2.6)
+    q, k, v, _ = inputs(B, T, H, D, D, seed=17)
     q, k = q * D ** -0.5, k * D ** -0.5
     mask = left_pad_mask([T - 77], T)
-    if gated:
-        call, t = gated_call(chunk_size=64, mask=mask, scale=1.0), {"q": q, "k": k, "v": v, "g": g}
-    else:
-        call, t = linear_call("identity", False, chunk_size=64, mask=mask), {"q": q, "k": k, "v": v}
+    call, t = linear_call("identity", False, chunk_size=64, mask=mask), {"q": q, "k": k, "v": v}
     gpu_reference_check(call, t, linear_state(B, H, D, D, False), dtype, GPU_RTOL[dtype])
     assert calls and all(grid[2] > 1 for grid in calls), calls
 

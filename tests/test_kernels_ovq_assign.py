@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import lazoo.ops.ovq as ovq_mod
 from lazoo.ops import ovq_attention
-from lazoo.ops._testing import left_pad_mask, record_launches
+from lazoo.ops._testing import left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -109,26 +109,6 @@ def test_interp_assign_breaks_exact_ties_like_pytorch():
 
 
 @needs_interp
-def test_interp_persistent_kernel_matches_pytorch(monkeypatch):
-    """All chunks in one launch (PERSISTENT; under the interpreter, one block of slots a head): the same slots,
-    counts before every chunk and final counts as PyTorch's step 1, for the cases above (ragged, padded, a growing
-    dictionary, a carried state, exact ties)."""
-    import lazoo.kernels.ovq_assign as oa
-
-    monkeypatch.setattr(oa, "PERSISTENT", True)
-    launches = record_launches(monkeypatch, oa, "_persistent_kernel")
-    mask = left_pad_mask([45, 30, 7], 45, holes=[(1, 20)])
-    assert_same(*run_both(keys(3, 45, 2, 16, seed=0), 8, 9, mask=mask))
-    assert_same(*run_both(keys(2, 70, 1, 40, seed=4), 12, 30, mask=left_pad_mask([70, 51], 70)))
-    st = carried_state(3, 2, 16, 8, 9, [21, 13, 6], seed=1)
-    assert_same(*run_both(keys(3, 40, 2, 16, seed=2), 8, 14, mask=left_pad_mask([40, 27, 12], 40), state=st))
-    gen = torch.Generator().manual_seed(3)
-    assert_same(*run_both((torch.randint(-1, 2, (2, 24, 2, 16), generator=gen).float() / 2).repeat_interleave(2, 1),
-                          16, 40))
-    assert len(launches) == 4 and all(grid[0] == 1 for grid in launches), launches
-
-
-@needs_interp
 def test_interp_op_with_triton_assign_matches_recurrent(monkeypatch):
     # the whole op (triton_assign=True) against the float64 recurrent form, as the existing triton-path test does
     from test_kernels_ovq import check_op, op_inputs
@@ -168,22 +148,4 @@ def test_gpu_assign_T4096_H8_d128_matches_pytorch():
     ms_ref, ref = _ms(lambda: ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N))
     ms_tri, got = _ms(lambda: ovq_assign(Kp, valid.sum(1) // L, t0 - nb, st["Dk"], st["counts"], L, N))
     print(f"OVQ step 1 at T=4096, H=8, d=128: PyTorch {ms_ref:.2f} ms, Triton {ms_tri:.2f} ms")
-    assert_same(got, ref)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_persistent_kernel_T4096_matches_pytorch(monkeypatch):
-    """All chunks in one launch, on the GPU (where its programs fit: else the test says by how much they do not)."""
-    import lazoo.kernels.ovq_assign as oa
-
-    monkeypatch.setattr(oa, "PERSISTENT", True)
-    monkeypatch.setattr(oa._Graph, "cache", oa.GraphCache())  # launchers built with the switch on
-    L, N, H = 128, 2048, 8
-    Kp, valid, st, t0, nb = packed(keys(1, 4096, H, 128, seed=6, device="cuda"), L, N)
-    launcher = oa._Launcher(1, H, L, N, 128, N, oa.GRAPH_STEPS, Kp.device)
-    assert launcher.persistent, f"{launcher.nblk * H} programs do not fit on this GPU at once"
-    ms_ref, ref = _ms(lambda: ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N))
-    ms_tri, got = _ms(lambda: oa.ovq_assign(Kp, valid.sum(1) // L, t0 - nb, st["Dk"], st["counts"], L, N))
-    print(f"OVQ step 1 at T=4096, H=8, d=128: PyTorch {ms_ref:.2f} ms, persistent kernel {ms_tri:.2f} ms")
     assert_same(got, ref)

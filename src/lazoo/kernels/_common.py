@@ -206,9 +206,9 @@ def state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device, max_blo
 # (long T, small batch), each sequence's walk is split into S segments that run side by side (grid axis 2): the
 # segments' sums first (``segment_bounds``' programs without per-chunk stores), their prefix sums (``segment_starts``,
 # ``segment_ends``), then the walks from each segment's start. Not for packed sequences (their chunk counts are on
-# the GPU). A segmented walk is two walks of NT / S chunks in
-# place of one of NT: fewer than MIN_SEGMENTS segments barely shorten it. With a decay (``segment_log_decays``) a
-# segment's start carries the sums before it through the decays between them.
+# the GPU), nor with a decay (the starts would carry the sums through the decays between: built once, and slower on
+# an H200 at T = 32k, 4.33 against 2.89 ms). A segmented walk is two walks of NT / S chunks in place of one of NT:
+# fewer than MIN_SEGMENTS segments barely shorten it.
 SEGMENT_PROGRAMS_PER_SM = 4
 SEGMENT_MIN_CHUNKS = 16
 MIN_SEGMENTS = 4
@@ -239,81 +239,29 @@ def walk_segments(layout: ChunkLayout, programs: int, device, force: int | None 
     return triton.cdiv(chunks, segments) if segments >= min_segments else 0
 
 
-def segment_log_decays(g: torch.Tensor, BT: int, seg: int, S: int) -> torch.Tensor:
-    """Each segment's total log decay ``[B, H, S]`` (float64) from the per-token log decays g ``[B, T, H]``."""
-    B, T, H = g.shape
-    g = torch.nn.functional.pad(g.double(), (0, 0, 0, S * seg * BT - T))
-    return g.view(B, S, seg * BT, H).sum(2).transpose(1, 2)
-
-
-def _decay_weights(decay: torch.Tensor, forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """With Λ_s the log decay before segment s (an exclusive prefix sum of ``decay`` [N, H, S]): the weights
-    ``[N, H, S, S]`` that carry segment t's sum to segment s's start (forward, t < s: exp(Λ_s - Λ_{t+1})) or its
-    start's gradient to segment s's end (reverse, t > s: exp(Λ_t - Λ_{s+1})), and the factor ``[N, H, S]`` of the
-    initial state at each start (exp(Λ_s)) or of the final state's gradient at each end (exp(Λ_S - Λ_{s+1})). Every
-    exponent is <= 0."""
-    after = decay.cumsum(-1)  # Λ_{s+1}
-    before = after - decay  # Λ_s
-    S = decay.shape[-1]
-    if forward:
-        expo, keep = before[..., :, None] - after[..., None, :], torch.ones(S, S, dtype=torch.bool).tril(-1)
-        edge = before
-    else:
-        expo, keep = before[..., None, :] - after[..., :, None], torch.ones(S, S, dtype=torch.bool).triu(1)
-        edge = after[..., -1:] - after
-    keep = keep.to(decay.device)
-    return torch.where(keep, expo, float("-inf")).exp().float(), edge.exp().float()
-
-
-def _carry(weights, sums, edge, given):
-    """Σ_t weights[s, t] sums_t (+ edge_s · given): the prefix sums over the segments ``[N, H, S, ...]``."""
-    N, H, S = sums.shape[:3]
-    out = torch.einsum("nhst,nhtx->nhsx", weights, sums.reshape(N, H, S, -1)).view_as(sums)
-    if given is not None:
-        out = out + edge.view(N, H, S, *([1] * (sums.dim() - 3))) * given.float()[:, :, None]
-    return out
-
-
-def segment_starts(sums: torch.Tensor, first: torch.Tensor | None, decay: torch.Tensor | None = None):
+def segment_starts(sums: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
     """Each segment's starting state ``[N, H, S, ...]`` from the segments' sums: the sums before it, plus ``first``
-    (the initial state ``[N, H, ...]``, or None); with ``decay`` (each segment's total log decay ``[N, H, S]``)
-    each carried through the decays between."""
-    if decay is not None:
-        weights, edge = _decay_weights(decay, forward=True)
-        return _carry(weights, sums, edge, first)
+    (the initial state ``[N, H, ...]``, or None)."""
     starts = sums.cumsum(2) - sums
     return starts if first is None else starts + first.float()[:, :, None]
 
 
-def segment_ends(sums: torch.Tensor, last: torch.Tensor | None, decay: torch.Tensor | None = None):
+def segment_ends(sums: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
     """Each segment's end-state gradient ``[N, H, S, ...]`` from the segments' sums of gradients: the sums after it,
-    plus ``last`` (the final state's gradient, or None); with ``decay`` as in ``segment_starts``."""
-    if decay is not None:
-        weights, edge = _decay_weights(decay, forward=False)
-        return _carry(weights, sums, edge, last)
+    plus ``last`` (the final state's gradient, or None)."""
     ends = sums.flip(2).cumsum(2).flip(2) - sums
     return ends if last is None else ends + last.float()[:, :, None]
 
 
-def segment_through(states: torch.Tensor, sums: torch.Tensor, decay: torch.Tensor | None, index: int):
-    """Segment ``index``'s state carried through it: ``exp(decay) · states + sums`` there (the final state from the
-    last segment's start, or the initial state's gradient from the first segment's end)."""
-    if decay is None:
-        return states[:, :, index] + sums[:, :, index]
-    factor = decay[:, :, index].exp().float()
-    return factor.view(*factor.shape, *([1] * (sums.dim() - 3))) * states[:, :, index] + sums[:, :, index]
-
-
 def state_walks(launch, layout: ChunkLayout, seg: int, first, want_last: bool, end_states, reverse: bool,
-                decays=None, totals_only: bool = False):
+                totals_only: bool = False):
     """A state kernel's walks over every sequence (or, ``reverse``, the gradients' walks back), one walk each or in
     segments of ``seg`` chunks (``walk_segments``). States are tuples of parts (one tensor, or several).
 
     ``launch(S, SEG, start, end, store_chunks)`` runs the kernel with S segments on grid axis 2, from the states
     ``start`` (None: zeros) to the states ``end`` (None: not stored); ``end_states(S)`` makes end-state buffers
-    (``[N, H, ...]`` parts, or ``[N, H, S, ...]`` for S segments); ``first``: the walk's given start, or None;
-    ``decays(seg, S)``: each segment's total log decay (``segment_log_decays``), or None. Returns the walk's last
-    states where ``want_last``, else None. ``totals_only`` (the non-causal form): each sequence's sums alone, no
+    (``[N, H, ...]`` parts, or ``[N, H, S, ...]`` for S segments); ``first``: the walk's given start, or None.
+    Returns the walk's last states where ``want_last``, else None. ``totals_only`` (the non-causal form): each sequence's sums alone, no
     chunk's state."""
     if not seg:
         last = end_states(None) if want_last else None
@@ -324,15 +272,14 @@ def state_walks(launch, layout: ChunkLayout, seg: int, first, want_last: bool, e
     launch(S, seg, None, sums, False)
     if totals_only:
         return tuple(None if x is None else x.sum(2) for x in sums)
-    decay = None if decays is None else decays(seg, S)
     carry = segment_ends if reverse else segment_starts
     first = first if first is not None else (None,) * len(sums)
-    starts = tuple(None if x is None else carry(x, f, decay) for x, f in zip(sums, first))
+    starts = tuple(None if x is None else carry(x, f) for x, f in zip(sums, first))
     launch(S, seg, starts, None, True)
     if not want_last:
         return None
     end = 0 if reverse else -1  # the walk's last segment: the sequence's end, or (reverse) its start
-    return tuple(None if x is None else segment_through(st, x, decay, end) for st, x in zip(starts, sums))
+    return tuple(None if x is None else st[:, :, end] + x[:, :, end] for st, x in zip(starts, sums))
 
 
 def fill_device(BV: int, V: int, parallel: int, device: torch.device, per_sm: float = 2) -> int:

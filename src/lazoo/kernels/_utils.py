@@ -50,22 +50,6 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def resident_programs(compiled, device) -> int:
-    """How many programs of a compiled Triton kernel a CUDA device holds at once (registers, allocated per warp in
-    units of 256, shared memory and threads per multiprocessor, times the multiprocessors): a kernel whose programs
-    wait for each other must not launch more."""
-    props = torch.cuda.get_device_properties(device)
-    if hasattr(compiled, "_init_handles"):  # the register count is read when the binary is loaded
-        compiled._init_handles()
-    warps = compiled.metadata.num_warps
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
-    shared = compiled.metadata.shared
-    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // shared if shared else 32
-    by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    return min(by_regs, by_shared, by_threads, 32) * props.multi_processor_count
-
-
 def next_pow2(n: int, minimum: int = 16) -> int:
     """The smallest power of two >= max(n, minimum) (tile sizes for ``tl.dot`` are at least 16)."""
     return max(triton.next_power_of_2(int(n)), minimum)

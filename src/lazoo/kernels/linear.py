@@ -22,8 +22,8 @@ Kernels: ``_fwd_h`` (states at chunk starts, sequential over chunks), ``_fwd_o``
 over chunks), ``_bwd_dh`` (state gradients, sequential in reverse), ``_bwd_dqkv`` (parallel over
 chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd). At long T
 with few sequences × heads, the two sequential walks run in segments side by side (``_segments``):
-each segment's sum, a prefix sum over the segments (through their decays, with g: off, slower
-on an H200, ``DECAY_SEGMENTS``), then the walks from each segment's start.
+each segment's sum, a prefix sum over the segments, then the walks from each segment's start (not with
+a decay: ``lazoo.kernels._common``).
 
 Conventions (see lazoo.ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
 ``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
-                      launch_first_fitting, load_end_state, segment_bounds, segment_log_decays, seq_bounds,
-                      state_blocks, state_program, state_walks, store_chunk_state, walk_segments)
+                      launch_first_fitting, load_end_state, segment_bounds, seq_bounds, state_blocks, state_program,
+                      state_walks, store_chunk_state, walk_segments)
 from . import _common
 from ._utils import device_unsupported, next_pow2
 
@@ -54,9 +54,6 @@ MAX_HEAD_DIM = 256
 #: (tests: segments at small T; None: walk_segments decides)
 MIN_SEGMENTS = _common.MIN_SEGMENTS
 FORCE_SEGMENT_CHUNKS = None
-#: segments with a decay (the gated op). Off: exact on an H200 (GPU test), but slower there: the gated op's fwd + bwd
-#: at T = 32k, B = 1, 2.89 ms one walk against 4.33 in segments
-DECAY_SEGMENTS = False
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -347,9 +344,8 @@ class _Ctx(ChunkLayout):
 
 
 def _segments(c: _Ctx, tiles: int, gated: bool, device) -> int:
-    """Chunks per segment of the state walks (``_common.walk_segments``), or 0 (with a decay: only where
-    DECAY_SEGMENTS, or forced)."""
-    if gated and not (DECAY_SEGMENTS or FORCE_SEGMENT_CHUNKS):
+    """Chunks per segment of the state walks (``_common.walk_segments``), or 0 (always with a decay)."""
+    if gated:
         return 0
     return walk_segments(c, c.N * c.H * tiles, device, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
 
@@ -373,8 +369,7 @@ def _walks(kernel, c: _Ctx, args, state_args, g, first, want_last: bool, BK, BV,
         return (torch.empty(*lead, c.V, c.K, dtype=torch.float32, device=args[0].device),)
 
     seg = _segments(c, tiles, g is not None, args[0].device)
-    decays = None if g is None else (lambda seg, S: segment_log_decays(g, c.BT, seg, S))
-    last = state_walks(launch, c, seg, None if first is None else (first,), want_last, end_states, reverse, decays)
+    last = state_walks(launch, c, seg, None if first is None else (first,), want_last, end_states, reverse)
     return None if last is None else last[0]
 
 

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MIN_SEGMENTS as _MIN_SEGMENTS_ON
+from . import _common
 from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, launch_first_fitting,
                       load_end_state, segment_bounds, seq_bounds, state_blocks, state_walks, store_chunk_state,
                       walk_segments)
@@ -61,7 +61,7 @@ STATE_WARPS = 4
 #: the state walks in segments (``_common.walk_segments``): at least this many, without and with scalar features.
 #: Timed on an H200 (bf16, H = 16, D = 128, fwd + bwd at T = 32k, B = 1): normalised linear attention 2.155 -> 1.944
 #: ms; ELA's polynomial kernels (two scalar features) 2.93 -> 3.38 ms, so off there (1 << 30); 1k and 8k walk once.
-MIN_SEGMENTS = _MIN_SEGMENTS_ON
+MIN_SEGMENTS = _common.MIN_SEGMENTS
 MIN_SEGMENTS_SCALARS = 1 << 30
 #: chunks per segment forced (tests: segments at small T; None: walk_segments decides)
 FORCE_SEGMENT_CHUNKS = None

@@ -33,14 +33,11 @@ pick another slot than PyTorch does (exact ties, e.g. duplicated keys or exactly
 identically).
 
 On CUDA the launches of ``GRAPH_STEPS`` chunks are captured once in a CUDA graph (per shape) and replayed, so
-a chunk costs two kernel nodes and no host work. ``_persistent_kernel`` (``PERSISTENT``, off: slower on an H200)
-runs all the chunks in one launch: the programs of a (sample, head) wait for each other once a
-chunk (an atomic counter) and each takes the merge's result itself; it runs only where all its programs fit on the
-GPU at once (``_utils.resident_programs``), else the two launches a chunk do. Offline (sm_90, Triton 3.9) it takes
-255 registers and spills 4 KB at the search's settings (8 warps, BN = 64): one program an SM, so at B·H = 8 with
-2048 slots it fits with blocks of 128 slots (128 programs, 11 KB spilled offline), the first block it tries that
-fits. (The first form, one program per sample·head walking all
-chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits: chunk_size <= 128 and
+a chunk costs two kernel nodes and no host work. (One launch for all chunks, the programs of a (sample, head)
+waiting for each other once a chunk, was built and measured: exact, and 2× slower on an H200, 12.3 / 40.8 ms
+against 6.4 / 17.7 for the op at T = 4k / 16k, with B·H = 8 and 2048 slots: its 128 programs, one an SM, each wait
+at every chunk for a head's slowest, and the blocks they need spill; BENCHMARKS.md. The first form, one program
+per sample·head walking all chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits: chunk_size <= 128 and
 dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are held whole by one program).
 """
 
@@ -51,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._graphs import GraphCache, capture
-from ._utils import is_interpreting, next_pow2, resident_programs
+from ._utils import is_interpreting, next_pow2
 
 #: largest chunk size and head dim (keys of a chunk and L×L matrices are held in registers)
 MAX_CHUNK = 128
@@ -63,11 +60,6 @@ MAX_HEAD_DIM = 128
 SIM_PRECISION = "ieee"
 #: chunks per captured CUDA graph (one replay runs this many chunks)
 GRAPH_STEPS = 16
-#: one launch for all chunks (``_persistent_kernel``) where all its programs fit on the GPU at once, in place of two
-#: launches a chunk. Off: exact on an H200 (GPU test), but slower there: op fwd + bwd 12.3 / 40.8 ms against 6.4 /
-#: 17.7 at T = 4k / 16k (B = 1, H = 8, N = 2048: 128-slot blocks, one program an SM, each barrier waits for a
-#: head's slowest)
-PERSISTENT = False
 
 
 @triton.jit
@@ -189,8 +181,8 @@ def _chunk_slots_of(k, best, arg, part, nblk, size, t_end, i_b, i_h, step, P, H,
     row_ok = rl < L
     NEG_INF = float("-inf")
     n_new = tl.minimum(tl.maximum(tl.maximum((t_end * N) // (t_end + N), 1) - size, 0), L)
-    # best old centroid per key over the blocks (strict: an earlier block keeps a tie); ".cg": another program of
-    # the persistent kernel wrote them
+    # best old centroid per key over the blocks (strict: an earlier block keeps a tie); ".cg": the search launch
+    # wrote them
     best_v = tl.full([BL], NEG_INF, tl.float32)
     best_i = tl.zeros([BL], tl.int32)
     for blk in range(0, nblk):
@@ -226,7 +218,7 @@ def _chunk_slots_of(k, best, arg, part, nblk, size, t_end, i_b, i_h, step, P, H,
             code = tl.min(tl.where(s2 == tl.max(s2, 1)[:, None], rl[None, :] * BL + rank[None, :], BL * BL), 1)
             slot_r = tl.where(new_r, tl.minimum(rank_r, M - 1), tl.minimum(code % BL, M - 1)).to(tl.int64)
             slot += tl.sum(tl.where(pick, slot_r[:, None], 0), 0)
-    slot = tl.where(row_ok, slot, -1)  # rows past L join nothing (the persistent kernel adds the vector as it is)
+    slot = tl.where(row_ok, slot, -1)  # rows past L join nothing
     return slot, tl.minimum(size + n_new, M).to(tl.int32)
 
 
@@ -248,56 +240,6 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
                                      P, H, M, L, N, DK, BL, BD, SIM_PRECISION, BRK)
         tl.store(size_of + bh, size)
     tl.store(slots + srow + rl, slot, mask=rl < L)
-
-
-@triton.jit
-def _arrive_and_wait(counter, target):
-    """A barrier of the programs of one (sample, head): count this one in, then wait until ``target`` have (the
-    stores before it become visible to the programs past it)."""
-    tl.debug_barrier()  # every thread's stores, before the arrival
-    seen = tl.atomic_add(counter, 1, sem="release", scope="gpu") + 1
-    while seen < target:
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit(do_not_specialize=["n"])
-def _persistent_kernel(k, sums, counts, best, arg, before, slots, size_of, n_full, t_base, barrier, n, B, P, H, M,
-                       L, N, DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                       SIM_PRECISION: tl.constexpr, BDA: tl.constexpr, BF16_PARTS: tl.constexpr,
-                       BRK: tl.constexpr):
-    """Chunks 0..n−1 in one launch (``PERSISTENT``): the programs of a (sample, head), one a block of slots, all
-    resident, walk the chunks together. Per chunk each adds the previous chunk's keys to its slots and finds its
-    block's bests, as ``_nearest_kernel``; a barrier per (sample, head); then every program takes the chunk's slots
-    from all blocks' bests, as ``_merge_kernel`` (the same numbers in each: no second barrier). The bests alternate
-    between two buffers, so a fast program never overwrites those a slow one still reads."""
-    blk, bh, i_b, i_h, nblk, rl, cols, ok, rows, row_ok, cnt = _block_program(counts, H, M, DK, BL, BD, BN)
-    size = tl.load(size_of + bh)
-    nf = tl.load(n_full + i_b)
-    t_base0 = tl.load(t_base + i_b)
-    prev = tl.full([BL], -1, tl.int64)
-    for step in range(0, n + 1):
-        if step > 0:
-            cnt = _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L, DK, BL, BD, BDA,
-                            BF16_PARTS)
-        tl.debug_barrier()
-        if step < n:
-            tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
-            bmax, barg = _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L,
-                                     (step < nf) & (tl.max(cnt, 0) > 0), DK, BL, BD, SIM_PRECISION)
-            part = ((step % 2) * B * H + bh) * nblk
-            tl.store(best + (part + blk) * BL + rl, bmax)
-            tl.store(arg + (part + blk) * BL + rl, barg)
-            _arrive_and_wait(barrier + bh, (step + 1) * nblk)
-            slot = tl.full([BL], -1, tl.int64)
-            if step < nf:
-                slot, size = _chunk_slots_of(k, best, arg, part, nblk, size, t_base0 + L * (step + 1), i_b, i_h,
-                                             step, P, H, M, L, N, DK, BL, BD, SIM_PRECISION, BRK)
-            if blk == 0:
-                tl.store(slots + (step * B * H + bh) * L + rl, slot, mask=rl < L)
-            prev = slot
-    if blk == 0:
-        tl.store(size_of + bh, size)
 
 
 def _blocks() -> dict:
@@ -333,52 +275,12 @@ class _Launcher:
         self.arg = torch.empty(B * H * self.nblk * self.BL, dtype=torch.int32, device=device)
         self.before = torch.empty(steps, B, H, M, **i64)
         self.slots = torch.empty(steps, B, H, L, **i64)
-        self.barrier = torch.zeros(B * H, dtype=torch.int32, device=device)  # per (sample, head), persistent only
-        self.persistent = PERSISTENT and self._choose_persistent_block(device)
-        if self.persistent:  # the bests of two chunks, alternating
-            self.best = torch.empty(2 * B * H * self.nblk * self.BL, **f32)
-            self.arg = torch.empty(2 * B * H * self.nblk * self.BL, dtype=torch.int32, device=device)
-
-    def _persistent_args(self, n: int) -> list:
-        return [self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.size, self.n_full,
-                self.t_base, self.barrier, n, self.B, self.steps * self.L, self.H, self.M, self.L, self.N]
-
-    def _persistent_meta(self) -> dict:
-        cfg = self.cfg
-        return dict(DK=self.dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION, BDA=cfg["BDA"],
-                    BF16_PARTS=cfg["BF16_PARTS"], BRK=min(self.BL, cfg["BRK"]), **cfg["nearest"])
-
-    def _choose_persistent_block(self, device) -> bool:
-        """Set the persistent kernel's block of slots to the first of BN, 2·BN, 4·BN for which all its programs can be
-        resident at once (its barriers need that), and say whether one was found. One block
-        a head under the interpreter, which runs programs one after another; on a GPU, from the compiled kernel's
-        registers and shared memory."""
-        if is_interpreting():
-            self.cfg = dict(self.cfg, BN=max(16, next_pow2(self.M)))
-            self.nblk = 1
-            return True
-        if device.type != "cuda":
-            return False
-        base = self.cfg
-        for BN in (base["BN"], 2 * base["BN"], 4 * base["BN"]):
-            self.cfg = dict(base, BN=BN)
-            compiled = _persistent_kernel.warmup(*self._persistent_args(self.steps), grid=(1,),
-                                                 **self._persistent_meta())
-            if triton.cdiv(self.M, BN) * self.B * self.H <= resident_programs(compiled, device):
-                self.nblk = triton.cdiv(self.M, BN)
-                return True
-        self.cfg = base
-        return False
 
     def run(self, n: int | None = None):
         """Chunks 0..n-1 of the buffers (all S by default), ending with the last one's keys added."""
         B, H, L, M, dk, cfg = self.B, self.H, self.L, self.M, self.dk, self.cfg
         P = self.steps * L
         n = self.steps if n is None else n
-        if self.persistent:
-            self.barrier.zero_()
-            _persistent_kernel[(self.nblk, B * H)](*self._persistent_args(n), **self._persistent_meta())
-            return
         for step in range(n + 1):
             _nearest_kernel[(self.nblk, B * H)](
                 self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full, step,
