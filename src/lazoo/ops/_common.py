@@ -338,13 +338,9 @@ def reported(report, result):
     return result
 
 
-def check_log_decay(op: str, name: str, g: torch.Tensor | None) -> None:
-    """A log decay (pads zeroed) must be <= 0: g > 0 would grow the state by exp(g) and overflow."""
-    queue_log_decay_check(op, name, g)()
-
-
 def queue_log_decay_check(op: str, name: str, g: torch.Tensor | None):
-    """``check_log_decay`` queued (``queue_range_check``)."""
+    """A log decay (pads zeroed) must be <= 0: g > 0 would grow the state by exp(g) and overflow. Queued
+    (``queue_range_check``): call the result to read it back and raise."""
     return queue_range_check(op, name, g, high=0.0, hint=" (a log decay: the state is multiplied by exp(g) <= 1)")
 
 
