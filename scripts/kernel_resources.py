@@ -244,7 +244,7 @@ def gla_report(dk: int = 128, dv: int = 128) -> dict:
         out[f"forward: A, {'diagonal' if diag else 'off-diagonal'} blocks"] = measure(kg._fwd_A_kernel, dict(
             q=b16, k=b16, G=f32, A=f32, cu_seqlens=i64, chunk_indices=i64, T="i32", **dict.fromkeys(c, "constexpr")),
             c, num_warps=kg.INTRA_WARPS, num_stages=2)
-    c = dict(meta, BK=min(kg.MAX_BLOCK, dk), DT=tl.bfloat16, ONE_PASS_DIAGONAL=kg.ONE_PASS_DIAGONAL)
+    c = dict(meta, BK=min(kg.MAX_BLOCK, dk), DT=tl.bfloat16)
     out["backward: intra-chunk dq, dk"] = measure(kg._bwd_intra_kernel, dict(
         q=b16, k=b16, G=f32, dA=f32, dq=f32, dk=f32, cu_seqlens=i64, chunk_indices=i64, T="i32",
         **dict.fromkeys(c, "constexpr")), c, num_warps=kg.INTRA_WARPS, num_stages=2)

@@ -60,14 +60,10 @@ def test_normalized_kernels_fit_hopper(single_thread):
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_gla_kernels_fit_hopper(single_thread, monkeypatch, one_pass):
+def test_gla_kernels_fit_hopper(single_thread):
     """GLA's kernels (bf16, d = 128) fit a Hopper block, and its sub-chunk kernels keep their tiles in registers at
-    one warp (with either form of _bwd_intra's diagonal blocks). (_bwd_inter spills 36 bytes at its 4 warps with
+    one warp. (_bwd_inter spills 36 bytes at its 4 warps with
     Triton 3.9: allowed; it was the faster on an H200.)"""
-    from lazoo.kernels import gla as kg
-
-    monkeypatch.setattr(kg, "ONE_PASS_DIAGONAL", one_pass)
     report = kernel_resources.gla_report()
     assert len(report) == 4, report
     for name, r in report.items():

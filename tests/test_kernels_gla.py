@@ -103,12 +103,9 @@ def test_interp_gla_chunk_cu_seqlens_strong_decay(count_chunk_calls):
 
 
 @needs_interp
-def test_interp_gla_one_pass_diagonal(monkeypatch):
-    """ONE_PASS_DIAGONAL: _bwd_intra's diagonal blocks with one exponent a pair for dq and dk. Ragged T with a mask
-    (rows past the sequence in the last sub-chunk), and packed sequences with strong decays."""
-    from lazoo.kernels import gla as kg
-
-    monkeypatch.setattr(kg, "ONE_PASS_DIAGONAL", True)
+def test_interp_gla_diagonal_blocks_ragged():
+    """_bwd_intra's diagonal blocks (one exponent a pair for dq and dk): ragged T with a mask (rows past the sequence
+    in the last sub-chunk), and packed sequences with strong decays."""
     B, T, H, dk, dv = 2, 70, 2, 32, 16
     mask = left_pad_mask([T, T - 11], T, holes=[(0, 40)])
     check(gla_call(mask=mask), gla_inputs(B, T, H, dk, dv, seed=6, strong=True), state(B, H, dk, dv), torch.float32,

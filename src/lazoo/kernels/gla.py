@@ -31,8 +31,8 @@ H_{n+1} = diag(exp(G_C)) H_n + (K ⊙ exp(G_C - G))^T V that is exp(G_C) ⊙ Σ_
 Σ_t k_t ⊙ (its inter-chunk part of dk_t). So dg needs no pass over the sequence: each chunk adds it to
 its own reverse cumsum.
 The bracketed sums use the same sub-chunk split as A (off-diagonal blocks through a reference row:
-the first row of I for dq, its last row for dk; diagonal blocks pair by pair, and with ONE_PASS_DIAGONAL dq and
-dk in one pass).
+the first row of I for dq, its last row for dk; diagonal blocks pair by pair, dq and dk in one pass with one
+exponent a pair).
 
 Kernels: ``_cumsum`` (G), ``_fwd_h`` (states at chunk starts; the only sequential forward pass),
 ``_fwd_A`` (A, per sub-chunk pair), ``_fwd_o``; ``_bwd_dh`` (sequential, reverse), ``_bwd_dA``,
@@ -73,9 +73,6 @@ DIAG_BK = 128
 #: warps of the sub-chunk kernels' programs (16-row tiles; fla 0.6.0's autotuning also picks one warp for its
 #: kernels of the same shape on the H200)
 INTRA_WARPS = 1
-#: _bwd_intra's diagonal blocks in one pass for dq and dk (one exp2 a pair, not two): exact in the interpreter
-#: tests, off until timed and tested on a GPU
-ONE_PASS_DIAGONAL = False
 #: warps of _bwd_inter. At 4 it spills 36 B offline (255 registers, sm_90) and is still the faster: H200, GLA fwd +
 #: bwd at T = 1k / 8k / 32k, 5.30 / 5.55 / 6.53 ms against 5.75 / 5.98 / 6.97 at 8 warps, in one run
 INTER_WARPS = 4
@@ -341,7 +338,7 @@ def _bwd_dv_kernel(
 def _bwd_intra_kernel(
     q, k, G, dA, dq, dk, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    ONE_PASS_DIAGONAL: tl.constexpr, IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (NK, NT * NC, B * H): for the rows of sub-chunk I, the intra-chunk parts
     dq_i = Σ_{j<=i} dA_ij k_j ⊙ exp(G_i - G_j) and dk_i = Σ_{t>=i} dA_ti q_t ⊙ exp(G_t - G_i)
@@ -395,50 +392,23 @@ def _bwd_intra_kernel(
         b_dk += tl.dot(b_dAt.to(DT), b_qg.to(DT), input_precision=PREC)
     b_dk = b_dk * tl.exp2(tl.where(m_ik, b_Gn[None, :] - b_Gi, float("-inf")))
 
-    if ONE_PASS_DIAGONAL:
-        # the diagonal block, pair by pair, dq and dk together. With row t = t0 + j of I and x = G_i - G_t, dq_i takes
-        # dA[i, t] k_t exp(x) for i >= t and dk_i takes dA[t, i] q_t exp(-x) for i <= t: one exponent <= 0 a pair
-        # serves both (G falls along the chunk; a row past the sequence gives 0, never exp of a positive number)
-        for j in range(0, BC):
-            t_real = t0 + j + o_c * 0 < T_seq  # row t is real (a tile: the interpreter takes no scalar mask)
-            m_j = m_k & (t0 + j + o_k * 0 < T_seq)
-            p_j = (bos + t0 + j) * (H * K) + i_h * K + o_k
-            b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
-            b_qj = tl.load(q + p_j, mask=m_j, other=0.0).to(tl.float32)
-            b_Gj = tl.load(G + p_j, mask=m_j, other=0.0)
-            p_dAj = dA + i_h * BT + i_i * BC
-            b_dAc = tl.load(p_dAj + (bos + o_i) * (H * BT) + j, mask=m_i & (o_c >= j), other=0.0)  # dA[i, t]
-            b_dAr = tl.load(p_dAj + (bos + t0 + j) * (H * BT) + o_c, mask=(o_c <= j) & t_real, other=0.0)  # dA[t, i]
-            b_x = tl.where((o_c >= j)[:, None], b_Gi - b_Gj[None, :], b_Gj[None, :] - b_Gi)
-            b_e = tl.exp2(tl.where(m_ik & t_real[:, None], b_x, float("-inf")))
-            b_dq += b_dAc[:, None] * b_kj[None, :] * b_e
-            b_dk += b_dAr[:, None] * b_qj[None, :] * b_e
-    else:
-        # dq, diagonal block, pair by pair
-        for j in range(0, BC):
-            m_j = m_k & (t0 + j + o_k * 0 < T_seq)
-            p_j = (bos + t0 + j) * (H * K) + i_h * K + o_k
-            b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
-            b_Gj = tl.load(G + p_j, mask=m_j, other=0.0)
-            p_dAc = dA + (bos + o_i) * (H * BT) + i_h * BT + i_i * BC + j  # dA[i, t0 + j]
-            b_dAj = tl.load(p_dAc, mask=m_i & (o_c >= j), other=0.0)
-            keep = m_ik & (o_c >= j)[:, None]
-            b_e = tl.exp2(tl.where(keep, b_Gi - b_Gj[None, :], float("-inf")))
-            b_dq += b_dAj[:, None] * b_kj[None, :] * b_e
-
-        # dk, diagonal block, pair by pair: row t = t0 + j of I, columns i <= t
-        for j in range(0, BC):
-            m_j = m_k & (t0 + j + o_k * 0 < T_seq)
-            p_j = (bos + t0 + j) * (H * K) + i_h * K + o_k
-            b_qj = tl.load(q + p_j, mask=m_j, other=0.0).to(tl.float32)
-            b_Gj = tl.load(G + p_j, mask=m_j, other=0.0)
-            p_dAr = dA + (bos + t0 + j) * (H * BT) + i_h * BT + i_i * BC + o_c  # dA[t0 + j, i]
-            m_r = (o_c <= j) & (t0 + j + o_c * 0 < T_seq)  # i <= t, row t valid
-            b_dAr = tl.load(p_dAr, mask=m_r, other=0.0)
-            keep = m_ik & m_r[:, None]
-            b_e = tl.exp2(tl.where(keep, b_Gj[None, :] - b_Gi, float("-inf")))
-            b_dk += b_dAr[:, None] * b_qj[None, :] * b_e
-
+    # the diagonal block, pair by pair, dq and dk together. With row t = t0 + j of I and x = G_i - G_t, dq_i takes
+    # dA[i, t] k_t exp(x) for i >= t and dk_i takes dA[t, i] q_t exp(-x) for i <= t: one exponent <= 0 a pair
+    # serves both (G falls along the chunk; a row past the sequence gives 0, never exp of a positive number)
+    for j in range(0, BC):
+        t_real = t0 + j + o_c * 0 < T_seq  # row t is real (a tile: the interpreter takes no scalar mask)
+        m_j = m_k & (t0 + j + o_k * 0 < T_seq)
+        p_j = (bos + t0 + j) * (H * K) + i_h * K + o_k
+        b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
+        b_qj = tl.load(q + p_j, mask=m_j, other=0.0).to(tl.float32)
+        b_Gj = tl.load(G + p_j, mask=m_j, other=0.0)
+        p_dAj = dA + i_h * BT + i_i * BC
+        b_dAc = tl.load(p_dAj + (bos + o_i) * (H * BT) + j, mask=m_i & (o_c >= j), other=0.0)  # dA[i, t]
+        b_dAr = tl.load(p_dAj + (bos + t0 + j) * (H * BT) + o_c, mask=(o_c <= j) & t_real, other=0.0)  # dA[t, i]
+        b_x = tl.where((o_c >= j)[:, None], b_Gi - b_Gj[None, :], b_Gj[None, :] - b_Gi)
+        b_e = tl.exp2(tl.where(m_ik & t_real[:, None], b_x, float("-inf")))
+        b_dq += b_dAc[:, None] * b_kj[None, :] * b_e
+        b_dk += b_dAr[:, None] * b_qj[None, :] * b_e
     tl.store(dq + p_i, b_dq, mask=m_ik)
     tl.store(dk + p_i, b_dk, mask=m_ik)
 
@@ -573,7 +543,7 @@ def _bwd(c: _Ctx, q, k, v, G, h, A, scale, do, dht, want_dh0, g_dtype):
         grid = (triton.cdiv(c.K, c.BKC), triton.cdiv(c.T, c.BT) * c.NC, c.B * c.H)
     _bwd_intra_kernel[grid](
         q, k, G, dA, dq, dk, c.cu, c.chunk_indices, c.T, H=c.H, K=c.K, BT=c.BT, BC=c.BC, BK=c.BKC,
-        ONE_PASS_DIAGONAL=ONE_PASS_DIAGONAL, IS_VARLEN=c.varlen, DT=c.DT, PREC=c.prec, num_warps=INTRA_WARPS)
+        IS_VARLEN=c.varlen, DT=c.DT, PREC=c.prec, num_warps=INTRA_WARPS)
 
     # the totals in the inputs' dtype (fp32 inputs: in place of the intra-chunk parts), dg in g's
     dq_out, dk_out = (x if x.dtype == q.dtype else torch.empty_like(q) for x in (dq, dk))
