@@ -305,19 +305,36 @@ def check_range(op: str, name: str, x: torch.Tensor | None, low: float | None = 
 def queue_range_check(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
                       high: float | None = None, hint: str = ""):
     """``check_range`` in two steps: the comparison is queued on x's device now, and the call returned reads its
-    answer back (the host sync) and raises. An op queues it before its kernels and calls it once they are launched
-    (``reported``): the sync then waits on the op's own work, where a sync before the launches left the GPU idle
-    while the host launched them."""
+    answer back and raises. An op queues it before its kernels and calls it once they are launched (``reported``):
+    the read-back waits for the comparison only (``queue_readback``), not for the kernels queued after it."""
     if x is None or not host_sync_allowed():
         return no_check
-    found = _outside(x, low, high).any()
+    found = queue_readback(_outside(x, low, high).any())
 
     def report() -> None:
-        if bool(found):
+        if bool(found()):
             bad = x[_outside(x, low, high)].flatten()[0].item()
             lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
             raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
     return report
+
+
+def queue_readback(x: torch.Tensor):
+    """Start copying a small tensor to the host now; the callable returned gives that copy (a CPU tensor). On a GPU
+    it waits for the work queued before this call only: a plain read-back (``bool(x)``, ``.item()``) after an op's
+    kernels waits for them all, so the host launches nothing while they run and the next call's host work is not
+    overlapped with them."""
+    if x.device.type != "cuda":
+        return lambda: x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def value() -> torch.Tensor:
+        copied.synchronize()
+        return host
+    return value
 
 
 def _outside(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:

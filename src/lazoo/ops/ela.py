@@ -82,6 +82,7 @@ from ._common import (
     op_result,
     packed_sequence_ids,
     prepare_inputs,
+    queue_readback,
     resolve_backend,
     without_autocast,
     zero_masked,
@@ -246,9 +247,11 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
     largest real key c (with the state's m), in place of the running maximum. ψ̃(k) = exp(k - c) <= 1 and
     φ̃(q_i) = exp(q_i + c - M_i) <= 1 with M_i = max_d (q_id + c_d); the clamp is eps·exp(-M_i) per query, the true
     max(den, eps). The ratio is the same for any shift; a shift from later keys is exact but can underflow the early
-    ones, so this runs only where every feature's keys (and the state's m) spread by at most ``EXP_SPREAD_LIMIT``,
-    and returns None otherwise (the running-max form then runs; said once). The state is the running-max form's:
-    S̃ and C̃ relative to m = c."""
+    ones, so this result is kept only where every feature's keys (and the state's m) spread by at most
+    ``EXP_SPREAD_LIMIT``, and None is returned otherwise (the running-max form then runs; said once). The spread is
+    read back once the kernels are queued, and waits for the check only (``queue_readback``): a read-back before
+    them left the GPU idle while the host launched them.
+    The state is the running-max form's: S̃ and C̃ relative to m = c."""
     from ..kernels.ela_features import exp_features
     from ..kernels.normalized import chunk_normalized_linear_attention
 
@@ -261,12 +264,7 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
             hi, lo = torch.maximum(hi, state["m"]), torch.minimum(lo, state["m"])
         keys = torch.isfinite(hi)  # a sequence with no real key (and no state): shift 0
         c = torch.where(keys, hi, 0.0)
-        if bool(((hi - lo) > EXP_SPREAD_LIMIT).logical_and_(keys).any()):
-            if "spread" not in _EXP_FALLBACK_SAID:
-                _EXP_FALLBACK_SAID.add("spread")
-                logger.warning("ela: hadamard_exp keys spread by more than %g along a sequence; using the running-max "
-                               "form (GLA kernels), exact for any range and slower.", EXP_SPREAD_LIMIT)
-            return None
+        too_wide = queue_readback(((hi - lo) > EXP_SPREAD_LIMIT).logical_and_(keys).any())  # read back below
     fq, fk, eps_rows = exp_features(q, k, c, eps, mask, seq)
     s0 = None
     if state is not None:  # S̃, C̃ relative to the state's m, rescaled to c (>= m)
@@ -275,6 +273,12 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
     o, final = chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, initial_state=s0,
                                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                                  chunk_size=chunk_size)
+    if bool(too_wide()):  # every value computed is finite (each factor <= 1), only possibly underflowed: dropped
+        if "spread" not in _EXP_FALLBACK_SAID:
+            _EXP_FALLBACK_SAID.add("spread")
+            logger.warning("ela: hadamard_exp keys spread by more than %g along a sequence; using the running-max "
+                           "form (GLA kernels), exact for any range and slower.", EXP_SPREAD_LIMIT)
+        return None
     if final is not None:
         final = {"S": final[0], "C": final[2], "m": c}
     return o, final
@@ -405,7 +409,7 @@ def _bidirectional_fused(kernel, q, k, v, eps, mask, cu_seqlens):
         hi = _key_extremes(k, mask, cu_seqlens, seq)[1].float()
         shift = torch.where(torch.isfinite(hi), hi, 0.0)
     fq, fk, eps_rows = exp_features(q, k, shift, eps, mask, seq)
-    return chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, **run)[0]
+    return chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, exp_of=(q, k), **run)[0]
 
 
 def _bidirectional(q, k, v, kernel, eps, mask, backend, cdt):
