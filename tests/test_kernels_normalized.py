@@ -210,6 +210,10 @@ def test_interp_refuses_what_it_does_not_take():
         chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], initial_state=(h0, None, z0, None))
     with pytest.raises(ValueError, match="non-causal form .* has no state"):
         chunk_normalized_linear_attention(x, x, x, output_final_state=True, causal=False)
+    with pytest.raises(ValueError, match="exp_of is .* without scalar features"):
+        chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], exp_of=(x, x))
+    with pytest.raises(ValueError, match="exp_of is .* of q's and k's shapes"):
+        chunk_normalized_linear_attention(x, x, x, exp_of=(x[:, :3], x))
 
 
 @pytest.mark.gpu

@@ -15,8 +15,9 @@ Layout: q, k ``[B, T, H, D]`` contiguous (rows of D), mask ``[B, T]`` or None; a
 norms are summed in fp32 from the inputs; q' and k' are rounded once, to the inputs' dtype.
 
 hadamard_exp (``exp_features``), with one shift c per sequence, head and feature: φ̃(q) = exp(q + c - M) with
-M = max_d (q + c), ψ̃(k) = exp(k - c), and the clamp eps·exp(-M) per token and head, in one pass; the backward is
-dq = dφ̃ φ̃, dk = dψ̃ ψ̃ (the shifts carry no gradient).
+M = max_d (q + c), ψ̃(k) = exp(k - c), and the clamp eps·exp(-M) per token and head, in one pass. They carry no
+gradient: dq = dφ̃ φ̃ and dk = dψ̃ ψ̃ (the shifts carry none) are formed inside ``lazoo.kernels.normalized``'s backward
+(its ``exp_of``), where dφ̃ and dψ̃ are still in registers beside φ̃ and ψ̃.
 """
 
 from __future__ import annotations
@@ -172,38 +173,22 @@ def _exp_features_fwd_kernel(q, k, shift, seq, mask, fq, fk, eps_rows, log_eps, 
     tl.store(eps_rows + o_r, tl.exp(log_eps - b_M), mask=m_r)
 
 
-class ExpFeaturesFunction(torch.autograd.Function):
-    """``(φ̃(q), ψ̃(k), eps·exp(-M))`` of ``exp_features``; the shifts carry no gradient: dq = dφ̃ φ̃, dk = dψ̃ ψ̃."""
-
-    @staticmethod
-    def forward(ctx, q, k, shift, seq, mask, eps):
-        B, T, H, D = q.shape
-        rows = B * T * H
-        fq, fk = torch.empty_like(q), torch.empty_like(k)
-        eps_rows = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        _exp_features_fwd_kernel[(triton.cdiv(rows, ROWS),)](
-            q, k, shift, seq, mask, fq, fk, eps_rows, math.log(eps), rows, T, H, D=D, BD=next_pow2(D), BR=ROWS,
-            HAS_SEQ=seq is not None, HAS_MASK=mask is not None, num_warps=4)
-        ctx.save_for_backward(fq, fk)
-        ctx.mark_non_differentiable(eps_rows)
-        return fq, fk, eps_rows
-
-    @staticmethod
-    def backward(ctx, dfq, dfk, _):
-        fq, fk = ctx.saved_tensors
-        dq = None if dfq is None else dfq * fq
-        dk = None if dfk is None else dfk * fk
-        return dq, dk, None, None, None, None
-
-
 def exp_features(q: torch.Tensor, k: torch.Tensor, shift: torch.Tensor, eps: float,
                  mask: torch.Tensor | None = None, seq: torch.Tensor | None = None):
     """hadamard_exp's features with one shift per sequence (``lazoo.ops.ela._causal_exp_fused``): for q, k
     ``[B, T, H, D]`` and ``shift`` c ``[N, H, D]`` float32 (N = B, or with packed sequences (B = 1) ``seq`` ``[T]``
     holds each token's sequence, ``ops._common.packed_sequence_ids``),
     ``(exp(q + c - M), exp(k - c), eps·exp(-M))`` with M = max_d (q + c) per token and head: the features in q's
-    dtype (ψ̃ zero at pads), the clamp per row ``[B, T, H]`` float32. Differentiable in q and k."""
-    q, k, shift = q.contiguous(), k.contiguous(), shift.detach().float().contiguous()
+    dtype (ψ̃ zero at pads), the clamp per row ``[B, T, H]`` float32. No gradient: pass q and k as
+    ``chunk_normalized_linear_attention``'s ``exp_of``, which gives them theirs."""
+    q, k, shift = q.detach().contiguous(), k.detach().contiguous(), shift.detach().float().contiguous()
     if mask is not None:
         mask = mask.to(torch.int8).contiguous()
-    return ExpFeaturesFunction.apply(q, k, shift, seq, mask, float(eps))
+    B, T, H, D = q.shape
+    rows = B * T * H
+    fq, fk = torch.empty_like(q), torch.empty_like(k)
+    eps_rows = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    _exp_features_fwd_kernel[(triton.cdiv(rows, ROWS),)](
+        q, k, shift, seq, mask, fq, fk, eps_rows, math.log(eps), rows, T, H, D=D, BD=next_pow2(D), BR=ROWS,
+        HAS_SEQ=seq is not None, HAS_MASK=mask is not None, num_warps=4)
+    return fq, fk, eps_rows

@@ -452,8 +452,10 @@ def _bwd_dqkv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
+    TIMES_FEATURES: tl.constexpr,
 ):
-    """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K.
+    """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K. With TIMES_FEATURES, q
+    and k are exp of the op's inputs, and dq ⊙ q, dk ⊙ k are stored (their gradients).
 
     With dnum = do / den' and P the chunk's causal scores: dS_ij = dnum_i·v_j + dden_i (i >= j) and
         dq = dnum hᵀ + dden zᵀ + dS K,      dk = v dhᵀ + 1 dzᵀ + dSᵀ Q,      dv = Pᵀ dnum + K dh + C dhe
@@ -539,6 +541,9 @@ def _bwd_dqkv_kernel(
         b_dst = tl.where(causal_t, b_dst * b_r[None, :] + b_dden[None, :], 0.0)
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=PREC)
+    if TIMES_FEATURES:  # d exp(x) = exp(x) dx, with the features' tiles at hand
+        b_dq = b_dq * b_q.to(tl.float32)
+        b_dk = b_dk * b_k.to(tl.float32)
     m_tk = m_t[:, None] & m_k[None, :]
     tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -567,9 +572,10 @@ def _bwd_dqkv_kernel(
 
 # ============================================================================ launchers
 class _Ctx(ChunkLayout):
-    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps, causal=True):
+    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps, causal=True, exp_of=False):
         super().__init__(q, v, cu_seqlens, chunk_size)
         self.causal = causal
+        self.exp_of = exp_of  # q, k are exp features of the op's inputs: the gradients go to those
         self.E = 1 if a is None else a.shape[-1]  # (without features: the width of the unused buffers)
         self.extra = a is not None
         self.row_eps = isinstance(eps, torch.Tensor)  # [B, T, H] float32, or one number
@@ -687,10 +693,10 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     BK = next_pow2(c.K)
     h, he, z, ze = states
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
-    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, q.device.type)
+    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, c.cu, c.chunk_indices, c.T, BK=BK,
-                         CAUSAL=c.causal, **c.meta())
+                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, **c.meta())
     return dq, dk, da, dc, dv, ds0
 
 
@@ -698,8 +704,9 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
     """Chunked normalised linear attention with scalar features and a hand-written backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, a, cf, v, h0, he0, z0, ze0, eps, output_final_state, cu_seqlens, chunk_size, causal):
-        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps, causal)
+    def forward(ctx, q, k, a, cf, v, h0, he0, z0, ze0, eps, output_final_state, cu_seqlens, chunk_size, causal,
+                q_in=None, k_in=None):
+        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps, causal, exp_of=q_in is not None)
         s0 = None if h0 is None else (h0, he0, z0, ze0)
         o, den, states, st = _fwd(c, q, k, a, cf, v, s0, output_final_state)
         ctx.c = c
@@ -722,12 +729,14 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
             ds0 = tuple(None if x is None or t is None else x.to(t) for x, t in zip(ds0, ctx.s0_dtypes))
         else:
             ds0 = (None,) * 4
-        return dq, dk, da, dc, dv, *ds0, None, None, None, None, None
+        if c.exp_of:
+            return None, None, da, dc, dv, *ds0, None, None, None, None, None, dq, dk
+        return dq, dk, da, dc, dv, *ds0, None, None, None, None, None, None, None
 
 
 def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | torch.Tensor = 1e-6, initial_state=None,
                                       output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64,
-                                      causal: bool = True):
+                                      causal: bool = True, exp_of=None):
     """``(o [B, T, H, V] in v's dtype, final state or None)``: o_i = num_i / max(den_i, eps) (module docstring).
 
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
@@ -738,6 +747,10 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
 
     ``causal=False`` is the non-causal form: every token's sums run over its whole sequence (j ≤ i becomes any j).
     The same kernels run without the chunks' score tiles, on the sequence's sums; it has no state.
+
+    ``exp_of=(x, y)``: q and k are features exp(x + shift), exp(y + shift) (shifts without gradient; ELA's
+    hadamard_exp, ``lazoo.kernels.ela_features.exp_features``), given without gradient. x and y get theirs,
+    dq ⊙ q and dk ⊙ k, formed in the backward kernel (no scalar features then).
     """
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("chunk_normalized_linear_attention: the non-causal form (causal=False) has no state; leave "
@@ -775,8 +788,12 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
         eps = eps.detach().float().contiguous()
     else:
         eps = float(eps)
+    q_in, k_in = (None, None) if exp_of is None else exp_of
+    if exp_of is not None and (a is not None or q_in.shape != q.shape or k_in.shape != k.shape):
+        raise ValueError("chunk_normalized_linear_attention: exp_of is (x, y) of q's and k's shapes, without scalar "
+                         "features")
     o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, eps, bool(output_final_state),
-                                                     cu_seqlens, chunk, bool(causal))
+                                                     cu_seqlens, chunk, bool(causal), q_in, k_in)
     if pad and output_final_state:
         st = [st[0], st[1][..., :1], st[2], st[3][..., :1]]
     return o, (tuple(st) if output_final_state else None)

@@ -272,7 +272,7 @@ def _causal_exp_fused(q, k, v, eps, chunk_size, state, output_final_state, mask,
         s0 = (state["S"] * r[:, :, None, :], None, state["C"] * r, None)
     o, final = chunk_normalized_linear_attention(fq, fk, v, eps=eps_rows, initial_state=s0,
                                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                                 chunk_size=chunk_size)
+                                                 chunk_size=chunk_size, exp_of=(q, k))
     if bool(too_wide()):  # every value computed is finite (each factor <= 1), only possibly underflowed: dropped
         if "spread" not in _EXP_FALLBACK_SAID:
             _EXP_FALLBACK_SAID.add("spread")
