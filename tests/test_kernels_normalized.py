@@ -108,12 +108,16 @@ def check(B, T, H, K, V, E, dtype, device, rtol, *, chunk=16, mask=None, cu=None
         o, final = fn(*(leaves.get(n) for n in ("q", "k", "v", "a", "c")), st)
         return o, {f"final_{i}": x for i, x in enumerate(final if causal else ()) if x is not None}
 
-    ref_leaves = {n: tensors[n].clone().requires_grad_(True) for n in names}
-    ref_leaves.update({n: x.clone().requires_grad_(True) for n, x in zip(("h0", "he0", "z0", "ze0"), state or ())
-                       if x is not None})
+    # the float64 reference runs token by token on the kernels' device: on a GPU its autograd graph over thousands
+    # of tokens takes seconds, where the CPU took minutes
+    ref_leaves = {n: tensors[n].to(device, copy=True).requires_grad_(True) for n in names}
+    ref_leaves.update({n: x.to(device, copy=True).requires_grad_(True)
+                       for n, x in zip(("h0", "he0", "z0", "ze0"), state or ()) if x is not None})
     o_r, s_r, g_r = forward_and_grads(
         lambda: run(ref_leaves, lambda q_, k_, v_, a_, c_, st: reference(q_, k_, v_, a_, c_, eps, st, cu, causal)),
         ref_leaves)
+    o_r, s_r = o_r.cpu(), {n: x.cpu() for n, x in s_r.items()}
+    g_r = {n: x if x is None else x.cpu() for n, x in g_r.items()}
     tri_leaves = {n: x.detach().to(device, dtype if n in ("q", "k", "v") else torch.float32).requires_grad_(True)
                   for n, x in ref_leaves.items()}
     cu_d = None if cu is None else cu.to(device)
