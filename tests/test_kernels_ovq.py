@@ -214,6 +214,52 @@ def test_interp_decode_kernel_across_chunk_ends_with_padding():
     assert torch.equal(st["counts"], s_whole["counts"]) and torch.equal(st["t"], s_whole["t"])
 
 
+@needs_interp
+def test_interp_decoding_after_the_ops_state_reads_nothing_back(monkeypatch):
+    """A state this op returned carries its token counts on the host: one-token steps (no mask) after it take
+    _ovq_decode_step, which reads nothing back between chunk ends, through two chunk ends and a sample that starts
+    mid-chunk, equal to the float64 recurrent pass over the whole sequence; the counts stay the device's."""
+    import lazoo.ops.ovq as ovq_mod
+
+    steps = []
+    real_step = ovq_mod._ovq_decode_step
+    monkeypatch.setattr(ovq_mod, "_ovq_decode_step", lambda *a: steps.append(1) or real_step(*a))
+    monkeypatch.setattr(ovq_mod, "_ovq_recurrent", lambda *a, **k: pytest.fail("the per-token form ran"))
+    x = op_inputs(2, 26, 2, 16, 12, seed=8)
+    kw = dict(scale=x["beta"], chunk_size=8, max_dict_size=10, output_final_state=True)
+    with torch.no_grad():
+        whole, s_whole = ovq_attention(x["q"], x["k"], x["v"], backend="chunk", **kw)
+        xf = {n: t.float() for n, t in x.items()}
+        kwf = dict(kw, scale=xf["beta"])
+        o, st = ovq_attention(xf["q"][:, :5], xf["k"][:, :5], xf["v"][:, :5], backend="triton", **kwf)
+        outs = [o]
+        for t in range(5, 26):  # chunk ends after tokens 8, 16 and 24
+            assert isinstance(st, ovq_mod._OVQState) and torch.equal(st.host_t, st["t"].cpu())
+            o, st = ovq_attention(xf["q"][:, t:t + 1], xf["k"][:, t:t + 1], xf["v"][:, t:t + 1], initial_state=st,
+                                  backend="triton", **kwf)
+            outs.append(o)
+    assert len(steps) == 21
+    assert_close(torch.cat(outs, 1).double(), whole, 1e-5, "decoded output")
+    for name in ("Dk", "Dv", "k", "v"):
+        assert_close(st[name].double(), s_whole[name], 1e-5, f"decoded {name}")
+    assert torch.equal(st["counts"], s_whole["counts"]) and torch.equal(st["t"], s_whole["t"])
+    assert torch.equal(st.host_t, st["t"])
+
+
+def test_a_state_edited_outside_the_op_is_checked_again():
+    """Only a state as the op returned it skips the value checks: a plain dict of it is checked, and refused when
+    a centroid holds NaN."""
+    x = op_inputs(1, 6, 1, 8, 8)
+    _, st = ovq_attention(x["q"], x["k"], x["v"], chunk_size=4, max_dict_size=4, output_final_state=True,
+                          backend="chunk")
+    edited = dict(st)
+    edited["Dk"] = st["Dk"].clone()
+    edited["Dk"][0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        ovq_attention(x["q"][:, :1], x["k"][:, :1], x["v"][:, :1], chunk_size=4, max_dict_size=4,
+                      initial_state=edited, backend="chunk")
+
+
 def test_decoding_one_token_runs_the_decode_kernel(monkeypatch):
     """backend="triton", one token, no autograd: the per-token form with the attention in the decode kernel."""
     import lazoo.ops.ovq as ovq_mod
@@ -267,6 +313,32 @@ def test_gpu_op_bf16_T1024_d128():
     assert_close(ts["Dk"].double(), rs["Dk"], 2e-2, "Dk")
     for n, a, b in zip("qkv", tg, rg):
         assert_close(a.double(), b, 6e-2, f"grad {n}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decoding_steps_do_not_synchronise():
+    """One-token steps after the op's own state wait for nothing on the GPU between chunk ends (CUDA's sync debug
+    mode raises on any synchronising call), and match the chunk form through a chunk end."""
+    x = op_inputs(2, 300, 4, 128, 64, seed=7)
+    x = {n: t.to("cuda", torch.bfloat16) for n, t in x.items()}
+    kw = dict(scale=x["beta"], chunk_size=128, max_dict_size=512, output_final_state=True)
+    with torch.no_grad():
+        _, st = ovq_attention(x["q"][:, :250], x["k"][:, :250], x["v"][:, :250], backend="triton", **kw)
+        st_ref = dict(st)  # a plain dict: the checked path
+        for t in range(250, 300):  # a chunk ends at token 256
+            step = [x[n][:, t:t + 1] for n in ("q", "k", "v")]
+            ends = int(st.host_t[0]) % 128 == 127
+            if not ends:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                o, st = ovq_attention(*step, initial_state=st, backend="triton", **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            o_ref, st_ref = ovq_attention(*step, initial_state=dict(st_ref), backend="chunk", **kw)
+            assert_close(o.double(), o_ref.double(), 1e-2, f"token {t}")
+    assert torch.equal(st["counts"], st_ref["counts"])
+    assert_close(st["Dk"].double(), st_ref["Dk"].double(), 1e-5, "Dk")
 
 
 @pytest.mark.gpu

@@ -52,7 +52,9 @@ chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every ch
 then every value each slot takes in the call as differentiable running means (``_dictionary_versions``,
 ``lazoo.kernels.ovq_versions``), which
 the kernel reads by each chunk's counts; decoding one token without autograd is the per-token form with its
-attention in one kernel (``ovq_decode_attention``).
+attention in one kernel (``ovq_decode_attention``). The state returned is a dict that also carries its token counts on
+the host (``_OVQState.host_t``); given back unmasked for one token, it is not checked again and the host knows when a
+chunk completes, so such a step reads nothing back from the GPU between chunk ends (``_ovq_decode_step``).
 
 VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
 C ``[H, N, dk]`` (dot product; the mixer normalises C and k), output = causal softmax attention over
@@ -94,6 +96,16 @@ _OP = "ovq_attention"
 _VQ_OP = "vq_attention"
 _STATE_KEYS = ("Dk", "Dv", "counts", "k", "v", "t")
 _VQ_STATE_KEYS = ("Dv", "counts")
+
+
+class _OVQState(dict):
+    """The state ``ovq_attention`` returns: the state dict, plus ``host_t``, its real-token counts ``[B]`` on the
+    host. Given back as ``initial_state`` it is trusted: its values were checked when they entered, and the op's
+    updates keep them finite with empty slots zero. So a one-token decoding step after it reads nothing back from
+    the GPU (``_ovq_decode_step``), where a host read in every layer would make the host wait for the GPU. A dict
+    built or edited outside the op is a plain dict again and is checked."""
+
+    host_t: torch.Tensor | None = None
 
 
 def ovq_dict_size(t, max_dict_size: int):
@@ -141,7 +153,8 @@ def ovq_attention(
     kc, vc = k.to(cdt), v.to(cdt)
     # sizes read back from the dictionaries (host syncs) only where allowed; else static bounds from shapes
     sync = host_sync_allowed()
-    state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt, sync)
+    trusted = sync and isinstance(initial_state, _OVQState)
+    state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt, sync, trusted)
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
@@ -150,7 +163,11 @@ def ovq_attention(
         # compiled or captured: the Triton form sizes its launches from the dictionaries (host reads); the chunk
         # form has static bounds, and the compiler fuses its elementwise work
         backend = "chunk"
-    if backend == "triton" and T == 1 and not needs_grad:  # decoding: the per-token form, attention in one kernel
+    host_t = None
+    if backend == "triton" and T == 1 and not needs_grad and trusted and mask is None:
+        # decoding after a state this op returned: no host read (the host knows when a chunk completes)
+        o, final, host_t = _ovq_decode_step(qs, kc, vc, state, L, max_dict_size, initial_state.host_t)
+    elif backend == "triton" and T == 1 and not needs_grad:  # decoding: the per-token form, attention in one kernel
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync, attend=_attend_token_triton)
     elif backend == "triton":
         o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign)
@@ -159,6 +176,9 @@ def ovq_attention(
     else:
         # a fresh state has no partial chunk: the packed rows need no room for one
         o, final = _ovq_chunk(qs, kc, vc, real, state, L, max_dict_size, sync, fresh=initial_state is None)
+    if output_final_state and sync:
+        final = _OVQState(final)
+        final.host_t = final["t"].cpu() if host_t is None else host_t  # (one host read, outside decoding steps)
     return op_result(o, mask, v.dtype, final, output_final_state)
 
 
@@ -187,9 +207,11 @@ def _check_int_tensor(op, name, x, shape, device):
         raise ValueError(f"{op}: {name} is on {x.device} but q is on {device}")
 
 
-def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True):
+def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True, trusted=False):
     """The state to start from, at capacity max(N, size); with ``sync`` False (no host reads) at capacity
-    max(N, M0), the given capacity M0 kept (equal to the former for a state this op returned with the same N)."""
+    max(N, M0), the given capacity M0 kept (equal to the former for a state this op returned with the same N).
+    ``trusted`` (a state this op returned, ``_OVQState``): its shapes are checked, not its values, and a capacity
+    M0 <= N is padded to N (no host read; the same capacity as the checked path, max(N, size) = N)."""
     if state is None:
         return {
             "Dk": torch.zeros(B, H, N, dk, dtype=cdt, device=device),
@@ -217,6 +239,11 @@ def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True):
     _check_int_tensor(_OP, "initial_state['t']", state["t"], (B,), device)
     counts = state["counts"].to(torch.int64)
     Dk, Dv = Dk.to(cdt), state["Dv"].to(cdt)
+    if trusted and M0 <= N:  # (a capacity past N is cut to max(N, size): that needs the size, a host read)
+        if M0 < N:
+            Dk, Dv, counts = F.pad(Dk, (0, 0, 0, N - M0)), F.pad(Dv, (0, 0, 0, N - M0)), F.pad(counts, (0, N - M0))
+        return {"Dk": Dk, "Dv": Dv, "counts": counts, "k": buf_k.to(cdt), "v": state["v"].to(cdt),
+                "t": state["t"].to(torch.int64)}
     size = None
     if sync:  # the value checks and the size in one read-back (a host sync: not while compiled or captured)
         negative, bad_k, bad_v, size = torch.stack([
@@ -382,6 +409,29 @@ def _ovq_recurrent(q, k, v, real, state, L, N, sync=True, attend=_attend_token):
     zero = torch.zeros((), dtype=bk.dtype, device=bk.device)
     st.update(k=torch.where(keep, bk, zero), v=torch.where(keep, bv, zero), t=t)
     return torch.stack(outs, 1), st
+
+
+def _ovq_decode_step(q, k, v, state, L, N, host_t):
+    """``_ovq_recurrent`` for one real token per sample (no mask) after a trusted state whose counts the host knows
+    (``host_t`` ``[B]``): the token written at its partial chunk's row t % L, the attention in one kernel, and the
+    dictionary update only when a sample's chunk completes, which the host counts tell (once every L tokens).
+    Nothing is read back from the GPU otherwise. Returns ``(o [B, 1, H, dv], state, host_t)``."""
+    B = q.shape[0]
+    st = dict(state)
+    bk, bv, t = st.pop("k"), st.pop("v"), st.pop("t")
+    row = t % L  # the partial chunk's rows past t % L are zero (the op's invariant)
+    at = (torch.arange(B, device=q.device), row)
+    bk, bv = bk.index_put(at, k[:, 0]), bv.index_put(at, v[:, 0])
+    o = _attend_token_triton(q[:, 0], st, bk, bv, row, True)
+    t, host_t = t + 1, host_t + 1
+    full_host = host_t % L == 0  # on the host: no read-back
+    if bool(full_host.any()):
+        full = full_host.to(q.device, non_blocking=True)
+        _apply_update(st, bk.transpose(1, 2), bv.transpose(1, 2), t, full, N, sync=True)
+        zero = torch.zeros((), dtype=bk.dtype, device=bk.device)
+        bk, bv = (torch.where(full[:, None, None, None], zero, x) for x in (bk, bv))
+    st.update(k=bk, v=bv, t=t)
+    return o[:, None], st, host_t
 
 
 def _pack(q, k, v, real, bk, bv, t0, L, sync=True, max_partial=None):
