@@ -234,7 +234,7 @@ def test_interp_decoding_after_the_ops_state_reads_nothing_back(monkeypatch):
         o, st = ovq_attention(xf["q"][:, :5], xf["k"][:, :5], xf["v"][:, :5], backend="triton", **kwf)
         outs = [o]
         for t in range(5, 26):  # chunk ends after tokens 8, 16 and 24
-            assert isinstance(st, ovq_mod._OVQState) and torch.equal(st.host_t, st["t"].cpu())
+            assert torch.equal(ovq_mod._returned_host_t(st), st["t"].cpu())
             o, st = ovq_attention(xf["q"][:, t:t + 1], xf["k"][:, t:t + 1], xf["v"][:, t:t + 1], initial_state=st,
                                   backend="triton", **kwf)
             outs.append(o)
@@ -243,21 +243,27 @@ def test_interp_decoding_after_the_ops_state_reads_nothing_back(monkeypatch):
     for name in ("Dk", "Dv", "k", "v"):
         assert_close(st[name].double(), s_whole[name], 1e-5, f"decoded {name}")
     assert torch.equal(st["counts"], s_whole["counts"]) and torch.equal(st["t"], s_whole["t"])
-    assert torch.equal(st.host_t, st["t"])
+    assert torch.equal(ovq_mod._returned_host_t(st), st["t"])
 
 
 def test_a_state_edited_outside_the_op_is_checked_again():
-    """Only a state as the op returned it skips the value checks: a plain dict of it is checked, and refused when
-    a centroid holds NaN."""
-    x = op_inputs(1, 6, 1, 8, 8)
+    """Only a state as the op returned it skips the value checks: with a part replaced it is checked, and refused
+    when a centroid holds NaN; a cache's batch edit (new tensors in every part) drops the mark."""
+    import lazoo.ops.ovq as ovq_mod
+
+    from lazoo.models.cache import _map_batch
+
+    x = op_inputs(2, 6, 1, 8, 8)
     _, st = ovq_attention(x["q"], x["k"], x["v"], chunk_size=4, max_dict_size=4, output_final_state=True,
                           backend="chunk")
-    edited = dict(st)
-    edited["Dk"] = st["Dk"].clone()
+    assert torch.equal(ovq_mod._returned_host_t(st), torch.tensor([6, 6]))
+    edited = dict(st, Dk=st["Dk"].clone())
     edited["Dk"][0, 0, 0, 0] = float("nan")
+    assert ovq_mod._returned_host_t(edited) is None
     with pytest.raises(ValueError, match="NaN or inf"):
         ovq_attention(x["q"][:, :1], x["k"][:, :1], x["v"][:, :1], chunk_size=4, max_dict_size=4,
                       initial_state=edited, backend="chunk")
+    assert ovq_mod._returned_host_t(_map_batch(st, lambda t: t.index_select(0, torch.tensor([1, 0])))) is None
 
 
 def test_decoding_one_token_runs_the_decode_kernel(monkeypatch):
@@ -320,15 +326,17 @@ def test_gpu_op_bf16_T1024_d128():
 def test_gpu_decoding_steps_do_not_synchronise():
     """One-token steps after the op's own state wait for nothing on the GPU between chunk ends (CUDA's sync debug
     mode raises on any synchronising call), and match the chunk form through a chunk end."""
+    import lazoo.ops.ovq as ovq_mod
+
     x = op_inputs(2, 300, 4, 128, 64, seed=7)
     x = {n: t.to("cuda", torch.bfloat16) for n, t in x.items()}
     kw = dict(scale=x["beta"], chunk_size=128, max_dict_size=512, output_final_state=True)
     with torch.no_grad():
         _, st = ovq_attention(x["q"][:, :250], x["k"][:, :250], x["v"][:, :250], backend="triton", **kw)
-        st_ref = dict(st)  # a plain dict: the checked path
+        st_ref = st  # the chunk form beside it
         for t in range(250, 300):  # a chunk ends at token 256
             step = [x[n][:, t:t + 1] for n in ("q", "k", "v")]
-            ends = int(st.host_t[0]) % 128 == 127
+            ends = int(ovq_mod._returned_host_t(st)[0]) % 128 == 127
             if not ends:
                 torch.cuda.set_sync_debug_mode("error")
             try:

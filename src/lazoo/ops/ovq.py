@@ -52,8 +52,8 @@ chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every ch
 then every value each slot takes in the call as differentiable running means (``_dictionary_versions``,
 ``lazoo.kernels.ovq_versions``), which
 the kernel reads by each chunk's counts; decoding one token without autograd is the per-token form with its
-attention in one kernel (``ovq_decode_attention``). The state returned is a dict that also carries its token counts on
-the host (``_OVQState.host_t``); given back unmasked for one token, it is not checked again and the host knows when a
+attention in one kernel (``ovq_decode_attention``). The state returned also carries its token counts on the host
+(``_returned_host_t``); given back as it is, unmasked, for one token, it is not checked again and the host knows when a
 chunk completes, so such a step reads nothing back from the GPU between chunk ends (``_ovq_decode_step``).
 
 VQ-attention (``vq_attention``): keys are replaced by their most similar entry of a learned codebook
@@ -69,6 +69,7 @@ codebook loss, see ``lazoo.layers.mixers.ovq``).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -98,14 +99,26 @@ _STATE_KEYS = ("Dk", "Dv", "counts", "k", "v", "t")
 _VQ_STATE_KEYS = ("Dv", "counts")
 
 
-class _OVQState(dict):
-    """The state ``ovq_attention`` returns: the state dict, plus ``host_t``, its real-token counts ``[B]`` on the
-    host. Given back as ``initial_state`` it is trusted: its values were checked when they entered, and the op's
-    updates keep them finite with empty slots zero. So a one-token decoding step after it reads nothing back from
-    the GPU (``_ovq_decode_step``), where a host read in every layer would make the host wait for the GPU. A dict
-    built or edited outside the op is a plain dict again and is checked."""
+_PARTS = ("Dk", "Dv", "counts", "k", "v")
 
-    host_t: torch.Tensor | None = None
+
+def _mark_returned(state: dict, host_t: torch.Tensor) -> None:
+    """Mark ``state`` as this op returned it, with its real-token counts ``host_t`` ``[B]`` on the host: its ``t``
+    tensor keeps them and weak references to the other parts (the state stays a plain dict, which the caches'
+    batch edits map)."""
+    state["t"]._lazoo_ovq_returned = (host_t, tuple(weakref.ref(state[n]) for n in _PARTS))
+
+
+def _returned_host_t(state) -> torch.Tensor | None:
+    """The host's token counts of a state as this op returned it (the same tensors in every part), else None.
+    Such a state is trusted: its values were checked when they entered, and the op's updates keep them finite with
+    empty slots zero, so a one-token step after it reads nothing back from the GPU (``_ovq_decode_step``); a host
+    read in every layer would make the host wait for the GPU. A state with any part replaced (a cache's batch edit,
+    a copy, a tensor of the user's) is checked as before; an edit in place of a returned tensor is not seen."""
+    mark = getattr(state.get("t"), "_lazoo_ovq_returned", None) if isinstance(state, dict) else None
+    if mark is None or any(ref() is not state.get(n) for ref, n in zip(mark[1], _PARTS)):
+        return None
+    return mark[0]
 
 
 def ovq_dict_size(t, max_dict_size: int):
@@ -153,7 +166,8 @@ def ovq_attention(
     kc, vc = k.to(cdt), v.to(cdt)
     # sizes read back from the dictionaries (host syncs) only where allowed; else static bounds from shapes
     sync = host_sync_allowed()
-    trusted = sync and isinstance(initial_state, _OVQState)
+    returned_t = _returned_host_t(initial_state) if sync else None
+    trusted = returned_t is not None
     state = _ovq_initial_state(initial_state, B, H, dk, dv, L, max_dict_size, q.device, cdt, sync, trusted)
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
@@ -166,7 +180,7 @@ def ovq_attention(
     host_t = None
     if backend == "triton" and T == 1 and not needs_grad and trusted and mask is None:
         # decoding after a state this op returned: no host read (the host knows when a chunk completes)
-        o, final, host_t = _ovq_decode_step(qs, kc, vc, state, L, max_dict_size, initial_state.host_t)
+        o, final, host_t = _ovq_decode_step(qs, kc, vc, state, L, max_dict_size, returned_t)
     elif backend == "triton" and T == 1 and not needs_grad:  # decoding: the per-token form, attention in one kernel
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync, attend=_attend_token_triton)
     elif backend == "triton":
@@ -177,8 +191,7 @@ def ovq_attention(
         # a fresh state has no partial chunk: the packed rows need no room for one
         o, final = _ovq_chunk(qs, kc, vc, real, state, L, max_dict_size, sync, fresh=initial_state is None)
     if output_final_state and sync:
-        final = _OVQState(final)
-        final.host_t = final["t"].cpu() if host_t is None else host_t  # (one host read, outside decoding steps)
+        _mark_returned(final, final["t"].cpu() if host_t is None else host_t)  # (a host read, outside decoding steps)
     return op_result(o, mask, v.dtype, final, output_final_state)
 
 
@@ -210,8 +223,8 @@ def _check_int_tensor(op, name, x, shape, device):
 def _ovq_initial_state(state, B, H, dk, dv, L, N, device, cdt, sync=True, trusted=False):
     """The state to start from, at capacity max(N, size); with ``sync`` False (no host reads) at capacity
     max(N, M0), the given capacity M0 kept (equal to the former for a state this op returned with the same N).
-    ``trusted`` (a state this op returned, ``_OVQState``): its shapes are checked, not its values, and a capacity
-    M0 <= N is padded to N (no host read; the same capacity as the checked path, max(N, size) = N)."""
+    ``trusted`` (a state as this op returned it, ``_returned_host_t``): its shapes are checked, not its values, and
+    a capacity M0 <= N is padded to N (no host read; the same capacity as the checked path, max(N, size) = N)."""
     if state is None:
         return {
             "Dk": torch.zeros(B, H, N, dk, dtype=cdt, device=device),
