@@ -432,6 +432,24 @@ def _halves(i_v, K: tl.constexpr, V: tl.constexpr, HK: tl.constexpr, BV: tl.cons
 
 
 @triton.jit
+def _start_halves(ptr, p1, p2, m, USE: tl.constexpr, HK: tl.constexpr, BV: tl.constexpr):
+    """The two fp32 halves of a walk's starting tile: loaded from ``ptr`` at offsets p1, p2 where ``USE``, else 0."""
+    x1 = tl.zeros([HK, BV], dtype=tl.float32)
+    x2 = tl.zeros([HK, BV], dtype=tl.float32)
+    if USE:
+        x1 += tl.load(ptr + p1, mask=m, other=0).to(tl.float32)
+        x2 += tl.load(ptr + p2, mask=m, other=0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_halves(ptr, x1, x2, p1, p2, m):
+    """Both halves of a tile into ``ptr`` (at offsets p1, p2), in its dtype."""
+    tl.store(ptr + p1, x1.to(ptr.dtype.element_ty), mask=m)
+    tl.store(ptr + p2, x2.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _fwd_h_halves_kernel(
     kw, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
@@ -444,17 +462,11 @@ def _fwd_h_halves_kernel(
     i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
     HK: tl.constexpr = BKF // 2
     m_h, p_h1, p_h2, p_end1, p_end2 = _halves(i_v, K, V, HK, BV)
-    b_s1 = tl.zeros([HK, BV], dtype=tl.float32)
-    b_s2 = tl.zeros([HK, BV], dtype=tl.float32)
-    if USE_S0:
-        b_s1 += tl.load(s0 + i_nh * V * K + p_end1, mask=m_h, other=0).to(tl.float32)
-        b_s2 += tl.load(s0 + i_nh * V * K + p_end2, mask=m_h, other=0).to(tl.float32)
+    b_s1, b_s2 = _start_halves(s0 + i_nh * V * K, p_end1, p_end2, m_h, USE_S0, HK, BV)
     hb = h + (c0 * H + i_h) * K * V
     for j in range(0, NTn):
         t0 = bos + j * C
-        hj = hb + j * (H * K * V)
-        tl.store(hj + p_h1, b_s1.to(h.dtype.element_ty), mask=m_h)
-        tl.store(hj + p_h2, b_s2.to(h.dtype.element_ty), mask=m_h)
+        _store_halves(hb + j * (H * K * V), b_s1, b_s2, p_h1, p_h2, m_h)
         b_ws = dot(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, HK), b_s1, DT, PREC)
         b_ws = _dot_acc(_load_raw(wt + i_h * K, t0, eos, H * K, HK, K, C, HK), b_s2, b_ws, DT, PREC)
         b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ws
@@ -469,8 +481,7 @@ def _fwd_h_halves_kernel(
         b_s1 = _dot_acc(_load_raw_t(kw + i_h * K, t0, eos, H * K, 0, C, HK), b_uf, b_s1, DT, PREC)
         b_s2 = _dot_acc(_load_raw_t(kw + i_h * K, t0, eos, H * K, HK, C, HK), b_uf, b_s2, DT, PREC)
     if STORE_S:
-        tl.store(sT + i_nh * V * K + p_end1, b_s1, mask=m_h)
-        tl.store(sT + i_nh * V * K + p_end2, b_s2, mask=m_h)
+        _store_halves(sT + i_nh * V * K, b_s1, b_s2, p_end1, p_end2, m_h)
 
 
 @triton.jit
@@ -599,18 +610,12 @@ def _bwd_dhu_halves_kernel(
     i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
     HK: tl.constexpr = BKF // 2
     m_h, p_h1, p_h2, p_end1, p_end2 = _halves(i_v, K, V, HK, BV)
-    b_ds1 = tl.zeros([HK, BV], dtype=tl.float32)
-    b_ds2 = tl.zeros([HK, BV], dtype=tl.float32)
-    if USE_DST:
-        b_ds1 += tl.load(dsT + i_nh * V * K + p_end1, mask=m_h, other=0).to(tl.float32)
-        b_ds2 += tl.load(dsT + i_nh * V * K + p_end2, mask=m_h, other=0).to(tl.float32)
+    b_ds1, b_ds2 = _start_halves(dsT + i_nh * V * K, p_end1, p_end2, m_h, USE_DST, HK, BV)
     dhb = dh + (c0 * H + i_h) * K * V
     for jj in range(0, NTn):
         j = NTn - 1 - jj
         t0 = bos + j * C
-        dhj = dhb + j * (H * K * V)
-        tl.store(dhj + p_h1, b_ds1.to(dh.dtype.element_ty), mask=m_h)
-        tl.store(dhj + p_h2, b_ds2.to(dh.dtype.element_ty), mask=m_h)
+        _store_halves(dhb + j * (H * K * V), b_ds1, b_ds2, p_h1, p_h2, m_h)
         b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         b_fq = tl.full([C], 1.0, tl.float32) * scale
         if HAS_G:
@@ -631,8 +636,7 @@ def _bwd_dhu_halves_kernel(
         b_ds1 = _dot_acc(_load_raw_t(wt + i_h * K, t0, eos, H * K, 0, C, HK), b_ndu, b_ds1, DT, PREC)
         b_ds2 = _dot_acc(_load_raw_t(wt + i_h * K, t0, eos, H * K, HK, C, HK), b_ndu, b_ds2, DT, PREC)
     if STORE_DS0:
-        tl.store(ds0 + i_nh * V * K + p_end1, b_ds1, mask=m_h)
-        tl.store(ds0 + i_nh * V * K + p_end2, b_ds2, mask=m_h)
+        _store_halves(ds0 + i_nh * V * K, b_ds1, b_ds2, p_end1, p_end2, m_h)
 
 
 @triton.jit
