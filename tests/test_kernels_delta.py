@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, record_launches,
-                                 rel_err)
+from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -251,27 +250,6 @@ def test_interp_generalized_matches_reference(gated, T, chunk):
 @needs_interp
 def test_interp_generalized_cu_seqlens_fp16():
     check_generalized(52, True, 32, dtype=torch.float16, rtol=3e-3, cu=[0, 17, 17, 47, 52])
-
-
-@needs_interp
-@pytest.mark.parametrize("op", ["delta", "gated"])
-def test_interp_state_walk_in_halves(op, monkeypatch):
-    """HALVES_STATE_WALK: the state walks with S^T and dS^T in two halves along dk (dk = 32: halves of 16), at ragged
-    T with a mask and an initial state, packed sequences with an empty one, and the generalised rule's write keys."""
-    from lazoo.kernels import delta as kd
-
-    monkeypatch.setattr(kd, "HALVES_STATE_WALK", True)
-    forward, backward = (record_launches(monkeypatch, kd, name) for name in ("_fwd_h_halves_kernel",
-                                                                           "_bwd_dhu_halves_kernel"))
-    B, T, H, dk, dv = 2, 45, 2, 32, 24
-    mask = left_pad_mask([T, T - 7], T, holes=[(0, 20)])
-    check_against_reference(op, inputs(B, T, H, dk, dv, seed=4), torch.randn(B, H, dv, dk, dtype=F64), 1e-4, 1e-4,
-                            mask=mask, chunk_size=16)
-    cu = torch.tensor([0, 17, 17, 47, 52])
-    check_against_reference(op, inputs(1, 52, H, dk, dv, seed=5), torch.randn(4, H, dv, dk, dtype=F64), 1e-4, 1e-4,
-                            cu_seqlens=cu, chunk_size=16)
-    check_generalized(45, op == "gated", 16)
-    assert forward and backward
 
 
 # ============================================================================ GPU (device)

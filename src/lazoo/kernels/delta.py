@@ -412,79 +412,6 @@ def _fwd_h_kernel(
 
 
 @triton.jit
-def _load_raw_t(ptr, row0, eos, stride, col0, R: tl.constexpr, BC: tl.constexpr):
-    """``_load_raw``'s tile transposed, loaded so: ``[BC, R]``, columns ``col0 + [0, BC)`` (all real) of rows
-    ``row0 + [0, R)`` (masked to ``< eos``)."""
-    r = tl.arange(0, R)
-    c = col0 + tl.arange(0, BC)
-    return tl.load(ptr + row0 * stride + (r[None, :] * stride + c[:, None]), mask=(r < eos - row0)[None, :], other=0)
-
-
-@triton.jit
-def _halves(i_v, K: tl.constexpr, V: tl.constexpr, HK: tl.constexpr, BV: tl.constexpr):
-    """The two halves of a [2 HK, BV] tile of S^T (K = 2 HK): their mask, their offsets in a per-chunk state
-    [dk, dv], and in an initial or final state [dv, dk]."""
-    o_k = tl.arange(0, HK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    p_h1 = o_k[:, None] * V + o_v[None, :]
-    p_end1 = o_v[None, :] * K + o_k[:, None]
-    return (o_k < HK)[:, None] & (o_v < V)[None, :], p_h1, p_h1 + HK * V, p_end1, p_end1 + HK
-
-
-@triton.jit
-def _start_halves(ptr, p1, p2, m, USE: tl.constexpr, HK: tl.constexpr, BV: tl.constexpr):
-    """The two fp32 halves of a walk's starting tile: loaded from ``ptr`` at offsets p1, p2 where ``USE``, else 0."""
-    x1 = tl.zeros([HK, BV], dtype=tl.float32)
-    x2 = tl.zeros([HK, BV], dtype=tl.float32)
-    if USE:
-        x1 += tl.load(ptr + p1, mask=m, other=0).to(tl.float32)
-        x2 += tl.load(ptr + p2, mask=m, other=0).to(tl.float32)
-    return x1, x2
-
-
-@triton.jit
-def _store_halves(ptr, x1, x2, p1, p2, m):
-    """Both halves of a tile into ``ptr`` (at offsets p1, p2), in its dtype."""
-    tl.store(ptr + p1, x1.to(ptr.dtype.element_ty), mask=m)
-    tl.store(ptr + p2, x2.to(ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _fwd_h_halves_kernel(
-    kw, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """``_fwd_h_kernel`` with S^T held as two halves along dk ([BKF / 2, BV] each, K = BKF): each chunk's products
-    run half by half, so one half's can proceed while the other's operands are still being formed, and the keys
-    are loaded transposed (no transpose in registers)."""
-    i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
-    HK: tl.constexpr = BKF // 2
-    m_h, p_h1, p_h2, p_end1, p_end2 = _halves(i_v, K, V, HK, BV)
-    b_s1, b_s2 = _start_halves(s0 + i_nh * V * K, p_end1, p_end2, m_h, USE_S0, HK, BV)
-    hb = h + (c0 * H + i_h) * K * V
-    for j in range(0, NTn):
-        t0 = bos + j * C
-        _store_halves(hb + j * (H * K * V), b_s1, b_s2, p_h1, p_h2, m_h)
-        b_ws = dot(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, HK), b_s1, DT, PREC)
-        b_ws = _dot_acc(_load_raw(wt + i_h * K, t0, eos, H * K, HK, K, C, HK), b_s2, b_ws, DT, PREC)
-        b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ws
-        _store_tile(vnew + i_h * V, b_u, t0, eos, H * V, i_v * BV, V, C, BV)
-        b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
-        if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
-            b_f = b_f * tl.exp(g_last - b_G)
-            b_s1 = b_s1 * tl.exp(g_last)
-            b_s2 = b_s2 * tl.exp(g_last)
-        b_uf = (b_u * b_f[:, None]).to(DT)
-        b_s1 = _dot_acc(_load_raw_t(kw + i_h * K, t0, eos, H * K, 0, C, HK), b_uf, b_s1, DT, PREC)
-        b_s2 = _dot_acc(_load_raw_t(kw + i_h * K, t0, eos, H * K, HK, C, HK), b_uf, b_s2, DT, PREC)
-    if STORE_S:
-        _store_halves(sT + i_nh * V * K, b_s1, b_s2, p_end1, p_end2, m_h)
-
-
-@triton.jit
 def _fwd_o_kernel(
     q, kw, beta, Gc, h, vnew, o, chunks, cu, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -595,48 +522,6 @@ def _bwd_dhu_kernel(
         b_ds = _dot_acc(b_wtT, -b_du, b_ds, DT, PREC)
     if STORE_DS0:
         tl.store(ds0 + i_nh * V * K + p_end, b_ds, mask=m_s)
-
-
-@triton.jit
-def _bwd_dhu_halves_kernel(
-    q, kw, beta, Gc, wt, do, du, dh, dsT, ds0, cu, coff, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
-):
-    """``_bwd_dhu_kernel`` with dS^T held as two halves along dk ([BKF / 2, BV] each, K = BKF), as
-    ``_fwd_h_halves_kernel``; Q^T and W~^T are loaded transposed."""
-    scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
-    i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
-    HK: tl.constexpr = BKF // 2
-    m_h, p_h1, p_h2, p_end1, p_end2 = _halves(i_v, K, V, HK, BV)
-    b_ds1, b_ds2 = _start_halves(dsT + i_nh * V * K, p_end1, p_end2, m_h, USE_DST, HK, BV)
-    dhb = dh + (c0 * H + i_h) * K * V
-    for jj in range(0, NTn):
-        j = NTn - 1 - jj
-        t0 = bos + j * C
-        _store_halves(dhb + j * (H * K * V), b_ds1, b_ds2, p_h1, p_h2, m_h)
-        b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
-        b_fq = tl.full([C], 1.0, tl.float32) * scale
-        if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
-            b_f = b_f * tl.exp(g_last - b_G)
-            b_fq = b_fq * tl.exp(b_G)
-        b_kds = dot(_load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, HK), b_ds1, DT, PREC)
-        b_kds = _dot_acc(_load_raw(kw + i_h * K, t0, eos, H * K, HK, K, C, HK), b_ds2, b_kds, DT, PREC)
-        b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) + b_kds * b_f[:, None]
-        _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
-        b_do = (_load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]).to(DT)
-        b_ndu = (-b_du).to(DT)
-        if HAS_G:
-            b_ds1 = b_ds1 * tl.exp(g_last)
-            b_ds2 = b_ds2 * tl.exp(g_last)
-        b_ds1 = _dot_acc(_load_raw_t(q + i_h * K, t0, eos, H * K, 0, C, HK), b_do, b_ds1, DT, PREC)
-        b_ds2 = _dot_acc(_load_raw_t(q + i_h * K, t0, eos, H * K, HK, C, HK), b_do, b_ds2, DT, PREC)
-        b_ds1 = _dot_acc(_load_raw_t(wt + i_h * K, t0, eos, H * K, 0, C, HK), b_ndu, b_ds1, DT, PREC)
-        b_ds2 = _dot_acc(_load_raw_t(wt + i_h * K, t0, eos, H * K, HK, C, HK), b_ndu, b_ds2, DT, PREC)
-    if STORE_DS0:
-        _store_halves(ds0 + i_nh * V * K, b_ds1, b_ds2, p_end1, p_end2, m_h)
 
 
 @triton.jit
@@ -916,11 +801,6 @@ def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool =
     return fill_device(bv, V, parallel, device, per_sm=SEQ_PROGRAMS_PER_SM)
 
 
-#: the state walks with S^T (dS^T) in two halves along dk (``_fwd_h_halves_kernel``, ``_bwd_dhu_halves_kernel``; dk
-#: a power of two, >= 32): exact in the interpreter tests, off until timed on a GPU
-HALVES_STATE_WALK = False
-
-
 #: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the
 #: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic.
 #: Measured on an H100 with Triton 3.6 (T = 32k, one sequence): num_stages=3 is the fastest for the
@@ -980,8 +860,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
-    walk = _fwd_h_halves_kernel if HALVES_STATE_WALK and K == BKF >= 32 else _fwd_h_kernel
-    walk[(N, H, triton.cdiv(V, BVh))](
+    _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
         kw, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
         H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=S0 is not None,
         STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
@@ -1017,8 +896,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
     BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
-    walk = _bwd_dhu_halves_kernel if HALVES_STATE_WALK and K == BKF >= 32 else _bwd_dhu_kernel
-    walk[(N, H, triton.cdiv(V, BVh))](
+    _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
         q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
         H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
         STORE_DS0=need_ds0, DT=DT, PREC=PREC, **_opts("dhu", interp, FP32))
