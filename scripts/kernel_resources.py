@@ -189,17 +189,19 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     return out
 
 
-def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bool = True) -> dict:
+def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bool = True, state_bv: int = 64,
+                      poly: int = 0) -> dict:
     """The normalised linear-attention kernels (``lazoo.kernels.normalized``), bf16, chunks of 64, with the scalar
-    features (ELA's polynomial kernels), at their launch settings; causal, or the non-causal form."""
+    features (ELA's polynomial kernels), at their launch settings; causal, or the non-causal form. ``state_bv``: the
+    state kernels' value block (32 where the tiles would not fill the GPU); ``poly``: the dq, dk, dv kernel's POLY."""
     import triton.language as tl
 
     from lazoo.kernels import normalized as kn
 
     b16, f32, i64 = "*bf16", "*fp32", "*i64"
-    meta = dict(H=16, K=dk, V=dv, E=scalars, BT=64, EXTRA=True, IS_VARLEN=False, PREC="tf32")
+    meta = dict(H=16, K=dk, V=dv, E=max(scalars, 1), BT=64, EXTRA=scalars > 0, IS_VARLEN=False, PREC="tf32")
     mx = dict.fromkeys(meta, "constexpr")
-    state = dict(BK=64, BV=64, SPREC="tf32", STORE_CHUNKS=causal, SDT=tl.bfloat16, SEG=0)
+    state = dict(BK=64, BV=state_bv, SPREC="tf32", STORE_CHUNKS=causal, SDT=tl.bfloat16, SEG=0)
     sx = dict.fromkeys(state, "constexpr")
     out = {}
     end = dict(USE_H0=True, STORE_HT=True)
@@ -221,11 +223,11 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
         q=b16, a=f32, do=b16, rden=f32, dden=f32, dh=b16, dhe=f32, dz=f32, dze=f32, dht=f32, dhet=f32, dzt=f32,
         dzet=f32, dh0=f32, dhe0=f32, dz0=f32, dze0=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx,
         **dict.fromkeys(end, "constexpr")), {**meta, **state, **end}, num_stages=2)
-    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal, TIMES_FEATURES=False)
+    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal, TIMES_FEATURES=False, POLY=poly, SIGN=2.0)
     out["backward: dq, dk, dv"] = measure(kn._bwd_dqkv_kernel, dict(
         q=b16, k=b16, a=f32, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, do=b16, rden=f32, dden=f32, dh=b16,
-        dhe=f32, dz=f32, dze=f32, dq=b16, dk=b16, da=f32, dc=f32, dv=b16, cu_seqlens=i64, chunk_indices=i64,
-        T="i32", **mx, **dict.fromkeys(bq, "constexpr")), {**meta, **bq}, num_warps=8, num_stages=1)
+        dhe=f32, dz=f32, dze=f32, dq=b16, dk=b16, da=f32, dc=f32, dv=b16, q_in=b16, k_in=b16, cu_seqlens=i64,
+        chunk_indices=i64, T="i32", **mx, **dict.fromkeys(bq, "constexpr")), {**meta, **bq}, num_warps=8, num_stages=1)
     return out
 
 

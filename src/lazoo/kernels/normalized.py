@@ -447,15 +447,18 @@ def _bwd_dh_kernel(
 
 @triton.jit
 def _bwd_dqkv_kernel(
-    q, k, a, c, v, h, he, z, ze, do, rden, dden, dh, dhe, dz, dze, dq, dk, da, dc, dv,
+    q, k, a, c, v, h, he, z, ze, do, rden, dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, q_in, k_in,
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
-    TIMES_FEATURES: tl.constexpr,
+    TIMES_FEATURES: tl.constexpr, POLY: tl.constexpr, SIGN: tl.constexpr,
 ):
     """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K. With TIMES_FEATURES, q
-    and k are exp of the op's inputs, and dq ⊙ q, dk ⊙ k are stored (their gradients).
+    and k are exp of the op's inputs, and dq ⊙ q, dk ⊙ k are stored (their gradients). With POLY, q, k, a, c are a
+    polynomial kernel's features of the op's inputs (``lazoo.kernels.ela_features``), and their gradients are
+    carried to those (q_in, k_in): 1, the sum / sub kernels (q' = q, k' = SIGN k, a = [‖q‖², 1], c = [1, ‖k‖²]);
+    2, magnitude_direction (q' = a q, a = ‖q‖² + 1; k likewise); da, dc are not stored.
 
     With dnum = do / den' and P the chunk's causal scores: dS_ij = dnum_i·v_j + dden_i (i >= j) and
         dq = dnum hᵀ + dden zᵀ + dS K,      dk = v dhᵀ + 1 dzᵀ + dSᵀ Q,      dv = Pᵀ dnum + K dh + C dhe
@@ -541,12 +544,6 @@ def _bwd_dqkv_kernel(
         b_dst = tl.where(causal_t, b_dst * b_r[None, :] + b_dden[None, :], 0.0)
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
         b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=PREC)
-    if TIMES_FEATURES:  # d exp(x) = exp(x) dx, with the features' tiles at hand
-        b_dq = b_dq * b_q.to(tl.float32)
-        b_dk = b_dk * b_k.to(tl.float32)
-    m_tk = m_t[:, None] & m_k[None, :]
-    tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     if EXTRA:
         p_e = (bos + o_t) * (H * E) + i_h * E
         a0 = _col(a, bos, o_t, m_t, i_h, 0, H, E)
@@ -556,8 +553,9 @@ def _bwd_dqkv_kernel(
         if CAUSAL:
             b_da0 += tl.sum(b_ds * c0[None, :], 1)
             b_dc0 += tl.sum(b_dst * a0[None, :], 1)
-        tl.store(da + p_e, b_da0, mask=m_t)
-        tl.store(dc + p_e, b_dc0, mask=m_t)
+        if POLY == 0:
+            tl.store(da + p_e, b_da0, mask=m_t)
+            tl.store(dc + p_e, b_dc0, mask=m_t)
         if E2:
             a1 = _col(a, bos, o_t, m_t, i_h, 1, H, E)
             c1 = _col(c, bos, o_t, m_t, i_h, 1, H, E)
@@ -566,16 +564,40 @@ def _bwd_dqkv_kernel(
             if CAUSAL:
                 b_da1 += tl.sum(b_ds * c1[None, :], 1)
                 b_dc1 += tl.sum(b_dst * a1[None, :], 1)
-            tl.store(da + p_e + 1, b_da1, mask=m_t)
-            tl.store(dc + p_e + 1, b_dc1, mask=m_t)
+            if POLY == 0:
+                tl.store(da + p_e + 1, b_da1, mask=m_t)
+                tl.store(dc + p_e + 1, b_dc1, mask=m_t)
+    if TIMES_FEATURES:  # d exp(x) = exp(x) dx, with the features' tiles at hand
+        b_dq = b_dq * b_q.to(tl.float32)
+        b_dk = b_dk * b_k.to(tl.float32)
+    if POLY == 1:  # dq = dq' + 2 q da_0, dk = SIGN dk' + 2 k dc_1 (q, k the inputs: loading q' and k' again
+        # kept them live from the chunk's start, and more of the tile spilled)
+        b_dq += (2.0 * b_da0)[:, None] * _tokens(q_in, bos, o_t, m_t, i_h, H, K, o_k, False).to(tl.float32)
+        b_dk = SIGN * b_dk + (2.0 * b_dc1)[:, None] * _tokens(k_in, bos, o_t, m_t, i_h, H, K, o_k,
+                                                               False).to(tl.float32)
+    if POLY == 2:  # dq = a dq' + 2 q (q·dq' + da_0), a = ‖q‖² + 1; dk likewise
+        b_dq = _magnitude_grad(q_in, bos, o_t, m_t, i_h, H, K, o_k, b_dq, b_da0)
+        b_dk = _magnitude_grad(k_in, bos, o_t, m_t, i_h, H, K, o_k, b_dk, b_dc0)
+    m_tk = m_t[:, None] & m_k[None, :]
+    tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _magnitude_grad(x_in, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, o_k, g, ga):
+    """The gradient of x of magnitude_direction's features x' = (‖x‖² + 1) x and a = ‖x‖² + 1, from theirs (g
+    ``[BT, BK]``, ga ``[BT]``), x the op's input (norms in fp32)."""
+    x = _tokens(x_in, bos, o_t, m_t, i_h, H, K, o_k, False).to(tl.float32)
+    return (tl.sum(x * x, 1) + 1.0)[:, None] * g + 2.0 * x * (tl.sum(x * g, 1) + ga)[:, None]
 
 
 # ============================================================================ launchers
 class _Ctx(ChunkLayout):
-    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps, causal=True, exp_of=False):
+    def __init__(self, q, v, a, cu_seqlens, chunk_size, eps, causal=True, exp_of=False, poly=None):
         super().__init__(q, v, cu_seqlens, chunk_size)
         self.causal = causal
         self.exp_of = exp_of  # q, k are exp features of the op's inputs: the gradients go to those
+        self.poly = poly  # None, or (POLY, SIGN) of _bwd_dqkv_kernel: q, k, a, c are those features of the inputs
         self.E = 1 if a is None else a.shape[-1]  # (without features: the width of the unused buffers)
         self.extra = a is not None
         self.row_eps = isinstance(eps, torch.Tensor)  # [B, T, H] float32, or one number
@@ -672,7 +694,7 @@ def _fwd(c: _Ctx, q, k, a, cf, v, s0, output_final_state):
     return o, den, (h, he, z, ze), st
 
 
-def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
+def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0, q_in=None, k_in=None):
     dev = q.device
     rows = c.B * c.T * c.H
     rden = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev)
@@ -687,16 +709,20 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0):
     ds0 = ds0 if ds0 is not None else (None,) * 4
     if not c.causal:
         (dh, dhe, dz, dze), ds0 = c.sums_as_chunk_states(*ds0), (None,) * 4
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    da = torch.empty_like(a) if c.extra else None
-    dc = torch.empty_like(cf) if c.extra else None
+    # the gradients of the op's inputs where q, k are features of them
+    dq, dk, dv = torch.empty_like(q if q_in is None else q_in), torch.empty_like(k if k_in is None else k_in), \
+        torch.empty_like(v)
+    da = torch.empty_like(a) if c.extra and c.poly is None else None
+    dc = torch.empty_like(cf) if c.extra and c.poly is None else None
     BK = next_pow2(c.K)
     h, he, z, ze = states
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
-    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, q.device.type)
+    poly, sign = c.poly or (0, 1.0)
+    key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, poly, sign,
+           q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
-                         dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, c.cu, c.chunk_indices, c.T, BK=BK,
-                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, **c.meta())
+                         dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, q_in, k_in, c.cu, c.chunk_indices, c.T, BK=BK,
+                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, POLY=poly, SIGN=sign, **c.meta())
     return dq, dk, da, dc, dv, ds0
 
 
@@ -705,18 +731,20 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, a, cf, v, h0, he0, z0, ze0, eps, output_final_state, cu_seqlens, chunk_size, causal,
-                q_in=None, k_in=None):
-        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps, causal, exp_of=q_in is not None)
+                q_in=None, k_in=None, poly=None):
+        c = _Ctx(q, v, a, cu_seqlens, chunk_size, eps, causal, exp_of=q_in is not None and poly is None, poly=poly)
         s0 = None if h0 is None else (h0, he0, z0, ze0)
         o, den, states, st = _fwd(c, q, k, a, cf, v, s0, output_final_state)
         ctx.c = c
         ctx.s0_dtypes = None if s0 is None else [None if x is None else x.dtype for x in s0]
-        ctx.save_for_backward(q, k, a, cf, v, o, den, *states)
+        ctx.inputs_of = q_in is not None  # q, k are features of inputs that take the gradients
+        inputs = (q_in, k_in) if poly is not None else (None, None)
+        ctx.save_for_backward(q, k, a, cf, v, o, den, *inputs, *states)
         return (o, *st)
 
     @staticmethod
     def backward(ctx, do, dht, dhet, dzt, dzet):
-        q, k, a, cf, v, o, den, *states = ctx.saved_tensors
+        q, k, a, cf, v, o, den, q_in, k_in, *states = ctx.saved_tensors
         c = ctx.c
         finals = (dht, dhet, dzt, dzet)
         dst = None
@@ -724,19 +752,19 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
             dst = tuple(None if like is None else like.zero_() if x is None else x.contiguous().float()
                         for x, like in zip(finals, c.end_states(q.device)))
         want = ctx.s0_dtypes is not None
-        dq, dk, da, dc, dv, ds0 = _bwd(c, q, k, a, cf, v, states, o, den, do.contiguous(), dst, want)
+        dq, dk, da, dc, dv, ds0 = _bwd(c, q, k, a, cf, v, states, o, den, do.contiguous(), dst, want, q_in, k_in)
         if want:
             ds0 = tuple(None if x is None or t is None else x.to(t) for x, t in zip(ds0, ctx.s0_dtypes))
         else:
             ds0 = (None,) * 4
-        if c.exp_of:
-            return None, None, da, dc, dv, *ds0, None, None, None, None, None, dq, dk
-        return dq, dk, da, dc, dv, *ds0, None, None, None, None, None, None, None
+        if ctx.inputs_of:
+            return None, None, da, dc, dv, *ds0, None, None, None, None, None, dq, dk, None
+        return dq, dk, da, dc, dv, *ds0, None, None, None, None, None, None, None, None
 
 
 def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | torch.Tensor = 1e-6, initial_state=None,
                                       output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64,
-                                      causal: bool = True, exp_of=None):
+                                      causal: bool = True, exp_of=None, poly_of=None):
     """``(o [B, T, H, V] in v's dtype, final state or None)``: o_i = num_i / max(den_i, eps) (module docstring).
 
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` of one dtype (k zero at pads); a, c ``[B, T, H, E]`` scalar
@@ -751,6 +779,10 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
     ``exp_of=(x, y)``: q and k are features exp(x + shift), exp(y + shift) (shifts without gradient; ELA's
     hadamard_exp, ``lazoo.kernels.ela_features.exp_features``), given without gradient. x and y get theirs,
     dq ⊙ q and dk ⊙ k, formed in the backward kernel (no scalar features then).
+
+    ``poly_of=(x, y, kernel)``: q, k, a, c are ELA's polynomial ``kernel``'s features of x, y
+    (``lazoo.kernels.ela_features.poly_features``), given without gradient; x and y get theirs from the backward
+    kernel, which then stores no da, dc.
     """
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("chunk_normalized_linear_attention: the non-causal form (causal=False) has no state; leave "
@@ -792,8 +824,19 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
     if exp_of is not None and (a is not None or q_in.shape != q.shape or k_in.shape != k.shape):
         raise ValueError("chunk_normalized_linear_attention: exp_of is (x, y) of q's and k's shapes, without scalar "
                          "features")
+    poly = None
+    if poly_of is not None:
+        from .ela_features import KERNELS  # (magnitude's scaling, sign of k')
+
+        q_in, k_in, kernel = poly_of
+        if exp_of is not None or a is None or q_in.shape != q.shape or k_in.shape != k.shape or kernel not in KERNELS:
+            raise ValueError(f"chunk_normalized_linear_attention: poly_of is (x, y, kernel) of q's and k's shapes, "
+                             f"with scalar features and without exp_of, kernel one of {', '.join(KERNELS)}")
+        mag, sign = KERNELS[kernel]
+        poly = (2, 1.0) if mag else (1, sign)
+        q_in, k_in = q_in.contiguous(), k_in.contiguous()
     o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, eps, bool(output_final_state),
-                                                     cu_seqlens, chunk, bool(causal), q_in, k_in)
+                                                     cu_seqlens, chunk, bool(causal), q_in, k_in, poly)
     if pad and output_final_state:
         st = [st[0], st[1][..., :1], st[2], st[3][..., :1]]
     return o, (tuple(st) if output_final_state else None)
