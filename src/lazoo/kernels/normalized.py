@@ -135,8 +135,10 @@ def _split_column(d, o_e):
 
 @triton.jit
 def _fold(tile, N: tl.constexpr):
-    """``[8, N]``: a scalar-feature tile's value, rows e plus rows 8 + e of ``[16, N]``."""
-    return tl.sum(tl.reshape(tile, [2, 8, N]), 0)
+    """``[4, N]``: a scalar-feature tile's value, rows e + 4 g of ``[16, N]`` summed over g (``_split_features``'
+    parts at e and 8 + e; E <= 4). (Four rows, not eight: the reverse walk at value blocks of 64 held 96 registers,
+    not 125, offline for sm_90.)"""
+    return tl.sum(tl.reshape(tile, [4, 4, N]), 0)
 
 
 @triton.jit
@@ -173,21 +175,21 @@ def _store_z(ptr, row, K: tl.constexpr, o_k, b_z):
 @triton.jit
 def _store_ze(ptr, row, E: tl.constexpr, b_ze):
     """Store a ze-like tile's value (``_fold`` and column sums) into row ``row`` of a ``[.., E]`` buffer."""
-    o_e = tl.arange(0, 8)
+    o_e = tl.arange(0, 4)
     tl.store(ptr + row * E + o_e, tl.sum(_fold(b_ze, 16), 1), mask=o_e < E)
 
 
 @triton.jit
 def _store_he(ptr, b_he, i_tg, i_h, o_v, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """Store an he-like tile's value (``_fold``) as chunk i_tg's (buffer ``[chunks, H, E, V]``)."""
-    o_e = tl.arange(0, 8)
+    o_e = tl.arange(0, 4)
     store_chunk_state(ptr, _fold(b_he, BV), i_tg, i_h, o_e, o_v, (o_e[:, None] < E) & (o_v[None, :] < V), H, E, V)
 
 
 @triton.jit
 def _store_he_end(ptr, b_he, i_nh, o_v, E: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """Store an he-like tile's value into an initial or final he ``[N, H, V, E]`` (head i_nh)."""
-    o_e = tl.arange(0, 8)
+    o_e = tl.arange(0, 4)
     tl.store(end_state(ptr, i_nh, o_e, o_v, E, V), _fold(b_he, BV), mask=(o_e[:, None] < E) & (o_v[None, :] < V))
 
 
