@@ -219,9 +219,9 @@ def test_interp_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="exp_of is .* of q's and k's shapes"):
         chunk_normalized_linear_attention(x, x, x, exp_of=(x[:, :3], x))
     with pytest.raises(ValueError, match="poly_of is .* with scalar features"):
-        chunk_normalized_linear_attention(x, x, x, poly_of=(x, x, "sum_sq_euclid"))
-    with pytest.raises(ValueError, match="kernel one of"):
-        chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], poly_of=(x, x, "hadamard_exp"))
+        chunk_normalized_linear_attention(x, x, x, poly_of=(x, x, False, 2.0))
+    with pytest.raises(ValueError, match="sign ±2 unless magnitude"):
+        chunk_normalized_linear_attention(x, x, x, x[..., :2], x[..., :2], poly_of=(x, x, False, 1.0))
 
 
 @pytest.mark.gpu

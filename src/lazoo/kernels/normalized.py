@@ -658,7 +658,7 @@ def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, revers
     ``_common.state_walks``: every chunk's state into ``chunks`` (causal), from ``first`` (4 parts or None); returns
     the walk's last states (4 parts) where ``want_last``, else None. Non-causal: the sequences' sums alone."""
     dev = inputs[0].device
-    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
+    BK, BV = state_blocks(c.K, c.V)
     roles, rows = c.state_grid(BK, BV)
     meta = dict(c.state_meta(), BK=BK, BV=BV, num_warps=STATE_WARPS, num_stages=2)
     use, store = ("USE_DHT", "STORE_DH0") if reverse else ("USE_H0", "STORE_HT")
@@ -782,9 +782,9 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
     hadamard_exp, ``lazoo.kernels.ela_features.exp_features``), given without gradient. x and y get theirs,
     dq ⊙ q and dk ⊙ k, formed in the backward kernel (no scalar features then).
 
-    ``poly_of=(x, y, kernel)``: q, k, a, c are ELA's polynomial ``kernel``'s features of x, y
-    (``lazoo.kernels.ela_features.poly_features``), given without gradient; x and y get theirs from the backward
-    kernel, which then stores no da, dc.
+    ``poly_of=(x, y, magnitude, sign)``: q, k, a, c are the features of x, y of ELA's polynomial kernel whose
+    ``lazoo.kernels.ela_features.KERNELS`` entry is (magnitude, sign) (``poly_features``), given without gradient; x
+    and y get theirs from the backward kernel, which then stores no da, dc.
     """
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("chunk_normalized_linear_attention: the non-causal form (causal=False) has no state; leave "
@@ -828,14 +828,12 @@ def chunk_normalized_linear_attention(q, k, v, a=None, c=None, *, eps: float | t
                          "features")
     poly = None
     if poly_of is not None:
-        from .ela_features import KERNELS  # (magnitude's scaling, sign of k')
-
-        q_in, k_in, kernel = poly_of
-        if exp_of is not None or a is None or q_in.shape != q.shape or k_in.shape != k.shape or kernel not in KERNELS:
-            raise ValueError(f"chunk_normalized_linear_attention: poly_of is (x, y, kernel) of q's and k's shapes, "
-                             f"with scalar features and without exp_of, kernel one of {', '.join(KERNELS)}")
-        mag, sign = KERNELS[kernel]
-        poly = (2, 1.0) if mag else (1, sign)
+        q_in, k_in, mag, sign = poly_of
+        if exp_of is not None or a is None or q_in.shape != q.shape or k_in.shape != k.shape or \
+                (not mag and sign not in (2.0, -2.0)):
+            raise ValueError("chunk_normalized_linear_attention: poly_of is (x, y, magnitude, sign) of q's and k's "
+                             "shapes, with scalar features and without exp_of, sign ±2 unless magnitude")
+        poly = (2, 1.0) if mag else (1, float(sign))
         q_in, k_in = q_in.contiguous(), k_in.contiguous()
     o, *st = NormalizedLinearAttentionFunction.apply(q, k, a, c, v, *s0, eps, bool(output_final_state),
                                                      cu_seqlens, chunk, bool(causal), q_in, k_in, poly)
