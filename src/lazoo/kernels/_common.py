@@ -192,13 +192,11 @@ def chunk_state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def state_blocks(K: int, V: int, n_seq_heads: int, device: torch.device, max_block: int = 64):
-    """(BK, BV) for the sequential state kernels: small enough tiles to fill the GPU."""
-    BK = min(max_block, next_pow2(K))
-    BV = min(max_block, next_pow2(V))
-    if BV > 32 and n_seq_heads * triton.cdiv(K, BK) * triton.cdiv(V, BV) < 2 * num_sms(device):
-        BV = 32
-    return BK, BV
+def state_blocks(K: int, V: int, max_block: int = 64):
+    """(BK, BV) for the sequential state kernels. (Value blocks of 32 where the tiles of 64 gave an SM fewer than two
+    programs made the walks slower on an H100: ELA sum_sq_euclid fwd + bwd at T = 8k 2.694 against 2.490 ms, linear
+    attention at 32k 1.779 against 1.720; GLA within 1 % either way.)"""
+    return min(max_block, next_pow2(K)), min(max_block, next_pow2(V))
 
 
 # ============================================================================ state walks in segments

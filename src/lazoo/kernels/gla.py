@@ -485,7 +485,7 @@ class _Ctx(ChunkLayout):
         self.BKD = min(DIAG_BK, 2 * MAX_BLOCK, next_pow2(K))
         self.NK = triton.cdiv(K, self.BK)
         self.NV = triton.cdiv(V, self.BV)
-        self.state_blocks = state_blocks(K, V, self.N * self.H, q.device, MAX_BLOCK)
+        self.state_blocks = state_blocks(K, V, MAX_BLOCK)
 
 
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):

@@ -375,7 +375,7 @@ def _walks(kernel, c: _Ctx, args, state_args, g, first, want_last: bool, BK, BV,
 
 def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
     dev = q.device
-    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
+    BK, BV = state_blocks(c.K, c.V)
     h = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
     tiles = triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV)
     ht = _walks(_fwd_h_kernel, c, (k, v, g, h), (c.cu, c.chunk_offsets, c.T), g, h0, output_final_state, BK, BV,
@@ -392,7 +392,7 @@ def _fwd(c: _Ctx, q, k, v, g, scale, h0, output_final_state):
 
 def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
     dev = q.device
-    BK, BV = state_blocks(c.K, c.V, c.N * c.H, dev)
+    BK, BV = state_blocks(c.K, c.V)
     dh = torch.empty(c.NT, c.H, c.K, c.V, dtype=c.state_dtype, device=dev)
     tiles = triton.cdiv(c.K, BK) * triton.cdiv(c.V, BV)
     dh0 = _walks(_bwd_dh_kernel, c, (q, do, g, dh), (c.cu, c.chunk_offsets, scale, c.T), g, dht, want_dh0, BK, BV,
