@@ -218,7 +218,7 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
         o=b16, do=b16, den=f32, rden=f32, dden=f32, eps="fp32", eps_rows=f32, rows="i32", H="constexpr",
         V="constexpr", BR="constexpr", BV="constexpr", ROW_EPS="constexpr"),
         dict(H=16, V=dv, BR=32, BV=dv, ROW_EPS=False))
-    end = dict(USE_DHT=True, STORE_DH0=True)
+    end = dict(USE_DHT=True, STORE_DH0=True, SCALED_FEATURES=kn.DHE_SCALED_FEATURES)
     out["backward: state gradients"] = measure(kn._bwd_dh_kernel, dict(
         q=b16, a=f32, do=b16, rden=f32, dden=f32, dh=b16, dhe=f32, dz=f32, dze=f32, dht=f32, dhet=f32, dzt=f32,
         dzet=f32, dh0=f32, dhe0=f32, dz0=f32, dze0=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx,

@@ -157,9 +157,13 @@ def test_interp_from_zero_state_one_chunk_width():
 
 
 @needs_interp
-def test_interp_several_key_and_value_blocks():
+@pytest.mark.parametrize("scaled", [False, True], ids=["do-scaled", "a-scaled"])
+def test_interp_several_key_and_value_blocks(scaled, monkeypatch):
     """K, V over several blocks of the state kernels (the last ones ragged): each role (h tiles, z key blocks, he
-    value blocks, ze) from a given state to the final one."""
+    value blocks, ze) from a given state to the final one; the reverse walk's dhe from do / den' or a / den'."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "DHE_SCALED_FEATURES", scaled)
     check(2, 40, 1, 72, 80, 2, torch.float32, "cpu", 2e-5, chunk=16, mask=left_pad_mask([40, 31], 40))
 
 
@@ -237,6 +241,20 @@ def test_gpu_matches_reference(dtype, rtol, E):
     T = 2048
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
     check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2), (torch.float32, 1e-4)],
+                         ids=["bf16", "fp16", "fp32"])
+def test_gpu_dhe_from_scaled_features(dtype, rtol, monkeypatch):
+    """DHE_SCALED_FEATURES: the reverse walk's dhe from a / den' (split) and do as loaded, two scalar features."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "DHE_SCALED_FEATURES", True)
+    T = 2048
+    mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
+    check(2, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
 
 
 @pytest.mark.gpu

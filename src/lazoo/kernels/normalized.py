@@ -65,6 +65,9 @@ MIN_SEGMENTS = _common.MIN_SEGMENTS
 MIN_SEGMENTS_SCALARS = 1 << 30
 #: chunks per segment forced (tests: segments at small T; None: walk_segments decides)
 FORCE_SEGMENT_CHUNKS = None
+#: the reverse walk's dhe programs scale the scalar features a by 1/den' (fp32, then split), not do: do then enters
+#: the tile product as loaded, as v does in the forward walk's he programs (not yet timed: off)
+DHE_SCALED_FEATURES = False
 
 
 # ============================================================================ tile helpers
@@ -117,7 +120,12 @@ def _tf32_split(x):
 def _split_features(ptr, bos, o_t, m_t, i_h, H: tl.constexpr, E: tl.constexpr, o_e, TRANS: tl.constexpr):
     """A chunk's scalar features (a or c, ``[.., H, E]``) as an fp32 tile, ``[16, BT]`` with TRANS else ``[BT, 16]``,
     split by ``_tf32_split``: the high parts at feature e, the low at 8 + e (zeros elsewhere)."""
-    x = _tokens(ptr, bos, o_t, m_t, i_h, H, E, o_e % 8, TRANS)
+    return _split_rows(_tokens(ptr, bos, o_t, m_t, i_h, H, E, o_e % 8, TRANS), o_e, TRANS)
+
+
+@triton.jit
+def _split_rows(x, o_e, TRANS: tl.constexpr):
+    """``_split_features`` of a loaded tile x (feature e at rows, or columns, e and 8 + e)."""
     hi, lo = _tf32_split(x)
     if TRANS:
         x = tl.where((o_e < 8)[:, None], hi, lo)
@@ -380,6 +388,7 @@ def _bwd_dh_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr, SEG: tl.constexpr,
+    SCALED_FEATURES: tl.constexpr,
 ):
     """The gradients of the states at every chunk's end (unless not STORE_CHUNKS), in reverse (roles and tiles as in
     _fwd_h; dden enters the products of dz and dze as columns 0 and 1, its two tf32 parts)."""
@@ -426,10 +435,14 @@ def _bwd_dh_kernel(
                 _store_he(dhe, b_dhe, boh + i_t, i_h, o_v, H, E, V, BV)
             o_t = i_t * BT + tl.arange(0, BT)
             m_t = o_t < T_seq
-            b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
             b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
-            b_do = b_do.to(tl.float32) * _row_values(rden, bos, o_t, m_t, i_h, H)[:, None]
-            b_dhe += tl.dot(b_at, b_do, input_precision=SPREC)
+            b_r = _row_values(rden, bos, o_t, m_t, i_h, H)
+            if SCALED_FEATURES:  # (a / den') do: a scaled in fp32 and split, do as loaded (exact in tf32)
+                b_at = _split_rows(_tokens(a, bos, o_t, m_t, i_h, H, E, o_e % 8, True) * b_r[None, :], o_e, True)
+                b_dhe += tl.dot(b_at, b_do.to(tl.float32), input_precision=SPREC)
+            else:
+                b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
+                b_dhe += tl.dot(b_at, b_do.to(tl.float32) * b_r[:, None], input_precision=SPREC)
         if STORE_DH0:
             _store_he_end(dhe0, b_dhe, i_st, o_v, E, V, BV)
     elif EXTRA:  # dze
@@ -661,6 +674,8 @@ def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, revers
     BK, BV = state_blocks(c.K, c.V)
     roles, rows = c.state_grid(BK, BV)
     meta = dict(c.state_meta(), BK=BK, BV=BV, num_warps=STATE_WARPS, num_stages=2)
+    if reverse:
+        meta["SCALED_FEATURES"] = DHE_SCALED_FEATURES
     use, store = ("USE_DHT", "STORE_DH0") if reverse else ("USE_H0", "STORE_HT")
     none = (None,) * 4
 
