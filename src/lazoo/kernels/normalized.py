@@ -26,7 +26,9 @@ shows in them; exact fp32 products ("ieee") there made the backward 20% slower.
 
 Kernels: ``_fwd_h`` (chunk-start states, sequential over chunks), ``_fwd_o`` (outputs and den, parallel over
 chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse) and
-``_bwd_dqkv`` (parallel over chunks). No computed matrix is transposed (see lazoo.kernels.linear).
+``_bwd_dqkv`` (parallel over chunks). No computed matrix is transposed (see lazoo.kernels.linear). Where q, k (and
+a, c) are features of the op's inputs, ``_bwd_dqkv`` carries their gradients to the inputs while it holds them:
+ELA's hadamard_exp (``exp_of``) and polynomial kernels (``poly_of``), so no pass of their own reads them back.
 
 The non-causal form (``causal=False``; j ≤ i becomes every j of the sequence) runs the same kernels: ``_fwd_h`` and
 ``_bwd_dh`` store only the sums over the whole sequence (as a final state, and as an initial state's gradient),
