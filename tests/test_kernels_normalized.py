@@ -168,6 +168,20 @@ def test_interp_several_key_and_value_blocks(scaled, monkeypatch):
 
 
 @needs_interp
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("E", [1, 2], ids=["one-scalar", "scalars"])
+def test_interp_scalar_sums_apart(E, causal, monkeypatch):
+    """SCALAR_SUMS_APART: the dq, dk, dv kernel's scalar-feature sums over the values in a loop of their own (do and v
+    loaded again), with pads, clamps, a state and V over several value blocks."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "SCALAR_SUMS_APART", True)
+    B, T, H, K, V = 2, 37, 2, 24, 80
+    mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
+    check(B, T, H, K, V, E, torch.float32, "cpu", 2e-5, mask=mask, clamped=[(0, 5), (1, 30)], causal=causal)
+
+
+@needs_interp
 @pytest.mark.parametrize("E", [0, 1, 2], ids=["plain", "one-scalar", "scalars"])
 def test_interp_non_causal_with_pads_and_clamps(E):
     """Every token reads its whole sequence's sums (no score tiles), from the same kernels: pads add nothing, rows
@@ -241,6 +255,19 @@ def test_gpu_matches_reference(dtype, rtol, E):
     T = 2048
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
     check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_gpu_scalar_sums_apart(dtype, rtol, monkeypatch):
+    """SCALAR_SUMS_APART: the scalar features' sums over the values in a loop of their own, two scalar features."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "SCALAR_SUMS_APART", True)
+    T = 2048
+    mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
+    check(2, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
 
 
 @pytest.mark.gpu
