@@ -259,26 +259,16 @@ def test_gpu_matches_reference(dtype, rtol, E):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
-def test_gpu_scalar_sums_apart(dtype, rtol, monkeypatch):
-    """SCALAR_SUMS_APART: the scalar features' sums over the values in a loop of their own, two scalar features."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "SCALAR_SUMS_APART", True)
-    T = 2048
-    mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
-    check(2, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2), (torch.float32, 1e-4)],
                          ids=["bf16", "fp16", "fp32"])
-def test_gpu_dhe_from_scaled_features(dtype, rtol, monkeypatch):
-    """DHE_SCALED_FEATURES: the reverse walk's dhe from a / den' (split) and do as loaded, two scalar features."""
+@pytest.mark.parametrize("switch", ["SCALAR_SUMS_APART", "DHE_SCALED_FEATURES"])
+def test_gpu_switches_not_yet_timed(switch, dtype, rtol, monkeypatch):
+    """The kernel forms behind switches, two scalar features: SCALAR_SUMS_APART (the scalar features' sums over the
+    values in a loop of their own); DHE_SCALED_FEATURES (the reverse walk's dhe from a / den', split, and do as
+    loaded)."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "DHE_SCALED_FEATURES", True)
+    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), switch, True)
     T = 2048
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
     check(2, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)

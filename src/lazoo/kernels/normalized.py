@@ -779,7 +779,6 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
         o, den, states, st = _fwd(c, q, k, a, cf, v, s0, output_final_state)
         ctx.c = c
         ctx.s0_dtypes = None if s0 is None else [None if x is None else x.dtype for x in s0]
-        ctx.inputs_of = q_in is not None  # q, k are features of inputs that take the gradients
         inputs = (q_in, k_in) if poly is not None else (None, None)
         ctx.save_for_backward(q, k, a, cf, v, o, den, *inputs, *states)
         return (o, *st)
@@ -799,7 +798,7 @@ class NormalizedLinearAttentionFunction(torch.autograd.Function):
             ds0 = tuple(None if x is None or t is None else x.to(t) for x, t in zip(ds0, ctx.s0_dtypes))
         else:
             ds0 = (None,) * 4
-        if ctx.inputs_of:
+        if c.exp_of or c.poly is not None:  # q, k are features of inputs that take the gradients
             return None, None, da, dc, dv, *ds0, None, None, None, None, None, dq, dk, None
         return dq, dk, da, dc, dv, *ds0, None, None, None, None, None, None, None, None
 
