@@ -218,13 +218,12 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
         o=b16, do=b16, den=f32, rden=f32, dden=f32, eps="fp32", eps_rows=f32, rows="i32", H="constexpr",
         V="constexpr", BR="constexpr", BV="constexpr", ROW_EPS="constexpr"),
         dict(H=16, V=dv, BR=32, BV=dv, ROW_EPS=False))
-    end = dict(USE_DHT=True, STORE_DH0=True, SCALED_FEATURES=kn.DHE_SCALED_FEATURES)
+    end = dict(USE_DHT=True, STORE_DH0=True)
     out["backward: state gradients"] = measure(kn._bwd_dh_kernel, dict(
         q=b16, a=f32, do=b16, rden=f32, dden=f32, dh=b16, dhe=f32, dz=f32, dze=f32, dht=f32, dhet=f32, dzt=f32,
         dzet=f32, dh0=f32, dhe0=f32, dz0=f32, dze0=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx,
         **dict.fromkeys(end, "constexpr")), {**meta, **state, **end}, num_stages=2)
-    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal, TIMES_FEATURES=False, POLY=poly, SIGN=2.0,
-              SUMS_APART=kn.SCALAR_SUMS_APART)
+    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal, TIMES_FEATURES=False, POLY=poly, SIGN=2.0)
     out["backward: dq, dk, dv"] = measure(kn._bwd_dqkv_kernel, dict(
         q=b16, k=b16, a=f32, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, do=b16, rden=f32, dden=f32, dh=b16,
         dhe=f32, dz=f32, dze=f32, dq=b16, dk=b16, da=f32, dc=f32, dv=b16, q_in=b16, k_in=b16, cu_seqlens=i64,

@@ -157,28 +157,10 @@ def test_interp_from_zero_state_one_chunk_width():
 
 
 @needs_interp
-@pytest.mark.parametrize("scaled", [False, True], ids=["do-scaled", "a-scaled"])
-def test_interp_several_key_and_value_blocks(scaled, monkeypatch):
+def test_interp_several_key_and_value_blocks():
     """K, V over several blocks of the state kernels (the last ones ragged): each role (h tiles, z key blocks, he
-    value blocks, ze) from a given state to the final one; the reverse walk's dhe from do / den' or a / den'."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "DHE_SCALED_FEATURES", scaled)
+    value blocks, ze) from a given state to the final one."""
     check(2, 40, 1, 72, 80, 2, torch.float32, "cpu", 2e-5, chunk=16, mask=left_pad_mask([40, 31], 40))
-
-
-@needs_interp
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
-@pytest.mark.parametrize("E", [1, 2], ids=["one-scalar", "scalars"])
-def test_interp_scalar_sums_apart(E, causal, monkeypatch):
-    """SCALAR_SUMS_APART: the dq, dk, dv kernel's scalar-feature sums over the values in a loop of their own (do and v
-    loaded again), with pads, clamps, a state and V over several value blocks."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), "SCALAR_SUMS_APART", True)
-    B, T, H, K, V = 2, 37, 2, 24, 80
-    mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
-    check(B, T, H, K, V, E, torch.float32, "cpu", 2e-5, mask=mask, clamped=[(0, 5), (1, 30)], causal=causal)
 
 
 @needs_interp
@@ -255,23 +237,6 @@ def test_gpu_matches_reference(dtype, rtol, E):
     T = 2048
     mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
     check(2, T, 2, 128, 128, E, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2), (torch.float32, 1e-4)],
-                         ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("switch", ["SCALAR_SUMS_APART", "DHE_SCALED_FEATURES"])
-def test_gpu_switches_not_yet_timed(switch, dtype, rtol, monkeypatch):
-    """The kernel forms behind switches, two scalar features: SCALAR_SUMS_APART (the scalar features' sums over the
-    values in a loop of their own); DHE_SCALED_FEATURES (the reverse walk's dhe from a / den', split, and do as
-    loaded)."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("lazoo.kernels.normalized"), switch, True)
-    T = 2048
-    mask = left_pad_mask([T, T - 300], T, holes=[(0, 1000)])
-    check(2, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=mask, grad_rtol=3 * rtol)
 
 
 @pytest.mark.gpu

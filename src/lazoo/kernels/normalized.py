@@ -67,13 +67,6 @@ MIN_SEGMENTS = _common.MIN_SEGMENTS
 MIN_SEGMENTS_SCALARS = 1 << 30
 #: chunks per segment forced (tests: segments at small T; None: walk_segments decides)
 FORCE_SEGMENT_CHUNKS = None
-#: the dq, dk, dv kernel forms the scalar features' sums over the values (da += do·he, dc += v·dhe) in a loop of
-#: their own after the tile products, loading do and v again: beside them the kernel spilled 180-204 bytes, apart
-#: 84-120 (offline, sm_90, bf16, D = 128), E = 0's 84 (not yet timed: off)
-SCALAR_SUMS_APART = False
-#: the reverse walk's dhe programs scale the scalar features a by 1/den' (fp32, then split), not do: do then enters
-#: the tile product as loaded, as v does in the forward walk's he programs (not yet timed: off)
-DHE_SCALED_FEATURES = False
 
 
 # ============================================================================ tile helpers
@@ -394,7 +387,6 @@ def _bwd_dh_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, STORE_CHUNKS: tl.constexpr, SDT: tl.constexpr, SEG: tl.constexpr,
-    SCALED_FEATURES: tl.constexpr,
 ):
     """The gradients of the states at every chunk's end (unless not STORE_CHUNKS), in reverse (roles and tiles as in
     _fwd_h; dden enters the products of dz and dze as columns 0 and 1, its two tf32 parts)."""
@@ -443,12 +435,8 @@ def _bwd_dh_kernel(
             m_t = o_t < T_seq
             b_do = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False)  # [BT, BV]
             b_r = _row_values(rden, bos, o_t, m_t, i_h, H)
-            if SCALED_FEATURES:  # (a / den') do: a scaled in fp32 and split, do as loaded (exact in tf32)
-                b_at = _split_rows(_tokens(a, bos, o_t, m_t, i_h, H, E, o_e % 8, True) * b_r[None, :], o_e, True)
-                b_dhe += tl.dot(b_at, b_do.to(tl.float32), input_precision=SPREC)
-            else:
-                b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
-                b_dhe += tl.dot(b_at, b_do.to(tl.float32) * b_r[:, None], input_precision=SPREC)
+            b_at = _split_features(a, bos, o_t, m_t, i_h, H, E, o_e, True)  # [16, BT]
+            b_dhe += tl.dot(b_at, b_do.to(tl.float32) * b_r[:, None], input_precision=SPREC)
         if STORE_DH0:
             _store_he_end(dhe0, b_dhe, i_st, o_v, E, V, BV)
     elif EXTRA:  # dze
@@ -473,7 +461,7 @@ def _bwd_dqkv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
-    TIMES_FEATURES: tl.constexpr, POLY: tl.constexpr, SIGN: tl.constexpr, SUMS_APART: tl.constexpr,
+    TIMES_FEATURES: tl.constexpr, POLY: tl.constexpr, SIGN: tl.constexpr,
 ):
     """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K. With TIMES_FEATURES, q
     and k are exp of the op's inputs, and dq ⊙ q, dk ⊙ k are stored (their gradients). With POLY, q, k, a, c are a
@@ -541,24 +529,17 @@ def _bwd_dqkv_kernel(
             b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
         else:
             b_dv = tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
-        if EXTRA:  # dv's scalar terms C dhe (and, unless SUMS_APART, da and dc's sums over these values)
+        if EXTRA:  # dv's scalar terms C dhe, and da and dc's sums over these values
             dhe0 = _srow(dhe, i_tg, i_h, 0, o_v, H, E, V)
             b_dv += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * dhe0[None, :]
             if E2:
                 dhe1 = _srow(dhe, i_tg, i_h, 1, o_v, H, E, V)
                 b_dv += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * dhe1[None, :]
-            if not SUMS_APART:
-                b_da0, b_dc0, b_da1, b_dc1 = _scalar_sums(b_do, b_v, he, dhe, i_tg, i_h, o_v, H, E, V,
-                                                          b_da0, b_dc0, b_da1, b_dc1)
+            b_da0, b_dc0, b_da1, b_dc1 = _scalar_sums(b_do, b_v, he, dhe, i_tg, i_h, o_v, H, E, V,
+                                                      b_da0, b_dc0, b_da1, b_dc1)
         p_dv = dv + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
         tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
-    if EXTRA and SUMS_APART:  # the same sums in a loop of their own, do and v loaded again
-        for i_v in range(0, V, BV):
-            o_v = i_v + tl.arange(0, BV)
-            b_da0, b_dc0, b_da1, b_dc1 = _scalar_sums(_tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False),
-                                                      _tokens(v, bos, o_t, m_t, i_h, H, V, o_v, False), he, dhe,
-                                                      i_tg, i_h, o_v, H, E, V, b_da0, b_dc0, b_da1, b_dc1)
     # dnum = do / den'; the normaliser is one more value column of ones, with output gradient dden
     row = i_tg * H + i_h
     b_dq = b_dq * b_r[:, None] + b_dden[:, None] * _vec(z, row, K, o_k, m_k)[None, :]
@@ -698,8 +679,6 @@ def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, revers
     BK, BV = state_blocks(c.K, c.V)
     roles, rows = c.state_grid(BK, BV)
     meta = dict(c.state_meta(), BK=BK, BV=BV, num_warps=STATE_WARPS, num_stages=2)
-    if reverse:
-        meta["SCALED_FEATURES"] = DHE_SCALED_FEATURES
     use, store = ("USE_DHT", "STORE_DH0") if reverse else ("USE_H0", "STORE_HT")
     none = (None,) * 4
 
@@ -760,11 +739,10 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0, q_in=None, 
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
     poly, sign = c.poly or (0, 1.0)
     key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, poly, sign,
-           SCALAR_SUMS_APART, q.device.type)
+           q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, q_in, k_in, c.cu, c.chunk_indices, c.T, BK=BK,
-                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, POLY=poly, SIGN=sign,
-                         SUMS_APART=SCALAR_SUMS_APART, **c.meta())
+                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, POLY=poly, SIGN=sign, **c.meta())
     return dq, dk, da, dc, dv, ds0
 
 
