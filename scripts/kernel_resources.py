@@ -223,7 +223,8 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
         q=b16, a=f32, do=b16, rden=f32, dden=f32, dh=b16, dhe=f32, dz=f32, dze=f32, dht=f32, dhet=f32, dzt=f32,
         dzet=f32, dh0=f32, dhe0=f32, dz0=f32, dze0=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **mx, **sx,
         **dict.fromkeys(end, "constexpr")), {**meta, **state, **end}, num_stages=2)
-    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal, TIMES_FEATURES=False, POLY=poly, SIGN=2.0)
+    bq = dict(BK=dk, BV=kn.DQKV_BV, CAUSAL=causal, TIMES_FEATURES=False, POLY=poly, SIGN=2.0,
+              DV=not scalars)
     out["backward: dq, dk, dv"] = measure(kn._bwd_dqkv_kernel, dict(
         q=b16, k=b16, a=f32, c=f32, v=b16, h=b16, he=f32, z=f32, ze=f32, do=b16, rden=f32, dden=f32, dh=b16,
         dhe=f32, dz=f32, dze=f32, dq=b16, dk=b16, da=f32, dc=f32, dv=b16, q_in=b16, k_in=b16, cu_seqlens=i64,

@@ -199,6 +199,19 @@ def test_interp_state_walks_in_segments(E, causal, monkeypatch):
 
 
 @needs_interp
+@pytest.mark.parametrize("E", [0, 2], ids=["plain", "scalars"])
+def test_interp_dv_kernel_with_scalar_features_only(E, monkeypatch):
+    """With scalar features dv comes from a kernel of its own (the dq, dk, dv kernel forms it otherwise); both
+    against float64 with gradients, several value blocks."""
+    import importlib
+
+    kn = importlib.import_module("lazoo.kernels.normalized")
+    grids = record_launches(monkeypatch, kn, "_bwd_dv_kernel")
+    check(2, 40, 1, 24, 80, E, torch.float32, "cpu", 2e-5, chunk=16, mask=left_pad_mask([40, 31], 40))
+    assert [g[0] for g in grids] == ([2] if E else []), grids
+
+
+@needs_interp
 def test_interp_refuses_what_it_does_not_take():
     from lazoo.kernels.normalized import chunk_normalized_linear_attention
 
@@ -262,6 +275,18 @@ def test_gpu_state_walks_in_segments(dtype, rtol, causal, monkeypatch):
     T = 1500  # 24 chunks of 64
     check(1, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=left_pad_mask([T - 70], T), grad_rtol=3 * rtol,
           causal=causal)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float16, 1e-2), (torch.float32, 1e-4)],
+                         ids=["bf16", "fp16", "fp32"])
+def test_gpu_scalar_features_every_dtype(dtype, rtol, causal):
+    """Two scalar features (dv from its own kernel), pads, causal and not, at each input dtype."""
+    T = 1500
+    check(2, T, 2, 128, 128, 2, dtype, "cuda", rtol, chunk=64, mask=left_pad_mask([T, T - 300], T, holes=[(0, 700)]),
+          grad_rtol=3 * rtol, causal=causal)
 
 
 @pytest.mark.gpu

@@ -25,8 +25,9 @@ differences of the numerator's and the normaliser's terms, which cancel closely,
 shows in them; exact fp32 products ("ieee") there made the backward 20% slower.
 
 Kernels: ``_fwd_h`` (chunk-start states, sequential over chunks), ``_fwd_o`` (outputs and den, parallel over
-chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse) and
-``_bwd_dqkv`` (parallel over chunks). No computed matrix is transposed (see lazoo.kernels.linear). Where q, k (and
+chunks), ``_bwd_prep`` (1/den', dden), ``_bwd_dh`` (state gradients at chunk ends, sequential in reverse),
+``_bwd_dqkv`` (parallel over chunks) and, with scalar features, ``_bwd_dv`` (dv, which the dq, dk, dv kernel then
+leaves out: with it that kernel spilled). No computed matrix is transposed (see lazoo.kernels.linear). Where q, k (and
 a, c) are features of the op's inputs, ``_bwd_dqkv`` carries their gradients to the inputs while it holds them:
 ELA's hadamard_exp (``exp_of``) and polynomial kernels (``poly_of``), so no pass of their own reads them back.
 
@@ -461,9 +462,10 @@ def _bwd_dqkv_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
-    TIMES_FEATURES: tl.constexpr, POLY: tl.constexpr, SIGN: tl.constexpr,
+    TIMES_FEATURES: tl.constexpr, POLY: tl.constexpr, SIGN: tl.constexpr, DV: tl.constexpr,
 ):
-    """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K. With TIMES_FEATURES, q
+    """Grid (NT, B * H) or (total chunks, H): dq, dk, dv (and da, dc) of one chunk; BK >= K; dv only where DV (with
+    scalar features ``_bwd_dv_kernel`` forms it). With TIMES_FEATURES, q
     and k are exp of the op's inputs, and dq ⊙ q, dk ⊙ k are stored (their gradients). With POLY, q, k, a, c are a
     polynomial kernel's features of the op's inputs (``lazoo.kernels.ela_features``), and their gradients are
     carried to those (q_in, k_in): 1, the sum / sub kernels (q' = q, k' = SIGN k, a = [‖q‖², 1], c = [1, ‖k‖²]);
@@ -473,6 +475,7 @@ def _bwd_dqkv_kernel(
         dq = dnum hᵀ + dden zᵀ + dS K,      dk = v dhᵀ + 1 dzᵀ + dSᵀ Q,      dv = Pᵀ dnum + K dh + C dhe
     (da, dc likewise with he, ze, dhe, dze and A, C), h, z from the chunk's start and dh, dz from its end. The
     scalar features' terms are fp32 row sums. Non-causal: h, z, dh, dz are the sequence's sums, and no dS, P."""
+    tl.static_assert(not (DV and EXTRA), "with scalar features dv is _bwd_dv_kernel's")
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
     i_tg = _state_index(chunk_indices, i_t, i_bh, i_tg, H, IS_VARLEN, CAUSAL)
@@ -494,13 +497,8 @@ def _bwd_dqkv_kernel(
         o_i = tl.arange(0, BT)
         causal = o_i[:, None] >= o_i[None, :]  # [i, j]: i >= j
         causal_t = o_i[:, None] <= o_i[None, :]  # [j, i]: i >= j
-        b_pt = tl.dot(b_k, b_qt, input_precision=PREC)  # Pᵀ[j, i] = k_j·q_i (+ c_j·a_i), computed directly
-        if EXTRA:
-            b_pt += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 0, H, E)[None, :]
-            if E2:
-                b_pt += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 1, H, E)[None, :]
-        # 1/den' scales the products' results, not do: do / den' can fall below fp16's normal range
-        b_pt = tl.where(causal_t, b_pt * b_r[None, :], 0.0).to(b_k.dtype)  # Pᵀ diag(1/den')
+        if DV:
+            b_pt = _scores_t(b_k, b_qt, a, c, b_r, causal_t, bos, o_t, m_t, i_h, H, E, EXTRA, PREC)
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -520,25 +518,25 @@ def _bwd_dqkv_kernel(
             b_dot = _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, True)
         b_ht = tl.load(p_h + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)  # [BV, BK]
         b_dht = tl.load(p_dh + o_v[:, None] + o_k[None, :] * V, mask=m_vk, other=0.0)
-        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if DV:
+            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dq += tl.dot(b_do.to(b_ht.dtype), b_ht, input_precision=PREC)
         b_dk += tl.dot(b_v.to(b_dht.dtype), b_dht, input_precision=PREC)
         if CAUSAL:
             b_ds += tl.dot(b_do, b_vt, input_precision=PREC)
             b_dst += tl.dot(b_v, b_dot, input_precision=PREC)
-            b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
-        else:
-            b_dv = tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
-        if EXTRA:  # dv's scalar terms C dhe, and da and dc's sums over these values
-            dhe0 = _srow(dhe, i_tg, i_h, 0, o_v, H, E, V)
-            b_dv += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * dhe0[None, :]
-            if E2:
-                dhe1 = _srow(dhe, i_tg, i_h, 1, o_v, H, E, V)
-                b_dv += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * dhe1[None, :]
+        if DV:
+            if CAUSAL:
+                b_dv = tl.dot(b_pt, b_do, input_precision=PREC) + tl.dot(b_k.to(b_dh.dtype), b_dh,
+                                                                          input_precision=PREC)
+            else:
+                b_dv = tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
+        if EXTRA:  # da and dc's sums over these values
             b_da0, b_dc0, b_da1, b_dc1 = _scalar_sums(b_do, b_v, he, dhe, i_tg, i_h, o_v, H, E, V,
                                                       b_da0, b_dc0, b_da1, b_dc1)
-        p_dv = dv + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
-        tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        if DV:
+            p_dv = dv + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :]
+            tl.store(p_dv, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     # dnum = do / den'; the normaliser is one more value column of ones, with output gradient dden
     row = i_tg * H + i_h
@@ -586,6 +584,61 @@ def _bwd_dqkv_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     tl.store(dq + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _scores_t(b_k, b_qt, a, c, b_r, causal_t, bos, o_t, m_t, i_h, H: tl.constexpr, E: tl.constexpr,
+              EXTRA: tl.constexpr, PREC: tl.constexpr):
+    """Pᵀ diag(1/den') ``[BT, BT]`` in k's dtype: Pᵀ[j, i] = k_j·q_i (+ c_j·a_i) where causal_t (i >= j), else 0,
+    computed directly (1/den' scales the product, not do: do / den' can fall below fp16's normal range)."""
+    b_pt = tl.dot(b_k, b_qt, input_precision=PREC)
+    if EXTRA:
+        b_pt += _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 0, H, E)[None, :]
+        if E == 2:
+            b_pt += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _col(a, bos, o_t, m_t, i_h, 1, H, E)[None, :]
+    return tl.where(causal_t, b_pt * b_r[None, :], 0.0).to(b_k.dtype)
+
+
+@triton.jit
+def _scalar_dv(c, dhe, bos, o_t, m_t, i_h, i_tg, o_v, H: tl.constexpr, E: tl.constexpr, V: tl.constexpr):
+    """dv's scalar terms C dhe ``[BT, BV]`` (fp32 outer products)."""
+    x = _col(c, bos, o_t, m_t, i_h, 0, H, E)[:, None] * _srow(dhe, i_tg, i_h, 0, o_v, H, E, V)[None, :]
+    if E == 2:
+        x += _col(c, bos, o_t, m_t, i_h, 1, H, E)[:, None] * _srow(dhe, i_tg, i_h, 1, o_v, H, E, V)[None, :]
+    return x
+
+
+@triton.jit
+def _bwd_dv_kernel(
+    q, k, a, c, do, rden, dh, dhe, dv, cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Grid (NV, NT, B * H) or (NV, total chunks, H), with scalar features: dv = Pᵀ dnum + K dh + C dhe of one chunk's
+    value block (terms as in _bwd_dqkv; BK >= K)."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h, bos, T_seq, i_c, i_tg = chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H, BT, IS_VARLEN)
+    i_tg = _state_index(chunk_indices, i_t, i_bh, i_tg, H, IS_VARLEN, CAUSAL)
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T_seq
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_k = _tokens(k, bos, o_t, m_t, i_h, H, K, o_k, False)
+    b_dh = tl.load(dh + (i_tg * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :],
+                   mask=(o_k[:, None] < K) & m_v[None, :], other=0.0)
+    b_dv = tl.dot(b_k.to(b_dh.dtype), b_dh, input_precision=PREC)
+    if CAUSAL:
+        o_i = tl.arange(0, BT)
+        b_pt = _scores_t(b_k, _tokens(q, bos, o_t, m_t, i_h, H, K, o_k, True), a, c,
+                         _row_values(rden, bos, o_t, m_t, i_h, H), o_i[:, None] <= o_i[None, :], bos, o_t, m_t, i_h,
+                         H, E, EXTRA, PREC)
+        b_dv += tl.dot(b_pt, _tokens(do, bos, o_t, m_t, i_h, H, V, o_v, False), input_precision=PREC)
+    if EXTRA:
+        b_dv += _scalar_dv(c, dhe, bos, o_t, m_t, i_h, i_tg, o_v, H, E, V)
+    tl.store(dv + (bos + o_t[:, None]) * (H * V) + i_h * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -738,11 +791,19 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0, q_in=None, 
     h, he, z, ze = states
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
     poly, sign = c.poly or (0, 1.0)
+    # with scalar features, dv in a kernel of its own: the dq, dk, dv kernel then holds no score tile and spills
+    # nothing (offline, sm_90: 188-236 bytes with dv), 1-3 % faster on an H100 (BENCHMARKS.md)
+    dv_apart = c.extra
     key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, poly, sign,
-           q.device.type)
+           dv_apart, q.device.type)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, q_in, k_in, c.cu, c.chunk_indices, c.T, BK=BK,
-                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, POLY=poly, SIGN=sign, **c.meta())
+                         CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, POLY=poly, SIGN=sign, DV=not dv_apart, **c.meta())
+    if dv_apart:
+        BV = min(64, next_pow2(c.V))
+        _bwd_dv_kernel[c.grid(triton.cdiv(c.V, BV))](q, k, a, cf, do, rden, dh, dhe, dv, c.cu, c.chunk_indices, c.T,
+                                                     BK=BK, BV=BV, CAUSAL=c.causal, **c.meta(), num_warps=4,
+                                                     num_stages=2)
     return dq, dk, da, dc, dv, ds0
 
 
