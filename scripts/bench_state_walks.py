@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from unittest import mock
 
 import torch
 import triton
@@ -28,16 +29,6 @@ def _without_scalar_programs(self, BK, BV):
     return (triton.cdiv(self.K, BK) * triton.cdiv(self.V, BV) + triton.cdiv(self.K, BK), self.N * self.H)
 
 
-@contextlib.contextmanager
-def _setting(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def time_walks(T: int, E: int, variant: str, device: str = "cuda") -> dict:
     B = max(1, TOKENS // T)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -49,9 +40,9 @@ def time_walks(T: int, E: int, variant: str, device: str = "cuda") -> dict:
     fwd_chunks, bwd_chunks = ctx.buffers(device), ctx.buffers(device)
     with contextlib.ExitStack() as stack:
         if variant == "no scalar programs":
-            stack.enter_context(_setting(kn._Ctx, "state_grid", _without_scalar_programs))
+            stack.enter_context(mock.patch.object(kn._Ctx, "state_grid", _without_scalar_programs))
         if variant == "value blocks of 32":
-            stack.enter_context(_setting(kn, "state_blocks", lambda K, V: (64, 32)))
+            stack.enter_context(mock.patch.object(kn, "state_blocks", lambda K, V: (64, 32)))
         fwd = triton.testing.do_bench(lambda: kn._state_walks(kn._fwd_h_kernel, ctx, (k, c, v), fwd_chunks, None,
                                                               False, reverse=False), return_mode="median")
         bwd = triton.testing.do_bench(lambda: kn._state_walks(kn._bwd_dh_kernel, ctx, (q, a, do, rden, dden),
