@@ -84,12 +84,12 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     cx = {n: "constexpr" for n in ("DK", "BL", "BD", "SIM_PRECISION")}
     sig_n = dict(k=f32, sums=f32, counts=i64, best=f32, arg="*i32", before=i64, slots=i64, n_full="*i32",
                  step="i32", **ints, **cx, BN="constexpr", SEARCH="constexpr", BDA="constexpr",
-                 BF16_PARTS="constexpr")
+                 BDS="constexpr", BF16_PARTS="constexpr")
     sig_m = dict(k=f32, best=f32, arg="*i32", slots=i64, size_of="*i32", n_full="*i32", t_base=i64, step="i32",
                  **ints, N="i32", NBLK="i32", **cx)
     out = {
         "assign: add and search": measure(ovq_assign._nearest_kernel, sig_n, dict(shapes, BN=acfg["BN"],
-                                                                                   SEARCH=True, BDA=acfg["BDA"],
+                                                                                   SEARCH=True, BDA=acfg["BDA"], BDS=acfg["BDS"],
                                                                                    BF16_PARTS=acfg["BF16_PARTS"]),
                                           **_opts(acfg["nearest"])),
         "assign: merge": measure(ovq_assign._merge_kernel, dict(sig_m, BRK="constexpr"), dict(shapes, BRK=acfg["BRK"]),

@@ -81,19 +81,16 @@ def _bf16_parts(x):
 
 
 @triton.jit
-def _block_program(counts, H, M, DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    """A search program on grid (blocks of BN slots, B·H): its block and (sample, head), the offsets of its slots
-    (``cols``, their sums' ``rows``) and their counts."""
+def _block_program(counts, H, M, BL: tl.constexpr, BN: tl.constexpr):
+    """A search program on grid (blocks of BN slots, B·H): its block and (sample, head), its slots ``cols`` (real:
+    ``ok``) and their counts."""
     blk = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     nblk = tl.num_programs(0)
-    od = tl.arange(0, BD)
     cols = blk * BN + tl.arange(0, BN)
     ok = cols < M
-    rows = (bh * M + cols)[:, None] * DK + od[None, :]
-    row_ok = ok[:, None] & (od < DK)[None, :]
     cnt = tl.load(counts + bh * M + cols, mask=ok, other=0)
-    return blk, bh, bh // H, bh % H, nblk, tl.arange(0, BL), cols, ok, rows, row_ok, cnt
+    return blk, bh, bh // H, bh % H, nblk, tl.arange(0, BL), cols, ok, cnt
 
 
 @triton.jit
@@ -129,17 +126,26 @@ def _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M,
 
 
 @triton.jit
-def _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L, active,
-                DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr):
-    """Per key of chunk ``step``: the best similarity to this block's active centroids (their sums at ``rows``) and
-    the FIRST slot reaching it (-inf and a huge slot where not ``active``: an incomplete chunk or an empty block)."""
+def _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active,
+                DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BDS: tl.constexpr,
+                SIM_PRECISION: tl.constexpr):
+    """Per key of chunk ``step``: the best similarity to this block's active centroids (slots ``cols``, real where
+    ``ok``) and the FIRST slot reaching it (-inf and a huge slot where not ``active``: an incomplete chunk or an
+    empty block)."""
     bmax = tl.full([BL], float("-inf"), tl.float32)
     barg = tl.full([BL], 2147483647, tl.int32)
     if active:
-        kt = _chunk_keys(k, i_b, i_h, step, P, H, L, DK, BL, BD)
-        sk = tl.load(sums + rows, mask=row_ok, other=0.0)
-        mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
-        sim = tl.dot(kt, tl.trans(mean), input_precision=SIM_PRECISION)
+        rl = tl.arange(0, BL)
+        key_rows = (i_b * P + step * L + rl) * H + i_h
+        sim = tl.zeros([BL, BN], tl.float32)
+        for d0 in range(0, BD, BDS):  # BDS features a step into one accumulator (the FMA product's order is kept)
+            od = d0 + tl.arange(0, BDS)
+            d_ok = od < DK
+            kc = tl.load(k + key_rows[:, None] * DK + od[None, :], mask=(rl < L)[:, None] & d_ok[None, :], other=0.0)
+            sk = tl.load(sums + (bh * M + cols)[:, None] * DK + od[None, :], mask=ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
+            sim = tl.dot(kc, tl.trans(mean), sim, input_precision=SIM_PRECISION)
         sim = tl.where((cnt > 0)[None, :], sim, float("-inf"))
         bmax = tl.max(sim, 1)
         barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
@@ -149,12 +155,12 @@ def _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L, activ
 @triton.jit(do_not_specialize=["step"])
 def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, P, H, M, L,
                     DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                    SIM_PRECISION: tl.constexpr, SEARCH: tl.constexpr, BDA: tl.constexpr,
+                    SIM_PRECISION: tl.constexpr, SEARCH: tl.constexpr, BDA: tl.constexpr, BDS: tl.constexpr,
                     BF16_PARTS: tl.constexpr):
     """This block's slots: chunk ``step − 1``'s keys added, the counts before chunk ``step`` written out, and per
     key of chunk ``step`` the best similarity to the block's active centroids and its first slot (``SEARCH``;
     without it, only the addition: the launch after the last chunk)."""
-    blk, bh, i_b, i_h, nblk, rl, cols, ok, rows, row_ok, cnt = _block_program(counts, H, M, DK, BL, BD, BN)
+    blk, bh, i_b, i_h, nblk, rl, cols, ok, cnt = _block_program(counts, H, M, BL, BN)
     if step > 0:  # 1. the previous chunk's keys join their slots
         prev = tl.load(slots + ((step - 1) * B * H + bh) * L + rl, mask=rl < L, other=-1)
         cnt = _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L, DK, BL, BD, BDA,
@@ -164,8 +170,8 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
     if SEARCH:  # 2. the counts before this chunk, and the block's best for a complete chunk
         tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
         active = (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0)
-        bmax, barg = _block_best(k, sums, cnt, cols, rows, row_ok, i_b, i_h, step, P, H, L, active, DK, BL, BD,
-                                 SIM_PRECISION)
+        bmax, barg = _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active, DK, BL, BD, BN,
+                                 BDS, SIM_PRECISION)
         out = (bh * nblk + blk) * BL + rl
         tl.store(best + out, bmax)
         tl.store(arg + out, barg)
@@ -244,12 +250,13 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
 
 def _blocks() -> dict:
     if is_interpreting():
-        return dict(BN=16, BDA=16, BRK=8, BF16_PARTS=False, nearest={}, merge={})
-    # sm_90, Triton 3.6, L = dk = 128 (scripts/kernel_resources.py): 8 warps, one stage
-    # (BDA = 128: 5.75 ms for T = 16k, H = 8 on an H200, against 6.0-12.4 ms for BN 32-128 × BDA 32-64 × 4-8 warps,
-    # tf32x3 similarities); no spills in either kernel; the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB
-    # of spills)
-    return dict(BN=64, BDA=128, BRK=16, BF16_PARTS=True, nearest=dict(num_warps=8, num_stages=1),
+        return dict(BN=16, BDA=16, BDS=16, BRK=8, BF16_PARTS=False, nearest={}, merge={})
+    # sm_90, Triton 3.6, L = dk = 128: the search in 4 warps, one stage, with the add and the similarity product 32
+    # features a step (step 1 at T = 4k / 16k, H = 8, H100: 1.89 / 7.22 ms, against 2.15 / 9.40 with both whole at
+    # 8 warps, which spilled 792 bytes offline (Triton 3.9); BN 32 or 128, BDS / BDA 16 or 64, 2 or 16 warps and two
+    # stages were all slower: BENCHMARKS.md); the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB of
+    # spills)
+    return dict(BN=64, BDA=32, BDS=32, BRK=16, BF16_PARTS=True, nearest=dict(num_warps=4, num_stages=1),
                 merge=dict(num_warps=8, num_stages=1))
 
 
@@ -285,7 +292,7 @@ class _Launcher:
             _nearest_kernel[(self.nblk, B * H)](
                 self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full, step,
                 B, P, H, M, L, DK=dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION,
-                SEARCH=step < n, BDA=cfg["BDA"], BF16_PARTS=cfg["BF16_PARTS"], **cfg["nearest"])
+                SEARCH=step < n, BDA=cfg["BDA"], BDS=cfg["BDS"], BF16_PARTS=cfg["BF16_PARTS"], **cfg["nearest"])
             if step < n:
                 _merge_kernel[(B * H,)](
                     self.k, self.best, self.arg, self.slots, self.size, self.n_full, self.t_base, step, B, P, H, M,

@@ -1,0 +1,115 @@
+"""OVQ's step 1 (``lazoo.kernels.ovq_assign``) under other launch settings of its search kernel, and the op with them.
+
+Each setting overrides ``ovq_assign._blocks()`` (BN slots a block, BDA features a step of the add, BDS of the
+similarity product, the search's warps and stages); the captured CUDA graphs are dropped between settings. Step 1
+is timed at T = 4k and 16k (B = 1, H = 8, d = 128, N = 2048, L = 128, unit-norm random keys), its slots compared
+with PyTorch's ``_chunk_slots`` at 4k and with the first setting's at 16k. ``--op`` then times the op forward and
+forward + backward (``scripts/bench_ovq.py``'s inputs, bf16) with the previous default and the current one,
+alternately, three times each.
+
+    PYTHONPATH=src:tests:scripts python scripts/bench_ovq_search.py [--op]
+"""
+import argparse
+import math
+
+import torch
+import triton.testing
+
+import lazoo.ops.ovq as ovq_mod
+from bench_ovq import D, L, N, inputs
+from lazoo.kernels import ovq_assign
+from lazoo.kernels._graphs import GraphCache
+from lazoo.ops import ovq_attention
+from test_kernels_ovq_assign import keys, packed
+
+CURRENT = ovq_assign._blocks
+
+
+def warps(n, stages=1):
+    return dict(nearest=dict(num_warps=n, num_stages=stages))
+
+
+#: (label, overrides of the current defaults); the first row is the previous default
+SETTINGS = [
+    ("BDA 128, BDS 128, 8 warps (before)", dict(BDA=128, BDS=128, **warps(8))),
+    ("BDA 128, BDS 64, 8 warps", dict(BDA=128, BDS=64, **warps(8))),
+    ("BDA 128, BDS 32, 8 warps", dict(BDA=128, BDS=32, **warps(8))),
+    ("BDA 32, BDS 32, 4 warps (now)", {}),
+    ("BDA 16, BDS 16, 4 warps", dict(BDA=16, BDS=16)),
+    ("BDA 32, BDS 16, 4 warps", dict(BDS=16)),
+    ("BDA 16, BDS 32, 4 warps", dict(BDA=16)),
+    ("BDA 32, BDS 64, 4 warps", dict(BDS=64)),
+    ("BDA 32, BDS 32, 8 warps", warps(8)),
+    ("BDA 32, BDS 32, 2 warps", warps(2)),
+    ("BDA 32, BDS 32, 4 warps, 2 stages", warps(4, 2)),
+    ("BN 32, 4 warps", dict(BN=32)),
+    ("BN 128, 4 warps", dict(BN=128)),
+    ("BN 128, 16 warps", dict(BN=128, **warps(16))),
+]
+
+
+def use(overrides: dict) -> None:
+    cfg = dict(CURRENT(), **overrides)
+    ovq_assign._blocks = lambda: cfg
+    ovq_assign._Graph.cache = GraphCache()
+
+
+def sweep() -> None:
+    for T in (4096, 16384):
+        Kp, valid, st, t0, nb = packed(keys(1, T, 8, 128, seed=5, device="cuda"), L, N)
+        args = (Kp, valid.sum(1) // L, t0 - nb, st["Dk"], st["counts"], L, N)
+        ref = ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N) if T == 4096 else None
+        for label, overrides in SETTINGS:
+            use(overrides)
+            out = ovq_assign.ovq_assign(*args)
+            ref = out if ref is None else ref
+            same = all(torch.equal(a, b) for a, b in zip(out, ref))
+            ms = triton.testing.do_bench(lambda: ovq_assign.ovq_assign(*args), warmup=3, rep=100,
+                                         return_mode="median")
+            print(f"T={T} {label:36s} {ms:.3f} ms, slots as {'PyTorch' if T == 4096 else 'the first'}'s: {same}",
+                  flush=True)
+
+
+def op() -> None:
+    for T in (1024, 4096, 16384):
+        q, k, v = inputs(1, T, torch.bfloat16, "cuda")
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+
+        def fn():
+            return ovq_attention(q, k, v, scale=math.sqrt(D), chunk_size=L, max_dict_size=N, backend="triton")[0]
+
+        first = None
+        for i in range(3):
+            for label, overrides in (SETTINGS[0], ("now", {})):
+                use(overrides)
+                o = fn()
+                first = o.detach() if first is None else first
+                grad = torch.randn_like(o)
+
+                def step():
+                    for x in leaves:
+                        x.grad = None
+                    fn().backward(grad)
+
+                with torch.no_grad():
+                    fwd = triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
+                both = triton.testing.do_bench(step, warmup=3, rep=100, return_mode="median")
+                print(f"T={T} {label} ({i}): fwd {fwd:.3f}, fwd+bwd {both:.3f} ms, output as the first: "
+                      f"{torch.equal(o.detach(), first)}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", action="store_true", help="also time the op with the previous and the current default")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    try:
+        sweep()
+        if args.op:
+            op()
+    finally:
+        ovq_assign._blocks = CURRENT
+
+
+if __name__ == "__main__":
+    main()
