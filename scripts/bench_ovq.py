@@ -95,6 +95,24 @@ def decode_ms(q, k, v, state, scale):
     return out
 
 
+def kernel_dictionaries(B, T, dtype, device):
+    """Inputs of the chunk-attention kernel alone, shaped as the op builds them: version tables (dict_k unit-norm,
+    dict_v random), every chunk's counts (the dictionary grown as ``ovq_dict_size``, one more key a slot every W / L
+    chunks) and the tables' bases. Returns (dict_k, dict_v, counts ``[G, B, H, W]``, base ``[B, H, W]``)."""
+    G = T // L
+    W = min(N, max(1, (T - L) * N // (T - L + N)))  # the widest dictionary a chunk reads
+    gen = torch.Generator(device=device).manual_seed(1)
+    per = T // W + 2  # table rows per slot
+    dk = F.normalize(torch.randn(B, H, W * per, D, device=device, generator=gen), dim=-1).to(dtype)
+    dv = torch.randn(B, H, W * per, D, device=device, generator=gen).to(dtype)
+    sizes = torch.tensor([min(W, c * L * N // (c * L + N)) for c in range(G)], device=device)
+    version = 1 + torch.arange(G, device=device) * L // W  # [G]
+    counts = ((torch.arange(W, device=device) < sizes[:, None]) * version[:, None])[:, None, None].expand(
+        G, B, H, W).contiguous()
+    base = (torch.arange(W, device=device) * per).expand(B, H, W).contiguous()
+    return dk, dv, counts, base
+
+
 def bench_length(B, T, dtype, device, pytorch_assign=False):
     from lazoo.kernels.ovq import ovq_chunk_attention
     from lazoo.ops import ovq_attention
@@ -111,8 +129,6 @@ def bench_length(B, T, dtype, device, pytorch_assign=False):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=True).transpose(1, 2)
 
-    # every chunk's dictionary, as the op builds them: take the final state's size for the width
-    G = T // L
     with torch.no_grad():
         try:
             _, st = ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, output_final_state=True,
@@ -125,17 +141,8 @@ def bench_length(B, T, dtype, device, pytorch_assign=False):
             row["ovq_state_bytes"] = "oom"
         torch.cuda.empty_cache()
     row["kv_cache_bytes"] = 2 * B * T * H * D * torch.empty((), dtype=dtype).element_size()
-    W = min(N, max(1, (T - L) * N // (T - L + N)))  # the widest dictionary a chunk reads
     try:
-        gen = torch.Generator(device=device).manual_seed(1)
-        per = T // W + 2  # table rows per slot
-        dk = F.normalize(torch.randn(B, H, W * per, D, device=device, generator=gen), dim=-1).to(dtype)
-        dv = torch.randn(B, H, W * per, D, device=device, generator=gen).to(dtype)
-        sizes = torch.tensor([min(W, c * L * N // (c * L + N)) for c in range(G)], device=device)
-        version = 1 + torch.arange(G, device=device) * L // W  # [G]
-        counts = ((torch.arange(W, device=device) < sizes[:, None]) * version[:, None])[:, None, None].expand(
-            G, B, H, W).contiguous()
-        base = (torch.arange(W, device=device) * per).expand(B, H, W).contiguous()
+        dk, dv, counts, base = kernel_dictionaries(B, T, dtype, device)
         kernel_leaves = leaves + [dk.requires_grad_(), dv.requires_grad_()]
 
         def kernel():

@@ -104,20 +104,24 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     out["version table: backward"] = measure(
         ovq_versions._bwd_kernel, dict(DOUT="*bf16", DEND=f32, **i64s, DX=f32, DD0=f32, **sizes, **vcx),
         dict(D=dk, BD=dk), num_warps=ovq_versions.NUM_WARPS)
-    cfg = ovq._blocks(dk, dk)
-    tiles = dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BM=cfg["BM"], BN=cfg["BN"])
-    tcx = {n: "constexpr" for n in tiles}
+    def tiles(kernel):
+        cfg = ovq._blocks(kernel)
+        return dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BM=cfg["BM"], BN=cfg["BN"]), _opts(cfg)
+
+    tcx = dict.fromkeys(("DQK", "DV", "BDK", "BDV", "BM", "BN"), "constexpr")
     bf = "*bf16"
     common = dict(q=bf, k=bf, v=bf, dk=bf, dv=bf, counts=i64, base=i64, size="*i32", length="*i32")
     dims = dict.fromkeys(("B", "T", "H", "W", "R", "L"), "i32")
     grads = dict(do=bf, lse=f32, delta=f32)
-    opts = _opts(cfg)
-    out["attention: forward"] = measure(ovq._fwd_kernel, dict(common, o=bf, lse=f32, **dims, **tcx), tiles, **opts)
-    out["attention: dq"] = measure(ovq._bwd_dq_kernel, dict(common, **grads, dq=bf, **dims, **tcx), tiles, **opts)
-    for name, dict_rows, g in (("chunk keys", False, bf), ("dictionary", True, f32)):
+    t, opts = tiles("fwd")
+    out["attention: forward"] = measure(ovq._fwd_kernel, dict(common, o=bf, lse=f32, **dims, **tcx), t, **opts)
+    t, opts = tiles("dq")
+    out["attention: dq"] = measure(ovq._bwd_dq_kernel, dict(common, **grads, dq=bf, **dims, **tcx), t, **opts)
+    for name, kernel, dict_rows, g in (("chunk keys", "dkv_chunk", False, bf), ("dictionary", "dkv_dict", True, f32)):
+        t, opts = tiles(kernel)
         out[f"attention: dk, dv ({name})"] = measure(
             ovq._bwd_dkv_kernel, dict(common, **grads, gk=g, gv=g, **dims, DICT="constexpr", **tcx),
-            dict(tiles, DICT=dict_rows), **opts)
+            dict(t, DICT=dict_rows), **opts)
     sig_d = dict(q=f32, dk=f32, dv=f32, counts=i64, pk=f32, pv=f32, n_part="*i32", m_out=f32, l_out=f32,
                  acc_out=f32, H="i32", M="i32", L="i32", ROWS="i32", DQK="constexpr", DV="constexpr", BDK="constexpr",
                  BDV="constexpr", BN="constexpr", BL="constexpr")

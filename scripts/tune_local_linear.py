@@ -27,6 +27,7 @@ from lazoo.kernels import local_linear as kernel
 from lazoo.ops import local_linear_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tuning import chosen_kernels, median_ms, rel  # noqa: E402
 from bench_local_linear import make_inputs  # noqa: E402  (the benchmark's inputs: unit q, k, P, β = √d)
 
 L = kernel.Launch
@@ -50,14 +51,6 @@ def set_launches(table, rank):
         launch_table(name, rank)[name] = cfg
 
 
-def median_ms(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -68,10 +61,7 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--kernels", default=",".join(CANDIDATES), help="comma-separated kernels to sweep")
     args = ap.parse_args(argv)
-    kernels = args.kernels.split(",")
-    unknown = [k for k in kernels if k not in CANDIDATES]
-    if unknown:
-        ap.error(f"--kernels: unknown {unknown}; choose from {list(CANDIDATES)}")
+    kernels = chosen_kernels(ap, args.kernels, CANDIDATES)
     if not torch.cuda.is_available():
         raise SystemExit("tune_local_linear.py times the kernels on a CUDA GPU")
     T, H, D, R = args.seq, args.heads, args.head_dim, args.rank

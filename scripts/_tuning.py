@@ -1,0 +1,24 @@
+"""Pieces the launch sweeps share (``tune_local_linear.py``, ``tune_ovq_attention.py``)."""
+
+from __future__ import annotations
+
+import triton
+
+
+def median_ms(fn):
+    """Median ms of ``fn()`` (``triton.testing.do_bench``)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def rel(a, b):
+    """‖a − b‖ / ‖b‖ in fp32 (a candidate launch's output against the starting launch's)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def chosen_kernels(ap, text: str, candidates: dict) -> list[str]:
+    """The kernels of ``--kernels`` (comma-separated), refused through ``ap`` when one has no candidates."""
+    kernels = text.split(",")
+    unknown = [k for k in kernels if k not in candidates]
+    if unknown:
+        ap.error(f"--kernels: unknown {unknown}; choose from {list(candidates)}")
+    return kernels
