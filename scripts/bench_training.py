@@ -31,7 +31,7 @@ tokens_per_s, step_ms_median/min/max, peak_mem_GiB, loss, error, ...}]}``.
     PYTHONPATH=src python scripts/bench_training.py --out bench_training.json
 
 On an H100 the default set (5 models x 2 lengths + up to 4 fla rows) should take about 4-6 minutes
-(lazoo's Triton kernels compile in the warm-up steps, sw-ovq runs OVQ's PyTorch chunk form, fla autotunes
+(lazoo's Triton kernels compile in the warm-up steps, sw-ovq assigns its dictionary chunk by chunk, fla autotunes
 for up to ``--fla-budget`` = 120 s). To shrink it: ``--fla-budget 0`` (or ``--no-fla``), ``--steps 5``,
 ``--lengths 2048``, or drop ``sw-ovq``/``vla`` from ``--mechanisms``; ``--row-budget`` caps any one row.
 

@@ -246,6 +246,45 @@ def test_interp_decoding_after_the_ops_state_reads_nothing_back(monkeypatch):
     assert torch.equal(ovq_mod._returned_host_t(st), st["t"])
 
 
+@pytest.mark.parametrize("T, L, N", [(45, 8, 12), (64, 8, 5), (130, 16, 40), (7, 8, 9), (300, 4, 1000)])
+def test_fresh_size_is_the_dictionary_the_op_builds(T, L, N):
+    """``_fresh_size`` (the host's count of active slots after whole chunks from an empty dictionary) equals the
+    size the chunk form reaches, growing (45, 130, 300), at its budget (64) and before any complete chunk (7)."""
+    import lazoo.ops.ovq as ovq_mod
+
+    x = op_inputs(2, T, 2, 8, 8, seed=T)
+    with torch.no_grad():
+        _, st = ovq_attention(x["q"], x["k"], x["v"], chunk_size=L, max_dict_size=N, output_final_state=True,
+                              backend="chunk")
+    sizes = (st["counts"] > 0).sum(-1)
+    assert (sizes == ovq_mod._fresh_size(T // L, L, N)).all()
+
+
+@needs_interp
+def test_interp_op_without_state_or_mask_reads_nothing_back(monkeypatch):
+    """Training's case (no state, no mask) on the Triton path: the packed length and the dictionary's width come
+    from the host, so no tensor is read back, and the op equals the float64 recurrent form at a length that is not a
+    chunk multiple, with the dictionary filling its budget and then merging; with a mask of ones (which reads back)
+    the output is the same to the bit."""
+    x = op_inputs(2, 45, 2, 16, 12, seed=11)
+    check_op(x, 8, 12, None, 1e-5, 1e-5)
+    xf = {n: t.float().requires_grad_() for n, t in x.items()}
+    kw = dict(chunk_size=8, max_dict_size=12, backend="triton")
+    with torch.no_grad():
+        masked = ovq_attention(xf["q"], xf["k"], xf["v"], scale=xf["beta"], mask=torch.ones(2, 45, dtype=torch.bool),
+                               **kw)[0]
+    read = []
+    for name in ("__int__", "__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, real=real, name=name: read.append(name) or real(t, *a))
+    unmasked = ovq_attention(xf["q"], xf["k"], xf["v"], scale=xf["beta"], **kw)[0]
+    unmasked.sum().backward()
+    monkeypatch.undo()
+    assert read == [], read
+    assert torch.equal(unmasked.detach(), masked)
+    assert all(xf[n].grad is not None for n in xf)
+
+
 def test_a_state_edited_outside_the_op_is_checked_again():
     """Only a state as the op returned it skips the value checks: with a part replaced it is checked, and refused
     when a centroid holds NaN; a cache's batch edit (new tensors in every part) drops the mark."""

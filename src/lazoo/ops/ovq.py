@@ -131,6 +131,16 @@ def ovq_dict_size(t, max_dict_size: int):
     return 0 if t <= 0 else max((t * N) // (t + N), 1)
 
 
+def _fresh_size(chunks: int, chunk_size: int, max_dict_size: int) -> int:
+    """Active slots (0..size-1) after ``chunks`` complete chunks from an empty dictionary, on the host: each chunk
+    opens clamp(ovq_dict_size(t_end) - size, 0, L) new ones (``_assign``'s rule; they do not depend on the keys)."""
+    size = 0
+    for c in range(chunks):
+        size = min(size + min(max(ovq_dict_size(chunk_size * (c + 1), max_dict_size) - size, 0), chunk_size),
+                   max_dict_size)
+    return size
+
+
 # ============================================================================ OVQ
 @without_autocast
 def ovq_attention(
@@ -184,7 +194,8 @@ def ovq_attention(
     elif backend == "triton" and T == 1 and not needs_grad:  # decoding: the per-token form, attention in one kernel
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync, attend=_attend_token_triton)
     elif backend == "triton":
-        o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign)
+        o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign,
+                               fresh_unmasked=initial_state is None and mask is None)
     elif backend == "recurrent":
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync)
     else:
@@ -655,18 +666,21 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
     return means_k, means_v, start - counts0, Dk_end, Dv_end
 
 
-def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
+def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=False):
     """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
     (sequential, no gradient: lazoo.kernels.ovq_assign with ``triton_assign``, else a PyTorch loop over the chunks);
     (2) every value each slot takes, as differentiable running means (``_dictionary_versions``); (3) one kernel
     launch for the attention of all chunks, each reading its dictionary from (2) by the counts before it.
     Gradients reach q, k, v and the initial dictionaries through (2). ``kdt``: the dtype the kernel computes
-    in."""
+    in. ``fresh_unmasked`` (no initial state, no mask: training): the packed length and the dictionary's width are
+    known on the host, so nothing is read back (otherwise two reads: the host would wait for the GPU in every
+    layer, and the GPU for the host after it)."""
     from ..kernels.ovq import ovq_chunk_attention  # lazy: importing defines the kernels
 
     st = dict(state)
     bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
-    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
+    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L, sync=not fresh_unmasked,
+                                               max_partial=0)
     if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
         from ..kernels.ovq_assign import ovq_assign
 
@@ -676,9 +690,13 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign):
         slots, before, counts_end = _chunk_slots(Kp, valid, st, t0, nb, L, N)
     means_k, means_v, base, Dk_end, Dv_end = _dictionary_versions(Kp, Vp, slots, st["Dk"], st["Dv"],
                                                                   st["counts"], counts_end, kdt)
-    # the slots any chunk reads: up to the last active slot before the last chunk (one host sync)
+    # the slots any chunk reads: up to the last active slot before the last chunk (one host sync, or from the host
+    # when the dictionary started empty and every chunk before the last is complete)
     M = before.shape[-1]
-    W = int((torch.arange(1, M + 1, device=before.device) * (before[-1] > 0)).amax()) if before.numel() else 0
+    if fresh_unmasked:
+        W = _fresh_size(before.shape[0] - 1, L, N) if before.numel() else 0
+    else:
+        W = int((torch.arange(1, M + 1, device=before.device) * (before[-1] > 0)).amax()) if before.numel() else 0
     o = ovq_chunk_attention(Qp.to(kdt), Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
                             length=total)
     o = _unpack(o.to(q.dtype), dest, L)
