@@ -492,14 +492,13 @@ def _unpack(Op, dest, L):
 
 
 def _partial_chunk(x, total, L):
-    """The partial chunk left at the end of packed rows x ``[B, P, H, d]``: rows [total // L * L, total),
+    """The partial chunk left at the end of packed rows x ``[B, P, H, d]`` (P >= 1): rows [total // L * L, total),
     zeros past them."""
-    B, _, H, d = x.shape
+    _, P, H, d = x.shape
     slots = torch.arange(L, device=x.device)
-    idx = ((total // L) * L)[:, None] + slots[None]  # [B, L], at most P + L - 1
+    idx = ((total // L) * L)[:, None] + slots[None]  # [B, L], at most P + L - 1: rows past P are masked below
     rem = (slots[None] < (total % L)[:, None])[:, :, None, None]
-    ext = torch.cat([x, torch.zeros(B, L, H, d, dtype=x.dtype, device=x.device)], 1)
-    part = ext.gather(1, idx[:, :, None, None].expand(-1, -1, H, d))
+    part = x.gather(1, idx.clamp_max(P - 1)[:, :, None, None].expand(-1, -1, H, d))
     return torch.where(rem, part, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -679,8 +678,17 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
 
     st = dict(state)
     bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
-    Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L, sync=not fresh_unmasked,
-                                               max_partial=0)
+    cdt = k.dtype
+    q = q.to(kdt)  # the kernel's dtype before packing (q is only read there): the same values, fewer bytes
+    if fresh_unmasked:  # no partial chunk before the tokens, no pad among them: packing is padding to whole chunks
+        B, T = q.shape[:2]
+        P = max(1, -(-T // L)) * L
+        Qp, Kp, Vp = (F.pad(x, (0, 0, 0, 0, 0, P - T)) for x in (q, k, v))
+        total = torch.full((B,), T, dtype=torch.int64, device=q.device)
+        nb = torch.zeros_like(total)
+        valid = (torch.arange(P, device=q.device) < T)[None].expand(B, P)
+    else:
+        Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
     if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
         from ..kernels.ovq_assign import ovq_assign
 
@@ -697,9 +705,9 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
         W = _fresh_size(before.shape[0] - 1, L, N) if before.numel() else 0
     else:
         W = int((torch.arange(1, M + 1, device=before.device) * (before[-1] > 0)).amax()) if before.numel() else 0
-    o = ovq_chunk_attention(Qp.to(kdt), Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
-                            length=total)
-    o = _unpack(o.to(q.dtype), dest, L)
+    o = ovq_chunk_attention(Qp, Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
+                            length=total).to(cdt)
+    o = o[:, :q.shape[1]] if fresh_unmasked else _unpack(o, dest, L)
     st.update(Dk=Dk_end, Dv=Dv_end, counts=counts_end,
               k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
     return o, st
