@@ -261,17 +261,18 @@ def test_fresh_size_is_the_dictionary_the_op_builds(T, L, N):
 
 
 @needs_interp
-def test_interp_op_without_state_or_mask_reads_nothing_back(monkeypatch):
+@pytest.mark.parametrize("T", [45, 48])
+def test_interp_op_without_state_or_mask_reads_nothing_back(monkeypatch, T):
     """Training's case (no state, no mask) on the Triton path: the packed length and the dictionary's width come
-    from the host, so no tensor is read back, and the op equals the float64 recurrent form at a length that is not a
-    chunk multiple, with the dictionary filling its budget and then merging; with a mask of ones (which reads back)
-    the output is the same to the bit."""
-    x = op_inputs(2, 45, 2, 16, 12, seed=11)
+    from the host, so no tensor is read back, and the op equals the float64 recurrent form at a length that is or
+    is not a chunk multiple, with the dictionary filling its budget and then merging; with a mask of ones (which
+    reads back) the output is the same to the bit."""
+    x = op_inputs(2, T, 2, 16, 12, seed=11)
     check_op(x, 8, 12, None, 1e-5, 1e-5)
     xf = {n: t.float().requires_grad_() for n, t in x.items()}
     kw = dict(chunk_size=8, max_dict_size=12, backend="triton")
     with torch.no_grad():
-        masked = ovq_attention(xf["q"], xf["k"], xf["v"], scale=xf["beta"], mask=torch.ones(2, 45, dtype=torch.bool),
+        masked = ovq_attention(xf["q"], xf["k"], xf["v"], scale=xf["beta"], mask=torch.ones(2, T, dtype=torch.bool),
                                **kw)[0]
     read = []
     for name in ("__int__", "__bool__", "item", "tolist"):

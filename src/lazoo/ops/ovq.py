@@ -683,7 +683,7 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     if fresh_unmasked:  # no partial chunk before the tokens, no pad among them: packing is padding to whole chunks
         B, T = q.shape[:2]
         P = max(1, -(-T // L)) * L
-        Qp, Kp, Vp = (F.pad(x, (0, 0, 0, 0, 0, P - T)) for x in (q, k, v))
+        Qp, Kp, Vp = (F.pad(x, (0, 0, 0, 0, 0, P - T)) if P > T else x for x in (q, k, v))  # (a pad of 0 copies)
         total = torch.full((B,), T, dtype=torch.int64, device=q.device)
         nb = torch.zeros_like(total)
         valid = (torch.arange(P, device=q.device) < T)[None].expand(B, P)
