@@ -2,12 +2,13 @@
 
 Each setting overrides ``ovq_assign._blocks()`` (BN slots a block, BDA features a step of the add, BDS of the
 similarity product, the search's warps and stages); the captured CUDA graphs are dropped between settings. Step 1
-is timed at T = 4k and 16k (B = 1, H = 8, d = 128, N = 2048, L = 128, unit-norm random keys), its slots compared
-with PyTorch's ``_chunk_slots`` at 4k and with the first setting's at 16k. ``--op`` then times the op forward and
+is timed at --lengths (default T = 4k and 16k, B = 1, H = 8, d = 128; N = 2048, L = 128, unit-norm random keys),
+its slots compared with PyTorch's ``_chunk_slots`` at the first length and with the first setting's at the others.
+The shape of a ~138M sw-ovq model's training step: ``--lengths 8192 --batch 2 --heads 12 --head-dim 64``. ``--op`` then times the op forward and
 forward + backward (``scripts/bench_ovq.py``'s inputs, bf16) with the previous default and the current one,
 alternately, three times each.
 
-    PYTHONPATH=src:tests:scripts python scripts/bench_ovq_search.py [--op]
+    PYTHONPATH=src:tests:scripts python scripts/bench_ovq_search.py [--op] [--lengths ...] [--batch B] ...
 """
 import argparse
 import math
@@ -45,6 +46,7 @@ SETTINGS = [
     ("BN 32, 4 warps", dict(BN=32)),
     ("BN 128, 4 warps", dict(BN=128)),
     ("BN 128, 16 warps", dict(BN=128, **warps(16))),
+    ("BN 128, 8 warps", dict(BN=128, **warps(8))),  # half the programs of BN 64 (no spill offline, sm_90)
 ]
 
 
@@ -54,11 +56,11 @@ def use(overrides: dict) -> None:
     ovq_assign._Graph.cache = GraphCache()
 
 
-def sweep() -> None:
-    for T in (4096, 16384):
-        Kp, valid, st, t0, nb = packed(keys(1, T, 8, 128, seed=5, device="cuda"), L, N)
+def sweep(lengths=(4096, 16384), batch=1, heads=8, head_dim=128) -> None:
+    for T in lengths:
+        Kp, valid, st, t0, nb = packed(keys(batch, T, heads, head_dim, seed=5, device="cuda"), L, N)
         args = (Kp, valid.sum(1) // L, t0 - nb, st["Dk"], st["counts"], L, N)
-        ref = ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N) if T == 4096 else None
+        ref = ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N) if T == lengths[0] else None
         for label, overrides in SETTINGS:
             use(overrides)
             out = ovq_assign.ovq_assign(*args)
@@ -66,8 +68,8 @@ def sweep() -> None:
             same = all(torch.equal(a, b) for a, b in zip(out, ref))
             ms = triton.testing.do_bench(lambda: ovq_assign.ovq_assign(*args), warmup=3, rep=100,
                                          return_mode="median")
-            print(f"T={T} {label:36s} {ms:.3f} ms, slots as {'PyTorch' if T == 4096 else 'the first'}'s: {same}",
-                  flush=True)
+            print(f"T={T} {label:36s} {ms:.3f} ms, slots as {'PyTorch' if T == lengths[0] else 'the first'}'s: "
+                  f"{same}", flush=True)
 
 
 def op() -> None:
@@ -101,10 +103,15 @@ def op() -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", action="store_true", help="also time the op with the previous and the current default")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384],
+                    help="the first is also checked against PyTorch's step 1")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     try:
-        sweep()
+        sweep(tuple(args.lengths), args.batch, args.heads, args.head_dim)
         if args.op:
             op()
     finally:
