@@ -247,17 +247,18 @@ def test_interp_decoding_after_the_ops_state_reads_nothing_back(monkeypatch):
 
 
 @pytest.mark.parametrize("T, L, N", [(45, 8, 12), (64, 8, 5), (130, 16, 40), (7, 8, 9), (300, 4, 1000)])
-def test_fresh_size_is_the_dictionary_the_op_builds(T, L, N):
-    """``_fresh_size`` (the host's count of active slots after whole chunks from an empty dictionary) equals the
-    size the chunk form reaches, growing (45, 130, 300), at its budget (64) and before any complete chunk (7)."""
-    import lazoo.ops.ovq as ovq_mod
+def test_an_empty_dictionary_holds_ovq_dict_size_slots_after_whole_chunks(T, L, N):
+    """The Triton path's training case takes the dictionary's width from the host as ovq_dict_size(c·L) after c
+    whole chunks from an empty dictionary: the size the chunk form reaches, growing (45, 130, 300), at its budget
+    (64) and before any complete chunk (7)."""
+    from lazoo.ops.ovq import ovq_dict_size
 
     x = op_inputs(2, T, 2, 8, 8, seed=T)
     with torch.no_grad():
         _, st = ovq_attention(x["q"], x["k"], x["v"], chunk_size=L, max_dict_size=N, output_final_state=True,
                               backend="chunk")
     sizes = (st["counts"] > 0).sum(-1)
-    assert (sizes == ovq_mod._fresh_size(T // L, L, N)).all()
+    assert (sizes == ovq_dict_size(T // L * L, N)).all()
 
 
 @needs_interp

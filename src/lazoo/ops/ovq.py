@@ -131,16 +131,6 @@ def ovq_dict_size(t, max_dict_size: int):
     return 0 if t <= 0 else max((t * N) // (t + N), 1)
 
 
-def _fresh_size(chunks: int, chunk_size: int, max_dict_size: int) -> int:
-    """Active slots (0..size-1) after ``chunks`` complete chunks from an empty dictionary, on the host: each chunk
-    opens clamp(ovq_dict_size(t_end) - size, 0, L) new ones (``_assign``'s rule; they do not depend on the keys)."""
-    size = 0
-    for c in range(chunks):
-        size = min(size + min(max(ovq_dict_size(chunk_size * (c + 1), max_dict_size) - size, 0), chunk_size),
-                   max_dict_size)
-    return size
-
-
 # ============================================================================ OVQ
 @without_autocast
 def ovq_attention(
@@ -702,7 +692,9 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     # when the dictionary started empty and every chunk before the last is complete)
     M = before.shape[-1]
     if fresh_unmasked:
-        W = _fresh_size(before.shape[0] - 1, L, N) if before.numel() else 0
+        # an empty dictionary opens clamp(ovq_dict_size(t_end) - size, 0, L) slots a chunk (``_assign``), whatever
+        # the keys; ovq_dict_size grows by at most L a chunk, so after c whole chunks it holds ovq_dict_size(c·L)
+        W = ovq_dict_size((before.shape[0] - 1) * L, N) if before.numel() else 0
     else:
         W = int((torch.arange(1, M + 1, device=before.device) * (before[-1] > 0)).amax()) if before.numel() else 0
     o = ovq_chunk_attention(Qp, Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
