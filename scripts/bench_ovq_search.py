@@ -17,6 +17,7 @@ import torch
 import triton.testing
 
 import lazoo.ops.ovq as ovq_mod
+from bench_kernels import time_fwd_bwd
 from bench_ovq import D, L, N, inputs
 from lazoo.kernels import ovq_assign
 from lazoo.kernels._graphs import GraphCache
@@ -81,29 +82,22 @@ def sweep(lengths=(4096, 16384), batch=1, heads=8, head_dim=128) -> None:
 def op() -> None:
     for T in (1024, 4096, 16384):
         q, k, v = inputs(1, T, torch.bfloat16, "cuda")
-        leaves = [x.requires_grad_() for x in (q, k, v)]
+        x = {"q": q, "k": k, "v": v}
 
-        def fn():
-            return ovq_attention(q, k, v, scale=math.sqrt(D), chunk_size=L, max_dict_size=N, backend="triton")[0]
+        def fn(x):
+            return ovq_attention(x["q"], x["k"], x["v"], scale=math.sqrt(D), chunk_size=L, max_dict_size=N,
+                                 backend="triton")[0]
 
-        first = None
+        with torch.no_grad():
+            first = fn(x)
         for i in range(3):
             for label, overrides in (SETTINGS[0], ("now", {})):
                 use(overrides)
-                o = fn()
-                first = o.detach() if first is None else first
-                grad = torch.randn_like(o)
-
-                def step():
-                    for x in leaves:
-                        x.grad = None
-                    fn().backward(grad)
-
                 with torch.no_grad():
-                    fwd = triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
-                both = triton.testing.do_bench(step, warmup=3, rep=100, return_mode="median")
-                print(f"T={T} {label} ({i}): fwd {fwd:.3f}, fwd+bwd {both:.3f} ms, output as the first: "
-                      f"{torch.equal(o.detach(), first)}", flush=True)
+                    same = torch.equal(fn(x), first)
+                fwd, both, err = time_fwd_bwd(fn, x, ("q", "k", "v"))
+                print(f"T={T} {label} ({i}): fwd {fwd} ms, fwd+bwd {both} ms, output as the first: {same}"
+                      f"{'; ' + err if err else ''}", flush=True)
 
 
 def main():

@@ -795,7 +795,7 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0, q_in=None, 
     # nothing (offline, sm_90: 188-236 bytes with dv), 1-3 % faster on an H100 (BENCHMARKS.md)
     dv_apart = c.extra
     key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, poly, sign,
-           dv_apart, q.device.type)
+           q.device.type)  # (c.E decides dv_apart)
     launch_first_fitting(_bwd_dqkv_kernel, lambda cfg: c.grid(), key, configs, q, k, a, cf, v, h, he, z, ze, do, rden,
                          dden, dh, dhe, dz, dze, dq, dk, da, dc, dv, q_in, k_in, c.cu, c.chunk_indices, c.T, BK=BK,
                          CAUSAL=c.causal, TIMES_FEATURES=c.exp_of, POLY=poly, SIGN=sign, DV=not dv_apart, **c.meta())
