@@ -404,6 +404,28 @@ def test_gpu_decoding_steps_do_not_synchronise():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("T", [1000, 1024])
+def test_gpu_training_step_does_not_synchronise(T):
+    """Training's case (no state, no mask) waits for nothing on the GPU in the forward or the backward: CUDA's sync
+    debug mode raises on any synchronising call. A warm-up step first builds and captures what is cached."""
+    x = op_inputs(2, T, 4, 64, 64, seed=8)
+    # bf16 activations and a per-head fp32 scale that learns, as a model's layer passes them
+    leaves = {n: t.to("cuda", torch.float32 if n == "beta" else torch.bfloat16).requires_grad_() for n, t in x.items()}
+    kw = dict(chunk_size=128, max_dict_size=512, backend="triton")
+    for warm in (True, False):
+        if not warm:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            o = ovq_attention(leaves["q"], leaves["k"], leaves["v"], scale=leaves["beta"], **kw)[0]
+            grads = torch.autograd.grad(o.float().square().sum(), list(leaves.values()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(o).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_decode_kernel_matches_the_chunk_form():
     # a 1000-token prompt (d = 128, N = 2048, L = 128), then 40 tokens one at a time through a chunk end: the decode
     # kernel against the PyTorch chunk form on the same states (fp32 state, bf16 inputs)
