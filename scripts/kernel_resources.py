@@ -86,13 +86,13 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
                  step="i32", **ints, **cx, BN="constexpr", SEARCH="constexpr", BDA="constexpr",
                  BDS="constexpr", BF16_PARTS="constexpr")
     sig_m = dict(k=f32, best=f32, arg="*i32", slots=i64, size_of="*i32", n_full="*i32", t_base=i64, step="i32",
-                 **ints, N="i32", NBLK="i32", **cx)
+                 **ints, N="i32", NBLK="i32", **cx, BRK="constexpr", NBG="constexpr")
     out = {
         "assign: add and search": measure(ovq_assign._nearest_kernel, sig_n, dict(shapes, BN=acfg["BN"],
                                                                                    SEARCH=True, BDA=acfg["BDA"], BDS=acfg["BDS"],
                                                                                    BF16_PARTS=acfg["BF16_PARTS"]),
                                           **_opts(acfg["nearest"])),
-        "assign: merge": measure(ovq_assign._merge_kernel, dict(sig_m, BRK="constexpr"), dict(shapes, BRK=acfg["BRK"]),
+        "assign: merge": measure(ovq_assign._merge_kernel, sig_m, dict(shapes, BRK=acfg["BRK"], NBG=acfg["NBG"]),
                                  **_opts(acfg["merge"])),
     }
     i64s = dict.fromkeys(("C0", "START", "N", "ORDER"), i64)

@@ -97,9 +97,15 @@ def test_interp_assign_matches_pytorch_with_carried_state_and_changed_budget():
 
 
 @needs_interp
-def test_interp_assign_breaks_exact_ties_like_pytorch():
+@pytest.mark.parametrize("group", [1, 2])
+def test_interp_assign_breaks_exact_ties_like_pytorch(monkeypatch, group):
     # keys with entries in {-1, 0, 1} / 2 (dot products exact in any order) and every key twice in a
-    # row: best similarities and nearest new centroids tie exactly; ranks follow the stable sort
+    # row: best similarities and nearest new centroids tie exactly; ranks follow the stable sort. The merge reads
+    # the blocks' bests `group` blocks a load: ties across loads (1) and inside one (2) keep the first slot.
+    from lazoo.kernels import ovq_assign as oa
+
+    cfg = dict(oa._blocks(), NBG=group)
+    monkeypatch.setattr(oa, "_blocks", lambda: cfg)
     gen = torch.Generator().manual_seed(3)
     base = torch.randint(-1, 2, (2, 24, 2, 16), generator=gen).float() / 2
     k = base.repeat_interleave(2, dim=1)  # [2, 48, 2, 16]

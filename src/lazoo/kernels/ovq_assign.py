@@ -180,23 +180,28 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
 @triton.jit
 def _chunk_slots_of(k, best, arg, part, nblk, size, t_end, i_b, i_h, step, P, H, M, L, N,
                     DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr,
-                    BRK: tl.constexpr):
+                    BRK: tl.constexpr, NBG: tl.constexpr):
     """The slots ``[BL]`` of a complete chunk ``step``'s keys and the dictionary's size after it, from the blocks'
     bests (``best`` / ``arg`` rows ``part .. part + nblk − 1``) and the size before it."""
     rl = tl.arange(0, BL)
     row_ok = rl < L
     NEG_INF = float("-inf")
     n_new = tl.minimum(tl.maximum(tl.maximum((t_end * N) // (t_end + N), 1) - size, 0), L)
-    # best old centroid per key over the blocks (strict: an earlier block keeps a tie); ".cg": the search launch
-    # wrote them
+    # best old centroid per key over the blocks (an earlier block keeps a tie: its first slot is the smaller), NBG
+    # blocks a load: with one a load, each waited for the last, and the merge took 12-13 µs a chunk at 32 blocks
+    # (H200; step 1 is 4-7 % faster now); ".cg": the search launch wrote them
     best_v = tl.full([BL], NEG_INF, tl.float32)
     best_i = tl.zeros([BL], tl.int32)
-    for blk in range(0, nblk):
-        v = tl.load(best + (part + blk) * BL + rl, cache_modifier=".cg")
-        a = tl.load(arg + (part + blk) * BL + rl, cache_modifier=".cg")
-        better = v > best_v
-        best_i = tl.where(better, a, best_i)
-        best_v = tl.where(better, v, best_v)
+    for g0 in range(0, nblk, NBG):
+        gb = g0 + tl.arange(0, NBG)
+        at = (part + gb)[:, None] * BL + rl[None, :]
+        v = tl.load(best + at, mask=(gb < nblk)[:, None], other=NEG_INF, cache_modifier=".cg")  # [NBG, BL]
+        a = tl.load(arg + at, mask=(gb < nblk)[:, None], other=2147483647, cache_modifier=".cg")
+        gv = tl.max(v, 0)
+        gi = tl.min(tl.where(v == gv[None, :], a, 2147483647), 0)
+        better = gv > best_v
+        best_i = tl.where(better, gi, best_i)
+        best_v = tl.where(better, gv, best_v)
 
     # rank in a stable ascending sort of the best similarities (real keys only)
     bi = best_v[:, None]
@@ -231,7 +236,7 @@ def _chunk_slots_of(k, best, arg, part, nblk, size, t_end, i_b, i_h, step, P, H,
 @triton.jit(do_not_specialize=["step"])
 def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M, L, N, NBLK,
                   DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, SIM_PRECISION: tl.constexpr,
-                  BRK: tl.constexpr):
+                  BRK: tl.constexpr, NBG: tl.constexpr):
     """Chunk ``step`` of one (sample, head): the slots of its keys (written; the next search launch adds the keys),
     and the dictionary's size after it."""
     bh = tl.program_id(0).to(tl.int64)
@@ -243,21 +248,21 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
     if step < tl.load(n_full + i_b):
         t_end = tl.load(t_base + i_b) + L * (step + 1)
         slot, size = _chunk_slots_of(k, best, arg, bh * NBLK, NBLK, tl.load(size_of + bh), t_end, i_b, i_h, step,
-                                     P, H, M, L, N, DK, BL, BD, SIM_PRECISION, BRK)
+                                     P, H, M, L, N, DK, BL, BD, SIM_PRECISION, BRK, NBG)
         tl.store(size_of + bh, size)
     tl.store(slots + srow + rl, slot, mask=rl < L)
 
 
 def _blocks() -> dict:
     if is_interpreting():
-        return dict(BN=16, BDA=16, BDS=16, BRK=8, BF16_PARTS=False, nearest={}, merge={})
+        return dict(BN=16, BDA=16, BDS=16, BRK=8, NBG=2, BF16_PARTS=False, nearest={}, merge={})
     # sm_90, Triton 3.6, L = dk = 128: the search in 4 warps, one stage, with the add and the similarity product 32
     # features a step (step 1 at T = 4k / 16k, H = 8, H100: 1.89 / 7.22 ms, against 2.15 / 9.40 with both whole at
     # 8 warps, which spilled 792 bytes offline (Triton 3.9); BN 32 or 128, BDS / BDA 16 or 64, 2 or 16 warps and two
     # stages were all slower: BENCHMARKS.md); the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB of
-    # spills)
-    return dict(BN=64, BDA=32, BDS=32, BRK=16, BF16_PARTS=True, nearest=dict(num_warps=4, num_stages=1),
-                merge=dict(num_warps=8, num_stages=1))
+    # spills); the merge reads the blocks' bests NBG = 32 blocks a load
+    return dict(BN=64, BDA=32, BDS=32, BRK=16, NBG=32, BF16_PARTS=True,
+                nearest=dict(num_warps=4, num_stages=1), merge=dict(num_warps=8, num_stages=1))
 
 
 class _Launcher:
@@ -297,7 +302,7 @@ class _Launcher:
                 _merge_kernel[(B * H,)](
                     self.k, self.best, self.arg, self.slots, self.size, self.n_full, self.t_base, step, B, P, H, M,
                     L, self.N, self.nblk, DK=dk, BL=self.BL, BD=self.BD, SIM_PRECISION=SIM_PRECISION,
-                    BRK=min(self.BL, cfg["BRK"]), **cfg["merge"])
+                    BRK=min(self.BL, cfg["BRK"]), NBG=min(next_pow2(self.nblk), cfg["NBG"]), **cfg["merge"])
 
 
 class _Graph:
