@@ -185,7 +185,7 @@ def ovq_attention(
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync, attend=_attend_token_triton)
     elif backend == "triton":
         o, final = _ovq_triton(qs, kc, vc, real, state, L, max_dict_size, q.dtype, triton_assign,
-                               fresh_unmasked=initial_state is None and mask is None)
+                               fresh_unmasked=initial_state is None and mask is None, want_state=output_final_state)
     elif backend == "recurrent":
         o, final = _ovq_recurrent(qs, kc, vc, real, state, L, max_dict_size, sync)
     else:
@@ -655,7 +655,7 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
     return means_k, means_v, start - counts0, Dk_end, Dv_end
 
 
-def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=False):
+def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=False, want_state=True):
     """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
     (sequential, no gradient: lazoo.kernels.ovq_assign with ``triton_assign``, else a PyTorch loop over the chunks);
     (2) every value each slot takes, as differentiable running means (``_dictionary_versions``); (3) one kernel
@@ -663,7 +663,8 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     Gradients reach q, k, v and the initial dictionaries through (2). ``kdt``: the dtype the kernel computes
     in. ``fresh_unmasked`` (no initial state, no mask: training): the packed length and the dictionary's width are
     known on the host, so nothing is read back (otherwise two reads: the host would wait for the GPU in every
-    layer, and the GPU for the host after it)."""
+    layer, and the GPU for the host after it). Without ``want_state`` the returned state lacks the partial chunk's
+    keys and values (two gathers fewer: the op then returns no state)."""
     from ..kernels.ovq import ovq_chunk_attention  # lazy: importing defines the kernels
 
     st = dict(state)
@@ -700,8 +701,8 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     o = ovq_chunk_attention(Qp, Kp.to(kdt), Vp.to(kdt), means_k, means_v, before[..., :W], base[..., :W], L,
                             length=total).to(cdt)
     o = o[:, :q.shape[1]] if fresh_unmasked else _unpack(o, dest, L)
-    st.update(Dk=Dk_end, Dv=Dv_end, counts=counts_end,
-              k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L), t=t0 + real.long().sum(1))
+    partial = dict(k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L)) if want_state else {}
+    st.update(Dk=Dk_end, Dv=Dv_end, counts=counts_end, t=t0 + real.long().sum(1), **partial)
     return o, st
 
 
