@@ -219,21 +219,26 @@ def _causal_poly_fused(kernel, q, k, v, eps, chunk_size, state, output_final_sta
     the kernel's chunks. The state keeps the feature layout
     (S = [S', Σ v cᵀ], C = [Σ k', Σ c]): decoding and caches are unchanged. (magnitude_direction: q', k' are
     rounded to the inputs' precision, a and c are not.)"""
-    from ..kernels.ela_features import KERNELS, poly_features
-    from ..kernels.normalized import chunk_normalized_linear_attention
-
     D = q.shape[-1]
-    q1, k1, a, c = poly_features(q, k, kernel, mask)  # q, k are zero at pads; c is made so
     s0 = None
     if state is not None:
         s0 = (state["S"][..., :D], state["S"][..., D:], state["C"][..., :D], state["C"][..., D:])
-    o, final = chunk_normalized_linear_attention(q1, k1, v, a, c, eps=eps, initial_state=s0,
-                                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                                 chunk_size=chunk_size, poly_of=(q, k, *KERNELS[kernel]))
+    o, final = _on_poly_features(kernel, q, k, v, eps, mask, initial_state=s0, output_final_state=output_final_state,
+                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if final is not None:
         h, he, z, ze = final
         final = {"S": torch.cat([h, he], -1).to(cdt), "C": torch.cat([z, ze], -1).to(cdt)}
     return o, final
+
+
+def _on_poly_features(kernel, q, k, v, eps, mask, **run):
+    """``chunk_normalized_linear_attention`` (``run``: its other arguments) on a polynomial kernel's split features:
+    q', k' and the scalar features a, c, formed without gradient (the kernel's backward carries theirs to q, k)."""
+    from ..kernels.ela_features import KERNELS, poly_features
+    from ..kernels.normalized import chunk_normalized_linear_attention
+
+    q1, k1, a, c = poly_features(q, k, kernel, mask)  # q, k are zero at pads; c is made so
+    return chunk_normalized_linear_attention(q1, k1, v, a, c, eps=eps, poly_of=(q, k, *KERNELS[kernel]), **run)
 
 
 # ============================================================================ causal hadamard_exp
@@ -398,14 +403,12 @@ def _bidirectional_fused(kernel, q, k, v, eps, mask, cu_seqlens):
     shift needs no spread check here: every query sees the key that sets c, so the largest term of its denominator is
     exactly 1, and a key that underflows would add under e^-87 of it. (fp16 keeps the matmul form: the kernel's
     score tiles are in the inputs' dtype, as in the causal form.)"""
-    from ..kernels.ela_features import KERNELS, exp_features, poly_features
+    from ..kernels.ela_features import exp_features
     from ..kernels.normalized import chunk_normalized_linear_attention
 
     run = dict(causal=False, cu_seqlens=cu_seqlens)
     if kernel != "hadamard_exp":
-        q1, k1, a, c = poly_features(q, k, kernel, mask)
-        return chunk_normalized_linear_attention(q1, k1, v, a, c, eps=eps, poly_of=(q, k, *KERNELS[kernel]),
-                                                 **run)[0]
+        return _on_poly_features(kernel, q, k, v, eps, mask, **run)[0]
     seq = None if cu_seqlens is None else packed_sequence_ids(cu_seqlens, q.shape[1])
     with torch.no_grad():  # the largest real key per sequence, head and feature (0 where there is none)
         hi = _key_extremes(k, mask, cu_seqlens, seq)[1].float()
