@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._vla_blocks import block_start, ldl_inverse, seg_end, seg_start
+
 #: largest head dim (A is held whole in registers)
 MAX_HEAD_DIM = 128
 #: tokens per block (the chunk length of the Woodbury step; tl.dot needs >= 16)
@@ -54,6 +56,9 @@ CKPT_BLOCKS = 16
 #: "tf32x3" (three tf32 tensor-core products) matched "ieee" (fp32 FMA, 8x slower) on an H100 at d = 128,
 #: T = 1000 (~1e-6 from float64, as the token scan); one-pass "tf32" was 2.3x faster but off by ~1e-3.
 PRECISION = "tf32x3"
+#: the forward with A in global memory, a column block at a time (``lazoo.kernels.vla_chunk_streamed``): built to
+#: remove the register form's spills; off until it is timed on a GPU
+STREAMED = False
 
 
 @triton.jit
@@ -70,50 +75,11 @@ def _store_rows(ptr, x, i_b, i_h, pos, rmask, T, H: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _seg_end(fl, r, s0, BC: tl.constexpr):
-    """Last position of the segment that starts at s0: the first flagged position >= s0, else the block end."""
-    return tl.min(tl.where((fl != 0) & (r >= s0), r, BC - 1), 0)
-
-
-@triton.jit
-def _seg_start(fl, r, e):
-    """First position of the segment that ends at e: one after the last flagged position < e, else 0."""
-    return tl.max(tl.where((fl != 0) & (r < e), r, -1), 0) + 1
-
-
-@triton.jit
-def _ldl_inverse(G, r, BC: tl.constexpr, PREC: tl.constexpr):
-    """N = L⁻¹ and D of G = L D Lᵀ (L unit lower; G is SPD, here G >= I).
-
-    Right-looking and symmetric: step i takes column i of the Schur complement (pivot d_i, column
-    l = g / d_i below it) and removes d_i l lᵀ; two reductions a step. Then L = I + L_o with L_o strictly
-    lower, so nilpotent, and L⁻¹ = (I - L_o)(I + L_o²)(I + L_o⁴)... exactly, by log2(BC) - 1 squarings."""
-    Sc = G
-    Lo = tl.zeros([BC, BC], dtype=tl.float32)
-    Dv = tl.full([BC], 1.0, dtype=tl.float32)
-    for i in range(BC):
-        g = tl.sum(tl.where(r[None, :] == i, Sc, 0.0), 1)  # column i (rows < i are stale and unused)
-        d = tl.sum(tl.where(r == i, g, 0.0), 0)
-        col = tl.where(r > i, g / d, 0.0)
-        Sc = Sc - (col * d)[:, None] * col[None, :]
-        Lo = tl.where(r[None, :] == i, col[:, None], Lo)
-        Dv = tl.where(r == i, d, Dv)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    N = eye - Lo
-    P = Lo
-    for m in tl.static_range(5):  # BC <= 64
-        if (2 << m) < BC:  # P = L_o^(2^(m+1)) is still nonzero
-            P = tl.dot(P, P, input_precision=PREC)
-            N = N + tl.dot(N, P, input_precision=PREC)
-    return N, Dv
-
-
-@triton.jit
 def _factor(A0, U, r, BC: tl.constexpr, PREC: tl.constexpr):
     """W = U A0, N = L⁻¹ and D of G = I + U Wᵀ, and Aa = N W (A0 symmetric)."""
     W = tl.dot(U, A0, input_precision=PREC)
     G = tl.dot(U, tl.trans(W), input_precision=PREC) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    N, Dv = _ldl_inverse(G, r, BC, PREC)
+    N, Dv = ldl_inverse(G, r, BC, PREC)
     Aa = tl.dot(N, W, input_precision=PREC)
     return W, N, Dv, Aa
 
@@ -135,17 +101,9 @@ def _outputs(A0, X, Aa, Dv, r, PREC: tl.constexpr):
 
 
 @triton.jit
-def _block_start(flags, i_b, j, T, BC: tl.constexpr):
-    r = tl.arange(0, BC)
-    pos = j * BC + r
-    valid = pos < T
-    return r, pos, valid, tl.load(flags + i_b * T + pos, mask=valid, other=0.0)
-
-
-@triton.jit
 def _advance_segment(A, U, fl, r, s0, eta, eye, BC: tl.constexpr, PREC: tl.constexpr):
     """(A after the segment starting at s0, its last position) -- the forward without outputs."""
-    e = _seg_end(fl, r, s0, BC)
+    e = seg_end(fl, r, s0, BC)
     seg = (r >= s0) & (r <= e)
     f = tl.sum(tl.where(r == e, fl, 0.0), 0) * eta
     W, N, Dv, Aa = _factor(A, tl.where(seg[:, None], U, 0.0), r, BC, PREC)
@@ -178,12 +136,12 @@ def _chunk_fwd_kernel(
     for j in range(0, NB):
         if SAVE and j % K == 0:
             tl.store(ckpt + ((i_b * H + i_h) * NCK + j // K) * D * D + p2, A, mask=m2)
-        r, pos, valid, fl = _block_start(flags, i_b, j, T, BC)
+        r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
         U_blk = _rows(u, i_b, i_h, pos, valid, T, H, D, od)
         X_blk = _rows(k, i_b, i_h, pos, valid, T, H, D, od)
         s0 = 0
         while s0 < BC:
-            e = _seg_end(fl, r, s0, BC)
+            e = seg_end(fl, r, s0, BC)
             seg = (r >= s0) & (r <= e)
             f = tl.sum(tl.where(r == e, fl, 0.0), 0) * eta
             X = tl.where(seg[:, None], X_blk, 0.0)
@@ -254,7 +212,7 @@ def _chunk_bwd_kernel(
             if j < NB:
                 tl.store(scratch + (bh * K + jj) * D * D + p2, A, mask=m2)
                 if jj < K - 1 and j + 1 < NB:
-                    r, pos, valid, fl = _block_start(flags, i_b, j, T, BC)
+                    r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
                     U_blk = _rows(u, i_b, i_h, pos, valid, T, H, D, od)
                     s0 = 0
                     while s0 < BC:
@@ -263,7 +221,7 @@ def _chunk_bwd_kernel(
         for jj in range(0, K):
             j = c * K + K - 1 - jj
             if j < NB:
-                r, pos, valid, fl = _block_start(flags, i_b, j, T, BC)
+                r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
                 U_blk = _rows(u, i_b, i_h, pos, valid, T, H, D, od)
                 X_blk = _rows(k, i_b, i_h, pos, valid, T, H, D, od)
                 al = _rows(alpha, i_b, i_h, pos, valid, T, H, D, od)
@@ -272,7 +230,7 @@ def _chunk_bwd_kernel(
                 Yb_blk = (dal - al * tl.sum(al * dal, 1)[:, None]) * rn[:, None]  # through α̂ = a / |a|
                 e_end = BC - 1
                 while e_end >= 0:
-                    s = _seg_start(fl, r, e_end)
+                    s = seg_start(fl, r, e_end)
                     A0 = tl.load(scratch + (bh * K + K - 1 - jj) * D * D + p2, mask=m2, other=0.0)
                     s0 = 0
                     while s0 < s:  # the A at this segment's start, from the block start
@@ -309,7 +267,8 @@ class VLAChunkScanFunction(torch.autograd.Function):
     initial A ``[B, H, dk, dk]`` (symmetric); differentiable in k̂, û and A0 (A0's gradient symmetric)."""
 
     @staticmethod
-    def forward(ctx, k_hat, u_hat, flags, A0, eta: float, block: int, ckpt_blocks: int, precision: str):
+    def forward(ctx, k_hat, u_hat, flags, A0, eta: float, block: int, ckpt_blocks: int, precision: str,
+                streamed: bool):
         B, T, H, D = k_hat.shape
         dev = k_hat.device
         BD = _block_dim(D)
@@ -325,9 +284,16 @@ class VLAChunkScanFunction(torch.autograd.Function):
         rnorm = torch.empty(B, T, H, device=dev, dtype=f32)
         A_end = torch.empty(B, H, D, D, device=dev, dtype=f32)
         ckpt = torch.empty(B, H, NCK, D, D, device=dev, dtype=f32) if save else A_end
-        _chunk_fwd_kernel[(B, H)](k_hat, u_hat, flags, A0, alpha, rnorm, A_end, ckpt, T, NB, NCK, float(eta),
-                                  H=H, D=D, BD=BD, BC=block, K=ckpt_blocks, SAVE=save, PREC=precision,
-                                  **_launch_opts(BD, dev))
+        if streamed:
+            from .vla_chunk_streamed import chunk_forward_streamed  # lazy: importing defines the kernel
+
+            chunk_forward_streamed(k_hat, u_hat, flags, A0, alpha, rnorm, A_end, ckpt, T, NB, NCK, float(eta), H=H,
+                                   D=D, BD=BD, BC=block, K=ckpt_blocks, SAVE=save, PREC=precision,
+                                   launch=_launch_opts(BD, dev))
+        else:
+            _chunk_fwd_kernel[(B, H)](k_hat, u_hat, flags, A0, alpha, rnorm, A_end, ckpt, T, NB, NCK, float(eta),
+                                      H=H, D=D, BD=BD, BC=block, K=ckpt_blocks, SAVE=save, PREC=precision,
+                                      **_launch_opts(BD, dev))
         if save:
             ctx.save_for_backward(k_hat, u_hat, flags, alpha, rnorm, ckpt)
         ctx.hp = (float(eta), block, ckpt_blocks, precision)
@@ -354,16 +320,17 @@ class VLAChunkScanFunction(torch.autograd.Function):
                                   T, NB, NCK, eta, H=H, D=D, BD=BD, BC=block, K=ckpt_blocks, USE_DA=use_da,
                                   PREC=precision, **_launch_opts(BD, dev))
         k_dt, u_dt, a_dt = ctx.dtypes
-        return dk.to(k_dt), du.to(u_dt), None, dA0.to(a_dt), None, None, None, None
+        return dk.to(k_dt), du.to(u_dt), None, dA0.to(a_dt), None, None, None, None, None
 
 
 def vla_scan_chunked(k_hat, u_hat, flags, A0, *, eta: float, eps: float = 1e-4, block: int | None = None,
-                     ckpt_blocks: int | None = None, precision: str | None = None):
+                     ckpt_blocks: int | None = None, precision: str | None = None, streamed: bool | None = None):
     """``(α̂ [B, T, H, dk] fp32, final A [B, H, dk, dk] fp32)``, as ``lazoo.kernels.vla.vla_scan``.
 
     ``eps`` is accepted for the same interface; the δ ≥ eps clip never binds (δ ≥ 1 while A is positive
     definite). ``block`` (tokens per chunk: 16, 32 or 64), ``ckpt_blocks`` (blocks between
-    checkpoints of A) and ``precision`` (tl.dot input precision) default to the module constants."""
+    checkpoints of A), ``precision`` (tl.dot input precision) and ``streamed`` (the forward with A in global
+    memory: ``lazoo.kernels.vla_chunk_streamed``) default to the module constants."""
     D = k_hat.shape[-1]
     if D > MAX_HEAD_DIM:
         raise ValueError(f"vla_scan_chunked: head dims up to {MAX_HEAD_DIM} (A is held in registers), got {D}")
@@ -378,4 +345,5 @@ def vla_scan_chunked(k_hat, u_hat, flags, A0, *, eta: float, eps: float = 1e-4, 
     precision = PRECISION if precision is None else precision
     if precision not in ("ieee", "tf32", "tf32x3"):
         raise ValueError(f"vla_scan_chunked: precision must be 'ieee', 'tf32' or 'tf32x3', got {precision!r}")
-    return VLAChunkScanFunction.apply(k_hat, u_hat, flags, A0, eta, block, ckpt_blocks, precision)
+    streamed = STREAMED if streamed is None else bool(streamed)
+    return VLAChunkScanFunction.apply(k_hat, u_hat, flags, A0, eta, block, ckpt_blocks, precision, streamed)
