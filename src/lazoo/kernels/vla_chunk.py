@@ -35,7 +35,9 @@ it stores A at the start of every ``K``-th block); ``_chunk_bwd_kernel`` walks t
 reverse, recomputes the A at each block start of the interval into a scratch buffer, then walks the blocks
 and their segments in reverse (the A at a segment start inside a block is recomputed from the block start:
 one extra segment step per earlier segment, nothing when a block holds no flag) and applies the formulas
-above. Memory: B·H·(T/(K·BC) + K)·d² fp32 besides the α̂ and 1/|a| of the forward.
+above. Memory: B·H·(T/(K·BC) + K)·d² fp32 besides the α̂ and 1/|a| of the forward. With ``streamed`` the forward
+is ``lazoo.kernels.vla_chunk_streamed``'s (A in global memory, in column blocks); the block algebra both use is
+in ``lazoo.kernels._vla_blocks``.
 """
 
 from __future__ import annotations
