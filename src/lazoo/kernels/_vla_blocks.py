@@ -1,6 +1,6 @@
 """The block algebra the chunked VLA scans share (``lazoo.kernels.vla_chunk`` and ``vla_chunk_streamed``): a block's
-tokens and flags, its segments (they end at the refresh flags: the +ηI refresh cannot enter the Woodbury form), and
-the LDLᵀ of a segment's C × C matrix G = I + U A Uᵀ."""
+tokens and flags, its rows of a [B, T, H, D] tensor, its segments (they end at the refresh flags: the +ηI refresh
+cannot enter the Woodbury form), and the LDLᵀ of a segment's C × C matrix G = I + U A Uᵀ."""
 
 from __future__ import annotations
 
@@ -54,3 +54,18 @@ def block_start(flags, i_b, j, T, BC: tl.constexpr):
     pos = j * BC + r
     valid = pos < T
     return r, pos, valid, tl.load(flags + i_b * T + pos, mask=valid, other=0.0)
+
+
+@triton.jit
+def rows(ptr, i_b, i_h, pos, rmask, T, H: tl.constexpr, D: tl.constexpr, od):
+    """Rows ``pos`` (tokens of sample i_b, head i_h) of a [B, T, H, D] tensor at columns ``od``, fp32, 0 outside
+    rmask and past D."""
+    offs = ((i_b * T + pos) * H + i_h)[:, None] * D + od[None, :]
+    return tl.load(ptr + offs, mask=rmask[:, None] & (od < D)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, x, i_b, i_h, pos, rmask, T, H: tl.constexpr, D: tl.constexpr, od):
+    """Store x as rows ``pos`` at columns ``od`` of a [B, T, H, D] tensor (rows in rmask, columns below D)."""
+    offs = ((i_b * T + pos) * H + i_h)[:, None] * D + od[None, :]
+    tl.store(ptr + offs, x, mask=rmask[:, None] & (od < D)[None, :])

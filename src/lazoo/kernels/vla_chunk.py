@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._vla_blocks import block_start, ldl_inverse, seg_end, seg_start
+from ._vla_blocks import block_start, ldl_inverse, rows, seg_end, seg_start, store_rows
 
 #: largest head dim (A is held whole in registers)
 MAX_HEAD_DIM = 128
@@ -61,19 +61,6 @@ PRECISION = "tf32x3"
 #: the forward with A in global memory, a column block at a time (``lazoo.kernels.vla_chunk_streamed``): built to
 #: remove the register form's spills; off until it is timed on a GPU
 STREAMED = False
-
-
-@triton.jit
-def _rows(ptr, i_b, i_h, pos, rmask, T, H: tl.constexpr, D: tl.constexpr, od):
-    """Rows ``[BC, BD]`` (tokens pos of sample i_b, head i_h) of a [B, T, H, D] tensor, fp32, 0 outside rmask."""
-    offs = ((i_b * T + pos) * H + i_h)[:, None] * D + od[None, :]
-    return tl.load(ptr + offs, mask=rmask[:, None] & (od < D)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_rows(ptr, x, i_b, i_h, pos, rmask, T, H: tl.constexpr, D: tl.constexpr, od):
-    offs = ((i_b * T + pos) * H + i_h)[:, None] * D + od[None, :]
-    tl.store(ptr + offs, x, mask=rmask[:, None] & (od < D)[None, :])
 
 
 @triton.jit
@@ -139,8 +126,8 @@ def _chunk_fwd_kernel(
         if SAVE and j % K == 0:
             tl.store(ckpt + ((i_b * H + i_h) * NCK + j // K) * D * D + p2, A, mask=m2)
         r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
-        U_blk = _rows(u, i_b, i_h, pos, valid, T, H, D, od)
-        X_blk = _rows(k, i_b, i_h, pos, valid, T, H, D, od)
+        U_blk = rows(u, i_b, i_h, pos, valid, T, H, D, od)
+        X_blk = rows(k, i_b, i_h, pos, valid, T, H, D, od)
         s0 = 0
         while s0 < BC:
             e = seg_end(fl, r, s0, BC)
@@ -153,7 +140,7 @@ def _chunk_fwd_kernel(
             A = _downdate(A, Aa, Dv, f, eye, PREC)
             rn = 1.0 / tl.maximum(tl.sqrt(tl.sum(Y * Y, 1)), 1e-12)
             keep = seg & valid
-            _store_rows(alpha, Y * rn[:, None], i_b, i_h, pos, keep, T, H, D, od)
+            store_rows(alpha, Y * rn[:, None], i_b, i_h, pos, keep, T, H, D, od)
             tl.store(rnorm + (i_b * T + pos) * H + i_h, rn, mask=keep)
             s0 = e + 1
     tl.store(A_out + (i_b * H + i_h) * D * D + p2, A, mask=m2)
@@ -215,7 +202,7 @@ def _chunk_bwd_kernel(
                 tl.store(scratch + (bh * K + jj) * D * D + p2, A, mask=m2)
                 if jj < K - 1 and j + 1 < NB:
                     r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
-                    U_blk = _rows(u, i_b, i_h, pos, valid, T, H, D, od)
+                    U_blk = rows(u, i_b, i_h, pos, valid, T, H, D, od)
                     s0 = 0
                     while s0 < BC:
                         A, e = _advance_segment(A, U_blk, fl, r, s0, eta, eye, BC, PREC)
@@ -224,10 +211,10 @@ def _chunk_bwd_kernel(
             j = c * K + K - 1 - jj
             if j < NB:
                 r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
-                U_blk = _rows(u, i_b, i_h, pos, valid, T, H, D, od)
-                X_blk = _rows(k, i_b, i_h, pos, valid, T, H, D, od)
-                al = _rows(alpha, i_b, i_h, pos, valid, T, H, D, od)
-                dal = _rows(dalpha, i_b, i_h, pos, valid, T, H, D, od)
+                U_blk = rows(u, i_b, i_h, pos, valid, T, H, D, od)
+                X_blk = rows(k, i_b, i_h, pos, valid, T, H, D, od)
+                al = rows(alpha, i_b, i_h, pos, valid, T, H, D, od)
+                dal = rows(dalpha, i_b, i_h, pos, valid, T, H, D, od)
                 rn = tl.load(rnorm + (i_b * T + pos) * H + i_h, mask=valid, other=0.0)
                 Yb_blk = (dal - al * tl.sum(al * dal, 1)[:, None]) * rn[:, None]  # through α̂ = a / |a|
                 e_end = BC - 1
@@ -244,8 +231,8 @@ def _chunk_bwd_kernel(
                         A0, Ab, tl.where(seg[:, None], U_blk, 0.0), tl.where(seg[:, None], X_blk, 0.0),
                         tl.where(seg[:, None], Yb_blk, 0.0), e_end, f, r, BC, PREC)
                     keep = seg & valid
-                    _store_rows(dk, dX, i_b, i_h, pos, keep, T, H, D, od)
-                    _store_rows(du, dU, i_b, i_h, pos, keep, T, H, D, od)
+                    store_rows(dk, dX, i_b, i_h, pos, keep, T, H, D, od)
+                    store_rows(du, dU, i_b, i_h, pos, keep, T, H, D, od)
                     e_end = s - 1
     tl.store(dA0 + bh * D * D + p2, Ab, mask=m2)
 

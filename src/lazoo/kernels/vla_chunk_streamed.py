@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._vla_blocks import block_start, ldl_inverse, seg_end
+from ._vla_blocks import block_start, ldl_inverse, rows, seg_end, store_rows
 
 #: columns of A a step (tl.dot needs >= 16)
 BCOL = 32
@@ -38,13 +38,6 @@ def _copy_square(src, dst, D: tl.constexpr, BD: tl.constexpr, BCOL: tl.constexpr
         at = o[:, None] * D + oc[None, :]
         m = (o < D)[:, None] & (oc < D)[None, :]
         tl.store(dst + at, tl.load(src + at, mask=m, other=0.0), mask=m)
-
-
-@triton.jit
-def _cols(ptr, i_b, i_h, pos, rmask, T, H: tl.constexpr, D: tl.constexpr, oc):
-    """Columns oc of rows ``pos`` (as ``_rows``)."""
-    offs = ((i_b * T + pos) * H + i_h)[:, None] * D + oc[None, :]
-    return tl.load(ptr + offs, mask=rmask[:, None] & (oc < D)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -72,7 +65,7 @@ def _chunk_fwd_streamed_kernel(
         if SAVE and j % K == 0:
             _copy_square(A, ckpt + (bh * NCK + j // K) * D * D, D, BD, BCOL)
         r, pos, valid, fl = block_start(flags, i_b, j, T, BC)
-        rows = r[:, None] * D
+        at_r = r[:, None] * D  # the block's rows in the buffer
         s0 = 0
         while s0 < BC:
             e = seg_end(fl, r, s0, BC)
@@ -88,12 +81,12 @@ def _chunk_fwd_streamed_kernel(
                     ok = k0 + ot
                     Akc = tl.load(A + ok[:, None] * D + oc[None, :], mask=(ok < D)[:, None] & (oc < D)[None, :],
                                   other=0.0)
-                    Wc = tl.dot(_cols(u, i_b, i_h, pos, keep, T, H, D, ok), Akc, Wc, input_precision=PREC)
-                    Yc = tl.dot(_cols(k, i_b, i_h, pos, keep, T, H, D, ok), Akc, Yc, input_precision=PREC)
+                    Wc = tl.dot(rows(u, i_b, i_h, pos, keep, T, H, D, ok), Akc, Wc, input_precision=PREC)
+                    Yc = tl.dot(rows(k, i_b, i_h, pos, keep, T, H, D, ok), Akc, Yc, input_precision=PREC)
                 mc = (oc < D)[None, :]
-                tl.store(b_w + rows + oc[None, :], Wc, mask=mc)
-                tl.store(b_y + rows + oc[None, :], Yc, mask=mc)
-                G += tl.dot(_cols(u, i_b, i_h, pos, keep, T, H, D, oc), tl.trans(Wc), input_precision=PREC)
+                tl.store(b_w + at_r + oc[None, :], Wc, mask=mc)
+                tl.store(b_y + at_r + oc[None, :], Yc, mask=mc)
+                G += tl.dot(rows(u, i_b, i_h, pos, keep, T, H, D, oc), tl.trans(Wc), input_precision=PREC)
             tl.debug_barrier()
             # 2. the factor; Aa = N W; Zm = M ⊙ (Aa Xᵀ / D); Y = XA − Zmᵀ Aa (+ η k̂ at a flag); |Y| per row
             N, Dv = ldl_inverse(G, r, BC, PREC)
@@ -101,9 +94,9 @@ def _chunk_fwd_streamed_kernel(
             for c0 in range(0, BD, BCOL):
                 oc = c0 + ot
                 mc = (oc < D)[None, :]
-                Aac = tl.dot(N, tl.load(b_w + rows + oc[None, :], mask=mc, other=0.0), input_precision=PREC)
-                tl.store(b_a + rows + oc[None, :], Aac, mask=mc)
-                Z = tl.dot(Aac, tl.trans(_cols(k, i_b, i_h, pos, keep, T, H, D, oc)), Z, input_precision=PREC)
+                Aac = tl.dot(N, tl.load(b_w + at_r + oc[None, :], mask=mc, other=0.0), input_precision=PREC)
+                tl.store(b_a + at_r + oc[None, :], Aac, mask=mc)
+                Z = tl.dot(Aac, tl.trans(rows(k, i_b, i_h, pos, keep, T, H, D, oc)), Z, input_precision=PREC)
             Zmt = tl.trans(tl.where(r[:, None] <= r[None, :], Z / Dv[:, None], 0.0))
             tl.debug_barrier()
             sq = tl.zeros([BC], tl.float32)
@@ -111,26 +104,25 @@ def _chunk_fwd_streamed_kernel(
             for c0 in range(0, BD, BCOL):
                 oc = c0 + ot
                 mc = (oc < D)[None, :]
-                Yc = tl.load(b_y + rows + oc[None, :], mask=mc, other=0.0) - tl.dot(
-                    Zmt, tl.load(b_a + rows + oc[None, :], mask=mc, other=0.0), input_precision=PREC)
-                Yc += last * _cols(k, i_b, i_h, pos, keep, T, H, D, oc)
+                Yc = tl.load(b_y + at_r + oc[None, :], mask=mc, other=0.0) - tl.dot(
+                    Zmt, tl.load(b_a + at_r + oc[None, :], mask=mc, other=0.0), input_precision=PREC)
+                Yc += last * rows(k, i_b, i_h, pos, keep, T, H, D, oc)
                 sq += tl.sum(Yc * Yc, 1)
-                tl.store(b_w + rows + oc[None, :], Yc, mask=mc)  # W's place: not read in place of XA
+                tl.store(b_w + at_r + oc[None, :], Yc, mask=mc)  # W's place: not read in place of XA
             rn = 1.0 / tl.maximum(tl.sqrt(sq), 1e-12)
             tl.store(rnorm + (i_b * T + pos) * H + i_h, rn, mask=keep)
             tl.debug_barrier()
             # 3. α̂ = Y / |Y|, and A ← A − Sᵀ S (+ ηI) with S = Aa / √D, a column block at a time
             rs = 1.0 / tl.sqrt(Dv)[:, None]
-            St = tl.trans(tl.load(b_a + rows + od[None, :], mask=(od < D)[None, :], other=0.0) * rs)  # Sᵀ
+            St = tl.trans(tl.load(b_a + at_r + od[None, :], mask=(od < D)[None, :], other=0.0) * rs)  # Sᵀ
             for c0 in range(0, BD, BCOL):
                 oc = c0 + ot
                 mc = (oc < D)[None, :]
-                Yc = tl.load(b_w + rows + oc[None, :], mask=mc, other=0.0)
-                offs = ((i_b * T + pos) * H + i_h)[:, None] * D + oc[None, :]
-                tl.store(alpha + offs, Yc * rn[:, None], mask=keep[:, None] & mc)
+                Yc = tl.load(b_w + at_r + oc[None, :], mask=mc, other=0.0)
+                store_rows(alpha, Yc * rn[:, None], i_b, i_h, pos, keep, T, H, D, oc)
                 at = od[:, None] * D + oc[None, :]
                 m2 = (od < D)[:, None] & mc
-                Sc = tl.load(b_a + rows + oc[None, :], mask=mc, other=0.0) * rs
+                Sc = tl.load(b_a + at_r + oc[None, :], mask=mc, other=0.0) * rs
                 Ac = tl.load(A + at, mask=m2, other=0.0) - tl.dot(St, Sc, input_precision=PREC)
                 tl.store(A + at, Ac + tl.where(od[:, None] == oc[None, :], f, 0.0), mask=m2)
             tl.debug_barrier()
