@@ -4,7 +4,16 @@ Each setting overrides ``ovq_assign._blocks()`` (BN slots a block, BDA features 
 similarity product, the search's warps and stages); the captured CUDA graphs are dropped between settings. Step 1
 is timed at --lengths (default T = 4k and 16k, B = 1, H = 8, d = 128; N = 2048, L = 128, unit-norm random keys),
 its slots compared with PyTorch's ``_chunk_slots`` at the first length and with the first setting's at the others.
-The shape of a ~138M sw-ovq model's training step: ``--lengths 8192 --batch 2 --heads 12 --head-dim 64``. ``--op`` then times the op forward and
+The shape of a ~138M sw-ovq model's training step: ``--lengths 8192 --batch 2 --heads 12 --head-dim 64``.
+``--parts`` times step 1 with one part changed at a time instead (``PARTS``); ``--ncu`` makes three untimed passes
+for Nsight Compute:
+
+    ncu --clock-control none --kernel-name regex:"_nearest_kernel|_merge_kernel" --launch-skip 40 --launch-count 4 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        --section SchedulerStats python scripts/bench_ovq_search.py --ncu --lengths 8192 --batch 2 --heads 12 \\
+        --head-dim 64
+
+``--op`` then times the op forward and
 forward + backward (``scripts/bench_ovq.py``'s inputs, bf16) with the previous default and the current one,
 alternately, three times each.
 
@@ -53,18 +62,39 @@ SETTINGS = [
 ]
 
 
+#: one part of step 1 changed at a time (``--parts``), to see what each costs; the tf32 similarity is for timing
+#: only (it picks other slots)
+PARTS = [
+    ("now (fp32 similarity)", {}),
+    ("tf32 similarity (timing only)", dict(SIM_PRECISION="tf32")),
+    ("tf32x3 similarity", dict(SIM_PRECISION="tf32x3")),
+    ("the add in full fp32 (no bf16 parts)", dict(BF16_PARTS=False)),
+    ("merge at 4 warps", dict(merge=dict(num_warps=4, num_stages=1))),
+    ("merge at 16 warps", dict(merge=dict(num_warps=16, num_stages=1))),
+]
+PRECISION = ovq_assign.SIM_PRECISION
+
+
 def use(overrides: dict) -> None:
+    """``_blocks()`` with ``overrides`` (and the similarity's precision where they name ``SIM_PRECISION``)."""
     cfg = dict(CURRENT(), **overrides)
+    ovq_assign.SIM_PRECISION = cfg.pop("SIM_PRECISION", PRECISION)
     ovq_assign._blocks = lambda: cfg
     ovq_assign._Graph.cache = GraphCache()
 
 
-def sweep(lengths=(4096, 16384), batch=1, heads=8, head_dim=128) -> None:
+def sweep(lengths=(4096, 16384), batch=1, heads=8, head_dim=128, settings=SETTINGS, ncu=False) -> None:
+    """Each of ``settings`` at each length, timed; with ``ncu``, three untimed passes of the current one."""
     for T in lengths:
         Kp, valid, st, t0, nb = packed(keys(batch, T, heads, head_dim, seed=5, device="cuda"), L, N)
         args = (Kp, valid.sum(1) // L, t0 - nb, st["Dk"], st["counts"], L, N)
+        if ncu:
+            for _ in range(3):
+                ovq_assign.ovq_assign(*args)
+            torch.cuda.synchronize()
+            continue
         ref = ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N) if T == lengths[0] else None
-        for label, overrides in SETTINGS:
+        for label, overrides in settings:
             use(overrides)
             try:  # a setting that does not build or launch here is a result too
                 out = ovq_assign.ovq_assign(*args)
@@ -108,14 +138,17 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--parts", action="store_true", help="time PARTS (one part of step 1 changed) instead of SETTINGS")
+    ap.add_argument("--ncu", action="store_true", help="three untimed passes of the current setting (for ncu)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     try:
-        sweep(tuple(args.lengths), args.batch, args.heads, args.head_dim)
+        sweep(tuple(args.lengths), args.batch, args.heads, args.head_dim, PARTS if args.parts else SETTINGS, args.ncu)
         if args.op:
             op()
     finally:
         ovq_assign._blocks = CURRENT
+        ovq_assign.SIM_PRECISION = PRECISION
 
 
 if __name__ == "__main__":
