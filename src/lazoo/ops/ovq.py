@@ -481,6 +481,17 @@ def _unpack(Op, dest, L):
     return Op.gather(1, pos[:, :, None, None].expand(-1, -1, Op.shape[2], Op.shape[-1]))
 
 
+def _pad_to_chunks(q, k, v, L):
+    """``_pack``'s outputs (but ``dest``) when there is no partial chunk before the tokens and no pad among them:
+    packing is then padding to whole chunks (a pad of 0 copies nothing), and the output is sliced back."""
+    B, T = q.shape[:2]
+    P = max(1, -(-T // L)) * L
+    Qp, Kp, Vp = (F.pad(x, (0, 0, 0, 0, 0, P - T)) if P > T else x for x in (q, k, v))
+    total = torch.full((B,), T, dtype=torch.int64, device=q.device)
+    valid = (torch.arange(P, device=q.device) < T)[None].expand(B, P)
+    return Qp, Kp, Vp, valid, total, torch.zeros_like(total)
+
+
 def _partial_chunk(x, total, L):
     """The partial chunk left at the end of packed rows x ``[B, P, H, d]`` (P >= 1): rows [total // L * L, total),
     zeros past them."""
@@ -671,13 +682,8 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
     cdt = k.dtype
     q = q.to(kdt)  # the kernel's dtype before packing (q is only read there): the same values, fewer bytes
-    if fresh_unmasked:  # no partial chunk before the tokens, no pad among them: packing is padding to whole chunks
-        B, T = q.shape[:2]
-        P = max(1, -(-T // L)) * L
-        Qp, Kp, Vp = (F.pad(x, (0, 0, 0, 0, 0, P - T)) if P > T else x for x in (q, k, v))  # (a pad of 0 copies)
-        total = torch.full((B,), T, dtype=torch.int64, device=q.device)
-        nb = torch.zeros_like(total)
-        valid = (torch.arange(P, device=q.device) < T)[None].expand(B, P)
+    if fresh_unmasked:
+        Qp, Kp, Vp, valid, total, nb = _pad_to_chunks(q, k, v, L)
     else:
         Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
     if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
