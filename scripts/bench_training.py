@@ -229,7 +229,7 @@ def measure(build, T, args, row):
             times_ms.append((time.perf_counter() - t) * 1e3)
         row["peak_mem_GiB"] = None
     if args.profile:
-        row["profile_top"] = profile_step(step, device)
+        row["profile_top"], row["profile_device_ms"] = profile_step(step, device, args.profile_top)
     med = statistics.median(times_ms)
     world = 1
     if accelerator is not None:  # the slowest process sets the pace; tokens/s counts every process
@@ -246,7 +246,8 @@ def measure(build, T, args, row):
 
 def profile_step(step, device, top=15):
     """The ``top`` operators of one more step by self time on the device (CUDA kernels; CPU ops on the CPU):
-    [name, calls, ms]. Where the time goes when tokens/s changes with T."""
+    [name, calls, ms], and the sum over all of them in ms (below the step's time: the device waited). Where the
+    time goes when tokens/s changes with T."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
@@ -254,8 +255,9 @@ def profile_step(step, device, top=15):
         step()
         _sync(device)
     attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
-    return [[e.key[:120], e.count, round(getattr(e, attr) / 1e3, 3)] for e in events]
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total_ms = sum(getattr(e, attr) for e in events) / 1e3
+    return [[e.key[:120], e.count, round(getattr(e, attr) / 1e3, 3)] for e in events[:top]], round(total_ms, 3)
 
 
 def run_row(impl, name, build, T, args, budget=None, compiled=False):
@@ -363,6 +365,7 @@ def parse_args(argv=None):
     ap.add_argument("--row-budget", type=float, default=180.0, help="seconds per row before it is stopped; 0: none")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more step per row: its top operators by device time go into the row")
+    ap.add_argument("--profile-top", type=int, default=15, help="how many operators --profile keeps")
     ap.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default="none",
                     help="under `accelerate launch`: data-parallel rows, DDP or FSDP2 (each process --tokens a step)")
     args = ap.parse_args(argv)
