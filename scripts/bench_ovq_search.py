@@ -68,6 +68,8 @@ PARTS = [
     ("now (fp32 similarity)", {}),
     ("tf32 similarity (timing only)", dict(SIM_PRECISION="tf32")),
     ("tf32x3 similarity", dict(SIM_PRECISION="tf32x3")),
+    ("tf32 product pruning, fp32 compare", dict(PRUNE="tf32")),
+    ("tf32x3 product pruning, fp32 compare", dict(PRUNE="tf32x3")),
     ("the add in full fp32 (no bf16 parts)", dict(BF16_PARTS=False)),
     ("merge at 4 warps", dict(merge=dict(num_warps=4, num_stages=1))),
     ("merge at 16 warps", dict(merge=dict(num_warps=16, num_stages=1))),
@@ -140,10 +142,14 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--parts", action="store_true", help="time PARTS (one part of step 1 changed) instead of SETTINGS")
     ap.add_argument("--ncu", action="store_true", help="three untimed passes of the current setting (for ncu)")
+    ap.add_argument("--match", nargs="+", default=None, help="only the settings whose label contains one of these")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
     try:
-        sweep(tuple(args.lengths), args.batch, args.heads, args.head_dim, PARTS if args.parts else SETTINGS, args.ncu)
+        settings = PARTS if args.parts else SETTINGS
+        if args.match:
+            settings = [row for row in settings if any(m in row[0] for m in args.match)]
+        sweep(tuple(args.lengths), args.batch, args.heads, args.head_dim, settings, args.ncu)
         if args.op:
             op()
     finally:
