@@ -68,8 +68,6 @@ PARTS = [
     ("now (fp32 similarity)", {}),
     ("tf32 similarity (timing only)", dict(SIM_PRECISION="tf32")),
     ("tf32x3 similarity", dict(SIM_PRECISION="tf32x3")),
-    ("tf32 product pruning, fp32 compare", dict(PRUNE="tf32")),
-    ("tf32x3 product pruning, fp32 compare", dict(PRUNE="tf32x3")),
     ("the add in full fp32 (no bf16 parts)", dict(BF16_PARTS=False)),
     ("merge at 4 warps", dict(merge=dict(num_warps=4, num_stages=1))),
     ("merge at 16 warps", dict(merge=dict(num_warps=16, num_stages=1))),

@@ -84,20 +84,17 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     cx = {n: "constexpr" for n in ("DK", "BL", "BD", "SIM_PRECISION")}
     sig_n = dict(k=f32, sums=f32, counts=i64, best=f32, arg="*i32", before=i64, slots=i64, n_full="*i32",
                  step="i32", **ints, **cx, BN="constexpr", SEARCH="constexpr", BDA="constexpr",
-                 BDS="constexpr", BF16_PARTS="constexpr", PRUNE_REL="constexpr", JITTER="constexpr")
+                 BDS="constexpr", BF16_PARTS="constexpr")
     sig_m = dict(k=f32, best=f32, arg="*i32", slots=i64, size_of="*i32", n_full="*i32", t_base=i64, step="i32",
                  **ints, N="i32", NBLK="i32", **cx, BRK="constexpr", NBG="constexpr")
-    search = dict(shapes, BN=acfg["BN"], SEARCH=True, BDA=acfg["BDA"], BDS=acfg["BDS"], BF16_PARTS=acfg["BF16_PARTS"],
-                  PRUNE_REL=0.0, JITTER=0.0)
-    out = {"assign: add and search": measure(ovq_assign._nearest_kernel, sig_n, search, **_opts(acfg["nearest"]))}
-    for prec in ("tf32", "tf32x3"):
-        out[f"assign: add and search, {prec} pruning"] = measure(
-            ovq_assign._nearest_kernel, sig_n,
-            dict(search, SIM_PRECISION=prec, PRUNE_REL=ovq_assign._prune_bound(prec, dk)), **_opts(acfg["nearest"]))
-    out.update({
+    out = {
+        "assign: add and search": measure(ovq_assign._nearest_kernel, sig_n, dict(shapes, BN=acfg["BN"],
+                                                                                   SEARCH=True, BDA=acfg["BDA"], BDS=acfg["BDS"],
+                                                                                   BF16_PARTS=acfg["BF16_PARTS"]),
+                                          **_opts(acfg["nearest"])),
         "assign: merge": measure(ovq_assign._merge_kernel, sig_m, dict(shapes, BRK=acfg["BRK"], NBG=acfg["NBG"]),
                                  **_opts(acfg["merge"])),
-    })
+    }
     i64s = dict.fromkeys(("C0", "START", "N", "ORDER"), i64)
     sizes = dict.fromkeys(("P", "H", "M", "ROWS"), "i32")
     vcx = dict(D="constexpr", BD="constexpr")

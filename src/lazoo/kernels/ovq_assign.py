@@ -128,19 +128,16 @@ def _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M,
 @triton.jit
 def _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active,
                 DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BDS: tl.constexpr,
-                SIM_PRECISION: tl.constexpr, PRUNE_REL: tl.constexpr, JITTER: tl.constexpr):
+                SIM_PRECISION: tl.constexpr):
     """Per key of chunk ``step``: the best similarity to this block's active centroids (slots ``cols``, real where
     ``ok``) and the FIRST slot reaching it (-inf and a huge slot where not ``active``: an incomplete chunk or an
-    empty block). With ``PRUNE_REL`` > 0 the product (in ``SIM_PRECISION``, off by at most PRUNE_REL·‖k‖·‖mean‖
-    from fp32) only selects, per key, the slots that can still be the best; ``_exact_sims`` compares those."""
+    empty block)."""
     bmax = tl.full([BL], float("-inf"), tl.float32)
     barg = tl.full([BL], 2147483647, tl.int32)
     if active:
         rl = tl.arange(0, BL)
         key_rows = (i_b * P + step * L + rl) * H + i_h
         sim = tl.zeros([BL, BN], tl.float32)
-        k_sq = tl.zeros([BL], tl.float32)
-        m_sq = tl.zeros([BN], tl.float32)
         for d0 in range(0, BD, BDS):  # BDS features a step into one accumulator (the FMA product's order is kept)
             od = d0 + tl.arange(0, BDS)
             d_ok = od < DK
@@ -149,55 +146,9 @@ def _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active,
                          other=0.0)
             mean = sk / tl.maximum(cnt, 1).to(tl.float32)[:, None]
             sim = tl.dot(kc, tl.trans(mean), sim, input_precision=SIM_PRECISION)
-            if PRUNE_REL > 0:
-                k_sq += tl.sum(kc * kc, 1)
-                m_sq += tl.sum(mean * mean, 1)
-        live = (cnt > 0)[None, :]
-        sim = tl.where(live, sim, float("-inf"))
-        if PRUNE_REL == 0:
-            bmax = tl.max(sim, 1)
-            barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
-        else:
-            k_norm = PRUNE_REL * tl.sqrt(k_sq)
-            m_norm = tl.sqrt(m_sq)
-            bound = k_norm[:, None] * m_norm[None, :]
-            if JITTER != 0.0:  # tests: every similarity moved by JITTER of its bound, up or down
-                sim += tl.where(((rl[:, None] + cols[None, :]) % 2) == 0, JITTER, -JITTER) * bound
-            top = tl.max(sim, 1)
-            # the fp32 best s* of a key: approx(s*) + bound(s*) >= fp32(s*) >= fp32(s_top) >= top − bound(s_top),
-            # and bound(s_top) <= the key's bound at the block's largest centroid
-            floor = top - k_norm * tl.max(tl.where(ok & (cnt > 0), m_norm, 0.0), 0)
-            cand = live & (sim + bound >= floor[:, None]) & (rl < L)[:, None]
-            bmax, barg = _exact_sims(k, sums, cnt, cols, cand, key_rows, bh, M, L, DK, BL, BD, BN, BDS)
-    return bmax, barg
-
-
-@triton.jit
-def _exact_sims(k, sums, cnt, cols, cand, key_rows, bh, M, L, DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                BN: tl.constexpr, BDS: tl.constexpr):
-    """Per key, the fp32 similarity to each of its candidate slots ``cand`` ``[BL, BN]`` (one slot a key a round,
-    the smallest first), and the best of them with the FIRST slot reaching it (a later slot must be greater)."""
-    rl = tl.arange(0, BL)
-    bmax = tl.full([BL], float("-inf"), tl.float32)
-    barg = tl.full([BL], 2147483647, tl.int32)
-    rounds = tl.max(tl.sum(cand.to(tl.int32), 1), 0)  # usually 1-2: slots within a bound of the best
-    for _ in range(rounds):
-        slot = tl.min(tl.where(cand, cols[None, :], 2147483647), 1)  # [BL]
-        has = slot < 2147483647
-        mine = cols[None, :] == slot[:, None]
-        n = tl.maximum(tl.sum(tl.where(mine, cnt[None, :], 0), 1), 1).to(tl.float32)
-        val = tl.zeros([BL], tl.float32)
-        for d0 in range(0, BD, BDS):
-            od = d0 + tl.arange(0, BDS)
-            d_ok = od < DK
-            kc = tl.load(k + key_rows[:, None] * DK + od[None, :], mask=(rl < L)[:, None] & d_ok[None, :], other=0.0)
-            sk = tl.load(sums + (bh * M + slot)[:, None] * DK + od[None, :], mask=has[:, None] & d_ok[None, :],
-                         other=0.0)
-            val += tl.sum(kc * (sk / n[:, None]), 1)
-        better = has & (val > bmax)
-        bmax = tl.where(better, val, bmax)
-        barg = tl.where(better, slot, barg)
-        cand = cand & ~mine
+        sim = tl.where((cnt > 0)[None, :], sim, float("-inf"))
+        bmax = tl.max(sim, 1)
+        barg = tl.min(tl.where(sim == bmax[:, None], cols[None, :], 2147483647), 1)  # first slot at the max
     return bmax, barg
 
 
@@ -205,7 +156,7 @@ def _exact_sims(k, sums, cnt, cols, cand, key_rows, bh, M, L, DK: tl.constexpr, 
 def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, P, H, M, L,
                     DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
                     SIM_PRECISION: tl.constexpr, SEARCH: tl.constexpr, BDA: tl.constexpr, BDS: tl.constexpr,
-                    BF16_PARTS: tl.constexpr, PRUNE_REL: tl.constexpr, JITTER: tl.constexpr):
+                    BF16_PARTS: tl.constexpr):
     """This block's slots: chunk ``step − 1``'s keys added, the counts before chunk ``step`` written out, and per
     key of chunk ``step`` the best similarity to the block's active centroids and its first slot (``SEARCH``;
     without it, only the addition: the launch after the last chunk)."""
@@ -220,7 +171,7 @@ def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, 
         tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
         active = (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0)
         bmax, barg = _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active, DK, BL, BD, BN,
-                                 BDS, SIM_PRECISION, PRUNE_REL, JITTER)
+                                 BDS, SIM_PRECISION)
         out = (bh * nblk + blk) * BL + rl
         tl.store(best + out, bmax)
         tl.store(arg + out, barg)
@@ -302,24 +253,15 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
     tl.store(slots + srow + rl, slot, mask=rl < L)
 
 
-def _prune_bound(precision: str, dk: int) -> float:
-    """A bound on |``precision``'s product − an fp32 one| / (‖k‖·‖mean‖) at head dim ``dk``: each operand rounded
-    to tf32 (10 mantissa bits) or split into two tf32 parts (about 20), and both sums' rounding (fp32, dk terms;
-    Σ|k_i·m_i| <= ‖k‖·‖m‖), with a factor 2 to spare on each part."""
-    operands = {"tf32": 2.0 ** -8, "tf32x3": 2.0 ** -17}[precision]
-    return operands + dk * 2.0 ** -20
-
-
 def _blocks() -> dict:
     if is_interpreting():
-        return dict(BN=16, BDA=16, BDS=16, BRK=8, NBG=2, BF16_PARTS=False, PRUNE="tf32", JITTER=0.0, nearest={},
-                    merge={})
+        return dict(BN=16, BDA=16, BDS=16, BRK=8, NBG=2, BF16_PARTS=False, nearest={}, merge={})
     # sm_90, Triton 3.6, L = dk = 128: the search in 4 warps, one stage, with the add and the similarity product 32
     # features a step (step 1 at T = 4k / 16k, H = 8, H100: 1.89 / 7.22 ms, against 2.15 / 9.40 with both whole at
     # 8 warps, which spilled 792 bytes offline (Triton 3.9); BN 32 or 128, BDS / BDA 16 or 64, 2 or 16 warps and two
     # stages were all slower: BENCHMARKS.md); the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB of
     # spills); the merge reads the blocks' bests NBG = 32 blocks a load
-    return dict(BN=64, BDA=32, BDS=32, BRK=16, NBG=32, BF16_PARTS=True, PRUNE="none", JITTER=0.0,
+    return dict(BN=64, BDA=32, BDS=32, BRK=16, NBG=32, BF16_PARTS=True,
                 nearest=dict(num_warps=4, num_stages=1), merge=dict(num_warps=8, num_stages=1))
 
 
@@ -330,12 +272,8 @@ class _Launcher:
     def __init__(self, B, H, L, M, dk, N, steps, device):
         self.B, self.H, self.L, self.M, self.dk, self.N, self.steps = B, H, L, M, dk, N, steps
         self.cfg = _blocks()
-        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:  # no bf16 / tf32 before sm_80
-            self.cfg = dict(self.cfg, BF16_PARTS=False, PRUNE="none")
-        prune = self.cfg["PRUNE"]
-        # the search's product: exact fp32, or a tensor-core one that only prunes (the kept slots compared in fp32)
-        self.search_precision = SIM_PRECISION if prune == "none" else prune
-        self.prune_rel = 0.0 if prune == "none" else _prune_bound(prune, dk)
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:  # no bf16 products before sm_80
+            self.cfg = dict(self.cfg, BF16_PARTS=False)
         self.nblk = triton.cdiv(M, self.cfg["BN"])
         self.BL, self.BD = next_pow2(L), next_pow2(dk)
         f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
@@ -358,9 +296,8 @@ class _Launcher:
         for step in range(n + 1):
             _nearest_kernel[(self.nblk, B * H)](
                 self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full, step,
-                B, P, H, M, L, DK=dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=self.search_precision,
-                SEARCH=step < n, BDA=cfg["BDA"], BDS=cfg["BDS"], BF16_PARTS=cfg["BF16_PARTS"], PRUNE_REL=self.prune_rel,
-                JITTER=cfg["JITTER"], **cfg["nearest"])
+                B, P, H, M, L, DK=dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION,
+                SEARCH=step < n, BDA=cfg["BDA"], BDS=cfg["BDS"], BF16_PARTS=cfg["BF16_PARTS"], **cfg["nearest"])
             if step < n:
                 _merge_kernel[(B * H,)](
                     self.k, self.best, self.arg, self.slots, self.size, self.n_full, self.t_base, step, B, P, H, M,
