@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_structure
 
 from lazoo.ops import ovq_attention
 from lazoo.ops._testing import (assert_close, forward_and_grads, left_pad_mask, rel_err,
@@ -180,11 +181,14 @@ def test_interp_op_decoding_one_token_uses_the_state():
         xf = {n: t.float() for n, t in x.items()}
         o, st = ovq_attention(xf["q"][:, :17], xf["k"][:, :17], xf["v"][:, :17], chunk_size=8, max_dict_size=10,
                               output_final_state=True, backend="triton")
-        outs = [o]
+        outs, structures = [o], [tree_structure(st)]
         for t in (17, 18):
             o, st = ovq_attention(xf["q"][:, t:t + 1], xf["k"][:, t:t + 1], xf["v"][:, t:t + 1], chunk_size=8,
                                   max_dict_size=10, initial_state=st, output_final_state=True, backend="triton")
             outs.append(o)
+            structures.append(tree_structure(st))
+    # a static cache copies each new state into the last one's buffers: the keys and their order must not change
+    assert all(s == tree_structure(s_whole) for s in structures), [str(s) for s in structures]
     assert_close(torch.cat(outs, 1).double(), whole, 1e-5, "decoded output")
     assert_close(st["Dk"].double(), s_whole["Dk"], 1e-5, "decoded Dk")
     assert torch.equal(st["counts"], s_whole["counts"])
