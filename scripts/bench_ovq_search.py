@@ -59,6 +59,11 @@ SETTINGS = [
     ("BN 128, 8 warps", dict(BN=128, **warps(8))),  # half the programs of BN 64 (no spill offline, sm_90)
     # three programs an SM instead of two (offline, sm_90: 312 bytes spilled at d = 64, 244 at d = 128)
     ("BDA 32, BDS 32, 4 warps, 168 registers", dict(nearest=dict(num_warps=4, num_stages=1, maxnreg=168))),
+    # the addition in a launch of its own, then the search on programs of BK keys (offline, sm_90: 128 registers at
+    # 64 keys and 4 warps, 214-218 at 32); the default at d <= 64 is 64 keys at 2 warps
+    ("one launch: the addition and the search on the whole chunk", dict(BK=128, **warps(4))),
+    *((f"split: search of {keys} keys, {n} warps", dict(BK=keys, search=dict(num_warps=n, num_stages=1)))
+      for keys, n in ((64, 4), (64, 2), (64, 8), (32, 4), (32, 2))),
 ]
 
 
@@ -75,11 +80,11 @@ PARTS = [
 PRECISION = ovq_assign.SIM_PRECISION
 
 
-def use(overrides: dict) -> None:
+def use(overrides: dict, head_dim: int) -> None:
     """``_blocks()`` with ``overrides`` (and the similarity's precision where they name ``SIM_PRECISION``)."""
-    cfg = dict(CURRENT(), **overrides)
+    cfg = dict(CURRENT(head_dim), **overrides)
     ovq_assign.SIM_PRECISION = cfg.pop("SIM_PRECISION", PRECISION)
-    ovq_assign._blocks = lambda: cfg
+    ovq_assign._blocks = lambda dk: cfg
     ovq_assign._Graph.cache = GraphCache()
 
 
@@ -95,7 +100,7 @@ def sweep(lengths=(4096, 16384), batch=1, heads=8, head_dim=128, settings=SETTIN
             continue
         ref = ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N) if T == lengths[0] else None
         for label, overrides in settings:
-            use(overrides)
+            use(overrides, head_dim)
             try:  # a setting that does not build or launch here is a result too
                 out = ovq_assign.ovq_assign(*args)
             except Exception as e:  # noqa: BLE001
@@ -122,7 +127,7 @@ def op() -> None:
             first = fn(x)
         for i in range(3):
             for label, overrides in (SETTINGS[0], ("now", {})):
-                use(overrides)
+                use(overrides, D)
                 with torch.no_grad():
                     same = torch.equal(fn(x), first)
                 fwd, both, err = time_fwd_bwd(fn, x, ("q", "k", "v"))

@@ -78,20 +78,24 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     from lazoo.kernels import ovq, ovq_assign, ovq_versions
 
     f32, i64 = "*fp32", "*i64"
-    acfg = ovq_assign._blocks()
+    acfg = ovq_assign._blocks(dk)
     ints = dict.fromkeys(("B", "P", "H", "M", "L"), "i32")
     shapes = dict(DK=dk, BL=chunk, BD=dk, SIM_PRECISION=ovq_assign.SIM_PRECISION)
     cx = {n: "constexpr" for n in ("DK", "BL", "BD", "SIM_PRECISION")}
     sig_n = dict(k=f32, sums=f32, counts=i64, best=f32, arg="*i32", before=i64, slots=i64, n_full="*i32",
                  step="i32", **ints, **cx, BN="constexpr", SEARCH="constexpr", BDA="constexpr",
-                 BDS="constexpr", BF16_PARTS="constexpr")
+                 BDS="constexpr", BF16_PARTS="constexpr", ADD="constexpr", BK="constexpr")
     sig_m = dict(k=f32, best=f32, arg="*i32", slots=i64, size_of="*i32", n_full="*i32", t_base=i64, step="i32",
                  **ints, N="i32", NBLK="i32", **cx, BRK="constexpr", NBG="constexpr")
+    nearest = dict(shapes, BN=acfg["BN"], BDA=acfg["BDA"], BDS=acfg["BDS"], BF16_PARTS=acfg["BF16_PARTS"])
     out = {
-        "assign: add and search": measure(ovq_assign._nearest_kernel, sig_n, dict(shapes, BN=acfg["BN"],
-                                                                                   SEARCH=True, BDA=acfg["BDA"], BDS=acfg["BDS"],
-                                                                                   BF16_PARTS=acfg["BF16_PARTS"]),
-                                          **_opts(acfg["nearest"])),
+        "assign: add and search": measure(ovq_assign._nearest_kernel, sig_n,
+                                          dict(nearest, ADD=True, SEARCH=True, BK=chunk), **_opts(acfg["nearest"])),
+        "assign: add alone": measure(ovq_assign._nearest_kernel, sig_n,
+                                     dict(nearest, ADD=True, SEARCH=False, BK=chunk), **_opts(acfg["nearest"])),
+        **{f"assign: search alone, {keys} keys a program": measure(
+            ovq_assign._nearest_kernel, sig_n, dict(nearest, ADD=False, SEARCH=True, BK=keys), **_opts(acfg["search"]))
+           for keys in (chunk, chunk // 2, chunk // 4)},
         "assign: merge": measure(ovq_assign._merge_kernel, sig_m, dict(shapes, BRK=acfg["BRK"], NBG=acfg["NBG"]),
                                  **_opts(acfg["merge"])),
     }

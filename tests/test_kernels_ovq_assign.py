@@ -97,15 +97,16 @@ def test_interp_assign_matches_pytorch_with_carried_state_and_changed_budget():
 
 
 @needs_interp
-@pytest.mark.parametrize("group", [1, 2])
-def test_interp_assign_breaks_exact_ties_like_pytorch(monkeypatch, group):
+@pytest.mark.parametrize("group, keys_a_program", [(1, 4), (2, 4), (2, 128)])
+def test_interp_assign_breaks_exact_ties_like_pytorch(monkeypatch, group, keys_a_program):
     # keys with entries in {-1, 0, 1} / 2 (dot products exact in any order) and every key twice in a
     # row: best similarities and nearest new centroids tie exactly; ranks follow the stable sort. The merge reads
-    # the blocks' bests `group` blocks a load: ties across loads (1) and inside one (2) keep the first slot.
+    # the blocks' bests `group` blocks a load: ties across loads (1) and inside one (2) keep the first slot. The
+    # search runs on programs of 4 keys (a launch after the addition's) or of the whole chunk (one launch).
     from lazoo.kernels import ovq_assign as oa
 
-    cfg = dict(oa._blocks(), NBG=group)
-    monkeypatch.setattr(oa, "_blocks", lambda: cfg)
+    cfg = dict(oa._blocks(), NBG=group, BK=keys_a_program)
+    monkeypatch.setattr(oa, "_blocks", lambda dk: cfg)
     gen = torch.Generator().manual_seed(3)
     base = torch.randint(-1, 2, (2, 24, 2, 16), generator=gen).float() / 2
     k = base.repeat_interleave(2, dim=1)  # [2, 48, 2, 16]
@@ -146,12 +147,20 @@ def _ms(fn, reps=5):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_assign_T4096_H8_d128_matches_pytorch():
-    from lazoo.kernels.ovq_assign import ovq_assign
+@pytest.mark.parametrize("keys_a_program", [128, 64, 32])
+def test_gpu_assign_T4096_H8_d128_matches_pytorch(monkeypatch, keys_a_program):
+    # 128: the addition and the search in one launch; fewer: the search split over the chunk's keys
+    from lazoo.kernels import ovq_assign as oa
+    from lazoo.kernels._graphs import GraphCache
 
+    cfg = dict(oa._blocks(), BK=keys_a_program)
+    monkeypatch.setattr(oa, "_blocks", lambda dk: cfg)
+    monkeypatch.setattr(oa._Graph, "cache", GraphCache())  # graphs captured with another setting
+    ovq_assign = oa.ovq_assign
     L, N = 128, 2048
     Kp, valid, st, t0, nb = packed(keys(1, 4096, 8, 128, seed=5, device="cuda"), L, N)
     ms_ref, ref = _ms(lambda: ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N))
     ms_tri, got = _ms(lambda: ovq_assign(Kp, valid.sum(1) // L, t0 - nb, st["Dk"], st["counts"], L, N))
-    print(f"OVQ step 1 at T=4096, H=8, d=128: PyTorch {ms_ref:.2f} ms, Triton {ms_tri:.2f} ms")
+    print(f"OVQ step 1 at T=4096, H=8, d=128: PyTorch {ms_ref:.2f} ms, Triton ({keys_a_program} keys a search "
+          f"program) {ms_tri:.2f} ms")
     assert_same(got, ref)

@@ -12,7 +12,9 @@ dictionary is tracked as sums Σk (fp32, ``[B, H, M, dk]``) and int64 counts. Th
          written out;
       2. the similarities of the chunk's L keys to the block's active centroids (sums / counts) and, per key,
          the block's best similarity and the FIRST slot reaching it (``torch.max``'s choice).
-    The whole GPU applies and searches one chunk at a time.
+    The whole GPU applies and searches one chunk at a time. At head dims up to 64 the two parts are two launches,
+    the search's programs taking 64 of the chunk's keys each (fewer registers a program: faster there, slower at
+    d = 128).
   * ``_merge_kernel``, one program per sample·head (the short sequential part):
       1. size = number of active slots (carried from chunk to chunk: the slots in use are 0..size-1);
          n_new = clamp(ovq_dict_size(t_end, N) − size, 0, L);
@@ -126,18 +128,18 @@ def _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M,
 
 
 @triton.jit
-def _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active,
-                DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BDS: tl.constexpr,
+def _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active, k0,
+                DK: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BDS: tl.constexpr,
                 SIM_PRECISION: tl.constexpr):
-    """Per key of chunk ``step``: the best similarity to this block's active centroids (slots ``cols``, real where
-    ``ok``) and the FIRST slot reaching it (-inf and a huge slot where not ``active``: an incomplete chunk or an
-    empty block)."""
-    bmax = tl.full([BL], float("-inf"), tl.float32)
-    barg = tl.full([BL], 2147483647, tl.int32)
+    """Per key ``k0 .. k0 + BK − 1`` of chunk ``step``: the best similarity to this block's active centroids (slots
+    ``cols``, real where ``ok``) and the FIRST slot reaching it (-inf and a huge slot where not ``active``: an
+    incomplete chunk or an empty block)."""
+    bmax = tl.full([BK], float("-inf"), tl.float32)
+    barg = tl.full([BK], 2147483647, tl.int32)
     if active:
-        rl = tl.arange(0, BL)
+        rl = k0 + tl.arange(0, BK)
         key_rows = (i_b * P + step * L + rl) * H + i_h
-        sim = tl.zeros([BL, BN], tl.float32)
+        sim = tl.zeros([BK, BN], tl.float32)
         for d0 in range(0, BD, BDS):  # BDS features a step into one accumulator (the FMA product's order is kept)
             od = d0 + tl.arange(0, BDS)
             d_ok = od < DK
@@ -155,24 +157,28 @@ def _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active,
 @triton.jit(do_not_specialize=["step"])
 def _nearest_kernel(k, sums, counts, best, arg, before, slots, n_full, step, B, P, H, M, L,
                     DK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                    SIM_PRECISION: tl.constexpr, SEARCH: tl.constexpr, BDA: tl.constexpr, BDS: tl.constexpr,
-                    BF16_PARTS: tl.constexpr):
-    """This block's slots: chunk ``step − 1``'s keys added, the counts before chunk ``step`` written out, and per
-    key of chunk ``step`` the best similarity to the block's active centroids and its first slot (``SEARCH``;
-    without it, only the addition: the launch after the last chunk)."""
+                    SIM_PRECISION: tl.constexpr, ADD: tl.constexpr, SEARCH: tl.constexpr, BK: tl.constexpr,
+                    BDA: tl.constexpr, BDS: tl.constexpr, BF16_PARTS: tl.constexpr):
+    """This block's slots: chunk ``step − 1``'s keys added (``ADD``), and (``SEARCH``) the counts before chunk
+    ``step`` written out and per key of chunk ``step`` the best similarity to the block's active centroids and its
+    first slot, for keys ``BK · program_id(2)`` onwards. Both in one launch (BK = BL), or the addition in one and the
+    search in the next, whose programs then take BK keys each."""
     blk, bh, i_b, i_h, nblk, rl, cols, ok, cnt = _block_program(counts, H, M, BL, BN)
-    if step > 0:  # 1. the previous chunk's keys join their slots
-        prev = tl.load(slots + ((step - 1) * B * H + bh) * L + rl, mask=rl < L, other=-1)
-        cnt = _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L, DK, BL, BD, BDA,
-                        BF16_PARTS)
-    # the sums just stored are read back below in another layout, so by other threads of this program
-    tl.debug_barrier()
+    if ADD:
+        if step > 0:  # 1. the previous chunk's keys join their slots
+            prev = tl.load(slots + ((step - 1) * B * H + bh) * L + rl, mask=rl < L, other=-1)
+            cnt = _add_keys(k, sums, counts, cnt, prev, cols, ok, i_b, i_h, bh, step, P, H, M, L, DK, BL, BD, BDA,
+                            BF16_PARTS)
+        # the sums just stored are read back below in another layout, so by other threads of this program
+        tl.debug_barrier()
     if SEARCH:  # 2. the counts before this chunk, and the block's best for a complete chunk
-        tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
+        part = tl.program_id(2)
+        if part == 0:
+            tl.store(before + (step * B * H + bh) * M + cols, cnt, mask=ok)
         active = (step < tl.load(n_full + i_b)) & (tl.max(cnt, 0) > 0)
-        bmax, barg = _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active, DK, BL, BD, BN,
-                                 BDS, SIM_PRECISION)
-        out = (bh * nblk + blk) * BL + rl
+        bmax, barg = _block_best(k, sums, cnt, cols, ok, i_b, i_h, bh, step, P, H, M, L, active, part * BK, DK, BK,
+                                 BD, BN, BDS, SIM_PRECISION)
+        out = (bh * nblk + blk) * BL + part * BK + tl.arange(0, BK)
         tl.store(best + out, bmax)
         tl.store(arg + out, barg)
 
@@ -253,16 +259,24 @@ def _merge_kernel(k, best, arg, slots, size_of, n_full, t_base, step, B, P, H, M
     tl.store(slots + srow + rl, slot, mask=rl < L)
 
 
-def _blocks() -> dict:
+def _blocks(dk: int = 128) -> dict:
+    """Launch settings for head dim ``dk``."""
     if is_interpreting():
-        return dict(BN=16, BDA=16, BDS=16, BRK=8, NBG=2, BF16_PARTS=False, nearest={}, merge={})
+        return dict(BN=16, BDA=16, BDS=16, BRK=8, NBG=2, BK=4, BF16_PARTS=False, nearest={}, search={}, merge={})
     # sm_90, Triton 3.6, L = dk = 128: the search in 4 warps, one stage, with the add and the similarity product 32
     # features a step (step 1 at T = 4k / 16k, H = 8, H100: 1.89 / 7.22 ms, against 2.15 / 9.40 with both whole at
     # 8 warps, which spilled 792 bytes offline (Triton 3.9); BN 32 or 128, BDS / BDA 16 or 64, 2 or 16 warps and two
     # stages were all slower: BENCHMARKS.md); the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB of
     # spills); the merge reads the blocks' bests NBG = 32 blocks a load
-    return dict(BN=64, BDA=32, BDS=32, BRK=16, NBG=32, BF16_PARTS=True,
-                nearest=dict(num_warps=4, num_stages=1), merge=dict(num_warps=8, num_stages=1))
+    cfg = dict(BN=64, BDA=32, BDS=32, BRK=16, NBG=32, BK=128, BF16_PARTS=True,
+               nearest=dict(num_warps=4, num_stages=1), search=dict(num_warps=4, num_stages=1),
+               merge=dict(num_warps=8, num_stages=1))
+    if dk <= 64:
+        # the addition in a launch of its own, then the search on 64 keys a program at 2 warps: 5.20 against 5.45 ms
+        # in one launch at sw-ovq's training shape (T = 8k, B 2, H 12, d 64); at d = 128 it was slower, 1.81 / 7.03
+        # against 1.76 / 6.69 ms at T = 4k / 16k (H200, BENCHMARKS.md)
+        cfg.update(BK=64, search=dict(num_warps=2, num_stages=1))
+    return cfg
 
 
 class _Launcher:
@@ -271,7 +285,7 @@ class _Launcher:
 
     def __init__(self, B, H, L, M, dk, N, steps, device):
         self.B, self.H, self.L, self.M, self.dk, self.N, self.steps = B, H, L, M, dk, N, steps
-        self.cfg = _blocks()
+        self.cfg = _blocks(dk)
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:  # no bf16 products before sm_80
             self.cfg = dict(self.cfg, BF16_PARTS=False)
         self.nblk = triton.cdiv(M, self.cfg["BN"])
@@ -293,11 +307,22 @@ class _Launcher:
         B, H, L, M, dk, cfg = self.B, self.H, self.L, self.M, self.dk, self.cfg
         P = self.steps * L
         n = self.steps if n is None else n
-        for step in range(n + 1):
-            _nearest_kernel[(self.nblk, B * H)](
+        BK = min(cfg["BK"], self.BL)
+
+        def nearest(step, parts, add, search, keys, opts):
+            _nearest_kernel[(self.nblk, B * H, parts)](
                 self.k, self.sums, self.counts, self.best, self.arg, self.before, self.slots, self.n_full, step,
                 B, P, H, M, L, DK=dk, BL=self.BL, BD=self.BD, BN=cfg["BN"], SIM_PRECISION=SIM_PRECISION,
-                SEARCH=step < n, BDA=cfg["BDA"], BDS=cfg["BDS"], BF16_PARTS=cfg["BF16_PARTS"], **cfg["nearest"])
+                ADD=add, SEARCH=search, BK=keys, BDA=cfg["BDA"], BDS=cfg["BDS"], BF16_PARTS=cfg["BF16_PARTS"], **opts)
+
+        for step in range(n + 1):
+            if BK == self.BL:  # the addition and the search in one launch
+                nearest(step, 1, True, step < n, BK, cfg["nearest"])
+            else:  # the addition, then the search on BL / BK programs a block
+                if step > 0:
+                    nearest(step, 1, True, False, self.BL, cfg["nearest"])
+                if step < n:
+                    nearest(step, self.BL // BK, False, True, BK, cfg["search"])
             if step < n:
                 _merge_kernel[(B * H,)](
                     self.k, self.best, self.arg, self.slots, self.size, self.n_full, self.t_base, step, B, P, H, M,
