@@ -116,6 +116,20 @@ def test_static_cache_refuses_a_new_shape():
         LazooCache(2, static=True, max_cache_len=0)
 
 
+def test_static_cache_matches_a_states_dicts_by_key():
+    # a form may build its state dict in another key order (OVQ's Triton path once did): the static cache copies
+    # by key into the buffers it holds; another key set is still refused
+    cache = LazooCache(1, static=True)
+    first = {"op": {"S": torch.zeros(2, 3), "t": torch.zeros(2, dtype=torch.long)}, "conv": None}
+    cache.write_state(0, first)
+    held = cache.states[0]["op"]["S"]
+    cache.write_state(0, {"conv": None, "op": {"t": torch.full((2,), 4), "S": torch.ones(2, 3)}})
+    assert cache.states[0]["op"]["S"] is held and torch.equal(held, torch.ones(2, 3))
+    assert torch.equal(cache.states[0]["op"]["t"], torch.full((2,), 4))
+    with pytest.raises(ValueError, match="different structure"):
+        cache.write_state(0, {"op": {"S": torch.ones(2, 3), "z": torch.zeros(2)}, "conv": None})
+
+
 def test_cache_preparation_reads_its_arguments_by_name():
     """generate passes batch_size and max_cache_length positionally today; a call by keyword (or a later release
     that passes them so) builds the same cache: beams times the batch, the larger of the two lengths."""

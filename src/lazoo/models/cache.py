@@ -65,10 +65,21 @@ def _static_buffers(state):
     return _map_batch(state, own)
 
 
+def _ordered_like(ref, x):
+    """`x` with each dict's keys in the order of `ref`'s dict at the same place (where both hold the same keys): a
+    state is the same state whatever order a form built its dict in."""
+    if isinstance(ref, dict) and isinstance(x, dict) and set(ref) == set(x):
+        return {key: _ordered_like(ref[key], x[key]) for key in ref}
+    if isinstance(ref, (list, tuple)) and isinstance(x, (list, tuple)) and len(ref) == len(x):
+        return type(x)(_ordered_like(r, y) for r, y in zip(ref, x))
+    return x
+
+
 def _copy_into(old, new, where: str):
-    """Copy the tensors of `new` into those of `old` (same structure and shapes); returns `old`."""
+    """Copy the tensors of `new` into those of `old` (same structure, dicts matched by key, and same shapes);
+    returns `old`."""
     old_leaves, old_spec = tree_flatten(old)
-    new_leaves, new_spec = tree_flatten(new)
+    new_leaves, new_spec = tree_flatten(_ordered_like(old, new))
     if old_spec != new_spec:
         raise ValueError(f"static cache, {where}: the new state has a different structure from the cached one")
     for a, b in zip(old_leaves, new_leaves):

@@ -708,7 +708,7 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
                             length=total).to(cdt)
     o = o[:, :q.shape[1]] if fresh_unmasked else _unpack(o, dest, L)
     partial = dict(k=_partial_chunk(Kp, total, L), v=_partial_chunk(Vp, total, L)) if want_state else {}
-    # the keys in the order of every other form's state: a static cache copies one state into another's buffers
+    # the keys in the order of every other form's state
     st.update(Dk=Dk_end, Dv=Dv_end, counts=counts_end, **partial, t=t0 + real.long().sum(1))
     return o, st
 
