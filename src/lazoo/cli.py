@@ -410,16 +410,14 @@ def cmd_cards(args) -> int:
 
 # ============================================================================ lazoo convert
 def cmd_convert(args) -> int:
-    from .convert import UnsupportedCheckpointError, from_fla
+    from .convert import ConversionError, from_fla
 
     if not os.path.isdir(args.src):
         raise CLIError(f"no such folder {args.src!r}; give a fla checkpoint folder (config.json + safetensors)")
     try:
         dst = from_fla(args.src, args.dst)
-    except (UnsupportedCheckpointError, FileExistsError, FileNotFoundError) as err:
+    except (ConversionError, FileExistsError) as err:  # the converter names the file and field in one line
         raise CLIError(str(err)) from err
-    except json.JSONDecodeError as err:
-        raise CLIError(f"{os.path.join(args.src, 'config.json')}: not valid JSON ({err})") from err
     print(f"[lazoo] converted {args.src} -> {dst} (load it with AutoModelForCausalLM.from_pretrained after "
           "`import lazoo`, or with trust_remote_code=True without lazoo)")
     return 0

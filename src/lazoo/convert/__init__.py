@@ -1,5 +1,5 @@
 """Checkpoint conversion into lazoo folders: `from_fla` (flash-linear-attention checkpoints), `lazoo convert`."""
 
-from .fla import UnsupportedCheckpointError, fla_config_to_lazoo, from_fla
+from .fla import ConversionError, UnsupportedCheckpointError, fla_config_to_lazoo, from_fla
 
-__all__ = ["UnsupportedCheckpointError", "fla_config_to_lazoo", "from_fla"]
+__all__ = ["ConversionError", "UnsupportedCheckpointError", "fla_config_to_lazoo", "from_fla"]

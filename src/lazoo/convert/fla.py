@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import fla_layers
-from .fla_layers import UnsupportedCheckpointError, refuse
+from .fla_layers import ConversionError, UnsupportedCheckpointError, refuse
 
 #: fla model type -> the lazoo mechanism of its non-attention layers (None: every layer is attention)
 FLA_MODEL_TYPES = {"transformer": None, "gla": "gla", "delta_net": "delta_net", "gated_deltanet": "gated_delta_net"}
@@ -152,8 +152,8 @@ def _read_weights(src: Path) -> dict[str, torch.Tensor]:
     elif (src / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"{src} has no model.safetensors (or model.safetensors.index.json); convert a "
-                                "checkpoint saved with safetensors")
+        raise ConversionError(f"{src} has no model.safetensors (or model.safetensors.index.json); convert a "
+                              "checkpoint saved with safetensors")
     state = {}
     for shard in shards:
         state.update(load_file(str(src / shard)))
@@ -228,8 +228,11 @@ def from_fla(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     src, dst = Path(src), Path(dst)
     config_file = src / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{src} has no config.json: give a fla checkpoint folder")
-    fla = json.loads(config_file.read_text(encoding="utf-8"))
+        raise ConversionError(f"{src} has no config.json: give a fla checkpoint folder")
+    try:
+        fla = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{config_file}: not valid JSON ({err})") from err
     fields = fla_config_to_lazoo(fla)
     _check_destination(dst)
     state = _read_weights(src)

@@ -33,7 +33,12 @@ RENAMED = {"q_conv1d": "short_conv.convs.q", "k_conv1d": "short_conv.convs.k", "
 _SWISH = {"swish": "silu", "silu": "silu"}
 
 
-class UnsupportedCheckpointError(ValueError):
+class ConversionError(ValueError):
+    """A checkpoint folder that cannot be converted: the one-line message names the file and, where there is one,
+    the field (malformed input, a failed read or write). Nothing is left in the destination."""
+
+
+class UnsupportedCheckpointError(ConversionError):
     """A fla checkpoint uses something lazoo cannot express exactly (the message names the field)."""
 
 
