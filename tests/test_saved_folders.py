@@ -60,3 +60,76 @@ def test_new_configs_take_the_current_defaults(tmp_path):
     hybrid = AutoConfig.for_model("lazoo_hybrid", hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
                                   layer_types=["sliding_window", "vla"])
     assert hybrid.mixer_options("vla")["qk_prenorm"] is True and hybrid.mixer_kwargs == {}
+
+
+# ----------------------------------------------------------------------------- folders whose config was edited
+def _vla_relabelled(model_type, drop_architectures=False):
+    def edit(config):
+        config["model_type"] = model_type
+        if drop_architectures:
+            config.pop("architectures")
+    return edit
+
+
+def _set_layer_types(*names):
+    def edit(config):
+        config["layer_types"] = list(names)
+    return edit
+
+
+def _set(key, value):
+    def edit(config):
+        config[key] = value
+    return edit
+
+
+#: (saved model, an edit of its config.json, what the refusal names); each once loaded with other logits
+EDITED_FOLDERS = {
+    "hybrid without lazoo_format": ("hybrid", lambda c: c.pop("lazoo_format"), "weights do not match config.json"),
+    "vla relabelled gated_delta_net": ("vla", _vla_relabelled("lazoo_gated_delta_net"), "was saved by LazooVLA"),
+    "vla relabelled hybrid": ("vla", _vla_relabelled("lazoo_hybrid"), "was saved by LazooVLA"),
+    "vla relabelled, architectures removed": ("vla", _vla_relabelled("lazoo_gated_delta_net", True),
+                                              "is an option of the 'vla' layers"),
+    "gated_delta_net relabelled linear": ("gated_delta_net", _vla_relabelled("lazoo_linear"),
+                                          "was saved by LazooGatedDeltaNet"),
+    "hybrid layer_types edited": ("hybrid", _set_layer_types("sliding_window", "gated_delta_net"),
+                                  "weights do not match config.json"),
+    "vla output norm switched off": ("vla", _set("output_norm", False), "weights do not match config.json"),
+}
+
+
+def _save_and_edit(name, edit, folder):
+    import json
+
+    from conftest import tiny_model
+
+    model = tiny_model(name)
+    model.save_pretrained(folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize("case", list(EDITED_FOLDERS))
+def test_a_config_that_no_longer_matches_its_weights_is_refused(case, tmp_path, single_thread):
+    name, edit, message = EDITED_FOLDERS[case]
+    _save_and_edit(name, edit, tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_allow_layer_mismatch_loads_anyway_and_loading_info_still_comes_back(tmp_path, single_thread):
+    _save_and_edit("hybrid", lambda c: c.pop("lazoo_format"), tmp_path)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, allow_layer_mismatch=True, output_loading_info=True)
+    assert info["unexpected_keys"] == {"model.layers.1.mixer.o_norm.weight"}
+
+
+def test_an_unedited_folder_loads_into_every_head(tmp_path, single_thread):
+    saved = _save_and_edit("vla", lambda c: None, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, saved(ids).logits)
+    AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3)  # a new score head is expected

@@ -31,11 +31,14 @@ def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor, num_experts:
     chosen = torch.zeros_like(probs).scatter_(1, top_idx, 1.0)  # [N, E]: 1 where e is among the top k
     if mask is None:
         weights = probs.new_ones(probs.shape[0])
-    else:
-        weights = mask.reshape(-1).to(probs.dtype)
+    else:  # pads selected out, not multiplied by 0 (which keeps a NaN)
+        real = mask.reshape(-1).bool()[:, None]
+        probs = probs.masked_fill(~real, 0)
+        chosen = chosen.masked_fill(~real, 0)
+        weights = real[:, 0].to(probs.dtype)
     count = weights.sum().clamp_min(1.0)
-    fraction = (chosen * weights[:, None]).sum(0) / (count * top_idx.shape[1])
-    mean_prob = (probs * weights[:, None]).sum(0) / count
+    fraction = chosen.sum(0) / (count * top_idx.shape[1])
+    mean_prob = probs.sum(0) / count
     return num_experts * (fraction * mean_prob).sum()
 
 

@@ -13,8 +13,8 @@ class ShortConvolution(nn.Conv1d):
     """`y_t = act(Σ_{i<K} w_i ⊙ x_{t−i} + b)`, channels last: input and output `[B, T, C]`; the bias `b` only
     with `bias=True` (the Triton kernel has none: a convolution with a bias runs `conv1d`).
 
-    Padded positions are zeroed before the convolution, so a left-padded sample sees the same
-    zeros before its first token as it would unpadded. `state` holds the last K−1 inputs `[B, K−1, C]`.
+    Padded positions are set to zero before the convolution, whatever they hold (NaN and inf included), so a
+    left-padded sample sees the same zeros before its first token as it would unpadded. `state` holds the last K−1 inputs `[B, K−1, C]`.
     Packed sequences (`cu_seqlens` `[N + 1]`, B = 1): a position sees only the inputs of its own sequence,
     as if each sequence ran alone from a zero state (no state in or out); they run in PyTorch on every backend
     (the kernel has no packed form).
@@ -38,8 +38,8 @@ class ShortConvolution(nn.Conv1d):
         # conv1d is as good a path as the kernel wherever the kernel cannot run: nothing worth a warning
         backend = resolve_backend("ShortConvolution", backend, x.device, self.triton_unsupported(x),
                                   log_fallback=False)
-        if mask is not None:
-            x = x * mask[..., None].to(x.dtype)
+        if mask is not None:  # a select, not a product: 0 · NaN at a pad would be NaN in its neighbours
+            x = x.masked_fill(~mask[..., None].bool(), 0)
         K = self.kernel_size[0]
         if state is None and backend == "triton":  # the kernel starts from zeros: no inputs to prepend
             from ..kernels.short_conv import short_conv

@@ -15,7 +15,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from ..layers.mixers import check_mixer_kwargs, mixer_class
-from ..registry import Mechanism, on_register
+from ..registry import Mechanism, mechanisms, on_register
 
 
 #: the format of a saved config, written as `lazoo_format`. A config that `save_pretrained` wrote without the field
@@ -141,6 +141,62 @@ def _defaults_before(saved_format, layer_types) -> dict[str, dict[str, Any]]:
     return old
 
 
+#: the model classes derived for every lazoo model type (`<class_prefix><suffix>`; a hybrid's prefix is "Lazoo")
+MODEL_CLASS_SUFFIXES = ("Model", "ForCausalLM", "ForSequenceClassification")
+
+
+def _model_type_of_class(name: str) -> str | None:
+    """The lazoo model type whose derived classes include `name` (as saved in a config's `architectures`), or None
+    for a class lazoo did not derive (a user's own subclass)."""
+    prefixes = {"Lazoo": "lazoo_hybrid", **{m.class_prefix: m.model_type for m in mechanisms().values()}}
+    for prefix, model_type in prefixes.items():
+        if name in {prefix + suffix for suffix in MODEL_CLASS_SUFFIXES}:
+            return model_type
+    return None
+
+
+def check_architectures(model_type: str, architectures) -> None:
+    """A saved config's `architectures` (the classes that saved it) belong to its `model_type`: a folder whose
+    `model_type` was changed afterwards would read its layers' options differently and compute other numbers."""
+    for name in architectures or ():
+        saved_as = _model_type_of_class(name) if isinstance(name, str) else None
+        if saved_as is not None and saved_as != model_type:
+            raise ValueError(f"config.json has model_type {model_type!r} but was saved by {name}, a class of "
+                             f"{saved_as!r}: a changed model_type reads the layers' options differently. Restore "
+                             f"model_type {saved_as!r} (or, for a deliberate change, update 'architectures' too)")
+
+
+def check_no_foreign_options(model_type: str, mechanism: str | None, layer_types, fields) -> None:
+    """No top-level field of the config is an option of another mechanism of `layer_types`: only the primary
+    mechanism's options are typed fields, so such a field would be left unread (it belongs in `mixer_kwargs`)."""
+    if not isinstance(layer_types, (list, tuple)):
+        return  # check_layer_types says what is wrong
+    standard = _standard_config_fields()
+    for name in dict.fromkeys(layer_types):
+        if name == mechanism or not isinstance(name, str):
+            continue
+        try:
+            options = mixer_class(name).defaults
+        except ValueError:  # an unknown name: check_layer_types says so
+            continue
+        stray = sorted(k for k in fields if k in options and k not in standard)
+        if stray:
+            raise ValueError(f"config field {stray[0]!r} is an option of the {name!r} layers, which a {model_type} "
+                             f"config reads only from mixer_kwargs[{name!r}] (top-level option fields belong to "
+                             f"model_type lazoo_{name}); move it there, or restore the model_type it was saved with")
+
+
+def _standard_config_fields() -> set[str]:
+    """The fields every transformers config has (never a mechanism option, whatever a mixer names its own)."""
+    global _STANDARD_FIELDS
+    if _STANDARD_FIELDS is None:
+        _STANDARD_FIELDS = set(PreTrainedConfig().to_dict())
+    return _STANDARD_FIELDS
+
+
+_STANDARD_FIELDS: set[str] | None = None
+
+
 class LazooConfig(PreTrainedConfig):
     model_type = "lazoo_hybrid"
     #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
@@ -187,6 +243,8 @@ class LazooConfig(PreTrainedConfig):
             own_old = old_defaults.pop(self.mechanism, {})
             for key, default in self._own_fields().items():
                 setattr(self, key, kwargs.pop(key, own_old.get(key, default)))
+        check_architectures(self.model_type, kwargs.get("architectures"))
+        check_no_foreign_options(self.model_type, self.mechanism, layer_types, kwargs)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -308,6 +366,10 @@ def make_config_class(mechanism: Mechanism) -> type[LazooConfig]:
 
     # an explicit __init__ keeps transformers from generating a dataclass one for the subclass
     name = f"{mechanism.class_prefix}Config"
+    existing = globals().get(name)
+    if existing is not None and getattr(existing, "mechanism", None) != mechanism.name:  # LazooConfig, or another's
+        raise ValueError(f"mechanism {mechanism.name!r}: class_prefix {mechanism.class_prefix!r} would rebind "
+                         f"{__name__}.{name}; choose another class_prefix")
     namespace = {"model_type": mechanism.model_type, "mechanism": mechanism.name, "__init__": __init__,
                  "__module__": __name__, "__qualname__": name, "__doc__": _config_docstring(mechanism)}
     cls = type(name, (LazooConfig,), namespace)
@@ -317,7 +379,10 @@ def make_config_class(mechanism: Mechanism) -> type[LazooConfig]:
 
 
 def _forget_config_class(mechanism: Mechanism) -> None:
-    MECHANISM_CONFIGS.pop(mechanism.name, None)
+    cls = MECHANISM_CONFIGS.pop(mechanism.name, None)
+    name = f"{mechanism.class_prefix}Config"
+    if cls is not None and globals().get(name) is cls:
+        del globals()[name]
 
 
 on_register(make_config_class, removal=_forget_config_class)

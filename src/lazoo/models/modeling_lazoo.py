@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             feature_map=config.memory_lobe_feature_map)
 
     def forward(self, hidden_states, mask=None, position_ids=None, cache=None, cu_seqlens=None, **kwargs):
+        hidden_states = zero_pads(hidden_states, mask)
         x = self.input_norm(hidden_states)
         if cu_seqlens is None:
             mixed = self.mixer(x, mask=mask, position_ids=position_ids, cache=cache)
@@ -125,6 +127,20 @@ class LazooPreTrainedModel(PreTrainedModel):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # the model creates its own LazooCache
 
+    @classmethod
+    def from_pretrained(cls, *args, allow_layer_mismatch: bool = False, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing a folder whose decoder-layer weights do not fit the model its
+        config builds: a weight with no place in the model, or a layer weight the folder lacks, means config.json no
+        longer describes the weights (an edited `lazoo_format` or `model_type` reads the layers' options
+        differently), and the model would compute other numbers. `allow_layer_mismatch=True` loads it anyway
+        (unmatched weights dropped, missing ones newly initialised, as transformers does). Heads may differ as
+        usual: a causal LM's folder loads into a sequence classifier with a new `score`."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if not allow_layer_mismatch:
+            check_layer_weights(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return (model, info) if want_info else model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`; the config's save adds the `trust_remote_code` export
         (`auto_map` and a flat copy of the model code, see `lazoo.models.export`), and a model card is
@@ -152,6 +168,58 @@ class LazooPreTrainedModel(PreTrainedModel):
             else:
                 write_model_card(self, working_dir)
         return super()._upload_modified_files(working_dir, *args, **kwargs)
+
+
+_LAYER_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def check_layer_weights(loading_info: dict, source) -> None:
+    """Refuse a load whose decoder-layer weights and config disagree (see `LazooPreTrainedModel.from_pretrained`)."""
+    extra = sorted(k for k in loading_info.get("unexpected_keys", ()) if _LAYER_WEIGHT.search(k))
+    missing = sorted(k for k in loading_info.get("missing_keys", ()) if _LAYER_WEIGHT.search(k))
+    if not extra and not missing:
+        return
+    found = []
+    if extra:
+        found.append(f"{len(extra)} weight(s) the model built from config.json has no place for ({extra[0]}, ...)")
+    if missing:
+        found.append(f"no weight for {len(missing)} of its parameters ({missing[0]}, ...)")
+    raise ValueError(f"{source}: the weights do not match config.json: {' and '.join(found)}. The config no longer "
+                     "describes these weights (an edited lazoo_format, model_type or layer option changes the layers); "
+                     "restore it, or pass allow_layer_mismatch=True to load anyway")
+
+
+def zero_pads(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`hidden_states` `[B, T, hidden]` with the rows of pads (`mask` `[B, T]` bool, False = pad) set to 0.
+
+    Every layer's input passes through this: a pad's value then reaches nothing, not even a weight's gradient
+    (a NaN or inf at a pad, times the zero gradient a real token sends back there, would be NaN), and the real
+    tokens' outputs and gradients are the same bits whatever the pads held."""
+    if mask is None:
+        return hidden_states
+    return hidden_states.masked_fill(~mask[..., None], 0)
+
+
+def check_attention_mask(attention_mask) -> torch.Tensor | None:
+    """The 2-D `attention_mask` as bool (True = real token), after refusing anything that is not one: a mask
+    holds 0 and 1 only (or True / False), since a 2, 0.5 or -1 is no kind of token. The values cost one host
+    sync, skipped under torch.compile and CUDA-graph capture."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
+        raise ValueError(f"attention_mask must be a 2-D tensor of 0 and 1 (1 = real token), got "
+                         f"{_describe(attention_mask)}")
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D [batch, sequence] with 1 for real tokens, got shape "
+                         f"{tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if host_sync_allowed():
+        bad = (attention_mask != 0) & (attention_mask != 1)  # NaN too
+        if bool(bad.any()):
+            raise ValueError(f"attention_mask must hold only 0 (pad) and 1 (real token), got "
+                             f"{attention_mask[bad][0].item()!r} ({int(bad.sum())} such value(s))")
+    return attention_mask != 0
 
 
 def check_model_inputs(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) -> None:
@@ -207,10 +275,6 @@ def _new_token_mask(attention_mask, batch: int, length: int, past: int | None):
     `T` columns when `past` is not known)."""
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must be 2-D [batch, sequence] with 1 for real tokens, got shape {tuple(attention_mask.shape)}"
-        )
     if past is None and attention_mask.shape[1] > length:
         attention_mask = attention_mask[:, -length:]
     elif past is not None and attention_mask.shape[1] == past + length:
@@ -266,14 +330,21 @@ class LazooModel(LazooPreTrainedModel):
         message names the first offending id and vocab_size)."""
         cache = cache_argument(cache, past_key_values, kwargs)
         check_model_inputs(input_ids, inputs_embeds, self._vocabulary_size(), self.config.hidden_size)
+        attention_mask = check_attention_mask(attention_mask)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(inputs_embeds.device)
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training:
             use_cache = False
         if cache is not None and not isinstance(cache, LazooCache):
             raise TypeError(f"the cache (`cache` / `past_key_values`) must be a LazooCache or None, "
                             f"got {type(cache).__name__}")
+        if cache is not None and len(cache) != self.config.num_hidden_layers:
+            raise ValueError(f"the cache has {len(cache)} layers but the model has "
+                             f"{self.config.num_hidden_layers}: a cache belongs to the model that filled it (start a "
+                             f"new one with LazooCache({self.config.num_hidden_layers}), or pass none)")
         cu_seqlens = self._packed_boundaries(position_ids, attention_mask, cache, inputs_embeds)
         if cu_seqlens is not None:
             if cache is not None:
@@ -298,9 +369,9 @@ class LazooModel(LazooPreTrainedModel):
             position_ids = (offset[:, None] + real.cumsum(1) - 1).clamp_min(0)
         # ops take mask=None as "all real", which is also their fast path; finding that out is a host sync, which
         # compiled or captured code cannot make: it passes the mask as it is
-        op_mask = (None if new_mask is None or (host_sync_allowed() and bool(new_mask.all())) else new_mask.bool())
+        op_mask = None if new_mask is None or (host_sync_allowed() and bool(new_mask.all())) else new_mask
 
-        hidden_states = inputs_embeds
+        hidden_states = zero_pads(inputs_embeds, op_mask)  # (each layer zeroes its input's pads again)
         all_hidden = (hidden_states,) if output_hidden_states else None
         aux_losses = []
         for layer in self.layers:
@@ -611,9 +682,16 @@ def make_model_classes(mechanism: Mechanism) -> tuple[type, type, type]:
     `...ForSequenceClassification`, each bound to the mechanism's config class, bound in this module and
     entered in `MODEL_CLASSES` / `SEQUENCE_CLASSIFICATION_CLASSES`."""
     config_class = MECHANISM_CONFIGS[mechanism.name]
+    bases = (LazooModel, LazooForCausalLM, LazooForSequenceClassification)
+    names = [mechanism.class_prefix + base.__name__.removeprefix("Lazoo") for base in bases]
+    for name in names:  # a base class, or another mechanism's class, keeps its name
+        existing = globals().get(name)
+        derived_for = getattr(getattr(existing, "config_class", None), "mechanism", None)
+        if existing is not None and derived_for != mechanism.name:
+            raise ValueError(f"mechanism {mechanism.name!r}: class_prefix {mechanism.class_prefix!r} would rebind "
+                             f"{__name__}.{name}; choose another class_prefix")
     made = []
-    for base in (LazooModel, LazooForCausalLM, LazooForSequenceClassification):
-        name = mechanism.class_prefix + base.__name__.removeprefix("Lazoo")
+    for base, name in zip(bases, names):
         doc = f"{base.__name__} with `{mechanism.name}` layers ({mechanism.title}); config: `{config_class.__name__}`."
         cls = type(name, (base,), {"config_class": config_class, "__module__": __name__, "__qualname__": name,
                                    "__doc__": doc})
@@ -626,8 +704,11 @@ def make_model_classes(mechanism: Mechanism) -> tuple[type, type, type]:
 
 
 def _forget_model_classes(mechanism: Mechanism) -> None:
-    MODEL_CLASSES.pop(mechanism.model_type, None)
-    SEQUENCE_CLASSIFICATION_CLASSES.pop(mechanism.model_type, None)
+    _, *classes = MODEL_CLASSES.pop(mechanism.model_type, (None,))
+    classes.append(SEQUENCE_CLASSIFICATION_CLASSES.pop(mechanism.model_type, None))
+    for cls in classes:
+        if cls is not None and globals().get(cls.__name__) is cls:
+            del globals()[cls.__name__]
 
 
 on_register(make_model_classes, removal=_forget_model_classes)
