@@ -1,29 +1,100 @@
 """fla's layers as lazoo mixer options, and fla's parameter names as lazoo's.
 
-For each fla model type: the config fields its blocks pass to the layers (`LAYER_FIELDS`), the lazoo options that
-make lazoo's mixer compute the same function (`mixer_options`, `attention_options`), and the parameter renames
-(`mixer_weights`). The equations behind each mapping are checked in float64 against transcriptions of fla's
-layer code (tests/fla_reference.py, tests/fla_attention_reference.py).
+For each fla model type: the config fields its blocks pass to the layers and the kind of value each holds
+(`LAYER_FIELDS`), the lazoo options that make lazoo's mixer compute the same function (`mixer_options`,
+`attention_options`), and the parameter renames (`mixer_parameter_name`). The equations behind each mapping are
+checked in float64 against transcriptions of fla's layer code (tests/fla_reference.py,
+tests/fla_attention_reference.py). A config is untrusted input: `check_fields` refuses a value of the wrong kind
+(a string where a count belongs, a bool, a negative or non-finite number) before any is used.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-import torch
+from .source import ConversionError, UnsupportedCheckpointError, shown
 
-#: per fla model type, the config fields beyond the common ones (fla.COMMON_FIELDS) that lazoo reads; the ones
-#: in NO_EFFECT are read by no fla 0.6.0 layer (accepted, with no effect in fla either)
+__all__ = ["ConversionError", "UnsupportedCheckpointError", "LAYER_FIELDS", "attention_options", "check_fields",
+           "is_layer_number", "malformed", "mixer_options", "mixer_parameter_name", "refuse"]
+
+#: per fla model type, the config fields beyond the common ones (fla.COMMON_FIELDS) that lazoo reads, with the kind
+#: of value each holds (`KINDS`; a trailing "?" allows null); the ones in NO_EFFECT are read by no fla 0.6.0 layer
+#: (accepted, with no effect in fla either)
 LAYER_FIELDS = {
-    "transformer": {"num_kv_heads", "qkv_bias", "qk_norm", "window_size", "rope_theta"},
-    "gla": {"expand_k", "expand_v", "num_kv_heads", "feature_map", "use_short_conv", "conv_size", "use_output_gate",
-            "clamp_min", "use_gk", "use_gv"},
-    "delta_net": {"expand_k", "expand_v", "use_gate", "use_short_conv", "allow_neg_eigval", "conv_size", "use_beta",
-                  "use_output_norm", "qk_norm", "qk_activation"},
-    "gated_deltanet": {"expand_v", "use_gate", "use_short_conv", "allow_neg_eigval", "conv_size", "head_dim",
-                       "num_v_heads", "output_gate_activation"},
+    "transformer": {"num_kv_heads": "count?", "qkv_bias": "flag", "qk_norm": "flag", "window_size": "count?",
+                    "rope_theta": "number?"},
+    "gla": {"expand_k": "number", "expand_v": "number", "num_kv_heads": "count?", "feature_map": "name?",
+            "use_short_conv": "flag", "conv_size": "count", "use_output_gate": "flag", "clamp_min": "real?",
+            "use_gk": "flag?", "use_gv": "flag?"},
+    "delta_net": {"expand_k": "number", "expand_v": "number", "use_gate": "flag", "use_short_conv": "flag",
+                  "allow_neg_eigval": "flag", "conv_size": "count", "use_beta": "flag", "use_output_norm": "flag?",
+                  "qk_norm": "name", "qk_activation": "name"},
+    "gated_deltanet": {"expand_v": "number", "use_gate": "flag", "use_short_conv": "flag", "allow_neg_eigval": "flag",
+                       "conv_size": "count", "head_dim": "count", "num_v_heads": "count?",
+                       "output_gate_activation": "name"},
 }
 NO_EFFECT = {"use_gk", "use_gv", "use_output_norm"}
+#: the fields of one spec of fla's `attn` block, with their kinds
+ATTENTION_FIELDS = {"layers": "any", "num_heads": "count", "num_kv_heads": "count?", "qkv_bias": "flag",
+                    "window_size": "count?", "rope_theta": "number"}
+
+#: the largest count a config may hold (far below where torch's shapes, products of counts, overflow) and the
+#: largest magnitude of a real-valued field
+MAX_COUNT = 2**31 - 1
+MAX_NUMBER = 1e12
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_layer_number(value, num_layers: int) -> bool:
+    """An int in [0, num_layers)."""
+    return _is_int(value) and 0 <= value < num_layers
+
+
+def _is_token(value) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_COUNT
+
+
+#: kind -> (test, what a value of it is)
+KINDS = {
+    "count": (lambda v: _is_int(v) and 1 <= v <= MAX_COUNT, f"a positive integer up to {MAX_COUNT}"),
+    "number": (lambda v: _is_real(v) and 0 < v <= MAX_NUMBER, f"a positive finite number up to {MAX_NUMBER:g}"),
+    "real": (lambda v: _is_real(v) and abs(v) <= MAX_NUMBER, "a finite number"),
+    "flag": (lambda v: isinstance(v, bool), "true or false"),
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "token": (_is_token, "a token id (an integer >= 0)"),
+    "tokens": (lambda v: _is_token(v) or (isinstance(v, list) and bool(v) and all(map(_is_token, v))),
+               "a token id (an integer >= 0) or a list of them"),
+    "any": (lambda v: True, "anything"),
+}
+
+
+def refuse(field: str, value, why: str):
+    """Raise UnsupportedCheckpointError naming a fla config field, its value and why."""
+    raise UnsupportedCheckpointError(f"fla config field {field!r} = {shown(value)}: {why}; nothing was converted")
+
+
+def malformed(field: str, value, why: str):
+    """Raise ConversionError naming a fla config field whose value is not what fla writes there."""
+    raise ConversionError(f"fla config field {field!r} = {shown(value)}: {why}; nothing was converted")
+
+
+def check_fields(fla: dict, kinds: dict[str, str], prefix: str = "") -> None:
+    """Every field of `kinds` present in `fla` holds a value of its kind (null where the kind ends in "?")."""
+    for field, kind in kinds.items():
+        if field not in fla or (fla[field] is None and kind.endswith("?")):
+            continue
+        test, what = KINDS[kind.rstrip("?")]
+        if not test(fla[field]):
+            malformed(prefix + field, fla[field], f"expected {what}{' or null' if kind.endswith('?') else ''}")
+
 
 #: fla parameter (module) names that lazoo names otherwise; every other name is the same in both
 RENAMED = {"q_conv1d": "short_conv.convs.q", "k_conv1d": "short_conv.convs.k", "v_conv1d": "short_conv.convs.v",
@@ -33,26 +104,16 @@ RENAMED = {"q_conv1d": "short_conv.convs.q", "k_conv1d": "short_conv.convs.k", "
 _SWISH = {"swish": "silu", "silu": "silu"}
 
 
-class ConversionError(ValueError):
-    """A checkpoint folder that cannot be converted: the one-line message names the file and, where there is one,
-    the field (malformed input, a failed read or write). Nothing is left in the destination."""
-
-
-class UnsupportedCheckpointError(ConversionError):
-    """A fla checkpoint uses something lazoo cannot express exactly (the message names the field)."""
-
-
-def refuse(field: str, value, why: str):
-    """Raise UnsupportedCheckpointError naming a fla config field, its value and why."""
-    raise UnsupportedCheckpointError(f"fla config field {field!r} = {value!r}: {why}; nothing was converted")
-
-
 def _head_dims(fla: dict, expand_k: float, expand_v: float) -> tuple[int, float]:
     """(lazoo head_k_dim, lazoo expand_v) of a layer sized by fla's expand_k / expand_v ratios, as fla sizes it:
     key_dim = int(hidden · expand_k), head_k_dim = key_dim // num_heads (values alike)."""
     heads = fla["num_heads"]
     head_k_dim = int(fla["hidden_size"] * expand_k) // heads
     head_v_dim = int(fla["hidden_size"] * expand_v) // heads
+    for field, dim in (("expand_k", head_k_dim), ("expand_v", head_v_dim)):
+        if dim < 1:
+            malformed(field, fla.get(field), f"hidden_size {fla['hidden_size']} · {field} leaves less than one "
+                      f"channel for each of num_heads = {heads} heads")
     return head_k_dim, head_v_dim / head_k_dim
 
 
@@ -123,10 +184,10 @@ def attention_options(spec: dict, fla: dict) -> dict[str, Any]:
             "use_rope": True, "rope_theta": float(spec.get("rope_theta", 10000.0))}
 
 
-def mixer_weights(layer_type: str, fla_name: str, tensor: torch.Tensor, config) -> dict[str, torch.Tensor]:
-    """`{lazoo mixer parameter name: tensor}` for fla layer parameter `fla_name` (relative to the layer's `attn`)
-    of a layer whose lazoo mechanism is `layer_type`."""
+def mixer_parameter_name(layer_type: str, fla_name: str) -> str:
+    """The lazoo mixer parameter name of fla layer parameter `fla_name` (relative to the layer's `attn`) in a layer
+    whose lazoo mechanism is `layer_type`."""
     module, _, leaf = fla_name.rpartition(".")
     if layer_type in ("softmax", "sliding_window") or not module:
-        return {fla_name: tensor}
-    return {f"{RENAMED.get(module, module)}.{leaf}": tensor}
+        return fla_name
+    return f"{RENAMED.get(module, module)}.{leaf}"

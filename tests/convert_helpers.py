@@ -1,0 +1,116 @@
+"""Helpers of the tests that give `lazoo convert` untrusted folders (tests/test_convert_untrusted.py,
+tests/test_convert_fuzz.py): fla folders to break (written as tests/test_convert_fla.py writes them), raw
+safetensors editing, files outside the source folder that no conversion may read, and the check every conversion
+must pass: exit status 0 with a complete folder that loads with finite weights, or status 2 with one error line and
+the destination as it was, no staging folder left beside it."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from test_convert_fla import fla_config, random_fla_checkpoint, write_fla_folder
+from transformers import AutoModelForCausalLM
+
+from lazoo.cli import main
+
+#: every element of the tensors outside the source folder (no finite weight of a random checkpoint is this)
+SENTINEL = 12345.0
+#: the text of the plain files outside the source folder
+SECRET = b"a file outside the checkpoint folder\n"
+
+
+def fla_folder(folder: Path, case: str = "gla", shards: int = 1, seed: int = 0) -> Path:
+    """A float32 fla checkpoint folder of tests/test_convert_fla.py's `case`."""
+    cfg = fla_config(case)
+    write_fla_folder(folder, cfg, random_fla_checkpoint(cfg, seed=seed, dtype=torch.float32), shards=shards)
+    return folder
+
+
+def outside_files(folder: Path, like: Path) -> Path:
+    """Files a conversion must never read, in `folder`: `outside.safetensors` (every tensor of checkpoint file
+    `like`, each filled with SENTINEL) and `secret.txt` / `secret.json` (SECRET)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    header, _ = read_raw(like)
+    tensors = {name: torch.full(info["shape"], SENTINEL) for name, info in header.items() if name != "__metadata__"}
+    save_file(tensors, str(folder / "outside.safetensors"))
+    (folder / "secret.txt").write_bytes(SECRET)
+    (folder / "secret.json").write_bytes(b'{"secret": "' + SECRET.strip() + b'"}')
+    return folder
+
+
+# ----------------------------------------------------------------------------- raw safetensors
+def read_raw(path: Path) -> tuple[dict, bytes]:
+    """The header (a dict) and the data bytes of a safetensors file."""
+    blob = path.read_bytes()
+    length = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + length]), blob[8 + length:]
+
+
+def write_raw(path: Path, header: dict, data: bytes) -> None:
+    """A safetensors file of `header` and `data` exactly as given (consistent or not)."""
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+# ----------------------------------------------------------------------------- running and checking
+@contextmanager
+def recording_opens(watched: Path):
+    """The paths under `watched` that Python's `open` is asked for inside the block (a list, filled as it runs)."""
+    seen, real_open = [], builtins.open
+
+    def open_(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file).resolve().is_relative_to(watched.resolve()):
+            seen.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    builtins.open = open_
+    try:
+        yield seen
+    finally:
+        builtins.open = real_open
+
+
+def run_convert(src: Path, dst: Path, capfd) -> tuple[int, list[str], float]:
+    """`lazoo convert src dst`: its exit status, the lines it wrote to stderr, and its seconds."""
+    capfd.readouterr()
+    start = time.perf_counter()
+    status = main(["convert", str(src), str(dst)])
+    seconds = time.perf_counter() - start
+    return status, capfd.readouterr().err.splitlines(), seconds
+
+
+def snapshot(path: Path):
+    """What is at `path`: None, a link and its target, a file's bytes, or a folder's entries."""
+    if path.is_symlink():
+        return ("link", str(path.readlink()))
+    if not path.exists():
+        return None
+    if path.is_file():
+        return ("file", path.read_bytes())
+    return ("folder", sorted(p.name for p in path.iterdir()))
+
+
+def check_outcome(status: int, err: list[str], dst: Path, before) -> None:
+    """Exit 0: `dst` loads, with finite weights and nothing from outside the source; exit 2: one error line and
+    `dst` as it was. Either way no staging folder beside `dst`."""
+    assert status in (0, 2), (status, err)
+    if dst.parent.is_dir():
+        staging = [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")]
+        assert not staging, staging
+    if status == 2:
+        assert len(err) == 1 and err[0].startswith("lazoo convert: error: "), err
+        assert "Traceback" not in err[0]
+        assert snapshot(dst) == before
+        return
+    for file in dst.iterdir():
+        assert SECRET.strip() not in file.read_bytes(), file
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    for name, tensor in model.state_dict().items():
+        assert torch.isfinite(tensor).all(), name
+        assert not (tensor == SENTINEL).any(), name
