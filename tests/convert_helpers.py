@@ -32,6 +32,32 @@ def fla_folder(folder: Path, case: str = "gla", shards: int = 1, seed: int = 0) 
     return folder
 
 
+def qwen3_5_available() -> bool:
+    import transformers
+
+    return hasattr(transformers, "Qwen3_5ForCausalLM")
+
+
+def transformers_folder(folder: Path, kind: str) -> Path:
+    """A tiny transformers causal LM saved with save_pretrained (a folder lazoo convert must refuse)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=1, intermediate_size=64)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3_5TextConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=64, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
+        model = transformers.Qwen3_5ForCausalLM(config)
+    model.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    return folder
+
+
 def outside_files(folder: Path, like: Path) -> Path:
     """Files a conversion must never read, in `folder`: `outside.safetensors` (every tensor of checkpoint file
     `like`, each filled with SENTINEL) and `secret.txt` / `secret.json` (SECRET)."""

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from convert_helpers import (check_outcome, fla_folder, outside_files, read_raw, recording_opens, run_convert, snapshot,
-                             write_raw)
+from convert_helpers import (check_outcome, fla_folder, outside_files, qwen3_5_available, read_raw, recording_opens,
+                             run_convert, snapshot, transformers_folder, write_raw)
 from safetensors.torch import save_file
 from test_cli_errors import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 
@@ -46,32 +46,6 @@ def bases(tmp_path_factory):
     if qwen3_5_available():
         folders["qwen3_5"] = transformers_folder(root / "qwen3_5", "qwen3_5")
     return folders
-
-
-def qwen3_5_available() -> bool:
-    import transformers
-
-    return hasattr(transformers, "Qwen3_5ForCausalLM")
-
-
-def transformers_folder(folder: Path, kind: str) -> Path:
-    """A tiny transformers causal LM saved with save_pretrained (a folder lazoo convert must refuse)."""
-    import transformers
-
-    torch.manual_seed(0)
-    if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                          num_key_value_heads=1, intermediate_size=64)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen3_5TextConfig(
-            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            intermediate_size=64, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-            linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])
-        model = transformers.Qwen3_5ForCausalLM(config)
-    model.save_pretrained(folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from convert_helpers import (check_outcome, fla_folder, outside_files, read_raw, recording_opens, run_convert,
-                             snapshot, write_raw)
+from convert_helpers import (check_outcome, fla_folder, outside_files, qwen3_5_available, read_raw, recording_opens,
+                             run_convert, snapshot, transformers_folder, write_raw)
 from test_cli_errors import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -97,6 +97,14 @@ def edit_header(tensor_name, change_entry):
 def rewrite_bytes(name, rewrite):
     def change(src, outside, dst, monkeypatch):
         (src / name).write_bytes(rewrite((src / name).read_bytes()))
+    return change
+
+
+def make_pipe(name):
+    """`name` in the folder becomes a named pipe (reading it would block)."""
+    def change(src, outside, dst, monkeypatch):
+        (src / name).unlink(missing_ok=True)
+        os.mkfifo(src / name)
     return change
 
 
@@ -206,6 +214,8 @@ ROWS = [
     ("index-not-json", "sharded", rewrite_bytes(INDEX, lambda b: b"{not json"), [INDEX, "not valid JSON"]),
     ("index-weight-map-a-list", "sharded", rewrite_bytes(INDEX, lambda b: b'{"weight_map": []}'),
      [INDEX, "weight_map"]),
+    ("tokenizer-file-a-pipe", "single", make_pipe("tokenizer_config.json"),
+     ["tokenizer_config.json", "not a regular file"]),
     ("config-unreadable", "single", refuse_open("config.json", PermissionError(errno.EACCES, "Permission denied")),
      ["permission denied reading", "config.json"]),
     ("weights-unreadable", "single",
@@ -268,3 +278,13 @@ def test_a_link_that_stays_inside_the_folder_is_followed(bases, tmp_path, capfd)
     (src / "model.safetensors").symlink_to(Path("weights") / "model.safetensors")
     status, err, _ = run_convert(src, tmp_path / "out", capfd)
     assert status == 0, err
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_a_transformers_folder_is_refused_by_its_model_type(kind, tmp_path, capfd):
+    if kind == "qwen3_5" and not qwen3_5_available():
+        pytest.skip("this transformers has no Qwen3_5ForCausalLM")
+    src = transformers_folder(tmp_path / kind, kind)
+    status, err, _ = run_convert(src, tmp_path / "out", capfd)
+    check_outcome(status, err, tmp_path / "out", None)
+    assert status == 2 and "'model_type'" in err[0] and "config.json" in err[0], err

@@ -104,7 +104,10 @@ class SourceFolder:
 
     def __init__(self, path):
         with reporting_os_errors("reading", path):
-            self.root = Path(path).resolve(strict=True)
+            try:
+                self.root = Path(path).resolve(strict=True)
+            except RuntimeError as err:  # a loop of symbolic links (Python 3.11)
+                raise ConversionError(f"{path} cannot be resolved ({err})") from err
             if not self.root.is_dir():
                 raise ConversionError(f"{path} is not a folder; give a checkpoint folder")
 
@@ -129,7 +132,8 @@ class SourceFolder:
 
     def file(self, name, field: str | None = None, required: bool = True) -> Path | None:
         """The resolved path of regular file `name` inside the folder (`field`: as for `inside`); None when it is
-        absent (or not a regular file) and not `required`."""
+        absent and not `required`. Anything else by that name (a folder, a pipe, a device) is refused: reading it
+        could block or mean anything."""
         path = self.inside(name, field)
         try:
             mode = path.stat().st_mode
@@ -139,7 +143,7 @@ class SourceFolder:
             raise os_failure(err, "reading", path) from err
         if mode is not None and stat.S_ISREG(mode):
             return path
-        if required:
+        if required or mode is not None:
             what = "no such file" if mode is None else "not a regular file"
             raise ConversionError(f"{field + ': ' if field else ''}{self.root / name}: {what}")
         return None
