@@ -1,7 +1,7 @@
-"""ELA-GPT ablation (seed 003 §VI) at a CPU budget: full-attention GPT vs ELA-GPT (Hadamard-exp and
+"""ELA-GPT ablation (the ELA paper, §VI) at a CPU budget: full-attention GPT vs ELA-GPT (Hadamard-exp and
 sum-squared-Euclidean kernels), each with the usual residual, with Hyper-Link, and with Hyper-Link + a
 causal Memory Lobe (`--steps`); then the leak experiment (`--leak-steps`, longer): ELA-GPT with the causal
-Memory Lobe against the seed's bidirectional one in the same causal LM.
+Memory Lobe against the paper's bidirectional one in the same causal LM.
 
 Every run: the same tokenizer, train/held-out blocks, batch order, optimiser, steps and MoE feed-forward
 (4 experts, top-2, eq-14 routing-score bias, aux-loss coefficient 0.01); only the mixer and the decoder
@@ -43,7 +43,7 @@ VARIANTS = {
     "ela-sse-hl": ("ela", "sum_sq_euclid", True, None),
     "ela-sse-hl-lobe": ("ela", "sum_sq_euclid", True, "causal"),
 }
-#: the leak experiment: the seed's bidirectional lobe inside a causal LM (it reads the tokens it predicts)
+#: the leak experiment: the paper's bidirectional lobe inside a causal LM (it reads the tokens it predicts)
 LEAK_VARIANTS = {
     "ela-hexp-hl-lobe": ("ela", "hadamard_exp", True, "causal"),
     "ela-hexp-hl-bilobe (leak)": ("ela", "hadamard_exp", True, "bidirectional"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Seed 000 MQAR capacity experiment (issue 4): train and evaluate lazoo models on multi-query recall.
+"""The VLA paper's MQAR capacity experiment: train and evaluate lazoo models on multi-query recall.
 
-Protocol (seed 000 §5, Table 6): 2 layers, d = 128, H = 4 (d_h = 32), FFN 256, vocab 128, weight tying;
+Protocol (the VLA paper, §5, Table 6): 2 layers, d = 128, H = 4 (d_h = 32), FFN 256, vocab 128, weight tying;
 AdamW β = (0.9, 0.999), ε = 1e-8, lr 3e-4 with cosine decay and 10 % linear warmup, weight decay 1e-2,
 global grad-norm clip 1.0, batch 64, 2 000 steps (1 000 for the capacity-overload tables); evaluation on
 15 held-out batches of 64 (960 samples), exact-match accuracy; seeds 42, 123, 999; float32 throughout.
@@ -9,7 +9,7 @@ Task layout and targets: ``lazoo.data.mqar`` (T = 3n + 1, loss and accuracy only
 
 Training draws a fresh batch every step from a generator seeded by the run seed (no fixed training set);
 evaluation batches come from a separate generator (seed + 10_000), the same for every mechanism.
-Accuracy is reported per query (``acc``, the seed's "exact-match accuracy" as we read it) and per sample
+Accuracy is reported per query (``acc``, the paper's "exact-match accuracy" as read here) and per sample
 with all n queries right (``sample_acc``).
 
 Usage:
@@ -51,11 +51,11 @@ MODEL = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention
              intermediate_size=256, tie_word_embeddings=True)
 #: named variants of a mechanism: name -> (mechanism, config overrides); any other name is a mechanism as it is
 VARIANTS = {
-    # seed 000's Algorithm 1 as written: ELU+1 features, the z-normalised read-out, no normalisation before
+    # the VLA paper's Algorithm 1 as written: ELU+1 features, the z-normalised read-out, no normalisation before
     "vla_paper": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=False, output_norm=False)),
     # VLA's defaults with A frozen at A₀ ∝ I (α̂ = k̂): what the precision geometry adds
     "vla_fixed_a": ("vla", dict(precision_update=False)),
-    # the candidates of issue 28's audit
+    # other read-outs of the VLA state
     "vla_signed": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False, output_norm=False)),
     "vla_signed_norm": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False,
                                     output_norm=True)),
@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
 
     def write_report():  # after every run, so an interrupted sweep keeps what it finished
         report = {
-            "experiment": "seed 000 MQAR capacity (issue 4)",
+            "experiment": "MQAR capacity (the VLA paper, §5)",
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "model": MODEL,
             "layout": "k1 v1 ... kn vn SEP kσ(1) ... kσ(n); keys 0..V/2-1, values V/2..V-2, SEP V-1; "

@@ -1,17 +1,17 @@
 #!/usr/bin/env python
-"""Seed 004 §6 (Figure 3): one test-time regression layer plus a length-2 short convolution on the keys solves
-MQAR; memory capacity (P against d_model), not sequence length, limits it.
+"""The test-time regression paper, §6 (Figure 3): one test-time regression layer plus a length-2 short
+convolution on the keys solves MQAR; memory capacity (P against d_model), not sequence length, limits it.
 
-Model (seed 004 §6): embeddings, ONE mixer layer (linear attention or unweighted RLS), a length-2 causal
-convolution on the keys only (`k_t = w_0 W_K x_t + w_1 W_K x_{t−1}`, no activation: seed 004 eq 56), no MLP
+Model (the paper's §6): embeddings, ONE mixer layer (linear attention or unweighted RLS), a length-2 causal
+convolution on the keys only (`k_t = w_0 W_K x_t + w_1 W_K x_{t−1}`, no activation: the paper's eq. 56), no MLP
 (`intermediate_size = 0` makes lazoo's MLP block an exact zero map with no weights), d_model = D_k = 64 (one
 head), tied embeddings and LM head. Mixer options: ``short_conv_targets="k"``, ``conv_size=2``,
-``conv_activation=None``; linear attention as in seed 004 eq 2 (identity feature map, no denominator; lazoo's
-linear mixer then applies its per-head output RMSNorm), RLS with γ = 1 (seed 004 eq 11; lazoo's mixer:
+``conv_activation=None``; linear attention as in the paper's eq. 2 (identity feature map, no denominator; lazoo's
+linear mixer then applies its per-head output RMSNorm), RLS with γ = 1 (the paper's eq. 11; lazoo's mixer:
 unit-norm q and k, learned ridge λ).
 
 Task: lazoo's MQAR draws (`lazoo.data.mqar.mqar_batch`: P distinct keys, values, a query permutation) laid out
-at length T as in Zoology (Arora et al. 2023), which seed 004 follows: the P key-value pairs first, then the
+at length T as in Zoology (Arora et al. 2023), which the paper follows: the P key-value pairs first, then the
 P queries, each a (key, value) pair at a non-overlapping 2-token slot among T − 2P filler tokens (the SEP id,
 one constant token like Zoology's 0 with ``random_non_queries=False``); the loss and accuracy are taken at each
 query key's position, whose target is its value. This needs T ≥ 4P (Zoology's constraint too); a point with
@@ -30,7 +30,7 @@ that grows with T. At initialisation it is already the largest part of every rea
 parameters grow under Adam while the output RMSNorm and the final norm make the loss blind to its scale):
 after 100 steps it was ~3000 times the query's own pair term (P = 16, T = 256, vocab 2048), the loss sat at
 ln V, and the gradient the pairs get is divided by that term. The model can hold the solution (keys of the
-SEP bigram orthogonal to every query, which the seed's orthonormal construction has built in): trained with
+SEP bigram orthogonal to every query, which the paper's orthonormal construction has built in): trained with
 power-law slots, the SEP term fell to ~1 % of the pair term within 200 steps and the accuracy with uniform
 slots equals that with power-law slots (0.99 at T = 256 and 512 for P = 16, vocabulary 2048, where uniform
 slots give 0.001; at P = 64, vocabulary 8192, T = 512: 0.41 and 0.47 after only 400 steps, seeds 1 and 2,
@@ -79,7 +79,7 @@ IGNORE_INDEX, mqar_batch = mqar_protocol.IGNORE_INDEX, mqar_protocol.mqar_batch
 EVAL_SEED_OFFSET = mqar_protocol.EVAL_SEED_OFFSET
 
 D_MODEL = 64
-#: mechanism -> the mixer options of seed 004 §6 (one layer, short conv of length 2 on the keys only)
+#: mechanism -> the mixer options of the paper's §6 (one layer, short conv of length 2 on the keys only)
 KEY_CONV = {"use_short_conv": True, "conv_size": 2, "short_conv_targets": "k", "conv_activation": None}
 MIXERS = {
     "linear": {**KEY_CONV, "feature_map": "identity", "normalize": False},
@@ -309,7 +309,8 @@ def main(argv=None) -> dict:
               f"(uniform slots {r['acc_uniform_slots']:.3f}) loss={r['final_train_loss']:.3f} "
               f"({r['train_seconds']:.0f}s)", flush=True)
         report = {
-            "experiment": "seed 004 §6, Figure 3: MQAR with one mixer layer + length-2 key convolution, no MLP",
+            "experiment": ("the test-time regression paper, §6, Figure 3: MQAR with one mixer layer "
+                           "+ length-2 key convolution, no MLP"),
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "model": {"d_model": D_MODEL, "heads": 1, "layers": 1, "intermediate_size": 0, "mixers": MIXERS},
             "layout": f"P pairs, then P (key, value) queries in 2-token slots among SEP fillers, slots drawn "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Seed 004 §5 (Figure 2): online regression with sequence layers and no learned parameters.
+"""The test-time regression paper, §5 (Figure 2): online regression with sequence layers and no learned parameters.
 
-Keys follow a switching autoregressive process (seed 004 eq 55), D_k = 64, T = 256:
+Keys follow a switching autoregressive process (the paper's eq. 55), D_k = 64, T = 256:
 
     k_{t+1} = 0.9 k_t + 0.02 ε_t      for t < T/4      (fast, less predictable regime)
     k_{t+1} = 0.999 k_t + 0.02 ε_t    for t ≥ T/4      (slow, nearly a random walk)
@@ -12,20 +12,20 @@ out-of-sample prediction of the next value from the prefix {(k_i, v_i)}_{i≤t},
 ‖v_{t+1} − o_t‖² per t, averaged over many independent sequences. One forward pass of each lazoo op does
 the regression; nothing is trained.
 
-Choices the seed leaves open (all arguments of this script; the defaults are ours):
+Choices the paper leaves open (all arguments of this script; the defaults are ours):
   * Σ: a random correlation matrix per sequence, Σ = D^{-1/2} W D^{-1/2} with W = A Aᵀ, A a D_k × 2D_k standard
     Gaussian matrix (a Wishart draw; eigenvalues roughly in [0.1, 3], off-diagonals about ±0.1 to ±0.3).
   * k_1 is drawn from the stationary law of the first regime, N(0, 0.02² Σ / (1 − 0.9²)), so the first
     regime is stationary and the only change is the switch at t = T/4 (1-based t).
   * linear attention: identity feature map, S_t = Σ v_i k_iᵀ, o_t = S_t q_t, then the output normalisation
-    the seed cites (Qin et al. 2022) without parameters: o_t / ‖o_t‖ (unit norm, the scale of the targets).
+    the paper cites (Qin et al. 2022) without parameters: o_t / ‖o_t‖ (unit norm, the scale of the targets).
     The elu+1 feature map with the usual denominator is reported too ("linear_elu1").
-  * RLS (seed 004 eq 11 and its γ-weighted form): `lazoo.ops.rls` on the raw keys, ridge λ = 1e-3; the
+  * RLS (the paper's eq. 11 and its γ-weighted form): `lazoo.ops.rls` on the raw keys, ridge λ = 1e-3; the
     weighted variant uses γ = 0.95 (effective memory ~20 steps).
-  * softmax (p = 0) and local-linear (p = 1): QK-norm (unit q and k, the form under which seed 004 derives
+  * softmax (p = 0) and local-linear (p = 1): QK-norm (unit q and k, the form under which the paper derives
     softmax as a local-constant regressor) with inverse temperature β = 16; local-linear ridge ρ = 1e-2
     (`lazoo.ops.local_linear_attention`, which normalises the weights to sum to one).
-  * naive: o_t = v_t (the last value), the seed's "naive one-step forecaster".
+  * naive: o_t = v_t (the last value), the paper's "naive one-step forecaster".
 A small sensitivity sweep over γ, β, λ and ρ is written to the JSON as well (`--no-sweep` skips it).
 
 Usage:
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPE = torch.float64  # exact references: no rounding question in a figure about regression quality
 
 
-# ----------------------------------------------------------------------------- the data (seed 004 eq 55)
+# ----------------------------------------------------------------------------- the data (the paper's eq. 55)
 def random_correlation(num: int, dim: int, generator: torch.Generator, dtype=DTYPE) -> torch.Tensor:
     """`num` random correlation matrices `[num, dim, dim]`: unit diagonal, non-zero off-diagonals."""
     a = torch.randn(num, dim, 2 * dim, generator=generator, dtype=dtype)
@@ -209,7 +209,8 @@ def main(argv=None) -> dict:
                                         for x in values}}
 
     report = {
-        "experiment": "seed 004 §5, Figure 2: online regression of a switching AR process, no learned parameters",
+        "experiment": ("the test-time regression paper, §5, Figure 2: online regression of a switching AR process, "
+                       "no learned parameters"),
         "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "switch": switch,
                      "generator": "k_{t+1} = 0.9 k_t + 0.02 ε_t (t < T/4), 0.999 k_t + 0.02 ε_t (t ≥ T/4); "
                                   "ε ~ N(0, Σ), Σ a random correlation matrix per sequence (Wishart, 2D dof); "

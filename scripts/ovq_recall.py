@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Recall vs length for OVQ and its baselines (seed 002 §8.4, Figure 4): train short, test long.
+"""Recall vs length for OVQ and its baselines (the OVQ paper, §8.4, Figure 4): train short, test long.
 
 Each model in --models is trained on basic ICR (``lazoo.data.icr``: 8-token keys and values, a query section
 after a marker) at --train-len tokens, then tested at every length in --test-lens (per-token accuracy on the

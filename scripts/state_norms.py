@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Seed 000 stability experiment: state norms over T steps of random inputs.
+"""The VLA paper's stability experiment: state norms over T steps of random inputs.
 
-Seed 000 (VLA) §6.2 / Figure 4: "tracks state norms at inference on random inputs. Standard linear
+The VLA paper, §6.2 / Figure 4: "tracks state norms at inference on random inputs. Standard linear
 attention reaches ‖S_1000‖_F ≈ 1,630 [...] VLA stays below 15 throughout [...] DeltaNet is also bounded",
-and ‖A_t‖_F for VLA "decays from ~56 to ~10". The seed gives no more protocol than that; the choices
+and ‖A_t‖_F for VLA "decays from ~56 to ~10". The paper gives no more protocol than that; the choices
 made here where it is silent are listed in ``PROTOCOL`` and written to the JSON.
 
 For each seed, one head gets i.i.d. random raw projections q_t, k_t, v_t, u_t ~ N(0, I_dh) (u = W_u k_raw,
@@ -51,7 +51,7 @@ LABELS = {
     "vla_A": "VLA ‖A_t‖_F",
     "linear_normalised": "linear ‖S_t‖_F / ‖z_t‖",
 }
-#: the paper's numbers for this experiment (seed 000 §1, §4.1, §6.2, Figure 4)
+#: the paper's numbers for this experiment (the VLA paper, §1, §4.1, §6.2, Figure 4)
 PAPER = {
     "linear_S_at_1000": 1630.0,
     "linear_S_at_1000_abstract": 1600.0,
@@ -72,8 +72,8 @@ PROTOCOL = {
     "delta_net": "use_qk_l2norm=True (k L2-normalised), no gate",
     "vla": "lambda0=0.1, refresh_period=20, refresh_eta=1e-3, eps=1e-4 (Algorithm 1 / Table 6)",
     "stepping": "one token per op call, backend='recurrent', final state passed back as initial_state",
-    "dv": "dv = dk = head_dim (the seed's S is dh x dh)",
-    "seeds": "the seed's evaluation seeds 42, 123, 999 by default; one torch.Generator per seed",
+    "dv": "dv = dk = head_dim (the paper's S is dh x dh)",
+    "seeds": "the paper's evaluation seeds 42, 123, 999 by default; one torch.Generator per seed",
 }
 
 
@@ -139,7 +139,7 @@ def run_experiment(seeds, steps, dh, dtype=torch.float32, vla_kwargs=None, std=1
             alpha = torch.einsum("bij,bj->bi", st_vla["A"][:, 0], k_hat)
             alpha_hat = (alpha / alpha.norm(dim=-1, keepdim=True)).double()
             k_hat = k_hat.double()
-            J = eye - alpha_hat[:, :, None] * k_hat[:, None, :]  # ∂S_t/∂S_{t-1} as the seed writes it
+            J = eye - alpha_hat[:, :, None] * k_hat[:, None, :]  # ∂S_t/∂S_{t-1} as the paper writes it
             jac[:, t] = torch.linalg.matrix_norm(J, ord=2)
             cos[:, t] = (alpha_hat * k_hat).sum(-1)
             # S_t = S_{t-1} F_t + v α̂ᵀ with F_t = I - k̂ α̂ᵀ = Jᵀ: S_T = S_0 F_1 ⋯ F_T + ...
@@ -231,7 +231,7 @@ def summarize(res, args, seconds) -> dict:
     lin_end = res["norms"]["linear"][:, -1]
     vla_end = res["norms"]["vla"][:, -1]
     return {
-        "experiment": "seed 000 (VLA) §6.2 / Figure 4: state norms over T steps of random inputs",
+        "experiment": "the VLA paper, §6.2 / Figure 4: state norms over T steps of random inputs",
         "settings": {
             "steps": steps,
             "head_dim": args.head_dim,
@@ -341,11 +341,11 @@ def plot(res, summary, path: Path):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000, help="sequence length T (default 1000)")
-    p.add_argument("--head-dim", type=int, default=32, help="d_h = dk = dv (default 32, the seed's)")
+    p.add_argument("--head-dim", type=int, default=32, help="d_h = dk = dv (default 32, the paper's)")
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 123, 999],
-                   help="one random sequence per seed (default: the seed's 42 123 999)")
+                   help="one random sequence per seed (default: the paper's 42 123 999)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="input/compute dtype of the ops (default float32, the seed's 'float32 throughout')")
+                   help="input/compute dtype of the ops (default float32, the paper's 'float32 throughout')")
     p.add_argument("--input-std", type=float, default=1.0,
                    help="standard deviation of the raw projections q, k, v, u (default 1)")
     p.add_argument("--v-mean", type=float, default=0.0,

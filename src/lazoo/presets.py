@@ -20,7 +20,7 @@ HYBRIDS: dict[str, list[str]] = {
     "sw-vla": ["sliding_window", "vla"],
     "sw-gdn": ["sliding_window", "gated_delta_net"],
     "sw-softmax": ["sliding_window", "softmax"],
-    # seed 002 (§8.2): sliding window 128 with RoPE alternating with a NoPE global mixer, unit-norm q/k with a
+    # the OVQ paper (§8.2): sliding window 128 with RoPE alternating with a NoPE global mixer, unit-norm q/k with a
     # learned per-head scale everywhere (HYBRID_OPTIONS)
     "sw-ovq": ["sliding_window", "ovq"],
     "sw-nope": ["sliding_window", "softmax"],

@@ -1,4 +1,4 @@
-"""Long in-context recall (ICR) and in-context learning (ICL) tasks of seed 002 (§8.4, §8.5).
+"""Long in-context recall (ICR) and in-context learning (ICL) tasks of the OVQ paper (§8.4, §8.5).
 
 Every sample is a plain token sequence for a causal LM: ``input_ids`` ``[B, T]`` and ``labels`` ``[B, T]``
 in the **Hugging Face causal-LM convention**: ``labels[b, t] = input_ids[b, t]`` at the tokens the model

@@ -1,6 +1,6 @@
-"""Multi-query associative recall (MQAR), the capacity task of seed 000 (after Arora et al., Zoology).
+"""Multi-query associative recall (MQAR), the capacity task of the VLA paper (after Arora et al., Zoology).
 
-Layout (seed 000 §5 and Figure 1): "the context contains n key-value pairs; the query section presents n keys
+Layout (the VLA paper, §5 and Figure 1): "the context contains n key-value pairs; the query section presents n keys
 in shuffled order and the model must output the matching value for each", drawn as
 
     k1 v1 k2 v2 ... kn vn SEP kσ(1) kσ(2) ... kσ(n)        "context (2n tokens)", "queries (n tokens)"
@@ -14,14 +14,14 @@ shifted**: ``labels[b, t]`` is the target of the logits at position t (-100 ever
 positions). Do not pass them to a Hugging Face causal LM's ``labels=`` (that would shift them by one);
 compute ``cross_entropy(logits[labels != -100], labels[labels != -100])`` instead.
 
-Vocabulary (the seed does not pin ids; its OOD experiment trains "with key tokens from {0,...,63}" and
+Vocabulary (the paper does not pin ids; its OOD experiment trains "with key tokens from {0,...,63}" and
 tests "OOD, tokens {64,...,126}", which leaves 127 free; with vocab V = 128):
 
     keys    [0, V//2)          = 0..63    (drawn without replacement within a sample)
     values  [V//2, V-1)        = 64..126  (drawn uniformly, independently, i.e. with replacement)
     SEP     V - 1              = 127
 
-Long-context variant (seed 000 §5 (b): "fixed n = 8, varying T ∈ {64, 128, 256, 512}"; the seed does not
+Long-context variant (the VLA paper, §5 (b): "fixed n = 8, varying T ∈ {64, 128, 256, 512}"; the paper does not
 say what fills the extra length): with ``seq_len = T > 3n + 1``, T − 3n − 1 filler tokens drawn uniformly from
 the value ids go between the last pair and SEP, so the distance from every pair to its query grows with T
 while the filler never looks like a key.

@@ -23,7 +23,7 @@ never straddle sequences. Per-chunk states are stored transposed, ``[NT, H, dk, 
 
 Triton 3.4-3.7.0 on Hopper miscompiles ``tl.dot(tl.trans(x), y)`` when ``x`` is the register result of an
 earlier ``tl.dot`` (wgmma accumulator layout transposed into a "linear" layout): that is the bug behind
-flash-linear-attention's guard (fla #640, gated ``chunk_bwd_dqkwg``; #984, ``prepare_wy_repr_bwd``). These
+flash-linear-attention's guards on its gated ``chunk_bwd_dqkwg`` and its ``prepare_wy_repr_bwd``. These
 kernels never transpose a value that came out of a dot: every transposed operand is a tile loaded from
 memory (or computed elementwise from loads), and a transposed product that is needed (``dP^T``, ``dA^T``)
 is computed directly as its own dot of loaded tiles. The sequential kernels hold the state transposed

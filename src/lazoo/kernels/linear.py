@@ -31,7 +31,7 @@ fp16 or bf16; every loaded value is cast to fp32 before element-wise arithmetic,
 16-bit operands where the inputs are 16-bit and accumulates in fp32.
 
 Hopper + Triton 3.4-3.7.0 miscompiles ``tl.trans`` of a ``tl.dot`` result fed to another
-``tl.dot`` (flash-linear-attention issue #640, why fla refuses its gated backward there). These
+``tl.dot`` (why flash-linear-attention refuses its gated backward there). These
 kernels never transpose a computed matrix: where a transposed product is needed (``dS^T``,
 ``A^T``) it is computed directly from operands loaded in transposed order.
 """

@@ -1,6 +1,6 @@
 """Triton kernels for VLA's precision scan: the write directions α̂_t of every token, and their gradients.
 
-Per head (seed 000, Algorithm 1; û and k̂ normalised by the caller, û = 0 at pads):
+Per head (the VLA paper, Algorithm 1; û and k̂ normalised by the caller, û = 0 at pads):
 
     z = A û;  δ = 1 + û·z;  A ← A - z zᵀ / δ;  if refresh_t: A ← A + ηI;  a = A k̂;  α̂ = a / |a|
 

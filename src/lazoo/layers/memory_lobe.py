@@ -1,4 +1,4 @@
-"""Memory Lobe (seed 003 §V-C): linear attention over a decoder layer's "flow".
+"""Memory Lobe (the ELA paper, §V-C): linear attention over a decoder layer's "flow".
 
 The flow of layer k is what the layer adds to the residual stream, `ΔX = X_k − X_{k−1}` (with Hyper-Link:
 the feed-forward output f). The lobe projects it to queries, keys and values (`Q, K, V ∈ R^{D×D}`, split
@@ -7,7 +7,7 @@ into the model's heads), applies a positive feature map φ and reads out normali
     causal:         m_t = Σ_{s≤t} v_s φ(k_s)ᵀ φ(q_t) / Σ_{s≤t} φ(k_s)·φ(q_t)     (ops.linear_attention)
     bidirectional:  the same sums over every real token of the sequence   (ops.bidirectional_linear_attention)
 
-The seed describes the bidirectional form inside a causal LM. There, position t reads the flow of
+The ELA paper describes the bidirectional form inside a causal LM. There, position t reads the flow of
 positions s > t, which carries the tokens it is asked to predict: future-token leakage (the "abrupt
 loss drop" it reports vanishes with a causal mask). A causal LM must use "causal"; "bidirectional" is for
 encoders and vision. The causal form keeps `{"S", "z"}` per layer in `cache.lobe_states`, so decoding
@@ -29,7 +29,7 @@ MODES = ("causal", "bidirectional")
 
 class MemoryLobe(nn.Module):
     """q/k/v projections of the flow and normalised linear attention over it (no output projection,
-    as in the seed's pseudocode). `mode`: "causal" or "bidirectional"."""
+    as in the paper's pseudocode). `mode`: "causal" or "bidirectional"."""
 
     def __init__(self, hidden_size: int, num_heads: int, layer_idx: int, *, mode: str = "causal",
                  feature_map: str = "elu1", eps: float = 1e-6, backend: str | None = None):

@@ -1,7 +1,7 @@
-"""Routed mixture-of-experts feed-forward with the routing-score bias of seed 003 (§V-A, eqs 14-15).
+"""Routed mixture-of-experts feed-forward with the routing-score bias of the ELA paper (§V-A, eqs. 14-15).
 
 Router: `p = softmax(W_r x)` over E experts (`W_r ∈ R^{E×D}`), the top-k experts per token, their scores
-`s_e` renormalised to sum to 1 (k > 1). Each expert is a gated MLP f_e. The seed gives each expert a
+`s_e` renormalised to sum to 1 (k > 1). Each expert is a gated MLP f_e. The paper gives each expert a
 "label vector" — the router's weight row `w_e = W_r[e]`, the key the token's query is matched against —
 and uses it as the expert's bias, tying what the router looks for to what the expert adds:
 

@@ -117,7 +117,7 @@ def check_decoder_options(config) -> None:
             not isinstance(config.moe_intermediate_size, int) or config.moe_intermediate_size < 1):
         raise ValueError(f"moe_intermediate_size must be a positive int or None, got {config.moe_intermediate_size!r}")
     if config.moe_bias not in MOE_BIAS_MODES:
-        raise ValueError(f"moe_bias must be one of {MOE_BIAS_MODES} (seed 003 eqs 14/15, None = no bias), "
+        raise ValueError(f"moe_bias must be one of {MOE_BIAS_MODES} (the ELA paper, eqs. 14/15; None = no bias), "
                          f"got {config.moe_bias!r}")
     coef = config.router_aux_loss_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
@@ -273,7 +273,7 @@ class LazooConfig(PreTrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.tie_word_embeddings = tie_word_embeddings
         self.use_cache = use_cache
-        # decoder options of ELA-GPT (seed 003 §V), usable with any mechanism: see lazoo.layers.moe/memory_lobe
+        # decoder options of ELA-GPT (the ELA paper, §V), usable with any mechanism: see lazoo.layers.moe/memory_lobe
         self.hyper_link = bool(hyper_link)
         self.memory_lobe = memory_lobe
         self.memory_lobe_feature_map = memory_lobe_feature_map

@@ -53,7 +53,7 @@ class LazooCausalLMOutputWithPast(CacheAliases, CausalLMOutputWithPast):
 
 
 def _feed_forward(config: LazooConfig) -> nn.Module:
-    """A gated MLP, or the routed MoE of seed 003 (eqs 14/15) when `config.moe_num_experts > 0`."""
+    """A gated MLP, or the routed MoE of the ELA paper (eqs. 14/15) when `config.moe_num_experts > 0`."""
     experts = getattr(config, "moe_num_experts", 0)
     if not experts:
         return GatedMLP(config.hidden_size, config.intermediate_size)
@@ -64,7 +64,7 @@ def _feed_forward(config: LazooConfig) -> nn.Module:
 class LazooDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: `h = x + mixer(norm(x))`, `out = h + mlp(norm(h))`.
 
-    ELA-GPT options (seed 003 §V, any mechanism): `hyper_link` drops the mixer's residual and its norm,
+    ELA-GPT options (the ELA paper, §V; any mechanism): `hyper_link` drops the mixer's residual and its norm,
     `f = mlp(mixer(norm(x)))`, `out = x + f`; `memory_lobe` adds linear attention over the layer's flow
     `ΔX` (f with Hyper-Link, `mixer + mlp` otherwise): `out = x + ΔX + lobe(ΔX)`; the MLP may be a routed
     MoE (`moe_num_experts`), whose load-balancing loss is left in `mlp.aux_loss`."""

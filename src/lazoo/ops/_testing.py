@@ -110,7 +110,7 @@ class InterpreterRun:
     """The ``test_interp_*`` tests of some test files, in one pytest process under ``TRITON_INTERPRET=1``.
 
     The variable must be set before triton is first imported, which ``import lazoo`` in the test process has already
-    done, so they run in a child process. It starts in the background when the session's collection ends (see
+    done, so they run in a child process. It starts in the background when pytest's collection ends (see
     ``tests/conftest.py``) and runs beside the other tests on a second core; ``check(file)`` waits for it and
     asserts that the file's interpreter tests all passed (none skipped, none failed)."""
 

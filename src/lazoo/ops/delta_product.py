@@ -1,4 +1,4 @@
-"""DeltaProduct (seed 001; Siems et al. 2025): n_h generalised Householder steps per token.
+"""DeltaProduct (Siems et al. 2025): n_h generalised Householder steps per token.
 
 Per token t, with keys k_{t,j}, values v_{t,j}, step sizes β_{t,j} (j = 1..n_h) and an optional
 log decay g_t (one per token):

@@ -1,4 +1,4 @@
-"""Exact Linear Attention (ELA, seed 003 eqs 3-13): kernel attention with an exactly decomposable kernel.
+"""Exact Linear Attention (ELA; the ELA paper, eqs. 3-13): kernel attention with an exactly decomposable kernel.
 
 A kernel pair (φ on queries, ψ on keys) with ``k(a, b) = φ(a)·ψ(b)`` turns the quadratic form
 ``o_i = Σ_j k(q_i, k_j) v_j / Σ_j k(q_i, k_j)`` into linear attention, with no approximation:

@@ -1,5 +1,5 @@
-"""Local-linear (p = 1) attention of seed 004 (eqs 52–54): softmax attention is the local *constant*
-regressor; this is the local *linear* one.
+"""Local-linear (p = 1) attention of the test-time regression paper (eqs. 52–54): softmax attention is the
+local *constant* regressor; this is the local *linear* one.
 
 Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token). Per head and query
 q = q_t, over the visible keys i (causal: i ≤ t; with a window W: i ∈ (t − W, t]; pads never):

@@ -1,4 +1,4 @@
-"""Online Vector-Quantized attention (OVQ, seed 002 §3.2, §8.3) and VQ-attention (its baseline, §2.2).
+"""Online Vector-Quantized attention (OVQ; the OVQ paper, §3.2, §8.3) and VQ-attention (its baseline, §2.2).
 
 Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token).
 
@@ -17,7 +17,7 @@ q and k are expected unit-norm (the mixer normalises them); ``scale`` is β (a n
 tensor ``[H]``; None means dk ** -0.5 as in ``softmax_attention``) and multiplies q only: the
 assignments compare raw keys with centroids.
 
-Choices the seed leaves open, pinned here (docs/ovq.md says why):
+Choices the paper leaves open, pinned here (docs/ovq.md says why):
   * growth: after the chunk that ends at the t-th real token (t = L·c) the dictionary holds
     ``ovq_dict_size(t, N) = max(floor(t·N / (t + N)), 1)`` centroids (integer arithmetic), so
     ``n_new = min(L, max(0, ovq_dict_size(t, N) − current size))``. floor(N_t) < N always; the
@@ -27,9 +27,9 @@ Choices the seed leaves open, pinned here (docs/ovq.md says why):
   * the first chunk (empty dictionary): every best-similarity is −inf, ties go to the earliest
     position, so the first n_new keys of the chunk become the centroids and the remaining keys are
     merged (count-weighted) into their most similar new centroid. In later chunks the non-new keys
-    merge into their most similar *old* centroid, as in the seed's pseudo-code. New centroids take the
+    merge into their most similar *old* centroid, as in the paper's pseudo-code. New centroids take the
     slots size, size+1, … in order of increasing best-similarity.
-  * no re-normalisation of centroids (the seed lists it as optional): D_k holds exact means of unit
+  * no re-normalisation of centroids (the paper lists it as optional): D_k holds exact means of unit
     keys, whose norm ≤ 1 lowers the logit of a spread-out cluster; D_v holds exact means of values.
   * a chunk is L *real* tokens of a sample: pads do not count, so a left-padded sample chunks exactly
     as it does alone, and the dictionary update happens once the L-th real token of a chunk is seen.

@@ -6,7 +6,7 @@ counting real tokens (1-based) and the ridge λ not decaying:
     S_t = argmin_S Σ_{i≤t} γ^{t−i} ‖v_i − S k_i‖² + λ‖S‖_F²  =  VK_t (KK_t + λI)^{-1},   o_t = S_t q_t
     KK_t = γ KK_{t−1} + k_t k_tᵀ   [dk, dk],      VK_t = γ VK_{t−1} + v_t k_tᵀ   [dv, dk]
 
-(seed 004 eq 11 and its weighted version; MesaNet in seed 001). q, k, v are used as given (the mixer
+(the test-time regression paper, eq. 11, and its weighted version; the Mesa layer). q, k, v are used as given (the mixer
 L2-normalises q and k). ``lam`` is λ, finite and > 0 in every head (else a ValueError): a number, a 0-d tensor
 or a per-head tensor ``[H]`` (a learned λ stays differentiable); ``gamma`` is γ ∈ (0, 1], a number.
 

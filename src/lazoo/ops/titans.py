@@ -1,4 +1,4 @@
-"""Titans neural memory (seed 001; Behrouz, Zhong, Mirrokni 2024, "Titans: Learning to Memorize at Test Time").
+"""Titans neural memory (Behrouz, Zhong, Mirrokni 2024, "Titans: Learning to Memorize at Test Time").
 
 Memory: a linear map per head, M ``[dv, dk]`` (the 2-layer MLP memory of the paper is not built here), trained
 while reading by gradient steps with momentum ("surprise") and forgetting on ``ℓ_t(M) = ½ ‖M k_t − v_t‖²``:

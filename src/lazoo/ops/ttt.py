@@ -1,4 +1,4 @@
-"""Test-time training layers (seed 001; Sun et al. 2024, "Learning to (Learn at Test Time)"): TTT-Linear, TTT-MLP.
+"""Test-time training layers (Sun et al. 2024, "Learning to (Learn at Test Time)"): TTT-Linear, TTT-MLP.
 
 The state is the weights W of an inner model f, trained while the sequence is read by gradient steps on
 the per-token loss ``ℓ_t(W) = ½ ‖f(k_t; W) − v_t‖²`` (k_t is the "corrupted view" x̃_t, v_t the target;

@@ -1,4 +1,4 @@
-"""Variational Linear Attention (seed 000, Algorithm 1), per head.
+"""Variational Linear Attention (the VLA paper, Algorithm 1), per head.
 
 Layout: q/k/u ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token).
 State: ``{"S": [B, H, dv, dk], "A": [B, H, dk, dk], "z": [B, H, dk], "t": [B] int64}``;

@@ -1,4 +1,4 @@
-"""YOLO-LAT (seed 003 §VII): a light YOLO-style backbone/classifier/detector whose dense 3×3 block
+"""YOLO-LAT (the ELA paper, §VII): a light YOLO-style backbone/classifier/detector whose dense 3×3 block
 convolutions give way to depthwise-separable local mixing plus non-causal linear attention over the
 H×W positions ("lat"), next to a dense-conv baseline of the same layout ("conv")."""
 

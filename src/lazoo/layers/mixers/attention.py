@@ -160,7 +160,7 @@ register(Mechanism(
 register(Mechanism(
     name="sliding_window", mixer=SlidingWindowAttentionMixer, op="softmax_attention",
     title="Sliding-window attention", equation="softmax over the last W positions s ∈ (t−W, t], RoPE",
-    source="Beltagy et al. 2020 (Longformer); Online Vector-Quantized attention (2026) §8.2",
+    source="Beltagy, Peters, Cohan 2020, Longformer; hybrid layout: Online Vector Quantized Attention (2026) §8.2",
     state='the KV cache of the last sliding_window - 1 positions: {"k", "v", "mask"} (k and v with num_heads heads)',
     option_docs=ATTENTION_OPTION_DOCS,
 ))

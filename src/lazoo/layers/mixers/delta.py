@@ -99,7 +99,7 @@ class GatedDeltaNetMixer(DeltaNetMixer):
 
 
 class DeltaProductMixer(RecurrentMixer):
-    """DeltaProduct (seed 001): `num_householder` delta-rule (Householder) steps per token.
+    """DeltaProduct (Siems et al. 2025): `num_householder` delta-rule (Householder) steps per token.
 
     Each step has its own key, value and β (`S_t = α_t S_{t−1} Π_j (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) + …`);
     short convolution, L2-normalised keys, per-head RMSNorm and SiLU output gate; an optional Mamba-2 style
@@ -162,7 +162,7 @@ register(Mechanism(
 register(Mechanism(
     name="gated_delta_net", mixer=GatedDeltaNetMixer, op="gated_delta_rule", title="Gated DeltaNet",
     equation="S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ; o_t = S_t q_t",
-    source="Yang, Kautz, Hatamizadeh 2024, Gated Delta Networks",
+    source="Yang, Kautz, Hatamizadeh 2025, Gated Delta Networks: Improving Mamba2 with Delta Rule",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
     kernels=("lazoo.kernels.delta",), option_docs=DELTA_OPTION_DOCS,
 ))
@@ -173,6 +173,7 @@ register(Mechanism(
         "S_t = S_{t−1} Π_j (I − β_{t,j} k_{t,j} k_{t,j}ᵀ) + Σ_j β_{t,j} v_{t,j} k_{t,j}ᵀ (n_h Householder steps per "
         "token); o_t = S_t q_t"
     ),
-    source="Siems et al. 2025, DeltaProduct", state='{"op": S [B, H, dv, dk], "conv": short-conv tails}',
+    source="Siems et al. 2025, DeltaProduct: Improving State-Tracking in Linear RNNs via Householder Products",
+    state='{"op": S [B, H, dv, dk], "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.delta",),
 ))

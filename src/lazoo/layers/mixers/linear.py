@@ -53,7 +53,7 @@ class GatedLinearAttentionMixer(RecurrentMixer):
 
 
 class ELAMixer(RecurrentMixer):
-    """Exact Linear Attention (seed 003): `Σ_s k(q_t,k_s) v_s / Σ_s k(q_t,k_s)`, s ≤ t, in linear form.
+    """Exact Linear Attention (the ELA paper): `Σ_s k(q_t,k_s) v_s / Σ_s k(q_t,k_s)`, s ≤ t, in linear form.
 
     The kernel is exactly decomposable, `k(a, b) = φ(a)·ψ(b)` (`kernel`: hadamard_exp, sum_sq_euclid,
     sub_sq_euclid, magnitude_direction). q/k are projected to the head dim; the op expands them to the
@@ -142,7 +142,7 @@ register(Mechanism(
     name="gated_linear", mixer=GatedLinearAttentionMixer, op="gated_linear_attention",
     title="Gated linear attention (scalar decay)",
     equation="S_t = a_t S_{t−1} + v_t k_tᵀ, a_t ∈ (0, 1) per head; o_t = S_t q_t",
-    source="RetNet / Mamba-2 style decay (linear-attention survey)",
+    source="Sun et al. 2023, Retentive Network; Dao, Gu 2024, Transformers are SSMs (Mamba-2)",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
     kernels=("lazoo.kernels.linear",), option_docs=RECURRENT_OPTION_DOCS,
 ))
@@ -150,7 +150,7 @@ register(Mechanism(
 register(Mechanism(
     name="ela", mixer=ELAMixer, bidirectional_mixer=BidirectionalELAMixer, op="ela", title="Exact Linear Attention",
     equation="S_t = S_{t−1} + v_t ψ(k_t)ᵀ, C_t = C_{t−1} + ψ(k_t); o_t = S_t φ(q_t) / φ(q_t)·C_t",
-    source="Ou, Exact Linear Attention (2026)",
+    source="Ou 2026, Exact Linear Attention, arXiv:2605.18848",
     state='{"op": {"S" [B, H, dv, F], "C" [B, H, F] (+ "m" [B, H, D] for hadamard_exp)}, "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
     kernels=("lazoo.kernels.ela_features", "lazoo.kernels.gla", "lazoo.kernels.linear", "lazoo.kernels.normalized"),

@@ -1,7 +1,8 @@
-"""Local-linear (p = 1) attention mixer (seed 004 eqs 52–54): the output at t is the intercept of a
-softmax-weighted local linear ridge regression of the values on `k_i − q_t` (`lazoo.ops.local_linear_attention`).
+"""Local-linear (p = 1) attention mixer (the test-time regression paper, eqs. 52–54): the output at t is the
+intercept of a softmax-weighted local linear ridge regression of the values on `k_i − q_t`
+(`lazoo.ops.local_linear_attention`).
 
-Unit-norm q and k with a learned per-head scale β (QK-norm, which seed 004 shows makes softmax attention a
+Unit-norm q and k with a learned per-head scale β (QK-norm, which the paper shows makes softmax attention a
 proper local constant regressor), no positional encoding (NoPE), optional causal sliding `window`, ridge ρ on
 the slope (`ridge`). Quadratic in T like softmax attention; the cache entry is
 `{"op": {"k", "v", "mask"}, "conv": None}`, a KV cache (the last `window − 1` positions with a window).
@@ -90,7 +91,7 @@ register(Mechanism(
         "o_t = M⁰ of min Σ_{i≤t} w_i‖v_i − M⁰ − M¹(k_i − q_t)‖² + ρ‖M¹‖², w_i = softmax_i(β q_t·k_i) (KV cache, "
         "quadratic like softmax)"
     ),
-    source="Wang et al. 2025, Test-time regression (eqs 52–54)",
+    source="Wang, Shi, Fox 2025, Test-time regression (eqs. 52–54)",
     state='{"op": {"k", "v", "mask"}, a KV cache (the last window - 1 positions with a window), "conv": None}',
     backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.local_linear", "lazoo.kernels.slope_features"),
     tiny_options={"chunk_size": 16},

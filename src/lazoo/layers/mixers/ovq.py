@@ -1,7 +1,7 @@
-"""Online Vector-Quantized attention (seed 002) and VQ-attention (its baseline) mixers.
+"""Online Vector-Quantized attention (the OVQ paper) and VQ-attention (its baseline) mixers.
 
 Both use unit-norm queries and keys multiplied by a learned per-head scale β (QK-norm) and no
-positional encoding (NoPE), as in seed 002 §8.1–8.3; the op does the dictionary work. The cache entry
+positional encoding (NoPE), as in the OVQ paper, §8.1–8.3; the op does the dictionary work. The cache entry
 is `{"op": <the op's state dict>, "conv": None}` (dictionaries, counts, partial chunk, token count for
 OVQ; value means and counts for VQ).
 """
@@ -76,7 +76,7 @@ class VQMixer(RecurrentMixer):
     """VQ-attention: keys replaced by their nearest entry of a learned per-head codebook (unit-norm, dot
     product); causal softmax over the quantised keys in its linear form softmax(β q Cᵀ + log c_t) D_v,t.
 
-    Codebook training (the classic VQ-VAE recipe, not the seed's DiVeQ / SF-DiVeQ): the codebook gets the
+    Codebook training (the classic VQ-VAE recipe, not the OVQ paper's DiVeQ / SF-DiVeQ): the codebook gets the
     task gradient through the attention logits, and during training a codebook loss ‖sg(k) − c‖² plus a
     commitment loss `commit_weight`·‖k − sg(c)‖² (mean over real tokens and heads, times `vq_loss_weight`)
     is added through the backward pass. Keys get no straight-through gradient from the op: the linear form
@@ -153,7 +153,8 @@ register(Mechanism(
         "o_t = softmax(β q_t Cᵀ + log c_t) D_v,t: causal softmax over keys replaced by their nearest code; counts "
         "c_t and value means D_v,t per code"
     ),
-    source="Lingle 2023, Transformer-VQ; Online Vector Quantized Attention (2026) §2.2",
+    source=("Lingle 2023, Transformer-VQ: Linear-Time Transformers via Vector Quantization; "
+            "Online Vector Quantized Attention (2026) §2.2"),
     state='{"op": per-code value means and counts, the partial chunk; "conv": None}',
     tiny_options={"chunk_size": 4, "codebook_size": 8}, class_prefix="LazooVQ",
 ))

@@ -67,11 +67,11 @@ class RecurrentMixer(TokenMixer):
     """Subclasses implement `mix(q, k, v, x, mask, state) -> (o, new_state)` on `[B, T, H, D]` tensors.
 
     Options used here: `use_short_conv`, `conv_size`, `short_conv_targets` (which of q, k, v get the short
-    convolution: "qkv" by default, "k" for keys only as in seed 004 §6), `conv_activation` ("silu" or None for
-    the plain linear filter of seed 004 eq 56), `conv_bias`, `qk_activation` / `v_activation` (an activation
-    after the projection and optional convolution, `RECURRENT_OPTION_DOCS`), `output_norm`, `output_norm_affine`,
-    `output_gate`, `gate_activation`, `norm_eps`, and, where the class sets `head_layout = True`, the head
-    layout: `num_heads`, `head_k_dim`, `expand_v`, `num_kv_heads`, `num_v_heads`.
+    convolution: "qkv" by default, "k" for keys only as in the test-time regression paper, §6),
+    `conv_activation` ("silu" or None for the plain linear filter of its eq. 56), `conv_bias`, `qk_activation` /
+    `v_activation` (an activation after the projection and optional convolution, `RECURRENT_OPTION_DOCS`),
+    `output_norm`, `output_norm_affine`, `output_gate`, `gate_activation`, `norm_eps`, and, where the class sets
+    `head_layout = True`, the head layout: `num_heads`, `head_k_dim`, `expand_v`, `num_kv_heads`, `num_v_heads`.
 
     Head layout: q has `num_heads` heads, k `num_kv_heads`, v `num_v_heads`, of dims `head_k_dim` (q, k) and
     `head_v_dim` (v). The op runs on `num_state_heads` = max(query heads, value heads) heads: each of q, k, v is

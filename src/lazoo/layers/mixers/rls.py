@@ -1,8 +1,8 @@
-"""Recursive least squares (RLS / Mesa layer, seeds 001 and 004) mixer: the exact ridge-regression memory
+"""Recursive least squares (RLS / Mesa layer; the test-time regression paper) mixer: the exact ridge-regression memory
 `S_t = argmin_S Σ_{i≤t} γ^{t−i}‖v_i − S k_i‖² + λ‖S‖_F²`, `o_t = S_t q_t`.
 
 Short convolution on q, k, v (default on), L2-normalised q and k, a learned per-head ridge λ = exp(log_lambda)
-(initialised to `lambda_init`), a fixed forgetting factor `gamma` (1 = the unweighted RLS of seed 004 eq 11),
+(initialised to `lambda_init`), a fixed forgetting factor `gamma` (1 = the unweighted RLS of that paper's eq. 11),
 no output norm by default (the read-out is already on the scale of v). The cache entry is `{"op": {"KK", "VK"}, "conv": <conv tails>}`: the weighted
 moments Σγ k kᵀ and Σγ v kᵀ, without the ridge, so the cache stays exact for any λ.
 """
@@ -56,7 +56,8 @@ register(Mechanism(
         "S_t = argmin_S Σ_{i≤t} γ^{t−i}‖v_i − S k_i‖² + λ‖S‖_F² = VK_t (KK_t + λI)^{-1} (exact ridge regression; "
         "Sherman–Morrison per token for γ = 1); o_t = S_t q_t"
     ),
-    source="Wang et al. 2025, Test-time regression (eq 11); von Oswald et al. 2023/2025, MesaNet",
+    source=("Wang, Shi, Fox 2025, Test-time regression (eq. 11); "
+            "von Oswald et al. 2023/2025, the Mesa layer and MesaNet"),
     state=(
         '{"op": {"KK" [B, H, dk, dk], "VK" [B, H, dv, dk]} (weighted moments, no ridge), "conv": short-conv tails}'
     ),

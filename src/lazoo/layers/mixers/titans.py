@@ -1,4 +1,4 @@
-"""Titans neural-memory mixer (seed 001; Behrouz et al. 2024), the memory as a layer (the "MAL"-style use).
+"""Titans neural-memory mixer (Behrouz et al. 2024), the memory as a layer (the "MAL"-style use).
 
 Per head, a linear memory M (``[head_dim, head_dim]``, from a learned M₀; momentum S₀ = 0) learns k_t → v_t
 while reading: ``S_t = η_t S_{t−1} − θ_t ∇ℓ(M; k_t, v_t)``, ``M_t = (1 − α_t) M_{t−1} + S_t``, ``o_t = M_t q_t``,

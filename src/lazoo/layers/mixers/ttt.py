@@ -1,4 +1,4 @@
-"""Test-time training mixers (seed 001; Sun et al. 2024): TTT-Linear and TTT-MLP.
+"""Test-time training mixers (Sun et al. 2024): TTT-Linear and TTT-MLP.
 
 Per head, the inner model f (a linear map, or a two-layer GELU MLP) starts from learned weights W₀ (mixer
 parameters, passed to the op as its initial state) and takes one gradient step per token on

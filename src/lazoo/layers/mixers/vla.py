@@ -1,4 +1,4 @@
-"""Variational Linear Attention mixer (seed 000): q, k, v and the penalty direction u = W_u k_raw per head.
+"""Variational Linear Attention mixer (the VLA paper): q, k, v and the penalty direction u = W_u k_raw per head.
 
 The op applies the feature maps and normalisations of Algorithm 1 itself. By default this module also scales q and k
 to length √d per head before the op and normalises the read-out (RMSNorm): Algorithm 1 as written does not learn
@@ -23,7 +23,7 @@ class VLAMixer(RecurrentMixer):
     defaults = {
         **RecurrentMixer.defaults,
         # an RMSNorm on the read-out and q, k normalised per head (below): the default because VLA learns recall
-        # with them and does not without (MQAR, seed 000's protocol: docs/vla.md); False, False = Algorithm 1
+        # with them and does not without (MQAR, the VLA paper's protocol: docs/vla.md); False, False = Algorithm 1
         "output_norm": True,
         "lambda0": 0.1,
         "refresh_period": 20,
@@ -73,7 +73,7 @@ register(Mechanism(
         "geometry, refreshed every P steps); o_t = S_t q_t / max(z_t·q_t, ε); by default q, k scaled to √d per "
         "head before ELU+1 and an RMSNorm on o_t"
     ),
-    source="Variational Linear Attention: Stable Associative Memory for Long-Context Transformers (2026)",
+    source="Pandey, Singh 2026, Variational Linear Attention: Stable Associative Memory for Long-Context Transformers",
     state='{"op": {"S" [B, H, dv, dk], "A" [B, H, dk, dk], "z" [B, H, dk], "t" [B]}, "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
     kernels=("lazoo.kernels.delta", "lazoo.kernels.vla", "lazoo.kernels.vla_split", "lazoo.kernels.vla_chunk",
