@@ -1,4 +1,4 @@
-"""Same-run comparison used for BENCHMARKS.md (normalised kernel, 2026-11-27): the ops against the previous paths,
+"""Same-run comparison used for the benchmark page (normalised kernel, 2026-11-27): the ops against the previous paths,
 rebuilt here from the kernels of the tree before b9908e8 (lazoo.kernels.ela is not in later trees). fwd+bwd ms, bf16."""
 import json, sys, time, os
 import torch, triton

@@ -792,7 +792,7 @@ def _bwd(c: _Ctx, q, k, a, cf, v, states, o, den, do, dst, want_ds0, q_in=None, 
     configs = dqkv_configs(BK, c.V, c.two_byte, DQKV_BV)
     poly, sign = c.poly or (0, 1.0)
     # with scalar features, dv in a kernel of its own: the dq, dk, dv kernel then holds no score tile and spills
-    # nothing (offline, sm_90: 188-236 bytes with dv), 1-3 % faster on an H100 (BENCHMARKS.md)
+    # nothing (offline, sm_90: 188-236 bytes with dv), 1-3 % faster on an H100 (docs/changelog.md)
     dv_apart = c.extra
     key = ("normalized bwd_dqkv", q.dtype, c.H, c.K, c.V, c.E, c.BT, c.varlen, c.causal, c.exp_of, poly, sign,
            q.device.type)  # (c.E decides dv_apart)

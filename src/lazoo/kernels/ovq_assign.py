@@ -38,7 +38,7 @@ On CUDA the launches of ``GRAPH_STEPS`` chunks are captured once in a CUDA graph
 a chunk costs two kernel nodes and no host work. (One launch for all chunks, the programs of a (sample, head)
 waiting for each other once a chunk, was built and measured: exact, and 2× slower on an H200, 12.3 / 40.8 ms
 against 6.4 / 17.7 for the op at T = 4k / 16k, with B·H = 8 and 2048 slots: its 128 programs, one an SM, each wait
-at every chunk for a head's slowest, and the blocks they need spill; BENCHMARKS.md. The first form, one program
+at every chunk for a head's slowest, and the blocks they need spill; docs/changelog.md. The first form, one program
 per sample·head walking all chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits: chunk_size <= 128 and
 dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are held whole by one program).
 """
@@ -266,7 +266,7 @@ def _blocks(dk: int = 128) -> dict:
     # sm_90, Triton 3.6, L = dk = 128: the search in 4 warps, one stage, with the add and the similarity product 32
     # features a step (step 1 at T = 4k / 16k, H = 8, H100: 1.89 / 7.22 ms, against 2.15 / 9.40 with both whole at
     # 8 warps, which spilled 792 bytes offline (Triton 3.9); BN 32 or 128, BDS / BDA 16 or 64, 2 or 16 warps and two
-    # stages were all slower: BENCHMARKS.md); the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB of
+    # stages were all slower: docs/changelog.md); the merge's first-chunk rule BRK = 16 keys at a time (32: 4.3 KB of
     # spills); the merge reads the blocks' bests NBG = 32 blocks a load
     cfg = dict(BN=64, BDA=32, BDS=32, BRK=16, NBG=32, BK=128, BF16_PARTS=True,
                nearest=dict(num_warps=4, num_stages=1), search=dict(num_warps=4, num_stages=1),
@@ -274,7 +274,7 @@ def _blocks(dk: int = 128) -> dict:
     if dk <= 64:
         # the addition in a launch of its own, then the search on 64 keys a program at 2 warps: 5.20 against 5.45 ms
         # in one launch at sw-ovq's training shape (T = 8k, B 2, H 12, d 64); at d = 128 it was slower, 1.81 / 7.03
-        # against 1.76 / 6.69 ms at T = 4k / 16k (H200, BENCHMARKS.md)
+        # against 1.76 / 6.69 ms at T = 4k / 16k (H200, docs/changelog.md)
         cfg.update(BK=64, search=dict(num_warps=2, num_stages=1))
     return cfg
 

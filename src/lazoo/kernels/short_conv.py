@@ -3,7 +3,7 @@
     pre_t = Σ_{j<K} w_j ⊙ x_{t−(K−1−j)}  (x_s = 0 for s < 0),   y_t = act(pre_t),   act = SiLU or identity
 
 on ``x [B, T, C]`` with ``w [C, K]``. PyTorch's ``conv1d`` wants ``[B, C, T]``: in a Gated DeltaNet training step
-(three convolutions per layer; H200 profile in BENCHMARKS.md) its depthwise kernels took 12 of 106 ms and the
+(three convolutions per layer; H200 profile in docs/changelog.md) its depthwise kernels took 12 of 106 ms and the
 layout copies around them up to 14 ms more. Here each program reads its time block and the K − 1 rows before it
 in place.
 

@@ -189,7 +189,7 @@ def _scan_bwd_a_kernel(
             A -= _identity(f, t, D, BD)
 
 
-#: num_warps of the scan kernels by head dim (measured on an H100, see BENCHMARKS.md)
+#: num_warps of the scan kernels by head dim (measured on an H100, see docs/changelog.md)
 WARPS = {32: 4, 64: 8, 128: 8}
 #: the scan splits time into pieces (``lazoo.kernels.vla_split``) until B·H·pieces reaches this many programs a
 #: streaming multiprocessor; a piece is a whole number of checkpoint segments

@@ -424,7 +424,7 @@ def fast_scan(scan, x: torch.Tensor, dim: int) -> torch.Tensor:
     """``scan(x, dim)`` (``torch.cumsum``, ``torch.logcumsumexp``, ...), computed with ``dim`` as the last
     (contiguous) dim where that is faster. CUDA's scan along an outer dim walks it one step at a time per column: at
     T = 8k the linear-attention normaliser's cumsum took 72 of a 259 ms training step, OVQ's dictionary sums 9 of
-    16 ms and ELA's logcumsumexp 12 of 35 ms (H200 profiles, BENCHMARKS.md). The innermost-dim scan is parallel
+    16 ms and ELA's logcumsumexp 12 of 35 ms (H200 profiles, docs/changelog.md). The innermost-dim scan is parallel
     but costs two transposing copies (the result is laid out like ``x`` again: elementwise ops on a transposed view
     took the slow strided path). With many short columns the outer scan wins: [B, T, 16, 128] fp32 fwd + bwd on an
     H200, logcumsumexp outer / innermost 4.8 / 7.6 ms at B = 32, T = 1k, 9.4 / 8.2 at 8 × 4k, 15.4 / 8.2 at
