@@ -127,7 +127,7 @@ def lm_blocks(chapters, tokenizer):
 
 # ----------------------------------------------------------------------------- the Triton interpreter
 # Every test named ``test_interp_*`` needs TRITON_INTERPRET=1 set before triton is imported, so they run in one
-# child process (``lazoo.ops._testing.InterpreterRun``), started as soon as collection ends so that it runs beside
+# child process (``tests/interpreter_run.py``), started as soon as collection ends so that it runs beside
 # the other tests; ``tests/test_interpreter.py`` checks its results, one test per file, after everything else.
 INTERPRETER_CHECK = "test_kernels_in_interpreter"
 _interpreter_run = None
@@ -140,7 +140,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     global _interpreter_run
     from lazoo.kernels._utils import interpreter_ready
-    from lazoo.ops._testing import InterpreterRun
+    from interpreter_run import InterpreterRun
 
     checks = [item for item in session.items if getattr(item, "originalname", "") == INTERPRETER_CHECK]
     if not checks or interpreter_ready() or session.config.option.collectonly:

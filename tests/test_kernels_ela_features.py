@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close, left_pad_mask
+from op_helpers import assert_close, left_pad_mask
 from lazoo.ops.ela import _poly_parts
 
 pytest.importorskip("triton")

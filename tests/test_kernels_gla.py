@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import (assert_close, assert_state_close, forward_and_grads, left_pad_mask)
+from op_helpers import (assert_close, assert_state_close, forward_and_grads, left_pad_mask)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask, record_launches
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, record_launches
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -211,7 +211,7 @@ def test_gla_chunk_matches_recurrent(strong):
     leaves = {"q": q, "k": k, "v": v, "g": g, "S0": S0}
     for x in leaves.values():
         x.requires_grad_(True)
-    from lazoo.ops._testing import compare_backends
+    from op_helpers import compare_backends
 
     compare_backends(lambda backend: ops.gla(q, k, v, g, chunk_size=8, initial_state=S0, output_final_state=True,
                                              mask=mask, backend=backend), leaves, rtol=1e-10)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import local_linear_attention
-from lazoo.ops._testing import assert_close, left_pad_mask
+from op_helpers import assert_close, left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

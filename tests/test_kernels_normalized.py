@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close, forward_and_grads, left_pad_mask, record_launches
+from op_helpers import assert_close, forward_and_grads, left_pad_mask, record_launches
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_structure
 
 from lazoo.ops import ovq_attention
-from lazoo.ops._testing import (assert_close, forward_and_grads, left_pad_mask, rel_err,
+from op_helpers import (assert_close, forward_and_grads, left_pad_mask, rel_err,
                                 state_parts)
 
 pytest.importorskip("triton")

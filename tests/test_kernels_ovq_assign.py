@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import lazoo.ops.ovq as ovq_mod
 from lazoo.ops import ovq_attention
-from lazoo.ops._testing import left_pad_mask
+from op_helpers import left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close
+from op_helpers import assert_close
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lazoo.ops import vla
-from lazoo.ops._testing import (assert_close, forward_and_grads, left_pad_mask, rel_err,
+from op_helpers import (assert_close, forward_and_grads, left_pad_mask, rel_err,
                                 state_parts)
 
 pytest.importorskip("triton")

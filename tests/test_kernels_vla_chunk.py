@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lazoo.ops._testing import assert_close, rel_err
+from op_helpers import assert_close, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -166,7 +166,7 @@ def test_interp_chunk_scan_matches_token_kernel():
 @pytest.mark.parametrize("scan", ["chunk", pytest.param("token", marks=pytest.mark.slow)])  # token: test_kernels_vla
 def test_interp_vla_op_with_either_scan(scan):
     # the whole op through backend="triton" with the scan that ``triton_scan`` selects, against Algorithm 1
-    from lazoo.ops._testing import left_pad_mask
+    from op_helpers import left_pad_mask
     from test_kernels_vla import check
 
     check(2, 37, 1, 16, 16, 1e-4, 1e-4, mask=left_pad_mask([37, 30], 37, holes=[(0, 20)]), chunk_size=16,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lazoo.ops._testing import assert_close, rel_err
+from op_helpers import assert_close, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402

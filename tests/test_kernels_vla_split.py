@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazoo.ops._testing import assert_close, left_pad_mask, rel_err
+from op_helpers import assert_close, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402

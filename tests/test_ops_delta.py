@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import chunk_generalized_delta, delta_rule, gated_delta_rule
-from lazoo.ops._testing import assert_close, compare_backends, left_pad_mask
+from op_helpers import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import delta_product, delta_rule, gated_delta_rule
-from lazoo.ops._testing import assert_close, compare_backends, left_pad_mask, needs_interpreter
+from op_helpers import assert_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5
@@ -149,7 +149,7 @@ def test_bad_arguments_raise_clear_errors():
 def test_interp_triton_matches_reference(gated):
     """backend="triton" (the delta rule kernel on the interleaved sequence), fp32, vs the float64 per-token
     loop: outputs, final states, gradients at ragged T·n_h with a mask and a state; then a no-grad decode."""
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     T, n = 21, 2
     q, k, v, beta, g = make_inputs(T, n, seed=6)
@@ -189,7 +189,7 @@ def test_interp_triton_matches_reference(gated):
 def test_cuda_auto_backend_matches_reference(gated):
     """Auto backend on CUDA (the delta rule's Triton kernel on the interleaved sequence), fp32 vs the float64
     per-token loop with grads at a real head dim; bf16 close, state in fp32."""
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     T, n = 150, 2
     gen = torch.Generator().manual_seed(10)

@@ -6,7 +6,7 @@ import torch
 
 from lazoo.ops import ELA_KERNELS, ela
 from lazoo.ops.ela import ela_feature_dim, ela_features, ela_kernel
-from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5
@@ -282,7 +282,7 @@ def test_bad_arguments_raise_clear_errors():
 def test_interp_triton_matches_reference(kernel):
     """backend="triton" (the normalised kernel, or gla's for hadamard_exp), fp32, vs the float64 reference:
     outputs, final states and gradients at ragged T with a mask and a carried state; then a no-grad decode step."""
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     T = 21
     q, k, v = make_inputs(T, seed=8)
@@ -325,7 +325,7 @@ def test_interp_triton_bidirectional(kernel):
     """The bidirectional form on the normalised kernel (causal=False), fp32, vs the float64 reference: outputs and
     gradients with a mask (hadamard_exp with keys spread far beyond the causal form's limit: one shift is safe here),
     then packed sequences (one empty) against each sequence alone."""
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     T = 21
     q, k, v = make_inputs(T, seed=8)
@@ -363,7 +363,7 @@ def test_interp_triton_hadamard_exp_shift_and_fallback(limit, monkeypatch, caplo
     and packed sequences, gradients included."""
     import importlib
 
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     ela_module = importlib.import_module("lazoo.ops.ela")  # (lazoo.ops.ela is also the function's name)
 
@@ -415,7 +415,7 @@ def test_interp_triton_hadamard_exp_clamp_per_query():
 def test_cuda_auto_backend_matches_reference(kernel):
     """Auto backend on CUDA (the Triton kernels of linear_attention / gla): fp32 vs the float64 CPU reference
     with grads at a real head dim; bf16 and fp16 stay finite and close, states in fp32."""
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     T, Dh = 300, 64
     gen = torch.Generator().manual_seed(9)
@@ -462,7 +462,7 @@ def test_cuda_auto_backend_matches_reference(kernel):
 def test_cuda_bidirectional_matches_reference(kernel):
     """The bidirectional form on CUDA (auto: the non-causal kernels) against the float64 CPU reference with grads:
     fp32, and bf16 on the same rounded inputs; packed sequences as each alone."""
-    from lazoo.ops._testing import forward_and_grads
+    from op_helpers import forward_and_grads
 
     T, Dh = 300, 64
     gen = torch.Generator().manual_seed(11)

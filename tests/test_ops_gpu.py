@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lazoo import ops
 from lazoo.ops import _common
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import ovq_attention, ovq_dict_size, softmax_attention, vq_attention
-from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5

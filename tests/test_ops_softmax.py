@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lazoo.ops import softmax_attention
-from lazoo.ops._testing import assert_close, assert_state_close, compare_backends, left_pad_mask
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import ttt_linear, ttt_mlp
-from lazoo.ops._testing import assert_close, compare_backends, left_pad_mask
+from op_helpers import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV, DH = 2, 2, 4, 3, 6

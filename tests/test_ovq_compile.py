@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import ovq_attention
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, left_pad_mask
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 ovq_module = importlib.import_module("lazoo.ops.ovq")
 

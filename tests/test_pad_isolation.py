@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops._testing import forward_and_grads, state_parts
+from op_helpers import forward_and_grads, state_parts
 
 B, T, H, D = 3, 13, 2, 16  # D = 16: the kernels' tl.dot needs 16 rows
 BAD = 2  # the sample that gets NaN / Inf in its real tokens

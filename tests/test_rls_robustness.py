@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo.ops import rls
-from lazoo.ops._testing import rel_err
+from op_helpers import rel_err
 
 rls_module = importlib.import_module("lazoo.ops.rls")  # (lazoo.ops.rls, the attribute, is the function)
 F64 = torch.float64

@@ -19,7 +19,7 @@ from conftest import random_ids, tiny_model
 
 import lazoo.ops.ttt as ttt_module
 from lazoo.ops import titans, ttt_linear, ttt_mlp
-from lazoo.ops._testing import left_pad_mask
+from op_helpers import left_pad_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lazoo import ops
 from lazoo.layers.mixers import mixer_class
-from lazoo.ops._testing import assert_close, assert_state_close, forward_and_grads, rel_err
+from op_helpers import assert_close, assert_state_close, forward_and_grads, rel_err
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
