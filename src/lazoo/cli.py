@@ -10,18 +10,23 @@
     lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
 
-Every subcommand has `--help`. Errors print `lazoo <command>: error: ...` and exit with status 2. train, card,
-eval and demo never delete or overwrite a file they did not write unless given `--overwrite`: they refuse
-before doing any work, naming the file (a new `lazoo train` run needs a new or empty --output).
+Every subcommand has `--help`. Errors print one line, `lazoo <command>: error: ...`, and exit with status 2
+(Ctrl-C: `lazoo <command>: interrupted`, status 130). train, card, eval and demo never delete or overwrite a
+file they did not write unless given `--overwrite`: they refuse before doing any work, naming the file (a new
+`lazoo train` run needs a new or empty --output). `lazoo train --save-steps N` writes each checkpoint under a
+staging name and renames it to checkpoint-N when complete; `--resume` goes on from the last complete one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +40,122 @@ BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py", "ovq": "b
 
 class CLIError(Exception):
     """A user error: printed as `lazoo <command>: error: <message>`, exit status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors in one line, like lazoo's own (`--help` still shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+@contextlib.contextmanager
+def _argparse_errors_in_one_line():
+    """For a command line of another module (`lazoo eval`'s): its argparse errors in one line as well."""
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = ArgumentParser.error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved
+
+
+# ============================================================================ checks shared by the commands
+#: the largest value of each count option: beyond these a run cannot fit in memory or time, or a library it
+#: calls overflows (numpy seeds are 32-bit, a tokenizer's vocabulary is allocated up front), so it is refused
+#: before any work. Batch sizes are also checked against the training blocks the text gives.
+COUNT_LIMITS = {"steps": 10**9, "seq_len": 2**20, "block_size": 2**20, "batch_size": 2**20, "grad_accum": 2**20,
+                "eval_blocks": 2**20, "max_train_blocks": 2**40, "save_steps": 10**9, "save_total_limit": 10**6,
+                "logging_steps": 10**9, "max_new_tokens": 2**20, "seed": 2**32 - 1}
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_counts(args, names, allow_none: bool = False) -> None:
+    """Each option in `names` a whole number from 1 to its limit (COUNT_LIMITS, or the size limits)."""
+    from .demo import SIZE_LIMITS
+
+    for name in names:
+        value = getattr(args, name)
+        if value is None and allow_none:
+            continue
+        check_range(_flag(name), value, 1, {**COUNT_LIMITS, **SIZE_LIMITS, "threads": _cpu_count()}[name])
+
+
+def check_range(flag: str, value, low: int, high: int) -> None:
+    if value is None or value < low:
+        raise CLIError(f"{flag} must be {'a positive number' if low == 1 else f'>= {low}'}, got {value}")
+    if value > high:
+        raise CLIError(f"{flag} must be at most {high}, got {value}")
+
+
+def _cpu_count() -> int:
+    return os.cpu_count() or 1
+
+
+def check_positive_float(name: str, value) -> None:
+    if not (math.isfinite(value) and value > 0):  # nan passes `value <= 0`
+        raise CLIError(f"{name} must be a positive finite number, got {value}")
+
+
+def check_text(flag: str, value: str | None) -> None:
+    """Text that can be written as UTF-8: a command-line argument holding bytes that are not UTF-8 arrives
+    with lone surrogates, which the tokenizer, a file write or the terminal would fail on later."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CLIError(f"{flag} is not UTF-8 text (it holds {value[err.start:err.end]!r} at character {err.start}, "
+                       "a byte the terminal could not decode); give UTF-8 text") from err
+
+
+def check_new_folder(flag: str, folder: str) -> None:
+    """A folder that exists, or can be made (refused before any work, not after a training run)."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CLIError(f"{flag} {folder!r} is a file; give a folder")
+    _check_can_write_under(flag, folder, Path(folder).absolute())
+
+
+def check_new_file(flag: str, file: str) -> None:
+    """A file path that can be written: not a folder, under a folder that exists or can be made."""
+    if os.path.isdir(file):
+        raise CLIError(f"{flag} {file!r} is a folder; give the path of a file")
+    _check_can_write_under(flag, file, Path(file).absolute().parent)
+
+
+def _check_can_write_under(flag: str, given: str, folder: Path) -> None:
+    """The nearest existing folder of `folder` (itself or a parent) is a folder this user can write in."""
+    check_text(flag, given)
+    parent = next(p for p in (folder, *folder.parents) if p.exists())
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {given!r}: {str(parent)!r} is a file, so no folder can be made under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {given!r}: {str(parent)!r} is not writable (permission denied)")
+
+
+def check_input_path(flag: str, path: str | None, what: str) -> None:
+    """An input file or folder that exists and is readable (a clear line now, not a traceback later)."""
+    if path is None:
+        return
+    check_text(flag, path)
+    if not os.path.exists(path):
+        raise CLIError(f"{flag}: no such file or folder {path!r}; give {what}")
+    if not os.access(path, os.R_OK):
+        raise CLIError(f"{flag}: {path!r} is not readable (permission denied)")
+
+
+def read_text_file(flag: str, path: str) -> str:
+    """The UTF-8 text of the file at `path`, or one line naming what is wrong with it."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise CLIError(f"{flag}: {path} is not UTF-8 text (an invalid byte at offset {err.start}); "
+                       "give a UTF-8 file") from err
+    except OSError as err:
+        raise CLIError(f"{flag}: cannot read {path}: {err.strerror or err}") from err
 
 
 # ============================================================================ lazoo list
@@ -77,51 +198,42 @@ def cmd_list(args) -> int:
 
 
 # ============================================================================ lazoo train
-def _check_layout(layout: str) -> None:
+def check_layout(layout: str, flag: str = "--config") -> None:
     from .presets import build_config, known_layouts
 
+    check_text(flag, layout)
     if layout.endswith(".json"):
+        if os.path.isdir(layout):
+            raise CLIError(f"{flag}: {layout!r} is a folder; give a config .json (see configs/) or a layout name")
         if not os.path.isfile(layout):
-            raise CLIError(f"--config: no such file {layout!r}; give a config .json (see configs/) or a layout name "
+            raise CLIError(f"{flag}: no such file {layout!r}; give a config .json (see configs/) or a layout name "
                            f"({', '.join(known_layouts())})")
-        _check_config_model_type(layout)
+        _check_config_model_type(layout, flag)
         try:
             build_config(layout)
         except (ValueError, TypeError, KeyError) as err:  # bad JSON, no/unknown model_type, bad fields
-            raise CLIError(f"--config {layout}: {err}") from err
+            raise CLIError(f"{flag} {layout}: {err}") from err
     elif layout not in known_layouts():
-        raise CLIError(f"--config: unknown layout {layout!r}; use one of {', '.join(known_layouts())} "
+        raise CLIError(f"{flag}: unknown layout {layout!r}; use one of {', '.join(known_layouts())} "
                        "or a path to a config .json (see configs/)")
 
 
-def _check_config_model_type(path: str) -> None:
+def _check_config_model_type(path: str, flag: str) -> None:
     """A config file's model_type must be one of lazoo's causal LMs (the other types give errors listing
     every transformers model type, or train something that is not a lazoo model)."""
     from .models import MODEL_CLASSES
 
     try:
-        fields = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CLIError(f"--config {path}: not a JSON config file ({err})") from err
+        fields = json.loads(read_text_file(flag, path))
+    except ValueError as err:
+        raise CLIError(f"{flag} {path}: not a JSON config file ({err})") from err
     model_type = fields.get("model_type") if isinstance(fields, dict) else None
     if model_type is None:
-        raise CLIError(f"--config {path}: config file {path!r} has no 'model_type'; use one of "
+        raise CLIError(f"{flag} {path}: config file {path!r} has no 'model_type'; use one of "
                        f"{', '.join(MODEL_CLASSES)}")
     if model_type not in MODEL_CLASSES:
-        raise CLIError(f"--config {path}: model_type {model_type!r} is not a lazoo language model; use one of "
+        raise CLIError(f"{flag} {path}: model_type {model_type!r} is not a lazoo language model; use one of "
                        f"{', '.join(MODEL_CLASSES)}")
-
-
-def _positive(name: str, value, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    if value is None or value < 1:
-        raise CLIError(f"{name} must be a positive number, got {value}")
-
-
-def _positive_float(name: str, value) -> None:
-    if not (math.isfinite(value) and value > 0):  # nan passes `value <= 0`
-        raise CLIError(f"{name} must be a positive finite number, got {value}")
 
 
 def _not_negative(name: str, value) -> None:
@@ -135,31 +247,77 @@ def cmd_train(args) -> int:
 
 
 def _check_train_args(args) -> None:
-    _check_layout(args.config)
-    if args.text is not None and not os.path.exists(args.text):
-        raise CLIError(f"--text: no such file or folder {args.text!r}; give a .txt/.jsonl file (or a folder of "
-                       ".txt files), or leave --text out to train on the King James Bible")
-    for flag in ("steps", "seq_len", "batch_size", "eval_blocks", "grad_accum"):
-        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
-    for flag in ("hidden_size", "layers", "heads", "vocab_size", "max_train_blocks", "save_steps",
-                 "save_total_limit", "logging_steps", "threads"):
-        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag), allow_none=True)
-    _positive_float("--lr", args.lr)
-    _not_negative("--seed", args.seed)
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise CLIError(f"--output {args.output!r} is a file; give a folder to save the model in")
-    if isinstance(args.resume, str) and not os.path.isdir(args.resume):
-        raise CLIError(f"--resume: no such checkpoint folder {args.resume!r}; give a checkpoint-N folder, or "
-                       "--resume alone for the last checkpoint in --output")
-    if args.resume is True and not _checkpoints(Path(args.output)):
-        raise CLIError(f"--resume: no checkpoint-N folder in --output {args.output!r} to resume from; train "
-                       "with --save-steps N to write checkpoints, or give the checkpoint folder: --resume DIR")
+    check_layout(args.config)
+    check_input_path("--text", args.text, "a .txt/.jsonl file (or a folder of .txt files), or leave --text out "
+                     "to train on the King James Bible")
+    check_counts(args, ("steps", "seq_len", "batch_size", "eval_blocks", "grad_accum"))
+    check_counts(args, ("hidden_size", "layers", "heads", "vocab_size", "sliding_window", "max_train_blocks",
+                        "save_steps", "save_total_limit", "logging_steps", "threads"), allow_none=True)
+    check_positive_float("--lr", args.lr)
+    check_range("--seed", args.seed, 0, COUNT_LIMITS["seed"])
+    check_new_folder("--output", args.output)
+    _check_resume(args)
     _check_output_folder(args)
 
 
+def _check_resume(args) -> None:
+    """--resume DIR must be a complete checkpoint; --resume alone needs one in --output."""
+    from .demo import is_complete_checkpoint
+
+    if isinstance(args.resume, str):
+        if not os.path.isdir(args.resume):
+            raise CLIError(f"--resume: no such checkpoint folder {args.resume!r}; give a checkpoint-N folder, or "
+                           "--resume alone for the last checkpoint in --output")
+        if not is_complete_checkpoint(args.resume):
+            raise CLIError(f"--resume: {args.resume} has no trainer_state.json, so it is not a complete checkpoint "
+                           "(a save that was interrupted leaves such a folder); give a complete checkpoint-N folder, "
+                           "or --resume alone for the last complete one in --output")
+    if args.resume is True and not _complete_checkpoints(Path(args.output)):
+        incomplete = [p.name for p in _numbered_checkpoints(Path(args.output))]
+        why = f" ({_listing(incomplete)}: no trainer_state.json, a save that was interrupted)" if incomplete else ""
+        raise CLIError(f"--resume: no checkpoint-N folder in --output {args.output!r} to resume from{why}; train "
+                       "with --save-steps N to write checkpoints, or give the checkpoint folder: --resume DIR")
+
+
 def _checkpoints(folder: Path) -> list[Path]:
-    """The folders in `folder` that Trainer counts as checkpoints (and may delete when rotating them)."""
-    return sorted(p for p in folder.glob("checkpoint-*") if p.is_dir()) if folder.is_dir() else []
+    """What in `folder` Trainer's `checkpoint-*` matches (and may delete when rotating checkpoints)."""
+    return sorted(folder.glob("checkpoint-*")) if folder.is_dir() else []
+
+
+def _numbered_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint-N folders in `folder`, by N."""
+    from .demo import checkpoint_step
+
+    found = [p for p in _checkpoints(folder) if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def _complete_checkpoints(folder: Path) -> list[Path]:
+    from .demo import is_complete_checkpoint
+
+    return [p for p in _numbered_checkpoints(folder) if is_complete_checkpoint(p)]
+
+
+#: the files a checkpoint save writes (model and config, exported code and card, tokenizer, optimizer,
+#: scheduler, scaler, RNG and Trainer state)
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                    "pytorch_model*.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth",
+                    "training_args.bin", "trainer_state.json", "tokenizer*", "special_tokens_map.json", "README.md",
+                    "*.py")
+
+
+def _interrupted_save(folder: Path) -> bool:
+    """Whether `folder` (a checkpoint-N without trainer_state.json) holds nothing but files a checkpoint save
+    writes, lazoo's card and code among them: a save that was interrupted, not a folder of the user's."""
+    from .models.card import is_lazoo_card
+    from .models.export import foreign_code_files
+
+    entries = list(folder.iterdir())
+    if not all(p.is_file() and any(fnmatch.fnmatch(p.name, f) for f in CHECKPOINT_FILES) for p in entries):
+        return False
+    readme = folder / "README.md"
+    code = [p for p in entries if p.suffix == ".py"]
+    return (not readme.exists() or is_lazoo_card(readme)) and not foreign_code_files(folder, [p.name for p in code])
 
 
 def _listing(names: list[str], limit: int = 5) -> str:
@@ -171,6 +329,7 @@ def _check_output_folder(args) -> None:
     """Refuse, before any work, an --output folder where this run would overwrite or delete what it did not
     write: a new run needs a new or empty folder (Trainer's checkpoint rotation deletes every checkpoint-*
     folder there); --resume and --overwrite accept one that holds only what `lazoo train` writes."""
+    from .demo import is_complete_checkpoint
     from .models.card import is_lazoo_card
     from .models.export import foreign_code_files
 
@@ -183,11 +342,14 @@ def _check_output_folder(args) -> None:
                        "its model, tokenizer, README.md and checkpoints only into a new or empty folder, so none of "
                        "your files is overwritten or deleted: choose another --output, add --resume to go on from "
                        "a run's checkpoints there, or --overwrite to replace the files lazoo train writes")
-    foreign = [p for p in _checkpoints(out) if not (p / "trainer_state.json").is_file()]
+    # Trainer's rotation deletes old checkpoint-* folders, and a run saves checkpoint-N folders: what matches
+    # that name must be a checkpoint (complete, or a save that was interrupted, which lazoo never rotates and
+    # only sets aside); anything else there is the user's and refused, so nothing of theirs meets either
+    foreign = [p for p in _checkpoints(out) if not p.is_dir() or not (is_complete_checkpoint(p) or _interrupted_save(p))]
     if foreign:
-        raise CLIError(f"--output: {foreign[0]} is not a Trainer checkpoint (it has no trainer_state.json), and "
-                       "Trainer deletes old checkpoint-* folders in the output folder; move it away or choose "
-                       "another --output")
+        raise CLIError(f"--output: {foreign[0]} is not a Trainer checkpoint (no trainer_state.json, and files a "
+                       "checkpoint does not hold), and a run writes and deletes checkpoint-* folders in the output "
+                       "folder; move it away or choose another --output")
     readme = out / "README.md"
     if not args.overwrite and readme.exists() and not is_lazoo_card(readme):
         raise CLIError(f"--output: {readme} is not a model card lazoo wrote, and lazoo train writes README.md; "
@@ -196,6 +358,82 @@ def _check_output_folder(args) -> None:
     if code:
         raise CLIError(f"--output: {code[0]} is not code lazoo exported, and saving the model writes a file of "
                        "that name (for trust_remote_code loading); move it away or choose another --output")
+
+
+def load_blocks(text, layout, sizes, seq_len, eval_blocks, seed, flags=("--text", "--seq-len"), **options):
+    """demo.load_lm_data, with a problem of the text (missing, empty, not UTF-8, too short for one training
+    and one held-out block) as one line naming the option."""
+    from . import demo
+    from .data.lm import CorpusTooSmallError
+
+    text_flag, len_flag = flags
+    try:
+        data = demo.load_lm_data(text, layout, sizes, seq_len, eval_blocks, seed, **options)
+    except CorpusTooSmallError as err:
+        raise CLIError(f"{text_flag}: {err}; give a longer text or a smaller {len_flag}") from err
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(f"{text_flag}: {err}") from err
+    if len(data.train) == 0 or len(data.eval) == 0:
+        raise CLIError(f"the text gives {len(data.train)} training and {len(data.eval)} held-out blocks of "
+                       f"{len_flag} {seq_len} tokens (5% of the documents are held out); give a longer text "
+                       f"or a smaller {len_flag}")
+    return data
+
+
+def check_batch_fits(batch_size: int, grad_accum: int, train_blocks: int) -> None:
+    """An optimizer step reads batch size x accumulation blocks on each process: more than the text gives
+    would silently train on smaller batches than asked (and say the asked size in the card)."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    per_step = batch_size * grad_accum * processes
+    if per_step > train_blocks:
+        times = "".join(f" x {n} {what}" for n, what in ((grad_accum, "accumulation steps"), (processes, "processes"))
+                        if n > 1)
+        raise CLIError(f"--batch-size {batch_size}{times} asks for {per_step} blocks per step, more than the "
+                       f"{train_blocks} training blocks the text gives; give a smaller --batch-size or a longer text")
+
+
+def build_model(layout: str, tokenizer, sizes: dict, flag: str = "--config"):
+    """demo.build_model, with a config the sizes make invalid, or a model too large for this machine's memory,
+    as one line."""
+    from . import demo
+
+    try:
+        return demo.build_model(layout, tokenizer, sizes)
+    except ValueError as err:
+        raise CLIError(f"{flag} {layout}: {err}") from err
+    except (MemoryError, RuntimeError) as err:
+        if not isinstance(err, MemoryError) and "alloc" not in str(err):  # torch's allocator failing
+            raise
+        raise CLIError(f"{flag} {layout}: the model of sizes {sizes} does not fit in memory ({str(err)[:120]}); "
+                       "give smaller --hidden-size, --layers or --vocab-size") from err
+
+
+def _resume_point(args) -> str | None:
+    """The checkpoint --resume goes on from: the folder given, else the last complete checkpoint-N in --output
+    (complete: with trainer_state.json; an interrupted save is passed over)."""
+    if not args.resume:
+        return None
+    if isinstance(args.resume, str):
+        return args.resume
+    return str(_complete_checkpoints(Path(args.output))[-1])
+
+
+def _clear_interrupted_saves(args, resume: str | None) -> None:
+    """Before a run in a folder an earlier run wrote: say which checkpoint it resumes from and which incomplete
+    ones it passes over (kept: lazoo never rotates them, and sets one aside only where this run saves that step),
+    and remove lazoo's own staging folders of interrupted saves (recognised by their name)."""
+    from .demo import is_complete_checkpoint, staging_leftovers
+
+    for folder in staging_leftovers(args.output):
+        print(f"[lazoo] removing {folder}: a checkpoint save that was interrupted")
+        shutil.rmtree(folder)
+    if resume is None:
+        return
+    for folder in _numbered_checkpoints(Path(args.output)):
+        if not is_complete_checkpoint(folder):
+            print(f"[lazoo] --resume: skipping {folder}: it has no trainer_state.json (a save that was "
+                  "interrupted); it is kept")
+    print(f"[lazoo] resuming from {resume}")
 
 
 def _save_final_model(trainer, output: str) -> None:
@@ -222,7 +460,6 @@ def run_training(args, callbacks=()) -> dict:
     from transformers import set_seed
 
     from . import demo
-    from .data.lm import CorpusTooSmallError
     from .models.card import write_model_card
 
     _check_train_args(args)
@@ -238,21 +475,11 @@ def run_training(args, callbacks=()) -> dict:
     # a resumed run reuses the tokenizer of the first run (saved next to the checkpoints)
     saved_tokenizer = os.path.join(args.output, "tokenizer.json")
     tokenizer = args.output if args.resume and os.path.isfile(saved_tokenizer) else None
-    try:
-        data = demo.load_lm_data(args.text, args.config, sizes, args.seq_len, args.eval_blocks, args.seed,
-                                 max_train_blocks=args.max_train_blocks, tokenizer=tokenizer)
-    except CorpusTooSmallError as err:
-        raise CLIError(f"--text: {err}; give a longer text or a smaller --seq-len") from err
-    except (FileNotFoundError, ValueError) as err:
-        raise CLIError(f"--text: {err}") from err
-    if len(data.train) == 0 or len(data.eval) == 0:
-        raise CLIError(f"the text gives {len(data.train)} training and {len(data.eval)} held-out blocks of "
-                       f"--seq-len {args.seq_len} tokens (5% of the documents are held out); give a longer text "
-                       "or a smaller --seq-len")
-    try:
-        model = demo.build_model(args.config, data.tokenizer, sizes)
-    except ValueError as err:
-        raise CLIError(f"--config {args.config}: {err}") from err
+    data = load_blocks(args.text, args.config, sizes, args.seq_len, args.eval_blocks, args.seed,
+                       max_train_blocks=args.max_train_blocks, tokenizer=tokenizer)
+    check_batch_fits(args.batch_size, args.grad_accum, len(data.train))
+    model = build_model(args.config, data.tokenizer, sizes)
+    resume = _resume_point(args)
     trainer = demo.make_trainer(
         model, data, args.output, args.steps, args.batch_size, args.lr, args.seed, progress=not args.no_progress,
         grad_accum=args.grad_accum, bf16=args.bf16, packing=args.packing, save_steps=args.save_steps,
@@ -260,11 +487,13 @@ def run_training(args, callbacks=()) -> dict:
         logging_steps=args.logging_steps, callbacks=callbacks)
     main_process = trainer.is_world_process_zero()
     trainer.accelerator.wait_for_everyone()  # every process checked --output before the main one writes there
+    if main_process:
+        _clear_interrupted_saves(args, resume)
     if main_process and args.save_steps:  # checkpoints can be resumed with the same tokenizer
         os.makedirs(args.output, exist_ok=True)
         data.tokenizer.save_pretrained(args.output)
     try:
-        trainer.train(resume_from_checkpoint=args.resume or None)
+        trainer.train(resume_from_checkpoint=resume)
     except ValueError as err:
         if args.resume and "checkpoint" in str(err):
             raise CLIError(f"--resume: {err}") from err
@@ -309,22 +538,43 @@ def _model_folder(folder: str, what: str = "model") -> Path:
         known_model_type(path)
     except ValueError as err:
         raise CLIError(str(err)) from err
+    load_saved_config(path)
     return path
 
 
+def load_saved_config(path: Path):
+    """The saved folder's config, checked field by field: a wrong field is one line naming it (loading the
+    tokenizer or model would bury it under transformers' own errors about its base config)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CLIError(f"{path / 'config.json'}: {err}") from err
+
+
+#: the lowest --temperature: below it the scaled logits overflow to inf and sampling fails
+MIN_TEMPERATURE = 0.01
+
+
+def _check_generate_args(args) -> None:
+    check_range("--max-new-tokens", args.max_new_tokens, 1, COUNT_LIMITS["max_new_tokens"])
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= MIN_TEMPERATURE):
+        raise CLIError(f"--temperature must be a positive finite number, at least {MIN_TEMPERATURE} (use --greedy "
+                       f"for deterministic decoding), got {args.temperature}")
+    _not_negative("--top-k", args.top_k)
+    check_range("--seed", args.seed, 0, COUNT_LIMITS["seed"])
+    check_text("--prompt", args.prompt)
+
+
 def cmd_generate(args) -> int:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .demo import sample_text
 
+    _check_generate_args(args)
     path = _model_folder(args.model_dir)
-    if args.max_new_tokens < 0:
-        raise CLIError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise CLIError(f"--temperature must be a positive finite number (use --greedy for deterministic "
-                       f"decoding), got {args.temperature}")
-    _not_negative("--top-k", args.top_k)
-    _not_negative("--seed", args.seed)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -332,7 +582,7 @@ def cmd_generate(args) -> int:
                        "(`lazoo train` does)") from err
     try:
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval()
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # missing or damaged weights
         raise CLIError(f"cannot load a causal LM from {str(path)!r}: {err}") from err
     text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, greedy=args.greedy,
                        temperature=1.0 if args.temperature is None else args.temperature,
@@ -363,22 +613,30 @@ def _card_model(path: Path):
         return config
 
 
+def _card_metrics(given: str | None) -> dict | None:
+    """--metrics: a JSON object, given as text or as the path of a .json file."""
+    if given is None:
+        return None
+    if os.path.isdir(given):
+        raise CLIError(f"--metrics: {given!r} is a folder; give a .json file or a JSON object")
+    text = read_text_file("--metrics", given) if os.path.isfile(given) else given
+    try:
+        metrics = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CLIError(f"--metrics: not valid JSON ({err}); give a JSON object such as "
+                       "'{\"eval_perplexity\": 12.3}' or a path to a .json file") from err
+    if not isinstance(metrics, dict):
+        raise CLIError(f"--metrics must be a JSON object (name: value), got {type(metrics).__name__}")
+    check_text("--metrics", json.dumps(metrics, ensure_ascii=False))  # "\udc80" escapes decode to surrogates
+    return metrics
+
+
 def cmd_card(args) -> int:
     from .models.card import write_model_card
 
     path = _model_folder(args.model_dir)
-    metrics = None
-    if args.metrics is not None:
-        text = args.metrics
-        if os.path.isfile(text):
-            text = Path(text).read_text(encoding="utf-8")
-        try:
-            metrics = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise CLIError(f"--metrics: not valid JSON ({err}); give a JSON object such as "
-                           "'{\"eval_perplexity\": 12.3}' or a path to a .json file") from err
-        if not isinstance(metrics, dict):
-            raise CLIError(f"--metrics must be a JSON object (name: value), got {type(metrics).__name__}")
+    metrics = _card_metrics(args.metrics)
+    check_text("--training-data", args.training_data)
     try:
         card = write_model_card(_card_model(path), path, metrics=metrics, training_data=args.training_data,
                                 overwrite=args.overwrite)
@@ -393,6 +651,8 @@ def cmd_cards(args) -> int:
 
     if not os.path.isdir(args.configs):
         raise CLIError(f"--configs: no such folder {args.configs!r}")
+    check_new_folder("--output", args.output)
+    _check_card_configs(args.configs)
     try:
         if args.check:
             stale = stale_config_cards(args.configs, args.output)
@@ -406,6 +666,24 @@ def cmd_cards(args) -> int:
         raise CLIError(str(err)) from err
     print(f"[lazoo] wrote {len(written)} cards into {args.output}")
     return 0
+
+
+def _check_card_configs(folder: str) -> None:
+    """Each language-model config in `folder` builds (the cards would stop at a bad one without naming it;
+    files that are not JSON objects are named by the cards themselves)."""
+    from .models import MODEL_CLASSES
+    from .presets import build_config
+
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            fields = json.loads(read_text_file("--configs", str(path)))
+        except ValueError:
+            continue
+        if isinstance(fields, dict) and fields.get("model_type") in MODEL_CLASSES:
+            try:
+                build_config(str(path))
+            except (ValueError, TypeError, KeyError) as err:
+                raise CLIError(f"--configs: {path}: {err}") from err
 
 
 # ============================================================================ lazoo convert
@@ -453,10 +731,40 @@ def cmd_eval(args) -> int:
     except ImportError as err:
         raise CLIError(f"`lazoo eval` needs the evaluation extras ({err}); install them with "
                        "pip install 'lazoo[eval]'") from err
+    argv = list(args.args)
+    if not any(a in ("-h", "--help") for a in argv):
+        _check_eval_inputs(argv)
     try:
-        return _exit_code(eval_main(list(args.args)))
+        with _argparse_errors_in_one_line():
+            return _exit_code(eval_main(argv))
     except (FileNotFoundError, UnknownModelTypeError) as err:  # a model folder (checked before any work)
         raise CLIError(str(err)) from err
+
+
+def _check_eval_inputs(argv: list[str]) -> None:
+    """What `lazoo eval` would fail on only after evaluating: lm-eval missing, a saved config with a wrong field
+    (each argument that is a folder with a config.json), an --output or --task-dir that cannot be made."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise CLIError("`lazoo eval` needs lm-evaluation-harness; install it with pip install 'lazoo[eval]'")
+    for arg in argv:
+        if os.path.isfile(os.path.join(arg, "config.json")):
+            _model_folder(arg)
+    output, task_dir = _option_value(argv, "--output"), _option_value(argv, "--task-dir")
+    if output is not None:
+        check_new_file("--output", output)
+    if task_dir is not None:
+        check_new_folder("--task-dir", task_dir)
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The value of `option` in `argv` (`--option VALUE` or `--option=VALUE`; the last one given)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg[len(option) + 1:]
+    return value
 
 
 def cmd_demo(args) -> int:
@@ -478,19 +786,22 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packing", action="store_true",
                    help="cut every block after each eos and train on the documents packed in one row with "
                         "restarting position_ids (DataCollatorWithFlattening): no document sees another")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1; at most 2^20)")
     p.add_argument("--save-steps", type=int, default=None,
-                   help="save a checkpoint (model, optimizer, scheduler, RNG) to --output every N steps")
+                   help="save a checkpoint (model, optimizer, scheduler, RNG) to --output every N steps; each is "
+                        "written under a temporary name and renamed to checkpoint-N when complete, so an interrupted "
+                        "save never leaves a broken checkpoint")
     p.add_argument("--save-total-limit", type=int, default=None, help="keep at most this many checkpoints")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                   help="resume from the last checkpoint in --output (or from the given checkpoint folder)")
+                   help="resume from the last complete checkpoint in --output, passing over (and naming) incomplete "
+                        "ones, or from the given checkpoint folder")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer in backward (under FSDP set fsdp_activation_checkpointing instead)")
     p.add_argument("--logging-steps", type=int, default=None, help="log the loss every N steps (default: steps/10)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lazoo", description="lazoo: linear-time and hybrid attention models for Hugging Face Transformers",
         epilog="Run `lazoo <command> --help` for the options of a command.")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
@@ -515,15 +826,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, metavar="FILE",
                    help="a .txt (blank-line separated documents) or .jsonl ('text' field) file, or a folder of .txt "
                         "files (default: the King James Bible)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per training block (default: 128)")
-    p.add_argument("--batch-size", type=int, default=16, help="blocks per step (default: 16)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200; at most 10^9)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training block (default: 128; at most 2^20)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="blocks per step (default: 16); batch size x --grad-accum x processes may not exceed the "
+                        "training blocks the text gives")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine schedule (default: 2e-3)")
     add_size_arguments(p)
     p.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for the perplexity (default: 48)")
     p.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="random seed, 0 to 2^32-1 (default: 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch, at most this machine's cores (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true",
                    help="train into a non-empty --output, replacing the files lazoo train writes there (model, "
@@ -537,12 +851,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "continuation (sampled with temperature and top-k, or greedy).")
     p.add_argument("model_dir", metavar="DIR", help="a folder written by `lazoo train` (or save_pretrained)")
     p.add_argument("--prompt", default="", help="the text to continue (default: start from the bos token)")
-    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (default: 50)")
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate, 1 to 2^20 (default: 50)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
-    mode.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: 1.0)")
+    mode.add_argument("--temperature", type=float, default=None,
+                      help=f"sampling temperature, at least {MIN_TEMPERATURE} (default: 1.0)")
     p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default: 40)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed, 0 to 2^32-1 (default: 0)")
     p.add_argument("--static", action="store_true",
                    help="a static cache: on CUDA the decode steps are compiled and replayed as CUDA graphs (about 10x "
                    "faster per token after a compile of tens of seconds); the same tokens")
@@ -611,14 +926,38 @@ def main(argv=None) -> int:
             return PASS_THROUGH[argv[0]](argparse.Namespace(command=argv[0], args=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except (CLIError, FileExistsError, PermissionError) as err:  # also: a file in the way, a read-only folder
-        print(f"lazoo {argv[0] if argv else ''}: error: {err}", file=sys.stderr)
-        return 2
+    except CLIError as err:
+        return _fail(argv, str(err))
+    except OSError as err:  # a file in the way, a read-only folder, a full disk: expected, said in one line
+        return _fail(argv, _os_error_message(err))
+    except UnicodeError as err:  # text that is not UTF-8 where no check above named it
+        return _fail(argv, f"text that is not UTF-8: {err}")
+    except KeyboardInterrupt:  # Ctrl-C: checkpoints written so far are complete (see LazooTrainer)
+        print(f"lazoo {_command(argv)}: interrupted", file=sys.stderr)
+        return 130
     except SystemExit as exit_:  # argparse (--help, bad arguments) and subcommands that exit
         if exit_.code is None or isinstance(exit_.code, int):
             return exit_.code or 0
         print(exit_.code, file=sys.stderr)
         return 1
+
+
+def _command(argv: list[str]) -> str:
+    return argv[0] if argv and not argv[0].startswith("-") else ""
+
+
+def _fail(argv: list[str], message: str) -> int:
+    """Print `lazoo <command>: error: <message>` as one line; status 2."""
+    print(f"lazoo {_command(argv)}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def _os_error_message(err: OSError) -> str:
+    """`path: reason` for an OSError from the system (errno set), else its own message."""
+    if err.errno is None or err.strerror is None:
+        return str(err)
+    files = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    return f"{files}: {err.strerror}" if files else err.strerror
 
 
 if __name__ == "__main__":

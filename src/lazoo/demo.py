@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import shutil
 import time
 
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, Trainer,
                           TrainingArguments, default_data_collator, set_seed)
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from .data import build_lm_datasets
 from .presets import build_config, known_layouts
@@ -22,13 +26,16 @@ DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_head
 #: command-line flag -> config field, for the size options shared by `lazoo demo` and `lazoo train`
 SIZE_FLAGS = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
               "sliding_window": "sliding_window", "vocab_size": "vocab_size"}
+#: the largest size each option accepts (larger models than these do not fit a machine; a BPE vocabulary is
+#: allocated up front)
+SIZE_LIMITS = {"hidden_size": 16384, "layers": 1024, "heads": 1024, "sliding_window": 2**20, "vocab_size": 2**20}
 
 
 def add_size_arguments(p: argparse.ArgumentParser) -> None:
     """The model size options (`--hidden-size`, `--layers`, `--heads`, `--sliding-window`, `--vocab-size`)."""
     for flag, key in SIZE_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
-                       help=f"(default: the config file's, else {DEFAULT_SIZES[key]})")
+                       help=f"(default: the config file's, else {DEFAULT_SIZES[key]}; at most {SIZE_LIMITS[flag]})")
 
 
 def model_sizes(args, layout: str | None = None) -> dict:
@@ -45,13 +52,15 @@ def model_sizes(args, layout: str | None = None) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="lazoo demo", description=__doc__)
+    from .cli import ArgumentParser
+
+    p = ArgumentParser(prog="lazoo demo", description=__doc__)
     p.add_argument("--mechanism", default="sw-vla",
                    help=f"layout: one of {', '.join(known_layouts())}, or a config .json (see configs/)")
     p.add_argument("--corpus", default=None, help="a .txt/.jsonl file or folder (default: the embedded King James Bible)")
     add_size_arguments(p)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="blocks per step (at most the training blocks)")
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for perplexity")
@@ -62,24 +71,27 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    _check_args(p, args)
+    _check_args(args)
     return args
 
 
-def _check_args(parser: argparse.ArgumentParser, args) -> None:
-    """Refuse nonsense numbers, and a model folder with files in it (unless --overwrite), before any work."""
-    for flag in ("block_size", "batch_size", "steps", "eval_blocks"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be a positive number, got {getattr(args, flag)}")
-    for flag in ("max_new_tokens", "seed"):
-        if getattr(args, flag) < 0:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        parser.error(f"--lr must be a positive finite number, got {args.lr}")
+def _check_args(args) -> None:
+    """Refuse nonsense numbers, unreadable input, text that is not UTF-8, and a model folder with files in it
+    (unless --overwrite), before any work (`CLIError`: one line, status 2)."""
+    from . import cli
+
+    cli.check_layout(args.mechanism, "--mechanism")
+    cli.check_input_path("--corpus", args.corpus, "a .txt/.jsonl file or a folder of .txt files")
+    cli.check_counts(args, ("block_size", "batch_size", "steps", "eval_blocks", "max_new_tokens"))
+    cli.check_counts(args, tuple(SIZE_FLAGS), allow_none=True)
+    cli.check_range("--seed", args.seed, 0, cli.COUNT_LIMITS["seed"])
+    cli.check_positive_float("--lr", args.lr)
+    cli.check_text("--prompt", args.prompt)
     save_dir = os.path.join(args.output_dir, "model")
+    cli.check_new_folder("--output-dir", args.output_dir)
     if not args.overwrite and os.path.isdir(save_dir) and os.listdir(save_dir):
-        parser.error(f"{save_dir!r} is not empty: the demo saves its model there and does not replace files it "
-                     "did not write; choose another --output-dir or pass --overwrite")
+        raise cli.CLIError(f"{save_dir!r} is not empty: the demo saves its model there and does not replace files "
+                           "it did not write; choose another --output-dir or pass --overwrite")
 
 
 def perplexity(trainer: Trainer) -> float:
@@ -147,8 +159,104 @@ class _CheckpointConfigVersion:
             return SimpleNamespace(transformers_version=json.load(f).get("transformers_version"))
 
 
+#: a checkpoint being written: `<output>/.lazoo-saving-checkpoint-N/checkpoint-N`, renamed to
+#: `<output>/checkpoint-N` once complete. The name is not matched by Trainer's `checkpoint-*` (Trainer neither
+#: resumes from it nor rotates it), and a leftover one is recognisably lazoo's: an interrupted save
+STAGING_PREFIX = ".lazoo-saving-"
+STAGING_NAME = re.compile(r"^\.lazoo-saving-checkpoint-[0-9]+$")
+#: the checkpoint folders Trainer writes (and `get_last_checkpoint` reads)
+CHECKPOINT_NAME = re.compile(r"^checkpoint-([0-9]+)$")
+
+
+def is_complete_checkpoint(folder) -> bool:
+    """Trainer writes trainer_state.json last: a checkpoint folder without it is an interrupted save (or not
+    a checkpoint at all)."""
+    return os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
+
+
+def checkpoint_step(folder) -> int | None:
+    """N of a folder named checkpoint-N, else None."""
+    match = CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(folder)))
+    return int(match.group(1)) if match else None
+
+
+def staging_leftovers(folder) -> list[str]:
+    """The staging folders of interrupted checkpoint saves in `folder` (lazoo's own, by their name)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                  if STAGING_NAME.match(n) and os.path.isdir(os.path.join(folder, n)))
+
+
+def _set_aside_incomplete(folder: str) -> None:
+    """An incomplete checkpoint-N where this run saves step N (a save interrupted before checkpoints were
+    written atomically): an empty one is removed (rmdir refuses any other); any other is kept, renamed
+    incomplete-checkpoint-N (a name neither Trainer nor its rotation looks at)."""
+    try:
+        os.rmdir(folder)
+        return
+    except OSError:
+        pass
+    parent, name = os.path.split(os.path.normpath(folder))
+    target, k = os.path.join(parent, f"incomplete-{name}"), 1
+    while os.path.exists(target):
+        k += 1
+        target = os.path.join(parent, f"incomplete-{name}.{k}")
+    os.replace(folder, target)
+    print(f"[lazoo] {folder} had no trainer_state.json (an interrupted save); kept as {target}")
+
+
+def _publish_checkpoint(staging: str, name: str, run_dir: str) -> None:
+    """Rename the complete `staging/name` to `run_dir/name` in one step. A checkpoint of the same step already
+    there (a resumed run saving a step again) is moved into the staging folder first, and goes with it."""
+    final = os.path.join(run_dir, name)
+    if os.path.isdir(final):
+        if is_complete_checkpoint(final):
+            os.replace(final, os.path.join(staging, "replaced"))
+        else:
+            _set_aside_incomplete(final)
+    os.replace(os.path.join(staging, name), final)
+    shutil.rmtree(staging)
+
+
+def rotate_complete_checkpoints(run_dir: str, save_total_limit: int | None) -> None:
+    """Trainer's rotation (keep the newest `save_total_limit`, oldest deleted first, by mtime as Trainer
+    does) over complete checkpoints only: a checkpoint-N without trainer_state.json is never deleted."""
+    if not save_total_limit or save_total_limit <= 0:
+        return
+    complete = [c for c in sort_checkpoints(run_dir, use_mtime=True) if is_complete_checkpoint(c)]
+    for old in complete[:-save_total_limit]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 class LazooTrainer(Trainer):
-    """`Trainer` that can resume lazoo models from a checkpoint (`resume_from_checkpoint`)."""
+    """`Trainer` that can resume lazoo models from a checkpoint (`resume_from_checkpoint`) and writes each
+    checkpoint atomically: an interrupt (Ctrl-C) during a save leaves a staging folder, never a checkpoint-N
+    that resuming would trip on. It keeps no "best" checkpoint (lazoo sets no `metric_for_best_model`)."""
+
+    _staging_dir: str | None = None
+
+    def _get_output_dir(self, trial) -> str:
+        # while a checkpoint is saved, Trainer's `run_dir` is the staging folder: it writes staging/checkpoint-N
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        if self.args.should_save and os.path.isdir(staging):  # an earlier run's interrupted save of this step
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()  # every process (FSDP: each writes its shards) starts clean
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)  # its rotation sees only the staging folder's one checkpoint
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()  # every process has written its part
+        if self.args.should_save:  # the main process (of each node with save_on_each_node) renames and rotates
+            _publish_checkpoint(staging, name, run_dir)
+            rotate_complete_checkpoints(run_dir, self.args.save_total_limit)
+        self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         import transformers.trainer as trainer_module
@@ -209,15 +317,20 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, g
 
 
 def main(argv=None) -> dict:
+    """`lazoo demo`: bad input raises `lazoo.cli.CLIError` (`lazoo demo` prints it in one line)."""
+    from . import cli
+
     args = parse_args(argv)
     set_seed(args.seed)
     use_all_cpu_threads()
     start = time.time()
 
     sizes = model_sizes(args)
-    data = load_lm_data(args.corpus, args.mechanism, sizes, args.block_size, args.eval_blocks, args.seed)
+    data = cli.load_blocks(args.corpus, args.mechanism, sizes, args.block_size, args.eval_blocks, args.seed,
+                           flags=("--corpus", "--block-size"))
+    cli.check_batch_fits(args.batch_size, 1, len(data.train))
     tok = data.tokenizer
-    model = build_model(args.mechanism, tok, sizes)
+    model = cli.build_model(args.mechanism, tok, sizes, flag="--mechanism")
 
     trainer = make_trainer(model, data, args.output_dir, args.steps, args.batch_size, args.lr, args.seed)
     ppl_before = perplexity(trainer)
@@ -245,4 +358,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from .cli import main as cli_main
+
+    sys.exit(cli_main(["demo", *sys.argv[1:]]))
