@@ -138,7 +138,7 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla_split``), the fused features and
     normaliser (``lazoo.kernels.vla_features``, bf16 inputs) and the chunked Woodbury scan
     (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
-    from lazoo.kernels import vla, vla_chunk, vla_chunk_streamed, vla_features, vla_split
+    from lazoo.kernels import vla, vla_chunk, vla_features, vla_split
 
     f32, dev = "*fp32", _FakeDevice()
     c = dict(H=heads, D=dk, BD=dk)
@@ -190,10 +190,6 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     out["chunked scan: forward"] = measure(vla_chunk._chunk_fwd_kernel, dict(
         k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, A_out=f32, ckpt=f32, T="i32", NB="i32", NCK="i32",
         eta="fp32", **cx2, SAVE="constexpr"), dict(c2, SAVE=True), **chunk)
-    out["chunked scan: forward, A streamed"] = measure(vla_chunk_streamed._chunk_fwd_streamed_kernel, dict(
-        k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, A_out=f32, ckpt=f32, buf=f32, T="i32", NB="i32",
-        NCK="i32", eta="fp32", **cx2, SAVE="constexpr", BCOL="constexpr"),
-        dict(c2, SAVE=True, BCOL=vla_chunk_streamed.BCOL), **chunk)
     out["chunked scan: backward"] = measure(vla_chunk._chunk_bwd_kernel, dict(
         k=f32, u=f32, flags="*i8", alpha=f32, rnorm=f32, dalpha=f32, dA_end=f32, ckpt=f32, scratch=f32, dk=f32,
         du=f32, dA0=f32, T="i32", NB="i32", NCK="i32", eta="fp32", **cx2, USE_DA="constexpr"), dict(c2, USE_DA=True),

@@ -1,6 +1,5 @@
 """Where the chunked VLA A scan's block step goes (``lazoo.kernels.vla_chunk``): the forward timed at each product
-precision and with A streamed (``lazoo.kernels.vla_chunk_streamed``) beside the token scan, or one forward of each
-for Nsight Compute.
+precision beside the token scan, or one forward of each for Nsight Compute.
 
 B = 1, H = 16, d = 128, T = 1024 (64 blocks of 16 tokens), refresh every 20 tokens, bf16 k̂ and û, no gradient.
 
@@ -22,7 +21,7 @@ from test_kernels_vla_chunk import scan_inputs
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ncu", action="store_true", help="one forward of the token scan and both tf32x3 forms")
+    ap.add_argument("--ncu", action="store_true", help="one forward of the token scan and the tf32x3 form")
     ap.add_argument("--length", type=int, default=1024)
     a = ap.parse_args()
     k, u, flags, A0 = scan_inputs(1, a.length, 16, 128)
@@ -30,12 +29,10 @@ def main():
     flags, A0 = flags.cuda(), A0.to("cuda", torch.float32)
     runs = {"token scan": lambda: vla_scan(k, u, flags, A0, eta=1e-3, pieces=1)}
     for prec in ("tf32x3", "tf32", "ieee"):
-        runs[f"chunked, {prec}"] = lambda prec=prec: vla_scan_chunked(k, u, flags, A0, eta=1e-3, precision=prec,
-                                                                      streamed=False)
-    runs["chunked, tf32x3, A streamed"] = lambda: vla_scan_chunked(k, u, flags, A0, eta=1e-3, streamed=True)
+        runs[f"chunked, {prec}"] = lambda prec=prec: vla_scan_chunked(k, u, flags, A0, eta=1e-3, precision=prec)
     with torch.no_grad():
         for name, fn in runs.items():
-            if a.ncu and "tf32x3" not in name and "token" not in name:  # the token scan and both tf32x3 forms
+            if a.ncu and "tf32x3" not in name and "token" not in name:  # the token scan and the tf32x3 form
                 continue
             fn()
             if a.ncu:

@@ -115,27 +115,6 @@ def test_interp_chunk_scan_matches_float64(T, ckpt_blocks):
 
 
 @needs_interp
-@pytest.mark.parametrize("D", [16, 40])
-def test_interp_streamed_forward_matches_float64(monkeypatch, D):
-    """The forward with A in global memory (lazoo.kernels.vla_chunk_streamed) against float64, outputs, final A and
-    (through the same backward) gradients; d = 40 takes A in three column blocks of 16, the last one ragged. Ragged
-    T, refreshes mid-block and on a block's last token, pads, two checkpoint intervals; the register form beside it
-    gives the same numbers to rounding."""
-    from lazoo.kernels import vla_chunk_streamed
-
-    monkeypatch.setattr(vla_chunk_streamed, "BCOL", 16)
-    inputs = scan_inputs(2, 37, 2, D, pads=[(0, 3), (1, 17), (1, 18), (0, 36)], seed=D)
-    got = run_scan(chunked(ckpt_blocks=2, streamed=True), inputs, torch.float32)
-    compare(got, reference(inputs, torch.float32), 1e-5, 2e-5, f"streamed d={D}")
-    compare(got, run_scan(chunked(ckpt_blocks=2, streamed=False), inputs, torch.float32), 1e-5, 2e-5, "registers")
-    k_hat, u_hat, flags, A0 = inputs
-    with torch.no_grad():  # no checkpoints kept: the same forward
-        alpha, A_end = chunked(streamed=True)(k_hat.float(), u_hat.float(), flags, A0.float(), eta=0.05)
-    assert_close(alpha.double(), got["alpha"], 1e-6, "alpha without autograd")
-    assert_close(A_end.double(), got["A_end"], 1e-6, "A_end without autograd")
-
-
-@needs_interp
 @pytest.mark.slow  # the chunked scan is not the default; the full matrix runs with -m slow
 def test_interp_chunk_scan_fp16_several_flags_per_block():
     # period 5 and blocks of 32: up to 7 segments per block (the backward rebuilds each segment's start);
@@ -176,14 +155,12 @@ def test_interp_vla_op_with_either_scan(scan):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,grad_rtol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)], ids=str)
-@pytest.mark.parametrize("streamed", [False, True], ids=["registers", "streamed"])
-def test_gpu_chunk_scan_matches_token_kernel(dtype, grad_rtol, streamed):
-    # the scans compute in fp32 from the rounded inputs; dk̂ and dû come back in the input dtype; the forward holds
-    # A in registers or streams it (lazoo.kernels.vla_chunk_streamed)
+def test_gpu_chunk_scan_matches_token_kernel(dtype, grad_rtol):
+    # the scans compute in fp32 from the rounded inputs; dk̂ and dû come back in the input dtype
     from lazoo.kernels.vla import vla_scan
 
     inputs = scan_inputs(2, 1000, 4, 128, pads=[(0, 100), (1, 500), (1, 501)], seed=11)
-    got = run_scan(chunked(streamed=streamed), inputs, dtype, device="cuda", eta=1e-3)
+    got = run_scan(chunked(), inputs, dtype, device="cuda", eta=1e-3)
     token = run_scan(vla_scan, inputs, dtype, device="cuda", eta=1e-3)
     k_hat, u_hat, flags, A0 = inputs
     rounded = (k_hat.to(dtype).to(F64), u_hat.to(dtype).to(F64), flags, A0.float().to(F64))

@@ -1,6 +1,6 @@
-"""The block algebra the chunked VLA scans share (``lazoo.kernels.vla_chunk`` and ``vla_chunk_streamed``): a block's
-tokens and flags, its rows of a [B, T, H, D] tensor, its segments (they end at the refresh flags: the +ηI refresh
-cannot enter the Woodbury form), and the LDLᵀ of a segment's C × C matrix G = I + U A Uᵀ."""
+"""The block algebra of the chunked VLA scan (``lazoo.kernels.vla_chunk``): a block's tokens and flags, its rows of a
+[B, T, H, D] tensor, its segments (they end at the refresh flags: the +ηI refresh cannot enter the Woodbury form),
+and the LDLᵀ of a segment's C × C matrix G = I + U A Uᵀ."""
 
 from __future__ import annotations
 

@@ -35,9 +35,9 @@ it stores A at the start of every ``K``-th block); ``_chunk_bwd_kernel`` walks t
 reverse, recomputes the A at each block start of the interval into a scratch buffer, then walks the blocks
 and their segments in reverse (the A at a segment start inside a block is recomputed from the block start:
 one extra segment step per earlier segment, nothing when a block holds no flag) and applies the formulas
-above. Memory: B·H·(T/(K·BC) + K)·d² fp32 besides the α̂ and 1/|a| of the forward. With ``streamed`` the forward
-is ``lazoo.kernels.vla_chunk_streamed``'s (A in global memory, in column blocks); the block algebra both use is
-in ``lazoo.kernels._vla_blocks``.
+above. Memory: B·H·(T/(K·BC) + K)·d² fp32 besides the α̂ and 1/|a| of the forward. The block algebra is in
+``lazoo.kernels._vla_blocks``. (A forward that took A from global memory in column blocks removed the spills of
+this one but reloaded A for every product, and was slower: docs/vla.md.)
 """
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ CKPT_BLOCKS = 16
 #: "tf32x3" (three tf32 tensor-core products) matched "ieee" (fp32 FMA, 8x slower) on an H100 at d = 128,
 #: T = 1000 (~1e-6 from float64, as the token scan); one-pass "tf32" was 2.3x faster but off by ~1e-3.
 PRECISION = "tf32x3"
-#: the forward with A in global memory, a column block at a time (``lazoo.kernels.vla_chunk_streamed``): it removes
-#: the register form's spills but reloads A for every product, 59.8 against 47.0 µs a block of 16 tokens (H200,
-#: d = 128, T = 1024; docs/vla.md), so it is off
-STREAMED = False
 
 
 @triton.jit
@@ -257,8 +253,7 @@ class VLAChunkScanFunction(torch.autograd.Function):
     initial A ``[B, H, dk, dk]`` (symmetric); differentiable in k̂, û and A0 (A0's gradient symmetric)."""
 
     @staticmethod
-    def forward(ctx, k_hat, u_hat, flags, A0, eta: float, block: int, ckpt_blocks: int, precision: str,
-                streamed: bool):
+    def forward(ctx, k_hat, u_hat, flags, A0, eta: float, block: int, ckpt_blocks: int, precision: str):
         B, T, H, D = k_hat.shape
         dev = k_hat.device
         BD = _block_dim(D)
@@ -274,16 +269,9 @@ class VLAChunkScanFunction(torch.autograd.Function):
         rnorm = torch.empty(B, T, H, device=dev, dtype=f32)
         A_end = torch.empty(B, H, D, D, device=dev, dtype=f32)
         ckpt = torch.empty(B, H, NCK, D, D, device=dev, dtype=f32) if save else A_end
-        if streamed:
-            from .vla_chunk_streamed import chunk_forward_streamed  # lazy: importing defines the kernel
-
-            chunk_forward_streamed(k_hat, u_hat, flags, A0, alpha, rnorm, A_end, ckpt, T, NB, NCK, float(eta), H=H,
-                                   D=D, BD=BD, BC=block, K=ckpt_blocks, SAVE=save, PREC=precision,
-                                   launch=_launch_opts(BD, dev))
-        else:
-            _chunk_fwd_kernel[(B, H)](k_hat, u_hat, flags, A0, alpha, rnorm, A_end, ckpt, T, NB, NCK, float(eta),
-                                      H=H, D=D, BD=BD, BC=block, K=ckpt_blocks, SAVE=save, PREC=precision,
-                                      **_launch_opts(BD, dev))
+        _chunk_fwd_kernel[(B, H)](k_hat, u_hat, flags, A0, alpha, rnorm, A_end, ckpt, T, NB, NCK, float(eta),
+                                  H=H, D=D, BD=BD, BC=block, K=ckpt_blocks, SAVE=save, PREC=precision,
+                                  **_launch_opts(BD, dev))
         if save:
             ctx.save_for_backward(k_hat, u_hat, flags, alpha, rnorm, ckpt)
         ctx.hp = (float(eta), block, ckpt_blocks, precision)
@@ -310,17 +298,16 @@ class VLAChunkScanFunction(torch.autograd.Function):
                                   T, NB, NCK, eta, H=H, D=D, BD=BD, BC=block, K=ckpt_blocks, USE_DA=use_da,
                                   PREC=precision, **_launch_opts(BD, dev))
         k_dt, u_dt, a_dt = ctx.dtypes
-        return dk.to(k_dt), du.to(u_dt), None, dA0.to(a_dt), None, None, None, None, None
+        return dk.to(k_dt), du.to(u_dt), None, dA0.to(a_dt), None, None, None, None
 
 
 def vla_scan_chunked(k_hat, u_hat, flags, A0, *, eta: float, eps: float = 1e-4, block: int | None = None,
-                     ckpt_blocks: int | None = None, precision: str | None = None, streamed: bool | None = None):
+                     ckpt_blocks: int | None = None, precision: str | None = None):
     """``(α̂ [B, T, H, dk] fp32, final A [B, H, dk, dk] fp32)``, as ``lazoo.kernels.vla.vla_scan``.
 
     ``eps`` is accepted for the same interface; the δ ≥ eps clip never binds (δ ≥ 1 while A is positive
     definite). ``block`` (tokens per chunk: 16, 32 or 64), ``ckpt_blocks`` (blocks between
-    checkpoints of A), ``precision`` (tl.dot input precision) and ``streamed`` (the forward with A in global
-    memory: ``lazoo.kernels.vla_chunk_streamed``) default to the module constants."""
+    checkpoints of A) and ``precision`` (tl.dot input precision) default to the module constants."""
     D = k_hat.shape[-1]
     if D > MAX_HEAD_DIM:
         raise ValueError(f"vla_scan_chunked: head dims up to {MAX_HEAD_DIM} (A is held in registers), got {D}")
@@ -335,5 +322,4 @@ def vla_scan_chunked(k_hat, u_hat, flags, A0, *, eta: float, eps: float = 1e-4, 
     precision = PRECISION if precision is None else precision
     if precision not in ("ieee", "tf32", "tf32x3"):
         raise ValueError(f"vla_scan_chunked: precision must be 'ieee', 'tf32' or 'tf32x3', got {precision!r}")
-    streamed = STREAMED if streamed is None else bool(streamed)
-    return VLAChunkScanFunction.apply(k_hat, u_hat, flags, A0, eta, block, ckpt_blocks, precision, streamed)
+    return VLAChunkScanFunction.apply(k_hat, u_hat, flags, A0, eta, block, ckpt_blocks, precision)
