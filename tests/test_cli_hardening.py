@@ -62,9 +62,9 @@ def _saved_copy(model: Path, folder: Path, **config_changes) -> Path:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, tokenizer, text):
-    """Files the rows name: a saved model (MODEL) and copies with a bad config field, damaged weights or a
-    README.md folder; a plain file (AFILE), a folder named like a .json (DIRJSON), Latin-1 metrics, a config
-    folder with a config naming an unknown mechanism, the training text."""
+    """Files the rows name: a saved model (MODEL) and copies with a bad config field, sizes its weights do not
+    have, damaged weights or a README.md folder; a plain file (AFILE), a folder named like a .json (DIRJSON), Latin-1 metrics, a config
+    folder with a config naming an unknown mechanism, a config too large to train, the training text."""
     root = tmp_path_factory.mktemp("hardening")
     model = root / "model"
     tiny_model("gated_delta_net", vocab_size=len(tokenizer)).save_pretrained(model)
@@ -72,6 +72,7 @@ def workdir(tmp_path_factory, tokenizer, text):
     _saved_copy(model, root / "mixkw", mixer_kwargs={"no_such_option": 3})
     _saved_copy(model, root / "strhidden", hidden_size="32")
     _saved_copy(model, root / "badlayer", layer_types=["no_such_mechanism"])
+    _saved_copy(model, root / "resized", hidden_size=64, intermediate_size=128)
     (_saved_copy(model, root / "badweights") / "model.safetensors").write_bytes(b"\x10" * 100)
     readme_dir = _saved_copy(model, root / "readmedir")
     (readme_dir / "README.md").unlink()
@@ -83,6 +84,7 @@ def workdir(tmp_path_factory, tokenizer, text):
     (root / "configs" / "broken.json").write_text(json.dumps(
         {"model_type": "lazoo_hybrid", "layer_types": ["no_such_mechanism"], "num_hidden_layers": 1}))
     shutil.copy(text, root / "text.txt")
+    (root / "huge.json").write_text(json.dumps({"model_type": "lazoo_linear", "vocab_size": 10**9}))
     return root
 
 
@@ -98,6 +100,7 @@ CASES = [  # (argv, text the single error line must contain)
     (["generate", "MODEL", "--temperature", "1e-300"], "--temperature must be a positive finite number, at least"),
     (["generate", "BADWEIGHTS"], "cannot load a causal LM from"),
     (["generate", "MODEL", "--top-k", "x"], "argument --top-k: invalid int value"),
+    (["generate", "RESIZED"], "model.embed_tokens.weight has shape"),  # config.json edited after saving
     # card and cards
     (["card", "MIXKW"], "mixer_kwargs"),
     (["card", "STRHIDDEN"], "hidden_size must be a positive int, got '32'"),
@@ -124,6 +127,7 @@ CASES = [  # (argv, text the single error line must contain)
     (TRAIN + ["--seed", str(2**40)], "--seed must be at most"),
     (TRAIN + ["--steps", "x"], "argument --steps: invalid int value"),
     (TRAIN[:2] + ["DIRJSON"] + TRAIN[3:], "dir.json' is a folder"),
+    (["train", "--config", "HUGE", "--output", "OUT"], "vocab_size 1000000000 is more than"),
     # demo and eval (their own command lines)
     (DEMO + ["--mechanism", "bogus"], "--mechanism: unknown layout 'bogus'"),
     (DEMO + ["--corpus", "LATIN1"], "latin1.json is not UTF-8 text"),
@@ -136,6 +140,7 @@ CASES = [  # (argv, text the single error line must contain)
     (["eval", "MIXKW"], "mixer_kwargs"),
     (["eval", "MODEL", "--output", "AFILE/results.json"], "afile' is a file, so no folder can be made under it"),
     (["eval", "MODEL", "--batch-size", "x"], "argument --batch-size: invalid int value"),
+    (["eval", "MODEL", "--device", "nonsense"], "--device: 'nonsense' is not a torch device"),
 ]
 
 
@@ -167,6 +172,7 @@ def test_bad_input_is_one_line_and_status_2(argv, message, workdir, monkeypatch,
              "AFILE/x": str(workdir / "afile" / "x"), "AFILE/results.json": str(workdir / "afile" / "results.json"),
              **{k: str(workdir / v) for k, v in [("MODEL", "model"), ("MIXKW", "mixkw"), ("STRHIDDEN", "strhidden"),
                                                  ("BADLAYER", "badlayer"), ("BADWEIGHTS", "badweights"),
+                                                 ("RESIZED", "resized"), ("HUGE", "huge.json"),
                                                  ("READMEDIR", "readmedir"), ("AFILE", "afile"),
                                                  ("DIRJSON", "dir.json"), ("LATIN1", "latin1.json"),
                                                  ("CONFIGS", "configs")]}}
@@ -201,6 +207,12 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_list", _raising(KeyboardInterrupt()))
     assert cli.main(["list"]) == 130
     assert capsys.readouterr().err.strip() == "lazoo list: interrupted"
+
+
+def test_a_closed_output_pipe_ends_quietly(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "cmd_list", _raising(BrokenPipeError(errno.EPIPE, "Broken pipe")))
+    assert cli.main(["list"]) == 141  # as a process killed by SIGPIPE; `lazoo list | head -1` prints no error
+    assert capsys.readouterr().err == ""
 
 
 def test_a_bug_still_shows_its_traceback(monkeypatch):

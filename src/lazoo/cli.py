@@ -198,7 +198,9 @@ def cmd_list(args) -> int:
 
 
 # ============================================================================ lazoo train
-def check_layout(layout: str, flag: str = "--config") -> None:
+def check_layout(layout: str, flag: str = "--config", args=None) -> None:
+    """A layout name, or a config .json that builds, with sizes within the limits (those `args` does not
+    override with its size options)."""
     from .presets import build_config, known_layouts
 
     check_text(flag, layout)
@@ -210,12 +212,26 @@ def check_layout(layout: str, flag: str = "--config") -> None:
                            f"({', '.join(known_layouts())})")
         _check_config_model_type(layout, flag)
         try:
-            build_config(layout)
+            config = build_config(layout)
         except (ValueError, TypeError, KeyError) as err:  # bad JSON, no/unknown model_type, bad fields
             raise CLIError(f"{flag} {layout}: {err}") from err
+        _check_config_sizes(config, f"{flag} {layout}", args)
     elif layout not in known_layouts():
         raise CLIError(f"{flag}: unknown layout {layout!r}; use one of {', '.join(known_layouts())} "
                        "or a path to a config .json (see configs/)")
+
+
+def _check_config_sizes(config, where: str, args=None) -> None:
+    """A config file's sizes within the limits of the size options (a vocabulary of 10^9 aborts the tokenizer
+    trainer; a hidden size of 10^6 does not fit in memory), except those the command line overrides."""
+    from .demo import SIZE_FLAGS, SIZE_LIMITS
+
+    for flag, key in SIZE_FLAGS.items():
+        if args is not None and getattr(args, flag, None) is not None:
+            continue
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > SIZE_LIMITS[flag]:
+            raise CLIError(f"{where}: {key} {value} is more than {SIZE_LIMITS[flag]}, the largest lazoo trains")
 
 
 def _check_config_model_type(path: str, flag: str) -> None:
@@ -247,7 +263,7 @@ def cmd_train(args) -> int:
 
 
 def _check_train_args(args) -> None:
-    check_layout(args.config)
+    check_layout(args.config, args=args)
     check_input_path("--text", args.text, "a .txt/.jsonl file (or a folder of .txt files), or leave --text out "
                      "to train on the King James Bible")
     check_counts(args, ("steps", "seq_len", "batch_size", "eval_blocks", "grad_accum"))
@@ -575,6 +591,7 @@ def cmd_generate(args) -> int:
 
     _check_generate_args(args)
     path = _model_folder(args.model_dir)
+    _check_weight_shapes(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -589,6 +606,32 @@ def cmd_generate(args) -> int:
                        top_k=args.top_k if args.top_k > 0 else None, static=args.static)
     print(text)
     return 0
+
+
+def _check_weight_shapes(path: Path) -> None:
+    """Each tensor in the folder's safetensors files has the shape config.json gives it (a config edited after
+    saving would make loading print a long report and raise): one line naming the first that differs. Reads
+    only the files' headers, and builds the model on the meta device."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoModelForCausalLM
+
+    config = load_saved_config(path)
+    try:
+        with torch.device("meta"):
+            expected = {k: list(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except ValueError:  # not a causal LM: loading it says so
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt") as weights:
+                shapes = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
+        except (OSError, SafetensorError) as err:
+            raise CLIError(f"cannot load a causal LM from {str(path)!r}: {file.name}: {err}") from err
+        for key, shape in shapes.items():
+            if key in expected and list(shape) != expected[key]:
+                raise CLIError(f"{file}: {key} has shape {list(shape)}, but config.json's sizes give "
+                               f"{expected[key]}; the config does not describe these weights")
 
 
 # ============================================================================ lazoo card
@@ -754,6 +797,22 @@ def _check_eval_inputs(argv: list[str]) -> None:
         check_new_file("--output", output)
     if task_dir is not None:
         check_new_folder("--task-dir", task_dir)
+    if _option_value(argv, "--device") is not None:
+        _check_device(_option_value(argv, "--device"))
+
+
+def _check_device(device: str) -> None:
+    """A torch device this machine has (a typo or a missing GPU fails only after the models load)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise CLIError(f"--device: {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from err
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {device}: torch sees no CUDA GPU here (torch {torch.__version__})")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 def _option_value(argv: list[str], option: str) -> str | None:
@@ -928,6 +987,9 @@ def main(argv=None) -> int:
         return args.func(args)
     except CLIError as err:
         return _fail(argv, str(err))
+    except BrokenPipeError:  # the reader of the output went away (`lazoo list | head -1`): nothing to say
+        _silence_stdout()
+        return 141
     except OSError as err:  # a file in the way, a read-only folder, a full disk: expected, said in one line
         return _fail(argv, _os_error_message(err))
     except UnicodeError as err:  # text that is not UTF-8 where no check above named it
@@ -944,6 +1006,14 @@ def main(argv=None) -> int:
 
 def _command(argv: list[str]) -> str:
     return argv[0] if argv and not argv[0].startswith("-") else ""
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush into the closed pipe stays quiet."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a file descriptor (captured): nothing to flush there
+        pass
 
 
 def _fail(argv: list[str], message: str) -> int:

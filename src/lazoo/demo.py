@@ -80,7 +80,7 @@ def _check_args(args) -> None:
     (unless --overwrite), before any work (`CLIError`: one line, status 2)."""
     from . import cli
 
-    cli.check_layout(args.mechanism, "--mechanism")
+    cli.check_layout(args.mechanism, "--mechanism", args)
     cli.check_input_path("--corpus", args.corpus, "a .txt/.jsonl file or a folder of .txt files")
     cli.check_counts(args, ("block_size", "batch_size", "steps", "eval_blocks", "max_new_tokens"))
     cli.check_counts(args, tuple(SIZE_FLAGS), allow_none=True)
