@@ -73,6 +73,7 @@ def workdir(tmp_path_factory, tokenizer, text):
     _saved_copy(model, root / "strhidden", hidden_size="32")
     _saved_copy(model, root / "badlayer", layer_types=["no_such_mechanism"])
     _saved_copy(model, root / "resized", hidden_size=64, intermediate_size=128)
+    _saved_copy(model, root / "baddtype", dtype="float99")
     (_saved_copy(model, root / "badweights") / "model.safetensors").write_bytes(b"\x10" * 100)
     readme_dir = _saved_copy(model, root / "readmedir")
     (readme_dir / "README.md").unlink()
@@ -85,6 +86,7 @@ def workdir(tmp_path_factory, tokenizer, text):
         {"model_type": "lazoo_hybrid", "layer_types": ["no_such_mechanism"], "num_hidden_layers": 1}))
     shutil.copy(text, root / "text.txt")
     (root / "huge.json").write_text(json.dumps({"model_type": "lazoo_linear", "vocab_size": 10**9}))
+    (root / "dtype.json").write_text(json.dumps({"model_type": "lazoo_linear", "dtype": "float99"}))
     return root
 
 
@@ -95,6 +97,7 @@ CASES = [  # (argv, text the single error line must contain)
     (["generate", "MIXKW"], "mixer_kwargs"),
     (["generate", "STRHIDDEN"], "hidden_size must be a positive int, got '32'"),
     (["generate", "BADLAYER"], "unknown mechanism 'no_such_mechanism' in layer_types"),
+    (["generate", "BADDTYPE"], "dtype 'float99' is not a torch dtype"),
     (["generate", "MODEL", "--prompt", "\udc80"], "--prompt is not UTF-8 text"),
     (["generate", "MODEL", "--seed", str(2**40)], "--seed must be at most 4294967295"),
     (["generate", "MODEL", "--temperature", "1e-300"], "--temperature must be a positive finite number, at least"),
@@ -105,6 +108,7 @@ CASES = [  # (argv, text the single error line must contain)
     (["card", "MIXKW"], "mixer_kwargs"),
     (["card", "STRHIDDEN"], "hidden_size must be a positive int, got '32'"),
     (["card", "BADLAYER"], "unknown mechanism 'no_such_mechanism' in layer_types"),
+    (["card", "BADDTYPE"], "dtype 'float99' is not a torch dtype"),
     (["card", "MODEL", "--metrics", "LATIN1"], "latin1.json is not UTF-8 text"),
     (["card", "MODEL", "--metrics", "DIRJSON"], "dir.json' is a folder"),
     (["card", "MODEL", "--metrics", '{"ppl": "\\udc80"}'], "--metrics is not UTF-8 text"),
@@ -128,6 +132,7 @@ CASES = [  # (argv, text the single error line must contain)
     (TRAIN + ["--steps", "x"], "argument --steps: invalid int value"),
     (TRAIN[:2] + ["DIRJSON"] + TRAIN[3:], "dir.json' is a folder"),
     (["train", "--config", "HUGE", "--output", "OUT"], "vocab_size 1000000000 is more than"),
+    (["train", "--config", "DTYPE", "--output", "OUT"], "dtype 'float99' is not a torch dtype"),
     # demo and eval (their own command lines)
     (DEMO + ["--mechanism", "bogus"], "--mechanism: unknown layout 'bogus'"),
     (DEMO + ["--corpus", "LATIN1"], "latin1.json is not UTF-8 text"),
@@ -173,6 +178,7 @@ def test_bad_input_is_one_line_and_status_2(argv, message, workdir, monkeypatch,
              **{k: str(workdir / v) for k, v in [("MODEL", "model"), ("MIXKW", "mixkw"), ("STRHIDDEN", "strhidden"),
                                                  ("BADLAYER", "badlayer"), ("BADWEIGHTS", "badweights"),
                                                  ("RESIZED", "resized"), ("HUGE", "huge.json"),
+                                                 ("BADDTYPE", "baddtype"), ("DTYPE", "dtype.json"),
                                                  ("READMEDIR", "readmedir"), ("AFILE", "afile"),
                                                  ("DIRJSON", "dir.json"), ("LATIN1", "latin1.json"),
                                                  ("CONFIGS", "configs")]}}

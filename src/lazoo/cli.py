@@ -167,7 +167,7 @@ def cmd_list(args) -> int:
     rows = []
     for name in list_mechanisms():
         m = get(name)
-        kernels = ", ".join(f"kernels/{k.rsplit('.', 1)[1]}.py" for k in m.kernels) or "none (PyTorch forms only)"
+        kernels = ", ".join(_kernel_file(k) for k in m.kernels) or "none (PyTorch forms only)"
         rows.append((name, m.model_type, ", ".join(m.backends), f"ops.{m.op}", kernels, m.title))
     if args.json:
         print(json.dumps({"mechanisms": [dict(zip(("name", "model_type", "backends", "ops", "triton_kernels",
@@ -197,6 +197,11 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _kernel_file(module: str) -> str:
+    """`lazoo.kernels.vla.token` -> `kernels/vla/token.py` (the file under the package, subfolders kept)."""
+    return "kernels/" + module.split(".kernels.", 1)[-1].replace(".", "/") + ".py"
+
+
 # ============================================================================ lazoo train
 def check_layout(layout: str, flag: str = "--config", args=None) -> None:
     """A layout name, or a config .json that builds, with sizes within the limits (those `args` does not
@@ -211,6 +216,7 @@ def check_layout(layout: str, flag: str = "--config", args=None) -> None:
             raise CLIError(f"{flag}: no such file {layout!r}; give a config .json (see configs/) or a layout name "
                            f"({', '.join(known_layouts())})")
         _check_config_model_type(layout, flag)
+        _check_dtype_field(Path(layout))
         try:
             config = build_config(layout)
         except (ValueError, TypeError, KeyError) as err:  # bad JSON, no/unknown model_type, bad fields
@@ -563,10 +569,24 @@ def load_saved_config(path: Path):
     tokenizer or model would bury it under transformers' own errors about its base config)."""
     from transformers import AutoConfig
 
+    _check_dtype_field(path / "config.json")
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, TypeError, KeyError) as err:
         raise CLIError(f"{path / 'config.json'}: {err}") from err
+
+
+def _check_dtype_field(config_file: Path) -> None:
+    """`dtype` (or the older `torch_dtype`) names a torch dtype: transformers looks any other name up on the
+    torch module and fails with an AttributeError."""
+    import torch
+
+    fields = json.loads(config_file.read_text(encoding="utf-8"))  # known_model_type has read it as JSON
+    for key in ("dtype", "torch_dtype"):
+        value = fields.get(key)
+        if value is not None and value != "auto" and not (
+                isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
+            raise CLIError(f"{config_file}: {key} {value!r} is not a torch dtype (float32, bfloat16, float16, ...)")
 
 
 #: the lowest --temperature: below it the scaled logits overflow to inf and sampling fails
@@ -723,6 +743,7 @@ def _check_card_configs(folder: str) -> None:
         except ValueError:
             continue
         if isinstance(fields, dict) and fields.get("model_type") in MODEL_CLASSES:
+            _check_dtype_field(path)
             try:
                 build_config(str(path))
             except (ValueError, TypeError, KeyError) as err:
