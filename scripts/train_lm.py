@@ -3,7 +3,7 @@
 
     python scripts/train_lm.py --config configs/vla-small.json --output runs/vla --steps 2000 --bf16 --packing \\
         --grad-accum 4 --save-steps 500                          # one process (GPU or CPU)
-    python scripts/train_lm.py ... --resume                      # go on from the last checkpoint in --output
+    python scripts/train_lm.py ... --resume                      # go on from the last complete checkpoint in --output
     accelerate launch --num_processes 2 scripts/train_lm.py ...  # DDP (add --cpu for gloo on the CPU)
     accelerate launch --config_file configs/accelerate/fsdp2.yaml scripts/train_lm.py ...   # FSDP2
 

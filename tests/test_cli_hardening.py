@@ -146,6 +146,7 @@ CASES = [  # (argv, text the single error line must contain)
     (["eval", "MODEL", "--output", "AFILE/results.json"], "afile' is a file, so no folder can be made under it"),
     (["eval", "MODEL", "--batch-size", "x"], "argument --batch-size: invalid int value"),
     (["eval", "MODEL", "--device", "nonsense"], "--device: 'nonsense' is not a torch device"),
+    (["eval", "MODEL", "--output", "DIRJSON"], "dir.json' is a folder; give the path of a file"),
 ]
 
 
@@ -187,6 +188,27 @@ def test_bad_input_is_one_line_and_status_2(argv, message, workdir, monkeypatch,
     assert code == 2, err
     assert message in _one_error_line(err, argv[0]), err
     assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv, flag", [(TRAIN, "--text"), (DEMO, "--corpus"), (["card", "MODEL", "--metrics", "TEXT"],
+                                                                              "--metrics")],
+                         ids=["train --text", "demo --corpus", "card --metrics"])
+def test_an_unreadable_file_is_named(argv, flag, workdir, monkeypatch, capsys):
+    """Permission denied (simulated: as root every file is readable)."""
+    text = str(workdir / "text.txt")
+    argv = [{"TEXT": text, "MODEL": str(workdir / "model"), "OUT": str(workdir / "out")}.get(a, a) for a in argv]
+    access, read_text = os.access, Path.read_text
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != text and access(path, mode))
+
+    def denied(path, *args, **kwargs):
+        if str(path) == text:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    code = cli.main(argv)
+    line = _one_error_line(capsys.readouterr().err, argv[0])
+    assert code == 2 and flag in line and "text.txt" in line and "ermission denied" in line, line
 
 
 # ----------------------------------------------------------------------------- main(): the last line of defence
