@@ -5,7 +5,7 @@ For T in --lengths (default 1k, 4k, 16k, 64k), B = --batch, H = 8, d = 128, bf16
       - ``ovq_attention(backend="triton")``: the whole op (assignments of every chunk, the running-mean
         dictionaries, the chunk-attention kernel); with --pytorch-assign also the op with the assignments as a
         PyTorch loop (``triton_assign=False``) and how far its output is from the default's,
-      - the chunk-attention kernel alone (``lazoo.kernels.ovq.ovq_chunk_attention``) with the dictionary
+      - the chunk-attention kernel alone (``lazoo.kernels.ovq.attention.ovq_chunk_attention``) with the dictionary
         versions given (the part that is flash attention over ≤ N + L keys per query): O(T + N) table rows,
         every slot moving to a new row every N / L chunks, as one key a chunk per slot would,
       - ``scaled_dot_product_attention(is_causal=True)``;
@@ -114,7 +114,7 @@ def kernel_dictionaries(B, T, dtype, device):
 
 
 def bench_length(B, T, dtype, device, pytorch_assign=False):
-    from lazoo.kernels.ovq import ovq_chunk_attention
+    from lazoo.kernels.ovq.attention import ovq_chunk_attention
     from lazoo.ops import ovq_attention
 
     row = {"T": T, "B": B}
@@ -179,7 +179,7 @@ def main(argv=None):
     ap.add_argument("--pytorch-assign", action="store_true",
                     help="also time the op with step 1 (the assignments) as the PyTorch loop "
                          "(ovq_attention(..., triton_assign=False)), and record how far its output is from the "
-                         "default's (the Triton kernels of lazoo.kernels.ovq_assign)")
+                         "default's (the Triton kernels of lazoo.kernels.ovq.assign)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_ovq.py needs a CUDA GPU")

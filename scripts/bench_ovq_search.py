@@ -1,4 +1,4 @@
-"""OVQ's step 1 (``lazoo.kernels.ovq_assign``) under other launch settings of its search kernel, and the op with them.
+"""OVQ's step 1 (``lazoo.kernels.ovq.assign``) under other launch settings of its search kernel, and the op with them.
 
 Each setting overrides ``ovq_assign._blocks()`` (BN slots a block, BDA features a step of the add, BDS of the
 similarity product, the search's warps and stages); the captured CUDA graphs are dropped between settings. Step 1
@@ -28,7 +28,7 @@ import triton.testing
 import lazoo.ops.ovq as ovq_mod
 from bench_kernels import time_fwd_bwd
 from bench_ovq import D, L, N, inputs
-from lazoo.kernels import ovq_assign
+from lazoo.kernels.ovq import assign as ovq_assign
 from lazoo.kernels._graphs import GraphCache
 from lazoo.ops import ovq_attention
 from test_kernels_ovq_assign import keys, packed

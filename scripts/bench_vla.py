@@ -37,7 +37,7 @@ def make(B, T, dtype, gen, device="cuda"):
 
 def impls():
     from lazoo import ops
-    from lazoo.kernels.vla import vla_scan
+    from lazoo.kernels.vla.token import vla_scan
 
     def scan_only(x):
         kf = F.elu(x["k"].float()) + 1

@@ -72,10 +72,10 @@ def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int =
 
 
 def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
-    """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq`` and ``ovq_assign``): the
-    assignments' search and merge (fp32), the version tables' two walks (``ovq_versions``), the chunk attention's
+    """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq.attention`` and ``.assign``):
+    the assignments' search and merge (fp32), the version tables' two walks (``.versions``), the chunk attention's
     forward and backward (bf16) and the decode step."""
-    from lazoo.kernels import ovq, ovq_assign, ovq_versions
+    from lazoo.kernels.ovq import assign as ovq_assign, attention as ovq_attention, versions as ovq_versions
 
     f32, i64 = "*fp32", "*i64"
     acfg = ovq_assign._blocks(dk)
@@ -109,7 +109,7 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
         ovq_versions._bwd_kernel, dict(DOUT="*bf16", DEND=f32, **i64s, DX=f32, DD0=f32, **sizes, **vcx),
         dict(D=dk, BD=dk), num_warps=ovq_versions.NUM_WARPS)
     def tiles(kernel):
-        cfg = ovq._blocks(kernel)
+        cfg = ovq_attention._blocks(kernel)
         return dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BM=cfg["BM"], BN=cfg["BN"]), _opts(cfg)
 
     tcx = dict.fromkeys(("DQK", "DV", "BDK", "BDV", "BM", "BN"), "constexpr")
@@ -118,43 +118,44 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     dims = dict.fromkeys(("B", "T", "H", "W", "R", "L"), "i32")
     grads = dict(do=bf, lse=f32, delta=f32)
     t, opts = tiles("fwd")
-    out["attention: forward"] = measure(ovq._fwd_kernel, dict(common, o=bf, lse=f32, **dims, **tcx), t, **opts)
+    out["attention: forward"] = measure(ovq_attention._fwd_kernel, dict(common, o=bf, lse=f32, **dims, **tcx), t,
+                                        **opts)
     t, opts = tiles("dq")
-    out["attention: dq"] = measure(ovq._bwd_dq_kernel, dict(common, **grads, dq=bf, **dims, **tcx), t, **opts)
+    out["attention: dq"] = measure(ovq_attention._bwd_dq_kernel, dict(common, **grads, dq=bf, **dims, **tcx), t, **opts)
     for name, kernel, dict_rows, g in (("chunk keys", "dkv_chunk", False, bf), ("dictionary", "dkv_dict", True, f32)):
         t, opts = tiles(kernel)
         out[f"attention: dk, dv ({name})"] = measure(
-            ovq._bwd_dkv_kernel, dict(common, **grads, gk=g, gv=g, **dims, DICT="constexpr", **tcx),
+            ovq_attention._bwd_dkv_kernel, dict(common, **grads, gk=g, gv=g, **dims, DICT="constexpr", **tcx),
             dict(t, DICT=dict_rows), **opts)
     sig_d = dict(q=f32, dk=f32, dv=f32, counts=i64, pk=f32, pv=f32, n_part="*i32", m_out=f32, l_out=f32,
                  acc_out=f32, H="i32", M="i32", L="i32", ROWS="i32", DQK="constexpr", DV="constexpr", BDK="constexpr",
                  BDV="constexpr", BN="constexpr", BL="constexpr")
-    out["decode"] = measure(ovq._decode_kernel, sig_d, dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BN=64, BL=chunk))
+    out["decode"] = measure(ovq_attention._decode_kernel, sig_d, dict(DQK=dk, DV=dk, BDK=dk, BDV=dk, BN=64, BL=chunk))
     return out
 
 
 def vla_report(dk: int = 128, heads: int = 16) -> dict:
-    """VLA's A scans at their launch settings: the token scan (``lazoo.kernels.vla``: forward, the two backward
-    passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla_split``), the fused features and
-    normaliser (``lazoo.kernels.vla_features``, bf16 inputs) and the chunked Woodbury scan
-    (``lazoo.kernels.vla_chunk``, blocks of 16, tf32x3), fp32 state."""
-    from lazoo.kernels import vla, vla_chunk, vla_features, vla_split
+    """VLA's A scans at their launch settings: the token scan (``lazoo.kernels.vla.token``: forward, the two backward
+    passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla.split``), the fused features and
+    normaliser (``lazoo.kernels.vla.features``, bf16 inputs) and the chunked Woodbury scan
+    (``lazoo.kernels.vla.chunk``, blocks of 16, tf32x3), fp32 state."""
+    from lazoo.kernels.vla import chunk as vla_chunk, features as vla_features, split as vla_split, token as vla_token
 
     f32, dev = "*fp32", _FakeDevice()
     c = dict(H=heads, D=dk, BD=dk)
     cx = dict.fromkeys(c, "constexpr")
-    tok = vla._launch_opts(dk, dev)
+    tok = vla_token._launch_opts(dk, dev)
     out = {
-        "token scan: forward": measure(vla._scan_fwd_kernel, dict(
+        "token scan: forward": measure(vla_token._scan_fwd_kernel, dict(
             k=f32, u=f32, flags="*i8", A0=f32, alpha=f32, rnorm=f32, zbuf=f32, dbuf=f32, A_out=f32, ckpt=f32,
             T="i32", L="i32", eta="fp32", eps="fp32", **cx, CK="constexpr", SAVE="constexpr"),
             dict(c, CK=256, SAVE=True),
             **tok),
-        "token scan: backward (gradient of A)": measure(vla._scan_bwd_gs_kernel, dict(
+        "token scan: backward (gradient of A)": measure(vla_token._scan_bwd_gs_kernel, dict(
             k=f32, u=f32, alpha=f32, rnorm=f32, dalpha=f32, zbuf=f32, dbuf=f32, dA_end=f32, ga_out=f32, gz_out=f32,
             gd_out=f32, dA0=f32, T="i32", L="i32", **cx, STORE="constexpr"),
             dict(c, STORE=True), **tok),
-        "token scan: backward (A rebuilt)": measure(vla._scan_bwd_a_kernel, dict(
+        "token scan: backward (A rebuilt)": measure(vla_token._scan_bwd_a_kernel, dict(
             flags="*i8", zbuf=f32, dbuf=f32, A_end=f32, ckpt=f32, dk=f32, du=f32, gd=f32, T="i32", L="i32", eta="fp32",
             **cx,
             CK="constexpr"), dict(c, CK=256), **tok),

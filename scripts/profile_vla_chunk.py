@@ -1,4 +1,4 @@
-"""Where the chunked VLA A scan's block step goes (``lazoo.kernels.vla_chunk``): the forward timed at each product
+"""Where the chunked VLA A scan's block step goes (``lazoo.kernels.vla.chunk``): the forward timed at each product
 precision beside the token scan, or one forward of each for Nsight Compute.
 
 B = 1, H = 16, d = 128, T = 1024 (64 blocks of 16 tokens), refresh every 20 tokens, bf16 k̂ and û, no gradient.
@@ -14,8 +14,8 @@ import argparse
 import torch
 import triton.testing
 
-from lazoo.kernels.vla import vla_scan
-from lazoo.kernels.vla_chunk import vla_scan_chunked
+from lazoo.kernels.vla.token import vla_scan
+from lazoo.kernels.vla.chunk import vla_scan_chunked
 from test_kernels_vla_chunk import scan_inputs
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Launch sweep for OVQ's chunk-attention kernels (``lazoo.kernels.ovq.LAUNCH``) on a GPU.
+"""Launch sweep for OVQ's chunk-attention kernels (``lazoo.kernels.ovq.attention.LAUNCH``) on a GPU.
 
 The kernel alone (``ovq_chunk_attention``) on ``scripts/bench_ovq.py``'s shape (B = 1, H = 8, d = 128, N = 2048,
 L = 128, bf16) at each --lengths. Each kernel (forward, dq, the chunk keys' dk/dv, the dictionary rows' dk/dv) is
@@ -22,7 +22,7 @@ import triton
 
 from _tuning import chosen_kernels, median_ms, rel
 from bench_ovq import D, L, inputs, kernel_dictionaries
-from lazoo.kernels import ovq as kernel
+from lazoo.kernels.ovq import attention as kernel
 
 
 def launch(BM, BN, warps, stages):

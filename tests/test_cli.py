@@ -65,7 +65,7 @@ def test_list_shows_every_mechanism_with_its_kernels(capsys):
     for name in lazoo.list_mechanisms():
         assert name in rows and f"lazoo_{name}" in rows[name]
     # derived from the code: the ops that dispatch to a Triton kernel module, and those that have none
-    assert "triton" in rows["vla"] and "kernels/vla.py" in rows["vla"]
+    assert "triton" in rows["vla"] and "kernels/vla/token.py" in rows["vla"]
     assert "triton" in rows["gla"] and "kernels/gla.py" in rows["gla"]
     assert "kernels/delta.py" in rows["delta_product"]  # through ops.delta_rule
     assert "triton" not in rows["softmax"] and "none" in rows["softmax"]

@@ -1,4 +1,4 @@
-"""Triton OVQ attention (lazoo.kernels.ovq): the chunk-attention kernel against a float64 softmax written
+"""Triton OVQ attention (lazoo.kernels.ovq.attention): the chunk-attention kernel against a float64 softmax written
 out here (dictionaries with empty slots, a ragged last chunk, the log-count bias; gradients of q, k, v and
 both dictionaries), and ``ovq_attention(backend="triton")`` against the float64 recurrent form (outputs,
 every part of the final state, gradients of q, k, v, β and the initial dictionaries and partial chunk).
@@ -76,7 +76,7 @@ def per_chunk(table, counts, base):
 
 
 def check_chunk_kernel(B, G, L, H, W, R, dk, dv, length, dtype, rtol, grad_rtol, device="cpu"):
-    from lazoo.kernels.ovq import ovq_chunk_attention
+    from lazoo.kernels.ovq.attention import ovq_chunk_attention
 
     q, k, v, Dk, Dv, counts, base = chunk_inputs(B, G, L, H, W, R, dk, dv, device=device)
     length = torch.tensor(length, device=device)
@@ -327,7 +327,7 @@ def test_decoding_one_token_runs_the_decode_kernel(monkeypatch):
 def test_gpu_launches_keep_the_tiles_that_build_right():
     """On an H100 (Triton 3.6) the dk, dv kernels gave wrong gradients with 32 query rows a tile (relative 2e-3 to
     0.17; the interpreter is exact there): their launches keep BM >= 64, and every launch's tiles fit the chunk."""
-    from lazoo.kernels import ovq
+    from lazoo.kernels.ovq import attention as ovq
 
     assert set(ovq.LAUNCH) == {"fwd", "dq", "dkv_chunk", "dkv_dict"}
     for name, cfg in ovq.LAUNCH.items():

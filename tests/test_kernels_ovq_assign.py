@@ -1,4 +1,4 @@
-"""Triton OVQ assignments (lazoo.kernels.ovq_assign): slots, counts before every chunk and final counts equal
+"""Triton OVQ assignments (lazoo.kernels.ovq.assign): slots, counts before every chunk and final counts equal
 to step 1 of the PyTorch Triton path (``lazoo.ops.ovq._chunk_slots``, the ``_assign`` rule) at ragged T, over
 several chunks with a growing dictionary, with pads and holes, a carried state (a dictionary and partial
 chunks), a raised and a lowered ``max_dict_size``, and exact ties; and the whole op with
@@ -43,7 +43,7 @@ def packed(k, L, N, mask=None, state=None):
 
 
 def run_both(k, L, N, mask=None, state=None):
-    from lazoo.kernels.ovq_assign import ovq_assign
+    from lazoo.kernels.ovq.assign import ovq_assign
 
     Kp, valid, st, t0, nb = packed(k, L, N, mask, state)
     ref = ovq_mod._chunk_slots(Kp, valid, st, t0, nb, L, N)
@@ -103,7 +103,7 @@ def test_interp_assign_breaks_exact_ties_like_pytorch(monkeypatch, group, keys_a
     # row: best similarities and nearest new centroids tie exactly; ranks follow the stable sort. The merge reads
     # the blocks' bests `group` blocks a load: ties across loads (1) and inside one (2) keep the first slot. The
     # search runs on programs of 4 keys (a launch after the addition's) or of the whole chunk (one launch).
-    from lazoo.kernels import ovq_assign as oa
+    from lazoo.kernels.ovq import assign as oa
 
     cfg = dict(oa._blocks(), NBG=group, BK=keys_a_program)
     monkeypatch.setattr(oa, "_blocks", lambda dk: cfg)
@@ -150,7 +150,7 @@ def _ms(fn, reps=5):
 @pytest.mark.parametrize("keys_a_program", [128, 64, 32])
 def test_gpu_assign_T4096_H8_d128_matches_pytorch(monkeypatch, keys_a_program):
     # 128: the addition and the search in one launch; fewer: the search split over the chunk's keys
-    from lazoo.kernels import ovq_assign as oa
+    from lazoo.kernels.ovq import assign as oa
     from lazoo.kernels._graphs import GraphCache
 
     cfg = dict(oa._blocks(), BK=keys_a_program)

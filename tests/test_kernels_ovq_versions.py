@@ -1,4 +1,4 @@
-"""OVQ's version tables (lazoo.kernels.ovq_versions): every value each slot takes, its final value and the
+"""OVQ's version tables (lazoo.kernels.ovq.versions): every value each slot takes, its final value and the
 gradients of both, against a float64 loop over the slots' keys. Groups of several sizes, slots no key joins, slots
 empty before the call, keys that join nothing. CPU: the ``interp_*`` test runs in a fresh process with
 TRITON_INTERPRET=1."""
@@ -40,7 +40,7 @@ def reference(x, d0, counts0, slot_of):
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")
 def test_interp_tables_and_gradients_match_float64_loop():
-    from lazoo.kernels.ovq_versions import version_table
+    from lazoo.kernels.ovq.versions import version_table
 
     gen = torch.Generator().manual_seed(0)
     B, P, H, D, M = 2, 23, 2, 12, 6

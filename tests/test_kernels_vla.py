@@ -1,4 +1,4 @@
-"""Triton VLA (lazoo.kernels.vla scan + the generalised delta rule kernel) through ``vla(backend="triton")``
+"""Triton VLA (lazoo.kernels.vla.token scan + the generalised delta rule kernel) through ``vla(backend="triton")``
 against the float64 recurrent form (Algorithm 1, itself tested against a literal transcription in
 test_ops_vla.py): outputs, every part of the final state and the gradients of q, k, v, u and the
 initial S, A, z, at ragged T with refreshes (per-sample step counts), left padding and interior pads.
@@ -83,7 +83,7 @@ def test_interp_vla_fp16_other_period():
 @needs_interp
 def test_interp_vla_checkpoint_segments(monkeypatch):
     # more tokens than one checkpoint segment: the backward rebuilds A from every checkpoint
-    import lazoo.kernels.vla as kv
+    import lazoo.kernels.vla.token as kv
 
     monkeypatch.setattr(kv, "CKPT", 8)
     check(1, 30, 1, 8, 8, 1e-4, 1e-4, chunk_size=16)

@@ -1,5 +1,5 @@
-"""The chunk-parallel VLA scan (lazoo.kernels.vla_chunk.vla_scan_chunked) against a float64 token-by-token
-transcription of the scan and against the token kernel (lazoo.kernels.vla.vla_scan): α̂, the final A and the
+"""The chunk-parallel VLA scan (lazoo.kernels.vla.chunk.vla_scan_chunked) against a float64 token-by-token
+transcription of the scan and against the token kernel (lazoo.kernels.vla.token.vla_scan): α̂, the final A and the
 gradients of k̂, û and A0 (symmetric part), at ragged T, with per-sample refresh flags (several per block
 included), pads (û = 0, no flag), a non-identity A0 and several checkpoint intervals; and the whole op
 (backend="triton") with either scan that its ``triton_scan`` argument selects.
@@ -86,13 +86,13 @@ def compare(got, want, rtol, grad_rtol, what):
 
 
 def chunked(**kw):
-    from lazoo.kernels.vla_chunk import vla_scan_chunked
+    from lazoo.kernels.vla.chunk import vla_scan_chunked
 
     return lambda *a, **k: vla_scan_chunked(*a, **k, **kw)
 
 
 def test_vla_chunk_rejects_bad_options():
-    from lazoo.kernels.vla_chunk import vla_scan_chunked
+    from lazoo.kernels.vla.chunk import vla_scan_chunked
 
     k_hat, u_hat, flags, A0 = scan_inputs(1, 4, 1, 8)
     for kw, word in (({"block": 8}, "block"), ({"block": 24}, "block"), ({"ckpt_blocks": 0}, "ckpt_blocks"),
@@ -127,7 +127,7 @@ def test_interp_chunk_scan_fp16_several_flags_per_block():
 @needs_interp
 @pytest.mark.slow  # both kernels are checked against float64 in the default run
 def test_interp_chunk_scan_matches_token_kernel():
-    from lazoo.kernels.vla import vla_scan
+    from lazoo.kernels.vla.token import vla_scan
 
     inputs = scan_inputs(2, 37, 2, 16, offsets=(8, 0), pads=[(1, 4)], seed=7)
     got = run_scan(chunked(ckpt_blocks=1), inputs, torch.float32)
@@ -157,7 +157,7 @@ def test_interp_vla_op_with_either_scan(scan):
 @pytest.mark.parametrize("dtype,grad_rtol", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)], ids=str)
 def test_gpu_chunk_scan_matches_token_kernel(dtype, grad_rtol):
     # the scans compute in fp32 from the rounded inputs; dk̂ and dû come back in the input dtype
-    from lazoo.kernels.vla import vla_scan
+    from lazoo.kernels.vla.token import vla_scan
 
     inputs = scan_inputs(2, 1000, 4, 128, pads=[(0, 100), (1, 500), (1, 501)], seed=11)
     got = run_scan(chunked(), inputs, dtype, device="cuda", eta=1e-3)

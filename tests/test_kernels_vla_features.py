@@ -1,4 +1,4 @@
-"""VLA's fused features and normaliser (lazoo.kernels.vla_features) against their PyTorch float64 forms
+"""VLA's fused features and normaliser (lazoo.kernels.vla.features) against their PyTorch float64 forms
 (``F.elu(x) + 1`` or the identity, ``F.normalize``, a cumulative sum and a clamped dot product): outputs and the
 gradients of every input, with zero rows (the norm's clamp), a mask, a start z and an ε that clamps part of the
 denominators (so the clamp's zero gradient is checked), at a head dim that pads the tile.
@@ -60,7 +60,7 @@ def inputs(B, T, H, D, seed=0, device="cpu", dtype=torch.float32, zero_rows=Fals
 
 def check_features(q, k, u, elu, unit_query, rtol, rows=(slice(None),)):
     """``rows``: index sets compared apart (a clamped row's gradient is 1e12 times the others)."""
-    from lazoo.kernels.vla_features import vla_features
+    from lazoo.kernels.vla.features import vla_features
 
     leaves = [x.requires_grad_(True) for x in (q, k, u)]
     got, got_g = grads_of(lambda *x: vla_features(*x, q.dtype, elu=elu, unit_query=unit_query), leaves)
@@ -87,7 +87,7 @@ def test_interp_features_at_zero_rows():
 
 
 def check_normaliser(q, k, z0, mask, eps, elu, rtol, grad_rtol=None, ranges=None):
-    from lazoo.kernels.vla_features import vla_normaliser
+    from lazoo.kernels.vla.features import vla_normaliser
 
     den_ref = normaliser_reference(q.double().cpu(), k.double().cpu(), z0.double().cpu(),
                                    None if mask is None else mask.cpu().double(), float("-inf"), elu)[0]

@@ -1,5 +1,5 @@
-"""VLA's token scan split in time (lazoo.kernels.vla with pieces > 1: each piece's start A from the piece maps of
-lazoo.kernels.vla_split and their chain, every piece at once) against the float64 token-by-token transcription of
+"""VLA's token scan split in time (lazoo.kernels.vla.token with pieces > 1: each piece's start A from the piece maps of
+lazoo.kernels.vla.split and their chain, every piece at once) against the float64 token-by-token transcription of
 the scan: α̂, the final A and the gradients of k̂, û and A0, with refreshes at per-sample positions (several per
 map block included), pads, ragged pieces and a non-identity A0; the piece maps themselves against float64 products
 of the per-token linear steps; and the whole op through backend="triton" with a split scan against Algorithm 1.
@@ -26,7 +26,7 @@ F64 = torch.float64
 
 
 def split(pieces):
-    from lazoo.kernels.vla import vla_scan
+    from lazoo.kernels.vla.token import vla_scan
 
     return lambda *a, **k: vla_scan(*a, **k, pieces=pieces)
 
@@ -34,7 +34,7 @@ def split(pieces):
 @pytest.fixture
 def short_checkpoints(monkeypatch):
     """Checkpoints (and so pieces) every 8 tokens, so that a short sequence has several pieces."""
-    import lazoo.kernels.vla as kv
+    import lazoo.kernels.vla.token as kv
 
     monkeypatch.setattr(kv, "CKPT", 8)
 
@@ -60,7 +60,7 @@ def maps_reference(u_hat, flags, L, eta):
 
 
 def test_vla_scan_rejects_zero_pieces():
-    from lazoo.kernels.vla import vla_scan
+    from lazoo.kernels.vla.token import vla_scan
 
     k_hat, u_hat, flags, A0 = scan_inputs(1, 4, 1, 8)
     with pytest.raises(ValueError, match="pieces"):
@@ -68,7 +68,7 @@ def test_vla_scan_rejects_zero_pieces():
 
 
 def test_time_pieces_is_one_on_the_cpu_and_for_short_sequences():
-    from lazoo.kernels.vla import time_pieces
+    from lazoo.kernels.vla.token import time_pieces
 
     assert time_pieces(1, 1, 1 << 16, torch.device("cpu")) == 1
     if torch.cuda.is_available():
@@ -81,7 +81,7 @@ def test_time_pieces_is_one_on_the_cpu_and_for_short_sequences():
 @needs_interp
 @pytest.mark.parametrize("T,period,L", [(61, 3, 24), (150, 45, 64)])
 def test_interp_piece_maps_match_float64(T, period, L):
-    from lazoo.kernels.vla_split import piece_maps
+    from lazoo.kernels.vla.split import piece_maps
 
     # d = 20 pads to 32 rows and two column blocks a part; period 3: a segment of 3 tokens at most; period 45:
     # segments cut at the kernel's 32 tokens with no refresh; the last piece ragged
@@ -112,7 +112,7 @@ def chain_reference(maps, A0):
 @needs_interp
 @pytest.mark.parametrize("D", [5, 16])
 def test_interp_inverse_from_any_start(D):
-    from lazoo.kernels.vla_split import inverse
+    from lazoo.kernels.vla.split import inverse
 
     # a permutation (zeros on the diagonal: elimination without pivoting divides by 0) plus a little noise
     gen = torch.Generator().manual_seed(D)
@@ -129,7 +129,7 @@ def test_interp_inverse_from_any_start(D):
 
 @needs_interp
 def test_interp_chain_matches_float64():
-    from lazoo.kernels.vla_split import chain_starts, piece_maps
+    from lazoo.kernels.vla.split import chain_starts, piece_maps
 
     # d = 20 (tiles of 32), 3 pieces of 40 tokens with refreshes every 7 (η = 0.2: large map parts), a
     # non-identity start
@@ -174,7 +174,7 @@ def test_interp_split_scan_matches_unsplit(short_checkpoints):
 @needs_interp
 def test_interp_vla_op_with_split_scan(short_checkpoints, monkeypatch):
     # the whole op through backend="triton", its scan split in 5 pieces, against Algorithm 1
-    import lazoo.kernels.vla as kv
+    import lazoo.kernels.vla.token as kv
     from test_kernels_vla import check
 
     monkeypatch.setattr(kv, "time_pieces", lambda *a: 5)

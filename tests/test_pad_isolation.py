@@ -229,11 +229,11 @@ def test_interp_pads_isolated_slow(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,option,kernel", [
-    ("vla", {"triton_scan": "chunk"}, ("lazoo.kernels.vla_chunk", "vla_scan_chunked")),
-    ("ovq_attention", {"triton_assign": True}, ("lazoo.kernels.ovq_assign", "ovq_assign")),
+    ("vla", {"triton_scan": "chunk"}, ("lazoo.kernels.vla.chunk", "vla_scan_chunked")),
+    ("ovq_attention", {"triton_assign": True}, ("lazoo.kernels.ovq.assign", "ovq_assign")),
 ])
 def test_interp_opt_in_kernels_isolate_pads(name, option, kernel, monkeypatch):
-    """The kernels an op argument opts into (lazoo.kernels.vla_chunk, lazoo.kernels.ovq_assign)."""
+    """The kernels an op argument opts into (lazoo.kernels.vla.chunk, lazoo.kernels.ovq.assign)."""
     _needs_interp()
     module = importlib.import_module(kernel[0])
     real, calls = getattr(module, kernel[1]), []

@@ -84,11 +84,11 @@ def _with_kernel_imports(modules: set[str]) -> set[str]:
     recursively: a kernel module may call another one."""
     todo, out = list(modules), set(modules)
     while todo:
-        tree = ast.parse(inspect.getsource(importlib.import_module(todo.pop())))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [f"lazoo.kernels.{node.module}"] if node.module else [
-                    f"lazoo.kernels.{a.name}" for a in node.names]
+        module = importlib.import_module(todo.pop())
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), module.__package__)
+                names = [base] if node.module else [f"{base}.{a.name}" for a in node.names]
                 for name in names:
                     if name not in out and importlib.util.find_spec(name) is not None:
                         out.add(name)
@@ -104,6 +104,7 @@ def test_the_declaration_says_what_the_code_does(name):
     fn = getattr(fn, "__wrapped__", fn)  # the autocast wrapper
     kernels = _kernel_modules(fn.__module__, fn.__name__, set())
     assert kernels == set(m.kernels), f"{name}: the op reaches {sorted(kernels)}, declared {list(m.kernels)}"
+    assert all((SRC / path).is_file() for path in m.kernel_files), m.kernel_files
     assert ("triton" in m.backends) == bool(kernels)
 
 

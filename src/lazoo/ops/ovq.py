@@ -47,10 +47,10 @@ chunk, attends over [dictionary; partial chunk], and the dictionary is updated w
 complete); ``"chunk"`` packs each sample's real tokens (after its partial chunk) and processes whole
 chunks, L queries at a time. Both share the dictionary update (``_update_dictionary``), which is the
 definition. ``"triton"`` (auto on CUDA; fp32/fp16/bf16, head dims <= 128) runs the chunk attention of all
-chunks in one kernel launch (``lazoo.kernels.ovq``): the assignments of every chunk come first (no gradient,
-``_assign``'s rule: the kernels of ``lazoo.kernels.ovq_assign``, or with ``triton_assign=False`` a PyTorch loop),
+chunks in one kernel launch (``lazoo.kernels.ovq.attention``): the assignments of every chunk come first (no gradient,
+``_assign``'s rule: the kernels of ``lazoo.kernels.ovq.assign``, or with ``triton_assign=False`` a PyTorch loop),
 then every value each slot takes in the call as differentiable running means (``_dictionary_versions``,
-``lazoo.kernels.ovq_versions``), which
+``lazoo.kernels.ovq.versions``), which
 the kernel reads by each chunk's counts; decoding one token without autograd is the per-token form with its
 attention in one kernel (``ovq_decode_attention``). The state returned also carries its token counts on the host
 (``_returned_host_t``); given back as it is, unmasked, for one token, it is not checked again and the host knows when a
@@ -150,7 +150,7 @@ def ovq_attention(
     """OVQ attention; returns ``(o [B, T, H, dv], final_state)`` (see the module docstring).
 
     ``triton_assign``: when the Triton backend runs, take every chunk's slot assignments with the kernels of
-    ``lazoo.kernels.ovq_assign`` (the default: the same slots as the PyTorch loop, 0.71-0.85× its time for the
+    ``lazoo.kernels.ovq.assign`` (the default: the same slots as the PyTorch loop, 0.71-0.85× its time for the
     whole op on an H200) or, with False, a PyTorch loop over the chunks. The kernels apply where chunk_size <= 128
     and the compute dtype is float32; the PyTorch loop runs otherwise. The "recurrent" and "chunk" backends ignore
     it (they assign chunk by chunk as they go)."""
@@ -394,8 +394,9 @@ def _attend_token(qi, st, bk, bv, nb, sync):
 
 
 def _attend_token_triton(qi, st, bk, bv, nb, sync):
-    """``_attend_token`` as one kernel (``lazoo.kernels.ovq.ovq_decode_attention``): decoding without autograd."""
-    from ..kernels.ovq import ovq_decode_attention  # lazy: importing defines the kernels
+    """``_attend_token`` as one kernel (``lazoo.kernels.ovq.attention.ovq_decode_attention``): decoding without
+    autograd."""
+    from ..kernels.ovq.attention import ovq_decode_attention  # lazy: importing defines the kernels
 
     return ovq_decode_attention(qi, st["Dk"], st["Dv"], st["counts"], bk, bv, nb + 1).to(qi.dtype)
 
@@ -535,12 +536,12 @@ def _ovq_chunk(q, k, v, real, state, L, N, sync=True, fresh=False):
 
 
 # ============================================================================ Triton path
-_TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.MAX_HEAD_DIM (not imported here: kernels load lazily)
-_TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq_assign.MAX_CHUNK (its head dim limit is the op's, 128)
+_TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.attention.MAX_HEAD_DIM (not imported here: kernels load lazily)
+_TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq.assign.MAX_CHUNK (its head dim limit is the op's, 128)
 
 
 def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """None when lazoo.kernels.ovq runs this case, else why not (imports no kernel)."""
+    """None when lazoo.kernels.ovq.attention runs this case, else why not (imports no kernel)."""
     reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
     if reason:
         return reason
@@ -649,9 +650,9 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
     Kp ``[B, P, H, dk]``, Vp ``[B, P, H, dv]`` (packed), slots ``[C, B, H, L]`` (−1: the key joins nothing),
     Dk0/Dv0 ``[B, H, M, d]`` and counts0 the dictionary before the call, counts_end after it. Returns the
     tables of means ``[B, H, M + P, d]`` in ``kdt`` (rows past the groups are zero), base ``[B, H, M]`` and the
-    final dictionaries ``[B, H, M, d]`` in Dk0's dtype. The means are built by ``lazoo.kernels.ovq_versions``:
+    final dictionaries ``[B, H, M, d]`` in Dk0's dtype. The means are built by ``lazoo.kernels.ovq.versions``:
     one program per slot sums its keys in fp32 in the order of the step-by-step update."""
-    from ..kernels.ovq_versions import version_table  # lazy: importing defines the kernels
+    from ..kernels.ovq.versions import version_table  # lazy: importing defines the kernels
 
     B, P, H, _ = Kp.shape
     M = counts0.shape[-1]
@@ -667,8 +668,8 @@ def _dictionary_versions(Kp, Vp, slots, Dk0, Dv0, counts0, counts_end, kdt):
 
 
 def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=False, want_state=True):
-    """The chunk form with the chunk attention in lazoo.kernels.ovq: (1) the assignments of every chunk
-    (sequential, no gradient: lazoo.kernels.ovq_assign with ``triton_assign``, else a PyTorch loop over the chunks);
+    """The chunk form with the chunk attention in lazoo.kernels.ovq.attention: (1) the assignments of every chunk
+    (sequential, no gradient: lazoo.kernels.ovq.assign with ``triton_assign``, else a PyTorch loop over the chunks);
     (2) every value each slot takes, as differentiable running means (``_dictionary_versions``); (3) one kernel
     launch for the attention of all chunks, each reading its dictionary from (2) by the counts before it.
     Gradients reach q, k, v and the initial dictionaries through (2). ``kdt``: the dtype the kernel computes
@@ -676,7 +677,7 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     known on the host, so nothing is read back (otherwise two reads: the host would wait for the GPU in every
     layer, and the GPU for the host after it). Without ``want_state`` the returned state lacks the partial chunk's
     keys and values (two gathers fewer: the op then returns no state)."""
-    from ..kernels.ovq import ovq_chunk_attention  # lazy: importing defines the kernels
+    from ..kernels.ovq.attention import ovq_chunk_attention  # lazy: importing defines the kernels
 
     st = dict(state)
     bk, bv, t0 = st.pop("k"), st.pop("v"), st.pop("t")
@@ -687,7 +688,7 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
     else:
         Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
     if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
-        from ..kernels.ovq_assign import ovq_assign
+        from ..kernels.ovq.assign import ovq_assign
 
         slots, before, counts_end = ovq_assign(Kp.detach(), valid.sum(1) // L, t0 - nb, st["Dk"].detach(),
                                                st["counts"], L, N)

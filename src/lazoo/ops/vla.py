@@ -19,11 +19,11 @@ k_feat in every mode, so the state keeps one layout.
 
 Chunk form: the α̂ of a whole A-chunk follow from its start A by Woodbury (``_woodbury_alphas``);
 S then runs as the generalised delta rule (read key k̂, write key α̂, query q_f or q̂).
-Triton (auto on CUDA): the features and the normaliser z·q_f in fused kernels (``lazoo.kernels.vla_features``), the
+Triton (auto on CUDA): the features and the normaliser z·q_f in fused kernels (``lazoo.kernels.vla.features``), the
 α̂ from the scan kernel that the ``triton_scan`` argument names: "token"
-(``lazoo.kernels.vla``: token by token, A in registers, hand-written backward; the default and the reference, and
+(``lazoo.kernels.vla.token``: token by token, A in registers, hand-written backward; the default and the reference, and
 always for a few tokens; where B·H programs leave the GPU idle it splits time into pieces whose start A come from
-``lazoo.kernels.vla_split``, exact algebra, and runs them at once) or "chunk" (``lazoo.kernels.vla_chunk``:
+``lazoo.kernels.vla.split``, exact algebra, and runs them at once) or "chunk" (``lazoo.kernels.vla.chunk``:
 Woodbury per block of 16 tokens as matrix products), then S by the chunk-parallel generalised delta rule kernel.
 The other backends have no scan kernel and ignore ``triton_scan``.
 """
@@ -58,8 +58,8 @@ __all__ = ["vla"]
 
 _OP = "vla"
 _STATE_KEYS = ("S", "A", "z", "t")
-#: the Triton kernels of the A scan (``triton_scan``): "token" (lazoo.kernels.vla, the reference) or "chunk"
-#: (lazoo.kernels.vla_chunk). "token" is the default while the chunked scan is slower (H100, d = 128, T = 1k:
+#: the Triton kernels of the A scan (``triton_scan``): "token" (lazoo.kernels.vla.token, the reference) or "chunk"
+#: (lazoo.kernels.vla.chunk). "token" is the default while the chunked scan is slower (H100, d = 128, T = 1k:
 #: 3.0 / 14.1 ms forward / +backward vs 2.2 / 8.0).
 TRITON_SCANS = ("token", "chunk")
 #: φ of the keys and queries (``feature_map``, linear attention's maps of these names): Algorithm 1's elu(x) + 1
@@ -91,8 +91,8 @@ def vla(
 ):
     """VLA attention; returns ``(o [B, T, H, dv], final_state)`` (state dict S, A, z, t).
 
-    ``triton_scan``: the kernel of the A scan when the Triton backend runs, "token" (``lazoo.kernels.vla``, the
-    default) or "chunk" (``lazoo.kernels.vla_chunk``, Woodbury per block of 16 tokens); a call of at most 16 tokens
+    ``triton_scan``: the kernel of the A scan when the Triton backend runs, "token" (``lazoo.kernels.vla.token``, the
+    default) or "chunk" (``lazoo.kernels.vla.chunk``, Woodbury per block of 16 tokens); a call of at most 16 tokens
     (decoding) uses the token scan either way. The "recurrent" and "chunk" backends ignore it (they have no scan
     kernel), so a model that asks for the chunked scan also runs where Triton does not.
 
@@ -119,7 +119,7 @@ def vla(
         return empty_batch_result(q, v, state, output_final_state)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     hp = dict(refresh_period=refresh_period, refresh_eta=refresh_eta, eps=eps, normalized=normalized)
-    if backend == "triton":  # the features in fused kernels (lazoo.kernels.vla_features)
+    if backend == "triton":  # the features in fused kernels (lazoo.kernels.vla.features)
         o, final = _triton_vla(q, k, u, v, real, mask, state, chunk_size, triton_scan,
                                elu=feature_map == "elu1", **hp)
         return op_result(o, mask, v.dtype, final, output_final_state)
@@ -235,7 +235,7 @@ def _recurrent_vla(q_r, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
 
 
 # ============================================================================ Triton path
-_TRITON_MAX_DK = 128  # = lazoo.kernels.vla.MAX_HEAD_DIM (not imported: kernels load lazily)
+_TRITON_MAX_DK = 128  # = lazoo.kernels.vla.token.MAX_HEAD_DIM (not imported: kernels load lazily)
 _DECODE_MAX_T = 16  # fused recurrent S update up to this many tokens without autograd
 
 
@@ -247,20 +247,20 @@ def _triton_unsupported(q, v, chunk_size) -> str | None:
 
 def _triton_vla(q, k, u, v, real, mask, state, chunk_size, triton_scan, *, elu, refresh_period, refresh_eta, eps,
                 normalized):
-    """The features and the normaliser by ``lazoo.kernels.vla_features``, α̂ by the scan kernel ``triton_scan``
+    """The features and the normaliser by ``lazoo.kernels.vla.features``, α̂ by the scan kernel ``triton_scan``
     names, S by the generalised delta rule kernel (operands in v's dtype). ``real`` is ``mask`` or all ones;
     zeroing the pads takes ``mask`` (None: nothing to zero, no pass over the data)."""
     from ..kernels import delta as kd
-    from ..kernels.vla_features import vla_features, vla_normaliser
+    from ..kernels.vla.features import vla_features, vla_normaliser
 
     dt = v.dtype
     k_hat, u_hat, k_d, q_d = vla_features(q, k, u, dt, elu=elu, unit_query=not normalized)
     flags = _refresh_flags(real, state["t"], refresh_period)
     # a few tokens (decoding) fill less than one block of the chunked scan: the token scan is cheaper there
     if triton_scan == "chunk" and q.shape[1] > _DECODE_MAX_T:
-        from ..kernels.vla_chunk import vla_scan_chunked as scan
+        from ..kernels.vla.chunk import vla_scan_chunked as scan
     else:
-        from ..kernels.vla import vla_scan as scan
+        from ..kernels.vla.token import vla_scan as scan
     alpha_hat, A = scan(k_hat, zero_masked(u_hat, mask), flags, state["A"], eta=refresh_eta, eps=eps)
     w = zero_masked(alpha_hat, mask)  # a pad writes nothing
     args = (q_d, k_d, v, w.to(dt))  # the kernels read S with q_f or q̂ alike

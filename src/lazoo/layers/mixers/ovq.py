@@ -138,7 +138,7 @@ register(Mechanism(
     source="Online Vector Quantized Attention (2026), arXiv:2602.03922",
     state='{"op": key and value dictionaries, counts, the partial chunk and the token count; "conv": None}',
     backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.ovq", "lazoo.kernels.ovq_assign", "lazoo.kernels.ovq_versions"),
+    kernels=("lazoo.kernels.ovq.attention", "lazoo.kernels.ovq.assign", "lazoo.kernels.ovq.versions"),
     option_docs={
         "chunk_size": "L: tokens per chunk (the dictionaries are updated once per chunk)",
         "max_dict_size": "N: the dictionaries' size limit (read at every forward, can change after loading)",

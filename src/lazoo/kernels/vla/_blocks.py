@@ -1,4 +1,4 @@
-"""The block algebra of the chunked VLA scan (``lazoo.kernels.vla_chunk``): a block's tokens and flags, its rows of a
+"""The block algebra of the chunked VLA scan (``lazoo.kernels.vla.chunk``): a block's tokens and flags, its rows of a
 [B, T, H, D] tensor, its segments (they end at the refresh flags: the +ηI refresh cannot enter the Woodbury form),
 and the LDLᵀ of a segment's C × C matrix G = I + U A Uᵀ."""
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import is_interpreting, next_pow2, num_sms
+from .._utils import is_interpreting, next_pow2, num_sms
 
 #: largest head dim (q/k tiles and the [BM, dv] accumulator are held whole)
 MAX_HEAD_DIM = 128

@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._graphs import GraphCache, capture
-from ._utils import is_interpreting, next_pow2
+from .._graphs import GraphCache, capture
+from .._utils import is_interpreting, next_pow2
 
 #: largest chunk size and head dim (keys of a chunk and L×L matrices are held in registers)
 MAX_CHUNK = 128

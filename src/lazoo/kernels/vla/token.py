@@ -17,7 +17,7 @@ downdate, A_prev = A - f ηI + z zᵀ/δ, reset from the checkpoint at every seg
 never accumulates over more than ``CKPT`` tokens), and applies it to the gradients.
 
 Pieces: every kernel runs on a grid (B, H, N), program n taking the tokens of piece n. With N > 1 (where B·H
-programs leave the GPU idle, ``time_pieces``) each piece's start A comes from ``lazoo.kernels.vla_split``, and the
+programs leave the GPU idle, ``time_pieces``) each piece's start A comes from ``lazoo.kernels.vla.split``, and the
 backward runs the gradient-of-A pass twice (see ``VLAScanFunction``).
 """
 
@@ -191,7 +191,7 @@ def _scan_bwd_a_kernel(
 
 #: num_warps of the scan kernels by head dim (measured on an H100, see docs/changelog.md)
 WARPS = {32: 4, 64: 8, 128: 8}
-#: the scan splits time into pieces (``lazoo.kernels.vla_split``) until B·H·pieces reaches this many programs a
+#: the scan splits time into pieces (``lazoo.kernels.vla.split``) until B·H·pieces reaches this many programs a
 #: streaming multiprocessor; a piece is a whole number of checkpoint segments
 PROGRAMS_PER_SM = 1
 
@@ -227,14 +227,14 @@ class VLAScanFunction(torch.autograd.Function):
     """α̂ ``[B, T, H, dk]`` and the final A from k̂, û ``[B, T, H, dk]``, refresh flags ``[B, T]`` and
     the initial A ``[B, H, dk, dk]`` (symmetric, fp32). Differentiable in k̂, û and A0.
 
-    With more than one piece, the start A of every piece comes from ``lazoo.kernels.vla_split`` and the pieces
+    With more than one piece, the start A of every piece comes from ``lazoo.kernels.vla.split`` and the pieces
     run at once; the backward then runs the gradient-of-A pass twice: first each piece from a zero end gradient
     (its own part h_n of its start's gradient), then, after the chain's adjoint has given every piece's end
     gradient g_{n+1}, for real."""
 
     @staticmethod
     def forward(ctx, k_hat, u_hat, flags, A0, eta: float, eps: float, pieces: int):
-        from . import vla_split
+        from . import split
 
         B, T, H, D = k_hat.shape
         dev = k_hat.device
@@ -248,8 +248,8 @@ class VLAScanFunction(torch.autograd.Function):
         f32 = torch.float32
         Ls = Rs = None
         if N > 1:
-            maps = vla_split.piece_maps(u_hat, flags, L, eta, pieces=N - 1)  # the last one leads nowhere
-            starts, Ls, Rs = vla_split.chain_starts(maps, A0, with_jacobians=save)
+            maps = split.piece_maps(u_hat, flags, L, eta, pieces=N - 1)  # the last one leads nowhere
+            starts, Ls, Rs = split.chain_starts(maps, A0, with_jacobians=save)
         else:
             starts = A0[:, None]
         alpha = torch.empty(B, T, H, D, device=dev, dtype=f32)
@@ -272,7 +272,7 @@ class VLAScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dalpha, dA_end):
-        from . import vla_split
+        from . import split
 
         k_hat, u_hat, flags, alpha, rnorm, zbuf, dbuf, A_ends, ckpt, *jac = ctx.saved_tensors
         B, T, H, D = k_hat.shape
@@ -292,7 +292,7 @@ class VLAScanFunction(torch.autograd.Function):
         if N > 1:  # each piece's own gradient of its start A, then the chain's adjoint gives the true ends
             _scan_bwd_gs_kernel[grid](k_hat, u_hat, alpha, rnorm, dalpha, zbuf, dbuf, ends, dk, du, gd, dA0, T,
                                       ctx.L, STORE=False, **opts)
-            ends[:, :-1] = vla_split.chain_adjoint(dA0, *jac)[:, 1:]
+            ends[:, :-1] = split.chain_adjoint(dA0, *jac)[:, 1:]
         _scan_bwd_gs_kernel[grid](k_hat, u_hat, alpha, rnorm, dalpha, zbuf, dbuf, ends, dk, du, gd, dA0, T, ctx.L,
                                   STORE=True, **opts)
         _scan_bwd_a_kernel[grid](flags, zbuf, dbuf, A_ends, ckpt, dk, du, gd, T, ctx.L, ctx.eta,

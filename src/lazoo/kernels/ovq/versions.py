@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
+from .._utils import next_pow2
 
 #: one warp a slot: a program handles one row of d values at a time (4 per thread at d = 128), and B·H·M of them
 #: keep the GPU busy

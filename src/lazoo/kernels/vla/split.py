@@ -1,5 +1,5 @@
 """VLA's precision scan split in time: the A at the start of every piece of the sequence without running the scan
-through the pieces before it, so that the token scan (``lazoo.kernels.vla``) can run all pieces at once.
+through the pieces before it, so that the token scan (``lazoo.kernels.vla.token``) can run all pieces at once.
 
 One token of the scan, A ← A - A û ûᵀ A / (1 + ûᵀ A û), is A ← (A⁻¹ + û ûᵀ)⁻¹, and the refresh is
 A ← A + ηI.

@@ -1,4 +1,4 @@
-"""Chunk-parallel Triton kernels for VLA's precision scan (same interface and results as ``lazoo.kernels.vla``),
+"""Chunk-parallel Triton kernels for VLA's precision scan (same interface and results as ``lazoo.kernels.vla.token``),
 run by ``lazoo.ops.vla(..., backend="triton", triton_scan="chunk")`` (the mixer option ``triton_scan``).
 
 Per head the scan is (û, k̂ normalised by the caller, û = 0 at pads)
@@ -36,7 +36,7 @@ reverse, recomputes the A at each block start of the interval into a scratch buf
 and their segments in reverse (the A at a segment start inside a block is recomputed from the block start:
 one extra segment step per earlier segment, nothing when a block holds no flag) and applies the formulas
 above. Memory: B·H·(T/(K·BC) + K)·d² fp32 besides the α̂ and 1/|a| of the forward. The block algebra is in
-``lazoo.kernels._vla_blocks``. (A forward that took A from global memory in column blocks removed the spills of
+``lazoo.kernels.vla._blocks``. (A forward that took A from global memory in column blocks removed the spills of
 this one but reloaded A for every product, and was slower: docs/vla.md.)
 """
 
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._vla_blocks import block_start, ldl_inverse, rows, seg_end, seg_start, store_rows
+from ._blocks import block_start, ldl_inverse, rows, seg_end, seg_start, store_rows
 
 #: largest head dim (A is held whole in registers)
 MAX_HEAD_DIM = 128
@@ -303,7 +303,7 @@ class VLAChunkScanFunction(torch.autograd.Function):
 
 def vla_scan_chunked(k_hat, u_hat, flags, A0, *, eta: float, eps: float = 1e-4, block: int | None = None,
                      ckpt_blocks: int | None = None, precision: str | None = None):
-    """``(α̂ [B, T, H, dk] fp32, final A [B, H, dk, dk] fp32)``, as ``lazoo.kernels.vla.vla_scan``.
+    """``(α̂ [B, T, H, dk] fp32, final A [B, H, dk, dk] fp32)``, as ``lazoo.kernels.vla.token.vla_scan``.
 
     ``eps`` is accepted for the same interface; the δ ≥ eps clip never binds (δ ≥ 1 while A is positive
     definite). ``block`` (tokens per chunk: 16, 32 or 64), ``ckpt_blocks`` (blocks between
