@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 from conftest import tiny_model
+from test_package_imports import op_module_names
 from test_pad_isolation import OPS, _call
 
 from lazoo import ops, registry
 from lazoo.ops._common import without_autocast
-from lazoo.registry import public_submodule_names
 
 #: the names lazoo.ops exported when it listed them by hand: all must stay
 EXPORTED_BEFORE = {
@@ -36,7 +36,7 @@ OP_OF_ROW = {"softmax_window": "softmax_attention", "ela_exp": "ela", "ela_sum_s
 
 
 def op_modules():
-    return [sys.modules[f"lazoo.ops.{name}"] for name in public_submodule_names(ops.__path__)]
+    return [sys.modules[f"lazoo.ops.{name}"] for name in op_module_names()]
 
 
 def test_package_names_are_the_union_of_the_modules_all():

@@ -15,12 +15,9 @@ This module is a leaf: it imports nothing of lazoo, so every layer may read it.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
 import sys
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 #: the backends an op may run (see `lazoo.ops._common.resolve_backend`)
@@ -310,16 +307,3 @@ def on_register(listener, removal=None) -> None:
     for mechanism in list(_REGISTRY.values()):
         listener(mechanism)
 
-
-def import_submodules(package: str, path) -> list[ModuleType]:
-    """Import every module of `package` whose name does not start with "_", in name order, and return them.
-
-    A package whose `__init__` calls this (`import_submodules(__name__, __path__)`) picks up a new module
-    without an edit: lazoo's ops and mixers are found this way. The `trust_remote_code` export replaces the
-    call with explicit imports of the same modules (`lazoo.models.export`)."""
-    return [importlib.import_module(f"{package}.{name}") for name in public_submodule_names(path)]
-
-
-def public_submodule_names(path) -> list[str]:
-    """The names of the modules in package folder(s) `path` that do not start with "_", sorted."""
-    return sorted(info.name for info in pkgutil.iter_modules(path) if not info.name.startswith("_"))

@@ -22,11 +22,10 @@ with every relative (or absolute `lazoo.`) import rewritten to the flat names:
 `from ..layers.mixers import X` -> `from .lazoo_layers_mixers import X`, and a module import
 `from ... import ops` -> `from . import lazoo_ops as ops` (preceded by a `from .lazoo_ops import ...`
 line, the form transformers scans for). The closure is found from the import statements themselves
-(`ast`), so a new mixer or op module is exported without a change here. A package that finds its modules
-itself (`X = lazoo.registry.import_submodules(__name__, __path__)`: the ops and the mixers) gets that statement
-replaced by explicit imports of the same modules. A mechanism declared outside lazoo (a user's own mixer module,
-registered with `lazoo.registry.register`) that the saved model uses has its module exported as well
-(`lazoo_extension_<module>.py`, imported by the exported mixers package); it must import lazoo absolutely.
+(`ast`), so a new mixer or op module is exported without a change here. A mechanism declared outside lazoo (a
+user's own mixer module, registered with `lazoo.registry.register`) that the saved model uses has its module
+exported as well (`lazoo_extension_<module>.py`, imported at the end of the exported mixers package); it must import
+lazoo absolutely.
 
 Every exported file opens with `EXPORT_HEADER`; the export overwrites only such files and refuses (before
 writing anything) a same-named file without it, which the user made.
@@ -95,7 +94,7 @@ _RELATIVE_IMPORT_PATTERNS = (re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILIN
 #: modules outside lazoo that declare a mechanism a saved model uses (a user's or a test's own mixer):
 #: module name -> source file, set by `exported_sources` for the duration of one export
 _extensions: dict[str, Path] = {}
-#: the package whose discovered modules the extension modules join (they register their mechanisms on import)
+#: the package whose exported copy imports the extension modules (they register their mechanisms on import)
 _EXTENDED_PACKAGE = "lazoo.layers.mixers"
 
 
@@ -188,31 +187,14 @@ def _rewrite_import(module: str, node: ast.stmt, needed: set[str]) -> list[str] 
     return lines
 
 
-def _is_discovery(node: ast.stmt) -> bool:
-    """`X = import_submodules(__name__, __path__)`: a package that imports all its public modules."""
-    return (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name) and node.value.func.id == "import_submodules")
-
-
-def _rewrite_discovery(module: str, node: ast.Assign, needed: set[str]) -> list[str]:
-    """Explicit imports of the modules `import_submodules` finds in package `module` (a flat export has no
-    package folder to search), plus the extension modules when `module` is the one they join."""
-    from ..registry import public_submodule_names
-
-    if not _is_package(module):
-        raise ValueError(f"{module}: import_submodules(__name__, __path__) is for packages")
-    found = [f"{module}.{name}" for name in public_submodule_names([str(_module_file(module).parent)])]
-    if module == _EXTENDED_PACKAGE:
-        found += sorted(_extensions)
-    lines = []
-    for sub in found:
-        needed.add(sub)
-        flat = flat_name(sub)
-        lines.append(f"from .{flat} import __name__ as _{flat}_name  # noqa: F401")
-        lines.append(f"from . import {flat}")
-    target = ast.unparse(node.targets[0])
-    lines.append(f"{target} = [{', '.join(flat_name(sub) for sub in found)}]")
-    return lines
+def _extension_imports(needed: set[str]) -> str:
+    """The lines that import the extension modules (added at the end of the exported mixers package)."""
+    lines = ["\n\n# ---- added by lazoo's export: the modules that declare this model's other mechanisms ----\n"]
+    for module in sorted(_extensions):
+        needed.add(module)
+        flat = flat_name(module)
+        lines.append(f"from .{flat} import __name__ as _{flat}_name  # noqa: F401\n")
+    return "".join(lines)
 
 
 def rewrite_module(module: str) -> tuple[str, set[str]]:
@@ -224,24 +206,22 @@ def rewrite_module(module: str) -> tuple[str, set[str]]:
     needed: set[str] = set()
     edits = []  # (first line index, last line index, replacement text)
     for node in ast.walk(tree):
-        if _is_discovery(node):
-            new = _rewrite_discovery(module, node, needed)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            new = _rewrite_import(module, node, needed)
-        else:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        new = _rewrite_import(module, node, needed)
         if new is None:
             continue
         first, last = node.lineno - 1, node.end_lineno - 1
         indent = lines[first][: node.col_offset]
         rest = lines[last].rstrip("\r\n")[node.end_col_offset:].strip()
         if indent.strip() or (rest and not rest.startswith("#")):
-            raise ValueError(f"{module}:{node.lineno}: put lazoo imports (and import_submodules) on lines of "
-                             "their own to export them")
+            raise ValueError(f"{module}:{node.lineno}: put lazoo imports on lines of their own to export them")
         edits.append((first, last, "".join(f"{indent}{line}\n" for line in new)))
     for first, last, text in sorted(edits, reverse=True):
         lines[first: last + 1] = [text]
     text = _HEADER.format(source=module) + "".join(lines)
+    if module == _EXTENDED_PACKAGE and _extensions:
+        text += _extension_imports(needed)
     if module == "lazoo.ops._common":
         if not re.search(r"^def resolve_backend\(", text, re.MULTILINE) or "NO_KERNEL" not in text:
             raise ValueError("lazoo.ops._common has no resolve_backend/NO_KERNEL: update lazoo.models.export")

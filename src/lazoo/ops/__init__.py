@@ -14,28 +14,31 @@ Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-s
 on CUDA when it can run the case, else chunk). The ops run with autocast off: they pick their own
 compute dtypes (each is defined under ``_common.without_autocast``).
 
-The package holds every name of every op module's ``__all__`` (the modules are found, not listed: a new op module
-needs no edit here) and ``BACKENDS``. ``lazoo.ops.<module>`` is the module (``lazoo.ops.linear``) unless an op has
-its name: ``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the ops, their modules
-``sys.modules["lazoo.ops.vla"]`` and so on.
+The package holds every name of every op module's ``__all__`` and ``BACKENDS``, imported below one module at a time
+(a new op module adds its line; ``tests/test_ops_package.py`` checks that none is missing); what the op modules
+share (``_common``) holds no op. ``lazoo.ops.<module>`` is the module
+(``lazoo.ops.linear``) unless an op has its name: ``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the
+ops, their modules ``sys.modules["lazoo.ops.vla"]`` and so on.
 """
 
-from ..registry import import_submodules
 from ._common import BACKENDS
+from .bidirectional import bidirectional_linear_attention
+from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
+from .delta_product import delta_product
+from .ela import ELA_KERNELS, ela, ela_feature_dim, ela_features, ela_kernel
+from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
+from .local_linear import local_linear_attention
+from .ovq import ovq_attention, ovq_dict_size, vq_attention
+from .rls import rls
+from .softmax import softmax_attention
+from .titans import titans
+from .ttt import ttt_linear, ttt_linear_decode_step, ttt_mlp, ttt_mlp_decode_step
+from .vla import vla
 
-_MODULES = import_submodules(__name__, __path__)
-
-
-def _bind_public_names(modules) -> list[str]:
-    """Bind every name of each module's ``__all__`` here; return the names. Two modules must not export one name."""
-    owner = {}
-    for module in modules:
-        for name in module.__all__:
-            if name in owner:
-                raise ImportError(f"lazoo.ops: {name!r} is exported by both {owner[name]} and {module.__name__}")
-            owner[name] = module.__name__
-            globals()[name] = getattr(module, name)
-    return list(owner)
-
-
-__all__ = sorted(["BACKENDS", *_bind_public_names(_MODULES)])
+__all__ = [
+    "BACKENDS", "ELA_KERNELS", "FEATURE_MAPS", "bidirectional_linear_attention", "chunk_gated_linear", "chunk_gla",
+    "chunk_generalized_delta", "delta_product", "delta_rule", "ela", "ela_feature_dim", "ela_features", "ela_kernel",
+    "gated_delta_rule", "gated_linear_attention", "gla", "linear_attention", "local_linear_attention",
+    "ovq_attention", "ovq_dict_size", "rls", "softmax_attention", "titans", "ttt_linear", "ttt_linear_decode_step",
+    "ttt_mlp", "ttt_mlp_decode_step", "vla", "vq_attention",
+]
