@@ -141,7 +141,7 @@ def test_save_pretrained_writes_the_auto_map_and_the_code(saved):
 
 def test_the_exported_code_never_picks_triton(saved, tmp_path):
     folder = saved["delta_net"][0]
-    spec = importlib.util.spec_from_file_location("exported_common", os.path.join(folder, "lazoo_ops__common.py"))
+    spec = importlib.util.spec_from_file_location("exported_backend", os.path.join(folder, "lazoo_ops_backend.py"))
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
     cuda = torch.device("cuda")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lazoo import ops
-from lazoo.ops import _common
+from lazoo.ops import backend as op_backend
 
 B, T, H, DK, DV = 2, 5, 2, 4, 3
 
@@ -68,13 +68,13 @@ def test_env_variable_selects_the_backend(monkeypatch):
 
 def test_auto_on_cuda_logs_once_per_op(caplog, monkeypatch):
     monkeypatch.delenv("LAZOO_BACKEND", raising=False)
-    monkeypatch.setattr(_common, "_FALLBACK_LOGGED", set())
+    monkeypatch.setattr(op_backend, "_FALLBACK_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="lazoo"):
-        assert _common.resolve_backend("some_op", None, torch.device("cpu")) == "chunk"
+        assert op_backend.resolve_backend("some_op", None, torch.device("cpu")) == "chunk"
         assert not caplog.records
         for _ in range(3):
-            assert _common.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
-        _common.resolve_backend("other_op", None, torch.device("cuda"))
+            assert op_backend.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
+        op_backend.resolve_backend("other_op", None, torch.device("cuda"))
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "some_op" in messages[0] and "Triton" in messages[0]
 
@@ -82,13 +82,13 @@ def test_auto_on_cuda_logs_once_per_op(caplog, monkeypatch):
 def test_the_fallback_note_waits_for_an_eager_call_while_compiled(caplog, monkeypatch):
     """A log call inside a compiled region is a graph break: the note is said by the first eager call instead."""
     monkeypatch.delenv("LAZOO_BACKEND", raising=False)
-    monkeypatch.setattr(_common, "_FALLBACK_LOGGED", set())
+    monkeypatch.setattr(op_backend, "_FALLBACK_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="lazoo"):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert _common.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
+        assert op_backend.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
         assert not caplog.records
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-        assert _common.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
+        assert op_backend.resolve_backend("some_op", None, torch.device("cuda")) == "chunk"
     assert len(caplog.records) == 1 and "some_op" in caplog.records[0].getMessage()
 
 
@@ -166,7 +166,7 @@ def test_low_precision_inputs_keep_their_dtype(name, dtype):
 
 def test_time_cumsum_equals_cumsum_over_dim_1():
     """The normaliser's cumsum scanned with time innermost equals x.cumsum(1) (float64, exactly: same order)."""
-    from lazoo.ops._common import time_cumsum
+    from lazoo.ops.scan import time_cumsum
 
     x = torch.randn(3, 37, 2, 5, dtype=torch.float64, requires_grad=True)
     got = time_cumsum(x)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.ops import _common
+from lazoo.ops import backend as op_backend
 from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 pytestmark = [pytest.mark.gpu,
@@ -96,7 +96,7 @@ def test_cuda_bf16_keeps_dtype(name):
 
 def test_cuda_auto_backend_logs_once(caplog, monkeypatch):
     monkeypatch.delenv("LAZOO_BACKEND", raising=False)
-    monkeypatch.setattr(_common, "_FALLBACK_LOGGED", set())
+    monkeypatch.setattr(op_backend, "_FALLBACK_LOGGED", set())
     # VLA's scan kernel holds A in registers: dk = 160 > 128 falls back to the chunk form, saying so once
     xc = {key: torch.randn(B, 16, H, 160, device="cuda") for key in ("q", "k", "v", "u")}
     with caplog.at_level(logging.INFO, logger="lazoo"):

@@ -14,7 +14,7 @@ from test_package_imports import op_module_names
 from test_pad_isolation import OPS, _call
 
 from lazoo import ops, registry
-from lazoo.ops._common import without_autocast
+from lazoo.ops.dtypes import without_autocast
 
 #: the names lazoo.ops exported when it listed them by hand: all must stay
 EXPORTED_BEFORE = {
@@ -23,7 +23,7 @@ EXPORTED_BEFORE = {
     "local_linear_attention", "ovq_attention", "ovq_dict_size", "rls", "softmax_attention", "titans", "ttt_linear",
     "ttt_mlp", "vla", "vq_attention",
 }
-#: the ops that run with autocast off (``_common.without_autocast`` on their definitions)
+#: the ops that run with autocast off (``dtypes.without_autocast`` on their definitions)
 AUTOCAST_OFF = {
     "delta_product", "delta_rule", "ela", "gated_delta_rule", "gated_linear_attention", "gla", "linear_attention",
     "local_linear_attention", "ovq_attention", "rls", "softmax_attention", "titans", "ttt_linear", "ttt_mlp", "vla",

@@ -13,7 +13,7 @@ from lazoo import ops
 from lazoo.layers import mixers
 
 #: the modules of lazoo.ops that hold no op (what the op modules share); they have no ``__all__``
-OPS_HELPER_MODULES = {"_common"}
+OPS_HELPER_MODULES = {"backend", "boundary", "checks", "chunks", "dtypes", "norms", "packing", "scan", "states"}
 
 
 def public_modules(package) -> set[str]:

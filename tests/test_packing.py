@@ -9,7 +9,7 @@ import torch
 from conftest import ALL_MODELS, VOCAB, random_ids, tiny_model
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from lazoo.ops._common import cu_seqlens_from_position_ids
+from lazoo.ops.packing import cu_seqlens_from_position_ids
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the backends an op may run (see `lazoo.ops._common.resolve_backend`)
+#: the backends an op may run (see `lazoo.ops.backend.resolve_backend`)
 BACKENDS = ("recurrent", "chunk", "triton")
 
 

@@ -953,7 +953,7 @@ class L2NormFunction(torch.autograd.Function):
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """Differentiable ``x / sqrt(|x|^2 + 1e-6)`` over the last dim (= ``lazoo.ops._common.l2norm``)."""
+    """Differentiable ``x / sqrt(|x|^2 + 1e-6)`` over the last dim (= ``lazoo.ops.norms.l2norm``)."""
     return L2NormFunction.apply(x)
 
 

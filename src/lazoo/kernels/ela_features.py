@@ -132,7 +132,7 @@ def exp_features(q: torch.Tensor, k: torch.Tensor, shift: torch.Tensor, eps: flo
                  mask: torch.Tensor | None = None, seq: torch.Tensor | None = None):
     """hadamard_exp's features with one shift per sequence (``lazoo.ops.ela._causal_exp_fused``): for q, k
     ``[B, T, H, D]`` and ``shift`` c ``[N, H, D]`` float32 (N = B, or with packed sequences (B = 1) ``seq`` ``[T]``
-    holds each token's sequence, ``ops._common.packed_sequence_ids``),
+    holds each token's sequence, ``ops.packing.packed_sequence_ids``),
     ``(exp(q + c - M), exp(k - c), eps·exp(-M))`` with M = max_d (q + c) per token and head: the features in q's
     dtype (ψ̃ zero at pads), the clamp per row ``[B, T, H]`` float32. No gradient: pass q and k as
     ``chunk_normalized_linear_attention``'s ``exp_of``, which gives them theirs."""

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._common import packed_offsets, resolve_backend, triton_missing
+from ..ops.backend import resolve_backend, triton_missing
+from ..ops.packing import packed_offsets
 
 
 class ShortConvolution(nn.Conv1d):
@@ -19,7 +20,7 @@ class ShortConvolution(nn.Conv1d):
     as if each sequence ran alone from a zero state (no state in or out); they run in PyTorch on every backend
     (the kernel has no packed form).
 
-    Backends (`backend=` of `forward`, resolved like every op's by `lazoo.ops._common.resolve_backend`, so
+    Backends (`backend=` of `forward`, resolved like every op's by `lazoo.ops.backend.resolve_backend`, so
     `LAZOO_BACKEND` reaches it): "triton" runs the kernel of `lazoo.kernels.short_conv` (CUDA, or the CPU
     under `TRITON_INTERPRET=1`), "recurrent" and "chunk" PyTorch's `conv1d`; None (auto) takes the kernel
     on CUDA tensors whenever it can run the call (`triton_unsupported`), `conv1d` otherwise. With a cached

@@ -16,7 +16,7 @@ needs, read from the installed sources at save time (so later edits of the ops a
     configuration_lazoo.py, modeling_lazoo.py     lazoo/models/*.py (the names in `auto_map`)
     lazoo_models_cache.py                         lazoo/models/cache.py
     lazoo_layers_mixers.py, lazoo_layers_mixers_vla.py, ...
-    lazoo_ops.py, lazoo_ops__common.py, lazoo_ops_delta.py, ...
+    lazoo_ops.py, lazoo_ops_backend.py, lazoo_ops_delta.py, ...
 
 with every relative (or absolute `lazoo.`) import rewritten to the flat names:
 `from ..layers.mixers import X` -> `from .lazoo_layers_mixers import X`, and a module import
@@ -71,7 +71,7 @@ EXPORT_HEADER = "# Exported by lazoo from "
 _HEADER = (EXPORT_HEADER + "{source} for `trust_remote_code` loading: a flat copy with rewritten\n"
            "# imports (see lazoo.models.export). Edit the lazoo sources, not this file.\n")
 
-#: appended to the exported `lazoo.ops._common`: no Triton path in the exported copy
+#: appended to the exported `lazoo.ops.backend`: no Triton path in the exported copy
 _NO_TRITON_PATCH = '''
 
 # ---- added by lazoo's export: this folder has the PyTorch forms only (no Triton kernels) ----
@@ -222,9 +222,9 @@ def rewrite_module(module: str) -> tuple[str, set[str]]:
     text = _HEADER.format(source=module) + "".join(lines)
     if module == _EXTENDED_PACKAGE and _extensions:
         text += _extension_imports(needed)
-    if module == "lazoo.ops._common":
+    if module == "lazoo.ops.backend":
         if not re.search(r"^def resolve_backend\(", text, re.MULTILINE) or "NO_KERNEL" not in text:
-            raise ValueError("lazoo.ops._common has no resolve_backend/NO_KERNEL: update lazoo.models.export")
+            raise ValueError("lazoo.ops.backend has no resolve_backend/NO_KERNEL: update lazoo.models.export")
         text += _NO_TRITON_PATCH.format(reason=NO_TRITON_REASON)
     return text, needed
 

@@ -21,7 +21,8 @@ try:  # guarded init functions: never overwrite weights that were loaded
 except ImportError:  # pragma: no cover - older transformers
     hf_init = nn.init
 
-from ..ops._common import cu_seqlens_from_position_ids, host_sync_allowed
+from ..ops.backend import host_sync_allowed
+from ..ops.packing import cu_seqlens_from_position_ids
 from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.memory_lobe import MemoryLobe
 from ..layers.mlp import GatedMLP

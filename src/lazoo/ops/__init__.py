@@ -12,16 +12,17 @@ compute dtype: float64 for float64 inputs, float32 otherwise.
 Backends: ``backend=`` or the ``LAZOO_BACKEND`` variable: "recurrent" (step-by-step reference),
 "chunk" (chunk-parallel PyTorch), "triton" (lazoo.kernels, where the op has one), None = auto (Triton
 on CUDA when it can run the case, else chunk). The ops run with autocast off: they pick their own
-compute dtypes (each is defined under ``_common.without_autocast``).
+compute dtypes (each is defined under ``dtypes.without_autocast``).
 
 The package holds every name of every op module's ``__all__`` and ``BACKENDS``, imported below one module at a time
-(a new op module adds its line; ``tests/test_ops_package.py`` checks that none is missing); what the op modules
-share (``_common``) holds no op. ``lazoo.ops.<module>`` is the module
-(``lazoo.ops.linear``) unless an op has its name: ``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the
+(a new op module adds its line; ``tests/test_package_imports.py`` checks that none is missing). What the op modules
+share holds no op: ``backend`` (backend choice), ``checks`` (argument checks), ``states`` (initial states),
+``boundary`` (an op's preamble and result, pads), ``dtypes``, ``chunks``, ``scan``, ``norms`` and ``packing``
+(``cu_seqlens``). ``lazoo.ops.<module>`` is the module (``lazoo.ops.linear``) unless an op has its name: ``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the
 ops, their modules ``sys.modules["lazoo.ops.vla"]`` and so on.
 """
 
-from ._common import BACKENDS
+from .backend import BACKENDS
 from .bidirectional import bidirectional_linear_attention
 from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
 from .delta_product import delta_product

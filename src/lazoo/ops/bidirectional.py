@@ -23,7 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from ._common import check_mask, check_qkv, compute_dtype, resolve_backend, zero_masked, zero_pads
+from .backend import resolve_backend
+from .boundary import zero_masked, zero_pads
+from .checks import check_mask, check_qkv
+from .dtypes import compute_dtype
 from .linear import get_feature_map, linear_kernel_unsupported
 
 __all__ = ["bidirectional_linear_attention"]

@@ -21,27 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (
-    check_cu_seqlens,
-    check_positive_int,
-    check_scale,
-    compute_dtype,
-    l2norm,
-    matrix_initial_state,
-    merge_chunks,
-    no_check,
-    op_result,
-    pad_time,
-    prepare_inputs,
-    queue_log_decay_check,
-    reported,
-    resolve_backend,
-    run_per_sequence,
-    split_chunks,
-    triton_unsupported,
-    without_autocast,
-    zero_masked,
-)
+from .backend import resolve_backend, triton_unsupported
+from .boundary import op_result, prepare_inputs, zero_masked
+from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
+from .chunks import merge_chunks, pad_time, split_chunks
+from .dtypes import compute_dtype, without_autocast
+from .norms import l2norm
+from .packing import check_cu_seqlens, run_per_sequence
+from .states import matrix_initial_state
 
 __all__ = ["chunk_generalized_delta", "delta_rule", "gated_delta_rule"]
 
@@ -143,7 +130,7 @@ def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output
             q, k, v, beta, g, scale=float(scale), initial_state=S0, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     else:
-        if use_qk_l2norm:  # one fused pass each way (the same formula as _common.l2norm)
+        if use_qk_l2norm:  # one fused pass each way (the same formula as norms.l2norm)
             q, k = kd.l2norm(q), kd.l2norm(k)
         if isinstance(scale, torch.Tensor):  # a learned scale: keep it in autograd
             q, scale = (q * scale).to(q.dtype), 1.0

@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (
-    apply_mask,
+from .backend import resolve_backend
+from .boundary import apply_mask, op_result
+from .checks import (
     check_float,
     check_positive_int,
     check_same_device,
     check_same_dtype,
     check_scale,
-    compute_dtype,
-    l2norm,
-    matrix_initial_state,
-    op_result,
     queue_log_decay_check,
-    resolve_backend,
-    without_autocast,
 )
 from .delta import delta_rule_as
+from .dtypes import compute_dtype, without_autocast
+from .norms import l2norm
+from .states import matrix_initial_state
 
 __all__ = ["delta_product"]
 

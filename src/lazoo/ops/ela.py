@@ -69,25 +69,14 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (
-    check_cu_seqlens,
-    check_positive_int,
-    check_positive_number,
-    check_state_dict,
-    check_state_tensor,
-    compute_dtype,
-    fast_scan,
-    host_sync_allowed,
-    logger,
-    op_result,
-    packed_sequence_ids,
-    prepare_inputs,
-    queue_readback,
-    resolve_backend,
-    without_autocast,
-    zero_masked,
-)
+from .backend import host_sync_allowed, logger, resolve_backend
+from .boundary import op_result, prepare_inputs, zero_masked
+from .checks import check_positive_int, check_positive_number, queue_readback
+from .dtypes import compute_dtype, without_autocast
 from .linear import decoding, gla_as, linear_attention_as, linear_kernel_unsupported
+from .packing import check_cu_seqlens, packed_sequence_ids
+from .scan import fast_scan
+from .states import check_state_dict, check_state_tensor
 
 __all__ = ["ELA_KERNELS", "ela", "ela_feature_dim", "ela_features", "ela_kernel"]
 

@@ -25,29 +25,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._common import (
-    check_cu_seqlens,
-    check_positive_int,
-    check_scale,
-    check_state_dict,
-    check_state_tensor,
-    compute_dtype,
-    matrix_initial_state,
-    merge_chunks,
-    no_check,
-    op_result,
-    pad_time,
-    prepare_inputs,
-    queue_log_decay_check,
-    reported,
-    resolve_backend,
-    run_per_sequence,
-    split_chunks,
-    time_cumsum,
-    triton_unsupported,
-    without_autocast,
-    zero_masked,
-)
+from .backend import resolve_backend, triton_unsupported
+from .boundary import op_result, prepare_inputs, zero_masked
+from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
+from .chunks import merge_chunks, pad_time, split_chunks
+from .dtypes import compute_dtype, without_autocast
+from .packing import check_cu_seqlens, run_per_sequence
+from .scan import time_cumsum
+from .states import check_state_dict, check_state_tensor, matrix_initial_state
 
 __all__ = ["FEATURE_MAPS", "chunk_gated_linear", "chunk_gla", "gated_linear_attention", "gla", "linear_attention"]
 

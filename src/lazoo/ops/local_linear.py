@@ -53,20 +53,10 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._common import (
-    check_float,
-    check_positive_int,
-    check_positive_number,
-    check_same_device,
-    compute_dtype,
-    host_sync_allowed,
-    op_result,
-    prepare_inputs,
-    resolve_backend,
-    triton_unsupported,
-    without_autocast,
-    zero_masked,
-)
+from .backend import host_sync_allowed, resolve_backend, triton_unsupported
+from .boundary import op_result, prepare_inputs, zero_masked
+from .checks import check_float, check_positive_int, check_positive_number, check_same_device
+from .dtypes import compute_dtype, without_autocast
 from .softmax import kv_cache_state, visible_keys, with_kv_cache
 
 __all__ = ["local_linear_attention"]

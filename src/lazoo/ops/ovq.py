@@ -74,22 +74,11 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ._common import (
-    check_choice,
-    check_positive_int,
-    check_same_device,
-    check_same_dtype,
-    check_state_dict,
-    check_state_tensor,
-    compute_dtype,
-    empty_batch_result,
-    host_sync_allowed,
-    op_result,
-    prepare_inputs,
-    resolve_backend,
-    triton_unsupported,
-    without_autocast,
-)
+from .backend import host_sync_allowed, resolve_backend, triton_unsupported
+from .boundary import empty_batch_result, op_result, prepare_inputs
+from .checks import check_choice, check_positive_int, check_same_device, check_same_dtype
+from .dtypes import compute_dtype, without_autocast
+from .states import check_state_dict, check_state_tensor
 
 __all__ = ["ovq_attention", "ovq_dict_size", "vq_attention"]
 

@@ -67,23 +67,13 @@ import warnings
 
 import torch
 
-from ._common import (
-    check_positive_int,
-    check_same_device,
-    check_state_dict,
-    check_state_tensor,
-    compute_dtype,
-    host_sync_allowed,
-    merge_chunks,
-    op_result,
-    pad_time,
-    prepare_inputs,
-    requested_backend,
-    resolve_backend,
-    split_chunks,
-    without_autocast,
-)
+from .backend import host_sync_allowed, requested_backend, resolve_backend
+from .boundary import op_result, prepare_inputs
+from .checks import check_positive_int, check_same_device
+from .chunks import merge_chunks, pad_time, split_chunks
+from .dtypes import compute_dtype, without_autocast
 from .linear import chunk_gated_linear, linear_attention, linear_kernel_unsupported
+from .states import check_state_dict, check_state_tensor
 
 __all__ = ["rls"]
 

@@ -16,21 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import (
-    check_cu_seqlens,
-    check_positive_int,
-    check_same_device,
-    check_state_dict,
-    check_state_tensor,
-    compute_dtype,
-    host_sync_allowed,
-    op_result,
-    packed_sequence_ids,
-    prepare_inputs,
-    resolve_backend,
-    without_autocast,
-    zero_pads,
-)
+from .backend import host_sync_allowed, resolve_backend
+from .boundary import op_result, prepare_inputs, zero_pads
+from .checks import check_positive_int, check_same_device
+from .dtypes import compute_dtype, without_autocast
+from .packing import check_cu_seqlens, packed_sequence_ids
+from .states import check_state_dict, check_state_tensor
 
 __all__ = ["softmax_attention"]
 

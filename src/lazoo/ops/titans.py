@@ -34,15 +34,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import (
-    check_positive_int,
-    check_range,
-    compute_dtype,
-    op_result,
-    prepare_inputs,
-    resolve_backend,
-    without_autocast,
-)
+from .backend import resolve_backend
+from .boundary import op_result, prepare_inputs
+from .checks import check_positive_int, check_range
+from .dtypes import compute_dtype, without_autocast
 from .ttt import mini_batch_chunked, mini_batch_recurrent, mini_batch_state
 
 __all__ = ["titans"]

@@ -51,20 +51,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._common import (
-    KERNEL_DTYPES,
-    check_float,
-    check_positive_int,
-    check_state_tensor,
-    compute_dtype,
-    host_sync_allowed,
-    op_result,
-    prepare_inputs,
-    resolve_backend,
-    triton_unsupported,
-    without_autocast,
-    zero_masked,
-)
+from .backend import host_sync_allowed, KERNEL_DTYPES, resolve_backend, triton_unsupported
+from .boundary import op_result, prepare_inputs, zero_masked
+from .checks import check_float, check_positive_int
+from .dtypes import compute_dtype, without_autocast
+from .states import check_state_tensor
 
 __all__ = ["ttt_linear", "ttt_linear_decode_step", "ttt_mlp", "ttt_mlp_decode_step"]
 

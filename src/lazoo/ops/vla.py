@@ -34,25 +34,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import (
-    check_choice,
-    check_positive_int,
-    check_positive_number,
-    check_state_dict,
-    check_state_tensor,
-    compute_dtype,
-    empty_batch_result,
-    host_sync_allowed,
-    op_result,
-    pad_time,
-    prepare_inputs,
-    resolve_backend,
-    time_cumsum,
-    without_autocast,
-    zero_masked,
-)
+from .backend import host_sync_allowed, resolve_backend
+from .boundary import empty_batch_result, op_result, prepare_inputs, zero_masked
+from .checks import check_choice, check_positive_int, check_positive_number
+from .chunks import pad_time
 from .delta import chunk_generalized_delta, delta_kernel_unsupported
+from .dtypes import compute_dtype, without_autocast
 from .linear import FEATURE_MAPS
+from .scan import time_cumsum
+from .states import check_state_dict, check_state_tensor
 
 __all__ = ["vla"]
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ...ops._common import check_positive_int
+from ...ops.checks import check_positive_int
 from ..short_conv import ShortConvolution
 
 

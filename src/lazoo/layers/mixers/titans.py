@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ... import ops
-from ...ops._common import l2norm
+from ...ops.norms import l2norm
 from ...ops.ttt import slot_grid
 from ...registry import Mechanism, register
 from .base import normal_parameter

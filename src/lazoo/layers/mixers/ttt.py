@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ... import ops
-from ...ops._common import l2norm
+from ...ops.norms import l2norm
 from ...ops.ttt import ttt_linear_decode_step, ttt_mlp_decode_step
 from ...registry import Mechanism, register
 from .base import normal_parameter

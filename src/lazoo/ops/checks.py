@@ -1,0 +1,204 @@
+"""Checks of an op's arguments, each raising an error that names the op and the argument: q, k, v and the per-token
+inputs (shapes, dtypes, devices), the mask, scalar options, and value ranges at real tokens (read back from the device:
+``queue_range_check`` queues the comparison before the op's kernels and reads its answer after them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .backend import host_sync_allowed
+
+
+def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """Check q ``[B, T, H, dk]``, k like q, v ``[B, T, H, dv]``; return ``(B, T, H, dk, dv)``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{op}: {name} must have 4 dimensions [B, T, H, D], got shape {tuple(x.shape)}"
+            )
+    check_float(op, "q", q)
+    B, T, H, dk = q.shape
+    if k.shape != q.shape:
+        raise ValueError(
+            f"{op}: k must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {tuple(k.shape)}"
+        )
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"{op}: v must have shape [B, T, H, dv] with [B, T, H] = {tuple(q.shape[:3])} like q, "
+            f"got {tuple(v.shape)}"
+        )
+    if T == 0:
+        raise ValueError(f"{op}: the sequence is empty (T = 0)")
+    check_same_dtype(op, q, k=k, v=v)
+    check_same_device(op, q, k=k, v=v)
+    return B, T, H, dk, v.shape[-1]
+
+
+def check_like_q(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    """An input of q's shape ``[B, T, H, dk]`` (VLA's u, GLA's per-key gate), dtype and device."""
+    if not isinstance(x, torch.Tensor) or x.shape != q.shape:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{op}: {name} must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {got}")
+    check_same_dtype(op, q, **{name: x})
+    check_same_device(op, q, **{name: x})
+
+
+def check_head_scalar(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    """A per-head scalar (gate, beta) must be a float ``[B, T, H]`` tensor like q."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(q.shape[:3]):
+        raise ValueError(
+            f"{op}: {name} must have shape [B, T, H] = {tuple(q.shape[:3])}, got {tuple(x.shape)}"
+        )
+    check_float(op, name, x)
+    check_same_dtype(op, q, **{name: x})
+    check_same_device(op, q, **{name: x})
+
+
+def check_float(op: str, name: str, x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_same_dtype(op: str, q: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, x in others.items():
+        if x.dtype != q.dtype:
+            raise TypeError(f"{op}: {name} has dtype {x.dtype} but q has dtype {q.dtype}; "
+                            "all inputs must share one dtype")
+
+
+def check_same_device(op: str, q: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, x in others.items():
+        if x.device != q.device:
+            raise ValueError(f"{op}: {name} is on {x.device} but q is on {q.device}")
+
+
+def check_positive_int(op: str, name: str, value, none_ok: bool = False):
+    """An int >= 1 (chunk sizes, windows, counts), or None where ``none_ok``."""
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        what = "None or a positive int" if none_ok else "a positive int"
+        raise ValueError(f"{op}: {name} must be {what}, got {value!r}")
+    return value
+
+
+def check_positive_number(op: str, name: str, value, zero_ok: bool = False):
+    """A real number > 0 (>= 0 where ``zero_ok``), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{op}: {name} must be a number {'>=' if zero_ok else '>'} 0, got {value!r}")
+    return value
+
+
+def check_choice(op: str, name: str, value, allowed: Sequence):
+    """One of ``allowed``, of the same type (1 is not True), else a ValueError naming the argument and the values."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+def check_scale(op: str, scale, dk: int) -> float:
+    """A scalar query scale; None means dk ** -0.5."""
+    if scale is None:
+        return dk ** -0.5
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        # Keep a 0-d tensor as is so that a learned scale stays differentiable.
+        return scale
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    raise TypeError(f"{op}: scale must be None or a number, got {type(scale).__name__}")
+
+
+def check_mask(op: str, mask: torch.Tensor | None, B: int, T: int,
+               device: torch.device) -> torch.Tensor | None:
+    """Validate a ``[B, T]`` mask (bool, or numbers that are exactly 0 or 1) and return it as bool (or None)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{op}: mask must be a torch.Tensor [B, T] or None, got {type(mask).__name__}")
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"{op}: mask must have shape [B, T] = {(B, T)}, got {tuple(mask.shape)}")
+    if mask.is_complex():
+        raise TypeError(f"{op}: mask must be bool or real 0/1 numbers, got dtype {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"{op}: mask is on {mask.device} but q is on {device}")
+    if mask.dtype == torch.bool:
+        return mask
+    # a 2, -1, 0.5 or NaN is no token kind: refuse it rather than count it as real (one host sync)
+    if host_sync_allowed() and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
+        raise ValueError(f"{op}: mask must be bool or hold only the numbers 0 (pad) and 1 (real token), "
+                         f"got {bad!r}")
+    return mask != 0
+
+
+def check_range(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
+                high: float | None = None, hint: str = "") -> None:
+    """Refuse values of ``x`` outside ``[low, high]`` (None: unbounded), naming ``name`` and the range.
+    Pass ``x`` with its pads already zeroed (``zero_pads``): a pad is no input. NaN passes (it stays in its
+    own sample, like a NaN in q). One host sync; skipped under torch.compile and CUDA-graph capture."""
+    queue_range_check(op, name, x, low, high, hint)()
+
+
+def queue_range_check(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
+                      high: float | None = None, hint: str = ""):
+    """``check_range`` in two steps: the comparison is queued on x's device now, and the call returned reads its
+    answer back and raises. An op queues it before its kernels and calls it once they are launched (``reported``):
+    the read-back waits for the comparison only (``queue_readback``), not for the kernels queued after it."""
+    if x is None or not host_sync_allowed():
+        return no_check
+    found = queue_readback(_outside(x, low, high).any())
+
+    def report() -> None:
+        if bool(found()):
+            bad = x[_outside(x, low, high)].flatten()[0].item()
+            lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
+            raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
+    return report
+
+
+def queue_readback(x: torch.Tensor):
+    """Start copying a small tensor to the host now; the callable returned gives that copy (a CPU tensor). On a GPU
+    it waits for the work queued before this call only: a plain read-back (``bool(x)``, ``.item()``) after an op's
+    kernels waits for them all, so the host launches nothing while they run and the next call's host work is not
+    overlapped with them."""
+    if x.device.type != "cuda":
+        return lambda: x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def value() -> torch.Tensor:
+        copied.synchronize()
+        return host
+    return value
+
+
+def _outside(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    if low is None:
+        return x > high
+    if high is None:
+        return x < low
+    return (x < low) | (x > high)
+
+
+def no_check() -> None:
+    """A queued check with nothing to check."""
+
+
+def reported(report, result):
+    """``result``, once the queued check ``report`` has passed."""
+    report()
+    return result
+
+
+def queue_log_decay_check(op: str, name: str, g: torch.Tensor | None):
+    """A log decay (pads zeroed) must be <= 0: g > 0 would grow the state by exp(g) and overflow. Queued
+    (``queue_range_check``): call the result to read it back and raise."""
+    return queue_range_check(op, name, g, high=0.0, hint=" (a log decay: the state is multiplied by exp(g) <= 1)")
