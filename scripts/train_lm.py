@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from lazoo.cli import main
+from lazoo_cli import main  # parses first: --help and bad arguments answer at once
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--vocab-size", "300"]
 TRAIN = ["train", "--config", "gated_delta_net", "--output", "OUT", "--text", "TEXT", "--steps", "2", "--seq-len",
          "32", "--batch-size", "2", "--eval-blocks", "2", "--threads", "1", "--no-progress", *TINY]
-DEMO = ["demo", "--output-dir", "OUT", "--corpus", "TEXT", "--steps", "1", "--block-size", "32", "--eval-blocks", "2",
-        *TINY]
+DEMO = ["demo", "--output", "OUT", "--text", "TEXT", "--steps", "1", "--seq-len", "32", "--eval-blocks", "2",
+        "--threads", "1", "--no-progress", *TINY]
 
 
 @pytest.fixture(autouse=True)
@@ -134,9 +134,10 @@ CASES = [  # (argv, text the single error line must contain)
     (["train", "--config", "HUGE", "--output", "OUT"], "vocab_size 1000000000 is more than"),
     (["train", "--config", "DTYPE", "--output", "OUT"], "dtype 'float99' is not a torch dtype"),
     # demo and eval (their own command lines)
-    (DEMO + ["--mechanism", "bogus"], "--mechanism: unknown layout 'bogus'"),
-    (DEMO + ["--corpus", "LATIN1"], "latin1.json is not UTF-8 text"),
-    (DEMO + ["--corpus", "nowhere.txt"], "--corpus: no such file or folder"),
+    (DEMO + ["--config", "bogus"], "--config: unknown layout 'bogus'"),
+    (DEMO + ["--text", "LATIN1"], "latin1.json is not UTF-8 text"),
+    (DEMO + ["--text", "nowhere.txt"], "--text: no such file or folder"),
+    (DEMO + ["--threads", "0"], "--threads must be a positive number"),
     (DEMO + ["--prompt", "\udc80"], "--prompt is not UTF-8 text"),
     (DEMO + ["--batch-size", "5000"], "more than the"),
     (DEMO + ["--seed", str(2**40)], "--seed must be at most"),
@@ -147,6 +148,8 @@ CASES = [  # (argv, text the single error line must contain)
     (["eval", "MODEL", "--batch-size", "x"], "argument --batch-size: invalid int value"),
     (["eval", "MODEL", "--device", "nonsense"], "--device: 'nonsense' is not a torch device"),
     (["eval", "MODEL", "--output", "DIRJSON"], "dir.json' is a folder; give the path of a file"),
+    (["eval", "MODEL", "--threads", str(10**6)], "--threads must be at most"),
+    (["generate", "MODEL", "--threads", "0"], "--threads must be a positive number"),
 ]
 
 
@@ -190,9 +193,9 @@ def test_bad_input_is_one_line_and_status_2(argv, message, workdir, monkeypatch,
     assert not out.exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("argv, flag", [(TRAIN, "--text"), (DEMO, "--corpus"), (["card", "MODEL", "--metrics", "TEXT"],
-                                                                              "--metrics")],
-                         ids=["train --text", "demo --corpus", "card --metrics"])
+@pytest.mark.parametrize("argv, flag", [(TRAIN, "--text"), (DEMO, "--text"), (["card", "MODEL", "--metrics", "TEXT"],
+                                                                            "--metrics")],
+                         ids=["train --text", "demo --text", "card --metrics"])
 def test_an_unreadable_file_is_named(argv, flag, workdir, monkeypatch, capsys):
     """Permission denied (simulated: as root every file is readable)."""
     text = str(workdir / "text.txt")

@@ -1,25 +1,15 @@
-"""`lazoo` command line.
+"""The commands of the `lazoo` command line: each `cmd_<name>(args)` runs one, once `lazoo_cli` has parsed the
+arguments (`lazoo_cli.parser`, the standard library alone, so that `--help` answers at once); `run` calls it.
 
-    lazoo list                                    mechanisms, their backends and kernels, hybrid presets
-    lazoo train --config sw-vla --output DIR      train a causal LM with Trainer (text file or the KJV corpus)
-    lazoo generate DIR --prompt "..."             sample (or --greedy) from a saved model
-    lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
-    lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
-    lazoo convert SRC DST                         a fla checkpoint folder -> a lazoo folder (docs/pretrained.md)
-    lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training, generate; CUDA)
-    lazoo eval ...                                lm-eval bridge and local tasks (pip install 'lazoo[eval]')
-    lazoo demo [args...]                          the demo: train, evaluate, save, reload, sample
-
-Every subcommand has `--help`. Errors print one line, `lazoo <command>: error: ...`, and exit with status 2
-(Ctrl-C: `lazoo <command>: interrupted`, status 130). train, card, eval and demo never delete or overwrite a
-file they did not write unless given `--overwrite`: they refuse before doing any work, naming the file (a new
-`lazoo train` run needs a new or empty --output). `lazoo train --save-steps N` writes each checkpoint under a
-staging name and renames it to checkpoint-N when complete; `--resume` goes on from the last complete one.
+Errors print one line, `lazoo <command>: error: ...`, and exit with status 2 (Ctrl-C: `lazoo <command>:
+interrupted`, status 130). train, card, eval and demo never delete or overwrite a file they did not write unless
+given `--overwrite`: they refuse before doing any work, naming the file (a new `lazoo train` run needs a new or
+empty --output). `lazoo train --save-steps N` writes each checkpoint under a staging name and renames it to
+checkpoint-N when complete; `--resume` goes on from the last complete one.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fnmatch
 import importlib.util
@@ -31,33 +21,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lazoo_cli import main, silence_stdout
+from lazoo_cli.parser import (BENCH_SCRIPTS, MIN_TEMPERATURE, SIZE_FLAGS, SIZE_LIMITS, ArgumentParser,
+                              add_training_arguments, build_parser)
+
+__all__ = ["main", "run", "build_parser", "add_training_arguments", "ArgumentParser", "CLIError", "run_training"]
+
 #: where `lazoo bench` looks for the benchmark scripts: the repository's scripts/ folder (a source checkout)
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
-BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py", "ovq": "bench_ovq.py",
-                 "local_linear": "bench_local_linear.py", "ttt": "bench_ttt.py", "training": "bench_training.py",
-                 "generate": "bench_generate.py"}
 
 
 class CLIError(Exception):
     """A user error: printed as `lazoo <command>: error: <message>`, exit status 2."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with its errors in one line, like lazoo's own (`--help` still shows the usage)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-@contextlib.contextmanager
-def _argparse_errors_in_one_line():
-    """For a command line of another module (`lazoo eval`'s): its argparse errors in one line as well."""
-    saved = argparse.ArgumentParser.error
-    argparse.ArgumentParser.error = ArgumentParser.error
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.error = saved
 
 
 # ============================================================================ checks shared by the commands
@@ -75,8 +50,6 @@ def _flag(name: str) -> str:
 
 def check_counts(args, names, allow_none: bool = False) -> None:
     """Each option in `names` a whole number from 1 to its limit (COUNT_LIMITS, or the size limits)."""
-    from .demo import SIZE_LIMITS
-
     for name in names:
         value = getattr(args, name)
         if value is None and allow_none:
@@ -230,8 +203,6 @@ def check_layout(layout: str, flag: str = "--config", args=None) -> None:
 def _check_config_sizes(config, where: str, args=None) -> None:
     """A config file's sizes within the limits of the size options (a vocabulary of 10^9 aborts the tokenizer
     trainer; a hidden size of 10^6 does not fit in memory), except those the command line overrides."""
-    from .demo import SIZE_FLAGS, SIZE_LIMITS
-
     for flag, key in SIZE_FLAGS.items():
         if args is not None and getattr(args, flag, None) is not None:
             continue
@@ -476,7 +447,11 @@ def run_training(args, callbacks=()) -> dict:
     Trainer (padded blocks or packed documents, bf16, gradient accumulation, checkpoints and resume,
     gradient checkpointing) -> held-out perplexity -> model, tokenizer and card in `args.output` (main process).
     `callbacks`: extra `TrainerCallback`s. Returns the metrics written to the card."""
-    import math
+    with progress_bars(not args.no_progress):
+        return _run_training(args, callbacks)
+
+
+def _run_training(args, callbacks) -> dict:
     import time
 
     from transformers import set_seed
@@ -486,12 +461,7 @@ def run_training(args, callbacks=()) -> dict:
 
     _check_train_args(args)
     set_seed(args.seed)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    else:
-        demo.use_all_cpu_threads()
+    set_cpu_threads(args.threads)
     start = time.time()
     sizes = demo.model_sizes(args, args.config)
     # a resumed run reuses the tokenizer of the first run (saved next to the checkpoints)
@@ -589,10 +559,6 @@ def _check_dtype_field(config_file: Path) -> None:
             raise CLIError(f"{config_file}: {key} {value!r} is not a torch dtype (float32, bfloat16, float16, ...)")
 
 
-#: the lowest --temperature: below it the scaled logits overflow to inf and sampling fails
-MIN_TEMPERATURE = 0.01
-
-
 def _check_generate_args(args) -> None:
     check_range("--max-new-tokens", args.max_new_tokens, 1, COUNT_LIMITS["max_new_tokens"])
     if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= MIN_TEMPERATURE):
@@ -601,15 +567,23 @@ def _check_generate_args(args) -> None:
     _not_negative("--top-k", args.top_k)
     check_range("--seed", args.seed, 0, COUNT_LIMITS["seed"])
     check_text("--prompt", args.prompt)
+    check_counts(args, ("threads",), allow_none=True)
 
 
 def cmd_generate(args) -> int:
+    _check_generate_args(args)
+    set_cpu_threads(args.threads)
+    with progress_bars(not args.no_progress):
+        print(_generate(args))
+    return 0
+
+
+def _generate(args) -> str:
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .demo import sample_text
 
-    _check_generate_args(args)
     path = _model_folder(args.model_dir)
     _check_weight_shapes(path)
     try:
@@ -621,11 +595,9 @@ def cmd_generate(args) -> int:
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False).eval()
     except (OSError, ValueError, SafetensorError) as err:  # missing or damaged weights
         raise CLIError(f"cannot load a causal LM from {str(path)!r}: {err}") from err
-    text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, greedy=args.greedy,
+    return sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, greedy=args.greedy,
                        temperature=1.0 if args.temperature is None else args.temperature,
                        top_k=args.top_k if args.top_k > 0 else None, static=args.static)
-    print(text)
-    return 0
 
 
 def _check_weight_shapes(path: Path) -> None:
@@ -710,7 +682,7 @@ def cmd_card(args) -> int:
 
 
 def cmd_cards(args) -> int:
-    from .models.card import stale_config_cards, write_config_cards
+    from .models.card import write_config_cards
 
     if not os.path.isdir(args.configs):
         raise CLIError(f"--configs: no such folder {args.configs!r}")
@@ -718,17 +690,29 @@ def cmd_cards(args) -> int:
     _check_card_configs(args.configs)
     try:
         if args.check:
-            stale = stale_config_cards(args.configs, args.output)
-            for name in stale:
-                print(f"stale: {os.path.join(args.output, name)}")
-            if stale:
-                print(f"run `lazoo cards --configs {args.configs} --output {args.output}` to regenerate them")
-            return 1 if stale else 0
+            return _check_cards(args.configs, args.output)
         written = write_config_cards(args.configs, args.output)
     except (FileExistsError, ValueError) as err:
         raise CLIError(str(err)) from err
     print(f"[lazoo] wrote {len(written)} cards into {args.output}")
     return 0
+
+
+def _check_cards(configs: str, output: str) -> int:
+    """`lazoo cards --check`: a verdict line either way (silence would not tell success from a check that did not
+    run), the stale cards named; status 1 if there are any."""
+    from .models.card import config_cards, stale_config_cards
+
+    folder, sources = os.path.join(output, ""), os.path.join(configs, "")
+    stale = stale_config_cards(configs, output)
+    if not stale:
+        print(f"[lazoo] {folder}: all {len(config_cards(configs))} cards are up to date with {sources}")
+        return 0
+    for name in stale:
+        print(f"stale: {os.path.join(output, name)}")
+    print(f"[lazoo] {folder}: {len(stale)} stale card(s); run `lazoo cards --configs {configs} --output {output}` "
+          "to regenerate them")
+    return 1
 
 
 def _check_card_configs(folder: str) -> None:
@@ -757,12 +741,19 @@ def cmd_convert(args) -> int:
     if not os.path.isdir(args.src):
         raise CLIError(f"no such folder {args.src!r}; give a fla checkpoint folder (config.json + safetensors)")
     try:
-        dst = from_fla(args.src, args.dst)
+        dst = from_fla(args.src, _convert_destination(args))
     except (ConversionError, FileExistsError) as err:  # the converter names the file and field in one line
         raise CLIError(str(err)) from err
     print(f"[lazoo] converted {args.src} -> {dst} (load it with AutoModelForCausalLM.from_pretrained after "
           "`import lazoo`, or with trust_remote_code=True without lazoo)")
     return 0
+
+
+def _convert_destination(args) -> str:
+    """DST, given as the second argument or as --output (one of them)."""
+    if (args.dst is None) == (args.output is None):
+        raise CLIError("give the lazoo folder to write once: as DST (lazoo convert SRC DST) or as --output DST")
+    return args.dst if args.dst is not None else args.output
 
 
 # ============================================================================ lazoo bench
@@ -791,35 +782,36 @@ def cmd_eval(args) -> int:
     from .models.export import UnknownModelTypeError
 
     try:
-        from .eval import main as eval_main
+        from .eval import check_args, run as run_eval
     except ImportError as err:
         raise CLIError(f"`lazoo eval` needs the evaluation extras ({err}); install them with "
                        "pip install 'lazoo[eval]'") from err
-    argv = list(args.args)
-    if not any(a in ("-h", "--help") for a in argv):
-        _check_eval_inputs(argv)
     try:
-        with _argparse_errors_in_one_line():
-            return _exit_code(eval_main(argv))
+        check_args(args)
+    except ValueError as err:
+        raise CLIError(str(err)) from err
+    _check_eval_inputs(args)
+    try:
+        return _exit_code(run_eval(args))
     except (FileNotFoundError, UnknownModelTypeError) as err:  # a model folder (checked before any work)
         raise CLIError(str(err)) from err
 
 
-def _check_eval_inputs(argv: list[str]) -> None:
-    """What `lazoo eval` would fail on only after evaluating: lm-eval missing, a saved config with a wrong field
-    (each argument that is a folder with a config.json), an --output or --task-dir that cannot be made."""
+def _check_eval_inputs(args) -> None:
+    """What `lazoo eval` would fail on only after evaluating: lm-eval missing, a saved config with a wrong field,
+    an --output or --task-dir that cannot be made, a --device this machine lacks, too many --threads."""
     if importlib.util.find_spec("lm_eval") is None:
         raise CLIError("`lazoo eval` needs lm-evaluation-harness; install it with pip install 'lazoo[eval]'")
-    for arg in argv:
-        if os.path.isfile(os.path.join(arg, "config.json")):
-            _model_folder(arg)
-    output, task_dir = _option_value(argv, "--output"), _option_value(argv, "--task-dir")
-    if output is not None:
-        check_new_file("--output", output)
-    if task_dir is not None:
-        check_new_folder("--task-dir", task_dir)
-    if _option_value(argv, "--device") is not None:
-        _check_device(_option_value(argv, "--device"))
+    for folder in args.models:
+        if os.path.isfile(os.path.join(folder, "config.json")):  # a folder without one: lazoo.eval names it
+            _model_folder(folder)
+    if args.output is not None:
+        check_new_file("--output", args.output)
+    if args.task_dir is not None:
+        check_new_folder("--task-dir", args.task_dir)
+    if args.device is not None:
+        _check_device(args.device)
+    check_counts(args, ("threads",), allow_none=True)
 
 
 def _check_device(device: str) -> None:
@@ -836,21 +828,11 @@ def _check_device(device: str) -> None:
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
-def _option_value(argv: list[str], option: str) -> str | None:
-    """The value of `option` in `argv` (`--option VALUE` or `--option=VALUE`; the last one given)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == option and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(option + "="):
-            value = arg[len(option) + 1:]
-    return value
-
-
 def cmd_demo(args) -> int:
-    from .demo import main as demo_main
+    from .demo import check_args, run as run_demo
 
-    demo_main(list(args.args))
+    check_args(args)
+    run_demo(args)
     return 0
 
 
@@ -858,158 +840,72 @@ def _exit_code(value) -> int:
     return value if isinstance(value, int) else 0
 
 
-# ============================================================================ the parser
-def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of longer runs (also what scripts/train_lm.py documents): precision, packing, accumulation,
-    checkpoints and resume, activation checkpointing, logging."""
-    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (CUDA, or CPU autocast)")
-    p.add_argument("--packing", action="store_true",
-                   help="cut every block after each eos and train on the documents packed in one row with "
-                        "restarting position_ids (DataCollatorWithFlattening): no document sees another")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1; at most 2^20)")
-    p.add_argument("--save-steps", type=int, default=None,
-                   help="save a checkpoint (model, optimizer, scheduler, RNG) to --output every N steps; each is "
-                        "written under a temporary name and renamed to checkpoint-N when complete, so an interrupted "
-                        "save never leaves a broken checkpoint")
-    p.add_argument("--save-total-limit", type=int, default=None, help="keep at most this many checkpoints")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                   help="resume from the last complete checkpoint in --output, passing over (and naming) incomplete "
-                        "ones, or from the given checkpoint folder")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each layer in backward (under FSDP set fsdp_activation_checkpointing instead)")
-    p.add_argument("--logging-steps", type=int, default=None, help="log the loss every N steps (default: steps/10)")
+# ============================================================================ threads and progress bars
+#: environment variables that set the number of CPU threads torch uses (read by torch at start)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="lazoo", description="lazoo: linear-time and hybrid attention models for Hugging Face Transformers",
-        epilog="Run `lazoo <command> --help` for the options of a command.")
-    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+def set_cpu_threads(threads: int | None) -> None:
+    """torch's CPU threads: `threads` when given; else what OMP_NUM_THREADS or MKL_NUM_THREADS set (torch has
+    read them); else every core, shared among the processes of this machine under `accelerate launch` (torch's
+    own default counts only physical cores). On a CUDA machine the default is left alone."""
+    import torch
 
-    p = sub.add_parser("list", help="mechanisms, their backends and Triton kernels, hybrid presets",
-                       description="List every mechanism (config.layer_types name, model type), the backends its "
-                       "op has (recurrent, chunk, triton) and the Triton kernel modules, read from the code.")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("-v", "--verbose", action="store_true", help="also print one line about each mechanism")
-    p.set_defaults(func=cmd_list)
-
-    from .demo import add_size_arguments
-    from .presets import known_layouts
-
-    p = sub.add_parser("train", help="train a causal LM with Trainer on a text file or the KJV corpus",
-                       description="Train a lazoo causal LM with transformers.Trainer on a text file (or the King "
-                       "James Bible shipped with lazoo), with a byte-level BPE tokenizer trained on the text; save "
-                       "model, tokenizer and model card to --output and print the held-out perplexity.")
-    p.add_argument("--config", required=True, metavar="LAYOUT",
-                   help=f"a layout ({', '.join(known_layouts())}) or a config .json (see configs/)")
-    p.add_argument("--output", required=True, metavar="DIR", help="folder for model, tokenizer and README.md")
-    p.add_argument("--text", default=None, metavar="FILE",
-                   help="a .txt (blank-line separated documents) or .jsonl ('text' field) file, or a folder of .txt "
-                        "files (default: the King James Bible)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200; at most 10^9)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per training block (default: 128; at most 2^20)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="blocks per step (default: 16); batch size x --grad-accum x processes may not exceed the "
-                        "training blocks the text gives")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, cosine schedule (default: 2e-3)")
-    add_size_arguments(p)
-    p.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for the perplexity (default: 48)")
-    p.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
-    p.add_argument("--seed", type=int, default=0, help="random seed, 0 to 2^32-1 (default: 0)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch, at most this machine's cores (default: all cores)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--overwrite", action="store_true",
-                   help="train into a non-empty --output, replacing the files lazoo train writes there (model, "
-                        "tokenizer, README.md; Trainer may delete older checkpoint-N folders). Without it a new "
-                        "run needs a new or empty folder")
-    add_training_arguments(p)
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("generate", help="continue a prompt with a saved model",
-                       description="Load a saved lazoo causal LM and its tokenizer and print the prompt with its "
-                       "continuation (sampled with temperature and top-k, or greedy).")
-    p.add_argument("model_dir", metavar="DIR", help="a folder written by `lazoo train` (or save_pretrained)")
-    p.add_argument("--prompt", default="", help="the text to continue (default: start from the bos token)")
-    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate, 1 to 2^20 (default: 50)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
-    mode.add_argument("--temperature", type=float, default=None,
-                      help=f"sampling temperature, at least {MIN_TEMPERATURE} (default: 1.0)")
-    p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default: 40)")
-    p.add_argument("--seed", type=int, default=0, help="random seed, 0 to 2^32-1 (default: 0)")
-    p.add_argument("--static", action="store_true",
-                   help="a static cache: on CUDA the decode steps are compiled and replayed as CUDA graphs (about 10x "
-                   "faster per token after a compile of tens of seconds); the same tokens")
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("card", help="(re)write the model card README.md of a saved model",
-                       description="Write DIR/README.md, the model card (mechanisms, equations, sources, config), "
-                       "from the saved config, with measured metrics if given. Replaces a card lazoo wrote; any "
-                       "other README.md only with --overwrite.")
-    p.add_argument("model_dir", metavar="DIR", help="a saved lazoo model folder")
-    p.add_argument("--metrics", default=None, metavar="JSON",
-                   help="metrics as a JSON object ('{\"eval_perplexity\": 12.3}') or a path to a .json file")
-    p.add_argument("--training-data", default=None, metavar="TEXT", help="a sentence about the training data")
-    p.add_argument("--overwrite", action="store_true", help="replace a README.md that lazoo did not write")
-    p.set_defaults(func=cmd_card)
-
-    p = sub.add_parser("cards", help="(re)write model_cards/: the card of every ready config in configs/",
-                       description="Write OUTPUT/<name>.md, the model card of each lazoo language-model config "
-                       "CONFIGS/<name>.json (mechanisms from their declarations, the config's options), and "
-                       "remove the cards it generated for configs that are gone. With --check, write nothing: "
-                       "list the stale cards and exit 1 if there are any.")
-    p.add_argument("--configs", default="configs", metavar="DIR", help="the config folder (default: configs)")
-    p.add_argument("--output", default="model_cards", metavar="DIR", help="the card folder (default: model_cards)")
-    p.add_argument("--check", action="store_true", help="only report stale cards (exit 1 if any)")
-    p.set_defaults(func=cmd_cards)
-
-    p = sub.add_parser("convert", help="convert a fla (flash-linear-attention) checkpoint into a lazoo folder",
-                       description="Read a fla checkpoint folder (config.json with a fla model_type: transformer, "
-                       "gla, delta_net, gated_deltanet and their hybrids with attention layers; safetensors weights, "
-                       "sharded or not) and write DST: config, weights, tokenizer files, a model card naming the "
-                       "source, and the trust_remote_code code. DST must be new or empty. A checkpoint that uses an "
-                       "option lazoo cannot express exactly is refused, naming the field; nothing is written then.")
-    p.add_argument("src", metavar="SRC", help="the fla checkpoint folder")
-    p.add_argument("dst", metavar="DST", help="the lazoo folder to write (new or empty)")
-    p.set_defaults(func=cmd_convert)
-
-    p = sub.add_parser("bench", help="GPU benchmarks (scripts/bench_*.py)",
-                       description="Run a benchmark script from the repository's scripts/ folder on a CUDA GPU; "
-                       "the arguments after the name go to the script (`lazoo bench kernels --help`).")
-    p.add_argument("which", choices=sorted(BENCH_SCRIPTS), help="kernels: every op against SDPA and fla; "
-                   "vla: VLA's Triton, chunk and per-token forms; ovq, local_linear, ttt: those kernels against "
-                   "SDPA / Gated DeltaNet; training: tokens/s of ~125M models; generate: ms per new token of ~125M models")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser("eval", help="evaluate saved models (lm-eval bridge; pip install 'lazoo[eval]')",
-                       add_help=False, description="lazoo.eval's command line (`lazoo eval --help`).")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("demo", help="train, evaluate, save, reload and sample a small model (`lazoo demo --help`)",
-                       add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_demo)
-    return parser
+    if threads:
+        torch.set_num_threads(threads)
+    elif not any(os.environ.get(name, "").strip() for name in THREAD_VARIABLES) and not torch.cuda.is_available():
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, _cpu_count() // processes))
 
 
-#: subcommands whose arguments (all of them, --help included) go to another command line unparsed
-PASS_THROUGH = {"eval": cmd_eval, "demo": cmd_demo}
+@contextlib.contextmanager
+def progress_bars(enabled: bool = True):
+    """With `enabled` False, no progress bar while the block runs: datasets' map and filter bars, transformers'
+    and huggingface_hub's loading and saving bars, and every other tqdm bar (lm-eval's have no switch), each
+    restored afterwards (a command may run in-process, as in the tests). Trainer's bar is off through its own
+    `disable_tqdm`, the tokenizer trainer's through `show_progress=False`."""
+    if enabled:
+        yield
+        return
+    import datasets
+    import huggingface_hub.utils as hub
+    import tqdm.std
+    import transformers.utils.logging as transformers_logging
 
+    restore = []
+    if not datasets.are_progress_bars_disabled():
+        datasets.disable_progress_bars()
+        restore.append(datasets.enable_progress_bars)
+    if not hub.are_progress_bars_disabled():
+        hub.disable_progress_bars()
+        restore.append(hub.enable_progress_bars)
+    if transformers_logging.is_progress_bar_enabled():
+        transformers_logging.disable_progress_bar()
+        restore.append(transformers_logging.enable_progress_bar)
+    init = tqdm.std.tqdm.__dict__["__init__"]
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    def disabled_init(self, *args, **kwargs):  # over an explicit disable=False too
+        init.__get__(self, type(self))(*args, **{**kwargs, "disable": True})
+
+    tqdm.std.tqdm.__init__ = disabled_init
     try:
-        if argv and argv[0] in PASS_THROUGH:
-            return PASS_THROUGH[argv[0]](argparse.Namespace(command=argv[0], args=argv[1:]))
-        args = build_parser().parse_args(argv)
-        return args.func(args)
+        yield
+    finally:
+        tqdm.std.tqdm.__init__ = init
+        for enable in restore:
+            enable()
+
+
+# ============================================================================ running a parsed command line
+def run(args, argv: list[str]) -> int:
+    """Run the command `args` (parsed from `argv` by lazoo_cli) and return its exit status; the errors a user can
+    cause are one line on stderr (see the module's docstring)."""
+    try:
+        return globals()[f"cmd_{args.command}"](args)
     except CLIError as err:
         return _fail(argv, str(err))
     except BrokenPipeError:  # the reader of the output went away (`lazoo list | head -1`): nothing to say
-        _silence_stdout()
+        silence_stdout()
         return 141
     except OSError as err:  # a file in the way, a read-only folder, a full disk: expected, said in one line
         return _fail(argv, _os_error_message(err))
@@ -1018,23 +914,14 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: checkpoints written so far are complete (see LazooTrainer)
         print(f"lazoo {_command(argv)}: interrupted", file=sys.stderr)
         return 130
-    except SystemExit as exit_:  # argparse (--help, bad arguments) and subcommands that exit
-        if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
-        print(exit_.code, file=sys.stderr)
-        return 1
+    except SystemExit as exit_:  # a check by argparse after parsing, and subcommands that exit
+        from lazoo_cli import exit_status
+
+        return exit_status(exit_)
 
 
 def _command(argv: list[str]) -> str:
     return argv[0] if argv and not argv[0].startswith("-") else ""
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's final flush into the closed pipe stays quiet."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # a stdout without a file descriptor (captured): nothing to flush there
-        pass
 
 
 def _fail(argv: list[str], message: str) -> int:

@@ -3,7 +3,6 @@ report held-out perplexity before and after, save it, reload it through the Auto
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -11,37 +10,24 @@ import shutil
 import time
 
 import torch
+from lazoo_cli.parser import DEFAULT_SIZES, SIZE_FLAGS, SIZE_LIMITS, add_size_arguments, command_parser
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, Trainer,
                           TrainingArguments, default_data_collator, set_seed)
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from .data import build_lm_datasets
-from .presets import build_config, known_layouts
+from .presets import build_config
 
-
-#: model sizes for a layout given by name; a config file's own sizes take their place
-DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "sliding_window": 64,
-                 "vocab_size": 4096}
-#: command-line flag -> config field, for the size options shared by `lazoo demo` and `lazoo train`
-SIZE_FLAGS = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-              "sliding_window": "sliding_window", "vocab_size": "vocab_size"}
-#: the largest size each option accepts (larger models than these do not fit a machine; a BPE vocabulary is
-#: allocated up front)
-SIZE_LIMITS = {"hidden_size": 16384, "layers": 1024, "heads": 1024, "sliding_window": 2**20, "vocab_size": 2**20}
-
-
-def add_size_arguments(p: argparse.ArgumentParser) -> None:
-    """The model size options (`--hidden-size`, `--layers`, `--heads`, `--sliding-window`, `--vocab-size`)."""
-    for flag, key in SIZE_FLAGS.items():
-        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
-                       help=f"(default: the config file's, else {DEFAULT_SIZES[key]}; at most {SIZE_LIMITS[flag]})")
+# the size options live with the parser (lazoo_cli.parser, importable without torch); named here as before
+__all__ = ["DEFAULT_SIZES", "SIZE_FLAGS", "SIZE_LIMITS", "add_size_arguments", "main", "run", "parse_args",
+           "check_args", "model_sizes", "make_trainer", "sample_text"]
 
 
 def model_sizes(args, layout: str | None = None) -> dict:
     """Sizes given on the command line, completed by DEFAULT_SIZES unless the layout is a config file
-    (`layout` defaults to `args.mechanism`)."""
-    layout = args.mechanism if layout is None else layout
+    (`layout` defaults to `args.config`)."""
+    layout = args.config if layout is None else layout
     given = {key: getattr(args, flag) for flag, key in SIZE_FLAGS.items()}
     from_file = layout.endswith(".json")
     sizes = {} if from_file else dict(DEFAULT_SIZES)
@@ -52,57 +38,33 @@ def model_sizes(args, layout: str | None = None) -> dict:
 
 
 def parse_args(argv=None):
-    from .cli import ArgumentParser
-
-    p = ArgumentParser(prog="lazoo demo", description=__doc__)
-    p.add_argument("--mechanism", default="sw-vla",
-                   help=f"layout: one of {', '.join(known_layouts())}, or a config .json (see configs/)")
-    p.add_argument("--corpus", default=None, help="a .txt/.jsonl file or folder (default: the embedded King James Bible)")
-    add_size_arguments(p)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16, help="blocks per step (at most the training blocks)")
-    p.add_argument("--steps", type=int, default=250)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-blocks", type=int, default=48, help="held-out blocks for perplexity")
-    p.add_argument("--output-dir", default="outputs/demo", help="the model is saved in OUTPUT_DIR/model")
-    p.add_argument("--overwrite", action="store_true",
-                   help="save into a non-empty OUTPUT_DIR/model, replacing the files a save writes there")
-    p.add_argument("--prompt", default="And God said,")
-    p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    _check_args(args)
+    """`lazoo demo`'s options (lazoo_cli.parser), checked."""
+    args = command_parser("demo").parse_args(argv)
+    check_args(args)
     return args
 
 
-def _check_args(args) -> None:
+def check_args(args) -> None:
     """Refuse nonsense numbers, unreadable input, text that is not UTF-8, and a model folder with files in it
     (unless --overwrite), before any work (`CLIError`: one line, status 2)."""
     from . import cli
 
-    cli.check_layout(args.mechanism, "--mechanism", args)
-    cli.check_input_path("--corpus", args.corpus, "a .txt/.jsonl file or a folder of .txt files")
-    cli.check_counts(args, ("block_size", "batch_size", "steps", "eval_blocks", "max_new_tokens"))
-    cli.check_counts(args, tuple(SIZE_FLAGS), allow_none=True)
+    cli.check_layout(args.config, "--config", args)
+    cli.check_input_path("--text", args.text, "a .txt/.jsonl file or a folder of .txt files")
+    cli.check_counts(args, ("seq_len", "batch_size", "steps", "eval_blocks", "max_new_tokens"))
+    cli.check_counts(args, (*SIZE_FLAGS, "threads"), allow_none=True)
     cli.check_range("--seed", args.seed, 0, cli.COUNT_LIMITS["seed"])
     cli.check_positive_float("--lr", args.lr)
     cli.check_text("--prompt", args.prompt)
-    save_dir = os.path.join(args.output_dir, "model")
-    cli.check_new_folder("--output-dir", args.output_dir)
+    save_dir = os.path.join(args.output, "model")
+    cli.check_new_folder("--output", args.output)
     if not args.overwrite and os.path.isdir(save_dir) and os.listdir(save_dir):
         raise cli.CLIError(f"{save_dir!r} is not empty: the demo saves its model there and does not replace files "
-                           "it did not write; choose another --output-dir or pass --overwrite")
+                           "it did not write; choose another --output or pass --overwrite")
 
 
 def perplexity(trainer: Trainer) -> float:
     return math.exp(trainer.evaluate()["eval_loss"])
-
-
-def use_all_cpu_threads() -> None:
-    """On CPU, all cores for torch, shared among the processes of this machine under `accelerate launch`."""
-    if not torch.cuda.is_available():
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, procs)))
 
 
 def load_lm_data(corpus, layout: str, sizes: dict, block_size: int, eval_blocks: int, seed: int,
@@ -317,29 +279,40 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, g
 
 
 def main(argv=None) -> dict:
-    """`lazoo demo`: bad input raises `lazoo.cli.CLIError` (`lazoo demo` prints it in one line)."""
+    """`lazoo demo` from a list of arguments: bad input raises `lazoo.cli.CLIError` (`lazoo demo` prints it in
+    one line)."""
+    return run(parse_args(argv))
+
+
+def run(args) -> dict:
+    """The demo on checked arguments (`parse_args`): train, evaluate, save, reload, sample."""
     from . import cli
 
-    args = parse_args(argv)
     set_seed(args.seed)
-    use_all_cpu_threads()
-    start = time.time()
+    cli.set_cpu_threads(args.threads)
+    with cli.progress_bars(not args.no_progress):
+        return _train_save_reload_sample(args)
 
+
+def _train_save_reload_sample(args) -> dict:
+    from . import cli
+
+    start = time.time()
     sizes = model_sizes(args)
-    data = cli.load_blocks(args.corpus, args.mechanism, sizes, args.block_size, args.eval_blocks, args.seed,
-                           flags=("--corpus", "--block-size"))
+    data = cli.load_blocks(args.text, args.config, sizes, args.seq_len, args.eval_blocks, args.seed)
     cli.check_batch_fits(args.batch_size, 1, len(data.train))
     tok = data.tokenizer
-    model = cli.build_model(args.mechanism, tok, sizes, flag="--mechanism")
+    model = cli.build_model(args.config, tok, sizes)
 
-    trainer = make_trainer(model, data, args.output_dir, args.steps, args.batch_size, args.lr, args.seed)
+    trainer = make_trainer(model, data, args.output, args.steps, args.batch_size, args.lr, args.seed,
+                           progress=not args.no_progress)
     ppl_before = perplexity(trainer)
     print(f"[lazoo] held-out perplexity before training: {ppl_before:.1f}")
     trainer.train()
     ppl_after = perplexity(trainer)
     print(f"[lazoo] held-out perplexity after {args.steps} steps: {ppl_after:.1f} (was {ppl_before:.1f})")
 
-    save_dir = os.path.join(args.output_dir, "model")
+    save_dir = os.path.join(args.output, "model")
     trainer.save_model(save_dir)
     tok.save_pretrained(save_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(save_dir).eval()
@@ -360,6 +333,6 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from .cli import main as cli_main
+    from lazoo_cli import main as cli_main
 
     sys.exit(cli_main(["demo", *sys.argv[1:]]))

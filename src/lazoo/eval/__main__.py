@@ -2,6 +2,6 @@
 
 import sys
 
-from ..cli import main
+from lazoo_cli import main
 
 sys.exit(main(["eval", *sys.argv[1:]]))

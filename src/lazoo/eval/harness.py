@@ -149,43 +149,41 @@ def format_table(per_model: dict[str, dict[str, dict[str, float]]], tasks: list[
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="lazoo eval",
-        description="Evaluate saved lazoo models (each folder with its tokenizer) with lm-evaluation-harness "
-                    "on lazoo's local, offline tasks; print one table (rows: models, columns: task metrics).")
-    p.add_argument("models", nargs="+", help="saved model folders (save_pretrained of model and tokenizer)")
-    p.add_argument("--tasks", default=",".join(TASKS),
-                   help=f"comma-separated local tasks (default: all: {','.join(TASKS)})")
-    p.add_argument("--limit", type=float, default=None,
-                   help="documents per task (an integer), or a fraction of each task if below 1")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="context window for lm-eval (default: the model config's max_position_embeddings)")
-    p.add_argument("--bootstrap-iters", type=int, default=0,
-                   help="lm-eval bootstrap iterations for standard errors (default 0: none, fast)")
-    p.add_argument("--task-dir", default=None,
-                   help="write the task data and YAMLs here and keep them (default: a temporary folder)")
-    p.add_argument("--output", default=None, help="write the metrics (and lm-eval's per-task configs) as JSON")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an --output file, or task files in --task-dir, that lazoo eval did not write")
-    args = p.parse_args(argv)
-    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    """`lazoo eval`'s options (lazoo_cli.parser, which `lazoo eval --help` reads without importing lm-eval or
+    torch), checked by :func:`check_args`; a bad one exits through argparse (status 2)."""
+    from lazoo_cli.parser import command_parser
+
+    parser = command_parser("eval")
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The option values argparse cannot check (ValueError naming the first that is wrong); `--tasks` becomes a
+    list and a `--limit` of 1 or more a whole number of documents."""
+    if isinstance(args.tasks, str):
+        args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown or not args.tasks:
-        p.error(f"unknown task(s) {', '.join(unknown) or '(none given)'}; the local tasks are {', '.join(TASKS)}")
+        raise ValueError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; the local tasks are "
+                         f"{', '.join(TASKS)}")
     if args.limit is not None:
         if not (math.isfinite(args.limit) and args.limit > 0):
-            p.error(f"--limit must be a positive finite number, got {args.limit}")
+            raise ValueError(f"--limit must be a positive finite number, got {args.limit}")
         if args.limit >= 1:
             args.limit = int(args.limit)
     if args.batch_size < 1:
-        p.error(f"--batch-size must be positive, got {args.batch_size}")
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
     if args.max_length is not None and args.max_length < 1:
-        p.error(f"--max-length must be positive, got {args.max_length}")
+        raise ValueError(f"--max-length must be positive, got {args.max_length}")
     if args.bootstrap_iters < 0:
-        p.error(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
-    return args
+        raise ValueError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be a positive number, got {args.threads}")
 
 
 def _is_eval_output(path: Path) -> bool:
@@ -236,9 +234,23 @@ def main(argv: list[str] | None = None) -> int:
     (FileNotFoundError), an unknown model type (UnknownModelTypeError) or an output file in the way
     (FileExistsError) raises a clear error naming it before anything has run (`lazoo eval` prints it as one line).
     """
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    return run(parse_args(sys.argv[1:] if argv is None else list(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`lazoo eval` on parsed, checked arguments (:func:`parse_args`): every input checked first, then each model
+    evaluated with --threads CPU threads (default: OMP_NUM_THREADS where set, else all cores), bars off with
+    --no-progress; prints the table, writes --output."""
+    from ..cli import progress_bars, set_cpu_threads
+
     _check_inputs(args)
     _require_lm_eval()
+    set_cpu_threads(args.threads)
+    with progress_bars(not args.no_progress):
+        return _evaluate_models(args)
+
+
+def _evaluate_models(args: argparse.Namespace) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
