@@ -1,5 +1,5 @@
 """Facts about the process the Triton kernels run in (the interpreter, the device) and tile sizes; tests import
-it without defining a kernel. Kernel machinery that modules share lives in ``lazoo.kernels._common``."""
+it without defining a kernel. The kernel machinery that modules share is listed in ``lazoo.kernels``."""
 
 from __future__ import annotations
 

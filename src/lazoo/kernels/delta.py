@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot, dot_types, fill_device
+from ._launch import dot_types, fill_device
+from ._tiles import dot
 from ._utils import next_pow2
 
 #: chunk sizes the kernels support
@@ -785,7 +786,7 @@ def _blocks(K: int, V: int, interpret: bool):
     return BKF, BK, BV
 
 
-#: programs a multiprocessor the sequential kernels' dv block aims at (``_common.fill_device``): at 0.5, T = 8k
+#: programs a multiprocessor the sequential kernels' dv block aims at (``_launch.fill_device``): at 0.5, T = 8k
 #: (B = 4, H = 16) runs 64-wide dv blocks, not 16-wide ones that read every chunk's keys 8 times a head. H200, bf16,
 #: fwd + bwd at 1k / 8k / 32k in one run: delta rule 2.94 / 3.58 / 3.71 ms at 2, 2.93 / 2.92 / 3.71 at 0.5
 SEQ_PROGRAMS_PER_SM = 0.5

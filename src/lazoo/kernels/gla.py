@@ -56,8 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dot_types, end_state, load_end_state,
-                      state_blocks, state_program, store_chunk_state)
+from ._chunk_layout import ChunkLayout
+from ._launch import chunk_state_dtype, dot_types, state_blocks
+from ._tiles import chunk_bounds, end_state, load_end_state, state_program, store_chunk_state
 from ._utils import next_pow2
 
 #: largest head dim (dk and dv) the kernels take

@@ -23,7 +23,7 @@ over chunks), ``_bwd_dh`` (state gradients, sequential in reverse), ``_bwd_dqkv`
 chunks) and ``_fused_recurrent`` (decoding a few tokens against a state, no autograd). At long T
 with few sequences × heads, the two sequential walks run in segments side by side (``_segments``):
 each segment's sum, a prefix sum over the segments, then the walks from each segment's start (not with
-a decay: ``lazoo.kernels._common``).
+a decay: ``lazoo.kernels._segments``).
 
 Conventions (see lazoo.ops): q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
 ``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
@@ -42,17 +42,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, fill_device,
-                      launch_first_fitting, load_end_state, segment_bounds, seq_bounds, state_blocks, state_program,
-                      state_walks, store_chunk_state, walk_segments)
-from . import _common
+from . import _segments
+from ._chunk_layout import ChunkLayout
+from ._launch import chunk_state_dtype, dqkv_configs, fill_device, launch_first_fitting, state_blocks
+from ._segments import segment_bounds, state_walks, walk_segments
+from ._tiles import chunk_bounds, end_state, load_end_state, seq_bounds, state_program, store_chunk_state
 from ._utils import device_unsupported, next_pow2
 
 #: largest head dim the kernels take (the backward holds a whole dk row of a chunk)
 MAX_HEAD_DIM = 256
-#: the state walks in segments (``_common.walk_segments``): at least this many, and chunks per segment forced
+#: the state walks in segments (``_segments.walk_segments``): at least this many, and chunks per segment forced
 #: (tests: segments at small T; None: walk_segments decides)
-MIN_SEGMENTS = _common.MIN_SEGMENTS
+MIN_SEGMENTS = _segments.MIN_SEGMENTS
 FORCE_SEGMENT_CHUNKS = None
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -89,7 +90,7 @@ def _fwd_h_kernel(
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, SEG: tl.constexpr, STORE_CHUNKS: tl.constexpr,
 ):
     """Grid (NK * NV, N * H, S): store the state at the start of every chunk, then the final state. With S
-    segments of SEG chunks (``_common.walk_segments``), a program walks one segment, from and to its own rows of h0
+    segments of SEG chunks (``_segments.walk_segments``), a program walks one segment, from and to its own rows of h0
     and ht (``[N, H, S, V, K]``); without STORE_CHUNKS it only sums (the segments' totals)."""
     i_nh, i_h, bos, T_seq, NT, boh, o_k, o_v, m_kv = state_program(cu_seqlens, chunk_offsets, T, H, K, V, BT, BK,
                                                                    BV, IS_VARLEN)
@@ -344,14 +345,14 @@ class _Ctx(ChunkLayout):
 
 
 def _segments(c: _Ctx, tiles: int, gated: bool, device) -> int:
-    """Chunks per segment of the state walks (``_common.walk_segments``), or 0 (always with a decay)."""
+    """Chunks per segment of the state walks (``_segments.walk_segments``), or 0 (always with a decay)."""
     if gated:
         return 0
     return walk_segments(c, c.N * c.H * tiles, device, FORCE_SEGMENT_CHUNKS, MIN_SEGMENTS)
 
 
 def _walks(kernel, c: _Ctx, args, state_args, g, first, want_last: bool, BK, BV, tiles, reverse: bool):
-    """``_fwd_h_kernel``'s walks (or ``_bwd_dh_kernel``'s, ``reverse``) through ``_common.state_walks``: ``args`` go
+    """``_fwd_h_kernel``'s walks (or ``_bwd_dh_kernel``'s, ``reverse``) through ``_segments.state_walks``: ``args`` go
     before the start and end states (``first``: the initial state, or the final state's gradient; None: zeros),
     ``state_args`` after them. Returns the last state (the final state, or the initial state's gradient) where
     ``want_last``."""

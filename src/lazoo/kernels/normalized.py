@@ -46,10 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
-from ._common import (ChunkLayout, chunk_bounds, chunk_state_dtype, dqkv_configs, end_state, launch_first_fitting,
-                      load_end_state, segment_bounds, seq_bounds, state_blocks, state_walks, store_chunk_state,
-                      walk_segments)
+from . import _segments
+from ._chunk_layout import ChunkLayout
+from ._launch import chunk_state_dtype, dqkv_configs, launch_first_fitting, state_blocks
+from ._segments import segment_bounds, state_walks, walk_segments
+from ._tiles import chunk_bounds, end_state, load_end_state, seq_bounds, store_chunk_state
 from ._utils import next_pow2
 
 #: the largest scalar-feature count (E = 1 or 2, ELA's)
@@ -61,10 +62,10 @@ FWD_BV = 64
 DQKV_BV = 64
 #: warps of the state kernels' programs
 STATE_WARPS = 4
-#: the state walks in segments (``_common.walk_segments``): at least this many, without and with scalar features.
+#: the state walks in segments (``_segments.walk_segments``): at least this many, without and with scalar features.
 #: Timed on an H200 (bf16, H = 16, D = 128, fwd + bwd at T = 32k, B = 1): normalised linear attention 2.155 -> 1.944
 #: ms; ELA's polynomial kernels (two scalar features) 2.93 -> 3.38 ms, so off there (1 << 30); 1k and 8k walk once.
-MIN_SEGMENTS = _common.MIN_SEGMENTS
+MIN_SEGMENTS = _segments.MIN_SEGMENTS
 MIN_SEGMENTS_SCALARS = 1 << 30
 #: chunks per segment forced (tests: segments at small T; None: walk_segments decides)
 FORCE_SEGMENT_CHUNKS = None
@@ -726,7 +727,7 @@ class _Ctx(ChunkLayout):
 
 def _state_walks(kernel, c: _Ctx, inputs, chunks, first, want_last: bool, reverse: bool):
     """Run a state kernel (``_fwd_h_kernel``, or ``_bwd_dh_kernel`` walking in ``reverse``) through
-    ``_common.state_walks``: every chunk's state into ``chunks`` (causal), from ``first`` (4 parts or None); returns
+    ``_segments.state_walks``: every chunk's state into ``chunks`` (causal), from ``first`` (4 parts or None); returns
     the walk's last states (4 parts) where ``want_last``, else None. Non-causal: the sequences' sums alone."""
     dev = inputs[0].device
     BK, BV = state_blocks(c.K, c.V)

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot, fill_device
+from ._launch import fill_device
+from ._tiles import dot
 from ._utils import next_pow2
 
 #: largest head dim (dk and dv) the kernels take

@@ -1,0 +1,47 @@
+"""The chunks of one call of a chunked kernel: N sequences (B samples, or the packed sequences of ``cu_seqlens``),
+NT chunks of ``BT`` tokens in all, and for packed sequences the maps from a program's chunk to its sequence."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def prepare_varlen(cu_seqlens: torch.Tensor, BT: int):
+    """(chunk_offsets [N+1], chunk_indices [NT, 2] of (sequence, chunk in sequence), NT)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    nchunks = (lens + BT - 1) // BT
+    chunk_offsets = torch.zeros(len(lens) + 1, dtype=torch.int64, device=cu_seqlens.device)
+    chunk_offsets[1:] = nchunks.cumsum(0)
+    counts = nchunks.tolist()
+    NT = int(sum(counts))
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=cu_seqlens.device), nchunks, output_size=NT)
+    within = torch.arange(NT, device=cu_seqlens.device) - chunk_offsets[:-1][seq]
+    chunk_indices = torch.stack([seq, within], 1).contiguous()
+    return chunk_offsets, chunk_indices, NT
+
+
+class ChunkLayout:
+    """Shapes and chunk maps of one call of a chunked kernel (q ``[B, T, H, K]``, v ``[B, T, H, V]``, chunks of
+    ``BT`` tokens): N sequences, NT chunks in all, and with ``cu_seqlens`` the maps ``prepare_varlen`` builds
+    (else None)."""
+
+    def __init__(self, q, v, cu_seqlens, BT: int):
+        B, T, H, K = q.shape
+        self.B, self.T, self.H, self.K, self.V = B, T, H, K, v.shape[-1]
+        self.BT = BT
+        self.varlen = cu_seqlens is not None
+        if self.varlen:
+            self.N = len(cu_seqlens) - 1
+            self.chunk_offsets, self.chunk_indices, self.NT = prepare_varlen(cu_seqlens, BT)
+            self.cu = cu_seqlens
+        else:
+            self.N = B
+            self.NT = B * triton.cdiv(T, BT)
+            self.chunk_offsets = self.chunk_indices = self.cu = None
+
+    def grid(self, *lead):
+        """A chunk kernel's grid: (lead..., chunks, B * H), or (lead..., total chunks, H) with cu_seqlens."""
+        if self.varlen:
+            return (*lead, self.NT, self.H)
+        return (*lead, triton.cdiv(self.T, self.BT), self.B * self.H)
