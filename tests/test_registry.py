@@ -104,7 +104,6 @@ def test_the_declaration_says_what_the_code_does(name):
     fn = getattr(fn, "__wrapped__", fn)  # the autocast wrapper
     kernels = _kernel_modules(fn.__module__, fn.__name__, set())
     assert kernels == set(m.kernels), f"{name}: the op reaches {sorted(kernels)}, declared {list(m.kernels)}"
-    assert all((SRC / path).is_file() for path in m.kernel_files), m.kernel_files
     assert ("triton" in m.backends) == bool(kernels)
 
 

@@ -85,11 +85,6 @@ class Mechanism:
     def defaults(self) -> dict[str, Any]:
         return dict(self.mixer.defaults)
 
-    @property
-    def kernel_files(self) -> tuple[str, ...]:
-        """The kernel modules as source paths, below src/ without its `lazoo/` (`kernels/vla/token.py`)."""
-        return tuple(module.removeprefix("lazoo.").replace(".", "/") + ".py" for module in self.kernels)
-
 
 #: names lazoo uses for model types that are not mechanisms: a mechanism of one of these names would take over
 #: the model type `lazoo_<name>`
