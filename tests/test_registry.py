@@ -75,8 +75,9 @@ def _kernel_modules(module_name: str, function: str, seen: set) -> set[str]:
             elif node.id in imported:
                 found |= _kernel_modules(imported[node.id], node.id, seen)
     found = {k for k in found if importlib.util.find_spec(k) is not None}
-    # private helpers (_tiles, _launch, _segments, _utils, ...) are shared plumbing, not kernels
-    return {k for k in _with_kernel_imports(found) if not k.rsplit(".", 1)[1].startswith("_")}
+    # private helpers (_tiles, _launch, _segments, _utils, ...) are shared plumbing and limits a table: not kernels
+    return {k for k in _with_kernel_imports(found)
+            if not k.rsplit(".", 1)[1].startswith("_") and k != "lazoo.kernels.limits"}
 
 
 def _with_kernel_imports(modules: set[str]) -> set[str]:

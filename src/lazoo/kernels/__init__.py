@@ -2,9 +2,9 @@
 
 Imported lazily by the ops (only when the Triton backend runs), so that ``import lazoo`` never
 defines a Triton kernel: under ``TRITON_INTERPRET=1`` the variable must be set before that.
-One module per mechanism family (VLA's and OVQ's several kernels in the subpackages ``vla`` and ``ovq``). What
-several of them use: ``_tiles`` (the chunked kernels' tile prologues, state tile loads and stores),
-``_chunk_layout`` (the chunks of packed sequences), ``_launch`` (launch settings, block sizes, operand types),
-``_segments`` (state walks in segments), ``_graphs`` (CUDA graphs) and ``_utils`` (the interpreter, the device, tile
-sizes; defines no kernel).
+One module per mechanism family (VLA's and OVQ's several kernels in the subpackages ``vla`` and ``ovq``); what each
+takes (head dims, chunk sizes, dtypes) is stated in ``limits``, which imports no Triton. What several of them use:
+``_tiles`` (the chunked kernels' tile prologues, state tile loads and stores), ``_chunk_layout`` (the chunks of
+packed sequences), ``_launch`` (launch settings, block sizes, operand types), ``_segments`` (state walks in
+segments), ``_graphs`` (CUDA graphs) and ``_utils`` (the interpreter, the device, tile sizes; defines no kernel).
 """

@@ -46,11 +46,7 @@ import triton.language as tl
 from ._launch import dot_types, fill_device
 from ._tiles import dot
 from ._utils import next_pow2
-
-#: chunk sizes the kernels support
-CHUNK_SIZES = (16, 32, 64)
-#: largest head dim (dk and dv) the kernels support
-MAX_HEAD_DIM = 256
+from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES, DELTA_MAX_HEAD_DIM as MAX_HEAD_DIM, KERNEL_DTYPES
 
 
 # ============================================================================ small jit helpers
@@ -1007,7 +1003,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
 
 
 def _check(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{op}: the Triton kernel takes float32/float16/bfloat16 inputs, not {q.dtype}")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"{op}: head dims up to {MAX_HEAD_DIM}, got dk={q.shape[-1]}, dv={v.shape[-1]}")

@@ -60,9 +60,8 @@ from ._chunk_layout import ChunkLayout
 from ._launch import chunk_state_dtype, dot_types, state_blocks
 from ._tiles import chunk_bounds, end_state, load_end_state, state_program, store_chunk_state
 from ._utils import next_pow2
+from .limits import GLA_MAX_HEAD_DIM as MAX_HEAD_DIM, KERNEL_DTYPES
 
-#: largest head dim (dk and dv) the kernels take
-MAX_HEAD_DIM = 256
 #: chunk and sub-chunk sizes
 CHUNK = 64
 SUB = 16
@@ -596,7 +595,7 @@ def chunk_gla(q, k, v, g, *, scale: float, initial_state=None, output_final_stat
     dk, dv = q.shape[-1], v.shape[-1]
     if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
         raise ValueError(f"chunk_gla: head dims up to {MAX_HEAD_DIM} are supported, got dk={dk}, dv={dv}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"chunk_gla: q, k, v must share one dtype of float32/float16/bfloat16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if not g.is_floating_point():

@@ -64,12 +64,9 @@ import triton.language as tl
 
 from ._utils import device_unsupported, next_pow2
 from .slope_features import head_stride, project
+from .limits import (KERNEL_DTYPES as SUPPORTED_DTYPES, LOCAL_LINEAR_MAX_HEAD_DIM as MAX_HEAD_DIM,
+                     LOCAL_LINEAR_MAX_RANK as MAX_RANK)
 
-#: largest head dims (q/k and v) the kernels take
-MAX_HEAD_DIM = 128
-#: largest number of slope features (r×r moments per query live in registers)
-MAX_RANK = 32
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 

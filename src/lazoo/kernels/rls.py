@@ -43,11 +43,8 @@ import triton
 import triton.language as tl
 
 from ._utils import is_interpreting, next_pow2
+from .limits import RLS_BLOCK as BS, RLS_MAX_HEAD_DIM as MAX_HEAD_DIM
 
-#: rows of a sub-block (the pivot blocks of the sweep and the positions solved at once)
-BS = 16
-#: largest head dim: the dk×dk inverse lives in registers
-MAX_HEAD_DIM = 128
 #: positions per program (one dk×dk inverse each), product precision and warps per program (chosen from a
 #: sweep on an H100: docs/rls.md)
 CHUNK = 512

@@ -20,10 +20,7 @@ import triton
 import triton.language as tl
 
 from ._utils import is_interpreting, next_pow2
-
-#: widest convolution the kernels take (taps unrolled at compile time)
-MAX_KERNEL_SIZE = 8
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES, SHORT_CONV_MAX_KERNEL_SIZE as MAX_KERNEL_SIZE
 
 
 @triton.jit

@@ -45,11 +45,7 @@ import triton.language as tl
 from ._launch import fill_device
 from ._tiles import dot
 from ._utils import next_pow2
-
-#: largest head dim (dk and dv) the kernels take
-MAX_HEAD_DIM = 256
-#: largest mini-batch the kernels take (one mini-batch is one tile)
-MAX_MINI_BATCH = 128
+from .limits import TTT_MAX_HEAD_DIM as MAX_HEAD_DIM, TTT_MAX_MINI_BATCH as MAX_MINI_BATCH
 
 
 # ============================================================================ jit helpers

@@ -31,9 +31,9 @@ Every exported file opens with `EXPORT_HEADER`; the export overwrites only such 
 writing anything) a same-named file without it, which the user made.
 
 The exported copy is the PyTorch (recurrent / chunk) code only: lazoo's Triton kernels (`lazoo.kernels`)
-are not copied. Imports of them become `raise ImportError(...)`, and the exported `resolve_backend`
-never picks "triton" (auto uses the chunk form, logging once why on CUDA; a forced "triton" raises a
-clear error).
+are not copied, except the table of their limits (`lazoo.kernels.limits`, no Triton), which the ops read. Imports
+of them become `raise ImportError(...)`, and the exported `resolve_backend` never picks "triton" (auto uses the
+chunk form, logging once why on CUDA; a forced "triton" raises a clear error).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ ENTRY_MODULES = {"lazoo.models.configuration_lazoo": "configuration_lazoo",
 #: the export and card writers themselves (a model loaded from the folder is re-saved by transformers' own
 #: `trust_remote_code` machinery, which copies these flat files)
 SKIPPED_PACKAGES = ("lazoo.kernels", "lazoo.models.export", "lazoo.models.card")
+#: the modules of the skipped packages that are exported all the same: the kernels' limits, which the ops read
+EXPORTED_ANYWAY = ("lazoo.kernels.limits",)
 
 NO_TRITON_REASON = ("lazoo's Triton kernels are not part of this exported model folder "
                     "(install lazoo to use them)")
@@ -129,6 +131,8 @@ def flat_name(module: str) -> str:
 
 
 def _is_skipped(module: str) -> bool:
+    if module in EXPORTED_ANYWAY:
+        return False
     return any(module == p or module.startswith(p + ".") for p in SKIPPED_PACKAGES)
 
 

@@ -65,9 +65,6 @@ def requested_backend(backend: str | None) -> tuple[str | None, str]:
     return os.environ.get(BACKEND_ENV) or None, f"the {BACKEND_ENV} environment variable"
 
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _find_triton() -> str | None:
     import importlib.util
 
@@ -85,10 +82,10 @@ def triton_missing() -> str | None:
     return _TRITON_MISSING
 
 
-def triton_unsupported(q: torch.Tensor, v: torch.Tensor, max_head_dim: int,
-                       dtypes: tuple = KERNEL_DTYPES) -> str | None:
+def triton_unsupported(q: torch.Tensor, v: torch.Tensor, max_head_dim: int, dtypes: tuple) -> str | None:
     """The checks every op's Triton path shares (Triton installed, input dtype, head dims, device, the
-    interpreter on CPU): None when they pass, else why not. Ops add their own checks after these."""
+    interpreter on CPU): None when they pass, else why not. The op passes its kernel's limits (``max_head_dim``,
+    ``dtypes``: ``lazoo.kernels.limits``) and adds its own checks after these."""
     if triton_missing():
         return triton_missing()
     if q.dtype not in dtypes:

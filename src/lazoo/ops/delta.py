@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.limits import DELTA_CHUNK_SIZES, DELTA_MAX_HEAD_DIM, KERNEL_DTYPES
 from .backend import resolve_backend, triton_unsupported
 from .boundary import op_result, prepare_inputs, zero_masked
 from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
@@ -102,16 +103,14 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
 
 
 # ============================================================================ Triton path
-_TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.delta.MAX_HEAD_DIM (not imported: kernels load lazily)
-_TRITON_CHUNK_SIZES = (16, 32, 64)  # = lazoo.kernels.delta.CHUNK_SIZES
 _DECODE_MAX_T = 64  # fused recurrent kernel up to this many tokens per sequence (no autograd)
 
 
 def delta_kernel_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str | None:
     """None when lazoo.kernels.delta runs this case, else why not (imports no kernel; VLA's S update runs it too)."""
-    if chunk_size not in _TRITON_CHUNK_SIZES:
-        return f"the Triton kernel takes chunk_size in {_TRITON_CHUNK_SIZES}, got {chunk_size}"
-    return triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
+    if chunk_size not in DELTA_CHUNK_SIZES:
+        return f"the Triton kernel takes chunk_size in {DELTA_CHUNK_SIZES}, got {chunk_size}"
+    return triton_unsupported(q, v, DELTA_MAX_HEAD_DIM, KERNEL_DTYPES)
 
 
 def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state, mask,

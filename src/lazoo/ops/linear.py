@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels.limits import KERNEL_DTYPES, LINEAR_MAX_HEAD_DIM
 from .backend import resolve_backend, triton_unsupported
 from .boundary import op_result, prepare_inputs, zero_masked
 from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
@@ -217,13 +218,10 @@ def chunk_gla(q, k, v, g, S0, chunk_size: int):
 
 
 # ============================================================================ Triton paths
-_TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.linear.MAX_HEAD_DIM (not imported here: lazy kernels)
-
-
 def linear_kernel_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when lazoo.kernels.linear runs this case, else why not (imports no kernel on CPU; RLS's memory part
     runs it too)."""
-    reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
+    reason = triton_unsupported(q, v, LINEAR_MAX_HEAD_DIM, KERNEL_DTYPES)
     if reason:
         return reason
     try:

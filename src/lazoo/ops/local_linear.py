@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..kernels.limits import KERNEL_DTYPES, LOCAL_LINEAR_MAX_HEAD_DIM, LOCAL_LINEAR_MAX_RANK
 from .backend import host_sync_allowed, resolve_backend, triton_unsupported
 from .boundary import op_result, prepare_inputs, zero_masked
 from .checks import check_float, check_positive_int, check_positive_number, check_same_device
@@ -163,19 +164,15 @@ def _features(X, P):
     return torch.einsum("bhtd,hrd->bhtr", X, P)
 
 
-_TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.local_linear.MAX_HEAD_DIM (not imported here: lazy kernels)
-_TRITON_MAX_RANK = 32  # = lazoo.kernels.local_linear.MAX_RANK
-
-
 def _triton_unsupported(q, v, P) -> str | None:
     """None when lazoo.kernels.local_linear runs this case, else why not (imports no kernel on CPU)."""
     dk = q.shape[-1]
     r = dk if P is None else P.shape[-2]
-    if r > _TRITON_MAX_RANK:
+    if r > LOCAL_LINEAR_MAX_RANK:
         what = f"the exact slope has r = dk = {dk} features" if P is None else f"rank_projection has r = {r}"
-        return (f"the Triton kernel keeps r×r moments per query and takes r <= {_TRITON_MAX_RANK} slope "
-                f"features, but {what}; pass rank_projection [r, dk] with r <= {_TRITON_MAX_RANK}")
-    reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
+        return (f"the Triton kernel keeps r×r moments per query and takes r <= {LOCAL_LINEAR_MAX_RANK} slope "
+                f"features, but {what}; pass rank_projection [r, dk] with r <= {LOCAL_LINEAR_MAX_RANK}")
+    reason = triton_unsupported(q, v, LOCAL_LINEAR_MAX_HEAD_DIM, KERNEL_DTYPES)
     if reason:
         return reason
     try:

@@ -74,6 +74,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ..kernels.limits import KERNEL_DTYPES, OVQ_ASSIGN_MAX_CHUNK, OVQ_ASSIGN_MAX_HEAD_DIM, OVQ_MAX_HEAD_DIM
 from .backend import host_sync_allowed, resolve_backend, triton_unsupported
 from .boundary import empty_batch_result, op_result, prepare_inputs
 from .checks import check_choice, check_positive_int, check_same_device, check_same_dtype
@@ -525,13 +526,9 @@ def _ovq_chunk(q, k, v, real, state, L, N, sync=True, fresh=False):
 
 
 # ============================================================================ Triton path
-_TRITON_MAX_HEAD_DIM = 128  # = lazoo.kernels.ovq.attention.MAX_HEAD_DIM (not imported here: kernels load lazily)
-_TRITON_ASSIGN_MAX_CHUNK = 128  # = lazoo.kernels.ovq.assign.MAX_CHUNK (its head dim limit is the op's, 128)
-
-
 def _triton_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """None when lazoo.kernels.ovq.attention runs this case, else why not (imports no kernel)."""
-    reason = triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM)
+    reason = triton_unsupported(q, v, OVQ_MAX_HEAD_DIM, KERNEL_DTYPES)
     if reason:
         return reason
     try:
@@ -676,7 +673,8 @@ def _ovq_triton(q, k, v, real, state, L, N, kdt, triton_assign, fresh_unmasked=F
         Qp, Kp, Vp, valid, total, nb = _pad_to_chunks(q, k, v, L)
     else:
         Qp, Kp, Vp, valid, dest, total, nb = _pack(q, k, v, real, bk, bv, t0, L)
-    if triton_assign and L <= _TRITON_ASSIGN_MAX_CHUNK and Kp.dtype == torch.float32:
+    assign_fits = L <= OVQ_ASSIGN_MAX_CHUNK and Kp.shape[-1] <= OVQ_ASSIGN_MAX_HEAD_DIM
+    if triton_assign and assign_fits and Kp.dtype == torch.float32:
         from ..kernels.ovq.assign import ovq_assign
 
         slots, before, counts_end = ovq_assign(Kp.detach(), valid.sum(1) // L, t0 - nb, st["Dk"].detach(),

@@ -67,6 +67,7 @@ import warnings
 
 import torch
 
+from ..kernels.limits import RLS_BLOCK, RLS_MAX_HEAD_DIM
 from .backend import host_sync_allowed, requested_backend, resolve_backend
 from .boundary import op_result, prepare_inputs
 from .checks import check_positive_int, check_same_device
@@ -205,18 +206,14 @@ def _shortfall_message(where: str, rho: torch.Tensor, bad: torch.Tensor, tol: fl
 
 # ----------------------------------------------------------------------------- triton
 def _triton_unsupported(q, v, gamma, chunk_size) -> str | None:
-    """None when the Triton path runs this case."""
-    try:
-        from ..kernels.rls import BS, MAX_HEAD_DIM
-    except ImportError as e:  # no Triton here, or a copy of the model code without the kernels
-        return f"lazoo.kernels.rls cannot be imported ({e})"
-
+    """None when the Triton path runs this case (Triton installed, and the kernels importable: checked by
+    ``linear_kernel_unsupported``)."""
     if gamma != 1.0:
         return "the Triton path covers gamma = 1 only (gamma < 1 is solved exactly per position)"
-    if q.shape[-1] > MAX_HEAD_DIM:
-        return f"the Triton path takes head dims up to {MAX_HEAD_DIM} (got {q.shape[-1]})"
-    if chunk_size is not None and chunk_size % BS:
-        return f"the Triton path needs chunk_size to be a multiple of {BS} (got {chunk_size})"
+    if q.shape[-1] > RLS_MAX_HEAD_DIM:
+        return f"the Triton path takes head dims up to {RLS_MAX_HEAD_DIM} (got {q.shape[-1]})"
+    if chunk_size is not None and chunk_size % RLS_BLOCK:
+        return f"the Triton path needs chunk_size to be a multiple of {RLS_BLOCK} (got {chunk_size})"
     return linear_kernel_unsupported(q, v)
 
 

@@ -51,7 +51,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .backend import host_sync_allowed, KERNEL_DTYPES, resolve_backend, triton_unsupported
+from ..kernels.limits import KERNEL_DTYPES, TTT_MAX_HEAD_DIM, TTT_MAX_MINI_BATCH
+from .backend import host_sync_allowed, resolve_backend, triton_unsupported
 from .boundary import op_result, prepare_inputs, zero_masked
 from .checks import check_float, check_positive_int
 from .dtypes import compute_dtype, without_autocast
@@ -179,19 +180,15 @@ def ttt_mlp_decode_step(q, k, v, eta, state, *, mini_batch_size: int, real=None)
 
 
 # ============================================================================ Triton path (ttt_linear)
-_TRITON_MAX_HEAD_DIM = 256  # = lazoo.kernels.ttt.MAX_HEAD_DIM (not imported: kernels load lazily)
-_TRITON_MAX_MINI_BATCH = 128  # = lazoo.kernels.ttt.MAX_MINI_BATCH
-
-
 def _linear_triton_unsupported(q, v, b, state) -> str | None:
     """None when lazoo.kernels.ttt runs this case, else why not (imports no kernel)."""
     # float64: the interpreter only (the tests' exact check of the hand-written backward)
     ok = KERNEL_DTYPES + ((torch.float64,) if b > 1 and q.device.type == "cpu" else ())
-    if b > _TRITON_MAX_MINI_BATCH:
-        return f"the Triton kernel takes mini_batch_size up to {_TRITON_MAX_MINI_BATCH}, got {b}"
+    if b > TTT_MAX_MINI_BATCH:
+        return f"the Triton kernel takes mini_batch_size up to {TTT_MAX_MINI_BATCH}, got {b}"
     if b == 1 and not state.get("_fresh", False) and not torch.equal(state["W_start"], state["W"]):
         return "with mini_batch_size=1 the Triton kernel (the delta rule) needs W_start = W in the initial state"
-    return triton_unsupported(q, v, _TRITON_MAX_HEAD_DIM, ok)
+    return triton_unsupported(q, v, TTT_MAX_HEAD_DIM, ok)
 
 
 def _linear_triton(q, k, v, eta, state, b, mask, output_final_state):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.limits import VLA_MAX_HEAD_DIM
 from .backend import host_sync_allowed, resolve_backend
 from .boundary import empty_batch_result, op_result, prepare_inputs, zero_masked
 from .checks import check_choice, check_positive_int, check_positive_number
@@ -225,13 +226,12 @@ def _recurrent_vla(q_r, k_feat, k_hat, u_hat, v, real, state, *, refresh_period,
 
 
 # ============================================================================ Triton path
-_TRITON_MAX_DK = 128  # = lazoo.kernels.vla.token.MAX_HEAD_DIM (not imported: kernels load lazily)
 _DECODE_MAX_T = 16  # fused recurrent S update up to this many tokens without autograd
 
 
 def _triton_unsupported(q, v, chunk_size) -> str | None:
-    if q.shape[-1] > _TRITON_MAX_DK:
-        return f"the Triton VLA scan holds A in registers: dk up to {_TRITON_MAX_DK}, got {q.shape[-1]}"
+    if q.shape[-1] > VLA_MAX_HEAD_DIM:
+        return f"the Triton VLA scan holds A in registers: dk up to {VLA_MAX_HEAD_DIM}, got {q.shape[-1]}"
     return delta_kernel_unsupported(q, v, chunk_size)
 
 

@@ -39,9 +39,8 @@ import triton
 import triton.language as tl
 
 from .._utils import is_interpreting, next_pow2, num_sms
+from ..limits import OVQ_MAX_HEAD_DIM as MAX_HEAD_DIM
 
-#: largest head dim (q/k tiles and the [BM, dv] accumulator are held whole)
-MAX_HEAD_DIM = 128
 #: a finite "minus infinity" for masked logits (keeps fully masked rows NaN-free)
 NEG_INF = -1.0e30
 NEG = tl.constexpr(NEG_INF)

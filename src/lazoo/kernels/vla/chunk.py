@@ -46,10 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..limits import VLA_MAX_HEAD_DIM as MAX_HEAD_DIM
 from ._blocks import block_start, ldl_inverse, rows, seg_end, seg_start, store_rows
 
-#: largest head dim (A is held whole in registers)
-MAX_HEAD_DIM = 128
 #: tokens per block (the chunk length of the Woodbury step; tl.dot needs >= 16)
 BLOCK = 16
 #: blocks between checkpoints of A (BLOCK * CKPT_BLOCKS = 256 tokens)

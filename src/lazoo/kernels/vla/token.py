@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-#: largest head dim (A is held whole in registers)
-MAX_HEAD_DIM = 128
+from ..limits import VLA_MAX_HEAD_DIM as MAX_HEAD_DIM
+
 #: tokens between checkpoints of A (memory: B·H·T/CKPT·dk² fp32)
 CKPT = 256
 
