@@ -123,10 +123,11 @@ def test_save_pretrained_writes_the_auto_map_and_the_code(saved):
         config = json.loads(open(os.path.join(folder, "config.json")).read())
         config_cls, base_cls, lm_cls = MODEL_CLASSES[config["model_type"]]
         assert config["model_type"] == model.config.model_type
+        kind = "lazoo" if config["model_type"] == "lazoo_hybrid" else "mechanisms"  # the hybrid's, or a mechanism's
         assert config["auto_map"] == {
-            "AutoConfig": f"configuration_lazoo.{config_cls.__name__}",
-            "AutoModel": f"modeling_lazoo.{base_cls.__name__}",
-            "AutoModelForCausalLM": f"modeling_lazoo.{lm_cls.__name__}",
+            "AutoConfig": f"configuration_{kind}.{config_cls.__name__}",
+            "AutoModel": f"modeling_{kind}.{base_cls.__name__}",
+            "AutoModelForCausalLM": f"modeling_{kind}.{lm_cls.__name__}",
         }
         files = set(os.listdir(folder))
         assert set(exported_sources()) <= files
@@ -136,7 +137,7 @@ def test_save_pretrained_writes_the_auto_map_and_the_code(saved):
     # like transformers' register_for_auto_class, the saved config keeps its auto_map; with lazoo imported,
     # loading still uses lazoo's own classes unless trust_remote_code=True is passed
     model = saved["vla"][3]
-    assert model.config.auto_map["AutoModelForCausalLM"] == "modeling_lazoo.LazooVLAForCausalLM"
+    assert model.config.auto_map["AutoModelForCausalLM"] == "modeling_mechanisms.LazooVLAForCausalLM"
     assert type(AutoModelForCausalLM.from_pretrained(saved["vla"][0])) is type(model)
     assert type(AutoModelForCausalLM.from_config(model.config)) is type(model)
 

@@ -120,9 +120,9 @@ def test_everything_is_derived_from_the_declaration(name):
         assert f"    {key} = " in type(config).__doc__
     classes = lazoo.MODEL_CLASSES[m.model_type]
     assert [c.__name__ for c in classes[1:]] == [f"{m.class_prefix}Model", f"{m.class_prefix}ForCausalLM"]
-    from lazoo.models import modeling_lazoo
+    from lazoo.models import modeling_mechanisms
 
-    assert getattr(modeling_lazoo, f"{m.class_prefix}ForSequenceClassification").config_class is type(config)
+    assert getattr(modeling_mechanisms, f"{m.class_prefix}ForSequenceClassification").config_class is type(config)
     card = render_model_card(config)
     assert m.title in card and m.source in card
 

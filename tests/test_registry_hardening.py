@@ -23,7 +23,7 @@ import lazoo
 from lazoo import registry
 from lazoo.layers.mixers import delta
 from lazoo.layers.mixers.linear import LinearAttentionMixer
-from lazoo.models import configuration_lazoo, modeling_lazoo
+from lazoo.models import configuration_lazoo, configuration_mechanisms, modeling_lazoo, modeling_mechanisms
 from lazoo.registry import Mechanism
 
 from conftest import random_ids, tiny_model
@@ -41,7 +41,7 @@ def _containers(module) -> list:
 @pytest.fixture
 def isolated():
     """Everything a registration touches, saved before the row and put back after it (also when it fails)."""
-    modules = (registry, configuration_lazoo, modeling_lazoo, delta)
+    modules = (registry, configuration_lazoo, configuration_mechanisms, modeling_lazoo, modeling_mechanisms, delta)
     namespaces = {module: dict(vars(module)) for module in modules}
     containers = [(c, c.copy()) for module in modules for c in _containers(module)]
     containers += [(m, m.copy()) for m in (CONFIG_MAPPING._extra_content,
@@ -82,7 +82,7 @@ def assert_builtin_intact() -> None:
     m = registry.get(BUILTIN)
     assert m.mixer is delta.GatedDeltaNetMixer
     config_class = lazoo.MECHANISM_CONFIGS[BUILTIN]
-    assert configuration_lazoo.LazooGatedDeltaNetConfig is config_class
+    assert configuration_mechanisms.LazooGatedDeltaNetConfig is config_class
     assert lazoo.MODEL_CLASSES[m.model_type][0] is config_class and CONFIG_MAPPING[m.model_type] is config_class
 
 
@@ -186,7 +186,7 @@ def row_with_the_override_a_builtin_is_swapped_removed_and_restored():
     original = registry.get(BUILTIN)
     variant = dataclasses.replace(original, mixer=toy_mixer(BUILTIN, base=delta.GatedDeltaNetMixer))
     registry.register(variant, replace=True, override_builtin=True)
-    assert lazoo.MECHANISM_CONFIGS[BUILTIN] is configuration_lazoo.LazooGatedDeltaNetConfig
+    assert lazoo.MECHANISM_CONFIGS[BUILTIN] is configuration_mechanisms.LazooGatedDeltaNetConfig
     assert type(tiny_model(BUILTIN).model.layers[0].mixer) is variant.mixer
     registry.register(original, replace=True)  # lazoo's own declaration needs no override
     assert registry.get(BUILTIN) is original
@@ -241,8 +241,8 @@ def row_a_failed_registration_leaves_nothing_and_the_corrected_one_registers():
         registry.register(declaration("toy_broken"))
     assert "toy_broken" not in registry.mechanisms() and "toy_broken" not in lazoo.MECHANISM_CONFIGS
     assert "lazoo_toy_broken" not in lazoo.MODEL_CLASSES and [m.name for m in undone] == ["toy_broken"]
-    assert not hasattr(configuration_lazoo, "LazooToyBrokenConfig")
-    assert not hasattr(modeling_lazoo, "LazooToyBrokenForCausalLM")
+    assert not hasattr(configuration_mechanisms, "LazooToyBrokenConfig")
+    assert not hasattr(modeling_mechanisms, "LazooToyBrokenForCausalLM")
     broken[0] = False
     corrected = registry.register(declaration("toy_broken"))
     assert registry.get("toy_broken") is corrected and "toy_broken" in lazoo.MECHANISM_CONFIGS
@@ -256,7 +256,7 @@ def row_a_failed_replacement_puts_the_previous_declaration_back():
         registry.register(declaration("toy_swap"), replace=True)
     assert registry.get("toy_swap") is first
     config = AutoConfig.for_model("lazoo_toy_swap", hidden_size=16, num_attention_heads=2)
-    assert type(config) is lazoo.MECHANISM_CONFIGS["toy_swap"] is configuration_lazoo.LazooToySwapConfig
+    assert type(config) is lazoo.MECHANISM_CONFIGS["toy_swap"] is configuration_mechanisms.LazooToySwapConfig
     assert lazoo.MODEL_CLASSES["lazoo_toy_swap"][0] is type(config)
 
 
@@ -301,7 +301,7 @@ def row_a_class_prefix_that_would_rebind_lazoos_base_classes_is_refused():
             registry.register(declaration("toy_prefix", class_prefix=prefix))
         assert "toy_prefix" not in registry.mechanisms() and "toy_prefix" not in lazoo.MECHANISM_CONFIGS
     assert all(getattr(module, name) is cls for (module, name), cls in bases.items())
-    assert not hasattr(configuration_lazoo, "LazooPreTrainedConfig")  # derived, then undone
+    assert not hasattr(configuration_mechanisms, "LazooPreTrainedConfig")  # derived, then undone
 
 
 HARDENING = [pytest.param(row, id=row.__name__.removeprefix("row_")) for row in (

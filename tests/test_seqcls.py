@@ -14,7 +14,7 @@ from conftest import ALL_MODELS, VOCAB, tiny_config
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
-from lazoo.models import SEQUENCE_CLASSIFICATION_CLASSES
+from lazoo.models import SEQUENCE_CLASSIFICATION_CLASSES, LazooForSequenceClassification
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -80,7 +80,8 @@ def check_train_round_trip_and_padding(model, tmp_path):
     folder = tmp_path / "saved"
     model.save_pretrained(folder)
     saved_config = json.loads((folder / "config.json").read_text())
-    assert saved_config["auto_map"]["AutoModelForSequenceClassification"] == f"modeling_lazoo.{type(model).__name__}"
+    module = "modeling_lazoo" if type(model) is LazooForSequenceClassification else "modeling_mechanisms"
+    assert saved_config["auto_map"]["AutoModelForSequenceClassification"] == f"{module}.{type(model).__name__}"
     loaded = AutoModelForSequenceClassification.from_pretrained(folder)
     assert type(loaded) is type(model)
     probe = needle_task(4, seed=2)

@@ -293,6 +293,12 @@ def mechanisms() -> dict[str, Mechanism]:
     return dict(_REGISTRY)
 
 
+def builtin_mechanisms() -> dict[str, Mechanism]:
+    """lazoo's own declaration of each of its built-in mechanisms, by name, in registration order (also of one
+    unregistered or replaced since)."""
+    return dict(_BUILTINS)
+
+
 def on_register(listener, removal=None) -> None:
     """Call `listener(mechanism)` for every mechanism registered so far and from now on (the models package
     derives its classes this way, so a mechanism registered after `import lazoo` gets them too), and

@@ -3,6 +3,7 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from ..registry import Mechanism, on_register
+from . import configuration_mechanisms, modeling_mechanisms  # noqa: F401 (they fill the class tables)
 from .cache import LazooCache
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
 from .modeling_lazoo import (MODEL_CLASSES, SEQUENCE_CLASSIFICATION_CLASSES, LazooForCausalLM,

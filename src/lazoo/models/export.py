@@ -14,6 +14,7 @@ are not supported). lazoo is a package tree, so the export writes flat copies of
 needs, read from the installed sources at save time (so later edits of the ops are picked up):
 
     configuration_lazoo.py, modeling_lazoo.py     lazoo/models/*.py (the names in `auto_map`)
+    configuration_mechanisms.py, modeling_mechanisms.py
     lazoo_models_cache.py                         lazoo/models/cache.py
     lazoo_layers_mixers.py, lazoo_layers_mixers_vla.py, ...
     lazoo_ops.py, lazoo_ops_backend.py, lazoo_ops_delta.py, ...
@@ -48,9 +49,12 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lazoo"
 
-#: the modules whose classes `auto_map` names; they keep their names in the exported folder
+#: the modules whose classes `auto_map` names (the hybrid's, and every mechanism's); they keep their names in the
+#: exported folder
 ENTRY_MODULES = {"lazoo.models.configuration_lazoo": "configuration_lazoo",
-                 "lazoo.models.modeling_lazoo": "modeling_lazoo"}
+                 "lazoo.models.modeling_lazoo": "modeling_lazoo",
+                 "lazoo.models.configuration_mechanisms": "configuration_mechanisms",
+                 "lazoo.models.modeling_mechanisms": "modeling_mechanisms"}
 #: modules never exported (their imports raise ImportError in the exported copy): the Triton kernels, and
 #: the export and card writers themselves (a model loaded from the folder is re-saved by transformers' own
 #: `trust_remote_code` machinery, which copies these flat files)
@@ -285,6 +289,10 @@ def _exported_sources() -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the auto_map
+#: the exported config module of lazoo's config classes -> that of their model classes
+MODELING_MODULES = {"configuration_lazoo": "modeling_lazoo", "configuration_mechanisms": "modeling_mechanisms"}
+
+
 def _class_prefix(model_type: str) -> str | None:
     """The class-name prefix of a lazoo model type (`LazooVLA` for `lazoo_vla`, `Lazoo` for `lazoo_hybrid`), or
     None for a model type that is not lazoo's."""
@@ -296,16 +304,24 @@ def _class_prefix(model_type: str) -> str | None:
     return found[0].class_prefix if found else None
 
 
+def _is_lazoos(cls: type, model_type: str, suffix: str) -> bool:
+    """Whether `cls` is the lazoo class `<prefix><suffix>` of `model_type`, in one of the exported modules."""
+    prefix = _class_prefix(model_type)
+    return prefix is not None and cls.__name__ == prefix + suffix and cls.__module__ in ENTRY_MODULES
+
+
 def auto_map_for(config) -> dict[str, str] | None:
     """The `auto_map` of a lazoo config: AutoConfig, AutoModel and AutoModelForCausalLM classes (None for a
-    model type that is not one of lazoo's own, e.g. a user's subclass: it is saved without the export)."""
-    prefix = _class_prefix(config.model_type)
-    if prefix is None or type(config).__name__ != f"{prefix}Config":
+    config of another class, e.g. a user's subclass: it is saved without the export)."""
+    cls = type(config)
+    if not _is_lazoos(cls, config.model_type, "Config"):
         return None
+    prefix, module = cls.__name__.removesuffix("Config"), ENTRY_MODULES[cls.__module__]
+    modeling = MODELING_MODULES[module]
     return {
-        "AutoConfig": f"configuration_lazoo.{prefix}Config",
-        "AutoModel": f"modeling_lazoo.{prefix}Model",
-        "AutoModelForCausalLM": f"modeling_lazoo.{prefix}ForCausalLM",
+        "AutoConfig": f"{module}.{cls.__name__}",
+        "AutoModel": f"{modeling}.{prefix}Model",
+        "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM",
     }
 
 
@@ -317,13 +333,12 @@ HEAD_AUTO_CLASSES = {"ForSequenceClassification": "AutoModelForSequenceClassific
 
 def head_auto_map(model) -> dict[str, str]:
     """The `auto_map` entry of a lazoo task-head model (e.g. `{"AutoModelForSequenceClassification":
-    "modeling_lazoo.LazooVLAForSequenceClassification"}`), or {} for any other model (a user's subclass
+    "modeling_mechanisms.LazooVLAForSequenceClassification"}`), or {} for any other model (a user's subclass
     included: its class is not in the exported code)."""
-    prefix = _class_prefix(model.config.model_type)
-    name = type(model).__name__
+    cls = type(model)
     for suffix, auto_class in HEAD_AUTO_CLASSES.items():
-        if prefix is not None and name == prefix + suffix and type(model).__module__.endswith("modeling_lazoo"):
-            return {auto_class: f"modeling_lazoo.{name}"}
+        if _is_lazoos(cls, model.config.model_type, suffix):
+            return {auto_class: f"{ENTRY_MODULES[cls.__module__]}.{cls.__name__}"}
     return {}
 
 

@@ -31,7 +31,7 @@ from .cache import LazooCache
 from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
 from ..registry import Mechanism, mechanisms, on_register
 from ..registry import get as get_mechanism
-from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
+from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, refuse_taken_name
 
 logger = logging.get_logger(__name__)
 
@@ -549,7 +549,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         )
 
 
-#: model_type -> (config class, base model class, causal LM class); filled from the registry
+#: model_type -> (config class, base model class, causal LM class); filled from the registry (`bind_model_classes`)
 MODEL_CLASSES: dict[str, tuple] = {"lazoo_hybrid": (LazooConfig, LazooModel, LazooForCausalLM)}
 
 
@@ -674,42 +674,73 @@ class LazooForSequenceClassification(LazooPreTrainedModel):
 
 
 #: model_type -> sequence classification class (registered on AutoModelForSequenceClassification); filled from
-#: the registry
+#: the registry (`bind_model_classes`)
 SEQUENCE_CLASSIFICATION_CLASSES: dict[str, type] = {"lazoo_hybrid": LazooForSequenceClassification}
 
 
-def make_model_classes(mechanism: Mechanism) -> tuple[type, type, type]:
-    """The model classes of `mechanism`: `<class_prefix>Model`, `...ForCausalLM` and
-    `...ForSequenceClassification`, each bound to the mechanism's config class, bound in this module and
-    entered in `MODEL_CLASSES` / `SEQUENCE_CLASSIFICATION_CLASSES`."""
-    config_class = MECHANISM_CONFIGS[mechanism.name]
-    bases = (LazooModel, LazooForCausalLM, LazooForSequenceClassification)
-    names = [mechanism.class_prefix + base.__name__.removeprefix("Lazoo") for base in bases]
-    for name in names:  # a base class, or another mechanism's class, keeps its name
-        existing = globals().get(name)
-        derived_for = getattr(getattr(existing, "config_class", None), "mechanism", None)
-        if existing is not None and derived_for != mechanism.name:
-            raise ValueError(f"mechanism {mechanism.name!r}: class_prefix {mechanism.class_prefix!r} would rebind "
-                             f"{__name__}.{name}; choose another class_prefix")
+#: the model classes of every lazoo model type: `<class_prefix><suffix>` (a hybrid's prefix is "Lazoo")
+BASES = (LazooModel, LazooForCausalLM, LazooForSequenceClassification)
+
+
+def model_class_names(mechanism: Mechanism) -> list[str]:
+    """`<class_prefix>Model`, `...ForCausalLM`, `...ForSequenceClassification`."""
+    return [mechanism.class_prefix + base.__name__.removeprefix("Lazoo") for base in BASES]
+
+
+def model_docstring(mechanism: Mechanism, base: type, config_name: str) -> str:
+    return f"{base.__name__} with `{mechanism.name}` layers ({mechanism.title}); config: `{config_name}`."
+
+
+def are_model_classes_of(classes: tuple, mechanism: Mechanism, config_class: type) -> bool:
+    """Whether `classes` are `mechanism`'s model classes on `config_class`: names, bases and config class."""
+    return ([cls.__name__ for cls in classes] == model_class_names(mechanism)
+            and all(issubclass(cls, base) and cls.config_class is config_class for cls, base in zip(classes, BASES)))
+
+
+def derive_model_classes(declared: Mechanism, config: type, module: str) -> tuple[type, type, type]:
+    """The model classes of a mechanism registered after import, made in module `module` as the written-out classes
+    of lazoo's own mechanisms are (`lazoo.models.modeling_mechanisms`): each base bound to the config class `config`."""
     made = []
-    for base, name in zip(bases, names):
-        doc = f"{base.__name__} with `{mechanism.name}` layers ({mechanism.title}); config: `{config_class.__name__}`."
-        cls = type(name, (base,), {"config_class": config_class, "__module__": __name__, "__qualname__": name,
-                                   "__doc__": doc})
-        globals()[name] = cls
-        made.append(cls)
-    base_cls, lm_cls, seqcls_cls = made
-    MODEL_CLASSES[mechanism.model_type] = (config_class, base_cls, lm_cls)
-    SEQUENCE_CLASSIFICATION_CLASSES[mechanism.model_type] = seqcls_cls
-    return base_cls, lm_cls, seqcls_cls
+    for base, name in zip(BASES, model_class_names(declared)):
+
+        class Derived(base):
+            config_class = config
+
+        Derived.__name__ = Derived.__qualname__ = name
+        Derived.__module__, Derived.__doc__ = module, model_docstring(declared, base, config.__name__)
+        made.append(Derived)
+    return tuple(made)
 
 
-def _forget_model_classes(mechanism: Mechanism) -> None:
-    _, *classes = MODEL_CLASSES.pop(mechanism.model_type, (None,))
-    classes.append(SEQUENCE_CLASSIFICATION_CLASSES.pop(mechanism.model_type, None))
-    for cls in classes:
-        if cls is not None and globals().get(cls.__name__) is cls:
-            del globals()[cls.__name__]
+def bind_model_classes(module: str, written: dict[str, tuple[type, type, type]]) -> None:
+    """Keep `MODEL_CLASSES` and `SEQUENCE_CLASSIFICATION_CLASSES` filled from the registry: for every mechanism
+    registered so far and from now on, its classes in `written` (lazoo's own mechanisms', written out in module
+    `module` by `lazoo.models.generate_classes`) where they are the mechanism's on its config class, else classes
+    derived for it in `module`; an unregistered mechanism leaves the tables."""
+
+    def bind(mechanism: Mechanism) -> None:
+        config_class = MECHANISM_CONFIGS[mechanism.name]
+        classes = written.get(mechanism.name)
+        if classes is None or not are_model_classes_of(classes, mechanism, config_class):
+            for name in model_class_names(mechanism):
+                refuse_taken_name(mechanism, name, (module, __name__))
+            classes = derive_model_classes(mechanism, config_class, module)
+        base_cls, lm_cls, seqcls_cls = classes
+        MODEL_CLASSES[mechanism.model_type] = (config_class, base_cls, lm_cls)
+        SEQUENCE_CLASSIFICATION_CLASSES[mechanism.model_type] = seqcls_cls
+
+    def forget(mechanism: Mechanism) -> None:
+        MODEL_CLASSES.pop(mechanism.model_type, None)
+        SEQUENCE_CLASSIFICATION_CLASSES.pop(mechanism.model_type, None)
+
+    on_register(bind, removal=forget)
 
 
-on_register(make_model_classes, removal=_forget_model_classes)
+def derived_model_class(module: str, name: str) -> type:
+    """The model class named `name` derived in `module` (that module's `__getattr__`: pickling and `auto_map` look
+    classes up by name in their module)."""
+    for classes in (*MODEL_CLASSES.values(), SEQUENCE_CLASSIFICATION_CLASSES.values()):
+        for cls in classes:
+            if cls.__name__ == name and cls.__module__ == module:
+                return cls
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
