@@ -313,7 +313,7 @@ def _is_lazoos(cls: type, model_type: str, suffix: str) -> bool:
 def auto_map_for(config) -> dict[str, str] | None:
     """The `auto_map` of a lazoo config: AutoConfig, AutoModel and AutoModelForCausalLM classes (None for a
     config of another class, e.g. a user's subclass: it is saved without the export)."""
-    cls = type(config)
+    cls = config.__class__
     if not _is_lazoos(cls, config.model_type, "Config"):
         return None
     prefix, module = cls.__name__.removesuffix("Config"), ENTRY_MODULES[cls.__module__]
@@ -335,7 +335,7 @@ def head_auto_map(model) -> dict[str, str]:
     """The `auto_map` entry of a lazoo task-head model (e.g. `{"AutoModelForSequenceClassification":
     "modeling_mechanisms.LazooVLAForSequenceClassification"}`), or {} for any other model (a user's subclass
     included: its class is not in the exported code)."""
-    cls = type(model)
+    cls = model.__class__
     for suffix, auto_class in HEAD_AUTO_CLASSES.items():
         if _is_lazoos(cls, model.config.model_type, suffix):
             return {auto_class: f"{ENTRY_MODULES[cls.__module__]}.{cls.__name__}"}
