@@ -1,4 +1,4 @@
-"""scripts/bench_generate.py on the CPU with tiny models: a row per setting with consistent timings, failures
+"""lazoo.bench.generate on the CPU with tiny models: a row per setting with consistent timings, failures
 recorded in their rows, fla models only through --fla-site, and the markdown table."""
 
 import json
@@ -7,9 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import load_script
-
-bench = load_script("bench_generate")
+from lazoo.bench import generate as bench
 
 TINY_ARGS = ["--device", "cpu", "--dtype", "float32", "--hidden-size", "32", "--layers", "2", "--heads", "2",
              "--intermediate-size", "64", "--vocab-size", "101", "--warmup-tokens", "2"]

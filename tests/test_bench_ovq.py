@@ -1,11 +1,9 @@
-"""scripts/bench_ovq.py's cases on the CPU at toy sizes, through the Triton interpreter (its timings need a CUDA
+"""lazoo.bench.ovq's cases on the CPU at toy sizes, through the Triton interpreter (its timings need a CUDA
 GPU): every case of a row runs (the op, the op with the PyTorch assignments, the kernel alone on version tables,
 SDPA, the decode step three ways) and the row holds a number for each."""
 
 import pytest
 import torch
-
-from conftest import load_script
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -17,7 +15,7 @@ INTERP = interpreter_ready()
 def test_interp_every_case_of_a_row_runs(monkeypatch):
     import triton.testing
 
-    bench = load_script("bench_ovq")
+    from lazoo.bench import ovq as bench
     for name, value in (("H", 2), ("D", 16), ("N", 24), ("L", 8)):
         monkeypatch.setattr(bench, name, value)
     calls = []

@@ -1,11 +1,9 @@
-"""scripts/bench_training.py in its CPU smoke mode: tiny lazoo and Llama models train, the JSON has their rows."""
+"""lazoo.bench.training in its CPU smoke mode: tiny lazoo and Llama models train, the JSON has their rows."""
 
 import importlib.util
 import json
 
-from conftest import load_script
-
-bench_training = load_script("bench_training")
+from lazoo.bench import training as bench_training
 
 
 def test_cpu_tiny_rows(tmp_path, single_thread):
@@ -62,7 +60,7 @@ def test_ddp_rows_count_every_process(tmp_path):
                PYTHONPATH=os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(port), str(root / "scripts" / "bench_training.py"), "--device", "cpu", "--tiny", "--parallel", "ddp",
+           str(port), "-m", "lazoo.bench.training", "--device", "cpu", "--tiny", "--parallel", "ddp",
            "--mechanisms", "linear", "--lengths", "32", "--steps", "2", "--warmup", "1", "--no-llama",
            "--out", str(out)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)

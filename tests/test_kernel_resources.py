@@ -1,13 +1,11 @@
-"""scripts/kernel_resources.py: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
+"""lazoo.bench.kernel_resources: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
 block (shared memory) and do not spill at their launch settings, OVQ's and the normalised linear-attention
 kernels fit; an oversized tile is reported as over the limit, so the check can fail."""
 
 import pytest
 
-from conftest import load_script
-
 pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend")
-kernel_resources = load_script("kernel_resources")
+from lazoo.bench import kernel_resources  # noqa: E402
 
 
 def test_short_conv_kernels_fit_hopper(single_thread):

@@ -1,4 +1,4 @@
-"""scripts/profile_decode.py on the CPU with tiny models: its bare greedy loop makes generate's tokens, and main()
+"""lazoo.bench.profile_decode on the CPU with tiny models: its bare greedy loop makes generate's tokens, and main()
 reports every field."""
 
 import json
@@ -6,9 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_script
-
-profile_decode = load_script("profile_decode")
+from lazoo.bench import generate, profile_decode
 
 TINY = ["--device", "cpu", "--dtype", "float32", "--hidden-size", "32", "--layers", "2", "--heads", "2",
         "--intermediate-size", "64", "--vocab-size", "101"]
@@ -17,8 +15,8 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--hidden-size", "32", "--layer
 @pytest.mark.parametrize("name", ["gated_delta_net", "sw-gdn"])
 def test_the_bare_loop_makes_generates_tokens(name, single_thread):
     args = profile_decode.parse_args([*TINY, "--model", name, "--prompt", "12", "--steps", "6"])
-    model = profile_decode.bench_generate.build_model(name, args)
-    ids = profile_decode.bench_generate.prompt_ids(2, 12, args.vocab_size, seed=3)
+    model = generate.build_model(name, args)
+    ids = generate.prompt_ids(2, 12, args.vocab_size, seed=3)
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
                                   do_sample=False, pad_token_id=0)[:, 12:]

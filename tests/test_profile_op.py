@@ -1,12 +1,10 @@
-"""scripts/profile_op.py on the CPU: it names the ops it knows when given another, and refuses to run without a
+"""lazoo.bench.profile_op on the CPU: it names the ops it knows when given another, and refuses to run without a
 CUDA GPU (its profile needs one)."""
 
 import pytest
 import torch
 
-from conftest import load_script
-
-profile_op = load_script("profile_op")
+from lazoo.bench import profile_op
 
 
 def test_unknown_op_is_refused_naming_the_known_ones(capsys):

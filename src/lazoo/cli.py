@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import importlib
 import importlib.util
 import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from lazoo_cli import main, silence_stdout
-from lazoo_cli.parser import (BENCH_SCRIPTS, MIN_TEMPERATURE, SIZE_FLAGS, SIZE_LIMITS, ArgumentParser,
-                              add_training_arguments, build_parser)
+from lazoo_cli.parser import (MIN_TEMPERATURE, SIZE_FLAGS, SIZE_LIMITS, ArgumentParser, add_training_arguments,
+                              build_parser)
 
 __all__ = ["main", "run", "build_parser", "add_training_arguments", "ArgumentParser", "CLIError", "run_training"]
-
-#: where `lazoo bench` looks for the benchmark scripts: the repository's scripts/ folder (a source checkout)
-SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
 
 
 class CLIError(Exception):
@@ -758,23 +755,10 @@ def _convert_destination(args) -> str:
 
 # ============================================================================ lazoo bench
 def cmd_bench(args) -> int:
-    script = SCRIPTS_DIR / BENCH_SCRIPTS[args.which]
-    if not script.is_file():
-        raise CLIError(f"{BENCH_SCRIPTS[args.which]} not found in {SCRIPTS_DIR}: the benchmarks live in the "
-                       "repository's scripts/ folder, which an installed wheel does not have; run `lazoo bench` "
-                       "from a source checkout (pip install -e .)")
-    wants_help = any(a in ("-h", "--help") for a in args.args)
-    if not wants_help:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CLIError("the benchmarks time Triton kernels on a CUDA GPU, and torch sees none here "
-                           f"(torch {torch.__version__}); run it on a machine with a CUDA GPU and a CUDA build "
-                           "of torch")
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1])  # the folder holding the lazoo package
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    return subprocess.call([sys.executable, str(script), *args.args], env=env)
+    """`lazoo bench NAME ARGS`: `lazoo.bench.NAME.main(ARGS)` in this process (a benchmark without a GPU exits
+    saying so; its checks after parsing exit through argparse, and `run` turns either into the status)."""
+    importlib.import_module(f"lazoo.bench.{args.which}").main(args.args)
+    return 0
 
 
 # ============================================================================ lazoo eval / demo

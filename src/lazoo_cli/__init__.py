@@ -6,7 +6,7 @@
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
     lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
     lazoo convert SRC DST                         a fla checkpoint folder -> a lazoo folder (docs/pretrained.md)
-    lazoo bench NAME [args...]                    run scripts/bench_NAME.py (kernels, vla, ovq, local_linear, ttt, training, generate; CUDA)
+    lazoo bench NAME [args...]                    a benchmark of lazoo.bench (kernels, vla, ovq, local_linear, ttt, training, generate)
     lazoo eval MODEL...                           lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [options]                          the demo: train, evaluate, save, reload, sample
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .bench import bench_parser
 from .parser import build_parser
 
 __all__ = ["build_parser", "main"]
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "bench":  # the benchmark's own options: --help and a bad one answer here too
+            bench_parser(args.which).parse_args(args.args)
     except SystemExit as exit_:  # --help, or bad arguments (argparse has printed them)
         return exit_status(exit_)
     except BrokenPipeError:  # `lazoo --help | head -1`

@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench import BENCHMARKS
+
 #: `lazoo.presets.known_layouts()`: the mechanisms, then the hybrid presets (tests/test_cli_surface.py checks it)
 LAYOUTS = ("softmax", "sliding_window", "delta_net", "gated_delta_net", "delta_product", "linear", "gated_linear",
            "ela", "gla", "local_linear", "ovq", "vq", "rls", "titans", "ttt_linear", "ttt_mlp", "vla",
            "sw-vla", "sw-gdn", "sw-softmax", "sw-ovq", "sw-nope", "sw-vq", "gdn-ovq")
 #: `lazoo.eval.local_tasks.TASKS`: lazoo eval's local tasks (checked by the same test)
 EVAL_TASKS = ("lazoo_kjv_ppl", "lazoo_kjv_next_verse", "lazoo_mqar")
-
-#: `lazoo bench NAME` -> the script of the repository's scripts/ folder it runs
-BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "vla": "bench_vla.py", "ovq": "bench_ovq.py",
-                 "local_linear": "bench_local_linear.py", "ttt": "bench_ttt.py", "training": "bench_training.py",
-                 "generate": "bench_generate.py"}
 
 #: model sizes for a layout given by name; a config file's own sizes take their place
 DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "sliding_window": 64,
@@ -219,13 +216,14 @@ def _add_convert(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="GPU benchmarks (scripts/bench_*.py)",
-                       description="Run a benchmark script from the repository's scripts/ folder on a CUDA GPU; "
-                       "the arguments after the name go to the script (`lazoo bench kernels --help`).")
-    p.add_argument("which", choices=sorted(BENCH_SCRIPTS), help="kernels: every op against SDPA and fla; "
-                   "vla: VLA's Triton, chunk and per-token forms; ovq, local_linear, ttt: those kernels against "
-                   "SDPA / Gated DeltaNet; training: tokens/s of ~125M models; generate: ms per new token of ~125M models")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p = sub.add_parser("bench", help="benchmarks on a CUDA GPU (lazoo.bench)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run a benchmark of lazoo.bench (the same as python -m lazoo.bench.NAME);\n"
+                       "the arguments after the name are the benchmark's (`lazoo bench kernels --help`).",
+                       epilog="benchmarks:\n" + "\n".join(f"  {name:14s}{bench.summary}"
+                                                          for name, bench in BENCHMARKS.items()))
+    p.add_argument("which", metavar="NAME", choices=list(BENCHMARKS), help="a benchmark (below)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
 
 
 EVAL_DESCRIPTION = ("Evaluate saved lazoo models (each folder with its tokenizer) with lm-evaluation-harness on "

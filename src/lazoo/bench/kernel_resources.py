@@ -1,22 +1,20 @@
-#!/usr/bin/env python
 """Shared memory, registers and spills of lazoo's Triton kernels on Hopper (sm_90), without a GPU.
 
 Compiles a ``@triton.jit`` kernel for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (its bundled
 ``ptxas``) and reads ``metadata.shared`` (what a launch checks against the 232 448 bytes a Hopper block may
 use) and ``ptxas -v``'s registers and spill bytes. Resource use depends on the Triton version: to check what
 a GPU machine will do, run with the same Triton as it has (e.g. ``pip install --target /tmp/t36 --no-deps
-triton==3.6.0`` and ``PYTHONPATH=/tmp/t36:src``); that reproduced a launch failure of the OVQ assignment kernel
+triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``); that reproduced a launch failure of the OVQ assignment kernel
 (262 656 bytes asked) to the byte. The report covers the short-convolution kernels at their launch settings;
 ``measure`` takes any kernel; OVQ's kernels are reported too.
 
-    PYTHONPATH=src python scripts/kernel_resources.py
+    python -m lazoo.bench.kernel_resources
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -300,5 +298,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     main()

@@ -1,29 +1,32 @@
 """VLA latency on a CUDA GPU: forward and forward+backward vs T, beside DeltaNet, Gated DeltaNet and SDPA.
 
 Rows (bf16, H = 16, d = 128, median ms by triton.testing.do_bench):
-  * ``--scan`` (default): B = 1, T from 1k to 32k: VLA through Triton (the A scan kernel + the
+  * B = 1, T from 1k to 32k (``--lengths``): VLA through Triton (the A scan kernel + the
     generalised delta rule kernel), the scan alone, DeltaNet / Gated DeltaNet kernels and causal SDPA;
     the PyTorch chunk form (Woodbury + WY, what CPUs run) up to ``--torch-max-t``; the crossover T
     where VLA's forward+backward gets below SDPA's.
-  * 32k tokens per batch (T = 1k, 8k, 32k): VLA vs Gated DeltaNet (the issue's "within 2x" target).
+  * 32k tokens per batch (T = 1k, 8k, 32k): VLA vs Gated DeltaNet (the "within 2x" target).
   * the per-token PyTorch loop (Algorithm 1, ``backend="recurrent"``) once at B = 4, T = 4096, forward
     only, against the Triton forward at the same shape.
   * decoding: one token against a state (B = 8), the whole op (A scan + fused recurrent S update,
     CUDA-graph replays when capture works, else plain launches), beside Gated DeltaNet's.
 
-    PYTHONPATH=src python scripts/bench_vla.py --out vla.json --plot vla.png
+    python -m lazoo.bench.vla --out vla.json --plot vla.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+from lazoo_cli.bench import bench_parser
+
+from .inputs import causal_sdpa, head_decay
+from .report import command_line, error_text, fmt, gpu_environment, write_json
+from .timing import call_ms, cuda_graph_ms, median_ms, require_cuda, time_fwd_bwd
 
 H, D = 16, 128
 
@@ -31,7 +34,7 @@ H, D = 16, 128
 def make(B, T, dtype, gen, device="cuda"):
     q, k, u, v = (torch.randn(B, T, H, D, dtype=dtype, device=device, generator=gen) for _ in range(4))
     beta = torch.rand(B, T, H, device=device, generator=gen).to(dtype)
-    g = F.logsigmoid(torch.randn(B, T, H, device=device, generator=gen) + 4).to(dtype)
+    g = head_decay(B, T, H, dtype, device, gen)
     return {"q": q, "k": k, "v": v, "u": u, "beta": beta, "g": g}
 
 
@@ -56,51 +59,30 @@ def impls():
         "delta_net": (lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], backend="triton")[0], "qkv"),
         "gated_delta_net": (lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                            backend="triton")[0], "qkv"),
-        "sdpa": (lambda x: F.scaled_dot_product_attention(
-            *(x[n].transpose(1, 2) for n in "qkv"), is_causal=True).transpose(1, 2), "qkv"),
+        "sdpa": (lambda x: causal_sdpa(x["q"], x["k"], x["v"]), "qkv"),
     }
 
 
-def time_fwd_bwd(fn, x, grads, bwd=True):
-    import triton
-
-    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
-    with torch.no_grad():
-        fwd = bench(lambda: fn(x))
-    if not bwd:
-        return fwd, None
-    leaves = {n: t.detach().requires_grad_(n in grads) for n, t in x.items()}
-    do = torch.randn_like(fn(leaves))
-
-    def step():
-        for n in grads:
-            leaves[n].grad = None
-        fn(leaves).backward(do)
-
-    return fwd, bench(step)
+def timed_row(fn, grads, x, **row) -> dict:
+    """``row`` with the forward and forward+backward ms of ``fn(x)`` (and ``error`` where it failed)."""
+    f, b, err = time_fwd_bwd(fn, x, tuple(grads))
+    row.update(fwd_ms=f, fwd_bwd_ms=b)
+    if err:
+        row["error"] = err
+    return row
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_vla.json")
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--torch-max-t", type=int, default=4096, help="longest T for the PyTorch chunk form")
-    ap.add_argument("--no-loop", action="store_true", help="skip the per-token PyTorch loop")
-    ap.add_argument("--decode-only", action="store_true", help="only the decoding rows")
-    args = ap.parse_args()
-    import triton
-
+def main(argv=None):
+    args = bench_parser("vla").parse_args(argv)
+    require_cuda("vla")
     dtype = torch.bfloat16
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "python": platform.python_version(), "dtype": str(dtype), "H": H, "D": D, "command": " ".join(sys.argv)}
+    env = {**gpu_environment(), "dtype": str(dtype), "H": H, "D": D, "command": command_line("vla", argv)}
     print(json.dumps(env), flush=True)
     table = impls()
     result = {"env": env, "by_length": [], "tokens_32k": [], "loop": None, "decode": None}
 
     def save():
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_json(args.out, result)
 
     result["decode"] = bench_decode(dtype)
     print("decode", result["decode"], flush=True)
@@ -113,8 +95,7 @@ def main():
         for name, (fn, grads) in table.items():
             if name == "vla_torch_chunk" and T > args.torch_max_t:
                 continue
-            f, b = time_fwd_bwd(fn, x, tuple(grads))
-            result["by_length"].append({"impl": name, "B": 1, "T": T, "fwd_ms": f, "fwd_bwd_ms": b})
+            result["by_length"].append(timed_row(fn, grads, x, impl=name, B=1, T=T))
             print("progress", result["by_length"][-1], flush=True)
         save()
     for T in (1024, 8192, 32768):
@@ -122,23 +103,11 @@ def main():
         x = make(B, T, dtype, torch.Generator(device="cuda").manual_seed(1))
         for name in ("vla_triton", "gated_delta_net", "delta_net"):
             fn, grads = table[name]
-            f, b = time_fwd_bwd(fn, x, tuple(grads))
-            result["tokens_32k"].append({"impl": name, "B": B, "T": T, "fwd_ms": f, "fwd_bwd_ms": b})
+            result["tokens_32k"].append(timed_row(fn, grads, x, impl=name, B=B, T=T))
             print("progress", result["tokens_32k"][-1], flush=True)
         save()
     if not args.no_loop:
-        from lazoo import ops
-
-        x = make(4, 4096, dtype, torch.Generator(device="cuda").manual_seed(2))
-        with torch.no_grad():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ops.vla(x["q"], x["k"], x["v"], x["u"], backend="recurrent")
-            torch.cuda.synchronize()
-            loop_ms = (time.perf_counter() - t0) * 1e3
-        tri_ms, _ = time_fwd_bwd(table["vla_triton"][0], x, (), bwd=False)
-        result["loop"] = {"B": 4, "T": 4096, "per_token_loop_fwd_ms": loop_ms, "triton_fwd_ms": tri_ms,
-                          "speedup": loop_ms / tri_ms}
+        result["loop"] = loop_row(table["vla_triton"][0], dtype)
         print("progress", result["loop"], flush=True)
     save()
     report(result)
@@ -146,9 +115,23 @@ def main():
         plot(result, args.plot)
 
 
+def loop_row(triton_fn, dtype) -> dict:
+    """The per-token PyTorch loop's forward (one call, timed once) against the Triton forward, B = 4, T = 4096."""
+    from lazoo import ops
+
+    x = make(4, 4096, dtype, torch.Generator(device="cuda").manual_seed(2))
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ops.vla(x["q"], x["k"], x["v"], x["u"], backend="recurrent")
+        torch.cuda.synchronize()
+        loop_ms = (time.perf_counter() - t0) * 1e3
+    tri_ms = call_ms(lambda: triton_fn(x))
+    return {"B": 4, "T": 4096, "per_token_loop_fwd_ms": loop_ms, "triton_fwd_ms": tri_ms, "speedup": loop_ms / tri_ms}
+
+
 def bench_decode(dtype, B=8):
     """ms per decoded token (one token against a state) for VLA and Gated DeltaNet."""
-    import triton
     from lazoo import ops
 
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -165,10 +148,10 @@ def bench_decode(dtype, B=8):
     with torch.no_grad():
         for name, fn in fns.items():
             try:
-                out[f"{name}_graph_ms"] = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+                out[f"{name}_graph_ms"] = cuda_graph_ms(fn)
             except Exception as e:  # capture needs no host syncs
-                out[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            out[f"{name}_ms"] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                out[f"{name}_graph_error"] = error_text(e, limit=120)
+            out[f"{name}_ms"] = median_ms(fn)
     return out
 
 
@@ -186,8 +169,8 @@ def crossover(rows):
 def report(result):
     print(f"\n{'impl':18s} {'B':>3s} {'T':>6s} {'fwd ms':>9s} {'f+b ms':>9s}")
     for r in result["by_length"] + result["tokens_32k"]:
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"{r['impl']:18s} {r['B']:3d} {r['T']:6d} {fmt(r['fwd_ms']):>9s} {fmt(r['fwd_bwd_ms']):>9s}")
+        print(f"{r['impl']:18s} {r['B']:3d} {r['T']:6d} {fmt(r['fwd_ms'], '.3f'):>9s}"
+              f" {fmt(r['fwd_bwd_ms'], '.3f'):>9s}")
     print("crossover with SDPA (fwd+bwd, B=1):", crossover(result["by_length"]))
     if result["loop"]:
         print("per-token loop vs Triton (fwd, B=4, T=4096):", result["loop"])

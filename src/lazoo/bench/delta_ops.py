@@ -1,4 +1,4 @@
-"""Delta-rule entries of ``scripts/bench_kernels.py`` (lazoo.kernels.delta vs fla 0.6.0).
+"""The delta-rule entries of ``lazoo.bench.kernels`` (lazoo.kernels.delta vs fla 0.6.0).
 
 Training ops: ``delta_rule`` and ``gated_delta_rule`` on unit-norm q, k (so ours and fla both run the
 kernel alone: ``use_qk_l2norm=False`` / ``use_qk_l2norm_in_kernel=False``), and ``delta_rule_l2norm``
@@ -9,21 +9,21 @@ Decoding: one token against a state, B = 8, H = 16, D = 128, through CUDA-graph 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .inputs import head_decay, unit_qkv, with_head_decay
+from .report import error_text
+from .timing import cuda_graph_ms
 
 CHUNK = 64
 
 
 def qk_beta(B, T, H, D, dtype, device, gen):
-    q, k, v = (torch.randn(B, T, H, D, device=device, generator=gen) for _ in range(3))
-    return {"q": F.normalize(q, dim=-1).to(dtype), "k": F.normalize(k, dim=-1).to(dtype), "v": v.to(dtype),
-            "beta": torch.rand(B, T, H, device=device, generator=gen).to(dtype)}
-
-
-def qk_beta_g(B, T, H, D, dtype, device, gen):
-    x = qk_beta(B, T, H, D, dtype, device, gen)
-    x["g"] = F.logsigmoid(torch.randn(B, T, H, device=device, generator=gen) + 4).to(dtype)
+    x = unit_qkv(B, T, H, D, dtype, device, gen)
+    x["beta"] = torch.rand(B, T, H, device=device, generator=gen).to(dtype)
     return x
+
+
+qk_beta_g = with_head_decay(qk_beta)
 
 
 def raw_qk_beta(B, T, H, D, dtype, device, gen):
@@ -70,7 +70,7 @@ def delta_ops(Op):
 
 
 def add_fla_delta(ns):
-    """Add fla's delta-rule functions to the namespace ``load_fla`` returns (if fla imports)."""
+    """Add fla's delta-rule functions to the namespace ``kernel_ops.load_fla`` returns (if fla imports)."""
     if ns is None:
         return ns
     try:
@@ -88,25 +88,22 @@ def add_fla_delta(ns):
 def bench_decode_delta(device, dtype, fla=None, D=128, B=8, H=16):
     """ms per decoding step (one token against the state), CUDA-graph replays: our ops (l2norm of q, k
     and the state update in one kernel), our kernel, fla's fused recurrent kernels."""
-    import triton
-
     from lazoo import ops
     from lazoo.kernels.delta import fused_recurrent_delta_rule
 
     gen = torch.Generator(device=device).manual_seed(2)
     q, k, v = (torch.randn(B, 1, H, D, dtype=dtype, device=device, generator=gen) for _ in range(3))
     beta = torch.rand(B, 1, H, device=device, generator=gen).to(dtype)
-    g = F.logsigmoid(torch.randn(B, 1, H, device=device, generator=gen) + 4).to(dtype)
+    g = head_decay(B, 1, H, dtype, device, gen)
     S = torch.randn(B, H, D, D, device=device, generator=gen)
     state_bytes = 2 * S.numel() * 4
-    graph = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")  # noqa: E731
     out = {}
     with torch.no_grad():
-        out["ours_delta_op_ms"] = graph(lambda: ops.delta_rule(q, k, v, beta, initial_state=S,
-                                                               output_final_state=True, backend="triton"))
-        out["ours_gated_delta_op_ms"] = graph(lambda: ops.gated_delta_rule(
+        out["ours_delta_op_ms"] = cuda_graph_ms(lambda: ops.delta_rule(q, k, v, beta, initial_state=S,
+                                                                       output_final_state=True, backend="triton"))
+        out["ours_gated_delta_op_ms"] = cuda_graph_ms(lambda: ops.gated_delta_rule(
             q, k, v, g, beta, initial_state=S, output_final_state=True, backend="triton"))
-        out["ours_gated_delta_kernel_ms"] = graph(lambda: fused_recurrent_delta_rule(
+        out["ours_gated_delta_kernel_ms"] = cuda_graph_ms(lambda: fused_recurrent_delta_rule(
             q, k, v, beta, g, scale=D ** -0.5, initial_state=S, output_final_state=True, use_qk_l2norm=True))
         out["ours_gated_delta_kernel_GBps"] = state_bytes / out["ours_gated_delta_kernel_ms"] / 1e6
         if fla is not None and hasattr(fla, "fused_recurrent_delta_rule"):
@@ -117,9 +114,9 @@ def bench_decode_delta(device, dtype, fla=None, D=128, B=8, H=16):
                     q, k, v, g, beta, initial_state=S, output_final_state=True, use_qk_l2norm_in_kernel=True)),
             ]:
                 try:
-                    out[name] = graph(fn)
+                    out[name] = cuda_graph_ms(fn)
                 except Exception as e:  # noqa: BLE001
-                    out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    out[name] = error_text(e, limit=160)
     print(f"decode, delta rule: B={B} H={H} D={D}, one token against the state (independent of the context "
           "length), CUDA graph, ms per step:")
     for key, val in out.items():

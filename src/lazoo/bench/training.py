@@ -28,7 +28,7 @@ run goes on; the JSON (``--out``) is rewritten after every row: ``{"env": {GPU, 
 fla versions, precision, sizes, command, ...}, "rows": [{impl, model, T, B, params, params_non_embedding,
 tokens_per_s, step_ms_median/min/max, peak_mem_GiB, loss, error, ...}]}``.
 
-    PYTHONPATH=src python scripts/bench_training.py --out bench_training.json
+    python -m lazoo.bench.training --out bench_training.json
 
 On an H100 the default set (5 models x 2 lengths + up to 4 fla rows) should take about 4-6 minutes
 (lazoo's Triton kernels compile in the warm-up steps, sw-ovq assigns its dictionary chunk by chunk, fla autotunes
@@ -44,40 +44,31 @@ unit per decoder layer (``_no_split_modules``: ``LazooDecoderLayer``, ``LlamaDec
 every process (world size x B x T over the slowest process's median step); fla rows and ``--row-budget`` are
 off (a stopped process would leave the others waiting in a collective); rank 0 writes the JSON:
 
-    accelerate launch --multi_gpu --num_processes 2 scripts/bench_training.py --parallel ddp --out ddp2.json
-    accelerate launch --num_processes 1 scripts/bench_training.py --parallel ddp --out ddp1.json   # baseline
+    accelerate launch --multi_gpu --num_processes 2 -m lazoo.bench.training --parallel ddp --out ddp2.json
+    accelerate launch --num_processes 1 -m lazoo.bench.training --parallel ddp --out ddp1.json   # baseline
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
 import os
 import platform
-import signal
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-try:
-    import lazoo  # noqa: F401  (registers lazoo_* on the Auto classes)
-except ImportError:  # a source checkout run without PYTHONPATH=src
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import lazoo  # noqa: F401
+import lazoo
+from lazoo_cli.bench import bench_parser
 
-#: the ~125M model every row uses (``--tiny``: TINY)
-SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=32000)
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=256)
-TIE = True
-DEFAULT_MECHANISMS = "linear,gated_delta_net,vla,sw-ovq"
+from .models import MODEL_SIZES, TIE, TINY_SIZES, config_fields, count_params, lazoo_model, llama_model
+from .report import command_line, error_text, first_line, fmt, triton_version, write_json
+from .timing import OutOfTime, sync, time_budget
 
-#: lazoo mechanism -> (fla.models config class, fla-specific config fields); other fields are set from SIZES
+#: lazoo mechanism -> (fla.models config class, fla-specific config fields); other fields are set from the sizes
 FLA_MODELS = {
     "linear": ("LinearAttentionConfig", {}),
     "gated_delta_net": ("GatedDeltaNetConfig", {"head_dim": None, "expand_v": 1}),  # head_dim: hidden // heads
@@ -87,25 +78,13 @@ FLA_MODELS = {
 
 
 # ----------------------------------------------------------------------------- models
-def lazoo_model(name, sizes, max_len):
-    from transformers import AutoModelForCausalLM
-
-    from lazoo.presets import build_config
-
-    config = build_config(name, **sizes, tie_word_embeddings=TIE)
-    return AutoModelForCausalLM.from_config(config), {"model_type": config.model_type,
-                                                      "layer_types": list(config.layer_types)}
+def lazoo_row_model(name, sizes):
+    model = lazoo_model(name, sizes)
+    return model, {"model_type": model.config.model_type, "layer_types": list(model.config.layer_types)}
 
 
-def llama_model(sizes, max_len):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
-                         intermediate_size=sizes["intermediate_size"], num_hidden_layers=sizes["num_hidden_layers"],
-                         num_attention_heads=sizes["num_attention_heads"],
-                         num_key_value_heads=sizes["num_attention_heads"], max_position_embeddings=max(max_len, 2048),
-                         tie_word_embeddings=TIE, use_cache=False)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+def llama_row_model(sizes, max_len):
+    model = llama_model(sizes, max_len, use_cache=False)
     return model, {"model_type": "llama", "attn_implementation": model.config._attn_implementation}
 
 
@@ -115,13 +94,11 @@ def load_fla():
         import fla
         import fla.models
     except Exception as e:  # not installed, or it refuses this GPU/Triton
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None, error_text(e)
     return fla.models, getattr(fla, "__version__", "?")
 
 
 def fla_model(fla_models, mechanism, sizes, max_len):
-    import inspect
-
     cls_name, extra = FLA_MODELS[mechanism]
     config_cls = getattr(fla_models, cls_name)
     model_cls = getattr(fla_models, cls_name.replace("Config", "ForCausalLM"))
@@ -131,34 +108,12 @@ def fla_model(fla_models, mechanism, sizes, max_len):
               "max_position_embeddings": max(max_len, 2048), **extra}
     if "head_dim" in wanted and wanted["head_dim"] is None:
         wanted["head_dim"] = sizes["hidden_size"] // sizes["num_attention_heads"]
-    accepted = set(inspect.signature(config_cls.__init__).parameters)
-    fields = {k: v for k, v in wanted.items() if k in accepted or k in ("tie_word_embeddings", "use_cache")}
+    fields = config_fields(config_cls, wanted, always=("tie_word_embeddings", "use_cache"))
     config = config_cls(**fields)
     return model_cls(config), {"model_type": getattr(config, "model_type", cls_name), "fla_config": fields}
 
 
-def count_params(model):
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
-    emb = model.get_input_embeddings().weight
-    out = model.get_output_embeddings()
-    embedding = emb.numel() + (out.weight.numel() if out is not None and out.weight is not emb else 0)
-    return total, total - embedding
-
-
 # ----------------------------------------------------------------------------- one row
-class _OutOfTime(BaseException):  # not caught by `except Exception`
-    pass
-
-
-def _on_alarm(signum, frame):
-    raise _OutOfTime()
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(build, T, args, row):
     """Fill ``row`` with params, step times, tokens/s and peak memory of the model ``build()`` returns."""
     device = args.device
@@ -209,7 +164,7 @@ def measure(build, T, args, row):
 
     for _ in range(args.warmup):
         step()
-    _sync(device)
+    sync(device)
     row["build_warmup_s"] = round(time.perf_counter() - t0, 2)
     times_ms = []
     if device == "cuda":
@@ -253,39 +208,36 @@ def profile_step(step, device, top=15):
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        sync(device)
     attr = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
     total_ms = sum(getattr(e, attr) for e in events) / 1e3
     return [[e.key[:120], e.count, round(getattr(e, attr) / 1e3, 3)] for e in events[:top]], round(total_ms, 3)
 
 
+def empty_row(impl, name, T, args, **extra) -> dict:
+    B = max(1, args.tokens // T)
+    return {"impl": impl, "model": name, "T": T, "B": B, "tokens_per_step": B * T, "dtype": args.dtype, **extra,
+            "params": None, "tokens_per_s": None, "step_ms_median": None, "peak_mem_GiB": None, "error": None}
+
+
 def run_row(impl, name, build, T, args, budget=None, compiled=False):
     """One row; errors (OOM included) and timeouts are recorded, memory is freed either way."""
-    B = max(1, args.tokens // T)
-    row = {"impl": impl, "model": name, "T": T, "B": B, "tokens_per_step": B * T, "dtype": args.dtype,
-           "parallel": args.parallel, "compiled": compiled,
-           "params": None, "tokens_per_s": None, "step_ms_median": None, "peak_mem_GiB": None, "error": None}
+    row = empty_row(impl, name, T, args, parallel=args.parallel, compiled=compiled)
     budget = args.row_budget if budget is None else min(budget, args.row_budget)
-    use_alarm = budget and budget > 0 and hasattr(signal, "SIGALRM")
-    if use_alarm:
-        previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.alarm(max(1, int(budget)))
     try:
-        measure(build, T, args, row)
-    except _OutOfTime:
+        with time_budget(budget):
+            measure(build, T, args, row)
+    except OutOfTime:
         row["error"] = f"timeout: stopped after {budget:.0f} s"
     except torch.cuda.OutOfMemoryError as e:
-        row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
+        row["error"] = f"OOM: {first_line(e, limit=160)}"
         if args.device == "cuda":
             row["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
     except Exception as e:
         traceback.print_exc(limit=3)
-        row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        row["error"] = error_text(e)
     finally:
-        if use_alarm:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
         if args.accelerator is not None:
             args.accelerator.free_memory()  # drop the prepared model and optimizer before the next row
     gc.collect()  # the failed step's frames went with the exception
@@ -315,6 +267,8 @@ def make_accelerator(args):
 
 # ----------------------------------------------------------------------------- main
 def env_block(args, fla_info):
+    import transformers
+
     env = {"device": args.device, "torch": torch.__version__, "python": platform.python_version(),
            "lazoo": getattr(lazoo, "__version__", "?"), "dtype": args.dtype,
            "precision": {"bf16": "bf16 autocast, fp32 master weights, AdamW (fused on CUDA)",
@@ -322,18 +276,10 @@ def env_block(args, fla_info):
                          "fp32": "fp32 weights and compute, AdamW"}[args.dtype],
            "sizes": args.sizes, "tie_word_embeddings": TIE, "tokens_per_step": args.tokens,
            "lengths": args.lengths, "warmup": args.warmup, "steps": args.steps,
-           "LAZOO_BACKEND": os.environ.get("LAZOO_BACKEND"), "command": " ".join(args.argv),
+           "LAZOO_BACKEND": os.environ.get("LAZOO_BACKEND"), "command": command_line("training", args.argv),
            "parallel": args.parallel,
-           "world_size": args.accelerator.num_processes if args.accelerator is not None else 1}
-    import transformers
-
-    env["transformers"] = transformers.__version__
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+           "world_size": args.accelerator.num_processes if args.accelerator is not None else 1,
+           "transformers": transformers.__version__, "triton": triton_version()}
     if args.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         env["gpus_visible"] = torch.cuda.device_count()
@@ -343,40 +289,16 @@ def env_block(args, fla_info):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_training.json")
-    ap.add_argument("--mechanisms", default=DEFAULT_MECHANISMS,
-                    help="comma-separated lazoo mechanisms / hybrid presets / config .json paths")
-    ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths T")
-    ap.add_argument("--tokens", type=int, default=None,
-                    help="tokens per optimizer step, batch = tokens // T (default 16384; --tiny: 128)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3; --tiny: 1)")
-    ap.add_argument("--dtype", choices=("bf16", "bf16-weights", "fp32"), default=None,
-                    help="bf16 = autocast with fp32 master weights (default on CUDA); fp32 default on CPU")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny models (hidden 64, 2 layers) for a CPU smoke test")
-    ap.add_argument("--compile", action="store_true",
-                    help="also a row of each lazoo and Llama model under torch.compile(model) (compiled in warm-up)")
-    ap.add_argument("--no-llama", action="store_true", help="skip the LlamaForCausalLM (SDPA) rows")
-    ap.add_argument("--no-fla", action="store_true", help="skip fla's models")
-    ap.add_argument("--fla-budget", type=float, default=120.0,
-                    help="seconds for all fla rows (its kernels autotune on first use); 0 skips fla")
-    ap.add_argument("--row-budget", type=float, default=180.0, help="seconds per row before it is stopped; 0: none")
-    ap.add_argument("--profile", action="store_true",
-                    help="profile one more step per row: its top operators by device time go into the row")
-    ap.add_argument("--profile-top", type=int, default=15, help="how many operators --profile keeps")
-    ap.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default="none",
-                    help="under `accelerate launch`: data-parallel rows, DDP or FSDP2 (each process --tokens a step)")
+    ap = bench_parser("training")
     args = ap.parse_args(argv)
-    args.argv = sys.argv if argv is None else ["scripts/bench_training.py", *argv]
+    args.argv = argv
     args.mechanisms = [m for m in args.mechanisms.split(",") if m]
     args.lengths = [int(t) for t in str(args.lengths).split(",") if t]
     args.tokens = args.tokens if args.tokens is not None else (128 if args.tiny else 16384)
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    args.sizes = dict(TINY if args.tiny else SIZES)
+    args.sizes = dict(TINY_SIZES if args.tiny else MODEL_SIZES)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -399,7 +321,6 @@ def report(rows):
           f" {'peak GiB':>8s} {'vs llama':>8s}  note")
     for r in sorted(rows, key=lambda r: (r["T"], r.get("compiled", False), r["impl"] != "transformers",
                                          r["impl"] != "lazoo", r["model"])):
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         key = (r["T"], r.get("compiled", False))
         rel = r["tokens_per_s"] / llama[key] if r["tokens_per_s"] and key in llama else None
         params = "-" if r["params"] is None else f"{r['params'] / 1e6:.1f}M"
@@ -432,17 +353,16 @@ def main(argv=None):
 
     def save():
         if args.main_process:
-            with open(args.out, "w") as fh:
-                json.dump(result, fh, indent=1)
+            write_json(args.out, result)
 
     for T in args.lengths:
         for compiled in (False, True) if args.compile else (False,):
             if not args.no_llama:
-                rows.append(run_row("transformers", "llama_sdpa", lambda: llama_model(args.sizes, max_len), T, args,
-                                    compiled=compiled))
+                rows.append(run_row("transformers", "llama_sdpa", lambda: llama_row_model(args.sizes, max_len), T,
+                                    args, compiled=compiled))
                 save()
             for name in args.mechanisms:
-                rows.append(run_row("lazoo", name, lambda name=name: lazoo_model(name, args.sizes, max_len), T, args,
+                rows.append(run_row("lazoo", name, lambda name=name: lazoo_row_model(name, args.sizes), T, args,
                                     compiled=compiled))
                 save()
 
@@ -454,11 +374,8 @@ def main(argv=None):
                     continue
                 left = deadline - time.perf_counter()
                 if fla_models is None or left < 1:
-                    B = max(1, args.tokens // T)
                     error = env["fla_error"] if fla_models is None else f"fla budget ({args.fla_budget:.0f} s) spent"
-                    rows.append({"impl": "fla", "model": name, "T": T, "B": B, "tokens_per_step": B * T,
-                                 "dtype": args.dtype, "params": None, "tokens_per_s": None, "step_ms_median": None,
-                                 "peak_mem_GiB": None, "error": error})
+                    rows.append({**empty_row("fla", name, T, args), "error": error})
                     print("progress", json.dumps(rows[-1]), flush=True)
                 else:
                     rows.append(run_row("fla", name, lambda name=name: fla_model(fla_models, name, args.sizes, max_len),

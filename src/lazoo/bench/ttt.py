@@ -1,10 +1,11 @@
-"""Benchmark TTT-Linear on a CUDA GPU: lazoo's Triton kernel vs its PyTorch chunk (dual) form, beside lazoo's
-gated delta rule and, when flash-linear-attention (fla) is installed and has them, fla's TTT-Linear ops.
+"""Benchmark TTT-Linear on a CUDA GPU: lazoo's Triton kernel vs its PyTorch chunk form, beside Gated DeltaNet and fla.
 
 Forward and forward+backward median ms (triton.testing.do_bench) at B·T = 32k tokens, T in {1k, 8k, 32k},
-H = 16, D = 128, bf16, mini-batch b = 16 (and b = 1, the delta-rule path). Prints a table, writes JSON (--out).
+H = 16, D = 128, bf16, mini-batch b = 16 (and b = 1, the delta-rule path) of lazoo's ``ttt_linear`` through its
+Triton kernel and its PyTorch chunk (dual) form, beside lazoo's gated delta rule and, when flash-linear-attention
+(fla) is installed and has them, fla's TTT-Linear ops. Prints a table, writes JSON (--out).
 
-    PYTHONPATH=src python scripts/bench_ttt.py --out bench_ttt.json
+    python -m lazoo.bench.ttt --out bench_ttt.json
 
 fla's ``chunk_ttt_linear`` / ``fused_chunk_ttt_linear`` put a LayerNorm (and residual) inside the inner model,
 so they compute a different function from lazoo's ttt_linear (no LayerNorm): the timings are side by side,
@@ -13,32 +14,25 @@ the outputs are not compared.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import sys
-import traceback
-
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import time_fwd_bwd  # noqa: E402  (median ms helper shared with bench_kernels)
+from lazoo_cli.bench import bench_parser
+
+from .inputs import head_decay, unit_qkv
+from .report import gpu_environment, write_json
+from .timing import require_cuda, time_fwd_bwd
 
 TOKENS = 32 * 1024
 H, D = 16, 128
-LENGTHS = (1024, 8192, 32768)
 CHUNK_FORM_MAX_T = 8192  # the PyTorch chunk form loops over T/b mini-batches in Python: skipped beyond this
 
 
 def inputs(B, T, dtype, device, gen):
-    q, k = (F.normalize(torch.randn(B, T, H, D, device=device, generator=gen), dim=-1).to(dtype) for _ in range(2))
-    v = torch.randn(B, T, H, D, device=device, generator=gen).to(dtype)
-    eta = (0.1 * torch.sigmoid(torch.randn(B, T, H, device=device, generator=gen))).to(dtype)
-    W0 = 0.02 * torch.randn(B, H, D, D, device=device, generator=gen)
-    g = F.logsigmoid(torch.randn(B, T, H, device=device, generator=gen) + 4).to(dtype)
-    return {"q": q, "k": k, "v": v, "eta": eta, "W0": W0, "g": g}
+    x = unit_qkv(B, T, H, D, dtype, device, gen)
+    x["eta"] = (0.1 * torch.sigmoid(torch.randn(B, T, H, device=device, generator=gen))).to(dtype)
+    x["W0"] = 0.02 * torch.randn(B, H, D, D, device=device, generator=gen)
+    x["g"] = head_decay(B, T, H, dtype, device, gen)
+    return x
 
 
 def lazoo_ttt(backend, b):
@@ -79,16 +73,9 @@ def load_fla():
     return found, None, getattr(fla, "__version__", "?")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
-    ap.add_argument("--no-chunk", action="store_true", help="skip the (slow) PyTorch chunk form")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_ttt.py needs a CUDA GPU")
-    import triton
-
+def main(argv=None):
+    args = bench_parser("ttt").parse_args(argv)
+    require_cuda("ttt")
     dev, dtype = torch.device("cuda"), torch.bfloat16
     fla_ops, fla_why, fla_version = load_fla()
     if fla_why:
@@ -107,11 +94,7 @@ def main():
             if "chunk (PyTorch)" in name and (args.no_chunk or T > CHUNK_FORM_MAX_T):
                 rows.append({"op": name, "B": B, "T": T, "fwd_ms": None, "fwd_bwd_ms": None, "error": "skipped"})
                 continue
-            try:
-                fwd, both, err = time_fwd_bwd(fn, x, grads)
-            except Exception as e:  # noqa: BLE001  (one failing op must not stop the table)
-                traceback.print_exc(limit=2)
-                fwd, both, err = None, None, f"{type(e).__name__}: {e}"
+            fwd, both, err = time_fwd_bwd(fn, x, grads)
             rows.append({"op": name, "B": B, "T": T, "fwd_ms": fwd, "fwd_bwd_ms": both, "error": err})
             f = "-" if fwd is None else f"{fwd:8.2f}"
             bb = "-" if both is None else f"{both:8.2f}"
@@ -125,12 +108,10 @@ def main():
     r = lazoo_ttt("chunk", 16)(x64)
     acc = ((o.double() - r).abs().max() / r.abs().max()).item()
     print(f"ttt_linear triton b=16 bf16 output rel err vs float64 (T=2048): {acc:.2e}")
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "fla": fla_version, "fla_note": fla_why, "dtype": "bfloat16",
+    meta = {**gpu_environment(), "fla": fla_version, "fla_note": fla_why, "dtype": "bfloat16",
             "H": H, "D": D, "tokens": TOKENS, "bf16_rel_err_T2048": acc}
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        write_json(args.out, {"meta": meta, "rows": rows})
         print(f"wrote {args.out}")
 
 

@@ -1,44 +1,42 @@
 """Where an op's forward + backward time goes, on a CUDA GPU: torch.profiler's table of GPU kernels and host ops.
 
-    python scripts/profile_op.py --op ela_hadamard_exp --T 8192          # an entry of bench_kernels' OPS
-    python scripts/profile_op.py --op ovq --T 4096                       # bench_ovq's shape (B = 1, H = 8, d = 128)
-    python scripts/profile_op.py --op ovq_pytorch_assign --T 4096        # the same with the PyTorch assignments
-    python scripts/profile_op.py --op vla --T 32768 --B 1                # bench_vla's shape (H = 16, d = 128)
-    python scripts/profile_op.py --op gla --T 8192 --fla                 # fla's chunk_gla at the same shape
+    python -m lazoo.bench.profile_op --op ela_hadamard_exp --T 8192     # an op of lazoo.bench.kernel_ops
+    python -m lazoo.bench.profile_op --op ovq --T 4096                  # lazoo.bench.ovq's shape (B=1, H=8, d=128)
+    python -m lazoo.bench.profile_op --op ovq_pytorch_assign --T 4096   # the same with the PyTorch assignments
+    python -m lazoo.bench.profile_op --op vla --T 32768 --B 1           # lazoo.bench.vla's shape (H=16, d=128)
+    python -m lazoo.bench.profile_op --op gla --T 8192 --fla            # fla's chunk_gla at the same shape
 
-bench_kernels' ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step (median of
---repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host time.
+The kernels benchmark's ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step
+(median of --repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host
+time.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+def kernel_op_step(name: str, T: int, D: int, fla: bool = False):
+    """One forward + backward of an op of ``kernel_ops``: lazoo's, or (``fla``) fla's where it has the op."""
+    from . import kernel_ops
 
-def bench_kernels_step(name: str, T: int, D: int, fla: bool = False):
-    """One forward + backward of a bench_kernels op: lazoo's, or (``fla``) fla's where it has the op."""
-    import bench_kernels
-
-    op = bench_kernels._ops()[name]
+    op = kernel_ops.kernel_ops()[name]
     run = op.ours
     if fla:
-        module, version = bench_kernels.load_fla()
+        module, version = kernel_ops.load_fla()
         if module is None or op.fla is None:
             sys.exit(f"fla has no {name} here ({version})")
         run = lambda t: op.fla(module, t)  # noqa: E731
-    B = max(1, bench_kernels.TOKENS // T)
+    B = max(1, kernel_ops.TOKENS // T)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = op.make(B, T, bench_kernels.H, D, torch.bfloat16, "cuda", gen)
+    x = op.make(B, T, kernel_ops.H, D, torch.bfloat16, "cuda", gen)
     leaves = [x[n].requires_grad_() for n in op.grads]
-    do = torch.randn_like(run(x))  # the output gradient as bench_kernels gives it: no cast or copy in the step
+    do = torch.randn_like(run(x))  # the output gradient as the kernels benchmark gives it: no cast or copy in the step
 
     def step():
         run(x).backward(do)
@@ -48,15 +46,15 @@ def bench_kernels_step(name: str, T: int, D: int, fla: bool = False):
 
 
 def ovq_step(T: int, triton_assign: bool = True):
-    import bench_ovq
-
     from lazoo.ops import ovq_attention
 
-    q, k, v = (t.requires_grad_() for t in bench_ovq.inputs(1, T, torch.bfloat16, "cuda"))
+    from . import ovq
+
+    q, k, v = (t.requires_grad_() for t in ovq.inputs(1, T, torch.bfloat16, "cuda"))
 
     def run():
-        return ovq_attention(q, k, v, scale=math.sqrt(bench_ovq.D), chunk_size=bench_ovq.L,
-                             max_dict_size=bench_ovq.N, backend="triton", triton_assign=triton_assign)[0]
+        return ovq_attention(q, k, v, scale=math.sqrt(ovq.D), chunk_size=ovq.L, max_dict_size=ovq.N,
+                             backend="triton", triton_assign=triton_assign)[0]
     do = torch.randn_like(run())  # a ready output gradient, as the benches give it
 
     def step():
@@ -67,14 +65,14 @@ def ovq_step(T: int, triton_assign: bool = True):
 
 
 def vla_step(T: int, B: int):
-    import bench_vla
-
     from lazoo.ops import vla
+
+    from . import vla as bench_vla
 
     x = bench_vla.make(B, T, torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
     q, k, v, u = (x[n].requires_grad_() for n in "qkvu")
 
-    do = torch.randn_like(vla(q, k, v, u, backend="triton")[0])  # a ready output gradient, as bench_vla gives it
+    do = torch.randn_like(vla(q, k, v, u, backend="triton")[0])  # a ready output gradient, as lazoo.bench.vla gives it
 
     def step():
         vla(q, k, v, u, backend="triton")[0].backward(do)
@@ -84,32 +82,33 @@ def vla_step(T: int, B: int):
 
 
 def op_names() -> list[str]:
-    import bench_kernels
+    from .kernel_ops import kernel_ops
 
-    return sorted(bench_kernels._ops()) + ["ovq", "ovq_pytorch_assign", "vla"]
+    return sorted(kernel_ops()) + ["ovq", "ovq_pytorch_assign", "vla"]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--op", required=True, help="an op of bench_kernels, or ovq / ovq_pytorch_assign / vla")
+    ap = argparse.ArgumentParser(prog="python -m lazoo.bench.profile_op", description=__doc__.splitlines()[0])
+    ap.add_argument("--op", required=True, help="an op of lazoo.bench.kernel_ops, or ovq / ovq_pytorch_assign / vla")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--B", type=int, default=1, help="batch size of the vla op")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--fla", action="store_true", help="profile fla's form of a bench_kernels op instead of lazoo's")
+    ap.add_argument("--fla", action="store_true",
+                    help="profile fla's form of a kernels-benchmark op instead of lazoo's")
     args = ap.parse_args(argv)
     known = op_names()
     if args.op not in known:
         ap.error(f"--op must be one of {', '.join(known)}, got {args.op!r}")
     if not torch.cuda.is_available():
-        sys.exit("profile_op.py needs a CUDA GPU")
+        sys.exit("lazoo.bench.profile_op needs a CUDA GPU")
     if args.op.startswith("ovq"):
         step = ovq_step(args.T, triton_assign=args.op != "ovq_pytorch_assign")
     elif args.op == "vla":
         step = vla_step(args.T, args.B)
     else:
-        step = bench_kernels_step(args.op, args.T, args.D, fla=args.fla)
+        step = kernel_op_step(args.op, args.T, args.D, fla=args.fla)
     for _ in range(2):  # compile and autotune outside the profile
         step()
     torch.cuda.synchronize()

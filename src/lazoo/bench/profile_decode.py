@@ -1,6 +1,6 @@
 """Where one decode step's time goes: ``generate``'s loop, the host, or the GPU kernels.
 
-For one lazoo model (a mechanism or hybrid preset; the sizes of ``scripts/bench_generate.py``), one
+For one lazoo model (a mechanism or hybrid preset; the sizes of ``lazoo.bench.generate``), one
 batch and one prompt length, after the prompt has filled a static cache, prints and writes (``--out``, JSON lines):
 
   * ``generate``: ms per new token of ``model.generate(..., cache_implementation="static")`` (as bench_generate);
@@ -15,7 +15,7 @@ batch and one prompt length, after the prompt has filled a static cache, prints 
 ``generate - loop_synced`` is generate's own per-token work (logits processors, stopping criteria, input
 preparation); ``loop_synced - gpu_kernels`` is the launch and host time a step pays while the GPU waits.
 
-    PYTHONPATH=src python scripts/profile_decode.py --model gated_delta_net --prompt 1024 --out profile.jsonl
+    python -m lazoo.bench.profile_decode --model gated_delta_net --prompt 1024 --out profile.jsonl
 
 CPU smoke test: ``--device cpu --dtype float32 --hidden-size 64 --layers 2 --heads 2 --intermediate-size 128
 --vocab-size 256 --prompt 16 --steps 4`` (no compile, no CUDA graphs: the step runs eagerly).
@@ -26,17 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_generate  # noqa: E402  (the model builders and generate timing of the generation benchmark)
+from lazoo import LazooCache
+from lazoo_cli.bench import add_device_options, add_model_size_options, model_sizes
 
-from lazoo.models.cache import LazooCache  # noqa: E402
+from . import generate as bench_generate  # the model builders and generate timing of the generation benchmark
+from .timing import sync
 
 
 class GreedyStepper:
@@ -60,11 +60,6 @@ class GreedyStepper:
             self.token = logits[:, -1].argmax(-1, keepdim=True)
             self.position = self.position + 1
         return self.token
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def loop_ms(stepper, steps, device, wait_each):
@@ -102,22 +97,22 @@ def kernel_profile(stepper, steps, device):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lazoo.bench.profile_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gated_delta_net")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed in each loop")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(bench_generate.DTYPES))
-    bench_generate.add_model_size_args(ap)
+    add_device_options(ap)
+    add_model_size_options(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="append the result as one JSON line")
     args = ap.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if bench_generate.model_kind(args.model) != "lazoo":
         ap.error(f"--model {args.model}: a lazoo mechanism or hybrid preset (the bare loop drives lazoo's cache)")
     if args.batch < 1 or args.prompt < 1 or args.steps < 2:
         ap.error("--batch and --prompt must be at least 1, --steps at least 2")
-    args.sizes = bench_generate.model_sizes(args)
+    args.sizes = model_sizes(args)
     # what bench_generate's builders and timing read
     args.prompts, args.new_tokens, args.fla_error, args.fla_site = [args.prompt], args.steps, None, None
     args.warmup_tokens, args.repeats = 8, 3

@@ -32,10 +32,10 @@ never stops for one bad row.
 
 Output: ``--out`` (default bench_generate.jsonl), one JSON object a line, written as each row finishes: first
 ``{"env": {gpu, torch, triton, transformers, fla, arguments, ...}}``, then one row per setting; at the end a
-markdown table on stdout. Run from the repository root:
+markdown table on stdout:
 
-    PYTHONPATH=src python scripts/bench_generate.py --out bench_generate.jsonl
-    PYTHONPATH=src python scripts/bench_generate.py --models llama,gated_delta_net,fla:gated_deltanet \\
+    python -m lazoo.bench.generate --out bench_generate.jsonl
+    python -m lazoo.bench.generate --models llama,gated_delta_net,fla:gated_deltanet \\
         --fla-site /tmp/site --modes eager,static,compile --prompts 1024,16384 --batch-sizes 1,64
 
 CPU smoke test: ``--device cpu --dtype float32 --hidden-size 64 --layers 2 --heads 2 --intermediate-size 128
@@ -44,28 +44,23 @@ CPU smoke test: ``--device cpu --dtype float32 --hidden-size 64 --layers 2 --hea
 
 from __future__ import annotations
 
-import argparse
 import gc
-import inspect
 import json
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-try:
-    import lazoo  # noqa: F401  (registers lazoo_* on the Auto classes)
-except ImportError:  # a source checkout run without PYTHONPATH=src
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import lazoo  # noqa: F401
+import lazoo
+from lazoo_cli.bench import GENERATE_MODES as MODES
+from lazoo_cli.bench import bench_parser, model_sizes
 
-DEFAULT_MODELS = "llama,gated_delta_net,sw-gdn,sw-vla"
-MODES = ("eager", "static", "compile")
+from .models import TIE, config_fields, lazoo_model, llama_model
+from .report import command_line, first_line, fmt, triton_version
+from .timing import sync
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TIE = True  # lazoo's default; llama and fla are set to tie too, so the 32k x 768 embedding counts once in each
 
 #: fla config fields that differ from fla's defaults so its model matches lazoo's of the same sizes
 FLA_EXTRA_FIELDS = {"gated_deltanet": lambda sizes: {"head_dim": sizes["hidden_size"] // sizes["num_attention_heads"],
@@ -86,27 +81,10 @@ def model_kind(name: str) -> str:
     return "llama" if name == "llama" else "lazoo"
 
 
-def build_lazoo(name, sizes):
-    from transformers import AutoModelForCausalLM
-
-    from lazoo.presets import build_config
-
-    return AutoModelForCausalLM.from_config(build_config(name, **sizes, tie_word_embeddings=TIE))
-
-
-def build_llama(sizes, max_len):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
-                         intermediate_size=sizes["intermediate_size"], num_hidden_layers=sizes["num_hidden_layers"],
-                         num_attention_heads=sizes["num_attention_heads"],
-                         num_key_value_heads=sizes["num_attention_heads"],
-                         max_position_embeddings=max(max_len, 2048), tie_word_embeddings=TIE)
-    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-
-
 def load_fla(site):
     """fla's version, or raise why it cannot be imported from ``site``."""
+    import sys
+
     if site not in sys.path:
         sys.path.insert(0, site)
     import fla
@@ -127,10 +105,8 @@ def build_fla(model_type, sizes, max_len):
               "intermediate_size": sizes["intermediate_size"], "vocab_size": sizes["vocab_size"],
               "max_position_embeddings": max(max_len, 2048),
               **FLA_EXTRA_FIELDS.get(model_type, lambda s: {})(sizes)}
-    # fla's configs keep unknown keywords as stray attributes: pass only the fields this config's __init__ names
-    # (`wanted` covers both head-count spellings)
-    accepted = set(inspect.signature(config_cls.__init__).parameters)
-    fields = {k: v for k, v in wanted.items() if k in accepted}
+    # `wanted` covers both head-count spellings: each config takes the one its __init__ names
+    fields = config_fields(config_cls, wanted)
     return AutoModelForCausalLM.from_config(config_cls(**fields, tie_word_embeddings=TIE))
 
 
@@ -141,13 +117,13 @@ def build_model(name, args):
     with torch.device(args.device):  # initialise on the device: faster than on the host at 125M
         kind = model_kind(name)
         if kind == "llama":
-            model = build_llama(args.sizes, max_len)
+            model = llama_model(args.sizes, max_len)
         elif kind == "fla":
             if args.fla_error:
                 raise RuntimeError(f"fla could not be imported from --fla-site {args.fla_site}: {args.fla_error}")
             model = build_fla(name.removeprefix("fla:"), args.sizes, max_len)
         else:
-            model = build_lazoo(name, args.sizes)
+            model = lazoo_model(name, args.sizes)
     return model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
 
 
@@ -159,11 +135,6 @@ def prepare_mode(model, mode):
 
 
 # ----------------------------------------------------------------------------- timing
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def prompt_ids(batch, prompt, vocab, seed):
     """The same random ids for every model: drawn on the host from a seeded generator."""
     gen = torch.Generator().manual_seed(seed)
@@ -261,8 +232,7 @@ def is_out_of_memory(err):
 def error_text(err):
     if is_out_of_memory(err):
         return OUT_OF_MEMORY
-    first_line = (str(err).splitlines() or [""])[0]
-    return f"{type(err).__name__}: {first_line[:300]}"
+    return f"{type(err).__name__}: {first_line(err, limit=300)}"
 
 
 def free_memory(device):
@@ -320,22 +290,12 @@ def model_rows(name, mode, args, emit):
 def environment(args):
     import transformers
 
-    env = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-           "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-           "python": platform.python_version(), "lazoo": getattr(lazoo, "__version__", "?"),
-           "fla": args.fla_version, "fla_error": args.fla_error, "sizes": args.sizes, "tie_word_embeddings": TIE,
-           "command": " ".join(args.argv), "arguments": args.arguments}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
-
-
-def fmt(value, spec):
-    return "-" if value is None else format(value, spec)
+    return {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "lazoo": getattr(lazoo, "__version__", "?"),
+            "fla": args.fla_version, "fla_error": args.fla_error, "sizes": args.sizes, "tie_word_embeddings": TIE,
+            "command": command_line("generate", args.argv), "arguments": args.arguments,
+            "triton": triton_version()}
 
 
 def markdown_table(rows):
@@ -355,45 +315,17 @@ def int_list(text):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=DEFAULT_MODELS,
-                    help="comma-separated: lazoo mechanisms / hybrid presets / config .json, llama, fla:<model_type>")
-    ap.add_argument("--modes", default="eager", help=f"comma-separated, of {', '.join(MODES)}")
-    ap.add_argument("--prompts", default="1024,16384,65536", help="prompt lengths (comma-separated)")
-    ap.add_argument("--batch-sizes", default="1,64", help="batch sizes (comma-separated)")
-    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run (at least 2)")
-    ap.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed first generate (0: none)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each kind; the median is reported")
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompt ids")
-    add_model_size_args(ap)
-    ap.add_argument("--fla-site", default=None, help="a folder holding fla (needed by fla:<model_type> models)")
-    ap.add_argument("--out", default="bench_generate.jsonl")
+    ap = bench_parser("generate")
     args = ap.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.arguments = dict(vars(args))  # as given, for the env record
-    args.argv = sys.argv if argv is None else ["scripts/bench_generate.py", *argv]
+    args.argv = argv
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.prompts, args.batch_sizes = int_list(args.prompts), int_list(args.batch_sizes)
     args.sizes = model_sizes(args)
     check_args(ap, args)
     return args
-
-
-def add_model_size_args(ap):
-    """The model shape options (also scripts/profile_decode.py's): a ~110M model at the defaults."""
-    ap.add_argument("--hidden-size", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--intermediate-size", type=int, default=3072)
-    ap.add_argument("--vocab-size", type=int, default=32000)
-
-
-def model_sizes(args) -> dict:
-    """``add_model_size_args``' options as config fields, what the model builders read."""
-    return dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
 
 
 def check_args(ap, args):

@@ -15,29 +15,32 @@ For T in --lengths (default 1k, 4k, 16k, 64k), B = --batch, H = 8, d = 128, bf16
     SDPA over the KV cache.
 A case that does not fit in memory is recorded as "oom" and skipped. Prints a table, writes JSON (--out).
 
-    PYTHONPATH=src python scripts/bench_ovq.py --out docs/results/ovq_bench.json
+    python -m lazoo.bench.ovq --out docs/results/ovq_bench.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import platform
-import sys
 import traceback
 
 import torch
 import torch.nn.functional as F
 
+from lazoo_cli.bench import bench_parser
+
+from .inputs import causal_sdpa, unit_qkv
+from .report import error_text, gpu_environment, write_json
+from .timing import call_ms, require_cuda
+
 H, D, N, L = 8, 128, 2048, 128
+#: do_bench's warm-up and repetitions, in ms (the op at 64k tokens takes a while)
+WARMUP, REP = 3, 50
 
 
 def inputs(B, T, dtype, device, seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q, k = (F.normalize(torch.randn(B, T, H, D, device=device, generator=gen), dim=-1).to(dtype) for _ in range(2))
-    v = torch.randn(B, T, H, D, device=device, generator=gen).to(dtype)
-    return q, k, v
+    """Unit-norm q, k and standard normal v, ``[B, T, H, D]``."""
+    x = unit_qkv(B, T, H, D, dtype, device, torch.Generator(device=device).manual_seed(seed))
+    return x["q"], x["k"], x["v"]
 
 
 def state_bytes(state) -> int:
@@ -46,23 +49,8 @@ def state_bytes(state) -> int:
 
 def timed(fn, backward, leaves):
     """Median ms of fn() (and of fn() + backward when asked), or "oom"."""
-    import triton.testing
-
-    def step():
-        if not backward:
-            with torch.no_grad():
-                return fn()
-        out = fn()
-        out.backward(grad)
-        for x in leaves:
-            x.grad = None
-        return out
-
     try:
-        with torch.no_grad():
-            grad = torch.randn_like(fn())
-        ms = triton.testing.do_bench(step, warmup=3, rep=50, return_mode="median")
-        return round(float(ms), 4)
+        return round(float(call_ms(fn, backward, leaves, warmup=WARMUP, rep=REP)), 4)
     except torch.OutOfMemoryError:
         return "oom"
     finally:
@@ -72,8 +60,6 @@ def timed(fn, backward, leaves):
 def decode_ms(q, k, v, state, scale):
     """Median ms of one more token after T: OVQ from its state (the decode kernel, and the PyTorch chunk form it
     replaced), and SDPA over a KV cache of the T tokens."""
-    import triton.testing
-
     from lazoo.ops import ovq_attention
 
     q1, k1, v1 = q[:, -1:].detach(), k[:, -1:].detach(), v[:, -1:].detach()
@@ -87,11 +73,10 @@ def decode_ms(q, k, v, state, scale):
         return F.scaled_dot_product_attention(q1.transpose(1, 2), *kv)
 
     out = {}
-    with torch.no_grad():
-        for name, fn in (("ovq_decode_ms", ovq("triton")), ("ovq_decode_chunk_form_ms", ovq("chunk")),
-                         ("sdpa_decode_ms", sdpa)):
-            out[name] = round(float(triton.testing.do_bench(fn, warmup=3, rep=50, return_mode="median")), 4)
-            print(f"  T={q.shape[1]} {name}: {out[name]}", flush=True)
+    for name, fn in (("ovq_decode_ms", ovq("triton")), ("ovq_decode_chunk_form_ms", ovq("chunk")),
+                     ("sdpa_decode_ms", sdpa)):
+        out[name] = round(float(call_ms(fn, warmup=WARMUP, rep=REP)), 4)
+        print(f"  T={q.shape[1]} {name}: {out[name]}", flush=True)
     return out
 
 
@@ -126,8 +111,7 @@ def bench_length(B, T, dtype, device, pytorch_assign=False):
         return ovq_attention(q, k, v, scale=scale, chunk_size=L, max_dict_size=N, backend="triton")[0]
 
     def sdpa():
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True).transpose(1, 2)
+        return causal_sdpa(q, k, v)
 
     with torch.no_grad():
         try:
@@ -162,7 +146,7 @@ def bench_length(B, T, dtype, device, pytorch_assign=False):
             row["pytorch_assign_rel_diff"] = float((a - b).norm() / a.norm())
             cases.insert(1, ("ovq_pytorch_assign", ovq_pytorch_assign, leaves))
         except Exception as err:  # noqa: BLE001  (recorded in the row)
-            row["pytorch_assign_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            row["pytorch_assign_error"] = error_text(err)
             print(f"  T={T} PyTorch assign failed: {row['pytorch_assign_error']}", flush=True)
     for name, fn, lv in cases:
         for mode, backward in (("fwd", False), ("fwdbwd", True)):
@@ -172,22 +156,10 @@ def bench_length(B, T, dtype, device, pytorch_assign=False):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--out", default=None, help="JSON file to write")
-    ap.add_argument("--pytorch-assign", action="store_true",
-                    help="also time the op with step 1 (the assignments) as the PyTorch loop "
-                         "(ovq_attention(..., triton_assign=False)), and record how far its output is from the "
-                         "default's (the Triton kernels of lazoo.kernels.ovq.assign)")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_ovq.py needs a CUDA GPU")
-    import triton
-
+    args = bench_parser("ovq").parse_args(argv)
+    require_cuda("ovq")
     device, dtype = "cuda", torch.bfloat16
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "H": H, "d": D, "N": N, "chunk_size": L, "dtype": "bfloat16",
+    meta = {**gpu_environment(), "H": H, "d": D, "N": N, "chunk_size": L, "dtype": "bfloat16",
             "timing": "triton.testing.do_bench median, ms", "pytorch_assign": args.pytorch_assign}
     rows = []
     for T in args.lengths:
@@ -206,8 +178,7 @@ def main(argv=None):
     for r in rows:
         print(" | ".join(str(r.get(c, "-")) for c in cols))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(args.out, {"meta": meta, "rows": rows})
         print(f"wrote {args.out}")
 
 

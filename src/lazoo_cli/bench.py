@@ -1,0 +1,185 @@
+"""The options of lazoo's benchmarks (`lazoo.bench.<name>`), built with the standard library alone: `lazoo bench
+NAME --help` and a bad option answer at once, before torch is imported, and `python -m lazoo.bench.<name>` parses
+with the same parser. What needs torch (a CUDA device, a model's name) each benchmark checks in its own module."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, NamedTuple
+
+#: the ~125M model of the training and generation benchmarks (config fields; `lazoo.bench.models`)
+MODEL_SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                   vocab_size=32000)
+#: `lazoo.bench.generate.DTYPES`' names (tests/test_bench_cli.py checks it)
+GENERATE_DTYPES = ("bfloat16", "float16", "float32")
+GENERATE_MODES = ("eager", "static", "compile")
+
+
+class Benchmark(NamedTuple):
+    summary: str                     # a line of `lazoo bench --help`
+    description: str                 # the first line of the module's docstring
+    add_options: Callable[[argparse.ArgumentParser], None]
+
+
+# ============================================================================ one function per benchmark
+def add_kernels_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="bench_kernels.json")
+    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+    ap.add_argument("--ops", default=None, help="comma-separated subset of the ops")
+    ap.add_argument("--quick", action="store_true", help="T = 1k only")
+    ap.add_argument("--head-dims", default=None, help="comma-separated head dims to keep (default: every shape)")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA training rows")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-launcher timings")
+    ap.add_argument("--fla-budget", type=float, default=600.0,
+                    help="seconds for the fla runs (its first calls autotune for minutes); 0 skips fla")
+    ap.add_argument("--triton-cache", default=None,
+                    help="a folder for Triton's kernels and autotuning choices, kept across runs on one machine")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL:module.ATTR=value[,...]: time lazoo's ops again with these settings (repeatable)")
+
+
+def add_vla_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="bench_vla.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--torch-max-t", type=int, default=4096, help="longest T for the PyTorch chunk form")
+    ap.add_argument("--no-loop", action="store_true", help="skip the per-token PyTorch loop")
+    ap.add_argument("--decode-only", action="store_true", help="only the decoding rows")
+
+
+def add_ovq_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--pytorch-assign", action="store_true",
+                    help="also time the op with step 1 (the assignments) as the PyTorch loop "
+                         "(ovq_attention(..., triton_assign=False)), and record how far its output is from the "
+                         "default's (the Triton kernels of lazoo.kernels.ovq.assign)")
+
+
+def add_local_linear_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens per batch (B = tokens / T)")
+    ap.add_argument("--ridge", type=float, default=0.1)
+    ap.add_argument("--chunk", action="store_true", help="also time the PyTorch chunk form")
+
+
+def add_ttt_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 8192, 32768])
+    ap.add_argument("--no-chunk", action="store_true", help="skip the (slow) PyTorch chunk form")
+
+
+def add_training_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="bench_training.json")
+    ap.add_argument("--mechanisms", default="linear,gated_delta_net,vla,sw-ovq",
+                    help="comma-separated lazoo mechanisms / hybrid presets / config .json paths")
+    ap.add_argument("--lengths", default="2048,8192", help="comma-separated sequence lengths T")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per optimizer step, batch = tokens // T (default 16384; --tiny: 128)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3; --tiny: 1)")
+    ap.add_argument("--dtype", choices=("bf16", "bf16-weights", "fp32"), default=None,
+                    help="bf16 = autocast with fp32 master weights (default on CUDA); fp32 default on CPU")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny models (hidden 64, 2 layers) for a CPU smoke test")
+    ap.add_argument("--compile", action="store_true",
+                    help="also a row of each lazoo and Llama model under torch.compile(model) (compiled in warm-up)")
+    ap.add_argument("--no-llama", action="store_true", help="skip the LlamaForCausalLM (SDPA) rows")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla's models")
+    ap.add_argument("--fla-budget", type=float, default=120.0,
+                    help="seconds for all fla rows (its kernels autotune on first use); 0 skips fla")
+    ap.add_argument("--row-budget", type=float, default=180.0, help="seconds per row before it is stopped; 0: none")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more step per row: its top operators by device time go into the row")
+    ap.add_argument("--profile-top", type=int, default=15, help="how many operators --profile keeps")
+    ap.add_argument("--parallel", choices=("none", "ddp", "fsdp"), default="none",
+                    help="under `accelerate launch`: data-parallel rows, DDP or FSDP2 (each process --tokens a step)")
+
+
+def add_generate_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", default="llama,gated_delta_net,sw-gdn,sw-vla",
+                    help="comma-separated: lazoo mechanisms / hybrid presets / config .json, llama, fla:<model_type>")
+    ap.add_argument("--modes", default="eager", help=f"comma-separated, of {', '.join(GENERATE_MODES)}")
+    ap.add_argument("--prompts", default="1024,16384,65536", help="prompt lengths (comma-separated)")
+    ap.add_argument("--batch-sizes", default="1,64", help="batch sizes (comma-separated)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run (at least 2)")
+    ap.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed first generate (0: none)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each kind; the median is reported")
+    add_device_options(ap)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompt ids")
+    add_model_size_options(ap)
+    ap.add_argument("--fla-site", default=None, help="a folder holding fla (needed by fla:<model_type> models)")
+    ap.add_argument("--out", default="bench_generate.jsonl")
+
+
+# ============================================================================ option groups shared with the profilers
+def add_device_options(ap: argparse.ArgumentParser) -> None:
+    """--dtype and --device of the generation benchmark and lazoo.bench.profile_decode."""
+    ap.add_argument("--dtype", choices=GENERATE_DTYPES, default="bfloat16")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="(default: cuda where torch sees a CUDA device, else cpu)")
+
+
+def add_model_size_options(ap: argparse.ArgumentParser) -> None:
+    """The model shape options (also lazoo.bench.profile_decode's): MODEL_SIZES at the defaults."""
+    ap.add_argument("--hidden-size", type=int, default=MODEL_SIZES["hidden_size"])
+    ap.add_argument("--layers", type=int, default=MODEL_SIZES["num_hidden_layers"])
+    ap.add_argument("--heads", type=int, default=MODEL_SIZES["num_attention_heads"])
+    ap.add_argument("--intermediate-size", type=int, default=MODEL_SIZES["intermediate_size"])
+    ap.add_argument("--vocab-size", type=int, default=MODEL_SIZES["vocab_size"])
+
+
+def model_sizes(args) -> dict:
+    """`add_model_size_options`' options as config fields, what the model builders read."""
+    return dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
+
+
+#: `lazoo bench NAME` -> lazoo.bench.NAME
+BENCHMARKS = {
+    "kernels": Benchmark(
+        "every op against SDPA and fla",
+        "Benchmark lazoo's Triton kernels against SDPA and flash-linear-attention (fla), on a CUDA GPU.",
+        add_kernels_options),
+    "vla": Benchmark(
+        "VLA's Triton, chunk and per-token forms",
+        "VLA latency on a CUDA GPU: forward and forward+backward vs T, beside DeltaNet, Gated DeltaNet and SDPA.",
+        add_vla_options),
+    "ovq": Benchmark(
+        "OVQ attention against SDPA, and its state size",
+        "Benchmark OVQ attention (Triton) against causal SDPA on a CUDA GPU, and OVQ's state size vs length.",
+        add_ovq_options),
+    "local_linear": Benchmark(
+        "the local-linear kernel against SDPA",
+        "Benchmark the fused local-linear attention kernel (lazoo.kernels.local_linear) against causal SDPA.",
+        add_local_linear_options),
+    "ttt": Benchmark(
+        "TTT-Linear's kernel against its chunk form and Gated DeltaNet",
+        "Benchmark TTT-Linear on a CUDA GPU: lazoo's Triton kernel vs its PyTorch chunk form, beside Gated DeltaNet "
+        "and fla.",
+        add_ttt_options),
+    "training": Benchmark(
+        "tokens/s of ~125M models (also on the CPU: --device cpu --tiny)",
+        "Training throughput (tokens/s) and peak GPU memory of ~125M-size causal LMs: lazoo vs Llama (SDPA) and fla.",
+        add_training_options),
+    "generate": Benchmark(
+        "ms per new token of ~125M models (also on the CPU: --device cpu)",
+        "Greedy generation speed (prefill ms, ms per new token, tokens/s, peak GPU memory) of ~125M causal LMs.",
+        add_generate_options),
+}
+
+
+def bench_parser(name: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of the benchmark `name` (a key of BENCHMARKS)."""
+    from .parser import ArgumentParser
+
+    bench = BENCHMARKS[name]
+    ap = ArgumentParser(prog=prog or f"lazoo bench {name}", description=bench.description,
+                        epilog=f"The same as python -m lazoo.bench.{name}.")
+    bench.add_options(ap)
+    return ap
