@@ -30,13 +30,13 @@ TINY = dict(
 )
 
 
-def load_script(name: str):
-    """Import ``scripts/<name>.py`` as a module (scripts are not a package)."""
+def load_experiment(name: str):
+    """Import ``experiments/<name>.py`` as a module (the experiments are scripts, not a package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -151,7 +151,7 @@ def test_main_errors_are_clear(tmp_path, tokenizer, capsys):
 
 def test_mqar_with_the_word_tokenizer_generates_the_models_greedy_recall(tmp_path, task_dir):
     """A vocab-128 model with mqar_word_tokenizer: lm-eval's batched, left-padded generation answers each query
-    with the model's own argmax at the query position (what scripts/mqar.py scores)."""
+    with the model's own argmax at the query position (what experiments/mqar.py scores)."""
     tok = mqar_word_tokenizer(128)
     model = tiny_model("delta_net", seed=5, vocab_size=128, pad_token_id=127, eos_token_id=127, bos_token_id=127)
     results = evaluate(make_lm(model, tok, batch_size=3), ["lazoo_mqar"], task_dir, limit=6, log_samples=True)

@@ -1,9 +1,9 @@
-"""The MQAR task (lazoo.data.mqar) and its driver scripts/mqar.py at tiny scale."""
+"""The MQAR task (lazoo.data.mqar) and its driver experiments/mqar.py at tiny scale."""
 
 import json
 
 import pytest
-from conftest import load_script
+from conftest import load_experiment
 import torch
 
 from lazoo.data import mqar_batch, mqar_dataset
@@ -51,7 +51,7 @@ def test_dataset():
 
 
 def test_script_end_to_end(tmp_path, single_thread):
-    mqar = load_script("mqar")
+    mqar = load_experiment("mqar")
     out = tmp_path / "r.json"
     report = mqar.main(["--mechanisms", "softmax,vla", "--n-pairs", "4", "--steps", "3", "--batch-size", "8",
                         "--eval-batches", "1", "--eval-batch-size", "8", "--seeds", "0,1", "--device", "cpu", "--short-conv", "off",
@@ -73,7 +73,7 @@ def test_script_runs_variants_in_worker_processes(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, str(root / "scripts" / "mqar.py"), "--mechanisms", "vla_fixed_a,vla_signed",
+    subprocess.run([sys.executable, str(root / "experiments" / "mqar.py"), "--mechanisms", "vla_fixed_a,vla_signed",
                     "--n-pairs", "4", "--steps", "2", "--batch-size", "4", "--eval-batches", "1",
                     "--eval-batch-size", "4", "--device", "cpu", "--jobs", "2", "--out", str(out), "--no-progress"],
                    check=True, capture_output=True, env={**__import__("os").environ,
@@ -88,7 +88,7 @@ def test_script_runs_variants_in_worker_processes(tmp_path):
 def test_delta_net_learns_tiny_mqar(tmp_path):
     # softmax (and linear, VLA) sit on the 1/n plateau (acc ~0.27 at n=4) for hundreds of steps at this size;
     # DeltaNet, with its default short conv, solves n=4 in ~200 steps (0.96 at lr 1e-3, batch 32; ~10 s)
-    mqar = load_script("mqar")
+    mqar = load_experiment("mqar")
     report = mqar.main(["--mechanisms", "delta_net", "--n-pairs", "4", "--steps", "200", "--batch-size", "32",
                         "--lr", "1e-3", "--eval-batches", "4", "--device", "cpu",
                         "--out", str(tmp_path / "r.json"), "--no-progress"])

@@ -1,4 +1,4 @@
-"""scripts/mqar_short_conv.py's query-slot laws: Zoology's power law (slot i with weight a·i^(a−1), drawn without
+"""experiments/mqar_short_conv.py's query-slot laws: Zoology's power law (slot i with weight a·i^(a−1), drawn without
 replacement) and the uniform law, the layout they produce, and the uniform-slot accuracy in the report."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import load_experiment
 
 
 @pytest.fixture(scope="module")
 def msc():
-    return load_script("mqar_short_conv")
+    return load_experiment("mqar_short_conv")
 
 
 def _power_law(n_slots: int, a: float) -> torch.Tensor:

@@ -1,16 +1,16 @@
-"""scripts/ovq_recall.py at toy size on the CPU: two models trained in separate --out folders (as parallel
+"""experiments/ovq_recall.py at toy size on the CPU: two models trained in separate --out folders (as parallel
 processes would), merged into one JSON with plots; OVQ's state does not grow with the test length."""
 
 import json
 from types import SimpleNamespace
 
 import torch
-from conftest import load_script
+from conftest import load_experiment
 from transformers import AutoModelForCausalLM
 
 from lazoo.data.icr import IGNORE_INDEX, QUERY, icr_num_pairs
 
-ovq_recall = load_script("ovq_recall")
+ovq_recall = load_experiment("ovq_recall")
 
 TOY = ["--device", "cpu", "--steps", "2", "--train-len", "256", "--test-lens", "256,512", "--n-queries", "4",
        "--batch", "2", "--eval-batch", "1", "--eval-batches", "1", "--hidden", "32", "--layers", "2", "--heads", "2",

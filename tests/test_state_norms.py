@@ -1,15 +1,15 @@
-"""scripts/state_norms.py (seed 000 stability experiment) on a short run: files, sane values, the claim."""
+"""experiments/state_norms.py (seed 000 stability experiment) on a short run: files, sane values, the claim."""
 
 import json
 import math
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import load_experiment
 
 pytest.importorskip("matplotlib")
 
-state_norms = load_script("state_norms")
+state_norms = load_experiment("state_norms")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Seed 004 experiment drivers (scripts/online_regression.py, scripts/mqar_short_conv.py): the data they
+"""Seed 004 experiment drivers (experiments/online_regression.py, experiments/mqar_short_conv.py): the data they
 generate has the stated statistics, both run end to end on tiny settings, and the keys-only short
 convolution option they rely on does what it says."""
 
@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-    if str(ROOT / "scripts") not in sys.path:  # mqar_short_conv imports scripts/mqar.py as a sibling
-        sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location(f"_ttr_{name}", ROOT / "scripts" / f"{name}.py")
+    if str(ROOT / "experiments") not in sys.path:  # mqar_short_conv imports experiments/mqar.py as a sibling
+        sys.path.insert(0, str(ROOT / "experiments"))
+    spec = importlib.util.spec_from_file_location(f"_ttr_{name}", ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -183,7 +183,7 @@ def test_short_conv_options_are_checked(bad):
 
 
 def test_query_only_head_matches_full_logits(mqar_sc):
-    """The loss and hits from the LM head at the query positions equal scripts/mqar.py's full-logits ones."""
+    """The loss and hits from the LM head at the query positions equal experiments/mqar.py's full-logits ones."""
     import mqar as mqar_protocol
 
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import load_experiment
 from lazoo.data import vision
 from lazoo.eval.detection import average_precision, box_iou, recall_at_iou
 
@@ -28,7 +28,7 @@ TINY_WIDTHS = (8, 16, 32, 64, 128)
 
 @pytest.fixture(scope="module")
 def td():
-    return load_script("train_detector")
+    return load_experiment("train_detector")
 
 
 # ------------------------------------------------------------------------------------------------ data

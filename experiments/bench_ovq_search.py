@@ -10,14 +10,14 @@ for Nsight Compute:
 
     ncu --clock-control none --kernel-name regex:"_nearest_kernel|_merge_kernel" --launch-skip 40 --launch-count 4 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        --section SchedulerStats python scripts/bench_ovq_search.py --ncu --lengths 8192 --batch 2 --heads 12 \\
+        --section SchedulerStats python experiments/bench_ovq_search.py --ncu --lengths 8192 --batch 2 --heads 12 \\
         --head-dim 64
 
 ``--op`` then times the op forward and
-forward + backward (``scripts/bench_ovq.py``'s inputs, bf16) with the previous default and the current one,
+forward + backward (``lazoo.bench.ovq``'s inputs, bf16) with the previous default and the current one,
 alternately, three times each.
 
-    PYTHONPATH=src:tests:scripts python scripts/bench_ovq_search.py [--op] [--lengths ...] [--batch B] ...
+    PYTHONPATH=src:tests python experiments/bench_ovq_search.py [--op] [--lengths ...] [--batch B] ...
 """
 import argparse
 import math
@@ -26,8 +26,8 @@ import torch
 import triton.testing
 
 import lazoo.ops.ovq as ovq_mod
-from bench_kernels import time_fwd_bwd
-from bench_ovq import D, L, N, inputs
+from lazoo.bench.ovq import D, L, N, inputs
+from lazoo.bench.timing import time_fwd_bwd
 from lazoo.kernels.ovq import assign as ovq_assign
 from lazoo.kernels._graphs import GraphCache
 from lazoo.ops import ovq_attention

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Launch sweep for OVQ's chunk-attention kernels (``lazoo.kernels.ovq.attention.LAUNCH``) on a GPU.
 
-The kernel alone (``ovq_chunk_attention``) on ``scripts/bench_ovq.py``'s shape (B = 1, H = 8, d = 128, N = 2048,
+The kernel alone (``ovq_chunk_attention``) on ``lazoo.bench.ovq``'s shape (B = 1, H = 8, d = 128, N = 2048,
 L = 128, bf16) at each --lengths. Each kernel (forward, dq, the chunk keys' dk/dv, the dictionary rows' dk/dv) is
 tried under a few tile sizes and pipeline depths while the others keep their launch; a candidate counts only if its
 output and gradients stay within 2e-2 (relative) of the starting launch's and are finite, and it replaces the
 current one when the sum of fwd+bwd over the lengths is at least 2 % lower. Prints every candidate and the chosen
 table; writes them to --out.
 
-    PYTHONPATH=src:scripts python scripts/tune_ovq_attention.py --out tune_ovq_attention.json
+    PYTHONPATH=src python experiments/tune_ovq_attention.py --out tune_ovq_attention.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 
 from _tuning import chosen_kernels, median_ms, rel
-from bench_ovq import D, L, inputs, kernel_dictionaries
+from lazoo.bench.ovq import D, L, inputs, kernel_dictionaries
 from lazoo.kernels.ovq import attention as kernel
 
 

@@ -8,7 +8,7 @@ gradients stay within 2e-2 (relative) of the current launch's and are finite, an
 when fwd+bwd is at least 2 % faster. Prints the profile of the starting launches, every candidate, the chosen
 table and SDPA's fwd+bwd on the same case; writes them to --out.
 
-    PYTHONPATH=src python scripts/tune_local_linear.py --out tune_local_linear.json
+    PYTHONPATH=src python experiments/tune_local_linear.py --out tune_local_linear.json
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from lazoo.bench.local_linear import make_inputs  # the benchmark's inputs: unit q, k, P, β = √d
 from lazoo.kernels import local_linear as kernel
 from lazoo.ops import local_linear_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tuning import chosen_kernels, median_ms, rel  # noqa: E402
-from bench_local_linear import make_inputs  # noqa: E402  (the benchmark's inputs: unit q, k, P, β = √d)
 
 L = kernel.Launch
 CANDIDATES = {

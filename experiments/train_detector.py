@@ -1,10 +1,10 @@
 """Train and compare the YOLO-LAT detector variants ("conv" and "lat") on real aerial tree crowns.
 
-    PYTHONPATH=src python scripts/train_detector.py --steps 2000 --device cuda          # both variants
-    PYTHONPATH=src python scripts/train_detector.py --steps 300 --device cpu --out docs/results/yolo_lat_cpu.json
-    PYTHONPATH=src python scripts/train_detector.py --eval-only runs/yolo_lat/pred_conv.json runs/yolo_lat/pred_lat.json \\
+    PYTHONPATH=src python experiments/train_detector.py --steps 2000 --device cuda          # both variants
+    PYTHONPATH=src python experiments/train_detector.py --steps 300 --device cpu --out docs/results/yolo_lat_cpu.json
+    PYTHONPATH=src python experiments/train_detector.py --eval-only runs/yolo_lat/pred_conv.json runs/yolo_lat/pred_lat.json \\
         --out docs/results/yolo_lat.json                                  # score saved predictions (needs pycocotools)
-    PYTHONPATH=src python scripts/train_detector.py --task digits --steps 400             # classification accuracy
+    PYTHONPATH=src python experiments/train_detector.py --task digits --steps 400             # classification accuracy
 
 Data: the deepforest package's annotated images (``pip install --no-deps deepforest==2.1.0``) cut into tiles
 (``lazoo.data.vision``), a fixed split by tile. Each variant is trained with ``transformers.Trainer`` (a collator

@@ -5,7 +5,7 @@ CUDA GPU: what the scalar features' programs cost, and the state tiles' value bl
 Rows: E = 0 and E = 2 as the kernels run; E = 2 with the he and ze programs left out of the grid (their sums not
 formed: timing only); both with value blocks of 32. bf16, B·T = 32k tokens, H = 16, D = 128, median ms.
 
-    PYTHONPATH=src python scripts/bench_state_walks.py --out walks.json
+    PYTHONPATH=src python experiments/bench_state_walks.py --out walks.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ fla's attention layers call flash-attn, which the device lacks: a stand-in with 
 attention with torch's SDPA (causal, window), so attention layers compare lazoo's attention with SDPA's. One JSON
 line per case goes to `--out`, and a table to stdout. Run from the repository root:
 
-    PYTHONPATH=src python scripts/compare_fla.py --fla-site /path/to/fla-site --out results.jsonl
+    PYTHONPATH=src python experiments/compare_fla.py --fla-site /path/to/fla-site --out results.jsonl
 """
 
 from __future__ import annotations

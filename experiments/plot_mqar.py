@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Plot MQAR accuracy vs number of pairs (or vs T for the long-context runs, ``--seq-lens``) from
-``scripts/mqar.py`` result JSONs (one line per mechanism and file; files with different learning rates or
+``experiments/mqar.py`` result JSONs (one line per mechanism and file; files with different learning rates or
 short-conv settings get them in their labels).
 
-    python scripts/plot_mqar.py docs/results/mqar/overload_*.json --out docs/figures/mqar_overload.png
-    python scripts/plot_mqar.py docs/results/mqar/long_*.json --out docs/figures/mqar_long.png
+    python experiments/plot_mqar.py docs/results/mqar/overload_*.json --out docs/figures/mqar_overload.png
+    python experiments/plot_mqar.py docs/results/mqar/long_*.json --out docs/figures/mqar_long.png
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("results", nargs="+", type=Path, help="JSON files written by scripts/mqar.py")
+    p.add_argument("results", nargs="+", type=Path, help="JSON files written by experiments/mqar.py")
     p.add_argument("--out", type=Path, required=True, help="PNG path")
     p.add_argument("--title", default=None)
     args = p.parse_args(argv)

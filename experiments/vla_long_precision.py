@@ -4,7 +4,7 @@ against the float64 PyTorch chunk form (itself equal to Algorithm 1 to ~1e-15): 
 outputs and of the final S and A, and the smallest eigenvalue of the final A in each (A must stay
 positive definite). Writes JSON.
 
-    PYTHONPATH=src python scripts/vla_long_precision.py --T 65536 --out vla_long.json
+    PYTHONPATH=src python experiments/vla_long_precision.py --T 65536 --out vla_long.json
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ options differ. Two held-out losses are reported:
   when it generates). For a causal model both are equal; a model that reads future tokens (the
   bidirectional lobe) gets a much lower `eval_loss` than `causal_eval_loss`: the gap is the leak.
 
-    OMP_NUM_THREADS=1 python scripts/ela_gpt.py                      # ~10 min on one core
-    python scripts/ela_gpt.py --steps 20 --only softmax,ela-hexp-hl  # a quick look
+    OMP_NUM_THREADS=1 python experiments/ela_gpt.py                      # ~10 min on one core
+    python experiments/ela_gpt.py --steps 20 --only softmax,ela-hexp-hl  # a quick look
 
 Writes docs/results/ela_gpt.json and docs/figures/ela_gpt_loss.png.
 """

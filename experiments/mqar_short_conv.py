@@ -41,17 +41,17 @@ and at T = 1024 one of three had learned by step 300, one was leaving, one had n
 the full ``--steps`` budget and the learning-rate sweep. RLS whitens the SEP direction with
 (KᵀK + λI)⁻¹ and learns with either law.
 
-Training: as `scripts/mqar.py` (AdamW β = (0.9, 0.999), cosine schedule with 10 % warm-up, weight decay, grad
+Training: as `experiments/mqar.py` (AdamW β = (0.9, 0.999), cosine schedule with 10 % warm-up, weight decay, grad
 clip 1.0, a fresh batch every step); every learning rate in ``--lr`` is run and a point reports its best, as
 Zoology does with its learning-rate sweep. Accuracy: exact match per query on held-out batches.
 
 Usage (GPU; the JSON is rewritten after every run so partial results survive):
-    PYTHONPATH=src python scripts/mqar_short_conv.py --device cuda --steps 4000 --lr 1e-3,3e-3 \
+    PYTHONPATH=src python experiments/mqar_short_conv.py --device cuda --steps 4000 --lr 1e-3,3e-3 \
         --mechanisms linear,rls --pairs 64,128 --seq-len 256,512,1024 --out docs/results/mqar_short_conv.json
 In pieces (e.g. under a per-command time limit), then combined into one JSON and figure:
     ... --pairs 64 --out docs/results/mqar_short_conv_p64.json --plot none
     ... --pairs 128 --out docs/results/mqar_short_conv_p128.json --plot none
-    python scripts/mqar_short_conv.py --merge \
+    python experiments/mqar_short_conv.py --merge \
         docs/results/mqar_short_conv_p64.json,docs/results/mqar_short_conv_p128.json
 Ablation (the first layout, uniform slots; linear attention stays at ln 4096 for T ≥ 512): add ``--gaps uniform``.
 """
@@ -71,8 +71,8 @@ import torch
 from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import mqar as mqar_protocol  # noqa: E402  (scripts/mqar.py: data import fallback, loss/hits of one batch)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mqar as mqar_protocol  # noqa: E402  (experiments/mqar.py: data import fallback, loss/hits of one batch)
 from lazoo.presets import build_config  # noqa: E402
 
 IGNORE_INDEX, mqar_batch = mqar_protocol.IGNORE_INDEX, mqar_protocol.mqar_batch
@@ -145,7 +145,7 @@ def build_model(mechanism: str, vocab_size: int):
 
 
 def masked_loss_and_hits(model, batch):
-    """`scripts/mqar.py`'s loss and hits with the LM head applied at the query positions only (P of T per
+    """`experiments/mqar.py`'s loss and hits with the LM head applied at the query positions only (P of T per
     row): the same numbers without a [B, T, vocab] logits tensor."""
     mask = batch["labels"] != IGNORE_INDEX
     hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state

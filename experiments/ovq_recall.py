@@ -24,7 +24,7 @@ Models can train in parallel processes, one --out folder each, combined afterwar
 Plots: ``<out>/ovq_recall_accuracy.png`` (accuracy vs length) and ``<out>/ovq_recall_state.png`` (state
 bytes vs length).
 
-    PYTHONPATH=src python scripts/ovq_recall.py --device cuda --steps 2000 --train-len 2048 \
+    PYTHONPATH=src python experiments/ovq_recall.py --device cuda --steps 2000 --train-len 2048 \
         --test-lens 2048,4096,8192,16384,32768,65536 --models sw-ovq,sw-vq,sw-nope,sw-linear --out runs/ovq_recall
 """
 

@@ -3,11 +3,11 @@ precision beside the token scan, or one forward of each for Nsight Compute.
 
 B = 1, H = 16, d = 128, T = 1024 (64 blocks of 16 tokens), refresh every 20 tokens, bf16 k̂ and û, no gradient.
 
-    PYTHONPATH=src:tests python scripts/profile_vla_chunk.py
+    PYTHONPATH=src:tests python experiments/profile_vla_chunk.py
     PYTHONPATH=src:tests ncu --clock-control none --kernel-name regex:"_chunk_fwd|_scan_fwd_kernel" \\
         --launch-count 3 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \\
         --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \\
-        --section LaunchStats --section Occupancy python scripts/profile_vla_chunk.py --ncu
+        --section LaunchStats --section Occupancy python experiments/profile_vla_chunk.py --ncu
 """
 import argparse
 

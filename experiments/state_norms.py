@@ -20,7 +20,7 @@ from the post-update A_t (as Algorithm 1 does) and measures the spectral norm of
 Jacobian ‖I - α̂_t k̂_tᵀ‖₂ (Proposition 2 claims exactly 1; it is 1 only when α̂ = k̂), and the norm of
 the product of the transition maps (S_t = S_{t-1} F_t + ..., F_t = I - k̂_t α̂_tᵀ), ‖F_1 ⋯ F_t‖₂.
 
-Usage:  python scripts/state_norms.py [--steps 1000] [--head-dim 32] [--seeds 42 123 999] [--out docs/figures]
+Usage:  python experiments/state_norms.py [--steps 1000] [--head-dim 32] [--seeds 42 123 999] [--out docs/figures]
 Writes ``state_norms.png`` and ``state_norms.json`` to ``--out``.
 """
 

@@ -1,11 +1,11 @@
 """hadamard_exp's spread check: does its host wait cost GPU time?
 
 ``ops.ela(kernel="hadamard_exp")`` reads one number back (the keys' spread) after queuing its kernels. This times
-the op's forward and forward + backward (``bench_kernels.time_fwd_bwd``) as it runs and with that read-back answered
+the op's forward and forward + backward (``lazoo.bench.timing.time_fwd_bwd``) as it runs and with that read-back answered
 at once (``lazoo.ops.ela.queue_readback`` patched), and the host's own time to queue 20 forward + backward steps
 (no synchronisation) against the wall time of the same 20. Linear attention is timed beside it.
 
-    PYTHONPATH=src:scripts python scripts/bench_host_wait.py
+    PYTHONPATH=src python experiments/bench_host_wait.py
 """
 import sys
 import time
@@ -13,8 +13,8 @@ import unittest.mock
 
 import torch
 
-from bench_kernels import time_fwd_bwd
 from lazoo import ops
+from lazoo.bench.timing import time_fwd_bwd
 
 ela_module = sys.modules["lazoo.ops.ela"]  # ops.ela is the function; its module holds queue_readback
 

@@ -13,7 +13,7 @@ Accuracy is reported per query (``acc``, the paper's "exact-match accuracy" as r
 with all n queries right (``sample_acc``).
 
 Usage:
-    python scripts/mqar.py --mechanisms softmax,linear,delta_net,vla --n-pairs 8,16,24 \
+    python experiments/mqar.py --mechanisms softmax,linear,delta_net,vla --n-pairs 8,16,24 \
         --steps 2000 --seeds 42,123,999 --out mqar.json
 """
 

@@ -29,8 +29,8 @@ Choices the paper leaves open (all arguments of this script; the defaults are ou
 A small sensitivity sweep over γ, β, λ and ρ is written to the JSON as well (`--no-sweep` skips it).
 
 Usage:
-    python scripts/online_regression.py                       # writes docs/results + docs/figures
-    python scripts/online_regression.py --num-seqs 32 --out /tmp/o.json --plot /tmp/o.png
+    python experiments/online_regression.py                       # writes docs/results + docs/figures
+    python experiments/online_regression.py --num-seqs 32 --out /tmp/o.json --plot /tmp/o.png
 """
 
 from __future__ import annotations
