@@ -24,7 +24,7 @@ Tasks (all deterministic, nothing downloads):
     BPE tokenizer can spell ``v48`` in pieces). Documents are shuffled (deterministically), so ``--limit``
     spans many samples. With
     :func:`mqar_word_tokenizer` the words map back to exactly the MQAR token ids, so a model trained on
-    :func:`lazoo.data.mqar_batch` (e.g. by ``scripts/mqar.py``) is evaluated on its own token stream.
+    :func:`lazoo.data.mqar_batch` (e.g. by ``experiments/mqar.py``) is evaluated on its own token stream.
 """
 
 from __future__ import annotations
