@@ -13,10 +13,10 @@ Chunk form (C rows per chunk, ``G`` = cumsum of g inside the chunk, ``γ = exp(G
     O  = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U)
     S' = γ_C S + U^T diag(D) W
 
-Kernels (forward): ``_fwd_prep`` (G, A, W~ and U~, parallel over chunks), ``_fwd_h`` (the
-only sequential pass over chunks: start states and U), ``_fwd_o`` (outputs). Backward: ``_bwd_dv_local``
-(P^T dO), ``_bwd_dhu`` (sequential, reverse: state gradients and dU), ``_bwd_dqkw`` (dq, dW, dW~ and part
-of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg).
+Kernels (forward): ``_fwd_solve`` (G and A, parallel over chunks), ``_fwd_wu`` (W~ and U~ as whole-chunk
+products), ``_fwd_h`` (the only sequential pass over chunks: start states and U), ``_fwd_o`` (outputs).
+Backward: ``_bwd_dv_local`` (P^T dO), ``_bwd_dhu`` (sequential, reverse: state gradients and dU), ``_bwd_dqkw``
+(dq, dW, dW~ and part of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg).
 
 Layout inside: tokens flattened, ``[TT, H, d]`` (B·T tokens, or the packed ``cu_seqlens`` batch); chunks
 never straddle sequences. Per-chunk states are stored transposed, ``[NT, H, dk, dv]``.
@@ -26,15 +26,18 @@ earlier ``tl.dot`` (wgmma accumulator layout transposed into a "linear" layout):
 flash-linear-attention's guards on its gated ``chunk_bwd_dqkwg`` and its ``prepare_wy_repr_bwd``. These
 kernels never transpose a value that came out of a dot: every transposed operand is a tile loaded from
 memory (or computed elementwise from loads), and a transposed product that is needed (``dP^T``, ``dA^T``)
-is computed directly as its own dot of loaded tiles. The sequential kernels hold the state transposed
-(``S^T [dk, dv]``) for the same reason.
+is computed directly as its own dot of loaded tiles (a store and a transposed load back through memory, tried
+instead, was slower: H200, bf16, T = 8k, the two kernels 1.69 against 1.51 ms). The sequential kernels hold
+the state transposed (``S^T [dk, dv]``) for the same reason.
 
 Precision: matrix products take 16-bit operands for 16-bit inputs (fp32 accumulation; the state and
 the per-chunk states enter their products in the 16-bit type, as in fla); the triangular algebra (A,
 W~, U~ and their gradients) uses tf32 products for 16-bit inputs; fp32 inputs use tf32x3 (about fp32
-accuracy) for every product; the 16x16 triangular inverses are exact fp32; elementwise work, the
-state between chunks and all recurrences are fp32. Measured against float64 on an H100: bf16 <= 7e-3,
-fp16 <= 8e-4, fp32 <= 5e-6 (max relative error of outputs, states and gradients, T = 1000).
+accuracy) for every product; the 16x16 diagonal blocks of A are inverted in exact fp32 and merged in tf32
+(tf32x3); elementwise work, the state between chunks and all recurrences are fp32. Measured against float64
+on an H100: bf16 <= 7e-3, fp16 <= 8e-4, fp32 <= 5e-6 (max relative error of outputs, states and gradients,
+T = 1000); on an H200 the relative error of the bf16 gated rule's outputs and gradients (T = 1000) is 3.4e-3 to
+4.9e-3 with the tf32 merges, as with the exact ones.
 """
 
 from __future__ import annotations
@@ -176,14 +179,14 @@ def _store_a16(A, x, t0, eos, H: tl.constexpr, C: tl.constexpr, bi: tl.constexpr
 
 # ============================================================================ forward kernels
 @triton.jit
-def _fwd_prep_kernel(
-    k, w, v, beta, g, Gc, A, wt, ut, chunks, cu,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _fwd_solve_kernel(
+    k, w, beta, g, Gc, A, chunks, cu,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk: G (within-chunk cumsum of g), A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
-    given write keys), and W~ = A Γ K, U~ = A V. The inverse is built from 16x16 diagonal blocks (forward
-    substitution) merged by block products; W~ and U~ are formed from its 16x16 tiles while in registers."""
+    """Per chunk: G (within-chunk cumsum of g) and A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
+    given write keys). The inverse is built from 16x16 diagonal blocks (forward substitution, row by row: one
+    warp does it fastest) merged by block products in tf32 (tf32x3 for fp32 inputs)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_info(chunks, cu, i_c)
@@ -280,18 +283,18 @@ def _fwd_prep_kernel(
     _store_a16(A, N00, t0, eos, H, C, 0, 0)
     if NB >= 2:
         N11 = _inv_unit_lower16(L11)
-        N10 = -_dotf(N11, _dotf(L10, N00, "ieee"), "ieee")
+        N10 = -_dotf(N11, _dotf(L10, N00, PREC), PREC)
         _store_a16(A, N10, t0, eos, H, C, 1, 0)
         _store_a16(A, N11, t0, eos, H, C, 1, 1)
         _store_a16(A, Z, t0, eos, H, C, 0, 1)
     if NB >= 4:
         N22 = _inv_unit_lower16(L22)
         N33 = _inv_unit_lower16(L33)
-        N21 = -_dotf(N22, _dotf(L21, N11, "ieee"), "ieee")
-        N32 = -_dotf(N33, _dotf(L32, N22, "ieee"), "ieee")
-        N20 = -_dotf(N22, _dotf(L20, N00, "ieee") + _dotf(L21, N10, "ieee"), "ieee")
-        N31 = -_dotf(N33, _dotf(L31, N11, "ieee") + _dotf(L32, N21, "ieee"), "ieee")
-        N30 = -_dotf(N33, _dotf(L30, N00, "ieee") + _dotf(L31, N10, "ieee") + _dotf(L32, N20, "ieee"), "ieee")
+        N21 = -_dotf(N22, _dotf(L21, N11, PREC), PREC)
+        N32 = -_dotf(N33, _dotf(L32, N22, PREC), PREC)
+        N20 = -_dotf(N22, _dotf(L20, N00, PREC) + _dotf(L21, N10, PREC), PREC)
+        N31 = -_dotf(N33, _dotf(L31, N11, PREC) + _dotf(L32, N21, PREC), PREC)
+        N30 = -_dotf(N33, _dotf(L30, N00, PREC) + _dotf(L31, N10, PREC) + _dotf(L32, N20, PREC), PREC)
         _store_a16(A, N20, t0, eos, H, C, 2, 0)
         _store_a16(A, N21, t0, eos, H, C, 2, 1)
         _store_a16(A, N22, t0, eos, H, C, 2, 2)
@@ -305,50 +308,31 @@ def _fwd_prep_kernel(
         _store_a16(A, Z, t0, eos, H, C, 1, 3)
         _store_a16(A, Z, t0, eos, H, C, 2, 3)
 
-    # W~ = A Γ K and U~ = A V, one 16-row block of the chunk at a time
+
+@triton.jit
+def _fwd_wu_kernel(
+    k, v, Gc, A, wt, ut, chunks, cu,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, PREC: tl.constexpr,
+):
+    """W~ = A Γ K and U~ = A V of one chunk from the stored A, as whole-chunk products (formed from A's 16x16
+    tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused kernel
+    against 0.20 + 0.29 for the two)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
     if HAS_G:
-        e0 = tl.exp(G0)[:, None]
-        if NB >= 2:
-            e1 = tl.exp(G1)[:, None]
-        if NB >= 4:
-            e2 = tl.exp(G2)[:, None]
-            e3 = tl.exp(G3)[:, None]
-    wt += i_h * K
+        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        e = tl.exp(b_G)[:, None]
     for kb in range(0, K, BK):
-        x0 = _load_tile(k, t0, eos, H * K, kb, K, 16, BK)
+        x = _load_tile(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
         if HAS_G:
-            x0 = x0 * e0
-        _store_tile(wt, _dotf(N00, x0, PREC), t0, eos, H * K, kb, K, 16, BK)
-        if NB >= 2:
-            x1 = _load_tile(k, t0 + 16, eos, H * K, kb, K, 16, BK)
-            if HAS_G:
-                x1 = x1 * e1
-            _store_tile(wt, _dotf(N10, x0, PREC) + _dotf(N11, x1, PREC), t0 + 16, eos, H * K, kb, K, 16, BK)
-        if NB >= 4:
-            x2 = _load_tile(k, t0 + 32, eos, H * K, kb, K, 16, BK)
-            x3 = _load_tile(k, t0 + 48, eos, H * K, kb, K, 16, BK)
-            if HAS_G:
-                x2 = x2 * e2
-                x3 = x3 * e3
-            _store_tile(wt, _dotf(N20, x0, PREC) + _dotf(N21, x1, PREC) + _dotf(N22, x2, PREC),
-                        t0 + 32, eos, H * K, kb, K, 16, BK)
-            _store_tile(wt, _dotf(N30, x0, PREC) + _dotf(N31, x1, PREC) + _dotf(N32, x2, PREC)
-                        + _dotf(N33, x3, PREC), t0 + 48, eos, H * K, kb, K, 16, BK)
-    v += i_h * V
-    ut += i_h * V
+            x = x * e
+        _store_tile(wt + i_h * K, _dotf(b_A, x, PREC), t0, eos, H * K, kb, K, C, BK)
     for vb in range(0, V, BV):
-        y0 = _load_tile(v, t0, eos, H * V, vb, V, 16, BV)
-        _store_tile(ut, _dotf(N00, y0, PREC), t0, eos, H * V, vb, V, 16, BV)
-        if NB >= 2:
-            y1 = _load_tile(v, t0 + 16, eos, H * V, vb, V, 16, BV)
-            _store_tile(ut, _dotf(N10, y0, PREC) + _dotf(N11, y1, PREC), t0 + 16, eos, H * V, vb, V, 16, BV)
-        if NB >= 4:
-            y2 = _load_tile(v, t0 + 32, eos, H * V, vb, V, 16, BV)
-            y3 = _load_tile(v, t0 + 48, eos, H * V, vb, V, 16, BV)
-            _store_tile(ut, _dotf(N20, y0, PREC) + _dotf(N21, y1, PREC) + _dotf(N22, y2, PREC),
-                        t0 + 32, eos, H * V, vb, V, 16, BV)
-            _store_tile(ut, _dotf(N30, y0, PREC) + _dotf(N31, y1, PREC) + _dotf(N32, y2, PREC)
-                        + _dotf(N33, y3, PREC), t0 + 48, eos, H * V, vb, V, 16, BV)
+        y = _load_tile(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        _store_tile(ut + i_h * V, _dotf(b_A, y, PREC), t0, eos, H * V, vb, V, C, BV)
 
 
 @triton.jit
@@ -806,8 +790,11 @@ def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool =
 #: stages): _bwd_dhu 0.451 -> 0.361 ms (0.428 -> 0.424 at 1k), _fwd_o 0.244 -> 0.227, _bwd_dv_local 0.176 -> 0.164.
 #: fp32 inputs take ``FP32_CONFIGS`` over these: _bwd_dhu at 8 warps gave fp32 dk 74 % off on an H100 (Triton 3.6;
 #: 16-bit inputs pass the same tests there).
+#: "solve" at 1 warp: its row-by-row substitutions reduce across the tile, and fewer warps sync less (H200, bf16,
+#: gated, fwd at T = 8k: 1.19 ms at 1 warp, 1.28 at 2, 1.51 at 4).
 CONFIGS = {
-    "prep": {"num_warps": 4},
+    "solve": {"num_warps": 1},
+    "wu": {"num_warps": 4, "num_stages": 2},
     "h": {"num_warps": 4, "num_stages": 3},
     "o": {"num_warps": 4, "num_stages": 2},
     "dv_local": {"num_warps": 4, "num_stages": 2},
@@ -849,10 +836,11 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     NT, N = seqs.NT, seqs.N
-    _fwd_prep_kernel[(NT, H)](
-        k, kw, v, beta, g if HAS_G else beta, Gc, A, wt, ut, seqs.chunks, seqs.cu,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
-        **_opts("prep", interp, FP32))
+    _fwd_solve_kernel[(NT, H)](
+        k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
+        H=H, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
+    _fwd_wu_kernel[(NT, H)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+                            HAS_G=HAS_G, PREC=PREC, **_opts("wu", interp, FP32))
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
