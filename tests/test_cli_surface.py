@@ -18,7 +18,7 @@ import torch
 from lazoo_cli import parser as light
 from lazoo_cli.bench import BENCHMARKS
 
-from lazoo import cli
+from lazoo import cli, runtime
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -133,23 +133,23 @@ def thread_calls(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in cli.THREAD_VARIABLES + ("LOCAL_WORLD_SIZE",):
+    for name in runtime.THREAD_VARIABLES + ("LOCAL_WORLD_SIZE",):
         monkeypatch.delenv(name, raising=False)
     return calls
 
 
 def test_threads_option_wins_then_the_environment_then_all_cores(thread_calls, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cli.set_cpu_threads(3)
+    runtime.set_cpu_threads(3)
     assert thread_calls == [3]
-    cli.set_cpu_threads(None)  # OMP_NUM_THREADS set: torch's own count (it read the variable) is kept
+    runtime.set_cpu_threads(None)  # OMP_NUM_THREADS set: torch's own count (it read the variable) is kept
     assert thread_calls == [3]
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
-    cli.set_cpu_threads(None)
+    runtime.set_cpu_threads(None)
     assert thread_calls == [3]
     monkeypatch.delenv("MKL_NUM_THREADS")
-    cli.set_cpu_threads(None)
+    runtime.set_cpu_threads(None)
     assert thread_calls == [3, os.cpu_count()]
 
 

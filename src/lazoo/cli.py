@@ -10,8 +10,6 @@ checkpoint-N when complete; `--resume` goes on from the last complete one.
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
 import importlib
 import importlib.util
 import json
@@ -21,111 +19,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from lazoo_cli import main, silence_stdout
-from lazoo_cli.parser import (MIN_TEMPERATURE, SIZE_FLAGS, SIZE_LIMITS, ArgumentParser, add_training_arguments,
-                              build_parser)
+from lazoo_cli import exit_status, main, silence_stdout
+from lazoo_cli.parser import MIN_TEMPERATURE, ArgumentParser, add_training_arguments, build_parser
+
+from .config_checks import check_dtype_field, check_layout, check_saved_model_folder, check_weight_shapes
+from .runtime import progress_bars, set_cpu_threads
+from .user_input import (COUNT_LIMITS, CLIError, check_counts, check_input_path, check_new_file, check_new_folder,
+                         check_not_negative, check_positive_float, check_range, check_text, listing, read_text_file)
 
 __all__ = ["main", "run", "build_parser", "add_training_arguments", "ArgumentParser", "CLIError", "run_training"]
-
-
-class CLIError(Exception):
-    """A user error: printed as `lazoo <command>: error: <message>`, exit status 2."""
-
-
-# ============================================================================ checks shared by the commands
-#: the largest value of each count option: beyond these a run cannot fit in memory or time, or a library it
-#: calls overflows (numpy seeds are 32-bit, a tokenizer's vocabulary is allocated up front), so it is refused
-#: before any work. Batch sizes are also checked against the training blocks the text gives.
-COUNT_LIMITS = {"steps": 10**9, "seq_len": 2**20, "block_size": 2**20, "batch_size": 2**20, "grad_accum": 2**20,
-                "eval_blocks": 2**20, "max_train_blocks": 2**40, "save_steps": 10**9, "save_total_limit": 10**6,
-                "logging_steps": 10**9, "max_new_tokens": 2**20, "seed": 2**32 - 1}
-
-
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
-def check_counts(args, names, allow_none: bool = False) -> None:
-    """Each option in `names` a whole number from 1 to its limit (COUNT_LIMITS, or the size limits)."""
-    for name in names:
-        value = getattr(args, name)
-        if value is None and allow_none:
-            continue
-        check_range(_flag(name), value, 1, {**COUNT_LIMITS, **SIZE_LIMITS, "threads": _cpu_count()}[name])
-
-
-def check_range(flag: str, value, low: int, high: int) -> None:
-    if value is None or value < low:
-        raise CLIError(f"{flag} must be {'a positive number' if low == 1 else f'>= {low}'}, got {value}")
-    if value > high:
-        raise CLIError(f"{flag} must be at most {high}, got {value}")
-
-
-def _cpu_count() -> int:
-    return os.cpu_count() or 1
-
-
-def check_positive_float(name: str, value) -> None:
-    if not (math.isfinite(value) and value > 0):  # nan passes `value <= 0`
-        raise CLIError(f"{name} must be a positive finite number, got {value}")
-
-
-def check_text(flag: str, value: str | None) -> None:
-    """Text that can be written as UTF-8: a command-line argument holding bytes that are not UTF-8 arrives
-    with lone surrogates, which the tokenizer, a file write or the terminal would fail on later."""
-    if value is None:
-        return
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise CLIError(f"{flag} is not UTF-8 text (it holds {value[err.start:err.end]!r} at character {err.start}, "
-                       "a byte the terminal could not decode); give UTF-8 text") from err
-
-
-def check_new_folder(flag: str, folder: str) -> None:
-    """A folder that exists, or can be made (refused before any work, not after a training run)."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise CLIError(f"{flag} {folder!r} is a file; give a folder")
-    _check_can_write_under(flag, folder, Path(folder).absolute())
-
-
-def check_new_file(flag: str, file: str) -> None:
-    """A file path that can be written: not a folder, under a folder that exists or can be made."""
-    if os.path.isdir(file):
-        raise CLIError(f"{flag} {file!r} is a folder; give the path of a file")
-    _check_can_write_under(flag, file, Path(file).absolute().parent)
-
-
-def _check_can_write_under(flag: str, given: str, folder: Path) -> None:
-    """The nearest existing folder of `folder` (itself or a parent) is a folder this user can write in."""
-    check_text(flag, given)
-    parent = next(p for p in (folder, *folder.parents) if p.exists())
-    if not parent.is_dir():
-        raise CLIError(f"{flag} {given!r}: {str(parent)!r} is a file, so no folder can be made under it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CLIError(f"{flag} {given!r}: {str(parent)!r} is not writable (permission denied)")
-
-
-def check_input_path(flag: str, path: str | None, what: str) -> None:
-    """An input file or folder that exists and is readable (a clear line now, not a traceback later)."""
-    if path is None:
-        return
-    check_text(flag, path)
-    if not os.path.exists(path):
-        raise CLIError(f"{flag}: no such file or folder {path!r}; give {what}")
-    if not os.access(path, os.R_OK):
-        raise CLIError(f"{flag}: {path!r} is not readable (permission denied)")
-
-
-def read_text_file(flag: str, path: str) -> str:
-    """The UTF-8 text of the file at `path`, or one line naming what is wrong with it."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise CLIError(f"{flag}: {path} is not UTF-8 text (an invalid byte at offset {err.start}); "
-                       "give a UTF-8 file") from err
-    except OSError as err:
-        raise CLIError(f"{flag}: cannot read {path}: {err.strerror or err}") from err
 
 
 # ============================================================================ lazoo list
@@ -173,67 +75,18 @@ def _kernel_file(module: str) -> str:
 
 
 # ============================================================================ lazoo train
-def check_layout(layout: str, flag: str = "--config", args=None) -> None:
-    """A layout name, or a config .json that builds, with sizes within the limits (those `args` does not
-    override with its size options)."""
-    from .presets import build_config, known_layouts
-
-    check_text(flag, layout)
-    if layout.endswith(".json"):
-        if os.path.isdir(layout):
-            raise CLIError(f"{flag}: {layout!r} is a folder; give a config .json (see configs/) or a layout name")
-        if not os.path.isfile(layout):
-            raise CLIError(f"{flag}: no such file {layout!r}; give a config .json (see configs/) or a layout name "
-                           f"({', '.join(known_layouts())})")
-        _check_config_model_type(layout, flag)
-        _check_dtype_field(Path(layout))
-        try:
-            config = build_config(layout)
-        except (ValueError, TypeError, KeyError) as err:  # bad JSON, no/unknown model_type, bad fields
-            raise CLIError(f"{flag} {layout}: {err}") from err
-        _check_config_sizes(config, f"{flag} {layout}", args)
-    elif layout not in known_layouts():
-        raise CLIError(f"{flag}: unknown layout {layout!r}; use one of {', '.join(known_layouts())} "
-                       "or a path to a config .json (see configs/)")
-
-
-def _check_config_sizes(config, where: str, args=None) -> None:
-    """A config file's sizes within the limits of the size options (a vocabulary of 10^9 aborts the tokenizer
-    trainer; a hidden size of 10^6 does not fit in memory), except those the command line overrides."""
-    for flag, key in SIZE_FLAGS.items():
-        if args is not None and getattr(args, flag, None) is not None:
-            continue
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > SIZE_LIMITS[flag]:
-            raise CLIError(f"{where}: {key} {value} is more than {SIZE_LIMITS[flag]}, the largest lazoo trains")
-
-
-def _check_config_model_type(path: str, flag: str) -> None:
-    """A config file's model_type must be one of lazoo's causal LMs (the other types give errors listing
-    every transformers model type, or train something that is not a lazoo model)."""
-    from .models import MODEL_CLASSES
-
-    try:
-        fields = json.loads(read_text_file(flag, path))
-    except ValueError as err:
-        raise CLIError(f"{flag} {path}: not a JSON config file ({err})") from err
-    model_type = fields.get("model_type") if isinstance(fields, dict) else None
-    if model_type is None:
-        raise CLIError(f"{flag} {path}: config file {path!r} has no 'model_type'; use one of "
-                       f"{', '.join(MODEL_CLASSES)}")
-    if model_type not in MODEL_CLASSES:
-        raise CLIError(f"{flag} {path}: model_type {model_type!r} is not a lazoo language model; use one of "
-                       f"{', '.join(MODEL_CLASSES)}")
-
-
-def _not_negative(name: str, value) -> None:
-    if value < 0:
-        raise CLIError(f"{name} must be >= 0, got {value}")
-
-
 def cmd_train(args) -> int:
     run_training(args)
     return 0
+
+
+def run_training(args, callbacks=()) -> dict:
+    """`lazoo train` (and scripts/train_lm.py, also under `accelerate launch`): corpus -> tokenizer -> blocks ->
+    Trainer (padded blocks or packed documents, bf16, gradient accumulation, checkpoints and resume,
+    gradient checkpointing) -> held-out perplexity -> model, tokenizer and card in `args.output` (main process).
+    `callbacks`: extra `TrainerCallback`s. Returns the metrics written to the card."""
+    with progress_bars(not args.no_progress):
+        return _run_training(args, callbacks)
 
 
 def _check_train_args(args) -> None:
@@ -252,7 +105,7 @@ def _check_train_args(args) -> None:
 
 def _check_resume(args) -> None:
     """--resume DIR must be a complete checkpoint; --resume alone needs one in --output."""
-    from .demo import is_complete_checkpoint
+    from .checkpoints import complete_checkpoints, is_complete_checkpoint, numbered_checkpoints
 
     if isinstance(args.resume, str):
         if not os.path.isdir(args.resume):
@@ -262,64 +115,18 @@ def _check_resume(args) -> None:
             raise CLIError(f"--resume: {args.resume} has no trainer_state.json, so it is not a complete checkpoint "
                            "(a save that was interrupted leaves such a folder); give a complete checkpoint-N folder, "
                            "or --resume alone for the last complete one in --output")
-    if args.resume is True and not _complete_checkpoints(Path(args.output)):
-        incomplete = [p.name for p in _numbered_checkpoints(Path(args.output))]
-        why = f" ({_listing(incomplete)}: no trainer_state.json, a save that was interrupted)" if incomplete else ""
+    if args.resume is True and not complete_checkpoints(Path(args.output)):
+        incomplete = [p.name for p in numbered_checkpoints(Path(args.output))]
+        why = f" ({listing(incomplete)}: no trainer_state.json, a save that was interrupted)" if incomplete else ""
         raise CLIError(f"--resume: no checkpoint-N folder in --output {args.output!r} to resume from{why}; train "
                        "with --save-steps N to write checkpoints, or give the checkpoint folder: --resume DIR")
-
-
-def _checkpoints(folder: Path) -> list[Path]:
-    """What in `folder` Trainer's `checkpoint-*` matches (and may delete when rotating checkpoints)."""
-    return sorted(folder.glob("checkpoint-*")) if folder.is_dir() else []
-
-
-def _numbered_checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint-N folders in `folder`, by N."""
-    from .demo import checkpoint_step
-
-    found = [p for p in _checkpoints(folder) if p.is_dir() and checkpoint_step(p) is not None]
-    return sorted(found, key=checkpoint_step)
-
-
-def _complete_checkpoints(folder: Path) -> list[Path]:
-    from .demo import is_complete_checkpoint
-
-    return [p for p in _numbered_checkpoints(folder) if is_complete_checkpoint(p)]
-
-
-#: the files a checkpoint save writes (model and config, exported code and card, tokenizer, optimizer,
-#: scheduler, scaler, RNG and Trainer state)
-CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-                    "pytorch_model*.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth",
-                    "training_args.bin", "trainer_state.json", "tokenizer*", "special_tokens_map.json", "README.md",
-                    "*.py")
-
-
-def _interrupted_save(folder: Path) -> bool:
-    """Whether `folder` (a checkpoint-N without trainer_state.json) holds nothing but files a checkpoint save
-    writes, lazoo's card and code among them: a save that was interrupted, not a folder of the user's."""
-    from .models.card import is_lazoo_card
-    from .models.export import foreign_code_files
-
-    entries = list(folder.iterdir())
-    if not all(p.is_file() and any(fnmatch.fnmatch(p.name, f) for f in CHECKPOINT_FILES) for p in entries):
-        return False
-    readme = folder / "README.md"
-    code = [p for p in entries if p.suffix == ".py"]
-    return (not readme.exists() or is_lazoo_card(readme)) and not foreign_code_files(folder, [p.name for p in code])
-
-
-def _listing(names: list[str], limit: int = 5) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def _check_output_folder(args) -> None:
     """Refuse, before any work, an --output folder where this run would overwrite or delete what it did not
     write: a new run needs a new or empty folder (Trainer's checkpoint rotation deletes every checkpoint-*
     folder there); --resume and --overwrite accept one that holds only what `lazoo train` writes."""
-    from .demo import is_complete_checkpoint
+    from .checkpoints import is_complete_checkpoint, is_interrupted_save, trainer_checkpoint_matches
     from .models.card import is_lazoo_card
     from .models.export import foreign_code_files
 
@@ -328,14 +135,15 @@ def _check_output_folder(args) -> None:
     if not entries:
         return
     if not args.resume and not args.overwrite:
-        raise CLIError(f"--output {args.output!r} is not empty (it holds {_listing(entries)}); a new run writes "
+        raise CLIError(f"--output {args.output!r} is not empty (it holds {listing(entries)}); a new run writes "
                        "its model, tokenizer, README.md and checkpoints only into a new or empty folder, so none of "
                        "your files is overwritten or deleted: choose another --output, add --resume to go on from "
                        "a run's checkpoints there, or --overwrite to replace the files lazoo train writes")
     # Trainer's rotation deletes old checkpoint-* folders, and a run saves checkpoint-N folders: what matches
     # that name must be a checkpoint (complete, or a save that was interrupted, which lazoo never rotates and
     # only sets aside); anything else there is the user's and refused, so nothing of theirs meets either
-    foreign = [p for p in _checkpoints(out) if not p.is_dir() or not (is_complete_checkpoint(p) or _interrupted_save(p))]
+    foreign = [p for p in trainer_checkpoint_matches(out)
+               if not p.is_dir() or not (is_complete_checkpoint(p) or is_interrupted_save(p))]
     if foreign:
         raise CLIError(f"--output: {foreign[0]} is not a Trainer checkpoint (no trainer_state.json, and files a "
                        "checkpoint does not hold), and a run writes and deletes checkpoint-* folders in the output "
@@ -350,76 +158,30 @@ def _check_output_folder(args) -> None:
                        "that name (for trust_remote_code loading); move it away or choose another --output")
 
 
-def load_blocks(text, layout, sizes, seq_len, eval_blocks, seed, flags=("--text", "--seq-len"), **options):
-    """demo.load_lm_data, with a problem of the text (missing, empty, not UTF-8, too short for one training
-    and one held-out block) as one line naming the option."""
-    from . import demo
-    from .data.lm import CorpusTooSmallError
-
-    text_flag, len_flag = flags
-    try:
-        data = demo.load_lm_data(text, layout, sizes, seq_len, eval_blocks, seed, **options)
-    except CorpusTooSmallError as err:
-        raise CLIError(f"{text_flag}: {err}; give a longer text or a smaller {len_flag}") from err
-    except (FileNotFoundError, ValueError) as err:
-        raise CLIError(f"{text_flag}: {err}") from err
-    if len(data.train) == 0 or len(data.eval) == 0:
-        raise CLIError(f"the text gives {len(data.train)} training and {len(data.eval)} held-out blocks of "
-                       f"{len_flag} {seq_len} tokens (5% of the documents are held out); give a longer text "
-                       f"or a smaller {len_flag}")
-    return data
-
-
-def check_batch_fits(batch_size: int, grad_accum: int, train_blocks: int) -> None:
-    """An optimizer step reads batch size x accumulation blocks on each process: more than the text gives
-    would silently train on smaller batches than asked (and say the asked size in the card)."""
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    per_step = batch_size * grad_accum * processes
-    if per_step > train_blocks:
-        times = "".join(f" x {n} {what}" for n, what in ((grad_accum, "accumulation steps"), (processes, "processes"))
-                        if n > 1)
-        raise CLIError(f"--batch-size {batch_size}{times} asks for {per_step} blocks per step, more than the "
-                       f"{train_blocks} training blocks the text gives; give a smaller --batch-size or a longer text")
-
-
-def build_model(layout: str, tokenizer, sizes: dict, flag: str = "--config"):
-    """demo.build_model, with a config the sizes make invalid, or a model too large for this machine's memory,
-    as one line."""
-    from . import demo
-
-    try:
-        return demo.build_model(layout, tokenizer, sizes)
-    except ValueError as err:
-        raise CLIError(f"{flag} {layout}: {err}") from err
-    except (MemoryError, RuntimeError) as err:
-        if not isinstance(err, MemoryError) and "alloc" not in str(err):  # torch's allocator failing
-            raise
-        raise CLIError(f"{flag} {layout}: the model of sizes {sizes} does not fit in memory ({str(err)[:120]}); "
-                       "give smaller --hidden-size, --layers or --vocab-size") from err
-
-
 def _resume_point(args) -> str | None:
     """The checkpoint --resume goes on from: the folder given, else the last complete checkpoint-N in --output
     (complete: with trainer_state.json; an interrupted save is passed over)."""
+    from .checkpoints import complete_checkpoints
+
     if not args.resume:
         return None
     if isinstance(args.resume, str):
         return args.resume
-    return str(_complete_checkpoints(Path(args.output))[-1])
+    return str(complete_checkpoints(Path(args.output))[-1])
 
 
 def _clear_interrupted_saves(args, resume: str | None) -> None:
     """Before a run in a folder an earlier run wrote: say which checkpoint it resumes from and which incomplete
     ones it passes over (kept: lazoo never rotates them, and sets one aside only where this run saves that step),
     and remove lazoo's own staging folders of interrupted saves (recognised by their name)."""
-    from .demo import is_complete_checkpoint, staging_leftovers
+    from .checkpoints import is_complete_checkpoint, numbered_checkpoints, staging_leftovers
 
     for folder in staging_leftovers(args.output):
         print(f"[lazoo] removing {folder}: a checkpoint save that was interrupted")
         shutil.rmtree(folder)
     if resume is None:
         return
-    for folder in _numbered_checkpoints(Path(args.output)):
+    for folder in numbered_checkpoints(Path(args.output)):
         if not is_complete_checkpoint(folder):
             print(f"[lazoo] --resume: skipping {folder}: it has no trainer_state.json (a save that was "
                   "interrupted); it is kept")
@@ -439,28 +201,20 @@ def _save_final_model(trainer, output: str) -> None:
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(output, state_dict=state_dict)
 
 
-def run_training(args, callbacks=()) -> dict:
-    """`lazoo train` (and scripts/train_lm.py, also under `accelerate launch`): corpus -> tokenizer -> blocks ->
-    Trainer (padded blocks or packed documents, bf16, gradient accumulation, checkpoints and resume,
-    gradient checkpointing) -> held-out perplexity -> model, tokenizer and card in `args.output` (main process).
-    `callbacks`: extra `TrainerCallback`s. Returns the metrics written to the card."""
-    with progress_bars(not args.no_progress):
-        return _run_training(args, callbacks)
-
-
 def _run_training(args, callbacks) -> dict:
     import time
 
     from transformers import set_seed
 
-    from . import demo
     from .models.card import write_model_card
+    from .trainer import make_trainer
+    from .training import build_model, check_batch_fits, load_blocks, model_sizes
 
     _check_train_args(args)
     set_seed(args.seed)
     set_cpu_threads(args.threads)
     start = time.time()
-    sizes = demo.model_sizes(args, args.config)
+    sizes = model_sizes(args, args.config)
     # a resumed run reuses the tokenizer of the first run (saved next to the checkpoints)
     saved_tokenizer = os.path.join(args.output, "tokenizer.json")
     tokenizer = args.output if args.resume and os.path.isfile(saved_tokenizer) else None
@@ -469,7 +223,7 @@ def _run_training(args, callbacks) -> dict:
     check_batch_fits(args.batch_size, args.grad_accum, len(data.train))
     model = build_model(args.config, data.tokenizer, sizes)
     resume = _resume_point(args)
-    trainer = demo.make_trainer(
+    trainer = make_trainer(
         model, data, args.output, args.steps, args.batch_size, args.lr, args.seed, progress=not args.no_progress,
         grad_accum=args.grad_accum, bf16=args.bf16, packing=args.packing, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, gradient_checkpointing=args.gradient_checkpointing,
@@ -512,61 +266,6 @@ def _run_training(args, callbacks) -> dict:
 
 
 # ============================================================================ lazoo generate
-def _model_folder(folder: str, what: str = "model") -> Path:
-    """`folder` as a Path, after checking it holds a config.json of a model type transformers knows (so that
-    loading it never asks to run the folder's own code)."""
-    from .models.export import known_model_type
-
-    path = Path(folder)
-    if not path.is_dir():
-        raise CLIError(f"no such folder {folder!r}; give a folder written by `lazoo train` or save_pretrained")
-    if not (path / "config.json").is_file():
-        raise CLIError(f"{folder!r} has no config.json, so it is not a saved {what}; "
-                       "give a folder written by `lazoo train` or save_pretrained")
-    try:
-        known_model_type(path)
-    except ValueError as err:
-        raise CLIError(str(err)) from err
-    load_saved_config(path)
-    return path
-
-
-def load_saved_config(path: Path):
-    """The saved folder's config, checked field by field: a wrong field is one line naming it (loading the
-    tokenizer or model would bury it under transformers' own errors about its base config)."""
-    from transformers import AutoConfig
-
-    _check_dtype_field(path / "config.json")
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, TypeError, KeyError) as err:
-        raise CLIError(f"{path / 'config.json'}: {err}") from err
-
-
-def _check_dtype_field(config_file: Path) -> None:
-    """`dtype` (or the older `torch_dtype`) names a torch dtype: transformers looks any other name up on the
-    torch module and fails with an AttributeError."""
-    import torch
-
-    fields = json.loads(config_file.read_text(encoding="utf-8"))  # known_model_type has read it as JSON
-    for key in ("dtype", "torch_dtype"):
-        value = fields.get(key)
-        if value is not None and value != "auto" and not (
-                isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
-            raise CLIError(f"{config_file}: {key} {value!r} is not a torch dtype (float32, bfloat16, float16, ...)")
-
-
-def _check_generate_args(args) -> None:
-    check_range("--max-new-tokens", args.max_new_tokens, 1, COUNT_LIMITS["max_new_tokens"])
-    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= MIN_TEMPERATURE):
-        raise CLIError(f"--temperature must be a positive finite number, at least {MIN_TEMPERATURE} (use --greedy "
-                       f"for deterministic decoding), got {args.temperature}")
-    _not_negative("--top-k", args.top_k)
-    check_range("--seed", args.seed, 0, COUNT_LIMITS["seed"])
-    check_text("--prompt", args.prompt)
-    check_counts(args, ("threads",), allow_none=True)
-
-
 def cmd_generate(args) -> int:
     _check_generate_args(args)
     set_cpu_threads(args.threads)
@@ -575,14 +274,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _check_generate_args(args) -> None:
+    check_range("--max-new-tokens", args.max_new_tokens, 1, COUNT_LIMITS["max_new_tokens"])
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= MIN_TEMPERATURE):
+        raise CLIError(f"--temperature must be a positive finite number, at least {MIN_TEMPERATURE} (use --greedy "
+                       f"for deterministic decoding), got {args.temperature}")
+    check_not_negative("--top-k", args.top_k)
+    check_range("--seed", args.seed, 0, COUNT_LIMITS["seed"])
+    check_text("--prompt", args.prompt)
+    check_counts(args, ("threads",), allow_none=True)
+
+
 def _generate(args) -> str:
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .demo import sample_text
+    from .sampling import sample_text
 
-    path = _model_folder(args.model_dir)
-    _check_weight_shapes(path)
+    path = check_saved_model_folder(args.model_dir)
+    check_weight_shapes(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -597,33 +307,22 @@ def _generate(args) -> str:
                        top_k=args.top_k if args.top_k > 0 else None, static=args.static)
 
 
-def _check_weight_shapes(path: Path) -> None:
-    """Each tensor in the folder's safetensors files has the shape config.json gives it (a config edited after
-    saving would make loading print a long report and raise): one line naming the first that differs. Reads
-    only the files' headers, and builds the model on the meta device."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-    from transformers import AutoModelForCausalLM
+# ============================================================================ lazoo card / cards
+def cmd_card(args) -> int:
+    from .models.card import write_model_card
 
-    config = load_saved_config(path)
+    path = check_saved_model_folder(args.model_dir)
+    metrics = _card_metrics(args.metrics)
+    check_text("--training-data", args.training_data)
     try:
-        with torch.device("meta"):
-            expected = {k: list(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    except ValueError:  # not a causal LM: loading it says so
-        return
-    for file in sorted(path.glob("*.safetensors")):
-        try:
-            with safe_open(file, "pt") as weights:
-                shapes = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
-        except (OSError, SafetensorError) as err:
-            raise CLIError(f"cannot load a causal LM from {str(path)!r}: {file.name}: {err}") from err
-        for key, shape in shapes.items():
-            if key in expected and list(shape) != expected[key]:
-                raise CLIError(f"{file}: {key} has shape {list(shape)}, but config.json's sizes give "
-                               f"{expected[key]}; the config does not describe these weights")
+        card = write_model_card(_card_model(path), path, metrics=metrics, training_data=args.training_data,
+                                overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise CLIError(f"{path / 'README.md'} is not a model card lazoo wrote; pass --overwrite to replace it") from err
+    print(f"[lazoo] wrote {card}")
+    return 0
 
 
-# ============================================================================ lazoo card
 def _card_model(path: Path):
     """The saved model's config, as a model built on the meta device (to count parameters without
     loading weights), or the config alone if that fails."""
@@ -661,21 +360,6 @@ def _card_metrics(given: str | None) -> dict | None:
         raise CLIError(f"--metrics must be a JSON object (name: value), got {type(metrics).__name__}")
     check_text("--metrics", json.dumps(metrics, ensure_ascii=False))  # "\udc80" escapes decode to surrogates
     return metrics
-
-
-def cmd_card(args) -> int:
-    from .models.card import write_model_card
-
-    path = _model_folder(args.model_dir)
-    metrics = _card_metrics(args.metrics)
-    check_text("--training-data", args.training_data)
-    try:
-        card = write_model_card(_card_model(path), path, metrics=metrics, training_data=args.training_data,
-                                overwrite=args.overwrite)
-    except FileExistsError as err:
-        raise CLIError(f"{path / 'README.md'} is not a model card lazoo wrote; pass --overwrite to replace it") from err
-    print(f"[lazoo] wrote {card}")
-    return 0
 
 
 def cmd_cards(args) -> int:
@@ -724,7 +408,7 @@ def _check_card_configs(folder: str) -> None:
         except ValueError:
             continue
         if isinstance(fields, dict) and fields.get("model_type") in MODEL_CLASSES:
-            _check_dtype_field(path)
+            check_dtype_field(path)
             try:
                 build_config(str(path))
             except (ValueError, TypeError, KeyError) as err:
@@ -755,13 +439,13 @@ def _convert_destination(args) -> str:
 
 # ============================================================================ lazoo bench
 def cmd_bench(args) -> int:
-    """`lazoo bench NAME ARGS`: `lazoo.bench.NAME.main(ARGS)` in this process (a benchmark without a GPU exits
-    saying so; its checks after parsing exit through argparse, and `run` turns either into the status)."""
+    """`lazoo.bench.NAME.main(ARGS)` in this process (a benchmark without a GPU exits saying so; its checks after
+    parsing exit through argparse, and `lazoo.cli.run` turns either into the status)."""
     importlib.import_module(f"lazoo.bench.{args.which}").main(args.args)
     return 0
 
 
-# ============================================================================ lazoo eval / demo
+# ============================================================================ lazoo eval
 def cmd_eval(args) -> int:
     from .models.export import UnknownModelTypeError
 
@@ -788,7 +472,7 @@ def _check_eval_inputs(args) -> None:
         raise CLIError("`lazoo eval` needs lm-evaluation-harness; install it with pip install 'lazoo[eval]'")
     for folder in args.models:
         if os.path.isfile(os.path.join(folder, "config.json")):  # a folder without one: lazoo.eval names it
-            _model_folder(folder)
+            check_saved_model_folder(folder)
     if args.output is not None:
         check_new_file("--output", args.output)
     if args.task_dir is not None:
@@ -812,6 +496,11 @@ def _check_device(device: str) -> None:
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
+def _exit_code(value) -> int:
+    return value if isinstance(value, int) else 0
+
+
+# ============================================================================ lazoo demo
 def cmd_demo(args) -> int:
     from .demo import check_args, run as run_demo
 
@@ -820,72 +509,12 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _exit_code(value) -> int:
-    return value if isinstance(value, int) else 0
-
-
-# ============================================================================ threads and progress bars
-#: environment variables that set the number of CPU threads torch uses (read by torch at start)
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def set_cpu_threads(threads: int | None) -> None:
-    """torch's CPU threads: `threads` when given; else what OMP_NUM_THREADS or MKL_NUM_THREADS set (torch has
-    read them); else every core, shared among the processes of this machine under `accelerate launch` (torch's
-    own default counts only physical cores). On a CUDA machine the default is left alone."""
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
-    elif not any(os.environ.get(name, "").strip() for name in THREAD_VARIABLES) and not torch.cuda.is_available():
-        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, _cpu_count() // processes))
-
-
-@contextlib.contextmanager
-def progress_bars(enabled: bool = True):
-    """With `enabled` False, no progress bar while the block runs: datasets' map and filter bars, transformers'
-    and huggingface_hub's loading and saving bars, and every other tqdm bar (lm-eval's have no switch), each
-    restored afterwards (a command may run in-process, as in the tests). Trainer's bar is off through its own
-    `disable_tqdm`, the tokenizer trainer's through `show_progress=False`."""
-    if enabled:
-        yield
-        return
-    import datasets
-    import huggingface_hub.utils as hub
-    import tqdm.std
-    import transformers.utils.logging as transformers_logging
-
-    restore = []
-    if not datasets.are_progress_bars_disabled():
-        datasets.disable_progress_bars()
-        restore.append(datasets.enable_progress_bars)
-    if not hub.are_progress_bars_disabled():
-        hub.disable_progress_bars()
-        restore.append(hub.enable_progress_bars)
-    if transformers_logging.is_progress_bar_enabled():
-        transformers_logging.disable_progress_bar()
-        restore.append(transformers_logging.enable_progress_bar)
-    init = tqdm.std.tqdm.__dict__["__init__"]
-
-    def disabled_init(self, *args, **kwargs):  # over an explicit disable=False too
-        init.__get__(self, type(self))(*args, **{**kwargs, "disable": True})
-
-    tqdm.std.tqdm.__init__ = disabled_init
-    try:
-        yield
-    finally:
-        tqdm.std.tqdm.__init__ = init
-        for enable in restore:
-            enable()
-
-
 # ============================================================================ running a parsed command line
 def run(args, argv: list[str]) -> int:
     """Run the command `args` (parsed from `argv` by lazoo_cli) and return its exit status; the errors a user can
     cause are one line on stderr (see the module's docstring)."""
     try:
-        return globals()[f"cmd_{args.command}"](args)
+        return globals()[f"cmd_{args.command}"](args)  # looked up here when it runs (a test may replace one)
     except CLIError as err:
         return _fail(argv, str(err))
     except BrokenPipeError:  # the reader of the output went away (`lazoo list | head -1`): nothing to say
@@ -895,12 +524,10 @@ def run(args, argv: list[str]) -> int:
         return _fail(argv, _os_error_message(err))
     except UnicodeError as err:  # text that is not UTF-8 where no check above named it
         return _fail(argv, f"text that is not UTF-8: {err}")
-    except KeyboardInterrupt:  # Ctrl-C: checkpoints written so far are complete (see LazooTrainer)
+    except KeyboardInterrupt:  # Ctrl-C: checkpoints written so far are complete (see lazoo.trainer.LazooTrainer)
         print(f"lazoo {_command(argv)}: interrupted", file=sys.stderr)
         return 130
     except SystemExit as exit_:  # a check by argparse after parsing, and subcommands that exit
-        from lazoo_cli import exit_status
-
         return exit_status(exit_)
 
 

@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     """`lazoo eval` on parsed, checked arguments (:func:`parse_args`): every input checked first, then each model
     evaluated with --threads CPU threads (default: OMP_NUM_THREADS where set, else all cores), bars off with
     --no-progress; prints the table, writes --output."""
-    from ..cli import progress_bars, set_cpu_threads
+    from ..runtime import progress_bars, set_cpu_threads
 
     _check_inputs(args)
     _require_lm_eval()
