@@ -29,13 +29,15 @@ needs_interp = pytest.mark.skipif(
 F64 = torch.float64
 
 
-def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0):
-    """float64 q, k, v, g (log decay), beta on the CPU."""
+def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0, value_heads=None):
+    """float64 q, k, v, g (log decay), beta on the CPU; v, g and beta with ``value_heads`` heads when given
+    (grouped value heads)."""
     gen = torch.Generator().manual_seed(seed)
+    HV = value_heads or H
     q, k = (torch.randn(B, T, H, dk, generator=gen, dtype=F64) for _ in range(2))
-    v = torch.randn(B, T, H, dv, generator=gen, dtype=F64)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=F64) + g_bias)
-    beta = torch.rand(B, T, H, generator=gen, dtype=F64)
+    v = torch.randn(B, T, HV, dv, generator=gen, dtype=F64)
+    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen, dtype=F64) + g_bias)
+    beta = torch.rand(B, T, HV, generator=gen, dtype=F64)
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
 
 
@@ -46,24 +48,26 @@ def call(op, x, **kw):
 
 
 def check_against_reference(op, x, S0, rtol, grad_rtol, device="cpu", dtype=torch.float32,
-                            ref_backend="recurrent", ref_device="cpu", **kw):
+                            ref_backend="recurrent", ref_device="cpu", scalar_dtype=None, **kw):
     """``call(op)`` with backend="triton" on ``dtype``/``device`` copies of the float64 inputs (rounded
-    to ``dtype`` first, so the reference sees the same numbers) vs ``ref_backend`` in float64."""
+    to ``dtype`` first, so the reference sees the same numbers; β and g in ``scalar_dtype`` when given) vs
+    ``ref_backend`` in float64."""
     names = ["q", "k", "v", "beta"] + (["g"] if op == "gated" else [])
-    x = {n: t.to(dtype).to(F64) for n, t in x.items()}
+    kinds = {n: (scalar_dtype or dtype) if n in ("beta", "g") else dtype for n in x}
+    x = {n: t.to(kinds[n]).to(F64) for n, t in x.items()}
     ref = {n: x[n].to(ref_device).requires_grad_(True) for n in names}
     ref["S0"] = S0.to(ref_device).requires_grad_(True)
     ref_kw = {key: (val.to(ref_device) if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
     ro, rs, rg = forward_and_grads(
         lambda: call(op, {**x, **ref}, initial_state=ref["S0"], output_final_state=True,
                      backend=ref_backend, **ref_kw), ref)
-    tst = {n: x[n].to(device=device, dtype=dtype).requires_grad_(True) for n in names}
+    tst = {n: x[n].to(device=device, dtype=kinds[n]).requires_grad_(True) for n in names}
     tst["S0"] = S0.to(device=device, dtype=torch.float32).requires_grad_(True)
     tst_kw = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
     to, ts, tg = forward_and_grads(
         lambda: call(op, {**x, **tst}, initial_state=tst["S0"], output_final_state=True,
                      backend="triton", **tst_kw), tst)
-    assert to.dtype == dtype and ts.dtype == torch.float32
+    assert to.dtype == dtype and ts.dtype == torch.float32 and to.shape == ro.shape
     errs = {"o": rel_err(to, ro), "state": rel_err(ts, rs)}
     errs.update({f"d{n}": rel_err(tg[n], rg[n]) for n in tst if tg[n] is not None})
     print(f"{op} {dtype} rel errors: " + " ".join(f"{key}={val:.1e}" for key, val in errs.items()))
@@ -137,6 +141,36 @@ def test_interp_delta_without_l2norm_custom_scale():
     x["k"] = F.normalize(x["k"], dim=-1) * 0.9  # |k| < 1 keeps the unnormalised rule stable
     S0 = torch.randn(B, H, dv, dk, dtype=F64)
     check_against_reference("gated", x, S0, 1e-4, 1e-4, use_qk_l2norm=False, scale=0.37, chunk_size=16)
+
+
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_grouped_value_heads(op):
+    # 2 query/key heads serving 3 value heads each, read in place (q and k are not repeated); masks, a carried
+    # state, a partial last chunk, fp16 inputs with fp32 β and g
+    B, T, H, dk, dv = 2, 45, 2, 16, 12
+    x = inputs(B, T, H, dk, dv, seed=31, value_heads=3 * H)
+    S0 = torch.randn(B, 3 * H, dv, dk, dtype=F64)
+    mask = left_pad_mask([T, T - 9], T, holes=[(0, 20)])
+    check_against_reference(op, x, S0, 1e-4, 1e-4, mask=mask, chunk_size=16)
+    check_against_reference(op, x, S0, 3e-3, 6e-3, dtype=torch.float16, scalar_dtype=torch.float32, chunk_size=32)
+
+
+@needs_interp
+def test_interp_grouped_value_heads_packed_and_decode():
+    H, dk, dv = 1, 16, 16
+    cu = torch.tensor([0, 17, 47, 52])
+    x = inputs(1, 52, H, dk, dv, seed=32, value_heads=2)
+    check_against_reference("gated", x, torch.randn(3, 2, dv, dk, dtype=F64), 1e-4, 1e-4, cu_seqlens=cu,
+                            chunk_size=16)
+    x = inputs(3, 2, H, dk, dv, seed=33, value_heads=4)  # decoding: the fused recurrent kernel
+    S0 = torch.randn(3, 4, dv, dk, dtype=F64)
+    with torch.no_grad():
+        ro, rs = call("gated", x, initial_state=S0, output_final_state=True, backend="recurrent")
+        o, s = call("gated", {n: t.float() for n, t in x.items()}, initial_state=S0.float(), output_final_state=True,
+                    backend="triton")
+    assert_close(o, ro, 1e-5, "grouped decode output")
+    assert_close(s, rs, 1e-5, "grouped decode state")
 
 
 @needs_interp
@@ -290,6 +324,19 @@ def test_gpu_cu_seqlens_and_mask(op):
     check_against_reference(op, x, torch.randn(2, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
                             device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
                             mask=mask)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_gpu_grouped_value_heads(op):
+    # Qwen3.5's layout: twice as many value heads as query/key heads, bf16 inputs with fp32 β and g
+    B, T, H, D = 2, 1000, 2, 128
+    x = inputs(B, T, H, D, D, seed=25, value_heads=2 * H)
+    S0 = torch.randn(B, 2 * H, D, D, dtype=F64) * 0.5
+    check_against_reference(op, x, S0, *GPU_RTOL[torch.bfloat16], device="cuda", dtype=torch.bfloat16,
+                            scalar_dtype=torch.float32, ref_backend="chunk", ref_device="cuda", chunk_size=64,
+                            cu_seqlens=None)
 
 
 @pytest.mark.gpu

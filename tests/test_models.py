@@ -633,3 +633,23 @@ def test_torch_compile_gives_the_same_logits(name):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     real = mask.bool()
     assert_close(got[real], expected[real], 1e-4, "compiled logits")
+
+
+def test_grouped_value_heads_read_in_place_equal_repeated_heads(single_thread):
+    # Gated DeltaNet with twice as many value heads as query/key heads: the op reads q and k in place; the same
+    # model with q and k repeated head by head gives the same logits, and the cache gives what a full pass gives
+    from lazoo.layers.mixers.delta import GatedDeltaNetMixer
+
+    model = tiny_model("gated_delta_net", num_attention_heads=2, mixer_kwargs={"gated_delta_net": {"num_v_heads": 4}})
+    ids = random_ids(2, 19, seed=3)
+    with torch.no_grad():
+        grouped = model(ids).logits
+        GatedDeltaNetMixer.grouped_values = False
+        try:
+            repeated = model(ids).logits
+        finally:
+            GatedDeltaNetMixer.grouped_values = True
+        first = model(ids[:, :12], use_cache=True)
+        rest = model(ids[:, 12:], past_key_values=first.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(grouped, repeated, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([first.logits, rest], 1), grouped, rtol=1e-4, atol=1e-4)

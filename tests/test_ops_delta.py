@@ -137,3 +137,53 @@ def test_delta_float32_close_to_float64():
             assert_close(o, ref, 1e-4, f"{op} fp32 {backend}")
     o, s = call("gated", *(x.bfloat16() for x in (q, k, v, g, beta)), output_final_state=True)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+
+
+# ============================================================================ grouped value heads
+def _grouped(B=2, T=37, H=2, m=3, D=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(dtype=torch.float64)
+    x = {"q": torch.randn(B, T, H, D, generator=gen, **f64), "k": torch.randn(B, T, H, D, generator=gen, **f64),
+         "v": torch.randn(B, T, H * m, D, generator=gen, **f64), "beta": torch.rand(B, T, H * m, generator=gen, **f64),
+         "g": F.logsigmoid(torch.randn(B, T, H * m, generator=gen, **f64) + 2)}
+    return x, torch.randn(B, H * m, D, D, generator=gen, **f64), m
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_grouped_value_heads_equal_repeated_query_key_heads(op, backend):
+    # query/key head j serves value heads jm..jm+m-1: the same as repeating q and k head by head, in outputs, final
+    # state and every gradient (q's and k's summed over their value heads), with a mask and a carried state
+    x, S0, m = _grouped(seed=1 if op == "delta" else 2)
+    mask = left_pad_mask([37, 30], 37)
+
+    def run(repeat):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+        q, k = (leaves[n].repeat_interleave(m, 2) if repeat else leaves[n] for n in ("q", "k"))
+        fn = delta_rule if op == "delta" else gated_delta_rule
+        args = (q, k, leaves["v"], leaves["beta"]) if op == "delta" else (q, k, leaves["v"], leaves["g"],
+                                                                            leaves["beta"])
+        o, S = fn(*args, initial_state=S0, output_final_state=True, mask=mask, backend=backend, chunk_size=16)
+        probe = torch.sin(torch.arange(o.numel(), dtype=o.dtype)).view(o.shape)
+        names = [n for n in leaves if op == "gated" or n != "g"]
+        grads = torch.autograd.grad((o * probe).sum() + S.sum(), [leaves[n] for n in names])
+        return o, S, dict(zip(names, grads))
+
+    (o, S, g), (ro, rS, rg) = run(False), run(True)
+    assert_close(o, ro, 1e-12, "output")
+    assert_close(S, rS, 1e-12, "state")
+    for name in g:
+        assert_close(g[name], rg[name], 1e-12, f"grad {name}")
+
+
+def test_grouped_value_heads_refusals_and_fp32_scalars():
+    x, _, _ = _grouped(T=5)
+    with pytest.raises(ValueError, match="multiple of H = 2 heads"):
+        gated_delta_rule(x["q"], x["k"], x["v"][:, :, :5], x["g"][:, :, :5], x["beta"][:, :, :5])
+    with pytest.raises(ValueError, match=r"beta must have shape \[B, T, H\] = \(2, 5, 6\)"):
+        gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"][:, :, :2])
+    q, k, v = (x[n].float() for n in "qkv")  # float32 g and β beside float16 ... and beside float32 q
+    half = gated_delta_rule(q.half(), k.half(), v.half(), x["g"].float(), x["beta"].float(), backend="chunk")[0]
+    full = gated_delta_rule(q, k, v, x["g"].float(), x["beta"].float(), backend="chunk")[0]
+    assert half.dtype == torch.float16
+    assert_close(half.float(), full, 5e-3, "fp16 with fp32 scalars")

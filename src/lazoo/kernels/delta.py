@@ -181,7 +181,7 @@ def _store_a16(A, x, t0, eos, H: tl.constexpr, C: tl.constexpr, bi: tl.constexpr
 @triton.jit
 def _fwd_solve_kernel(
     k, w, beta, g, Gc, A, chunks, cu,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk: G (within-chunk cumsum of g) and A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
@@ -191,8 +191,8 @@ def _fwd_solve_kernel(
     i_h = tl.program_id(1)
     t0, eos = _chunk_info(chunks, cu, i_c)
     NB: tl.constexpr = C // 16
-    k += i_h * K
-    w += i_h * K
+    k += (i_h // (H // HK)) * K  # the key head of value head i_h (HK == H without grouped value heads)
+    w += (i_h // (H // HK)) * K
     beta += i_h
     Z = tl.zeros([16, 16], dtype=tl.float32)
     L00 = Z
@@ -206,19 +206,19 @@ def _fwd_solve_kernel(
     L32 = Z
     L33 = Z
     for kb in range(0, K, BK):  # K W^T blocks (for W = β K: K K^T, β applied to the columns below)
-        k0 = _load_raw(k, t0, eos, H * K, kb, K, 16, BK)
-        c0 = _load_raw(w, t0, eos, H * K, kb, K, 16, BK) if HAS_W else k0
+        k0 = _load_raw(k, t0, eos, HK * K, kb, K, 16, BK)
+        c0 = _load_raw(w, t0, eos, HK * K, kb, K, 16, BK) if HAS_W else k0
         L00 = _dot_acc(k0, tl.trans(c0), L00, DT, PREC)
         if NB >= 2:
-            k1 = _load_raw(k, t0 + 16, eos, H * K, kb, K, 16, BK)
-            c1 = _load_raw(w, t0 + 16, eos, H * K, kb, K, 16, BK) if HAS_W else k1
+            k1 = _load_raw(k, t0 + 16, eos, HK * K, kb, K, 16, BK)
+            c1 = _load_raw(w, t0 + 16, eos, HK * K, kb, K, 16, BK) if HAS_W else k1
             L10 = _dot_acc(k1, tl.trans(c0), L10, DT, PREC)
             L11 = _dot_acc(k1, tl.trans(c1), L11, DT, PREC)
         if NB >= 4:
-            k2 = _load_raw(k, t0 + 32, eos, H * K, kb, K, 16, BK)
-            k3 = _load_raw(k, t0 + 48, eos, H * K, kb, K, 16, BK)
-            c2 = _load_raw(w, t0 + 32, eos, H * K, kb, K, 16, BK) if HAS_W else k2
-            c3 = _load_raw(w, t0 + 48, eos, H * K, kb, K, 16, BK) if HAS_W else k3
+            k2 = _load_raw(k, t0 + 32, eos, HK * K, kb, K, 16, BK)
+            k3 = _load_raw(k, t0 + 48, eos, HK * K, kb, K, 16, BK)
+            c2 = _load_raw(w, t0 + 32, eos, HK * K, kb, K, 16, BK) if HAS_W else k2
+            c3 = _load_raw(w, t0 + 48, eos, HK * K, kb, K, 16, BK) if HAS_W else k3
             L20 = _dot_acc(k2, tl.trans(c0), L20, DT, PREC)
             L21 = _dot_acc(k2, tl.trans(c1), L21, DT, PREC)
             L22 = _dot_acc(k2, tl.trans(c2), L22, DT, PREC)
@@ -312,8 +312,8 @@ def _fwd_solve_kernel(
 @triton.jit
 def _fwd_wu_kernel(
     k, v, Gc, A, wt, ut, chunks, cu,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
 ):
     """W~ = A Γ K and U~ = A V of one chunk from the stored A, as whole-chunk products (formed from A's 16x16
     tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused kernel
@@ -326,7 +326,7 @@ def _fwd_wu_kernel(
         b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
         e = tl.exp(b_G)[:, None]
     for kb in range(0, K, BK):
-        x = _load_tile(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        x = _load_tile(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         if HAS_G:
             x = x * e
         _store_tile(wt + i_h * K, _dotf(b_A, x, PREC), t0, eos, H * K, kb, K, C, BK)
@@ -359,7 +359,7 @@ def _state_program(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, 
 @triton.jit
 def _fwd_h_kernel(
     kw, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -386,7 +386,7 @@ def _fwd_h_kernel(
             b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_s = b_s * tl.exp(g_last)
-        b_kT = tl.trans(_load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_kT = tl.trans(_load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
         b_s = _dot_acc(b_kT, b_u * b_f[:, None], b_s, DT, PREC)
     if STORE_S:
         tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
@@ -395,7 +395,7 @@ def _fwd_h_kernel(
 @triton.jit
 def _fwd_o_kernel(
     q, kw, beta, Gc, h, vnew, o, chunks, cu, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """O = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U) for one chunk and one block of dv (W = β K, or
@@ -411,8 +411,8 @@ def _fwd_o_kernel(
     b_p = tl.zeros([C, C], dtype=tl.float32)
     hb = h + (i_c.to(tl.int64) * H + i_h) * K * V
     for kb in range(0, K, BK):
-        b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_k = _load_raw(kw + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_h = _load_raw(hb + kb * V, 0, K - kb, V, i_v * BV, V, BK, BV)
         b_o = _dot_acc(b_q, b_h, b_o, DT, PREC)
         b_p = _dot_acc(b_q, tl.trans(b_k), b_p, DT, PREC)
@@ -433,7 +433,7 @@ def _fwd_o_kernel(
 @triton.jit
 def _bwd_dv_local_kernel(
     q, kw, beta, Gc, do, du, chunks, cu, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """dU (local part) = P^T dO, P^T[i, t] = scale [i <= t] E[t, i] (w_i . q_t), computed as its own
@@ -447,8 +447,8 @@ def _bwd_dv_local_kernel(
     o_c = tl.arange(0, C)
     b_pt = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_k = _load_raw(kw + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_pt = _dot_acc(b_k, tl.trans(b_q), b_pt, DT, PREC)
     triu = o_c[:, None] <= o_c[None, :]
     b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
@@ -464,7 +464,7 @@ def _bwd_dv_local_kernel(
 @triton.jit
 def _bwd_dhu_kernel(
     q, kw, beta, Gc, wt, do, du, dh, dsT, ds0, cu, coff, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -490,12 +490,12 @@ def _bwd_dhu_kernel(
             b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_fq = b_fq * tl.exp(b_G)
-        b_k = _load_raw(kw + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
         b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
             + dot(b_k, b_ds, DT, PREC) * b_f[:, None]
         _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
         b_do = _load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
-        b_qT = tl.trans(_load_raw(q + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_qT = tl.trans(_load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
         b_wtT = tl.trans(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF))
         if HAS_G:
             b_ds = b_ds * tl.exp(g_last)
@@ -508,7 +508,7 @@ def _bwd_dhu_kernel(
 @triton.jit
 def _bwd_dqkw_kernel(
     q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, chunks, cu, scale, TT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """For one chunk and one block of dk: dq; the part of dW from the output and the state update;
@@ -542,8 +542,8 @@ def _bwd_dqkw_kernel(
         b_dwt = _dot_acc(b_du, tl.trans(b_sT), b_dwt, DT, PREC)
         if HAS_G:
             b_dgl += tl.sum(b_sT.to(tl.float32) * b_dsT.to(tl.float32), 1)
-    b_q = _load_raw(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
-    b_k = _load_raw(kw + i_h * K, t0, eos, H * K, kb, K, C, BK)  # (β applied below) write key
+    b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+    b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)  # (β applied below) write key
     b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     tril = o_c[:, None] >= o_c[None, :]
     triu = o_c[:, None] <= o_c[None, :]
@@ -583,7 +583,7 @@ def _bwd_dqkw_kernel(
 @triton.jit
 def _bwd_wy_kernel(
     k, w, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ (or, for given write keys,
@@ -600,7 +600,7 @@ def _bwd_wy_kernel(
     b_da = tl.zeros([C, C], dtype=tl.float32)
     b_dat = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_k = _load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_da = _dot_acc(b_dwt, tl.trans(b_k), b_da, DT, PREC)
         b_dat = _dot_acc(b_k, tl.trans(b_dwt), b_dat, DT, PREC)
@@ -632,13 +632,13 @@ def _bwd_wy_kernel(
     b_dl = b_dl * b_b[None, :]
     b_db = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_k = _load_raw(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_k = _load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_kf = b_k.to(tl.float32)
         b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_dkg = _dotf(b_At, b_dwt, PREC)  # γ ⊙ (A^T dW~)
         b_dwl = dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
         b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_w = _load_raw(w + i_h * K, t0, eos, H * K, kb, K, C, BK) if HAS_W else b_k  # β in b_dl and b_b
+        b_w = _load_raw(w + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK) if HAS_W else b_k  # β in b_dl and b_b
         b_dkl = dot(b_dl, b_w, DT, PREC)  # (E ⊙ dL) W: through the read key of L
         if HAS_G:
             # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = w_i . b_dwl_i
@@ -662,7 +662,7 @@ def _bwd_wy_kernel(
 @triton.jit
 def _fused_recurrent_kernel(
     q, k, v, beta, g, s0, o, sT, cu, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, L2NORM: tl.constexpr,
     HAS_W: tl.constexpr,
 ):
@@ -684,8 +684,8 @@ def _fused_recurrent_kernel(
     if USE_S0:
         b_s += tl.load(s0 + p_s, mask=m_s, other=0).to(tl.float32)
     for t in range(bos, eos):
-        b_q = tl.load(q + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + t * H * K + i_h * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_q = tl.load(q + t * HK * K + (i_h // (H // HK)) * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + t * HK * K + (i_h // (H // HK)) * K + o_k, mask=m_k, other=0).to(tl.float32)
         b_v = tl.load(v + t * H * V + i_h * V + o_v, mask=m_v, other=0).to(tl.float32)
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6)
@@ -818,10 +818,11 @@ def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
 
 
 def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool, w=None):
-    """Forward on flattened inputs q/k ``[TT, H, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]`` (or write
-    keys w ``[TT, H, dk]`` in place of β k, beta then unused). Returns ``(o, final_state or None, saved)``."""
-    TT, H, K = q.shape
-    V = v.shape[-1]
+    """Forward on flattened inputs q/k ``[TT, HK, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]`` (or write
+    keys w ``[TT, H, dk]`` in place of β k, beta then unused; HK = H then). H = m·HK: each key head serves m
+    consecutive value heads (grouped value heads), read in place. Returns ``(o, final_state or None, saved)``."""
+    TT, HK, K = q.shape
+    H, V = v.shape[1:]
     dev = q.device
     interp = dev.type == "cpu"
     DT, PREC = dot_types(q)
@@ -838,8 +839,8 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     NT, N = seqs.NT, seqs.N
     _fwd_solve_kernel[(NT, H)](
         k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
-        H=H, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
-    _fwd_wu_kernel[(NT, H)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
+    _fwd_wu_kernel[(NT, H)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, PREC=PREC, **_opts("wu", interp, FP32))
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
@@ -847,20 +848,21 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
     _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
         kw, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
-        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=S0 is not None,
+        H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=S0 is not None,
         STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("o", interp, FP32))
     return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
 
 
 def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool, w=None):
-    """Gradients ``(dq, dk, dv, dbeta, dg, ds0)``; with write keys w, ``dbeta`` is dw ``[TT, H, dk]``."""
-    TT, H, K = q.shape
-    V = v.shape[-1]
+    """Gradients ``(dq, dk, dv, dbeta, dg, ds0)``; with write keys w, ``dbeta`` is dw ``[TT, H, dk]``. With grouped
+    value heads the kernels give dq and dk per value head, summed here over each key head's group."""
+    TT, HK, K = q.shape
+    H, V = v.shape[1:]
     dev = q.device
     interp = dev.type == "cpu"
     DT, PREC = dot_types(q)
@@ -876,33 +878,36 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _bwd_dv_local_kernel[(NT * triton.cdiv(V, BV), H)](
         q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
-        H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("dv_local", interp, FP32))
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
     BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
         q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
-        H=H, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
+        H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
         STORE_DS0=need_ds0, DT=DT, PREC=PREC, **_opts("dhu", interp, FP32))
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     NK = triton.cdiv(K, BKq)
-    dq = torch.empty_like(q)
+    grouped = H != HK
+    dq = torch.empty(TT, H, K, device=dev, dtype=f32) if grouped else torch.empty_like(q)
     dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
     _bwd_dqkw_kernel[(NT * NK, H)](
         q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
-        H=H, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        H=H, HK=HK, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("dqkw", interp, FP32))
-    dk = torch.empty_like(k)
+    dk = torch.empty(TT, H, K, device=dev, dtype=f32) if grouped else torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(w) if HAS_W else torch.empty(TT, H, device=dev, dtype=f32)
     dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
     _bwd_wy_kernel[(NT, H)](
         k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu,
-        TT, H=H, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("wy", interp, FP32))
+    if grouped:  # each key head's gradient: the sum over the value heads it serves
+        dq, dk = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
 
 
@@ -945,19 +950,20 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 class ChunkDeltaRuleFunction(torch.autograd.Function):
     """Chunk-parallel (gated) delta rule with a hand-written backward.
 
-    Inputs: q, k ``[B, T, H, dk]`` (normalised and scaled by the caller or through ``scale``),
-    v ``[B, T, H, dv]``, the write keys as beta ``[B, T, H]`` (w = β k) or as w ``[B, T, H, dk]``
-    (the generalised rule; beta None), g ``[B, T, H]`` log decays or None, initial state
-    ``[N, H, dv, dk]`` (fp32) or None; with ``cu_seqlens`` B = 1 and N sequences are packed.
+    Inputs: q, k ``[B, T, HK, dk]`` (normalised and scaled by the caller or through ``scale``),
+    v ``[B, T, H, dv]`` with H = m·HK (grouped value heads: key head j serves value heads jm to jm + m - 1), the
+    write keys as beta ``[B, T, H]`` (w = β k) or as w ``[B, T, H, dk]`` (the generalised rule; beta None; HK = H),
+    g ``[B, T, H]`` log decays or None (beta and g in q's dtype or fp32), initial state ``[N, H, dv, dk]`` (fp32)
+    or None; with ``cu_seqlens`` B = 1 and N sequences are packed.
     Returns ``(o [B, T, H, dv], final_state [N, H, dv, dk] fp32 or None)``.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, w, initial_state, scale, cu_seqlens, chunk_size, output_final_state):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
+        B, T, HK, K = q.shape
+        H, V = v.shape[2:]
         seqs = _Seqs(B, T, cu_seqlens, chunk_size, q.device)
-        qf, kf = q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous()
+        qf, kf = q.reshape(B * T, HK, K).contiguous(), k.reshape(B * T, HK, K).contiguous()
         vf = v.reshape(B * T, H, V).contiguous()
         bf = None if beta is None else beta.reshape(B * T, H).contiguous()
         wf = None if w is None else w.reshape(B * T, H, K).contiguous()
@@ -968,7 +974,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         Gc, A, wt, vnew, h = saved
         ctx.save_for_backward(qf, kf, vf, bf, gf, wf, S0, Gc, A, wt, vnew, h)
         ctx.seqs, ctx.scale, ctx.C = seqs, float(scale), chunk_size
-        ctx.shapes = (B, T, H, K, V)
+        ctx.shapes = (B, T, HK, H, K, V)
         ctx.dtypes = (None if beta is None else beta.dtype, None if g is None else g.dtype,
                       None if initial_state is None else initial_state.dtype)
         return o.view(B, T, H, V), sT
@@ -976,7 +982,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dsT):
         qf, kf, vf, bf, gf, wf, S0, Gc, A, wt, vnew, h = ctx.saved_tensors
-        B, T, H, K, V = ctx.shapes
+        B, T, HK, H, K, V = ctx.shapes
         do = do.reshape(B * T, H, V).contiguous()
         dsT = None if dsT is None else dsT.contiguous().float()
         need_ds0 = S0 is not None and ctx.needs_input_grad[6]
@@ -985,7 +991,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         b_dt, g_dt, s_dt = ctx.dtypes
         dbeta = None if wf is not None else db.view(B, T, H).to(b_dt)
         dw = None if wf is None else db.view(B, T, H, K)
-        return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
+        return (dq.view(B, T, HK, K), dk.view(B, T, HK, K), dv.view(B, T, H, V),
                 dbeta, None if dg is None else dg.view(B, T, H).to(g_dt), dw,
                 None if ds0 is None else ds0.to(s_dt), None, None, None, None)
 
@@ -997,6 +1003,9 @@ def _check(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
         raise ValueError(f"{op}: head dims up to {MAX_HEAD_DIM}, got dk={q.shape[-1]}, dv={v.shape[-1]}")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"{op}: with cu_seqlens the batch is packed along time, so B must be 1, got {q.shape[0]}")
+    if v.shape[2] % q.shape[2]:
+        raise ValueError(f"{op}: v's {v.shape[2]} heads must be a multiple of q's and k's {q.shape[2]} (grouped value "
+                         "heads)")
 
 
 def chunk_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
@@ -1045,8 +1054,8 @@ def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, ini
     """Token-by-token (gated) delta rule against a state, forward only (decoding). Same layout as
     ``chunk_delta_rule``; ``use_qk_l2norm`` normalises q and k inside the kernel (eps 1e-6)."""
     _check("fused_recurrent_delta_rule", q, v, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
     dev = q.device
     interp = dev.type == "cpu"
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1062,6 +1071,6 @@ def fused_recurrent_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, ini
     _fused_recurrent_kernel[(N, H, triton.cdiv(V, BV))](
         q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(),
         g.contiguous() if g is not None else beta, S0 if S0 is not None else o, o, sT, cu, float(scale),
-        H=H, K=K, V=V, BKF=BKF, BV=BV, HAS_G=g is not None, USE_S0=S0 is not None,
+        H=H, HK=HK, K=K, V=V, BKF=BKF, BV=BV, HAS_G=g is not None, USE_S0=S0 is not None,
         STORE_S=output_final_state, L2NORM=use_qk_l2norm, HAS_W=_w, **_opts("recurrent", interp))
     return o, (sT if output_final_state else None)

@@ -11,8 +11,10 @@ import torch
 from .backend import host_sync_allowed
 
 
-def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-    """Check q ``[B, T, H, dk]``, k like q, v ``[B, T, H, dv]``; return ``(B, T, H, dk, dv)``."""
+def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              grouped_values: bool = False) -> tuple[int, ...]:
+    """Check q ``[B, T, H, dk]``, k like q, v ``[B, T, H, dv]`` (``grouped_values``: ``[B, T, m·H, dv]``, each
+    query/key head serving m consecutive value heads); return ``(B, T, H, dk, dv)``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -26,9 +28,12 @@ def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
         raise ValueError(
             f"{op}: k must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {tuple(k.shape)}"
         )
-    if v.shape[:3] != q.shape[:3]:
+    if grouped_values and v.shape[:2] == q.shape[:2] and v.shape[2] >= H and v.shape[2] % H == 0:
+        pass  # m·H value heads
+    elif v.shape[:3] != q.shape[:3]:
+        heads = f" (or a multiple of H = {H} heads: grouped value heads)" if grouped_values else ""
         raise ValueError(
-            f"{op}: v must have shape [B, T, H, dv] with [B, T, H] = {tuple(q.shape[:3])} like q, "
+            f"{op}: v must have shape [B, T, H, dv] with [B, T, H] = {tuple(q.shape[:3])} like q{heads}, "
             f"got {tuple(v.shape)}"
         )
     if T == 0:
@@ -47,16 +52,20 @@ def check_like_q(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> None:
     check_same_device(op, q, **{name: x})
 
 
-def check_head_scalar(op: str, name: str, x: torch.Tensor, q: torch.Tensor) -> None:
-    """A per-head scalar (gate, beta) must be a float ``[B, T, H]`` tensor like q."""
+def check_head_scalar(op: str, name: str, x: torch.Tensor, q: torch.Tensor, heads: torch.Tensor | None = None,
+                      fp32_ok: bool = False) -> None:
+    """A per-head scalar (gate, beta) must be a float ``[B, T, H]`` tensor like q (H of ``heads``' dim 2 when given:
+    the value heads), in q's dtype (or float32 with ``fp32_ok``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if tuple(x.shape) != tuple(q.shape[:3]):
+    shape = tuple(q.shape[:3]) if heads is None else (*q.shape[:2], heads.shape[2])
+    if tuple(x.shape) != shape:
         raise ValueError(
-            f"{op}: {name} must have shape [B, T, H] = {tuple(q.shape[:3])}, got {tuple(x.shape)}"
+            f"{op}: {name} must have shape [B, T, H] = {shape}, got {tuple(x.shape)}"
         )
     check_float(op, name, x)
-    check_same_dtype(op, q, **{name: x})
+    if not (fp32_ok and x.dtype == torch.float32):
+        check_same_dtype(op, q, **{name: x})
     check_same_device(op, q, **{name: x})
 
 

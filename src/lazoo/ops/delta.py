@@ -1,8 +1,9 @@
 """DeltaNet and Gated DeltaNet, and the generalised (gated) delta rule they share with VLA.
 
-Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, beta/g ``[B, T, H]``, state S ``[B, H, dv, dk]``,
-mask ``[B, T]`` (1 = real token; a pad leaves the state untouched and outputs 0). g is a log decay: g > 0 at a real
-token is refused.
+Layout: q/k ``[B, T, H, dk]``, v ``[B, T, HV, dv]``, beta/g ``[B, T, HV]`` (in q's dtype or float32), state S
+``[B, HV, dv, dk]``, mask ``[B, T]`` (1 = real token; a pad leaves the state untouched and outputs 0). HV = H, or
+HV = m·H for grouped value heads: query/key head j serves value heads jm to jm + m − 1 (the Triton kernels read q
+and k in place; the PyTorch forms repeat them). g is a log decay: g > 0 at a real token is refused.
 
     delta:        S_t = S_{t-1} (I - β_t k_t k_t^T) + β_t v_t k_t^T,            o_t = S_t (scale q_t)
     gated delta:  S_t = exp(g_t) S_{t-1} (I - β_t k_t k_t^T) + β_t v_t k_t^T,   o_t = S_t (scale q_t)
@@ -63,7 +64,9 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
     """The (gated) delta rule with its errors naming ``op``: the body of ``delta_rule`` (g None) and
     ``gated_delta_rule``, and of DeltaProduct's interleaved steps. ``check_g=False``: g is already checked."""
     # β = 0 and g = 0 at a pad: S untouched
-    (B, T, H, dk, dv), mask, (q, k, v, g, beta) = prepare_inputs(op, q, k, v, mask, {"g": g, "beta": beta})
+    (B, T, H, dk, dv), mask, (q, k, v, g, beta) = prepare_inputs(op, q, k, v, mask, {"g": g, "beta": beta},
+                                                                 grouped_values=True)
+    H = v.shape[2]  # the state's heads: the value heads (m per query/key head with grouped value heads)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     scale = check_scale(op, scale, dk)
@@ -91,6 +94,8 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
     q_c, k_c = q.to(cdt), k.to(cdt)
     if use_qk_l2norm:
         q_c, k_c = l2norm(q_c), l2norm(k_c)
+    if q_c.shape[2] != H:  # grouped value heads: the PyTorch forms read each query/key head once per value head
+        q_c, k_c = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (q_c, k_c))
     q_c = q_c * scale
     v_c, beta_c = v.to(cdt), beta.to(cdt)
     g_c = None if g is None else g.to(cdt)

@@ -37,6 +37,7 @@ class DeltaNetMixer(RecurrentMixer):
 
     mechanism = "delta_net"
     head_layout = True
+    grouped_values = True  # the delta-rule ops read m value heads per query/key head in place
     defaults = {**RecurrentMixer.defaults, "use_short_conv": True, "use_beta": True, "beta_bias": True,
                 "allow_neg_eigval": False, "qk_norm": "l2"}
 
@@ -94,7 +95,7 @@ class GatedDeltaNetMixer(DeltaNetMixer):
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         q, k, l2 = self.normalized_qk(q, k)
         g = mamba2_log_decay(self, x)
-        return ops.gated_delta_rule(q, k, v, g.to(q.dtype), self.beta(x), use_qk_l2norm=l2,
+        return ops.gated_delta_rule(q, k, v, g, self.beta(x), use_qk_l2norm=l2,
                                     **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
 

@@ -76,8 +76,9 @@ class RecurrentMixer(TokenMixer):
     Head layout: q has `num_heads` heads, k `num_kv_heads`, v `num_v_heads`, of dims `head_k_dim` (q, k) and
     `head_v_dim` (v). The op runs on `num_state_heads` = max(query heads, value heads) heads: each of q, k, v is
     repeated head by head (`repeat_interleave`) to that count, so state head j reads query head
-    j // (num_state_heads / num_heads), and so on. The output norm, gate and `o_proj` act on
-    `num_state_heads * head_v_dim` features.
+    j // (num_state_heads / num_heads), and so on; a mixer whose op reads grouped value heads itself
+    (`grouped_values`) passes q and k unrepeated when only the value heads are more. The output norm, gate and
+    `o_proj` act on `num_state_heads * head_v_dim` features.
 
     Packed sequences (`cu_seqlens`): the short convolution stays inside each sequence; a `mix` that takes a
     `cu_seqlens` keyword (its op handles packing natively) gets it, any other `mix` runs once per sequence.
@@ -87,6 +88,9 @@ class RecurrentMixer(TokenMixer):
     optional_int_options = ("num_heads", "head_k_dim", "num_kv_heads", "num_v_heads")
     #: whether this mixer takes the head layout options (its per-head parameters use `num_state_heads`)
     head_layout: ClassVar[bool] = False
+    #: whether the op reads grouped value heads itself (v with m·H heads beside q and k with H): then q and k are
+    #: not repeated when there are more value heads than query/key heads
+    grouped_values: ClassVar[bool] = False
 
     defaults = {"use_short_conv": False, "conv_size": 4, "short_conv_targets": "qkv", "conv_activation": "silu",
                 "output_norm": True, "output_gate": False, "norm_eps": 1e-6,
@@ -196,8 +200,12 @@ class RecurrentMixer(TokenMixer):
         return {n: self._post_activation[n](t) if n in self._post_activation else t for n, t in qkv.items()}
 
     def state_heads(self, qkv: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v `[B, T, hidden]` as `[B, T, num_state_heads, D]`, each repeated head by head as needed."""
+        """q, k, v `[B, T, hidden]` as `[B, T, num_state_heads, D]`, each repeated head by head as needed (q and k
+        keep their `num_heads` heads where the op reads grouped value heads itself)."""
         heads = {"q": self.num_heads, "k": self.num_kv_heads, "v": self.num_v_heads}
+        if self.grouped_values and self.num_kv_heads == self.num_heads and self.num_v_heads > self.num_heads:
+            return (*(qkv[n].view(*qkv[n].shape[:2], self.num_heads, -1) for n in "qk"),
+                    self.repeat_heads(qkv["v"], self.num_v_heads))
         return tuple(self.repeat_heads(qkv[n], heads[n]) for n in "qkv")
 
     def repeat_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
