@@ -1,5 +1,5 @@
 """Train a causal LM of any lazoo config with transformers.Trainer: `lazoo train` as a script, for
-`accelerate launch` (one implementation: `lazoo.cli.run_training`; the options are `lazoo train --help`).
+`accelerate launch` (one implementation: `lazoo.commands.train.run_training`; the options are `lazoo train --help`).
 
     python scripts/train_lm.py --config configs/vla-small.json --output runs/vla --steps 2000 --bf16 --packing \\
         --grad-accum 4 --save-steps 500                          # one process (GPU or CPU)

@@ -12,7 +12,7 @@
 
 This package is apart from `lazoo` because `import lazoo` registers every model with transformers, which
 imports torch (seconds): here the arguments are parsed with the standard library alone, so `--help` and
-argument errors answer at once, and only then does the command run in `lazoo.cli`.
+argument errors answer at once, and only then does `lazoo.cli` run the command (`lazoo.commands`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,30 @@
+"""`lazoo convert`: a fla checkpoint folder into a lazoo folder (`lazoo.convert.from_fla`)."""
+
+from __future__ import annotations
+
+import os
+
+from ..user_input import CLIError
+
+__all__ = ["cmd_convert"]
+
+
+def cmd_convert(args) -> int:
+    from ..convert import ConversionError, from_fla
+
+    if not os.path.isdir(args.src):
+        raise CLIError(f"no such folder {args.src!r}; give a fla checkpoint folder (config.json + safetensors)")
+    try:
+        dst = from_fla(args.src, _convert_destination(args))
+    except (ConversionError, FileExistsError) as err:  # the converter names the file and field in one line
+        raise CLIError(str(err)) from err
+    print(f"[lazoo] converted {args.src} -> {dst} (load it with AutoModelForCausalLM.from_pretrained after "
+          "`import lazoo`, or with trust_remote_code=True without lazoo)")
+    return 0
+
+
+def _convert_destination(args) -> str:
+    """DST, given as the second argument or as --output (one of them)."""
+    if (args.dst is None) == (args.output is None):
+        raise CLIError("give the lazoo folder to write once: as DST (lazoo convert SRC DST) or as --output DST")
+    return args.dst if args.dst is not None else args.output
