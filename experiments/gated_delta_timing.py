@@ -1,6 +1,7 @@
 """The gated delta rule's Triton path on a GPU: fwd and fwd + bwd medians at T = 1k / 8k / 32k (32k tokens, H = 16,
 D = 128, bf16, unit-norm q and k), the relative error of outputs and gradients against the float64 chunk form, and
-(with PROFILE=1) the per-kernel device time at 8k. Usage: python experiments/gated_delta_timing.py TAG (writes
+(with PROFILE=1) the per-kernel device time at 8k, and (with GVA=1) grouped value heads (32 value heads beside 16
+query/key heads at T = 8k, read in place against repeated q and k). Usage: python experiments/gated_delta_timing.py TAG (writes
 $OUT/gdn_TAG.json, or ./gdn_TAG.json)."""
 import json
 import os
@@ -78,3 +79,28 @@ if os.environ.get("PROFILE"):
     for k, v in top:
         print(tag, f"  {v:.3f} ms  {k[:80]}", flush=True)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"gdn_{tag}.json"), "w"), indent=1)
+
+if os.environ.get("GVA"):
+    # grouped value heads (Qwen3.5's layout, twice as many value heads): H = 16 query/key heads, 32 value heads, T = 8k,
+    # B = 4; read in place against q and k repeated to 32 heads, fwd and fwd + bwd
+    B, T, HV = 4, 8192, 2 * H
+    gen = torch.Generator(device=dev).manual_seed(5)
+    q = F.normalize(torch.randn(B, T, H, D, device=dev, generator=gen), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device=dev, generator=gen), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, D, device=dev, generator=gen).bfloat16()
+    beta = torch.rand(B, T, HV, device=dev, generator=gen)
+    gg = F.logsigmoid(torch.randn(B, T, HV, device=dev, generator=gen) + 4)
+    do = torch.randn(B, T, HV, D, device=dev, dtype=torch.bfloat16)
+    for name, rep in (("grouped", False), ("repeated", True)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, gg, beta)]
+
+        def fwd(leaves=leaves, rep=rep):
+            qq, kk = ((t.repeat_interleave(2, 2) for t in leaves[:2]) if rep else leaves[:2])
+            return ops.gated_delta_rule(qq, kk, *leaves[2:], use_qk_l2norm=False, backend="triton")[0]
+
+        f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+        fb = triton.testing.do_bench(lambda: torch.autograd.grad(fwd(), leaves, do), warmup=25, rep=100,
+                                     return_mode="median")
+        out[f"gva_{name}"] = {"fwd": f, "fwdbwd": fb}
+        print(tag, f"HV = 2H, T 8192, {name}: fwd {f:.3f} fwd+bwd {fb:.3f}", flush=True)
+    json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"gdn_{tag}.json"), "w"), indent=1)
