@@ -56,7 +56,8 @@ def export_once():
 
     patch = pytest.MonkeyPatch()
     memo = functools.cache(export.exported_sources)
-    patch.setattr(export, "exported_sources", lambda names=(): dict(memo(tuple(names))))
+    patch.setattr(export, "exported_sources", lambda names=(), entries=tuple(export.LANGUAGE_ENTRIES):
+                  dict(memo(tuple(names), tuple(entries))))
     yield
     patch.undo()
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 import transformers
 from conftest import ALL_MODELS, tiny_model
+from export_helpers import OTHER_PYTHON, run_script
 from transformers import AutoModelForCausalLM
 
+from lazoo.data.tokenizer import train_tokenizer
 from lazoo.models import MODEL_CLASSES
 from lazoo.models.card import load_template, render_model_card, write_model_card
 from lazoo.models.export import NO_TRITON_REASON, exported_sources
@@ -26,71 +26,57 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 PROMPT = [[5, 17, 42, 8, 99, 23, 4], [0, 0, 0, 61, 7, 30, 12]]  # the second row left-padded
 NEW_TOKENS = 8
 
-# Runs in a fresh interpreter: loads every folder with trust_remote_code, generates greedily, prints JSON.
-# argv: mode ("clean": lazoo importable but never imported; "hidden": lazoo cannot be imported), folders...
-LOADER = textwrap.dedent('''
-    import json, sys
-    if sys.argv[1] == "hidden":
-        import importlib.abc
+#: a text for the tokenizers saved next to some of the models
+TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
+#: the folders that get a tokenizer (as `lazoo train` saves one next to the model)
+WITH_TOKENIZER = ("vla", "hybrid")
 
-        class HideLazoo(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "lazoo" or name.startswith("lazoo."):
-                    raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
-                return None
+# Runs in a fresh interpreter: loads every folder with trust_remote_code and generates greedily; loads a tokenizer
+# saved in the folder with AutoTokenizer (trust_remote_code) and with its own class (no flag needed).
+# argv: mode ("clean": lazoo importable but never imported; "hidden": lazoo cannot be imported), prompt, text,
+# folders...
+LOADER = '''
+    import os
 
-        sys.meta_path.insert(0, HideLazoo())
-        try:
-            import lazoo  # noqa: F401
-        except ModuleNotFoundError:
-            pass
-        else:
-            raise SystemExit("lazoo is still importable")
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     torch.set_num_threads(1)
     prompt = torch.tensor(json.loads(sys.argv[2]))
+    text = sys.argv[3]
     mask = (prompt != 0).long()
     results = {}
-    for folder in sys.argv[3:]:
+    for folder in sys.argv[4:]:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
         with torch.no_grad():
             logits = model(prompt, attention_mask=mask).logits
             tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False)
         results[folder] = {"module": type(model).__module__, "config_module": type(model.config).__module__,
                            "tokens": tokens.tolist(), "logits": logits.tolist()}
-        if sys.argv[1] == "hidden" and folder == sys.argv[3]:  # re-save the loaded model, load that again
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            tokenizers = {"auto": AutoTokenizer.from_pretrained(folder, trust_remote_code=True),
+                          "own_class": PreTrainedTokenizerFast.from_pretrained(folder)}
+            results[folder]["tokenizer"] = {
+                name: {"ids": tok(text).input_ids, "decoded": tok.decode(tok(text).input_ids),
+                       "special": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id], "side": tok.padding_side}
+                for name, tok in tokenizers.items()}
+        if sys.argv[1] == "hidden" and folder == sys.argv[4]:  # re-save the loaded model, load that again
             model.save_pretrained(folder + "-resaved")
             again = AutoModelForCausalLM.from_pretrained(folder + "-resaved", trust_remote_code=True).eval()
             with torch.no_grad():
                 results[folder]["resaved_tokens"] = again.generate(
                     prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False).tolist()
-    results["lazoo_imported"] = sorted(m for m in sys.modules if m == "lazoo" or m.startswith("lazoo."))
-    import transformers
-    results["transformers"] = transformers.__version__
-    print("RESULT" + json.dumps(results))
-''' % (NEW_TOKENS, NEW_TOKENS))
-
-
-#: another virtualenv's python (scripts/test_range.sh sets it to the other end of the supported range)
-OTHER_PYTHON = os.environ.get("LAZOO_OTHER_PYTHON")
+''' % (NEW_TOKENS, NEW_TOKENS)
 
 
 def run_loader(mode: str, folders: list[str], tmp_path, python: str = sys.executable) -> dict:
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONNOUSERSITE="1",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([python, "-c", LOADER, mode, json.dumps(PROMPT), *folders], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return run_script(LOADER, mode, [json.dumps(PROMPT), TEXT, *folders], tmp_path, python=python)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Every model saved with save_pretrained, with its in-process greedy generation and logits."""
+    """Every model saved with save_pretrained, with its in-process greedy generation and logits; a tokenizer saved
+    next to the models of `WITH_TOKENIZER` (`saved["tokenizer"]`)."""
     root = tmp_path_factory.mktemp("export")
     prompt = torch.tensor(PROMPT)
     mask = (prompt != 0).long()
@@ -103,12 +89,19 @@ def saved(tmp_path_factory):
             logits = model(prompt, attention_mask=mask).logits
             tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
         out[name] = (str(folder), tokens.tolist(), logits, model)
+    tokenizer = train_tokenizer([TEXT] * 4, vocab_size=300)
+    for name in WITH_TOKENIZER:
+        tokenizer.save_pretrained(out[name][0])
+    out["tokenizer"] = tokenizer
     return out
 
 
 def check_results(results, saved, names, mode):
     assert results.pop("lazoo_imported") == [], f"{mode}: lazoo was imported"
     results.pop("transformers")
+    tokenizer = saved["tokenizer"]
+    expected_tokenizer = {"ids": tokenizer(TEXT).input_ids, "decoded": TEXT, "side": "right",
+                          "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]}
     for name in names:
         folder, tokens, logits, _ = saved[name]
         got = results[folder]
@@ -116,10 +109,14 @@ def check_results(results, saved, names, mode):
         assert got["config_module"].startswith("transformers_modules."), got["config_module"]
         assert got["tokens"] == tokens, f"{mode} {name}: the exported model generates other tokens"
         torch.testing.assert_close(torch.tensor(got["logits"]), logits, rtol=1e-5, atol=1e-5)
+        if name in WITH_TOKENIZER:
+            assert got["tokenizer"] == {"auto": expected_tokenizer, "own_class": expected_tokenizer}, (
+                f"{mode} {name}: the saved tokenizer loads as another tokenizer")
 
 
 def test_save_pretrained_writes_the_auto_map_and_the_code(saved):
-    for name, (folder, _, _, model) in saved.items():
+    for name in ALL_MODELS:
+        folder, _, _, model = saved[name]
         config = json.loads(open(os.path.join(folder, "config.json")).read())
         config_cls, base_cls, lm_cls = MODEL_CLASSES[config["model_type"]]
         assert config["model_type"] == model.config.model_type
@@ -184,13 +181,17 @@ def test_a_folder_saved_here_loads_on_the_other_end_of_the_range(saved, tmp_path
 
 # ----------------------------------------------------------------------------- model cards
 def test_save_pretrained_writes_a_filled_model_card(saved):
-    for name, (folder, _, _, model) in saved.items():
+    for name in ALL_MODELS:
+        folder, _, _, model = saved[name]
         card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
         assert "{{" not in card and "}}" not in card, f"{name}: unfilled placeholders"
         for mechanism in dict.fromkeys(model.config.layer_types):
             assert f"`{mechanism}`" in card
         assert model.config.model_type in card and "trust_remote_code=True" in card
         assert f"{model.num_parameters():,}" in card
+        # the tokenizer's loading calls, as the loader above runs them where lazoo cannot be imported
+        assert f'AutoTokenizer.from_pretrained("{folder}", trust_remote_code=True)' in card
+        assert f'PreTrainedTokenizerFast.from_pretrained("{folder}")' in card
 
 
 def test_an_existing_readme_is_kept_and_write_model_card_fills_metrics(tmp_path):

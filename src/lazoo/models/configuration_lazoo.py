@@ -10,15 +10,15 @@ registered after import gets one derived here (`derive_config_class`).
 
 from __future__ import annotations
 
-import math
 import sys
-from numbers import Integral, Real
 from typing import Any
 
 from transformers import PreTrainedConfig
 
 from ..layers.mixers import check_mixer_kwargs, mixer_class
 from ..registry import Mechanism, mechanisms, on_register
+from .field_checks import check_int, check_number, is_int
+from .saving import ExportsCode
 
 
 #: the format of a saved config, written as `lazoo_format`. A config that `save_pretrained` wrote without the field
@@ -32,29 +32,6 @@ DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
 
 MEMORY_LOBE_MODES = (None, "causal", "bidirectional")
 MOE_BIAS_MODES = (None, "eq14", "eq15")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_int(field: str, value, minimum: int = 1, allow_none: bool = False, note: str = "") -> None:
-    """`value` is an int >= `minimum` (or None when `allow_none`), else a ValueError naming `field`."""
-    if (allow_none and value is None) or (_is_int(value) and value >= minimum):
-        return
-    allowed = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    raise ValueError(f"{field} must be {allowed}{' or None' if allow_none else ''}{note}, got {value!r}")
-
-
-def check_number(field: str, value, *, positive: bool) -> None:
-    """`value` is a finite real number, > 0 when `positive` (else >= 0), else a ValueError naming `field`."""
-    if _is_number(value) and (value > 0 if positive else value >= 0):
-        return
-    raise ValueError(f"{field} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 def check_sizes(config) -> None:
@@ -130,7 +107,7 @@ def check_decoder_options(config) -> None:
 def _defaults_before(saved_format, layer_types) -> dict[str, dict[str, Any]]:
     """`{mechanism: {option: old value}}` for the mechanisms of `layer_types` whose defaults changed after
     `saved_format` (each mixer's `defaults_before`); empty for a config of the current format."""
-    if not _is_int(saved_format) or saved_format >= CONFIG_FORMAT or not isinstance(layer_types, (list, tuple)):
+    if not is_int(saved_format) or saved_format >= CONFIG_FORMAT or not isinstance(layer_types, (list, tuple)):
         return {}
     old: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(layer_types):
@@ -200,7 +177,7 @@ def _standard_config_fields() -> set[str]:
 _STANDARD_FIELDS: set[str] | None = None
 
 
-class LazooConfig(PreTrainedConfig):
+class LazooConfig(ExportsCode, PreTrainedConfig):
     model_type = "lazoo_hybrid"
     #: the primary mechanism (None for hybrids with no primary mechanism); no annotation on purpose:
     #: transformers turns annotated config attributes into dataclass fields
@@ -253,9 +230,9 @@ class LazooConfig(PreTrainedConfig):
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.intermediate_size = intermediate_size
-        if intermediate_size is None and _is_int(hidden_size):
+        if intermediate_size is None and is_int(hidden_size):
             self.intermediate_size = 4 * hidden_size
-        if layer_types is None and _is_int(num_hidden_layers):
+        if layer_types is None and is_int(num_hidden_layers):
             # a hybrid with no layer list is the sliding-window/VLA hybrid of the demo (transformers builds
             # default configs with no arguments, e.g. to find the non-default fields when saving)
             pattern = [self.mechanism] if self.mechanism is not None else list(DEFAULT_HYBRID_PATTERN)
@@ -315,22 +292,6 @@ class LazooConfig(PreTrainedConfig):
     def _own_fields(cls) -> dict[str, Any]:
         """The primary mechanism's hyper-parameters that are not already standard config fields."""
         return {k: v for k, v in mixer_class(cls.mechanism).defaults.items() if k != "use_short_conv"}
-
-    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """`PreTrainedConfig.save_pretrained` plus the `trust_remote_code` export (`lazoo.models.export`):
-        `auto_map` (AutoConfig, AutoModel, AutoModelForCausalLM; also kept on this config, as transformers'
-        `register_for_auto_class` does) and a flat copy of the model code next to config.json, so the folder
-        loads where lazoo is not installed. A model's `save_pretrained` (and so `push_to_hub`) saves its
-        config through this method."""
-        try:
-            from .export import auto_map_for, export_remote_code
-        except ImportError:  # the exported copy itself: transformers' remote-code saving copies its files
-            return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
-        auto_map = auto_map_for(self)
-        if auto_map is not None:  # None: not one of lazoo's model types (a user's subclass), saved as is
-            self.auto_map = {**(getattr(self, "auto_map", None) or {}), **auto_map}
-            export_remote_code(save_directory, mechanism_names=self.layer_types)
-        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     def mixer_options(self, name: str) -> dict[str, Any]:
         """Resolved hyper-parameters for mechanism `name`: its defaults, then the typed fields (if `name` is

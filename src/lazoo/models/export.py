@@ -1,12 +1,19 @@
 """`trust_remote_code` export: a flat, self-contained copy of lazoo's model code next to the weights.
 
-`LazooConfig.save_pretrained` (which a model's `save_pretrained` calls) sets `config.auto_map` from
-`auto_map_for(config)` and calls `export_remote_code(folder)`, so every saved lazoo model (and
-`push_to_hub`, which saves through `save_pretrained`) loads with
+The `save_pretrained` of lazoo's configs (which a model's `save_pretrained` calls) and of its image processor call
+`export_for_save(obj, folder)`: it sets the object's `auto_map` (`auto_map_for`) and writes the code the saved
+folder needs (`export_remote_code`), so every saved lazoo model or processor (and `push_to_hub`, which saves through
+`save_pretrained`) loads with
 
-    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)          # a language model
+    AutoModelForObjectDetection / AutoModelForImageClassification / AutoModel    # a YOLO-LAT model
+    AutoImageProcessor.from_pretrained(folder, trust_remote_code=True)            # its image processor
 
-in a process that never imports lazoo, or where lazoo is not installed at all.
+in a process that never imports lazoo, or where lazoo is not installed at all (a YOLO-LAT folder's `auto_map` names
+AutoBackbone too, which transformers 5.17-5.24 follow only for a Hub repo: on a local path `AutoBackbone` asks the Hub
+whether it is a repo before reading anything, and fails). Each kind of folder carries the
+closure of its own entry modules (`LANGUAGE_ENTRIES`, `VISION_MODEL_ENTRIES`, `VISION_PROCESSOR_ENTRIES`); a
+model and its processor saved into one folder carry both.
 
 transformers copies the module named in `config.json`'s `auto_map` and, recursively, the modules it
 imports relatively (`from .x import y`, a plain file `x.py` in the same folder; packages and subfolders
@@ -15,6 +22,7 @@ needs, read from the installed sources at save time (so later edits of the ops a
 
     configuration_lazoo.py, modeling_lazoo.py     lazoo/models/*.py (the names in `auto_map`)
     configuration_mechanisms.py, modeling_mechanisms.py
+    configuration_yolo_lat.py, modeling_yolo_lat.py, image_processing_yolo_lat.py   lazoo/vision/*.py
     lazoo_models_cache.py                         lazoo/models/cache.py
     lazoo_layers_mixers.py, lazoo_layers_mixers_vla.py, ...
     lazoo_ops.py, lazoo_ops_backend.py, lazoo_ops_delta.py, ...
@@ -49,12 +57,18 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lazoo"
 
-#: the modules whose classes `auto_map` names (the hybrid's, and every mechanism's); they keep their names in the
-#: exported folder
-ENTRY_MODULES = {"lazoo.models.configuration_lazoo": "configuration_lazoo",
-                 "lazoo.models.modeling_lazoo": "modeling_lazoo",
-                 "lazoo.models.configuration_mechanisms": "configuration_mechanisms",
-                 "lazoo.models.modeling_mechanisms": "modeling_mechanisms"}
+#: the modules whose classes a language model's `auto_map` names (the hybrid's, and every mechanism's); they keep
+#: their names in the exported folder
+LANGUAGE_ENTRIES = {"lazoo.models.configuration_lazoo": "configuration_lazoo",
+                    "lazoo.models.modeling_lazoo": "modeling_lazoo",
+                    "lazoo.models.configuration_mechanisms": "configuration_mechanisms",
+                    "lazoo.models.modeling_mechanisms": "modeling_mechanisms"}
+#: those of a YOLO-LAT model's `auto_map` (config.json), and of its image processor's (preprocessor_config.json)
+VISION_MODEL_ENTRIES = {"lazoo.vision.configuration_yolo_lat": "configuration_yolo_lat",
+                        "lazoo.vision.modeling_yolo_lat": "modeling_yolo_lat"}
+VISION_PROCESSOR_ENTRIES = {"lazoo.vision.image_processing_yolo_lat": "image_processing_yolo_lat"}
+#: every entry module and its exported name
+ENTRY_MODULES = {**LANGUAGE_ENTRIES, **VISION_MODEL_ENTRIES, **VISION_PROCESSOR_ENTRIES}
 #: modules never exported (their imports raise ImportError in the exported copy): the Triton kernels, and
 #: the export and card writers themselves (a model loaded from the folder is re-saved by transformers' own
 #: `trust_remote_code` machinery, which copies these flat files)
@@ -257,19 +271,23 @@ def _extension_modules(mechanism_names) -> dict[str, Path]:
     return found
 
 
-def exported_sources(mechanism_names=()) -> dict[str, str]:
-    """`{file name: text}` of the flat modules the model classes need (the closure of their imports), with the
-    modules outside lazoo that declare any of `mechanism_names` (a saved model's `layer_types`)."""
+def exported_sources(mechanism_names=(), entries=tuple(LANGUAGE_ENTRIES)) -> dict[str, str]:
+    """`{file name: text}` of the flat modules that the classes of the entry modules `entries` (default: a language
+    model's) need (the closure of their imports), with the modules outside lazoo that declare any of
+    `mechanism_names` (a saved language model's `layer_types`)."""
     global _extensions
     _extensions = _extension_modules(mechanism_names)
     try:
-        return _exported_sources()
+        return _exported_sources(entries)
     finally:
         _extensions = {}
 
 
-def _exported_sources() -> dict[str, str]:
-    files, todo, seen = {}, list(ENTRY_MODULES), set()
+def _exported_sources(entries) -> dict[str, str]:
+    unknown = [m for m in entries if m not in ENTRY_MODULES]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not an entry module of the export ({', '.join(ENTRY_MODULES)})")
+    files, todo, seen = {}, list(entries), set()
     while todo:
         module = todo.pop()
         if module in seen:
@@ -310,11 +328,31 @@ def _is_lazoos(cls: type, model_type: str, suffix: str) -> bool:
     return prefix is not None and cls.__name__ == prefix + suffix and cls.__module__ in ENTRY_MODULES
 
 
-def auto_map_for(config) -> dict[str, str] | None:
-    """The `auto_map` of a lazoo config: AutoConfig, AutoModel and AutoModelForCausalLM classes (None for a
-    config of another class, e.g. a user's subclass: it is saved without the export)."""
-    cls = config.__class__
-    if not _is_lazoos(cls, config.model_type, "Config"):
+#: a YOLO-LAT folder's Auto classes beside AutoConfig: Auto class -> class of modeling_yolo_lat (a detector's or a
+#: classifier's folder loads its backbone through AutoBackbone too: the weights of all three are under `encoder.`)
+VISION_AUTO_CLASSES = {"AutoBackbone": "YoloLatBackbone", "AutoModel": "YoloLatBackbone",
+                       "AutoModelForObjectDetection": "YoloLatForObjectDetection",
+                       "AutoModelForImageClassification": "YoloLatForImageClassification"}
+
+
+def _is_entry_class(cls: type, name: str, entries: dict[str, str]) -> bool:
+    """Whether `cls` is the class `name` of one of `entries` (not a user's subclass of it)."""
+    return cls.__name__ == name and cls.__module__ in entries
+
+
+def auto_map_for(obj) -> dict[str, str] | None:
+    """The `auto_map` of a lazoo config or image processor: a language model's AutoConfig, AutoModel and
+    AutoModelForCausalLM classes; a YOLO-LAT model's AutoConfig and `VISION_AUTO_CLASSES`; a YOLO-LAT image
+    processor's AutoImageProcessor. None for an object of another class, e.g. a user's subclass: it is saved
+    without the export."""
+    cls = obj.__class__
+    if _is_entry_class(cls, "YoloLatImageProcessor", VISION_PROCESSOR_ENTRIES):
+        return {"AutoImageProcessor": f"{ENTRY_MODULES[cls.__module__]}.{cls.__name__}"}
+    if _is_entry_class(cls, "YoloLatConfig", VISION_MODEL_ENTRIES):
+        modeling = VISION_MODEL_ENTRIES["lazoo.vision.modeling_yolo_lat"]
+        return {"AutoConfig": f"{ENTRY_MODULES[cls.__module__]}.{cls.__name__}",
+                **{auto: f"{modeling}.{name}" for auto, name in VISION_AUTO_CLASSES.items()}}
+    if not _is_lazoos(cls, getattr(obj, "model_type", None), "Config"):
         return None
     prefix, module = cls.__name__.removesuffix("Config"), ENTRY_MODULES[cls.__module__]
     modeling = MODELING_MODULES[module]
@@ -353,26 +391,51 @@ def is_exported_file(path: str | os.PathLike) -> bool:
 
 def foreign_code_files(folder: str | os.PathLike, names=None) -> list[Path]:
     """The files in `folder` that the export would overwrite but did not write (a user's own
-    `modeling_lazoo.py`, say). `names`: the exported file names (default: `exported_sources()`'s, without
-    extension modules)."""
+    `modeling_lazoo.py`, say). `names`: the exported file names (default: `exported_sources()`'s, a language
+    model's without extension modules)."""
     folder = Path(folder)
     names = sorted(exported_sources()) if names is None else names
     return [folder / n for n in names if (folder / n).exists() and not is_exported_file(folder / n)]
 
 
-def export_remote_code(folder: str | os.PathLike, config=None, mechanism_names=None) -> list[Path]:
+def entries_for(obj) -> tuple[str, ...] | None:
+    """The entry modules whose code a saved lazoo config (a model's) or image processor needs, or None for an
+    object the export does not handle (see `auto_map_for`)."""
+    if auto_map_for(obj) is None:
+        return None
+    module = obj.__class__.__module__
+    return next(tuple(entries) for entries in (LANGUAGE_ENTRIES, VISION_MODEL_ENTRIES, VISION_PROCESSOR_ENTRIES)
+                if module in entries)
+
+
+def export_for_save(obj, save_directory: str | os.PathLike) -> None:
+    """Before lazoo config or image processor `obj` is saved into `save_directory`: set its `auto_map` (merged into
+    one it has, as transformers' `register_for_auto_class` keeps it on the object) and write the code the folder
+    needs (`export_remote_code`). Nothing for an object of another class (a user's subclass is saved as is)."""
+    auto_map = auto_map_for(obj)
+    if auto_map is None:
+        return
+    obj.auto_map = {**(getattr(obj, "auto_map", None) or {}), **auto_map}
+    export_remote_code(save_directory, mechanism_names=getattr(obj, "layer_types", None) or (),
+                       entries=entries_for(obj))
+
+
+def export_remote_code(folder: str | os.PathLike, config=None, mechanism_names=None, entries=None) -> list[Path]:
     """Write the flat code modules into `folder`; given a config, also merge its `auto_map` into an existing
     `folder/config.json` (for a folder saved without it). Returns the files written.
 
     `mechanism_names` (default: the config's `layer_types`): the mechanisms the saved model uses; those declared
-    outside lazoo have their modules exported too.
+    outside lazoo have their modules exported too. `entries`: the entry modules (default: the config's, else a
+    language model's, `LANGUAGE_ENTRIES`).
 
     Raises FileExistsError, before writing anything, if `folder` holds a file of an exported name that the
     export did not write (no `EXPORT_HEADER`): the user's file is never overwritten."""
     folder = Path(folder)
     if mechanism_names is None and config is not None:
-        mechanism_names = config.layer_types
-    sources = exported_sources(mechanism_names)
+        mechanism_names = getattr(config, "layer_types", None) or ()
+    if entries is None:
+        entries = (entries_for(config) if config is not None else None) or tuple(LANGUAGE_ENTRIES)
+    sources = exported_sources(mechanism_names, entries=tuple(entries))
     foreign = foreign_code_files(folder, sources)
     if foreign:
         raise FileExistsError(

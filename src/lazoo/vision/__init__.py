@@ -17,8 +17,9 @@ def register_vision_auto_classes() -> None:
     """Make `lazoo_yolo_lat` loadable through AutoConfig, AutoBackbone, AutoModel (the backbone),
     AutoModelForObjectDetection, AutoModelForImageClassification and AutoImageProcessor.
 
-    AutoBackbone.from_pretrained of a local folder asks the Hub whether the path is a repo (transformers
-    5.23) and fails offline: load a saved backbone with AutoModel or YoloLatBackbone.from_pretrained."""
+    AutoBackbone.from_pretrained of a local folder asks the Hub whether the path is a repo before reading it
+    (transformers 5.17-5.24) and fails: load a saved backbone with AutoModel or YoloLatBackbone.from_pretrained.
+    Saved folders also load without lazoo, with trust_remote_code=True (`lazoo.models.export`)."""
     AutoConfig.register(YoloLatConfig.model_type, YoloLatConfig, exist_ok=True)
     AutoBackbone.register(YoloLatConfig, YoloLatBackbone, exist_ok=True)
     AutoModel.register(YoloLatConfig, YoloLatBackbone, exist_ok=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-from ..models.configuration_lazoo import check_int, check_number
+from ..models.field_checks import check_int, check_number
+from ..models.saving import ExportsCode
 
 try:
     from transformers.backbone_utils import BackboneConfigMixin
@@ -40,7 +41,7 @@ def _int_list(field: str, values, length: int, minimum: int) -> list[int]:
     return list(values)
 
 
-class YoloLatConfig(BackboneConfigMixin, PreTrainedConfig):
+class YoloLatConfig(ExportsCode, BackboneConfigMixin, PreTrainedConfig):
     model_type = "lazoo_yolo_lat"
     # Trainer's evaluation loop gathers every output but these (loss_dict holds per-batch scalars)
     keys_to_ignore_at_inference = ["loss_dict", "hidden_states"]

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 
-from ..models.configuration_lazoo import check_int, check_number
+from ..models.field_checks import check_int, check_number
+from ..models.saving import ExportsCode
 from .box_ops import batched_nms, cxcywh_to_xyxy, xyxy_to_cxcywh
 
 
@@ -72,7 +73,7 @@ def reject_unknown_kwargs(where: str, kwargs: dict) -> None:
     raise TypeError(f"{where} got unknown keyword argument(s) {sorted(kwargs)}" + (f" ({hints})" if hints else ""))
 
 
-class YoloLatImageProcessor(BaseImageProcessor):
+class YoloLatImageProcessor(ExportsCode, BaseImageProcessor):
     """Letterbox to a square ``image_size`` input (see the module docstring). The parameters are this
     class's own: an unknown keyword argument raises a TypeError, including transformers' usual ``size``
     (not mapped to ``image_size``, since other processors give it as a dict of height/width or edge
