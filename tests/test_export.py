@@ -179,6 +179,22 @@ def test_a_folder_saved_here_loads_on_the_other_end_of_the_range(saved, tmp_path
     check_results(results, saved, ALL_MODELS, f"transformers {results['transformers']}")
 
 
+def test_a_folder_saved_after_training_says_use_cache_true(tmp_path):
+    """transformers' Trainer sets `config.use_cache = False` (TrainingArguments.use_cache) for training; the folder
+    saved afterwards still says True, what generate wants; a config made with use_cache=False saves False."""
+    from transformers import AutoConfig, Trainer, TrainingArguments
+
+    model = tiny_model("gated_delta_net")
+    Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True))
+    assert model.config.use_cache is False  # Trainer's switch, for the length of the run
+    model.save_pretrained(tmp_path / "trained")
+    assert json.loads((tmp_path / "trained" / "config.json").read_text())["use_cache"] is True
+    assert AutoConfig.from_pretrained(tmp_path / "trained").use_cache is True
+    tiny_model("gated_delta_net", use_cache=False).save_pretrained(tmp_path / "off")
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["use_cache"] is False
+    assert AutoConfig.from_pretrained(tmp_path / "off").use_cache is False
+
+
 # ----------------------------------------------------------------------------- model cards
 def test_save_pretrained_writes_a_filled_model_card(saved):
     for name in ALL_MODELS:

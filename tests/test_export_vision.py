@@ -1,6 +1,7 @@
 """`trust_remote_code` export of YOLO-LAT folders: a backbone's, a detector's and its image processor's folder carry
 `auto_map` and a flat copy of the vision code, and load with trust_remote_code=True in a process where lazoo cannot
-be imported, with the same outputs (CPU, fp32, tiny models)."""
+be imported, with the same outputs (CPU, fp32, tiny models). Also: no `use_cache` in a config saved after
+training."""
 
 from __future__ import annotations
 
@@ -220,3 +221,16 @@ def test_a_vision_folder_saved_here_loads_on_the_other_end_of_the_range(saved, t
     results = run_loader("hidden", saved, tmp_path, python=OTHER_PYTHON)
     assert results["transformers"] != transformers.__version__, "the other python has the same transformers"
     check_results(results, saved, f"transformers {results['transformers']}")
+
+
+def test_a_vision_config_saved_after_training_has_no_use_cache(tmp_path):
+    """transformers' Trainer sets `config.use_cache = False` for training; a YOLO-LAT model keeps no cache, and its
+    saved config says nothing about one."""
+    from transformers import Trainer, TrainingArguments
+
+    model = YoloLatForObjectDetection(YoloLatConfig(**TINY))
+    Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True,
+                                                remove_unused_columns=False))
+    assert model.config.use_cache is False
+    model.save_pretrained(tmp_path / "trained")
+    assert "use_cache" not in json.loads((tmp_path / "trained" / "config.json").read_text())

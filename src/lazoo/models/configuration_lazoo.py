@@ -253,6 +253,9 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.tie_word_embeddings = tie_word_embeddings
         self.use_cache = use_cache
+        # what a saved config says (`to_dict`): the value given here, not a later assignment such as transformers'
+        # Trainer's (`config.use_cache = TrainingArguments.use_cache`, False, for the length of a training run)
+        self._use_cache_given = use_cache
         # decoder options of ELA-GPT (the ELA paper, §V), usable with any mechanism: see lazoo.layers.moe/memory_lobe
         self.hyper_link = bool(hyper_link)
         self.memory_lobe = memory_lobe
@@ -287,6 +290,15 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
             if validator.__name__ != "validate_layer_type":
                 validator(self)
         self.check_fields(self.layer_types)
+
+    def to_dict(self) -> dict[str, Any]:
+        """`PreTrainedConfig.to_dict` (what `save_pretrained` writes), with `use_cache` as this config was made with
+        (default True, what `generate` wants): transformers' Trainer switches `config.use_cache` off for training,
+        and a folder saved after training would otherwise say False. Give `use_cache=False` to the config (or write
+        it in its JSON) to save False."""
+        output = super().to_dict()
+        output["use_cache"] = output.pop("_use_cache_given", self.use_cache)
+        return output
 
     @classmethod
     def _own_fields(cls) -> dict[str, Any]:

@@ -147,6 +147,13 @@ class YoloLatConfig(ExportsCode, BackboneConfigMixin, PreTrainedConfig):
         self.check_fields()
         self.check_num_labels()
 
+    def to_dict(self) -> dict:
+        """`PreTrainedConfig.to_dict` (what `save_pretrained` writes) without `use_cache`: a YOLO-LAT model keeps no
+        cache, and the False that transformers' Trainer assigns for training would otherwise be saved."""
+        output = super().to_dict()
+        output.pop("use_cache", None)
+        return output
+
     @property
     def strides(self) -> list[int]:
         """Stride of each stage in ``stage_names``."""
