@@ -1,7 +1,7 @@
 """`trust_remote_code` export of YOLO-LAT folders: a backbone's, a detector's and its image processor's folder carry
 `auto_map` and a flat copy of the vision code, and load with trust_remote_code=True in a process where lazoo cannot
-be imported, with the same outputs (CPU, fp32, tiny models). Also: no `use_cache` in a config saved after
-training."""
+be imported, with the same outputs (CPU, fp32, tiny models). Also: the image processor of a ready config
+(`configs/yolo-lat-*.json`), and no `use_cache` in a config saved after training."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from lazoo.models.export import VISION_MODEL_ENTRIES, VISION_PROCESSOR_ENTRIES, 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(widths=(8, 16, 32, 64, 64), depths=(1, 1, 1, 1), attention_heads=2, image_size=64, num_labels=3)
 #: the models saved: the two variants, and the lat variant with ELA attention in every 3x3 convolution
 VARIANTS = {"lat": dict(variant="lat"), "ela_all": dict(variant="lat", attention="ela", lat_scope="all"),
@@ -221,6 +222,28 @@ def test_a_vision_folder_saved_here_loads_on_the_other_end_of_the_range(saved, t
     results = run_loader("hidden", saved, tmp_path, python=OTHER_PYTHON)
     assert results["transformers"] != transformers.__version__, "the other python has the same transformers"
     check_results(results, saved, f"transformers {results['transformers']}")
+
+
+# ----------------------------------------------------------------------------- the ready configs' image processor
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("yolo-lat-*.json")), ids=lambda p: p.name)
+def test_the_image_processor_of_a_ready_config(path, tmp_path):
+    """`AutoImageProcessor.from_pretrained` (and `YoloLatImageProcessor.from_pretrained`) of a model config file
+    give the processor of that model: the defaults with the config's image_size."""
+    from transformers import AutoImageProcessor
+
+    size = json.loads(path.read_text()).get("image_size", YoloLatConfig().image_size)
+    processor = YoloLatImageProcessor.from_pretrained(str(path))
+    assert processor.to_dict() == YoloLatImageProcessor(image_size=size).to_dict()
+    try:
+        auto = AutoImageProcessor.from_pretrained(str(path))
+    except ImportError as err:  # transformers 5.17 without torchvision: AutoImageProcessor is a placeholder
+        assert "Torchvision" in str(err)
+    else:
+        assert type(auto) is YoloLatImageProcessor and auto.to_dict() == processor.to_dict()
+    # another image size in the config gives it to the processor
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps({**json.loads(path.read_text()), "image_size": 96}))
+    assert YoloLatImageProcessor.from_pretrained(str(other)).image_size == 96
 
 
 def test_a_vision_config_saved_after_training_has_no_use_cache(tmp_path):

@@ -16,6 +16,7 @@ from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from ..models.field_checks import check_int, check_number
 from ..models.saving import ExportsCode
 from .box_ops import batched_nms, cxcywh_to_xyxy, xyxy_to_cxcywh
+from .configuration_yolo_lat import YoloLatConfig
 
 
 def letterbox_geometry(height: int, width: int, size: int) -> tuple[float, int, int, int, int]:
@@ -113,6 +114,16 @@ class YoloLatImageProcessor(ExportsCode, BaseImageProcessor):
                 raise ValueError(f"{field} must hold 3 numbers (one per RGB channel), got {values!r}")
             for value in values:
                 check_number(f"every entry of {field}", value, positive=field == "image_std")
+
+    @classmethod
+    def from_dict(cls, image_processor_dict: dict, **kwargs):
+        """transformers' `from_dict`; a YOLO-LAT model config (`model_type` "lazoo_yolo_lat", e.g. one of lazoo's
+        `configs/yolo-lat-*.json` given to `AutoImageProcessor.from_pretrained` or to `from_pretrained`) gives the
+        processor of that model: the default parameters with the config's `image_size`."""
+        if image_processor_dict.get("model_type") == YoloLatConfig.model_type:
+            size = image_processor_dict.get("image_size")
+            image_processor_dict = {} if size is None else {"image_size": size}
+        return super().from_dict(image_processor_dict, **kwargs)
 
     # ------------------------------------------------------------------------ preprocessing
     def __call__(self, images, annotations=None, return_tensors="pt", **kwargs) -> BatchFeature:
