@@ -13,9 +13,10 @@ ENDS="${1:-both}"
 [ $# -gt 0 ] && shift
 [ "$ENDS" = both ] && ENDS="oldest newest"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-TESTS=(tests/test_compat.py tests/test_models.py tests/test_export.py tests/test_peft.py tests/test_trainer.py
-       tests/test_seqcls.py tests/test_eval.py tests/test_vision_models.py tests/test_export_vision.py
-       tests/test_optional_deps.py tests/test_static_cache.py)
+TESTS=(tests/models/test_compat.py tests/models/test_models.py tests/models/test_seqcls.py
+       tests/models/test_static_cache.py tests/integration/test_export.py tests/integration/test_peft.py
+       tests/integration/test_trainer.py tests/integration/test_export_vision.py tests/eval/test_eval.py
+       tests/vision/test_vision_models.py tests/test_optional_deps.py)
 
 setup() {  # setup END: create or update .venv-END, print its versions
   (
@@ -48,8 +49,8 @@ if [ "$ENDS" = "oldest newest" ]; then  # a folder saved on one end, loaded on t
   for pair in "oldest newest" "newest oldest"; do
     set -- $pair
     echo "[lazoo] saved with the $1 end's transformers, loaded with the $2 end's"
-    LAZOO_OTHER_PYTHON="$ROOT/.venv-$2/bin/python" ".venv-$1/bin/python" -m pytest -q tests/test_export.py \
-      tests/test_export_vision.py -k other_end || status=1
+    LAZOO_OTHER_PYTHON="$ROOT/.venv-$2/bin/python" ".venv-$1/bin/python" -m pytest -q tests/integration/test_export.py \
+      tests/integration/test_export_vision.py -k other_end || status=1
   done
 fi
 exit $status

@@ -1,6 +1,6 @@
-"""Helpers of the tests that give `lazoo convert` untrusted folders (tests/test_convert_untrusted.py,
-tests/test_convert_fuzz.py): fla folders to break (written as tests/test_convert_fla.py writes them), raw
-safetensors editing, files outside the source folder that no conversion may read, and the check every conversion
+"""Helpers of the tests that give `lazoo convert` untrusted folders (tests/convert/test_convert_untrusted.py,
+tests/convert/test_convert_fuzz.py): fla folders to break (written as tests/convert/test_convert_fla.py writes
+them), raw safetensors editing, files outside the source folder that no conversion may read, and the check every conversion
 must pass: exit status 0 with a complete folder that loads with finite weights, or status 2 with one error line and
 the destination as it was, no staging folder left beside it."""
 
@@ -26,7 +26,7 @@ SECRET = b"a file outside the checkpoint folder\n"
 
 
 def fla_folder(folder: Path, case: str = "gla", shards: int = 1, seed: int = 0) -> Path:
-    """A float32 fla checkpoint folder of tests/test_convert_fla.py's `case`."""
+    """A float32 fla checkpoint folder of tests/convert/test_convert_fla.py's `case`."""
     cfg = fla_config(case)
     write_fla_folder(folder, cfg, random_fla_checkpoint(cfg, seed=seed, dtype=torch.float32), shards=shards)
     return folder

@@ -38,7 +38,7 @@ class InterpreterRun:
 
     def results(self) -> dict[str, list[tuple[str, str, str]]]:
         """``{module: [(test, outcome, message)]}`` once the run has ended (outcome: passed, failed, error,
-        skipped); module is the test file's dotted path, e.g. ``tests.test_kernels_linear``."""
+        skipped); module is the test file's dotted path, e.g. ``tests.kernels.test_kernels_linear``."""
         import subprocess
         import xml.etree.ElementTree as ET
 

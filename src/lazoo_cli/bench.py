@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 #: the ~125M model of the training and generation benchmarks (config fields; `lazoo.bench.models`)
 MODEL_SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
                    vocab_size=32000)
-#: `lazoo.bench.generate.DTYPES`' names (tests/test_bench_cli.py checks it)
+#: `lazoo.bench.generate.DTYPES`' names (tests/bench/test_bench_package.py checks it)
 GENERATE_DTYPES = ("bfloat16", "float16", "float32")
 GENERATE_MODES = ("eager", "static", "compile")
 

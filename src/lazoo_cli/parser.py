@@ -15,7 +15,7 @@ import sys
 
 from .bench import BENCHMARKS
 
-#: `lazoo.presets.known_layouts()`: the mechanisms, then the hybrid presets (tests/test_cli_surface.py checks it)
+#: `lazoo.presets.known_layouts()`: the mechanisms, then the hybrid presets (tests/cli/test_cli_surface.py checks it)
 LAYOUTS = ("softmax", "sliding_window", "delta_net", "gated_delta_net", "delta_product", "linear", "gated_linear",
            "ela", "gla", "local_linear", "ovq", "vq", "rls", "titans", "ttt_linear", "ttt_mlp", "vla",
            "sw-vla", "sw-gdn", "sw-softmax", "sw-ovq", "sw-nope", "sw-vq", "gdn-ovq")

@@ -5,7 +5,7 @@ changing a declaration (its name, class_prefix, title, options or their docs):
     python -m lazoo.models.generate_classes            # write the two modules
     python -m lazoo.models.generate_classes --check    # exit 1, naming them, when they are stale
 
-`tests/test_generated_classes.py` fails while they are stale. A mechanism registered after import gets the same
+`tests/models/test_generated_classes.py` fails while they are stale. A mechanism registered after import gets the same
 classes derived at run time (`derive_config_class`, `derive_model_classes`).
 """
 

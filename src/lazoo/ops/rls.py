@@ -36,7 +36,7 @@ Backends:
     anti-causal linear attentions). γ < 1 has no Triton path (auto uses the chunk form and says so once).
     γ < 1: the exact per-position solve batched over the chunk: KK_t = γ^{n_t} KK_0 + Σ_{i≤t} γ^{n_t−n_i} k_i k_iᵀ
     (n = real tokens since the chunk start) for all t of the chunk at once, one batched dk×dk solve.
-Both give the closed form at every t to rounding (tests/test_ops_rls.py: 1e-6 relative in float64 is the
+Both give the closed form at every t to rounding (tests/ops/test_ops_rls.py: 1e-6 relative in float64 is the
 stated bound; measured far below it).
 
 Precision (docs/rls.md, "Accuracy for poorly conditioned keys"). The ridge systems KK_t + λI can be very poorly

@@ -22,7 +22,7 @@ from lazoo import cli, runtime
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ["list", "train", "generate", "card", "cards", "convert", "bench", "eval", "demo"]
 #: what `--help` must not import: the model stack takes seconds to import
 HEAVY = ("torch", "transformers", "datasets", "lazoo")

@@ -18,7 +18,7 @@ from packaging.version import Version
 from lazoo.models import LazooCache
 from lazoo.models.compat import CACHE_FIELD
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def test_script_runs_variants_in_worker_processes(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "r.json"
     subprocess.run([sys.executable, str(root / "experiments" / "mqar.py"), "--mechanisms", "vla_fixed_a,vla_signed",
                     "--n-pairs", "4", "--steps", "2", "--batch-size", "4", "--eval-batches", "1",

@@ -1,4 +1,4 @@
-"""Folders saved by lazoo 0.1.0 (tests/data/release_0_1_0, see its README) load with the current code and
+"""Folders saved by lazoo 0.1.0 (tests/fixtures/release_0_1_0, see its README) load with the current code and
 give the logits they gave then."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import lazoo  # noqa: F401  (registers the model types)
 
-RELEASE = Path(__file__).parent / "data" / "release_0_1_0"
+RELEASE = Path(__file__).resolve().parents[1] / "fixtures" / "release_0_1_0"
 EXPECTED = torch.load(RELEASE / "expected_logits.pt")
 FOLDERS = sorted(EXPECTED["logits"])
 

@@ -28,7 +28,7 @@ from lazoo import cli
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--vocab-size", "300"]
 TRAIN = ["train", "--config", "gated_delta_net", "--output", "OUT", "--text", "TEXT", "--steps", "2", "--seq-len",
          "32", "--batch-size", "2", "--eval-blocks", "2", "--threads", "1", "--no-progress", *TINY]

@@ -3,8 +3,8 @@ a precision shortfall that warns with the measured residual, one non-finite samp
 bit-identical, large inputs in fp32/bf16/fp16, and λ ≤ 0 refused at the op boundary.
 
 The Triton path's share (its sampled residual check, the fallback to the float64 chunk form) is in
-tests/test_kernels_rls.py (interpreter). ``python tests/test_rls_robustness.py`` prints the accuracy table of
-docs/rls.md ("Accuracy for poorly conditioned keys").
+tests/kernels/test_kernels_rls.py (interpreter). ``PYTHONPATH=tests python tests/ops/test_rls_robustness.py`` prints
+the accuracy table of docs/rls.md ("Accuracy for poorly conditioned keys").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import lazoo  # noqa: F401  (registers the model types)
 from lazoo.models.card import CARD_MARKER, config_cards, stale_config_cards, write_config_cards
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_card_in_model_cards_is_up_to_date():

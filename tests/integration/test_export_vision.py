@@ -21,7 +21,7 @@ from lazoo.models.export import VISION_MODEL_ENTRIES, VISION_PROCESSOR_ENTRIES, 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(widths=(8, 16, 32, 64, 64), depths=(1, 1, 1, 1), attention_heads=2, image_size=64, num_labels=3)
 #: the models saved: the two variants, and the lat variant with ELA attention in every 3x3 convolution
 VARIANTS = {"lat": dict(variant="lat"), "ela_all": dict(variant="lat", attention="ela", lat_scope="all"),

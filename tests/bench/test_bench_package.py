@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from lazoo_cli.bench import BENCHMARKS, GENERATE_DTYPES, GENERATE_MODES, MODEL_SIZES, bench_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HARNESSES = [*BENCHMARKS, "profile_op", "profile_decode", "kernel_resources"]
 
 

@@ -3,7 +3,7 @@
 Masks: `attention_mask` values other than 0 and 1 (2, 0.5, -1, NaN) once changed the softmax, sliding-window and
 hybrid logits silently (the model passed `mask.bool()` to the layers and `mask.long()` to the positions); a mask of
 0/1 as bool, int or float is accepted and gives the same logits. A cache built for another number of layers was an
-IndexError. Pads at the short convolution: see tests/test_pad_isolation_models.py.
+IndexError. Pads at the short convolution: see tests/models/test_pad_isolation_models.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "peft.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "peft.md"
 
 
 def documented_targets() -> dict[str, list[str]]:

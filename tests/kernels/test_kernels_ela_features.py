@@ -2,7 +2,7 @@
 (``lazoo.ops.ela._poly_parts``): q', k', a, c with pads (c zero there).
 
 CPU (default run): the ``interp_*`` tests run under the Triton interpreter (tests/test_interpreter.py runs them).
-GPU: through ``tests/test_ops_ela.py -m gpu``."""
+GPU: through ``tests/ops/test_ops_ela.py -m gpu``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ KERNELS = ["sum_sq_euclid", "sub_sq_euclid", "magnitude_direction"]
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_interp_features_match_the_definition(kernel):
     """q', k', a, c against the float64 definition, with pads; they carry no gradient (the normalised kernel's
-    backward forms dq and dk: tests/test_ops_ela.py checks them against the float64 reference)."""
+    backward forms dq and dk: tests/ops/test_ops_ela.py checks them against the float64 reference)."""
     from lazoo.kernels.ela_features import poly_features
 
     B, T, H, D = 2, 13, 3, 20  # D not a power of two

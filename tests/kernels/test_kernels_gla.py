@@ -6,7 +6,7 @@ decays strong enough (log decay -5 to -20 per step in some key dims) that exp(-G
 overflows if it is ever formed.
 
 CPU (default run): the ``interp_*`` tests run in a fresh process with ``TRITON_INTERPRET=1``
-(``tests/test_interpreter.py``). GPU shapes are in tests/test_ops_gpu.py (``-m gpu``).
+(``tests/test_interpreter.py``). GPU shapes are in tests/ops/test_ops_gpu.py (``-m gpu``).
 """
 
 from __future__ import annotations

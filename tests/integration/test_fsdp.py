@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH, T = 3, 4, 16
 
 #: shared by the sharded ranks and the single-process reference
