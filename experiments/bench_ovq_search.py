@@ -24,14 +24,14 @@ import math
 
 import torch
 import triton.testing
+from test_kernels_ovq_assign import keys, packed
 
 import lazoo.ops.ovq as ovq_mod
 from lazoo.bench.ovq import D, L, N, inputs
 from lazoo.bench.timing import time_fwd_bwd
-from lazoo.kernels.ovq import assign as ovq_assign
 from lazoo.kernels._graphs import GraphCache
+from lazoo.kernels.ovq import assign as ovq_assign
 from lazoo.ops import ovq_attention
-from test_kernels_ovq_assign import keys, packed
 
 CURRENT = ovq_assign._blocks
 

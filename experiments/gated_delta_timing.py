@@ -62,7 +62,7 @@ if os.environ.get("PROFILE"):
     x = make(4, 8192, torch.bfloat16)
     xs = {n: t.clone().requires_grad_(True) for n, t in x.items()}
     do = torch.randn(4, 8192, H, D, device=dev, dtype=torch.bfloat16)
-    from torch.profiler import profile, ProfilerActivity
+    from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         torch.autograd.grad(run(xs), list(xs.values()), do)
     torch.cuda.synchronize()

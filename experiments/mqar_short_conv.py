@@ -73,6 +73,7 @@ from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mqar as mqar_protocol  # noqa: E402  (experiments/mqar.py: data import fallback, loss/hits of one batch)
+
 from lazoo.presets import build_config  # noqa: E402
 
 IGNORE_INDEX, mqar_batch = mqar_protocol.IGNORE_INDEX, mqar_protocol.mqar_batch

@@ -36,7 +36,7 @@ def main(argv=None):
         for mech, row in report["summary"].items():
             ns = sorted(int(n) for n in row)
             ax.errorbar(ns, [row[str(n)]["acc_mean"] for n in ns], yerr=[row[str(n)]["acc_std"] for n in ns],
-                        marker="o", capsize=3, label=mech + suffix, linestyle="--" if suffix and s["lr"] != 
+                        marker="o", capsize=3, label=mech + suffix, linestyle="--" if suffix and s["lr"] !=
                         reports[0]["settings"]["lr"] else "-")
     xlabel = (f"sequence length T (n = {settings['n_pairs'][0]} pairs)" if settings.get("seq_lens")
               else "key-value pairs n (T = 3n + 1)")

@@ -13,10 +13,10 @@ import argparse
 
 import torch
 import triton.testing
-
-from lazoo.kernels.vla.token import vla_scan
-from lazoo.kernels.vla.chunk import vla_scan_chunked
 from test_kernels_vla_chunk import scan_inputs
+
+from lazoo.kernels.vla.chunk import vla_scan_chunked
+from lazoo.kernels.vla.token import vla_scan
 
 
 def main():

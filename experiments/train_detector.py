@@ -37,10 +37,23 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from lazoo.data.vision import (SHAPE_CLASSES, TREE_CLASSES, box_count, deepforest_detection_dataset,  # noqa: E402
-                               digits_dataset, shapes_detection_dataset, to_coco)
-from lazoo.eval.detection import (average_precision, coco_map, load_predictions, prediction_record,  # noqa: E402
-                                  recall_at_iou, save_predictions)
+from lazoo.data.vision import (  # noqa: E402
+    SHAPE_CLASSES,
+    TREE_CLASSES,
+    box_count,
+    deepforest_detection_dataset,
+    digits_dataset,
+    shapes_detection_dataset,
+    to_coco,
+)
+from lazoo.eval.detection import (  # noqa: E402
+    average_precision,
+    coco_map,
+    load_predictions,
+    prediction_record,
+    recall_at_iou,
+    save_predictions,
+)
 
 #: the published comparison this script sets beside its own numbers (YOLO-LAT vs its convolutional baseline)
 PAPER = {"param_ratio": 7.9, "cpu_speedup": 2.2, "gpu_speedup": 4.3,

@@ -19,8 +19,8 @@ import math
 
 import torch
 import triton
-
 from _tuning import chosen_kernels, median_ms, rel
+
 from lazoo.bench.ovq import D, L, inputs, kernel_dictionaries
 from lazoo.kernels.ovq import attention as kernel
 

@@ -139,8 +139,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     global _interpreter_run
-    from lazoo.kernels._utils import interpreter_ready
     from interpreter_run import InterpreterRun
+
+    from lazoo.kernels._utils import interpreter_ready
 
     checks = [item for item in session.items if getattr(item, "originalname", "") == INTERPRETER_CHECK]
     if not checks or interpreter_ready() or session.config.option.collectonly:

@@ -1,5 +1,5 @@
-"""What the op and kernel tests share: padding masks, relative errors, and comparing two backends' outputs, final
-states and gradients."""
+"""What the op and kernel tests share: padding masks, relative errors, comparing two backends' outputs, final
+states and gradients, and float64 references used in both."""
 
 from __future__ import annotations
 
@@ -102,3 +102,22 @@ def compare_backends(fn: Callable, leaves: Mapping[str, torch.Tensor], rtol: flo
         assert g2[name] is not None, f"no gradient reaches {name} ({ref})"
         assert g1[name] is not None, f"no gradient reaches {name} ({test})"
         assert_close(g1[name], g2[name], rtol, f"grad {name} {test} vs {ref}")
+
+
+def rls_closed_form(q, k, v, lam, gamma=1.0):
+    """o_t = VK_t (KK_t + λI)^{-1} q_t from the moments of every prefix, one LU solve per t in float64 (no
+    Cholesky, no Woodbury, no Sherman–Morrison: independent of every backend)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    kk = torch.einsum("bthd,bthe->bthde", k, k)
+    vk = torch.einsum("bthv,bthe->bthve", v, k)
+    if gamma == 1.0:
+        KK, VK = kk.cumsum(1), vk.cumsum(1)
+    else:
+        KK, VK = torch.empty_like(kk), torch.empty_like(vk)
+        a, b = torch.zeros_like(kk[:, 0]), torch.zeros_like(vk[:, 0])
+        for t in range(q.shape[1]):
+            a, b = gamma * a + kk[:, t], gamma * b + vk[:, t]
+            KK[:, t], VK[:, t] = a, b
+    eye = torch.eye(q.shape[-1], dtype=torch.float64)
+    z = torch.linalg.solve(KK + lam * eye, q[..., None])
+    return (VK @ z)[..., 0]

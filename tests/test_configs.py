@@ -10,8 +10,14 @@ import torch
 from transformers import AutoBackbone, AutoConfig, AutoModelForCausalLM, AutoModelForObjectDetection
 
 import lazoo  # noqa: F401  (registers the lazoo model types)
-from lazoo.presets import (HYBRIDS, PRESET_CONFIG_FILES, SMALL_SIZES, WRITE_CONFIGS_COMMAND, stale_preset_configs,
-                           write_preset_configs)
+from lazoo.presets import (
+    HYBRIDS,
+    PRESET_CONFIG_FILES,
+    SMALL_SIZES,
+    WRITE_CONFIGS_COMMAND,
+    stale_preset_configs,
+    write_preset_configs,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.json"))

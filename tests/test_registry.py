@@ -18,13 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, Trainer,
-                          TrainingArguments)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
 
 import lazoo
 from lazoo import ops
 from lazoo.models.card import render_model_card
-from lazoo.registry import Mechanism, mechanisms
+from lazoo.registry import Mechanism
 
 SRC = Path(lazoo.__file__).resolve().parent
 TOY_FILE = Path(__file__).parent / "mechanisms" / "toy_decay.py"
@@ -190,7 +196,7 @@ def test_a_mechanism_from_a_test_file_trains_with_trainer(toy, tmp_path, single_
 
 
 def test_a_mechanism_from_a_test_file_is_exported_with_the_model(toy, tmp_path):
-    from test_export import PROMPT, run_loader
+    from export_helpers import PROMPT, run_loader
 
     model = toy_model()
     folder = tmp_path / "toy"

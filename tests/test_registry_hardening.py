@@ -15,8 +15,14 @@ import textwrap
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                          PreTrainedConfig)
+from conftest import random_ids, tiny_model
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedConfig,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import lazoo
@@ -25,8 +31,6 @@ from lazoo.layers.mixers import delta
 from lazoo.layers.mixers.linear import LinearAttentionMixer
 from lazoo.models import configuration_lazoo, configuration_mechanisms, modeling_lazoo, modeling_mechanisms
 from lazoo.registry import Mechanism
-
-from conftest import random_ids, tiny_model
 
 BUILTIN = "gated_delta_net"
 AUTO_CLASSES = (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification)

@@ -9,8 +9,13 @@ from . import ops, registry
 from .layers.mixers import list_mechanisms
 from .models import MECHANISM_CONFIGS, MODEL_CLASSES, LazooCache, LazooConfig, LazooForCausalLM, LazooModel
 from .models import register_auto_classes as _register
-from .vision import (YoloLatBackbone, YoloLatConfig, YoloLatForImageClassification, YoloLatForObjectDetection,
-                     YoloLatImageProcessor)
+from .vision import (
+                     YoloLatBackbone,
+                     YoloLatConfig,
+                     YoloLatForImageClassification,
+                     YoloLatForObjectDetection,
+                     YoloLatImageProcessor,
+)
 from .vision import register_vision_auto_classes as _register_vision
 
 _register()

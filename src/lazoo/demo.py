@@ -8,16 +8,25 @@ import os
 import time
 
 import torch
-from lazoo_cli.parser import DEFAULT_SIZES, SIZE_FLAGS, SIZE_LIMITS, add_size_arguments, command_parser
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, set_seed
+
+from lazoo_cli.parser import DEFAULT_SIZES, SIZE_FLAGS, SIZE_LIMITS, add_size_arguments, command_parser
 
 from .config_checks import check_layout
 from .runtime import progress_bars, set_cpu_threads
 from .sampling import sample_text
 from .trainer import make_trainer
 from .training import build_model, check_batch_fits, load_blocks, model_sizes
-from .user_input import (COUNT_LIMITS, CLIError, check_counts, check_input_path, check_new_folder,
-                         check_positive_float, check_range, check_text)
+from .user_input import (
+    COUNT_LIMITS,
+    CLIError,
+    check_counts,
+    check_input_path,
+    check_new_folder,
+    check_positive_float,
+    check_range,
+    check_text,
+)
 
 # the size options live with the parser (lazoo_cli.parser, importable without torch), the sizes, the Trainer and
 # sampling in their own modules; named here as before

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 
-from lazoo_cli.parser import DEFAULT_SIZES, SIZE_FLAGS
 from transformers import AutoModelForCausalLM
+
+from lazoo_cli.parser import DEFAULT_SIZES, SIZE_FLAGS
 
 from .data import build_lm_datasets
 from .presets import build_config

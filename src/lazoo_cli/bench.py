@@ -5,7 +5,8 @@ with the same parser. What needs torch (a CUDA device, a model's name) each benc
 from __future__ import annotations
 
 import argparse
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 #: the ~125M model of the training and generation benchmarks (config fields; `lazoo.bench.models`)
 MODEL_SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from lazoo_cli.bench import BENCHMARKS, GENERATE_DTYPES, GENERATE_MODES, MODEL_SIZES, bench_parser
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_model
+from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 from transformers import Trainer
 
 from lazoo import cli
@@ -34,16 +34,6 @@ TRAIN = ["train", "--config", "gated_delta_net", "--output", "OUT", "--text", "T
          "32", "--batch-size", "2", "--eval-blocks", "2", "--threads", "1", "--no-progress", *TINY]
 DEMO = ["demo", "--output", "OUT", "--text", "TEXT", "--steps", "1", "--seq-len", "32", "--eval-blocks", "2",
         "--threads", "1", "--no-progress", *TINY]
-
-
-@pytest.fixture(autouse=True)
-def library_logs_to_a_live_stream():
-    """The loggers of datasets and transformers keep the stderr of their first use (maybe an earlier test's
-    captured stream, closed since): send their records to the process's own stderr."""
-    for name in ("datasets", "transformers"):
-        for handler in logging.getLogger(name).handlers:
-            if type(handler) is logging.StreamHandler:
-                handler.stream = sys.__stderr__
 
 
 @pytest.fixture(scope="module")

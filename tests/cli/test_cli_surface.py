@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from lazoo_cli import parser as light
-from lazoo_cli.bench import BENCHMARKS
 
 from lazoo import cli, runtime
+from lazoo_cli import parser as light
+from lazoo_cli.bench import BENCHMARKS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

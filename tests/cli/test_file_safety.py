@@ -17,7 +17,7 @@ from lazoo.models.export import EXPORT_HEADER
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 TINY = ["--hidden-size", "32", "--layers", "2", "--heads", "2", "--vocab-size", "300", "--sliding-window", "8"]
-THESIS = "chapter 1: nothing here may be lost\n".encode() * 50
+THESIS = b"chapter 1: nothing here may be lost\n" * 50
 
 
 def train_argv(text, out, *extra):

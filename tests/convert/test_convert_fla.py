@@ -27,7 +27,7 @@ from lazoo.convert import UnsupportedCheckpointError, fla_config_to_lazoo, from_
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 FLA_SITE = os.environ.get("LAZOO_FLA_SITE", "/tmp/fla/site")
-VOCAB, T = 101, 23  # the vocabulary holds test_export.PROMPT
+VOCAB, T = 101, 23  # the vocabulary holds export_helpers.PROMPT
 
 #: small fla configs of each supported model type and two hybrid patterns (fla's field names)
 CASES = {
@@ -186,7 +186,7 @@ def test_a_converted_folder_names_its_source_and_keeps_the_tokenizer(tmp_path):
 
 
 def test_the_converted_folder_loads_where_lazoo_is_not_installed(tmp_path):
-    from test_export import PROMPT, run_loader
+    from export_helpers import PROMPT, run_loader
 
     cfg = fla_config("gla+swa")
     write_fla_folder(tmp_path / "fla", cfg, random_fla_checkpoint(cfg, seed=3, dtype=torch.float32))
@@ -310,8 +310,8 @@ def test_a_checkpoint_saved_by_fla_s_own_classes_converts_exactly(case, fla_mode
 # ----------------------------------------------------------------------------- the worked path (docs/pretrained.md)
 def test_a_converted_model_fine_tunes_with_lora_evaluates_and_loads_without_lazoo(tmp_path, tokenizer, lm_blocks,
                                                                                    capsys):
+    from export_helpers import run_loader
     from peft import LoraConfig, get_peft_model
-    from test_export import run_loader
     from transformers import Trainer, TrainingArguments
 
     from lazoo.eval import main as eval_main
@@ -346,7 +346,7 @@ def test_a_converted_model_fine_tunes_with_lora_evaluates_and_loads_without_lazo
 
 def test_push_to_hub_of_a_converted_model_uploads_code_and_card(tmp_path, monkeypatch):
     """push_to_hub with the Hub calls stubbed (offline): the exported code and the card naming the source go up."""
-    from test_export import stub_push_to_hub
+    from export_helpers import stub_push_to_hub
 
     cfg = fla_config("gla")
     write_fla_folder(tmp_path / "my-gla", cfg, random_fla_checkpoint(cfg, seed=2, dtype=torch.float32))

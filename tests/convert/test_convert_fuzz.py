@@ -18,10 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from convert_helpers import (check_outcome, fla_folder, outside_files, qwen3_5_available, read_raw, recording_opens,
-                             run_convert, snapshot, transformers_folder, write_raw)
+from convert_helpers import (
+    check_outcome,
+    fla_folder,
+    outside_files,
+    qwen3_5_available,
+    read_raw,
+    recording_opens,
+    run_convert,
+    snapshot,
+    transformers_folder,
+    write_raw,
+)
+from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 from safetensors.torch import save_file
-from test_cli_errors import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -2,9 +2,27 @@
 
 import torch
 
-from lazoo.data import (icl_batch, icl_dataset, icr_batch, icr_dataset, icr_num_pairs, positional_icr_batch,
-                        positional_icr_dataset)
-from lazoo.data.icr import ARROW, apply_function, random_functions, ICL_FIRST_FUNCTION, ICL_FIRST_INT, ICL_SEP, IGNORE_INDEX, QUERY, SEP, icl_vocab
+from lazoo.data import (
+    icl_batch,
+    icl_dataset,
+    icr_batch,
+    icr_dataset,
+    icr_num_pairs,
+    positional_icr_batch,
+    positional_icr_dataset,
+)
+from lazoo.data.icr import (
+    ARROW,
+    ICL_FIRST_FUNCTION,
+    ICL_FIRST_INT,
+    ICL_SEP,
+    IGNORE_INDEX,
+    QUERY,
+    SEP,
+    apply_function,
+    icl_vocab,
+    random_functions,
+)
 
 L = 8  # tokens per key / value
 

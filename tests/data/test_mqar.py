@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import load_experiment
 import torch
+from conftest import load_experiment
 
 from lazoo.data import mqar_batch, mqar_dataset
 from lazoo.data.mqar import IGNORE_INDEX, mqar_vocab

@@ -173,8 +173,9 @@ def test_key_only_short_conv_is_a_plain_shift_of_the_keys(mqar_sc):
 @pytest.mark.parametrize("bad", [{"short_conv_targets": "kx"}, {"short_conv_targets": ""},
                                  {"conv_activation": "relu"}])
 def test_short_conv_options_are_checked(bad):
-    from lazoo.presets import build_config
     from transformers import AutoModelForCausalLM
+
+    from lazoo.presets import build_config
 
     config = build_config("linear", vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=1,
                           use_short_conv=True, mixer_kwargs={"linear": bad})

@@ -7,13 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 from conftest import ALL_MODELS, tiny_model
-from export_helpers import OTHER_PYTHON, run_script
+from export_helpers import NEW_TOKENS, OTHER_PYTHON, PROMPT, TEXT, run_loader, stub_push_to_hub
 from transformers import AutoModelForCausalLM
 
 from lazoo.data.tokenizer import train_tokenizer
@@ -23,54 +22,8 @@ from lazoo.models.export import NO_TRITON_REASON, exported_sources
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-PROMPT = [[5, 17, 42, 8, 99, 23, 4], [0, 0, 0, 61, 7, 30, 12]]  # the second row left-padded
-NEW_TOKENS = 8
-
-#: a text for the tokenizers saved next to some of the models
-TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
 #: the folders that get a tokenizer (as `lazoo train` saves one next to the model)
 WITH_TOKENIZER = ("vla", "hybrid")
-
-# Runs in a fresh interpreter: loads every folder with trust_remote_code and generates greedily; loads a tokenizer
-# saved in the folder with AutoTokenizer (trust_remote_code) and with its own class (no flag needed).
-# argv: mode ("clean": lazoo importable but never imported; "hidden": lazoo cannot be imported), prompt, text,
-# folders...
-LOADER = '''
-    import os
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
-
-    torch.set_num_threads(1)
-    prompt = torch.tensor(json.loads(sys.argv[2]))
-    text = sys.argv[3]
-    mask = (prompt != 0).long()
-    results = {}
-    for folder in sys.argv[4:]:
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-        with torch.no_grad():
-            logits = model(prompt, attention_mask=mask).logits
-            tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False)
-        results[folder] = {"module": type(model).__module__, "config_module": type(model.config).__module__,
-                           "tokens": tokens.tolist(), "logits": logits.tolist()}
-        if os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            tokenizers = {"auto": AutoTokenizer.from_pretrained(folder, trust_remote_code=True),
-                          "own_class": PreTrainedTokenizerFast.from_pretrained(folder)}
-            results[folder]["tokenizer"] = {
-                name: {"ids": tok(text).input_ids, "decoded": tok.decode(tok(text).input_ids),
-                       "special": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id], "side": tok.padding_side}
-                for name, tok in tokenizers.items()}
-        if sys.argv[1] == "hidden" and folder == sys.argv[4]:  # re-save the loaded model, load that again
-            model.save_pretrained(folder + "-resaved")
-            again = AutoModelForCausalLM.from_pretrained(folder + "-resaved", trust_remote_code=True).eval()
-            with torch.no_grad():
-                results[folder]["resaved_tokens"] = again.generate(
-                    prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False).tolist()
-''' % (NEW_TOKENS, NEW_TOKENS)
-
-
-def run_loader(mode: str, folders: list[str], tmp_path, python: str = sys.executable) -> dict:
-    return run_script(LOADER, mode, [json.dumps(PROMPT), TEXT, *folders], tmp_path, python=python)
 
 
 @pytest.fixture(scope="module")
@@ -237,30 +190,6 @@ def test_the_template_renders_without_placeholders_for_each_head():
     assert "pipeline_tag: text-classification" in card and "AutoModelForSequenceClassification.from_pretrained" in card
     with pytest.raises(ValueError, match="no_such_field"):
         render_model_card(model, template="{{no_such_field}}")
-
-
-def stub_push_to_hub(monkeypatch) -> dict:
-    """The Hub calls of `push_to_hub` stubbed (offline): returns a dict that receives the uploaded file names
-    (`files`) and the README.md text (`card`). A new repo gets transformers' generic card first, as on the Hub."""
-    import transformers.utils.hub as hub
-    from huggingface_hub import ModelCard, ModelCardData
-
-    uploaded = {}
-
-    class Api:
-        def create_repo(self, repo_id, **kwargs):
-            return type("Repo", (), {"repo_id": repo_id})()
-
-    def fake_upload(self, working_dir, repo_id, **kwargs):
-        uploaded["files"] = sorted(os.listdir(working_dir))
-        uploaded["card"] = open(os.path.join(working_dir, "README.md"), encoding="utf-8").read()
-
-    generic = ModelCard.from_template(ModelCardData(), model_description="This is the model card of a 🤗 "
-                                      "transformers model that has been pushed on the Hub. (stub)")
-    monkeypatch.setattr(hub, "hf_api", lambda: Api())
-    monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *a, **kw: generic)
-    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", fake_upload)
-    return uploaded
 
 
 def test_push_to_hub_uploads_the_lazoo_card_not_the_generic_one(monkeypatch):

@@ -12,13 +12,12 @@ file with ``TRITON_INTERPRET=1`` runs them in-process. GPU: ``-m gpu`` at real s
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
 
 from lazoo import ops
-from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from op_helpers import assert_close, left_pad_mask
+
 from lazoo.ops.ela import _poly_parts
 
 pytest.importorskip("triton")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 from lazoo import ops
-from op_helpers import (assert_close, assert_state_close, forward_and_grads, left_pad_mask)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, left_pad_mask
 
 from lazoo.ops import local_linear_attention
-from op_helpers import assert_close, left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)

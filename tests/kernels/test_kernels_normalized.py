@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from op_helpers import assert_close, forward_and_grads, left_pad_mask, record_launches
 
 pytest.importorskip("triton")

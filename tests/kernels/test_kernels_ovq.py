@@ -14,11 +14,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, forward_and_grads, left_pad_mask, rel_err, state_parts
 from torch.utils._pytree import tree_structure
 
 from lazoo.ops import ovq_attention
-from op_helpers import (assert_close, forward_and_grads, left_pad_mask, rel_err,
-                                state_parts)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -295,7 +294,6 @@ def test_a_state_edited_outside_the_op_is_checked_again():
     """Only a state as the op returned it skips the value checks: with a part replaced it is checked, and refused
     when a centroid holds NaN; a cache's batch edit (new tensors in every part) drops the mark."""
     import lazoo.ops.ovq as ovq_mod
-
     from lazoo.models.cache import _map_batch
 
     x = op_inputs(2, 6, 1, 8, 8)

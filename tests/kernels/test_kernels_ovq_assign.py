@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import left_pad_mask
 
 import lazoo.ops.ovq as ovq_mod
 from lazoo.ops import ovq_attention
-from op_helpers import left_pad_mask
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402
@@ -150,8 +150,8 @@ def _ms(fn, reps=5):
 @pytest.mark.parametrize("keys_a_program", [128, 64, 32])
 def test_gpu_assign_T4096_H8_d128_matches_pytorch(monkeypatch, keys_a_program):
     # 128: the addition and the search in one launch; fewer: the search split over the chunk's keys
-    from lazoo.kernels.ovq import assign as oa
     from lazoo.kernels._graphs import GraphCache
+    from lazoo.kernels.ovq import assign as oa
 
     cfg = dict(oa._blocks(), BK=keys_a_program)
     monkeypatch.setattr(oa, "_blocks", lambda dk: cfg)

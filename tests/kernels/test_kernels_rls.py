@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err, rls_closed_form
 
 from lazoo.ops import rls
-from op_helpers import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
@@ -128,14 +128,12 @@ def test_interp_rls_triton_checks_its_fp32_solve(monkeypatch, caplog):
     import importlib
     import logging
 
-    from test_rls_robustness import closed_form
-
     mod = importlib.import_module("lazoo.ops.rls")
     monkeypatch.setattr(mod, "_SAID", set())
     q, k, v = _two_samples()
     with pytest.warns(RuntimeWarning, match=r"Triton path \(fp32 solve\).* of 1 sample\(s\) only to a relative"):
         o_tri, _ = rls(q, k, v, lam=0.5, chunk_size=16, backend="triton")
-    ref = closed_form(q, k, v, 0.5)
+    ref = rls_closed_form(q, k, v, 0.5)
     assert_close(o_tri[:1], ref[:1], 1e-4, "sample 0, Triton")
     lam_h = torch.full((2,), 0.5, dtype=F64)
     zeros = (torch.zeros(2, 2, 16, 16, dtype=F64), torch.zeros(2, 2, 16, 16, dtype=F64))
@@ -157,8 +155,6 @@ def test_interp_rls_triton_checks_the_rounding_of_z_at_the_sequence_start(monkey
     import importlib
     import warnings
 
-    from test_rls_robustness import closed_form
-
     mod = importlib.import_module("lazoo.ops.rls")
     monkeypatch.setattr(mod, "_SAID", set())
     gen = torch.Generator().manual_seed(23)
@@ -166,12 +162,12 @@ def test_interp_rls_triton_checks_the_rounding_of_z_at_the_sequence_start(monkey
     v = torch.randn(2, 32, 2, 16, generator=gen).half()
     with pytest.warns(RuntimeWarning, match=r"Triton path \(fp32 solve, z handed on in float16\)"):
         o, _ = rls(q, k, v, lam=1e-3, chunk_size=16, backend="triton")
-    assert rel_err(o, closed_form(q, k, v, 1e-3)) > 4e-3  # (what the check is about)
+    assert rel_err(o, rls_closed_form(q, k, v, 1e-3)) > 4e-3  # (what the check is about)
     monkeypatch.setattr(mod, "_SAID", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # at λ = 1 the same inputs are within fp16's tolerance
         o1, _ = rls(q, k, v, lam=1.0, chunk_size=16, backend="triton")
-    assert rel_err(o1, closed_form(q, k, v, 1.0)) <= 4e-3
+    assert rel_err(o1, rls_closed_form(q, k, v, 1.0)) <= 4e-3
 
 
 @needs_interp

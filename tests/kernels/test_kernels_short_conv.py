@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from op_helpers import assert_close
 
 pytest.importorskip("triton")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err
 
 from lazoo import ops
-from op_helpers import (assert_close, assert_state_close, forward_and_grads, left_pad_mask, rel_err)
 from lazoo.ops.ttt import ttt_linear_decode_step, ttt_mlp_decode_step
 
 pytest.importorskip("triton")

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_helpers import assert_close, forward_and_grads, left_pad_mask, rel_err, state_parts
 
 from lazoo.ops import vla
-from op_helpers import (assert_close, forward_and_grads, left_pad_mask, rel_err,
-                                state_parts)
 
 pytest.importorskip("triton")
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402

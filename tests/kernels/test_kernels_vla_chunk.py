@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from op_helpers import assert_close, rel_err
 
 pytest.importorskip("triton")

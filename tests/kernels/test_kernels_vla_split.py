@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from op_helpers import assert_close, left_pad_mask, rel_err
 
 pytest.importorskip("triton")
-from lazoo.kernels._utils import interpreter_ready  # noqa: E402
 from test_kernels_vla_chunk import compare, reference, run_scan, scan_inputs  # noqa: E402
+
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402
 
 INTERP = interpreter_ready()
 needs_interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")
@@ -174,8 +174,9 @@ def test_interp_split_scan_matches_unsplit(short_checkpoints):
 @needs_interp
 def test_interp_vla_op_with_split_scan(short_checkpoints, monkeypatch):
     # the whole op through backend="triton", its scan split in 5 pieces, against Algorithm 1
-    import lazoo.kernels.vla.token as kv
     from test_kernels_vla import check
+
+    import lazoo.kernels.vla.token as kv
 
     monkeypatch.setattr(kv, "time_pieces", lambda *a: 5)
     check(2, 37, 1, 16, 16, 1e-4, 1e-4, mask=left_pad_mask([37, 30], 37, holes=[(0, 20)]), chunk_size=16)

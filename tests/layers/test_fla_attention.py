@@ -14,12 +14,12 @@ import os
 import sys
 import types
 
+import fla_attention_reference as ref
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from transformers import AutoConfig
 
-import fla_attention_reference as ref
-from conftest import random_ids, tiny_model
 from lazoo.layers.mixers import mixer_class
 from lazoo.layers.mlp import GatedMLP
 from lazoo.models import LazooCache

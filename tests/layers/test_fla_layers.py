@@ -18,11 +18,11 @@ import os
 import sys
 import types
 
+import fla_reference as ref
 import pytest
 import torch
 from transformers import AutoConfig
 
-import fla_reference as ref
 from lazoo.layers.mixers import mixer_class
 from lazoo.models import LazooCache
 

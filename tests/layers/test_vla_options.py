@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_ids, tiny_model
+from op_helpers import assert_close, assert_state_close, forward_and_grads, rel_err
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lazoo import ops
 from lazoo.layers.mixers import mixer_class
-from op_helpers import assert_close, assert_state_close, forward_and_grads, rel_err
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -77,10 +77,10 @@ def late():
 def test_a_mechanism_registered_later_gets_derived_classes_found_by_name(late):
     config_cls = lazoo.MECHANISM_CONFIGS["toy_late"]
     assert config_cls.__name__ == "LazooToyLateConfig" and "__init__" in vars(config_cls)
-    assert getattr(configuration_mechanisms, "LazooToyLateConfig") is config_cls
+    assert configuration_mechanisms.LazooToyLateConfig is config_cls
     assert inspect.getdoc(config_cls) == config_docstring(late)
     _, base_cls, lm_cls = lazoo.MODEL_CLASSES["lazoo_toy_late"]
-    assert getattr(modeling_mechanisms, "LazooToyLateForCausalLM") is lm_cls and lm_cls.config_class is config_cls
+    assert modeling_mechanisms.LazooToyLateForCausalLM is lm_cls and lm_cls.config_class is config_cls
     config = AutoConfig.for_model("lazoo_toy_late", hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
     assert type(pickle.loads(pickle.dumps(config))) is config_cls
     assert not hasattr(configuration_mechanisms, "LazooNoSuchConfig")

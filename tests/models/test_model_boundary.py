@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import ALL_MODELS, random_ids, tiny_model
+
 from lazoo.models.cache import LazooCache
 
 B, T = 2, 9

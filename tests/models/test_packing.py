@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_MODELS, VOCAB, random_ids, tiny_model
+from conftest import ALL_MODELS, random_ids, tiny_model
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from lazoo.ops.packing import cu_seqlens_from_position_ids

@@ -15,10 +15,10 @@ import math
 
 import pytest
 import torch
+from conftest import ALL_MODELS, MECHANISMS, tiny_config
 from transformers import AutoModelForCausalLM
 
 import lazoo
-from conftest import ALL_MODELS, MECHANISMS, tiny_config
 from lazoo.kernels._utils import interpreter_ready
 
 B, T = 3, 11

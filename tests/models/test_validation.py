@@ -13,8 +13,13 @@ from PIL import Image
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lazoo
-from lazoo import YoloLatBackbone, YoloLatConfig, YoloLatForImageClassification, YoloLatForObjectDetection
-from lazoo import YoloLatImageProcessor
+from lazoo import (
+    YoloLatBackbone,
+    YoloLatConfig,
+    YoloLatForImageClassification,
+    YoloLatForObjectDetection,
+    YoloLatImageProcessor,
+)
 
 VOCAB, HIDDEN = 37, 16
 SIZES = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)

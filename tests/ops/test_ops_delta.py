@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, compare_backends, left_pad_mask
 
 from lazoo.ops import chunk_generalized_delta, delta_rule, gated_delta_rule
-from op_helpers import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5

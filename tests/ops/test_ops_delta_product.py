@@ -4,9 +4,9 @@ final states, gradients) at ragged T with masks and carried states; n_h = 1 is D
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, compare_backends, left_pad_mask, needs_interpreter
 
 from lazoo.ops import delta_product, delta_rule, gated_delta_rule
-from op_helpers import assert_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5

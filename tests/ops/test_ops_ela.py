@@ -3,10 +3,10 @@ float64 step-by-step reference (outputs, states, gradients); masks, carried stat
 
 import pytest
 import torch
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 from lazoo.ops import ELA_KERNELS, ela
 from lazoo.ops.ela import ela_feature_dim, ela_features, ela_kernel
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5

@@ -5,10 +5,10 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 from lazoo import ops
 from lazoo.ops import backend as op_backend
-from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 from lazoo.ops import gated_linear_attention, linear_attention
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5
@@ -179,6 +179,7 @@ def test_interp_bidirectional_triton_matches_float64():
     """bidirectional_linear_attention on the non-causal kernels, fp32, vs its float64 matmul form: outputs and the
     gradients of q, k, v, with a left-padded sample and a hole; pads output 0 and a NaN at a pad reaches nothing."""
     from op_helpers import forward_and_grads
+
     from lazoo.ops.bidirectional import bidirectional_linear_attention
 
     gen = torch.Generator().manual_seed(3)
@@ -209,6 +210,7 @@ def test_cuda_bidirectional_matches_float64():
     """bidirectional_linear_attention on CUDA (auto: the non-causal kernels), fp32 and bf16 on the same rounded
     inputs, and under bf16 autocast with fp32 inputs, against its float64 matmul form on the CPU, gradients too."""
     from op_helpers import forward_and_grads
+
     from lazoo.ops.bidirectional import bidirectional_linear_attention
 
     gen = torch.Generator().manual_seed(5)

@@ -6,9 +6,9 @@ moment form, float64, ragged T; gradients; sliding window; KV-cache carry-over; 
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, compare_backends, left_pad_mask
 
 from lazoo.ops import local_linear_attention, softmax_attention
-from op_helpers import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 2, 2, 4, 3

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 from lazoo.ops import ovq_attention, ovq_dict_size, softmax_attention, vq_attention
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 3, 2, 6, 5

@@ -5,9 +5,9 @@ for γ = 1 and γ < 1, ragged T; gradients (λ included); state carry-over; padd
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 from lazoo.ops import rls
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 2, 2, 5, 4

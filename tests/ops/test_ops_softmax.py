@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 from lazoo.ops import softmax_attention
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5

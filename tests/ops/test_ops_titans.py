@@ -6,9 +6,9 @@ final M and S and gradients (q, k, v, θ, η, α, M₀, S₀), ragged T, a state
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, compare_backends, left_pad_mask
 
 from lazoo.ops import titans
-from op_helpers import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV = 2, 2, 4, 3

@@ -6,9 +6,9 @@ over a split, padding."""
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, compare_backends, left_pad_mask
 
 from lazoo.ops import ttt_linear, ttt_mlp
-from op_helpers import assert_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, D, DV, DH = 2, 2, 4, 3, 6

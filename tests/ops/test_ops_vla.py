@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 from lazoo.ops import vla
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask
 
 F64 = torch.float64
 B, H, DK, DV = 3, 2, 6, 5

@@ -9,9 +9,9 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 from lazoo.ops import ovq_attention
-from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
 
 ovq_module = importlib.import_module("lazoo.ops.ovq")
 

@@ -20,9 +20,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import forward_and_grads, state_parts
 
 from lazoo import ops
-from op_helpers import forward_and_grads, state_parts
 
 B, T, H, D = 3, 13, 2, 16  # D = 16: the kernels' tl.dot needs 16 rows
 BAD = 2  # the sample that gets NaN / Inf in its real tokens

@@ -17,9 +17,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import rel_err, rls_closed_form
 
 from lazoo.ops import rls
-from op_helpers import rel_err
 
 rls_module = importlib.import_module("lazoo.ops.rls")  # (lazoo.ops.rls, the attribute, is the function)
 F64 = torch.float64
@@ -47,25 +47,6 @@ def keys(T, *, B=2, dk=16, rank=None, noise=0.0, seed=0, dv=None):
     return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v
 
 
-def closed_form(q, k, v, lam, gamma=1.0):
-    """o_t = VK_t (KK_t + λI)^{-1} q_t from the moments of every prefix, one LU solve per t in float64 (no
-    Cholesky, no Woodbury, no Sherman–Morrison: independent of every backend)."""
-    q, k, v = (x.double() for x in (q, k, v))
-    kk = torch.einsum("bthd,bthe->bthde", k, k)
-    vk = torch.einsum("bthv,bthe->bthve", v, k)
-    if gamma == 1.0:
-        KK, VK = kk.cumsum(1), vk.cumsum(1)
-    else:
-        KK, VK = torch.empty_like(kk), torch.empty_like(vk)
-        a, b = torch.zeros_like(kk[:, 0]), torch.zeros_like(vk[:, 0])
-        for t in range(q.shape[1]):
-            a, b = gamma * a + kk[:, t], gamma * b + vk[:, t]
-            KK[:, t], VK[:, t] = a, b
-    eye = torch.eye(q.shape[-1], dtype=F64)
-    z = torch.linalg.solve(KK + lam * eye, q[..., None])
-    return (VK @ z)[..., 0]
-
-
 def rounded(dtype, *xs):
     return tuple(x.to(dtype) for x in xs)
 
@@ -89,11 +70,11 @@ def _accuracy(backend, T, lam, rank, noise, bound, seed):
         warnings.simplefilter("error")  # these cases are within the precision asked for: no warning
         o, _ = rls(q32, k32, v32, lam=lam, backend=backend)
     assert o.dtype == torch.float32 and torch.isfinite(o).all()
-    err = rel_err(o, closed_form(q32, k32, v32, lam))
+    err = rel_err(o, rls_closed_form(q32, k32, v32, lam))
     assert err <= bound, f"{backend}: {err:.2e} from the float64 closed form on the same inputs (bound {bound:.0e})"
     # and from the float64 inputs themselves: the fp32 rounding of q, k, v is the only difference left
-    floor = rel_err(closed_form(q32, k32, v32, lam), closed_form(q, k, v, lam))
-    assert rel_err(o, closed_form(q, k, v, lam)) <= floor + bound
+    floor = rel_err(rls_closed_form(q32, k32, v32, lam), rls_closed_form(q, k, v, lam))
+    assert rel_err(o, rls_closed_form(q, k, v, lam)) <= floor + bound
 
 
 @pytest.mark.parametrize("backend", ["chunk", "recurrent"])
@@ -116,7 +97,7 @@ def test_gamma_below_one_tracks_float64(backend):
     q, k, v = keys(200, rank=4, noise=1e-2, seed=11)
     q32, k32, v32 = rounded(torch.float32, q, k, v)
     o, _ = rls(q32, k32, v32, lam=1e-6, gamma=0.97, chunk_size=32, backend=backend)
-    assert rel_err(o, closed_form(q32, k32, v32, 1e-6, 0.97)) <= 1e-5
+    assert rel_err(o, rls_closed_form(q32, k32, v32, 1e-6, 0.97)) <= 1e-5
 
 
 # ============================================================================ a shortfall says so, once
@@ -220,7 +201,7 @@ def test_large_inputs_work(backend, dtype, scale, v_scale, bound):
     q, k, v = rounded(dtype, q * scale, k * scale, v * v_scale)
     o, _ = rls(q, k, v, lam=1.0, backend=backend)
     assert o.dtype == dtype
-    assert rel_err(o, closed_form(q, k, v, 1.0)) <= bound
+    assert rel_err(o, rls_closed_form(q, k, v, 1.0)) <= bound
 
 
 # ============================================================================ λ ≤ 0
@@ -261,8 +242,8 @@ def _table():  # pragma: no cover - a measurement, run by hand
     for name, T, lam, rank, noise in cases:
         q, k, v = keys(T, B=1, rank=rank, noise=noise, seed=T)
         q32, k32, v32 = rounded(torch.float32, q, k, v)
-        ref = closed_form(q, k, v, lam)
-        floor = rel_err(closed_form(q32, k32, v32, lam), ref)
+        ref = rls_closed_form(q, k, v, lam)
+        floor = rel_err(rls_closed_form(q32, k32, v32, lam), ref)
         row = []
         for backend in ("chunk", "recurrent"):
             t0 = time.perf_counter()

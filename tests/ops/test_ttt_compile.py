@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_ids, tiny_model
+from op_helpers import left_pad_mask
 
 import lazoo.ops.ttt as ttt_module
 from lazoo.ops import titans, ttt_linear, ttt_mlp
-from op_helpers import left_pad_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -7,12 +7,23 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import (AutoBackbone, AutoConfig, AutoImageProcessor, AutoModel, AutoModelForImageClassification,
-                          AutoModelForObjectDetection)
+from transformers import (
+    AutoBackbone,
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForImageClassification,
+    AutoModelForObjectDetection,
+)
 
 import lazoo
-from lazoo import (YoloLatBackbone, YoloLatConfig, YoloLatForImageClassification, YoloLatForObjectDetection,
-                   YoloLatImageProcessor)
+from lazoo import (
+    YoloLatBackbone,
+    YoloLatConfig,
+    YoloLatForImageClassification,
+    YoloLatForObjectDetection,
+    YoloLatImageProcessor,
+)
 from lazoo.vision import box_ops
 from lazoo.vision.attention import GlobalAttention2d, bidirectional_linear_attention
 from lazoo.vision.modeling_yolo_lat import ConvBottleneck, LatBottleneck, YoloLatObjectDetectionOutput

@@ -13,8 +13,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import load_experiment
+
 from lazoo.data import vision
 from lazoo.eval.detection import average_precision, box_iou, recall_at_iou
 

@@ -1,10 +1,14 @@
 """Same-run comparison used for the benchmark page (normalised kernel, 2026-11-27): the ops against the previous paths,
 rebuilt here from the kernels of the tree before b9908e8 (lazoo.kernels.ela is not in later trees). fwd+bwd ms, bf16."""
-import json, sys, time, os
-import torch, triton
+import json
+import os
+
+import torch
+import triton
+
 from lazoo import ops
-from lazoo.kernels.ela import ela_prefix
 from lazoo.kernels import linear as kl
+from lazoo.kernels.ela import ela_prefix
 
 dev = "cuda"
 torch.manual_seed(0)

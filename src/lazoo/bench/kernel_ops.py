@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,8 +180,8 @@ def load_fla():
     """(a namespace of fla's functions for the ops, fla's version), or (None, why fla cannot be used here)."""
     try:
         import fla  # noqa: F401
-        from fla.ops.linear_attn import chunk_linear_attn
         from fla.ops.gla import chunk_gla
+        from fla.ops.linear_attn import chunk_linear_attn
         from fla.ops.simple_gla import chunk_simple_gla
     except Exception as e:  # not installed, or it refuses this GPU/Triton
         return None, f"{type(e).__name__}: {e}"

@@ -73,7 +73,9 @@ def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq.attention`` and ``.assign``):
     the assignments' search and merge (fp32), the version tables' two walks (``.versions``), the chunk attention's
     forward and backward (bf16) and the decode step."""
-    from lazoo.kernels.ovq import assign as ovq_assign, attention as ovq_attention, versions as ovq_versions
+    from lazoo.kernels.ovq import assign as ovq_assign
+    from lazoo.kernels.ovq import attention as ovq_attention
+    from lazoo.kernels.ovq import versions as ovq_versions
 
     f32, i64 = "*fp32", "*i64"
     acfg = ovq_assign._blocks(dk)
@@ -137,7 +139,10 @@ def vla_report(dk: int = 128, heads: int = 16) -> dict:
     passes), the piece maps and the inverse of the split scan (``lazoo.kernels.vla.split``), the fused features and
     normaliser (``lazoo.kernels.vla.features``, bf16 inputs) and the chunked Woodbury scan
     (``lazoo.kernels.vla.chunk``, blocks of 16, tf32x3), fp32 state."""
-    from lazoo.kernels.vla import chunk as vla_chunk, features as vla_features, split as vla_split, token as vla_token
+    from lazoo.kernels.vla import chunk as vla_chunk
+    from lazoo.kernels.vla import features as vla_features
+    from lazoo.kernels.vla import split as vla_split
+    from lazoo.kernels.vla import token as vla_token
 
     f32, dev = "*fp32", _FakeDevice()
     c = dict(H=heads, D=dk, BD=dk)

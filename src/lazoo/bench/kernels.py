@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from lazoo_cli.bench import bench_parser
 
 from .inputs import causal_sdpa, head_decay
-from .kernel_ops import CHUNK, H, SHAPES, TOKENS, io_bytes, kernel_ops, load_fla, qkv, qkv_g
+from .kernel_ops import CHUNK, SHAPES, TOKENS, H, io_bytes, kernel_ops, load_fla, qkv, qkv_g
 from .report import command_line, fmt, gpu_environment, write_json
 from .roofline import add_rates, card_ceilings, mark_targets, roofline
 from .timing import OutOfTime, cuda_graph_ms, median_ms, require_cuda, time_budget, time_fwd_bwd
@@ -94,7 +94,7 @@ def bench_decode(device, dtype, fla=None, D=128):
                          "ours_kernel_ms": t_kernel, "sdpa_kv_cache_ms": t_sdpa,
                          "ours_kernel_GBps": state_bytes / t_kernel / 1e6})
             print("progress", rows[-1], flush=True)
-            del kc, vc
+            kc = vc = None  # freed before the next context's cache is made
     delta = bench_decode_delta(device, dtype, fla)
     for r in rows:
         r.update(delta)

@@ -6,7 +6,8 @@ __all__ = ["cmd_demo"]
 
 
 def cmd_demo(args) -> int:
-    from ..demo import check_args, run as run_demo
+    from ..demo import check_args
+    from ..demo import run as run_demo
 
     check_args(args)
     run_demo(args)

@@ -17,7 +17,8 @@ def cmd_eval(args) -> int:
     from ..models.export import UnknownModelTypeError
 
     try:
-        from ..eval import check_args, run as run_eval
+        from ..eval import check_args
+        from ..eval import run as run_eval
     except ImportError as err:
         raise CLIError(f"`lazoo eval` needs the evaluation extras ({err}); install them with "
                        "pip install 'lazoo[eval]'") from err

@@ -12,8 +12,16 @@ from pathlib import Path
 
 from ..config_checks import check_layout
 from ..runtime import progress_bars, set_cpu_threads
-from ..user_input import (COUNT_LIMITS, CLIError, check_counts, check_input_path, check_new_folder,
-                          check_positive_float, check_range, listing)
+from ..user_input import (
+    COUNT_LIMITS,
+    CLIError,
+    check_counts,
+    check_input_path,
+    check_new_folder,
+    check_positive_float,
+    check_range,
+    listing,
+)
 
 __all__ = ["cmd_train", "run_training"]
 

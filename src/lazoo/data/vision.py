@@ -84,7 +84,7 @@ def read_voc_boxes(xml_path: str | Path) -> tuple[np.ndarray, list[str], tuple[i
     return np.asarray(boxes, dtype=np.float32).reshape(-1, 4), names, (width, height)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_image(path: str):
     from PIL import Image
 

@@ -11,8 +11,18 @@ Importing this package does not import lm-eval; the functions that need it do, w
 missing. See docs/eval.md.
 """
 
-from .harness import (check_args, check_model_folder, evaluate, format_table, load_model, main, make_lm, metrics_of,
-                      run, task_manager)
+from .harness import (
+                      check_args,
+                      check_model_folder,
+                      evaluate,
+                      format_table,
+                      load_model,
+                      main,
+                      make_lm,
+                      metrics_of,
+                      run,
+                      task_manager,
+)
 from .local_tasks import TASKS, mqar_docs, mqar_word, mqar_word_tokenizer, prepare_tasks
 
 __all__ = ["TASKS", "check_args", "check_model_folder", "evaluate", "format_table", "load_model", "main", "make_lm",

@@ -23,8 +23,8 @@ def interpreter_ready() -> bool:
     """
     if not is_interpreting():
         return False
-    from triton.runtime.interpreter import InterpretedFunction
     import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(std.cdiv, InterpretedFunction)
 

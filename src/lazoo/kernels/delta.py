@@ -49,7 +49,9 @@ import triton.language as tl
 from ._launch import dot_types, fill_device
 from ._tiles import dot
 from ._utils import next_pow2
-from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES, DELTA_MAX_HEAD_DIM as MAX_HEAD_DIM, KERNEL_DTYPES
+from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES
+from .limits import DELTA_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import KERNEL_DTYPES
 
 
 # ============================================================================ small jit helpers

@@ -60,7 +60,8 @@ from ._chunk_layout import ChunkLayout
 from ._launch import chunk_state_dtype, dot_types, state_blocks
 from ._tiles import chunk_bounds, end_state, load_end_state, state_program, store_chunk_state
 from ._utils import next_pow2
-from .limits import GLA_MAX_HEAD_DIM as MAX_HEAD_DIM, KERNEL_DTYPES
+from .limits import GLA_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import KERNEL_DTYPES
 
 #: chunk and sub-chunk sizes
 CHUNK = 64

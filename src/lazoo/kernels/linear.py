@@ -48,7 +48,8 @@ from ._launch import chunk_state_dtype, dqkv_configs, fill_device, launch_first_
 from ._segments import segment_bounds, state_walks, walk_segments
 from ._tiles import chunk_bounds, end_state, load_end_state, seq_bounds, state_program, store_chunk_state
 from ._utils import device_unsupported, next_pow2
-from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES, LINEAR_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES
+from .limits import LINEAR_MAX_HEAD_DIM as MAX_HEAD_DIM
 
 #: the state walks in segments (``_segments.walk_segments``): at least this many, and chunks per segment forced
 #: (tests: segments at small T; None: walk_segments decides)

@@ -63,9 +63,10 @@ import triton
 import triton.language as tl
 
 from ._utils import device_unsupported, next_pow2
+from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES
+from .limits import LOCAL_LINEAR_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import LOCAL_LINEAR_MAX_RANK as MAX_RANK
 from .slope_features import head_stride, project
-from .limits import (KERNEL_DTYPES as SUPPORTED_DTYPES, LOCAL_LINEAR_MAX_HEAD_DIM as MAX_HEAD_DIM,
-                     LOCAL_LINEAR_MAX_RANK as MAX_RANK)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 

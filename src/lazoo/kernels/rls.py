@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from ._utils import is_interpreting, next_pow2
-from .limits import RLS_BLOCK as BS, RLS_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import RLS_BLOCK as BS
+from .limits import RLS_MAX_HEAD_DIM as MAX_HEAD_DIM
 
 #: positions per program (one dk×dk inverse each), product precision and warps per program (chosen from a
 #: sweep on an H100: docs/rls.md)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from ._utils import is_interpreting, next_pow2
-from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES, SHORT_CONV_MAX_KERNEL_SIZE as MAX_KERNEL_SIZE
+from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES
+from .limits import SHORT_CONV_MAX_KERNEL_SIZE as MAX_KERNEL_SIZE
 
 
 @triton.jit

@@ -45,7 +45,8 @@ import triton.language as tl
 from ._launch import fill_device
 from ._tiles import dot
 from ._utils import next_pow2
-from .limits import TTT_MAX_HEAD_DIM as MAX_HEAD_DIM, TTT_MAX_MINI_BATCH as MAX_MINI_BATCH
+from .limits import TTT_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import TTT_MAX_MINI_BATCH as MAX_MINI_BATCH
 
 
 # ============================================================================ jit helpers

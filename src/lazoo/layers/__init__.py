@@ -1,7 +1,7 @@
 """nn.Modules: token mixers (one per mechanism), short convolution, MLP, routed MoE, Memory Lobe, RoPE."""
 
-from .mixers import MIXERS, TokenMixer, list_mechanisms, mixer_class
 from .memory_lobe import MemoryLobe
+from .mixers import MIXERS, TokenMixer, list_mechanisms, mixer_class
 from .mlp import GatedMLP
 from .moe import RoutedMoE
 from .short_conv import ShortConvolution

@@ -6,8 +6,14 @@ from ..registry import Mechanism, on_register
 from . import configuration_mechanisms, modeling_mechanisms  # noqa: F401 (they fill the class tables)
 from .cache import LazooCache
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig
-from .modeling_lazoo import (MODEL_CLASSES, SEQUENCE_CLASSIFICATION_CLASSES, LazooForCausalLM,
-                             LazooForSequenceClassification, LazooModel, LazooPreTrainedModel)
+from .modeling_lazoo import (
+    MODEL_CLASSES,
+    SEQUENCE_CLASSIFICATION_CLASSES,
+    LazooForCausalLM,
+    LazooForSequenceClassification,
+    LazooModel,
+    LazooPreTrainedModel,
+)
 
 
 def _register_model_type(model_type: str) -> None:

@@ -20,7 +20,6 @@ from ..registry import Mechanism, mechanisms, on_register
 from .field_checks import check_int, check_number, is_int
 from .saving import ExportsCode
 
-
 #: the format of a saved config, written as `lazoo_format`. A config that `save_pretrained` wrote without the field
 #: is format 1. Where a mechanism's default changed in a later format (its mixer's `defaults_before`), a config of
 #: an older format gets the old value, so a saved model computes what it computed when it was saved.

@@ -12,25 +12,28 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
 from transformers.utils import can_return_tuple, logging
-from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
-                                           SequenceClassifierOutputWithPast)
 
 try:  # guarded init functions: never overwrite weights that were loaded
     from transformers import initialization as hf_init
 except ImportError:  # pragma: no cover - older transformers
     hf_init = nn.init
 
-from ..ops.backend import host_sync_allowed
-from ..ops.packing import cu_seqlens_from_position_ids
-from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.memory_lobe import MemoryLobe
+from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.mlp import GatedMLP
 from ..layers.moe import RoutedMoE
-from .cache import LazooCache
-from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
+from ..ops.backend import host_sync_allowed
+from ..ops.packing import cu_seqlens_from_position_ids
 from ..registry import Mechanism, mechanisms, on_register
 from ..registry import get as get_mechanism
+from .cache import LazooCache
+from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, refuse_taken_name
 
 logger = logging.get_logger(__name__)

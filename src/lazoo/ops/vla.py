@@ -30,7 +30,6 @@ The other backends have no scan kernel and ignore ``triton_scan``.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -2,15 +2,26 @@
 convolutions give way to depthwise-separable local mixing plus non-causal linear attention over the
 H×W positions ("lat"), next to a dense-conv baseline of the same layout ("conv")."""
 
-from transformers import (AutoBackbone, AutoConfig, AutoImageProcessor, AutoModel, AutoModelForImageClassification,
-                          AutoModelForObjectDetection)
+from transformers import (
+    AutoBackbone,
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForImageClassification,
+    AutoModelForObjectDetection,
+)
 
 from ..ops.bidirectional import bidirectional_linear_attention
 from .attention import GLOBAL_ATTENTIONS, GlobalAttention2d
 from .configuration_yolo_lat import YoloLatConfig
 from .image_processing_yolo_lat import YoloLatImageProcessor
-from .modeling_yolo_lat import (YoloLatBackbone, YoloLatForImageClassification, YoloLatForObjectDetection,
-                                YoloLatObjectDetectionOutput, YoloLatPreTrainedModel)
+from .modeling_yolo_lat import (
+    YoloLatBackbone,
+    YoloLatForImageClassification,
+    YoloLatForObjectDetection,
+    YoloLatObjectDetectionOutput,
+    YoloLatPreTrainedModel,
+)
 
 
 def register_vision_auto_classes() -> None:

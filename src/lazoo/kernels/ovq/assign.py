@@ -51,7 +51,8 @@ import triton.language as tl
 
 from .._graphs import GraphCache, capture
 from .._utils import is_interpreting, next_pow2
-from ..limits import OVQ_ASSIGN_MAX_CHUNK as MAX_CHUNK, OVQ_ASSIGN_MAX_HEAD_DIM as MAX_HEAD_DIM
+from ..limits import OVQ_ASSIGN_MAX_CHUNK as MAX_CHUNK
+from ..limits import OVQ_ASSIGN_MAX_HEAD_DIM as MAX_HEAD_DIM
 
 #: the similarities' products: full fp32 ("ieee"). Split products on tensor cores changed the assignments: at
 #: T = 64k (H = 8, d = 128, N = 2048, bench_ovq's inputs) "tf32x3" and a six-product bf16 split both left the op's

@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from .._utils import is_interpreting, next_pow2, num_sms
-from ..limits import OVQ_MAX_HEAD_DIM as MAX_HEAD_DIM
 
 #: a finite "minus infinity" for masked logits (keeps fully masked rows NaN-free)
 NEG_INF = -1.0e30

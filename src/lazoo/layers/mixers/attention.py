@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
-from ..rope import apply_rotary, rotary_cos_sin
 from ...registry import Mechanism, register
+from ..rope import apply_rotary, rotary_cos_sin
 from .base import TokenMixer, init_qk_scale, unit_norm
 
 

@@ -13,7 +13,6 @@ from ...registry import Mechanism, register
 from .base import ShortConvProjections, set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
-
 QK_NORMS = ("l2", "sum")
 
 
