@@ -1,9 +1,9 @@
 """hadamard_exp's spread check: does its host wait cost GPU time?
 
 ``ops.ela(kernel="hadamard_exp")`` reads one number back (the keys' spread) after queuing its kernels. This times
-the op's forward and forward + backward (``lazoo.bench.timing.time_fwd_bwd``) as it runs and with that read-back answered
-at once (``lazoo.ops.ela.queue_readback`` patched), and the host's own time to queue 20 forward + backward steps
-(no synchronisation) against the wall time of the same 20. Linear attention is timed beside it.
+the op's forward and forward + backward (``lazoo.bench.timing.time_fwd_bwd``) as it runs and with that read-back
+answered at once (``lazoo.ops.ela.queue_readback`` patched), and the host's own time to queue 20 forward + backward
+steps (no synchronisation) against the wall time of the same 20. Linear attention is timed beside it.
 
     PYTHONPATH=src python experiments/bench_host_wait.py
 """

@@ -237,7 +237,8 @@ def main(argv=None):
                              "aux coef 0.01"},
             "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "train_tokens_per_run": args.steps * args.batch_size * args.seq_len,
-            "leak_steps": args.leak_steps, "leak_train_tokens_per_run": args.leak_steps * args.batch_size * args.seq_len,
+            "leak_steps": args.leak_steps,
+            "leak_train_tokens_per_run": args.leak_steps * args.batch_size * args.seq_len,
             "train_blocks": len(train), "held_out_blocks": len(held_out),
             "optimizer": f"AdamW lr {args.lr}, betas (0.9, 0.95), {max(1, args.steps // 10)} warmup steps, "
                          "cosine decay, grad clip 1.0",

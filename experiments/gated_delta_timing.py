@@ -1,8 +1,8 @@
 """The gated delta rule's Triton path on a GPU: fwd and fwd + bwd medians at T = 1k / 8k / 32k (32k tokens, H = 16,
 D = 128, bf16, unit-norm q and k), the relative error of outputs and gradients against the float64 chunk form, and
 (with PROFILE=1) the per-kernel device time at 8k, and (with GVA=1) grouped value heads (32 value heads beside 16
-query/key heads at T = 8k, read in place against repeated q and k). Usage: python experiments/gated_delta_timing.py TAG (writes
-$OUT/gdn_TAG.json, or ./gdn_TAG.json)."""
+query/key heads at T = 8k, read in place against repeated q and k). Usage: python experiments/gated_delta_timing.py
+TAG (writes $OUT/gdn_TAG.json, or ./gdn_TAG.json)."""
 import json
 import os
 import sys
@@ -45,7 +45,8 @@ for B, T in ((32, 1024), (4, 8192), (1, 32768)):
 # accuracy vs float64 chunk reference at T=1000, B=2
 x = make(2, 1000, torch.bfloat16, seed=1)
 xs = {n: t.clone().requires_grad_(True) for n, t in x.items()}
-o = run(xs); do = torch.randn_like(o)
+o = run(xs)
+do = torch.randn_like(o)
 gr = torch.autograd.grad(o, list(xs.values()), do)
 x64 = {n: t.double().requires_grad_(True) for n, t in x.items()}
 o64 = ops.gated_delta_rule(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], use_qk_l2norm=False, backend="chunk")[0]

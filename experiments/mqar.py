@@ -169,7 +169,8 @@ def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
             if step % 10 == 0:
                 bar.set_postfix(mech=mechanism, n=n_pairs, seed=seed, loss=f"{loss.item():.3f}")
     train_s = time.perf_counter() - t0
-    result = {"mechanism": mechanism, "variant": {"mechanism": base, **variant}, "n_pairs": n_pairs, "seq_len": seq_len or 3 * n_pairs + 1, "seed": seed,
+    result = {"mechanism": mechanism, "variant": {"mechanism": base, **variant}, "n_pairs": n_pairs,
+              "seq_len": seq_len or 3 * n_pairs + 1, "seed": seed,
               "params": sum(p.numel() for p in model.parameters()), "nonfinite_steps": nonfinite,
               "train_seconds": train_s, "final_train_loss": curve[-1]["loss"] if curve else math.nan,
               "curve": curve, **evaluate(model, n_pairs, args, seed, seq_len)}

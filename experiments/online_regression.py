@@ -112,7 +112,8 @@ def predict(method: str, q, k, v, *, lam=1e-3, gamma=0.95, beta=16.0, ridge=1e-2
 
 
 METHODS = ("linear", "linear_elu1", "rls", "rls_weighted", "softmax", "local_linear", "naive")
-LABELS = {"linear": "linear attention (identity φ, unit-norm output)", "linear_elu1": "linear attention (elu+1, normalised)",
+LABELS = {"linear": "linear attention (identity φ, unit-norm output)",
+          "linear_elu1": "linear attention (elu+1, normalised)",
           "rls": "RLS, unweighted (γ = 1)", "rls_weighted": "RLS, weighted (γ < 1)",
           "softmax": "softmax attention (p = 0, QK-norm)", "local_linear": "local-linear attention (p = 1)",
           "naive": "naive: last value"}
@@ -234,7 +235,8 @@ def main(argv=None) -> dict:
     for method, by in sweep.items():
         for name, rows in by.items():
             print(f"sweep {method} {name}: " + ", ".join(
-                f"{x}: {r['fast_regime']:.3f}/{r['after_switch_32']:.3f}/{r['last_half']:.3f}" for x, r in rows.items()))
+                f"{x}: {r['fast_regime']:.3f}/{r['after_switch_32']:.3f}/{r['last_half']:.3f}"
+                for x, r in rows.items()))
     print(f"wrote {args.out} ({report['wall_seconds']:.1f}s)")
     return report
 

@@ -387,7 +387,7 @@ def main(argv=None) -> dict:
           f"v_mean={args.v_mean:g} "
           f"({summary['runtime_s']:.1f} s)")
     print(f"{'':22s}" + "".join(f"{'t=' + str(t):>26s}" for t in summary["checkpoints"]) + f"{'max over t':>26s}")
-    for name, m in summary["mechanisms"].items():
+    for m in summary["mechanisms"].values():
         cells = [m["at_t"][str(t)] for t in summary["checkpoints"]] + [m["max_over_t"]]
         print(f"{m['label']:22s}" + "".join(f"{c['mean']:>10.2f} [{c['min']:.2f}, {c['max']:.2f}]".rjust(26)
                                           for c in cells))

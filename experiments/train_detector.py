@@ -2,8 +2,8 @@
 
     PYTHONPATH=src python experiments/train_detector.py --steps 2000 --device cuda          # both variants
     PYTHONPATH=src python experiments/train_detector.py --steps 300 --device cpu --out docs/results/yolo_lat_cpu.json
-    PYTHONPATH=src python experiments/train_detector.py --eval-only runs/yolo_lat/pred_conv.json runs/yolo_lat/pred_lat.json \\
-        --out docs/results/yolo_lat.json                                  # score saved predictions (needs pycocotools)
+    PYTHONPATH=src python experiments/train_detector.py --eval-only runs/yolo_lat/pred_conv.json \\
+        runs/yolo_lat/pred_lat.json --out docs/results/yolo_lat.json      # score saved predictions (needs pycocotools)
     PYTHONPATH=src python experiments/train_detector.py --task digits --steps 400             # classification accuracy
 
 Data: the deepforest package's annotated images (``pip install --no-deps deepforest==2.1.0``) cut into tiles
@@ -314,7 +314,8 @@ def results_table(results: dict) -> str:
     names = [n for n in VARIANTS if n in rows] + [n for n in rows if n not in VARIANTS]
     others = [n for n in names if n != "conv"] if "conv" in rows else []
     ratios = results.get("ratios", {})
-    header = "| | " + " | ".join(names) + " | " + " | ".join(f"{n} vs conv" for n in others) + " | paper (LAT vs conv) |"
+    header = ("| | " + " | ".join(names) + " | " + " | ".join(f"{n} vs conv" for n in others)
+              + " | paper (LAT vs conv) |")
     lines = [header, "|---" * (2 + len(names) + len(others)) + "|"]
 
     def line(label, key, digits, ratio_key=None, ratio_word="", paper=""):
@@ -497,7 +498,8 @@ def run_eval_only(args) -> dict:
         entry = results["variants"].setdefault(variant, {})
         entry.update(detection_metrics(predictions, ground_truth))
         entry["recall_50"] = mean_recall(predictions, ground_truth)
-        print(variant, f"mAP@0.5 {entry['map_50']:.4f}  mAP@0.5:0.95 {entry['map_50_95']:.4f}  ({entry['metric_source']})")
+        print(variant, f"mAP@0.5 {entry['map_50']:.4f}  mAP@0.5:0.95 {entry['map_50_95']:.4f}  "
+                       f"({entry['metric_source']})")
     write_results(results, out)
     return results
 
@@ -518,7 +520,8 @@ def run_digits(args) -> dict:
                         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                         output_dir=str(Path(args.pred_dir) / f"digits_{variant}"))
         if not args.no_bn_recalibrate:
-            recalibrate_batch_norm(model, data["train"], ClassificationCollator(processor), device=device, batch_size=128)
+            recalibrate_batch_norm(model, data["train"], ClassificationCollator(processor), device=device,
+                                   batch_size=128)
         accuracy = classification_accuracy(model, processor, data["test"], device=device)
         results["variants"][variant] = {"parameters": count_parameters(model), "accuracy": accuracy,
                                         "loss_first": history[0]["loss"] if history else None,
@@ -567,7 +570,8 @@ def parse_args(argv=None):
     p.add_argument("--no-bn-recalibrate", action="store_true",
                    help="keep BatchNorm's running statistics from training (default: recompute them on the train set)")
     p.add_argument("--no-augment", action="store_true", help="no random flips / quarter turns in training")
-    p.add_argument("--config-kwargs", default=None, help='extra YoloLatConfig fields as JSON, e.g. \'{"widths": [...]}\'')
+    p.add_argument("--config-kwargs", default=None,
+                   help='extra YoloLatConfig fields as JSON, e.g. \'{"widths": [...]}\'')
     p.add_argument("--digits-size", type=int, default=32, help="--task digits: image size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default docs/results/yolo_lat.json, "

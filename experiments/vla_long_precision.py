@@ -47,7 +47,8 @@ def main():
         print(rows[-1], flush=True)
     print(rows[0])
     with open(args.out, "w") as fh:
-        json.dump({"T": args.T, "H": args.H, "D": args.D, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        json.dump({"T": args.T, "H": args.H, "D": args.D,
+                   "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                    "torch": torch.__version__, "rows": rows}, fh, indent=1)
 
 

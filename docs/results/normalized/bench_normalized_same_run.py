@@ -56,20 +56,37 @@ for T in [int(x) for x in os.environ.get("LENGTHS", "1024,8192,32768").split(","
     unit = lambda x: torch.nn.functional.normalize(x, dim=-1).bfloat16()
     pos = lambda x: (torch.nn.functional.elu(x) + 1).bfloat16()
     cases = {
-        "linear (no normaliser)": (lambda x: ops.linear_attention(x["q"], x["k"], x["v"], feature_map="identity", normalize=False, backend="triton")[0], dict(q=q.bfloat16(), k=k.bfloat16(), v=v)),
-        "linear normalised, new": (lambda x: ops.linear_attention(x["q"], x["k"], x["v"], feature_map="identity", normalize=True, backend="triton")[0], dict(q=pos(q), k=pos(k), v=v)),
+        "linear (no normaliser)": (
+            lambda x: ops.linear_attention(
+                x["q"], x["k"], x["v"], feature_map="identity", normalize=False, backend="triton"
+            )[0],
+            dict(q=q.bfloat16(), k=k.bfloat16(), v=v),
+        ),
+        "linear normalised, new": (
+            lambda x: ops.linear_attention(
+                x["q"], x["k"], x["v"], feature_map="identity", normalize=True, backend="triton"
+            )[0],
+            dict(q=pos(q), k=pos(k), v=v),
+        ),
         "linear normalised, old": (lambda x: old_linear_norm(x["q"], x["k"], x["v"]), dict(q=pos(q), k=pos(k), v=v)),
     }
     for kern in ["sum_sq_euclid", "magnitude_direction"]:
-        cases[f"ela {kern}, new"] = (lambda x, kern=kern: ops.ela(x["q"], x["k"], x["v"], kernel=kern, backend="triton")[0], dict(q=unit(q), k=unit(k), v=v))
-        cases[f"ela {kern}, old"] = (lambda x, kern=kern: old_ela(kern, x["q"], x["k"], x["v"]), dict(q=unit(q), k=unit(k), v=v))
+        cases[f"ela {kern}, new"] = (
+            lambda x, kern=kern: ops.ela(x["q"], x["k"], x["v"], kernel=kern, backend="triton")[0],
+            dict(q=unit(q), k=unit(k), v=v),
+        )
+        cases[f"ela {kern}, old"] = (
+            lambda x, kern=kern: old_ela(kern, x["q"], x["k"], x["v"]),
+            dict(q=unit(q), k=unit(k), v=v),
+        )
     outs = {}
     for name, (fn, x) in cases.items():
         x = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
         try:
             f, fb, o = bench(fn, x)
         except Exception as e:
-            print(name, T, "FAILED", repr(e)[:300]); continue
+            print(name, T, "FAILED", repr(e)[:300])
+            continue
         outs[name] = o
         rows.append(dict(op=name, T=T, B=B, fwd_ms=f, fwd_bwd_ms=fb))
         print(f"{name:34s} T={T:6d}  fwd {f:7.3f}  fwd+bwd {fb:7.3f}", flush=True)
@@ -80,4 +97,8 @@ for T in [int(x) for x in os.environ.get("LENGTHS", "1024,8192,32768").split(","
             print(f"  {base}: new vs old max rel diff {d:.2e}")
             rows.append(dict(op=base, T=T, new_vs_old=d))
 out = os.environ.get("OUT", ".")
-json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), open(f"{out}/bench_norm.json", "w"), indent=1)
+json.dump(
+    dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows),
+    open(f"{out}/bench_norm.json", "w"),
+    indent=1,
+)
