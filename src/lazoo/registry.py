@@ -30,9 +30,10 @@ class Mechanism:
 
     `name` is the entry in `config.layer_types` and the model type `lazoo_<name>`; `mixer` the TokenMixer
     class (its `defaults` are the mechanism's options); `op` the name of the op function the mixer runs (in
-    `lazoo.ops`; for a mechanism declared outside lazoo, in the mixer's module). `backends` lists the backends the op has and `kernels` the modules of its Triton kernels
-    (empty when it has none). `state` says what the cache keeps per layer. `title`, `equation` and `source`
-    are the model card's row. `option_docs` documents options (shown in the config class's docstring).
+    `lazoo.ops`; for a mechanism declared outside lazoo, in the mixer's module). `backends` lists the backends the
+    op has and `kernels` the modules of its Triton kernels (empty when it has none). `state` says what the cache
+    keeps per layer. `title`, `equation` and `source` are the model card's row. `option_docs` documents options
+    (shown in the config class's docstring).
     `tiny_options` are option values for tiny models (tests, examples): small enough that short sequences
     cross the mechanism's internal boundaries (chunks, refreshes, mini-batches). `bidirectional_mixer`: a
     mixer class with the same parameters running the mechanism's non-causal form, for encoders.

@@ -96,7 +96,8 @@ def make_trainer(model, data, output_dir: str, steps: int, batch_size: int, lr: 
                  gradient_checkpointing: bool = False, logging_steps: int | None = None, callbacks=()) -> Trainer:
     """The `Trainer` of the demo and `lazoo train`: cosine schedule with 5% warm-up, AdamW; by default padded
     blocks, fp32, no checkpoints. `packing`: documents packed in one row (`PackedDocumentsCollator`);
-    `save_steps`: a checkpoint every N steps in `output_dir` (resume with `trainer.train(resume_from_checkpoint=True)`)."""
+    `save_steps`: a checkpoint every N steps in `output_dir` (resume with
+    `trainer.train(resume_from_checkpoint=True)`)."""
     extra = {}
     if gradient_checkpointing:  # transformers 5.23 renames the argument (5.17 has only the old name)
         name = next(a for a in ("activation_checkpointing", "gradient_checkpointing")

@@ -6,7 +6,8 @@
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
     lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
     lazoo convert SRC DST                         a fla checkpoint folder -> a lazoo folder (docs/pretrained.md)
-    lazoo bench NAME [args...]                    a benchmark of lazoo.bench (kernels, vla, ovq, local_linear, ttt, training, generate)
+    lazoo bench NAME [args...]                    a benchmark of lazoo.bench (kernels, vla, ovq, local_linear, ttt,
+                                                  training, generate)
     lazoo eval MODEL...                           lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [options]                          the demo: train, evaluate, save, reload, sample
 

@@ -171,7 +171,8 @@ def icl_batch(n_examples: int, batch_size: int, vocab_size: int = 10_000, *, n_f
     x_lo, x_hi = ids["input_range"]
     B, E = batch_size, n_examples
     perm, a, b = random_functions(n_functions, B, width, generator=generator)
-    fn_token = torch.rand(B, ICL_NUM_FUNCTIONS, generator=generator).argsort(dim=1)[:, :n_functions] + ICL_FIRST_FUNCTION
+    order = torch.rand(B, ICL_NUM_FUNCTIONS, generator=generator).argsort(dim=1)
+    fn_token = order[:, :n_functions] + ICL_FIRST_FUNCTION
     which = torch.randint(0, n_functions, (B, E), generator=generator)
     x = torch.randint(x_lo, x_hi, (B, E, width), generator=generator)
     sel = lambda t: t.gather(1, which)  # noqa: E731

@@ -60,7 +60,8 @@ def deepforest_data_dir() -> Path:
     if override:
         folder = Path(override)
         if not (folder / "OSBS_029.xml").is_file():
-            raise FileNotFoundError(f"LAZOO_DEEPFOREST_DATA={override}: no deepforest data there (OSBS_029.xml missing)")
+            raise FileNotFoundError(
+                f"LAZOO_DEEPFOREST_DATA={override}: no deepforest data there (OSBS_029.xml missing)")
         return folder
     spec = importlib.util.find_spec("deepforest")
     if spec is None or not spec.submodule_search_locations:

@@ -68,8 +68,8 @@ def state_walks(launch, layout: ChunkLayout, seg: int, first, want_last: bool, e
     ``launch(S, SEG, start, end, store_chunks)`` runs the kernel with S segments on grid axis 2, from the states
     ``start`` (None: zeros) to the states ``end`` (None: not stored); ``end_states(S)`` makes end-state buffers
     (``[N, H, ...]`` parts, or ``[N, H, S, ...]`` for S segments); ``first``: the walk's given start, or None.
-    Returns the walk's last states where ``want_last``, else None. ``totals_only`` (the non-causal form): each sequence's sums alone, no
-    chunk's state."""
+    Returns the walk's last states where ``want_last``, else None. ``totals_only`` (the non-causal form): each
+    sequence's sums alone, no chunk's state."""
     if not seg:
         last = end_states(None) if want_last else None
         launch(1, 0, first, last, not totals_only)

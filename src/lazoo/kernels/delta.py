@@ -361,7 +361,8 @@ def _state_program(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, 
 @triton.jit
 def _fwd_h_kernel(
     kw, beta, Gc, wt, ut, h, vnew, s0, sT, cu, coff,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -397,7 +398,8 @@ def _fwd_h_kernel(
 @triton.jit
 def _fwd_o_kernel(
     q, kw, beta, Gc, h, vnew, o, chunks, cu, scale,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """O = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U) for one chunk and one block of dv (W = β K, or
@@ -435,7 +437,8 @@ def _fwd_o_kernel(
 @triton.jit
 def _bwd_dv_local_kernel(
     q, kw, beta, Gc, do, du, chunks, cu, scale,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """dU (local part) = P^T dO, P^T[i, t] = scale [i <= t] E[t, i] (w_i . q_t), computed as its own
@@ -466,7 +469,8 @@ def _bwd_dv_local_kernel(
 @triton.jit
 def _bwd_dhu_kernel(
     q, kw, beta, Gc, wt, do, du, dh, dsT, ds0, cu, coff, scale,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -510,7 +514,8 @@ def _bwd_dhu_kernel(
 @triton.jit
 def _bwd_dqkw_kernel(
     q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, chunks, cu, scale, TT,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """For one chunk and one block of dk: dq; the part of dW from the output and the state update;
@@ -585,7 +590,8 @@ def _bwd_dqkw_kernel(
 @triton.jit
 def _bwd_wy_kernel(
     k, w, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ (or, for given write keys,
@@ -640,7 +646,8 @@ def _bwd_wy_kernel(
         b_dkg = _dotf(b_At, b_dwt, PREC)  # γ ⊙ (A^T dW~)
         b_dwl = dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
         b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_w = _load_raw(w + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK) if HAS_W else b_k  # β in b_dl and b_b
+        # β in b_dl and b_b
+        b_w = _load_raw(w + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK) if HAS_W else b_k
         b_dkl = dot(b_dl, b_w, DT, PREC)  # (E ⊙ dL) W: through the read key of L
         if HAS_G:
             # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = w_i . b_dwl_i

@@ -3,10 +3,11 @@
 x ``[B, T, H, dk]`` in any float dtype, P ``[r, dk]`` (shared by the heads) or ``[H, r, dk]``. One program
 takes a block of tokens of one head: a product with P instead of PyTorch's float32 copy of x, matrix product
 and pad. Forward only: the local-linear kernels add the features' share of the gradients (dx = df P, dP = Σ dfᵀ x)
-to their own, with the query and key blocks they hold (``lazoo.kernels.local_linear``). The products are "tf32x3" (three tf32 tensor-core products, about fp32 accuracy: the features feed the
-per-query solve, where c = a − f·β can cancel): on an H100 at 32k tokens, H = 16, dk = 64, r = 16 the forward
-took 0.053 ms at 2.2e-7 from the fp32 product, against 0.185 ms for fp32 products on the FMA units ("ieee")
-and 0.198 ms for PyTorch's x.float() @ Pᵀ (a plain copy of x: 0.041 ms).
+to their own, with the query and key blocks they hold (``lazoo.kernels.local_linear``). The products are "tf32x3"
+(three tf32 tensor-core products, about fp32 accuracy: the features feed the per-query solve, where c = a − f·β
+can cancel): on an H100 at 32k tokens, H = 16, dk = 64, r = 16 the forward took 0.053 ms at 2.2e-7 from the fp32
+product, against 0.185 ms for fp32 products on the FMA units ("ieee") and 0.198 ms for PyTorch's x.float() @ Pᵀ
+(a plain copy of x: 0.041 ms).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ a chunk costs two kernel nodes and no host work. (One launch for all chunks, the
 waiting for each other once a chunk, was built and measured: exact, and 2× slower on an H200, 12.3 / 40.8 ms
 against 6.4 / 17.7 for the op at T = 4k / 16k, with B·H = 8 and 2048 slots: its 128 programs, one an SM, each wait
 at every chunk for a head's slowest, and the blocks they need spill; docs/changelog.md. The first form, one program
-per sample·head walking all chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits: chunk_size <= 128 and
-dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are held whole by one program).
+per sample·head walking all chunks, used B·H SMs and was slower than PyTorch from T = 4k: docs/ovq.md.) Limits:
+chunk_size <= 128 and dk <= 128 (a chunk's L×dk keys and L×L rank comparisons are held whole by one program).
 """
 
 from __future__ import annotations
