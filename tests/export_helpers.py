@@ -67,7 +67,7 @@ TEXT = "In the beginning God created the heaven and the earth. And the earth was
 # Runs in a fresh interpreter: loads every folder with trust_remote_code and generates greedily; loads a tokenizer
 # saved in the folder with AutoTokenizer (trust_remote_code) and with its own class (no flag needed).
 # argv: mode ("clean": lazoo importable but never imported; "hidden": lazoo cannot be imported), prompt, text,
-# folders...
+# folders... (MAX_NEW_TOKENS stands for NEW_TOKENS)
 LOADER = '''
     import os
 
@@ -83,7 +83,7 @@ LOADER = '''
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
         with torch.no_grad():
             logits = model(prompt, attention_mask=mask).logits
-            tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False)
+            tokens = model.generate(prompt, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         results[folder] = {"module": type(model).__module__, "config_module": type(model.config).__module__,
                            "tokens": tokens.tolist(), "logits": logits.tolist()}
         if os.path.isfile(os.path.join(folder, "tokenizer.json")):
@@ -98,8 +98,8 @@ LOADER = '''
             again = AutoModelForCausalLM.from_pretrained(folder + "-resaved", trust_remote_code=True).eval()
             with torch.no_grad():
                 results[folder]["resaved_tokens"] = again.generate(
-                    prompt, attention_mask=mask, max_new_tokens=%d, do_sample=False).tolist()
-''' % (NEW_TOKENS, NEW_TOKENS)
+                    prompt, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False).tolist()
+'''.replace("MAX_NEW_TOKENS", str(NEW_TOKENS))
 
 
 def run_loader(mode: str, folders: list[str], tmp_path, python: str = sys.executable) -> dict:

@@ -45,9 +45,10 @@ class InterpreterRun:
         if self._results is None:
             try:
                 code = self.proc.wait(self.timeout)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as err:
                 self.proc.kill()
-                raise AssertionError(f"the interpreter run took over {self.timeout:.0f} s:\n{self._log_tail()}")
+                raise AssertionError(
+                    f"the interpreter run took over {self.timeout:.0f} s:\n{self._log_tail()}") from err
             if code not in (0, 1):  # 1: some tests failed (reported per file); else it could not run them
                 raise AssertionError(f"the interpreter run exited with {code}:\n{self._log_tail()}")
             self._results = {}

@@ -53,8 +53,9 @@ def _saved_copy(model: Path, folder: Path, **config_changes) -> Path:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, tokenizer, text):
     """Files the rows name: a saved model (MODEL) and copies with a bad config field, sizes its weights do not
-    have, damaged weights or a README.md folder; a plain file (AFILE), a folder named like a .json (DIRJSON), Latin-1 metrics, a config
-    folder with a config naming an unknown mechanism, a config too large to train, the training text."""
+    have, damaged weights or a README.md folder; a plain file (AFILE), a folder named like a .json (DIRJSON), Latin-1
+    metrics, a config folder with a config naming an unknown mechanism, a config too large to train, the training
+    text."""
     root = tmp_path_factory.mktemp("hardening")
     model = root / "model"
     tiny_model("gated_delta_net", vocab_size=len(tokenizer)).save_pretrained(model)

@@ -1,8 +1,8 @@
 """Helpers of the tests that give `lazoo convert` untrusted folders (tests/convert/test_convert_untrusted.py,
 tests/convert/test_convert_fuzz.py): fla folders to break (written as tests/convert/test_convert_fla.py writes
-them), raw safetensors editing, files outside the source folder that no conversion may read, and the check every conversion
-must pass: exit status 0 with a complete folder that loads with finite weights, or status 2 with one error line and
-the destination as it was, no staging folder left beside it."""
+them), raw safetensors editing, files outside the source folder that no conversion may read, and the check every
+conversion must pass: exit status 0 with a complete folder that loads with finite weights, or status 2 with one error
+line and the destination as it was, no staging folder left beside it."""
 
 from __future__ import annotations
 

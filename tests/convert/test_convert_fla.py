@@ -112,7 +112,8 @@ def random_fla_checkpoint(cfg: dict, seed: int, dtype=torch.float64) -> dict:
         pre = f"model.layers.{i}."
         weights.update({pre + "attn_norm.weight": rand(hidden, scale="norm"),
                         pre + "mlp_norm.weight": rand(hidden, scale="norm"),
-                        pre + "mlp.gate_proj.weight": rand(width, hidden), pre + "mlp.up_proj.weight": rand(width, hidden),
+                        pre + "mlp.gate_proj.weight": rand(width, hidden),
+                        pre + "mlp.up_proj.weight": rand(width, hidden),
                         pre + "mlp.down_proj.weight": rand(hidden, width)})
         spec = _attention_spec(cfg, i)
         if spec is None:

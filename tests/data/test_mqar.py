@@ -54,8 +54,8 @@ def test_script_end_to_end(tmp_path, single_thread):
     mqar = load_experiment("mqar")
     out = tmp_path / "r.json"
     report = mqar.main(["--mechanisms", "softmax,vla", "--n-pairs", "4", "--steps", "3", "--batch-size", "8",
-                        "--eval-batches", "1", "--eval-batch-size", "8", "--seeds", "0,1", "--device", "cpu", "--short-conv", "off",
-                        "--out", str(out), "--no-progress"])
+                        "--eval-batches", "1", "--eval-batch-size", "8", "--seeds", "0,1", "--device", "cpu",
+                        "--short-conv", "off", "--out", str(out), "--no-progress"])
     data = json.loads(out.read_text())
     assert len(data["runs"]) == 4 and data["settings"]["steps"] == 3
     for run in data["runs"]:

@@ -59,8 +59,9 @@ def text(tmp_path_factory, chapters):
 
 
 def _env(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               HF_HOME=str(tmp_path / "hf_home"), DUMP_DIR=str(tmp_path))  # HF_HOME: no user accelerate config
+    # HF_HOME: no user accelerate config
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"), DUMP_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     return env
 

@@ -189,8 +189,8 @@ def test_interp_decode_matches_reference(op):
         assert torch.all(o[~mask] == 0)
         # packed decode: one token for each of two sequences
         cu = torch.tensor([0, 1, 2])
-        o2, s2 = call(op, {n: t[:1, :2] for n, t in xf.items()}, initial_state=S0[:2].float(), output_final_state=True, cu_seqlens=cu,
-                      backend="triton")
+        o2, s2 = call(op, {n: t[:1, :2] for n, t in xf.items()}, initial_state=S0[:2].float(), output_final_state=True,
+                      cu_seqlens=cu, backend="triton")
         r2, rs2 = call(op, {n: t[:1, :2] for n, t in x.items()}, initial_state=S0[:2], output_final_state=True,
                        cu_seqlens=cu, backend="recurrent")
         assert_close(o2, r2, 1e-5, "packed decode output")

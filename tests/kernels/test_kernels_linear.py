@@ -146,7 +146,8 @@ def test_interp_cu_seqlens_matches_reference(name):
     if name == "gated":
         call, t, state = gated_call(cu_seqlens=cu), {"q": q, "k": k, "v": v, "g": g}, linear_state(4, H, dk, dv, False)
     else:
-        call, t, state = linear_call("elu1", True, cu_seqlens=cu), {"q": q, "k": k, "v": v}, linear_state(4, H, dk, dv, True)
+        call, t, state = (linear_call("elu1", True, cu_seqlens=cu), {"q": q, "k": k, "v": v},
+                          linear_state(4, H, dk, dv, True))
     check_against_reference(call, t, state, torch.float32, 1e-5)
 
 
@@ -298,12 +299,14 @@ def test_gpu_matches_float64(name, dtype):
     q, k, v, g = inputs(B, T, H, D, D, seed=11, g_bias=4.0)
     mask = left_pad_mask([T, T - 123], T)
     if name == "gated":
-        call, t, st = gated_call(chunk_size=64, mask=mask), {"q": q, "k": k, "v": v, "g": g}, linear_state(B, H, D, D, False)
+        call, t, st = (gated_call(chunk_size=64, mask=mask), {"q": q, "k": k, "v": v, "g": g},
+                       linear_state(B, H, D, D, False))
     else:
         fm, norm = ("elu1", True) if name == "linear_elu1" else ("identity", False)
         if not norm:  # keep the unnormalised outputs O(1)
             q, k = q * D ** -0.5, k * D ** -0.5
-        call, t, st = linear_call(fm, norm, chunk_size=64, mask=mask), {"q": q, "k": k, "v": v}, linear_state(B, H, D, D, norm)
+        call, t, st = (linear_call(fm, norm, chunk_size=64, mask=mask), {"q": q, "k": k, "v": v},
+                       linear_state(B, H, D, D, norm))
     gpu_reference_check(call, t, st, dtype, GPU_RTOL[dtype])
 
 

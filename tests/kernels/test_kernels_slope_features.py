@@ -1,7 +1,7 @@
 """Slope-feature kernel (lazoo.kernels.slope_features): f = P x padded to R columns against the float64 product,
 for a shared and a per-head P, r and dk not powers of two, and token counts that are not a multiple of the block
-(the gradients are the local-linear kernels', tested with them). CPU: the ``interp_*`` tests run in a fresh ``TRITON_INTERPRET=1`` process.
-GPU: ``-m gpu``."""
+(the gradients are the local-linear kernels', tested with them). CPU: the ``interp_*`` tests run in a fresh
+``TRITON_INTERPRET=1`` process. GPU: ``-m gpu``."""
 
 from __future__ import annotations
 

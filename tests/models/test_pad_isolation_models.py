@@ -131,8 +131,8 @@ TRITON_CASES = [pytest.param(name, dtype, marks=[] if (name, dtype) in TRITON_DE
                 for name in TRITON_MODELS for dtype in (torch.float32, torch.bfloat16)]
 
 
-@pytest.mark.skipif(not interpreter_ready(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py "
-                    "runs it)")
+@pytest.mark.skipif(not interpreter_ready(),
+                    reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
 @pytest.mark.parametrize("name,dtype", TRITON_CASES)
 def test_interp_pads_never_reach_real_tokens(name, dtype):
     check_pads_isolated(name, dtype, "triton")

@@ -96,7 +96,8 @@ def test_the_fallback_note_waits_for_an_eager_call_while_compiled(caplog, monkey
 def test_shape_dtype_and_mask_errors_name_the_argument(name):
     x = make()
     bad = dict(x, k=x["k"][:, :-1])
-    with pytest.raises(ValueError, match=r"k must have shape \[B, T, H, dk\] = \(2, 5, 2, 4\) like q, got \(2, 4, 2, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"k must have shape \[B, T, H, dk\] = \(2, 5, 2, 4\) like q, got \(2, 4, 2, 4\)"):
         OPS[name](bad)
     with pytest.raises(ValueError, match="v must have shape"):
         OPS[name](dict(x, v=x["v"][:1]))

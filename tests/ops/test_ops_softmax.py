@@ -180,5 +180,6 @@ def test_sliding_window_blocks_match_loop_with_grads(T, window):
     leaves = {"q": q, "k": k, "v": v}
     for x in leaves.values():
         x.requires_grad_(True)
-    compare_backends(lambda backend: softmax_attention(q, k, v, window=window, backend=backend, output_final_state=True),
-                     leaves, rtol=1e-10)
+    compare_backends(
+        lambda backend: softmax_attention(q, k, v, window=window, backend=backend, output_final_state=True),
+        leaves, rtol=1e-10)
