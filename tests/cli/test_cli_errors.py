@@ -1,4 +1,4 @@
-"""Bad input to the `lazoo` command line (issue 24): each case exits with status 2 and one line that names the
+"""Bad input to the `lazoo` command line: each case exits with status 2 and one line that names the
 problem, never a traceback or a question on the terminal (empty or binary text, non-finite numbers, a missing
 folder, a config.json with a model type nobody knows)."""
 

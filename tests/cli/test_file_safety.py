@@ -1,4 +1,4 @@
-"""Files a user made survive lazoo (issue 24): `lazoo train` into a folder holding the user's checkpoint-7,
+"""Files a user made survive lazoo: `lazoo train` into a folder holding the user's checkpoint-7,
 README.md or code, `lazoo card`, `lazoo eval --output` and `save_pretrained` into a folder holding the user's
 modeling_lazoo.py leave them byte-identical, refusing before any work with a message that names the file."""
 

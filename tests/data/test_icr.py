@@ -1,4 +1,5 @@
-"""Seed 002's synthetic long-context tasks (§8.4-8.5): basic ICR, positional ICR and long ICL."""
+"""The synthetic long-context tasks of "Online Vector Quantized Attention" (§8.4-8.5): basic ICR, positional ICR
+and long ICL."""
 
 import torch
 

@@ -1,4 +1,5 @@
-"""experiments/state_norms.py (seed 000 stability experiment) on a short run: files, sane values, the claim."""
+"""experiments/state_norms.py (the stability experiment of the VLA paper, §6.2) on a short run: files, sane values,
+the claim."""
 
 import json
 import math
@@ -58,7 +59,7 @@ def test_values_are_finite_and_sane(short_run):
 
 
 def test_claim_linear_state_outgrows_vla(short_run):
-    """Seed 000's claim, qualitatively: linear attention's ‖S‖_F ends far above VLA's."""
+    """The VLA paper's claim, qualitatively: linear attention's ‖S‖_F ends far above VLA's."""
     _, data = short_run
     lin = data["mechanisms"]["linear"]["at_t"]["60"]["per_seed"]
     vla = data["mechanisms"]["vla"]["at_t"]["60"]["per_seed"]

@@ -1,6 +1,7 @@
-"""Seed 004 experiment drivers (experiments/online_regression.py, experiments/mqar_short_conv.py): the data they
-generate has the stated statistics, both run end to end on tiny settings, and the keys-only short
-convolution option they rely on does what it says."""
+"""The drivers of the test-time regression paper's experiments (Wang et al. 2025, §5 and §6:
+experiments/online_regression.py, experiments/mqar_short_conv.py): the data they generate has the stated
+statistics, both run end to end on tiny settings, and the keys-only short convolution option they rely on does what
+it says."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""ELA-GPT decoder options (seed 003 §V): Hyper-Link, the Memory Lobe (causal and bidirectional, and the
-future-token leak of the bidirectional one in a causal LM), the routed MoE with routing-score bias
-(eqs 14/15) and its load-balancing loss; on any mechanism (CPU, tiny models, float64 references)."""
+"""ELA-GPT decoder options (§V of Ou 2026, "Exact Linear Attention"): Hyper-Link, the Memory Lobe (causal and
+bidirectional, and the future-token leak of the bidirectional one in a causal LM), the routed MoE with
+routing-score bias (eqs 14/15) and its load-balancing loss; on any mechanism (CPU, tiny models, float64
+references)."""
 
 from __future__ import annotations
 

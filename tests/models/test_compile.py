@@ -1,5 +1,5 @@
-"""torch.compile can trace lazoo models without graph breaks (issue 27's first step; docs/compile_audit.md lists what
-still breaks): a forward with a left-padded attention mask, and one decode step against the cache, on CPU.
+"""torch.compile can trace lazoo models without graph breaks (docs/compile_audit.md lists what still breaks): a
+forward with a left-padded attention mask, and one decode step against the cache, on CPU.
 
 `torch._dynamo.explain` only traces (no code generation), so each case takes a second or two. The mechanisms that
 still break are expected failures (strict: the test says so when one starts to trace)."""

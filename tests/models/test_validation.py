@@ -1,6 +1,6 @@
-"""Bad input to the models, configs and vision classes gets a clear error naming the field or argument
-(issue 24, part D), replayed case by case. Every case asserts the error type and the words of its message;
-the positive controls next to each table show that the checks do not refuse valid input."""
+"""Bad input to the models, configs and vision classes gets a clear error naming the field or argument,
+replayed case by case. Every case asserts the error type and the words of its message; the positive controls
+next to each table show that the checks do not refuse valid input."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""DeltaProduct (seed 001): the interleaved delta-rule form vs the literal per-token float64 loop (outputs,
-final states, gradients) at ragged T with masks and carried states; n_h = 1 is DeltaNet; one token by hand."""
+"""DeltaProduct (Siems et al. 2025, "DeltaProduct: Improving State-Tracking in Linear RNNs via Householder
+Products"): the interleaved delta-rule form vs the literal per-token float64 loop (outputs, final states,
+gradients) at ragged T with masks and carried states; n_h = 1 is DeltaNet; one token by hand."""
 
 import pytest
 import torch

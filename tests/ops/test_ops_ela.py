@@ -1,5 +1,6 @@
-"""Exact Linear Attention (seed 003): the linear form equals the quadratic kernel attention; chunk vs the
-float64 step-by-step reference (outputs, states, gradients); masks, carried states, overflow-safe exp."""
+"""Exact Linear Attention (Ou 2026, "Exact Linear Attention"): the linear form equals the quadratic kernel
+attention; chunk vs the float64 step-by-step reference (outputs, states, gradients); masks, carried states,
+overflow-safe exp."""
 
 import pytest
 import torch

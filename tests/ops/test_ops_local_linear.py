@@ -1,7 +1,8 @@
-"""Local-linear (p = 1) attention (seed 004 eqs 52–54): an independent per-query weighted ridge regression
-(least squares on the stacked, √w-weighted design) vs the per-query normal-equation reference and the batched
-moment form, float64, ragged T; gradients; sliding window; KV-cache carry-over; padding; and the limit
-ρ → ∞, where the slope vanishes and the output is softmax attention Σ w_i v_i."""
+"""Local-linear (p = 1) attention (eqs. 52–54 of the test-time regression paper, Wang et al. 2025): an independent
+per-query weighted ridge regression (least squares on the stacked, √w-weighted design) vs the per-query
+normal-equation reference and the batched moment form, float64, ragged T; gradients; sliding window; KV-cache
+carry-over; padding; and the limit ρ → ∞, where the slope vanishes and the output is softmax attention
+Σ w_i v_i."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
-"""OVQ attention (seed 002 §3.2, §8.3) and VQ-attention: the per-token reference vs the chunk form, state
-carry-over, padding, the pinned growth schedule, and independent checks (plain softmax attention on the first
-chunk, a hand-built second chunk, the count-weighted mean invariant, the quadratic form of VQ)."""
+"""OVQ attention ("Online Vector Quantized Attention", §3.2, §8.3) and VQ-attention: the per-token reference vs the
+chunk form, state carry-over, padding, the pinned growth schedule, and independent checks (plain softmax attention
+on the first chunk, a hand-built second chunk, the count-weighted mean invariant, the quadratic form of VQ)."""
 
 import math
 
@@ -299,7 +299,7 @@ def test_model_reads_max_dict_size_at_forward_time_and_caches_the_op_state(tmp_p
         assert_close(loaded(ids).logits, out.logits, 1e-6, "back to 12 through mixer_kwargs")
 
 
-def test_seed002_hybrid_presets():
+def test_ovq_paper_hybrid_presets():
     from lazoo.presets import build_config
 
     nope = build_config("sw-nope", num_hidden_layers=4, mixer_kwargs={"softmax": {"rope_theta": 500.0}})

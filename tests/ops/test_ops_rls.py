@@ -1,6 +1,7 @@
-"""RLS / Mesa layer (seed 004 eq 11, weighted version): the closed form S_t = VK_t (KK_t + λI)^{-1} at every t
-in float64 vs the Sherman–Morrison / per-token-solve reference and the Woodbury / batched-solve chunk form,
-for γ = 1 and γ < 1, ragged T; gradients (λ included); state carry-over; padding."""
+"""RLS / Mesa layer (eq. 11 of Wang et al. 2025, "Test-time regression: a unifying framework for designing sequence
+models with associative memory", weighted version): the closed form S_t = VK_t (KK_t + λI)^{-1} at every t in
+float64 vs the Sherman–Morrison / per-token-solve reference and the Woodbury / batched-solve chunk form, for γ = 1
+and γ < 1, ragged T; gradients (λ included); state carry-over; padding."""
 
 import pytest
 import torch

@@ -1,7 +1,8 @@
-"""Titans' linear neural memory (seed 001; Behrouz et al. 2024) with momentum and forgetting: both backends
-against a literal loop of the mini-batch definition written here (gradients by autograd at the mini-batch's
-start memory, momentum and decay token by token; b = 1 is the per-token recurrence), in float64: outputs,
-final M and S and gradients (q, k, v, θ, η, α, M₀, S₀), ragged T, a state carried over a split, padding."""
+"""Titans' linear neural memory (Behrouz et al. 2024, "Titans: Learning to Memorize at Test Time") with momentum
+and forgetting: both backends against a literal loop of the mini-batch definition written here (gradients by
+autograd at the mini-batch's start memory, momentum and decay token by token; b = 1 is the per-token recurrence),
+in float64: outputs, final M and S and gradients (q, k, v, θ, η, α, M₀, S₀), ragged T, a state carried over a
+split, padding."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""TTT-Linear and TTT-MLP (seed 001; Sun et al. 2024): both backends against literal definitions written here
-with autograd for the inner gradient (mini-batch GD: every gradient of a mini-batch at its start weights; b = 1
-is per-token GD), in float64: outputs, final states and gradients (q, k, v, η, W₀), ragged T, a state carried
-over a split, padding."""
+"""TTT-Linear and TTT-MLP (Sun et al. 2024, "Learning to (Learn at Test Time): RNNs with Expressive Hidden
+States"): both backends against literal definitions written here with autograd for the inner gradient (mini-batch
+GD: every gradient of a mini-batch at its start weights; b = 1 is per-token GD), in float64: outputs, final states
+and gradients (q, k, v, η, W₀), ragged T, a state carried over a split, padding."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""VLA op: Algorithm 1 of seed 000 transcribed per token, recurrent vs chunk (Woodbury + WY)."""
+"""VLA op: Algorithm 1 of "Variational Linear Attention: Stable Associative Memory for Long-Context Transformers"
+(Pandey and Singh 2026) transcribed per token, recurrent vs chunk (Woodbury + WY)."""
 
 import math
 
@@ -33,7 +34,7 @@ def random_state(b=B, t0=(7, 19, 0), dtype=F64, lambda0=0.1):
 
 # ----------------------------------------------------------------------------- Algorithm 1
 def algorithm1(q, k, v, u, S, A, z, t, lambda0=0.1, eps=1e-4, period=20, eta=1e-3):
-    """Seed 000 Algorithm 1 for one head, batch 1, token by token (q, k, u [T, dh], v [T, dv])."""
+    """The VLA paper's Algorithm 1 for one head, batch 1, token by token (q, k, u [T, dh], v [T, dv])."""
     dh = k.shape[-1]
     outs = []
     for i in range(k.shape[0]):
@@ -83,7 +84,7 @@ def algorithm1_batch(q, k, v, u, state, lambda0=0.1, **hp):
 
 @pytest.mark.parametrize("backend", ["recurrent", "chunk"])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_vla_equals_seed000_algorithm1_step_by_step(backend, with_state):
+def test_vla_equals_paper_algorithm1_step_by_step(backend, with_state):
     # T = 45 crosses the refreshes at steps 20 and 40 (from t0 = 7: at tokens 13 and 33).
     q, k, v, u = make_inputs(45, b=2)
     state = random_state(b=2, t0=(7, 0)) if with_state else None

@@ -1,4 +1,4 @@
-"""Pads and bad samples are isolated, in every op and backend (issue 24).
+"""Pads and bad samples are isolated, in every op and backend.
 
 Property, per op and backend, on fresh random inputs and a random mask (left pads, a hole, right pads in every
 sample): NaN / +Inf / -Inf planted at the pads of every per-token input, and NaN / Inf in real tokens of one
