@@ -183,3 +183,73 @@ def test_sliding_window_blocks_match_loop_with_grads(T, window):
     compare_backends(
         lambda backend: softmax_attention(q, k, v, window=window, backend=backend, output_final_state=True),
         leaves, rtol=1e-10)
+
+
+def grouped_loop_reference(q, k, v, scale, window, cache, mask):
+    """The per-query loop with grouped key/value heads: query head h reads key/value head h // (H // Hkv)."""
+    b_, T, Hq = q.shape[:3]
+    groups = Hq // k.shape[2]
+    keys, vals, km = (torch.cat([cache[n], x], 1) for n, x in (("k", k), ("v", v), ("mask", mask)))
+    Tc = keys.shape[1] - T
+    o = torch.zeros(b_, T, Hq, v.shape[-1], dtype=q.dtype)
+    for b in range(b_):
+        for h in range(Hq):
+            for t in range(T):
+                p = Tc + t
+                if not mask[b, t]:
+                    continue
+                seen = [s for s in range(p + 1) if km[b, s] and (window is None or s > p - window)]
+                w = torch.softmax(torch.stack([scale * q[b, t, h] @ keys[b, s, h // groups] for s in seen]), 0)
+                o[b, t, h] = sum(wi * vals[b, s, h // groups] for wi, s in zip(w, seen))
+    return o
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_grouped_kv_heads_match_the_loop_and_keep_a_compact_state(backend, window):
+    """k and v with Hkv < H heads (grouped-query attention): the loop's output with head h reading head h // (H //
+    Hkv), a state of Hkv heads that continues the sequence, and the same numbers as repeated heads."""
+    T, Hq = 9, 2 * H
+    torch.manual_seed(3)
+    q = torch.randn(B, T, Hq, DK, dtype=F64)
+    q2 = torch.randn(B, 2, Hq, DK, dtype=F64)
+    k, v, k2, v2 = make_inputs(T)[1:] + make_inputs(2, seed=4)[1:]
+    cache = random_cache(5)
+    mask = left_pad_mask([9, 6, 1], T)
+    o, s = softmax_attention(q, k, v, window=window, initial_state=cache, mask=mask, output_final_state=True,
+                             backend=backend)
+    assert_close(o, grouped_loop_reference(q, k, v, DK ** -0.5, window, cache, mask), 1e-12, "grouped vs loop")
+    kept = 5 + T if window is None else window - 1
+    assert s["k"].shape == (B, kept, H, DK) and s["v"].shape == (B, kept, H, DV)
+    o2, _ = softmax_attention(q2, k2, v2, window=window, initial_state=s, backend=backend)
+    rep = {name: (x.repeat_interleave(2, 2) if name != "mask" else x) for name, x in s.items()}
+    o2_rep, _ = softmax_attention(q2, k2.repeat_interleave(2, 2), v2.repeat_interleave(2, 2), window=window,
+                                  initial_state=rep, backend=backend)
+    assert_close(o2, o2_rep, 1e-12, "continuation from the compact state vs repeated heads")
+
+
+@pytest.mark.parametrize("T,window", [(37, None), (37, 5), (1, None)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_kv_heads_chunk_matches_recurrent_with_grads(T, window, padded):
+    """Every path of the chunk backend (plain causal SDPA, windowed blocks, masked SDPA) with grouped heads: outputs,
+    the compact final state and the gradients (of k and v summed over the query heads of a group)."""
+    torch.manual_seed(T)
+    q = torch.randn(B, T, 3 * H, DK, dtype=F64, requires_grad=True)
+    k, v = (x.requires_grad_(True) for x in make_inputs(T, seed=T)[1:])
+    scale = torch.rand(3 * H, dtype=F64, requires_grad=True)
+    mask = left_pad_mask([T, max(T - 5, 0), max(T - 11, 0)], T) if padded else None
+    compare_backends(lambda backend: softmax_attention(q, k, v, scale=scale, window=window, mask=mask,
+                                                       output_final_state=True, backend=backend),
+                     {"q": q, "k": k, "v": v, "scale": scale}, rtol=1e-10)
+
+
+def test_grouped_kv_heads_bad_inputs():
+    q, k, v = make_inputs(4)
+    q3 = torch.randn(B, 4, 3, DK, dtype=F64)  # 3 query heads: H = 2 key/value heads do not divide them
+    with pytest.raises(ValueError, match=r"k must have shape .*Hkv dividing H"):
+        softmax_attention(q3, k, v)
+    with pytest.raises(ValueError, match=r"v must have shape .*like k \(1 key/value heads\)"):
+        softmax_attention(torch.cat([q, q], 2), k[:, :, :1], v)
+    with pytest.raises(ValueError, match=r"initial_state\['k'\]"):  # a cache of repeated heads for a grouped call
+        cache = {name: (x.repeat_interleave(2, 2) if name != "mask" else x) for name, x in random_cache(3).items()}
+        softmax_attention(torch.cat([q, q], 2), k, v, initial_state=cache)

@@ -15,7 +15,8 @@ class ShortConvolution(nn.Conv1d):
     with `bias=True` (the Triton kernel has none: a convolution with a bias runs `conv1d`).
 
     Padded positions are set to zero before the convolution, whatever they hold (NaN and inf included), so a
-    left-padded sample sees the same zeros before its first token as it would unpadded. `state` holds the last K−1 inputs `[B, K−1, C]`.
+    left-padded sample sees the same zeros before its first token as it would unpadded. `state` holds the last K−1
+    inputs `[B, K−1, C]`.
     Packed sequences (`cu_seqlens` `[N + 1]`, B = 1): a position sees only the inputs of its own sequence,
     as if each sequence ran alone from a zero state (no state in or out); they run in PyTorch on every backend
     (the kernel has no packed form).

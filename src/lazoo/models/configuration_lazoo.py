@@ -41,6 +41,8 @@ def check_sizes(config) -> None:
     check_int("intermediate_size", config.intermediate_size, minimum=0, note=" (0 = no MLP)")
     check_int("sliding_window", config.sliding_window, allow_none=True)
     check_number("rms_norm_eps", config.rms_norm_eps, positive=True)
+    if not isinstance(config.zero_centered_norm, bool):
+        raise ValueError(f"zero_centered_norm must be True or False, got {config.zero_centered_norm!r}")
     check_number("initializer_range", config.initializer_range, positive=False)
     if config.use_short_conv not in (None, True, False):
         raise ValueError(f"use_short_conv must be True, False or None (each mixer's default), "
@@ -63,16 +65,19 @@ def check_layer_types(layer_types, num_hidden_layers) -> None:
 
 def check_head_layout(config, layer_types) -> None:
     """hidden_size divides into the heads of every layer whose mixer derives its head dim from it: the config's
-    `num_attention_heads`, or the mechanism's own `num_heads` option; a mechanism with its own `head_k_dim` sets
-    its head dim freely (fla-style layouts). The Memory Lobe uses `num_attention_heads`."""
+    `num_attention_heads`, or the mechanism's own `num_heads` option; a mechanism with its own `head_k_dim` (the
+    recurrent mixers) or `head_dim` (attention) sets its head dim freely (fla- and Qwen-style layouts). The Memory
+    Lobe uses `num_attention_heads`."""
     for name in dict.fromkeys(layer_types):
         options = config.mixer_options(name)
         heads = options.get("num_heads") or config.num_attention_heads
-        if options.get("head_k_dim") is None and config.hidden_size % heads:
+        own_dim = options.get("head_k_dim") is not None or options.get("head_dim") is not None
+        if not own_dim and config.hidden_size % heads:
             source = (f"the {name!r} option num_heads={heads}" if options.get("num_heads")
                       else f"num_attention_heads={heads}")
             raise ValueError(f"hidden_size={config.hidden_size} must be divisible by {source} (the heads of the "
-                             f"{name!r} layers), or set the {name!r} option head_k_dim where the mechanism has it")
+                             f"{name!r} layers), or set the {name!r} option head_k_dim (head_dim for attention) "
+                             "where the mechanism has it")
     if config.memory_lobe is not None and config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads="
                          f"{config.num_attention_heads} (the Memory Lobe's heads)")
@@ -98,9 +103,41 @@ def check_decoder_options(config) -> None:
     if config.moe_bias not in MOE_BIAS_MODES:
         raise ValueError(f"moe_bias must be one of {MOE_BIAS_MODES} (the ELA paper, eqs. 14/15; None = no bias), "
                          f"got {config.moe_bias!r}")
+    shared = config.moe_shared_expert_intermediate_size
+    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared < 0):
+        raise ValueError(f"moe_shared_expert_intermediate_size must be an int >= 0 or None (None / 0 = no shared "
+                         f"expert), got {shared!r}")
+    if not (config.moe_norm_top_k is None or isinstance(config.moe_norm_top_k, bool)):
+        raise ValueError(f"moe_norm_top_k must be None (renormalise the top-k scores when moe_top_k > 1), True "
+                         f"(always) or False (never), got {config.moe_norm_top_k!r}")
+    check_moe_layers(config.moe_layers, config.num_hidden_layers)
     coef = config.router_aux_loss_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
         raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
+
+
+def check_moe_layers(moe_layers, num_hidden_layers) -> None:
+    """`moe_layers` is None (every layer) or a list of distinct layer indices in [0, num_hidden_layers)."""
+    if moe_layers is None:
+        return
+    if not isinstance(moe_layers, (list, tuple)):
+        raise ValueError(f"moe_layers must be None (a routed MoE in every layer) or a list of layer indices, got "
+                         f"{type(moe_layers).__name__} {moe_layers!r}")
+    for index in moe_layers:
+        if not is_int(index) or not 0 <= index < num_hidden_layers:
+            raise ValueError(f"moe_layers entries must be layer indices in [0, num_hidden_layers={num_hidden_layers}), "
+                             f"got {index!r}")
+    if len(set(moe_layers)) != len(moe_layers):
+        raise ValueError(f"moe_layers lists a layer twice: {list(moe_layers)!r}")
+
+
+def moe_layers_from_sparse_step(num_hidden_layers: int, decoder_sparse_step: int = 1, mlp_only_layers=(),
+                                num_experts: int = 1) -> list[int] | None:
+    """lazoo's `moe_layers` for a Qwen3-Next / Qwen2-MoE style config: layer i is a MoE iff i is not in
+    `mlp_only_layers`, `num_experts > 0` and `(i + 1) % decoder_sparse_step == 0`; None when that is every layer."""
+    layers = [i for i in range(num_hidden_layers)
+              if i not in set(mlp_only_layers or ()) and num_experts > 0 and (i + 1) % decoder_sparse_step == 0]
+    return None if len(layers) == num_hidden_layers else layers
 
 
 def _defaults_before(saved_format, layer_types) -> dict[str, dict[str, Any]]:
@@ -197,6 +234,7 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         use_short_conv: bool | None = None,
         mixer_kwargs: dict[str, dict[str, Any]] | None = None,
         rms_norm_eps: float = 1e-6,
+        zero_centered_norm: bool = False,
         initializer_range: float = 0.02,
         max_position_embeddings: int = 1 << 20,
         tie_word_embeddings: bool = True,
@@ -211,6 +249,9 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         moe_top_k: int = 2,
         moe_intermediate_size: int | None = None,
         moe_bias: str | None = "eq14",
+        moe_norm_top_k: bool | None = None,
+        moe_shared_expert_intermediate_size: int | None = None,
+        moe_layers: list[int] | None = None,
         router_aux_loss_coef: float = 0.01,
         **kwargs,
     ):
@@ -248,6 +289,8 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
                 self.mixer_kwargs[name] = {**old, **self.mixer_kwargs.get(name, {})}
         self.lazoo_format = CONFIG_FORMAT
         self.rms_norm_eps = rms_norm_eps
+        # the decoder's norms as (1 + w)·x̂ with w starting at 0 (Qwen3.5 / Qwen3-Next checkpoints), not w·x̂
+        self.zero_centered_norm = zero_centered_norm
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
         self.tie_word_embeddings = tie_word_embeddings
@@ -263,6 +306,12 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         self.moe_top_k = moe_top_k
         self.moe_intermediate_size = moe_intermediate_size
         self.moe_bias = moe_bias
+        # None: renormalise the top-k scores when moe_top_k > 1 (the original rule); True: always; False: never
+        self.moe_norm_top_k = moe_norm_top_k
+        # the width of the shared expert (Qwen3-Next / Qwen3.5-MoE), gated by sigmoid(w·x); None / 0: none
+        self.moe_shared_expert_intermediate_size = moe_shared_expert_intermediate_size
+        # the layers with a routed MoE (None: every layer); the others get the dense MLP of intermediate_size
+        self.moe_layers = list(moe_layers) if isinstance(moe_layers, tuple) else moe_layers
         self.router_aux_loss_coef = router_aux_loss_coef
         self.check_fields(layer_types)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)

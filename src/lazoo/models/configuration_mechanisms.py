@@ -10,13 +10,17 @@ class LazooSoftmaxConfig(LazooConfig):
 
     softmax options (typed fields here; `mixer_kwargs['softmax']` in any config):
         use_rope = True: rotary position embedding on q and k (half-split pairs, positions counting real tokens)
-        rope_theta = 10000.0: RoPE base θ: pair i of a head of dim D turns by position · θ^(−2i/D)
+        rope_theta = 10000.0: RoPE base θ: pair i of the R rotated channels (R = rotary_dim) turns by position · θ^(−2i/R)
+        rotary_dim = None: channels R of each head that RoPE turns: the first R (even, ≤ head_dim; channel i paired with i + R/2, as transformers' partial_rotary_factor does), the others pass through; None: the whole head
         qk_norm = False: unit-norm q and k with a learned per-head scale (initialised to √head_dim) in place of 1/√d
-        num_heads = None: query heads of this layer (head dim hidden_size // num_heads); None: num_attention_heads
-        num_kv_heads = None: key/value heads (grouped-query attention: query head h reads head h // (num_heads // num_kv_heads)); None: num_heads
-        qkv_bias = False: biases on the q, k and v projections (the output projection has none)
+        num_heads = None: query heads of this layer (head dim hidden_size // num_heads unless head_dim is set); None: num_attention_heads
+        num_kv_heads = None: key/value heads (grouped-query attention: query head h reads head h // (num_heads // num_kv_heads); the KV cache keeps num_kv_heads heads); None: num_heads
+        head_dim = None: the dim of each head, independent of hidden_size (q_proj: hidden_size -> num_heads·head_dim, k_proj and v_proj: hidden_size -> num_kv_heads·head_dim, o_proj: num_heads·head_dim -> hidden_size); None: hidden_size // num_heads
+        qkv_bias = False: biases on the q, k and v projections (and on g_proj; the output projection has none)
         qk_rmsnorm = False: RMSNorm with a learned weight (head_dim, shared by the heads) over each head's q and k, before RoPE (fla's qk_norm); not together with qk_norm
         qk_rmsnorm_eps = 1e-05: the ε of the qk_rmsnorm norms
+        qk_rmsnorm_zero_centered = False: the qk_rmsnorm norms scale by (1 + w), w initialised to 0, computed in fp32 for half types (Qwen3.5 / Qwen3-Next); needs qk_rmsnorm
+        output_gate = False: the attention output times sigmoid(g_proj(x)) per channel before o_proj (g_proj: hidden_size -> num_heads·head_dim; Qwen3.5 / Qwen3-Next gated attention)
     """
 
     model_type = "lazoo_softmax"
@@ -31,13 +35,17 @@ class LazooSlidingWindowConfig(LazooConfig):
 
     sliding_window options (typed fields here; `mixer_kwargs['sliding_window']` in any config):
         use_rope = True: rotary position embedding on q and k (half-split pairs, positions counting real tokens)
-        rope_theta = 10000.0: RoPE base θ: pair i of a head of dim D turns by position · θ^(−2i/D)
+        rope_theta = 10000.0: RoPE base θ: pair i of the R rotated channels (R = rotary_dim) turns by position · θ^(−2i/R)
+        rotary_dim = None: channels R of each head that RoPE turns: the first R (even, ≤ head_dim; channel i paired with i + R/2, as transformers' partial_rotary_factor does), the others pass through; None: the whole head
         qk_norm = False: unit-norm q and k with a learned per-head scale (initialised to √head_dim) in place of 1/√d
-        num_heads = None: query heads of this layer (head dim hidden_size // num_heads); None: num_attention_heads
-        num_kv_heads = None: key/value heads (grouped-query attention: query head h reads head h // (num_heads // num_kv_heads)); None: num_heads
-        qkv_bias = False: biases on the q, k and v projections (the output projection has none)
+        num_heads = None: query heads of this layer (head dim hidden_size // num_heads unless head_dim is set); None: num_attention_heads
+        num_kv_heads = None: key/value heads (grouped-query attention: query head h reads head h // (num_heads // num_kv_heads); the KV cache keeps num_kv_heads heads); None: num_heads
+        head_dim = None: the dim of each head, independent of hidden_size (q_proj: hidden_size -> num_heads·head_dim, k_proj and v_proj: hidden_size -> num_kv_heads·head_dim, o_proj: num_heads·head_dim -> hidden_size); None: hidden_size // num_heads
+        qkv_bias = False: biases on the q, k and v projections (and on g_proj; the output projection has none)
         qk_rmsnorm = False: RMSNorm with a learned weight (head_dim, shared by the heads) over each head's q and k, before RoPE (fla's qk_norm); not together with qk_norm
         qk_rmsnorm_eps = 1e-05: the ε of the qk_rmsnorm norms
+        qk_rmsnorm_zero_centered = False: the qk_rmsnorm norms scale by (1 + w), w initialised to 0, computed in fp32 for half types (Qwen3.5 / Qwen3-Next); needs qk_rmsnorm
+        output_gate = False: the attention output times sigmoid(g_proj(x)) per channel before o_proj (g_proj: hidden_size -> num_heads·head_dim; Qwen3.5 / Qwen3-Next gated attention)
     """
 
     model_type = "lazoo_sliding_window"

@@ -27,7 +27,8 @@ except ImportError:  # pragma: no cover - older transformers
 from ..layers.memory_lobe import MemoryLobe
 from ..layers.mixers import TokenMixer, mixer_class
 from ..layers.mlp import GatedMLP
-from ..layers.moe import RoutedMoE
+from ..layers.moe import MoEExperts, RoutedMoE
+from ..layers.norms import ZeroCenteredRMSNorm, rms_norm
 from ..ops.backend import host_sync_allowed
 from ..ops.packing import cu_seqlens_from_position_ids
 from ..registry import Mechanism, mechanisms, on_register
@@ -35,6 +36,7 @@ from ..registry import get as get_mechanism
 from .cache import LazooCache
 from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, refuse_taken_name
+from .legacy_moe import stacked_experts_folder
 
 logger = logging.get_logger(__name__)
 
@@ -56,13 +58,23 @@ class LazooCausalLMOutputWithPast(CacheAliases, CausalLMOutputWithPast):
     aux_loss: torch.FloatTensor | None = None
 
 
-def _feed_forward(config: LazooConfig) -> nn.Module:
-    """A gated MLP, or the routed MoE of the ELA paper (eqs. 14/15) when `config.moe_num_experts > 0`."""
+def _feed_forward(config: LazooConfig, layer_idx: int | None = None) -> nn.Module:
+    """A gated MLP, or the routed MoE of the ELA paper (eqs. 14/15) when `config.moe_num_experts > 0` and the layer
+    is one of `config.moe_layers` (None: every layer); with `moe_shared_expert_intermediate_size`, plus the gated
+    shared expert of Qwen3-Next / Qwen3.5-MoE."""
     experts = getattr(config, "moe_num_experts", 0)
-    if not experts:
+    moe_layers = getattr(config, "moe_layers", None)
+    if not experts or (moe_layers is not None and layer_idx not in moe_layers):
         return GatedMLP(config.hidden_size, config.intermediate_size)
     size = config.moe_intermediate_size or config.intermediate_size
-    return RoutedMoE(config.hidden_size, size, experts, config.moe_top_k, config.moe_bias)
+    return RoutedMoE(config.hidden_size, size, experts, config.moe_top_k, config.moe_bias,
+                     norm_top_k=getattr(config, "moe_norm_top_k", None),
+                     shared_intermediate_size=getattr(config, "moe_shared_expert_intermediate_size", None))
+
+
+def decoder_norm(config: LazooConfig) -> nn.Module:
+    """One of the decoder's RMSNorms (zero-centred where the config says so)."""
+    return rms_norm(config.hidden_size, config.rms_norm_eps, getattr(config, "zero_centered_norm", False))
 
 
 class LazooDecoderLayer(GradientCheckpointingLayer):
@@ -77,11 +89,11 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         name = config.layer_types[layer_idx]
         self.hyper_link = bool(getattr(config, "hyper_link", False))
-        self.input_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_norm = decoder_norm(config)
         self.mixer = mixer_class(name)(config, layer_idx, config.mixer_options(name))
         if not self.hyper_link:
-            self.post_mixer_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = _feed_forward(config)
+            self.post_mixer_norm = decoder_norm(config)
+        self.mlp = _feed_forward(config, layer_idx)
         lobe = getattr(config, "memory_lobe", None)
         self.memory_lobe = None if lobe is None else MemoryLobe(
             config.hidden_size, config.num_attention_heads, layer_idx, mode=lobe,
@@ -126,6 +138,10 @@ class LazooPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, TokenMixer):
             module._init_lazoo_parameters(hf_init)
+        elif isinstance(module, MoEExperts):  # stacked experts: normal(0, initializer_range), as nn.Linear ones
+            module._init_lazoo_parameters(hf_init, self.config.initializer_range)
+        elif isinstance(module, ZeroCenteredRMSNorm):
+            module.reset_parameters(hf_init)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -138,11 +154,21 @@ class LazooPreTrainedModel(PreTrainedModel):
         longer describes the weights (an edited `lazoo_format` or `model_type` reads the layers' options
         differently), and the model would compute other numbers. `allow_layer_mismatch=True` loads it anyway
         (unmatched weights dropped, missing ones newly initialised, as transformers does). Heads may differ as
-        usual: a causal LM's folder loads into a sequence classifier with a new `score`."""
+        usual: a causal LM's folder loads into a sequence classifier with a new `score`. A folder saved when the
+        routed MoE held one module per expert loads with its experts stacked (`lazoo.models.legacy_moe`)."""
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        with stacked_experts_folder(source, kwargs) as stacked:
+            if stacked is not None:  # read from a stacked copy, as a local folder
+                args = (stacked, *args[1:]) if args else args
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision")}
+                if not args:
+                    kwargs["pretrained_model_name_or_path"] = stacked
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if stacked is not None:
+            model.name_or_path = model.config._name_or_path = os.fspath(source)
         if not allow_layer_mismatch:
-            check_layer_weights(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+            check_layer_weights(info, source)
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -303,7 +329,7 @@ class LazooModel(LazooPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None)
         self.layers = nn.ModuleList(LazooDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = decoder_norm(config)
         self.gradient_checkpointing = False
         self.post_init()
 

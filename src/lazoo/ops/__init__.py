@@ -18,8 +18,9 @@ The package holds every name of every op module's ``__all__`` and ``BACKENDS``, 
 (a new op module adds its line; ``tests/test_package_imports.py`` checks that none is missing). What the op modules
 share holds no op: ``backend`` (backend choice), ``checks`` (argument checks), ``states`` (initial states),
 ``boundary`` (an op's preamble and result, pads), ``dtypes``, ``chunks``, ``scan``, ``norms`` and ``packing``
-(``cu_seqlens``). ``lazoo.ops.<module>`` is the module (``lazoo.ops.linear``) unless an op has its name: ``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the
-ops, their modules ``sys.modules["lazoo.ops.vla"]`` and so on.
+(``cu_seqlens``). ``lazoo.ops.<module>`` is the module (``lazoo.ops.linear``) unless an op has its name:
+``delta_product``, ``ela``, ``rls``, ``titans`` and ``vla`` are the ops, their modules
+``sys.modules["lazoo.ops.vla"]`` and so on.
 """
 
 from .backend import BACKENDS

@@ -12,9 +12,10 @@ from .backend import host_sync_allowed
 
 
 def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              grouped_values: bool = False) -> tuple[int, ...]:
+              grouped_values: bool = False, grouped_kv: bool = False) -> tuple[int, ...]:
     """Check q ``[B, T, H, dk]``, k like q, v ``[B, T, H, dv]`` (``grouped_values``: ``[B, T, m·H, dv]``, each
-    query/key head serving m consecutive value heads); return ``(B, T, H, dk, dv)``."""
+    query/key head serving m consecutive value heads; ``grouped_kv``: k ``[B, T, Hkv, dk]`` and v ``[B, T, Hkv, dv]``
+    with Hkv dividing H, grouped-query attention); return ``(B, T, H, dk, dv)``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -24,16 +25,22 @@ def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             )
     check_float(op, "q", q)
     B, T, H, dk = q.shape
-    if k.shape != q.shape:
+    kv_heads = H
+    if grouped_kv and k.shape[:2] == q.shape[:2] and k.shape[3] == dk and 0 < k.shape[2] <= H \
+            and H % k.shape[2] == 0:
+        kv_heads = k.shape[2]  # grouped-query attention: query head h reads key/value head h // (H // Hkv)
+    elif k.shape != q.shape:
+        grouped = " (or [B, T, Hkv, dk] with Hkv dividing H: grouped key/value heads)" if grouped_kv else ""
         raise ValueError(
-            f"{op}: k must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {tuple(k.shape)}"
+            f"{op}: k must have shape [B, T, H, dk] = {tuple(q.shape)} like q, got {tuple(k.shape)}{grouped}"
         )
     if grouped_values and v.shape[:2] == q.shape[:2] and v.shape[2] >= H and v.shape[2] % H == 0:
         pass  # m·H value heads
-    elif v.shape[:3] != q.shape[:3]:
+    elif v.shape[:3] != (B, T, kv_heads):
         heads = f" (or a multiple of H = {H} heads: grouped value heads)" if grouped_values else ""
+        like = f"like k ({kv_heads} key/value heads)" if kv_heads != H else "like q"
         raise ValueError(
-            f"{op}: v must have shape [B, T, H, dv] with [B, T, H] = {tuple(q.shape[:3])} like q{heads}, "
+            f"{op}: v must have shape [B, T, H, dv] with [B, T, H] = {(B, T, kv_heads)} {like}{heads}, "
             f"got {tuple(v.shape)}"
         )
     if T == 0:

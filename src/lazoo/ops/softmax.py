@@ -1,7 +1,9 @@
 """Causal softmax attention, full or sliding-window, with a KV cache as state.
 
-Layout: q/k ``[B, T, H, dk]``, v ``[B, T, H, dv]``, mask ``[B, T]`` (1 = real token).
-State (the KV cache): ``{"k": [B, Tc, H, dk], "v": [B, Tc, H, dv], "mask": [B, Tc] bool}``.
+Layout: q ``[B, T, H, dk]``, k ``[B, T, Hkv, dk]``, v ``[B, T, Hkv, dv]``, mask ``[B, T]`` (1 = real token).
+Grouped-query attention: Hkv (a divisor of H; Hkv = H is plain multi-head attention) key/value heads, query head
+h reading key/value head h // (H // Hkv). The state keeps the Hkv heads; they are repeated only for the compute.
+State (the KV cache): ``{"k": [B, Tc, Hkv, dk], "v": [B, Tc, Hkv, dv], "mask": [B, Tc] bool}``.
 
 Positions are counted over the cache followed by the new tokens, pads included, so a window of
 W lets the query at absolute position p see the keys at positions in (p - W, p]; pad keys never
@@ -47,11 +49,13 @@ def softmax_attention(
     scale: None -> dk ** -0.5; a number; or a tensor ``[H]`` (a learned per-head scale, as with
     QK-norm: q is multiplied by it and no further scale is applied).
     window: None -> full causal attention; W -> the query at position p sees keys in (p - W, p].
+    k and v may have Hkv heads, a divisor of q's H (grouped-query attention, see the module docstring).
     Returns ``(o [B, T, H, dv], final_state)``; a final state with a window keeps only the last
     W - 1 positions. Padded queries give 0. ``cu_seqlens``: packed sequences (see the module docstring).
     """
     # a masked score times a NaN value is still NaN: the pads are zeroed
-    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask)
+    (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask, grouped_kv=True)
+    Hkv = k.shape[2]
     cu_seqlens = check_cu_seqlens(_OP, cu_seqlens, B, T, q.device, mask)
     if cu_seqlens is not None and (initial_state is not None or output_final_state):
         raise ValueError(f"{_OP}: packed sequences (cu_seqlens) take no initial_state and give no final state")
@@ -63,22 +67,33 @@ def softmax_attention(
 
     q = q.to(cdt)
     q, scale = _apply_scale(q, scale, H, dk)
-    keys, values, key_mask = with_kv_cache(_OP, initial_state, k.to(cdt), v.to(cdt), mask, B, H, dk, dv)
+    keys, values, key_mask = with_kv_cache(_OP, initial_state, k.to(cdt), v.to(cdt), mask, B, Hkv, dk, dv)
     Tc = keys.shape[1] - T
     query_mask = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    # the state keeps Hkv heads; every backend computes on keys and values repeated to q's H heads
+    k_all, v_all = repeat_kv_heads(keys, H // Hkv), repeat_kv_heads(values, H // Hkv)
 
     if backend != "recurrent" and Tc == 0 and mask is None and window is None and cu_seqlens is None:
-        o = _sdpa(q, keys, values, None, scale)  # plain causal: SDPA's flash/causal kernels
+        o = _sdpa(q, k_all, v_all, None, scale)  # plain causal: SDPA's flash/causal kernels
     elif backend != "recurrent" and Tc == 0 and mask is None and cu_seqlens is None and T > 2 * window:
-        o = _sdpa_window_blocks(q, keys, values, window, scale)  # O(T·W), not a [T, T] mask
+        o = _sdpa_window_blocks(q, k_all, v_all, window, scale)  # O(T·W), not a [T, T] mask
     else:
         allowed = visible_keys(query_mask, key_mask, Tc, window)  # [B, T, S]
         if cu_seqlens is not None:  # Tc == 0: keys and queries are the same positions
             seq = packed_sequence_ids(cu_seqlens, T)
             allowed = allowed & (seq[:, None] == seq[None, :])[None]
-        o = (_eager if backend == "recurrent" else _sdpa)(q, keys, values, allowed, scale)
+        o = (_eager if backend == "recurrent" else _sdpa)(q, k_all, v_all, allowed, scale)
     final = kv_cache_state(keys, values, key_mask, window) if output_final_state else None
     return op_result(o, mask, v.dtype, final, output_final_state)
+
+
+def repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, S, Hkv, d]`` -> ``[B, S, Hkv·groups, d]``: query head h reads key/value head h // groups (grouped-query
+    attention, as flash-attention, fla and transformers group them); ``x`` itself when ``groups`` is 1."""
+    if groups == 1:
+        return x
+    B, S, Hkv, d = x.shape
+    return x[:, :, :, None].expand(B, S, Hkv, groups, d).reshape(B, S, Hkv * groups, d)
 
 
 def _apply_scale(q: torch.Tensor, scale, H: int, dk: int) -> tuple[torch.Tensor, float]:
@@ -99,7 +114,8 @@ def _apply_scale(q: torch.Tensor, scale, H: int, dk: int) -> tuple[torch.Tensor,
 
 def with_kv_cache(op: str, state, k, v, mask, B, H, dk, dv):
     """Concatenate the cached keys/values/mask (if any) in front of the new ones: the KV-cache state
-    ``{"k", "v", "mask"}`` of the attention-like ops (softmax, sliding window, local-linear); errors name ``op``."""
+    ``{"k", "v", "mask"}`` of the attention-like ops (softmax, sliding window, local-linear); errors name ``op``.
+    ``H`` is the key/value heads the state must have (the op's Hkv under grouped-query attention)."""
     new_mask = mask if mask is not None else torch.ones(B, k.shape[1], dtype=torch.bool, device=k.device)
     if state is None:
         return k, v, new_mask

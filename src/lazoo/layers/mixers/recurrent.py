@@ -146,8 +146,10 @@ class RecurrentMixer(TokenMixer):
         activation, the convolution of that stream is linear (SiLU excepted: it is fused into the convolution,
         the same function) and `activate` applies it afterwards."""
         targets = options["short_conv_targets"]
-        if not targets or not isinstance(targets, str) or set(targets) - set("qkv") or len(set(targets)) != len(targets):
-            raise ValueError(f"short_conv_targets must be a non-empty subset of 'qkv' (e.g. 'qkv', 'k'), got {targets!r}")
+        if (not targets or not isinstance(targets, str) or set(targets) - set("qkv")
+                or len(set(targets)) != len(targets)):
+            raise ValueError(f"short_conv_targets must be a non-empty subset of 'qkv' (e.g. 'qkv', 'k'), "
+                             f"got {targets!r}")
         if options["conv_activation"] not in ("silu", None):
             raise ValueError(f"conv_activation must be 'silu' or None, got {options['conv_activation']!r}")
         for key in ("qk_activation", "v_activation"):

@@ -3,8 +3,9 @@
 
 Short convolution on q, k, v (default on), L2-normalised q and k, a learned per-head ridge λ = exp(log_lambda)
 (initialised to `lambda_init`), a fixed forgetting factor `gamma` (1 = the unweighted RLS of that paper's eq. 11),
-no output norm by default (the read-out is already on the scale of v). The cache entry is `{"op": {"KK", "VK"}, "conv": <conv tails>}`: the weighted
-moments Σγ k kᵀ and Σγ v kᵀ, without the ridge, so the cache stays exact for any λ.
+no output norm by default (the read-out is already on the scale of v). The cache entry is
+`{"op": {"KK", "VK"}, "conv": <conv tails>}`: the weighted moments Σγ k kᵀ and Σγ v kᵀ, without the ridge, so the
+cache stays exact for any λ.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ register(Mechanism(
     state=(
         '{"op": {"KK" [B, H, dk, dk], "VK" [B, H, dv, dk]} (weighted moments, no ridge), "conv": short-conv tails}'
     ),
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear", "lazoo.kernels.normalized", "lazoo.kernels.rls"),
+    backends=("recurrent", "chunk", "triton"),
+    kernels=("lazoo.kernels.linear", "lazoo.kernels.normalized", "lazoo.kernels.rls"),
     tiny_options={"chunk_size": 16}, class_prefix="LazooRLS",
 ))

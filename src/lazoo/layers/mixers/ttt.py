@@ -68,7 +68,8 @@ class TTTLinearMixer(RecurrentMixer):
                                 mini_batch_size=self.options["mini_batch_size"], real=real)
             return o[:, None], (new_state if want_state else None)
         op = getattr(ops, self.mechanism)  # ops.ttt_linear / ops.ttt_mlp
-        return op(q, k, v, eta, mini_batch_size=self.options["mini_batch_size"], **self.op_kwargs(mask, state, want_state))
+        return op(q, k, v, eta, mini_batch_size=self.options["mini_batch_size"],
+                  **self.op_kwargs(mask, state, want_state))
 
 
 class TTTMLPMixer(TTTLinearMixer):
