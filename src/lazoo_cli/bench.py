@@ -141,6 +141,26 @@ def model_sizes(args) -> dict:
                 intermediate_size=args.intermediate_size, vocab_size=args.vocab_size)
 
 
+def add_qwen_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="bench_qwen.jsonl")
+    ap.add_argument("--implementations", default="lazoo,transformers",
+                    help="comma-separated: lazoo (the converted model), transformers (its own Qwen3_5ForCausalLM, "
+                         "with whatever fla / FlashQLA the environment has)")
+    ap.add_argument("--prefill", default="8192,32768", help="comma-separated prompt lengths of the prefill rows")
+    ap.add_argument("--train-length", type=int, default=4096)
+    ap.add_argument("--train-batch", type=int, default=1)
+    ap.add_argument("--batch-sizes", default="1,64", help="comma-separated batch sizes of the generate rows")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt length of the generate rows")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than Qwen3.5-0.8B's 24 (smoke tests)")
+    ap.add_argument("--hidden-size", type=int, default=None, help="a smaller width (smoke tests)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="a smaller vocabulary (smoke tests)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=GENERATE_DTYPES)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 #: `lazoo bench NAME` -> lazoo.bench.NAME
 BENCHMARKS = {
     "kernels": Benchmark(
@@ -172,6 +192,10 @@ BENCHMARKS = {
         "ms per new token of ~125M models (also on the CPU: --device cpu)",
         "Greedy generation speed (prefill ms, ms per new token, tokens/s, peak GPU memory) of ~125M causal LMs.",
         add_generate_options),
+    "qwen": Benchmark(
+        "a Qwen3.5-0.8B-shaped model: lazoo's conversion against transformers' own class",
+        "Prefill, training and generation speed of a model of Qwen3.5-0.8B's shape: lazoo against transformers.",
+        add_qwen_options),
 }
 
 

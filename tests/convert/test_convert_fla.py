@@ -312,8 +312,7 @@ def test_a_checkpoint_saved_by_fla_s_own_classes_converts_exactly(case, fla_mode
 def test_a_converted_model_fine_tunes_with_lora_evaluates_and_loads_without_lazoo(tmp_path, tokenizer, lm_blocks,
                                                                                    capsys):
     from export_helpers import run_loader
-    from peft import LoraConfig, get_peft_model
-    from transformers import Trainer, TrainingArguments
+    from lora_helpers import lora_fine_tune
 
     from lazoo.eval import main as eval_main
 
@@ -323,15 +322,7 @@ def test_a_converted_model_fine_tunes_with_lora_evaluates_and_loads_without_lazo
     from_fla(tmp_path / "fla", tmp_path / "converted")
     assert (tmp_path / "converted" / "tokenizer.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "converted")
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "g_proj"])
-    peft_model = get_peft_model(model, lora)
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, max_steps=12,
-                             learning_rate=3e-3, logging_steps=4, report_to=[], save_strategy="no", use_cpu=True,
-                             disable_tqdm=True)
-    trainer = Trainer(model=peft_model.train(), args=args, train_dataset=lm_blocks)
-    trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    peft_model, losses = lora_fine_tune(model, lm_blocks, tmp_path / "run")
     assert losses[-1] < losses[0], losses
     tuned = tmp_path / "tuned"
     peft_model.merge_and_unload().save_pretrained(tuned)

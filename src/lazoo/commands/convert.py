@@ -1,4 +1,5 @@
-"""`lazoo convert`: a fla checkpoint folder into a lazoo folder (`lazoo.convert.from_fla`)."""
+"""`lazoo convert`: a fla, Qwen3.5 or Qwen3-Next checkpoint folder into a lazoo folder
+(`lazoo.convert.convert_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ __all__ = ["cmd_convert"]
 
 
 def cmd_convert(args) -> int:
-    from ..convert import ConversionError, from_fla
+    from ..convert import ConversionError, convert_checkpoint
 
     if not os.path.isdir(args.src):
-        raise CLIError(f"no such folder {args.src!r}; give a fla checkpoint folder (config.json + safetensors)")
+        raise CLIError(f"no such folder {args.src!r}; give a checkpoint folder (config.json + safetensors)")
     try:
-        dst = from_fla(args.src, _convert_destination(args))
+        dst, left_out = convert_checkpoint(args.src, _convert_destination(args))
     except (ConversionError, FileExistsError) as err:  # the converter names the file and field in one line
         raise CLIError(str(err)) from err
+    for part in left_out:
+        print(f"[lazoo] left out: {part} (the converted model is the language model only)")
     print(f"[lazoo] converted {args.src} -> {dst} (load it with AutoModelForCausalLM.from_pretrained after "
           "`import lazoo`, or with trust_remote_code=True without lazoo)")
     return 0

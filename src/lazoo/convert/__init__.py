@@ -1,5 +1,42 @@
-"""Checkpoint conversion into lazoo folders: `from_fla` (flash-linear-attention checkpoints), `lazoo convert`."""
+"""Checkpoint conversion into lazoo folders: `from_fla` (flash-linear-attention checkpoints), `from_qwen` (Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next folders of transformers), and `convert_checkpoint`, which picks one by the folder's
+`model_type` (`lazoo convert`)."""
 
-from .fla import ConversionError, UnsupportedCheckpointError, fla_config_to_lazoo, from_fla
+from __future__ import annotations
 
-__all__ = ["ConversionError", "UnsupportedCheckpointError", "fla_config_to_lazoo", "from_fla"]
+import os
+from pathlib import Path
+
+from .fla import (
+    FLA_MODEL_TYPES,
+    MAX_CONFIG_BYTES,
+    ConversionError,
+    UnsupportedCheckpointError,
+    fla_config_to_lazoo,
+    from_fla,
+)
+from .qwen import QWEN_MODEL_TYPES, from_qwen, qwen_config_to_lazoo
+from .source import SourceFolder, shown
+
+__all__ = ["ConversionError", "UnsupportedCheckpointError", "convert_checkpoint", "fla_config_to_lazoo", "from_fla",
+           "from_qwen", "qwen_config_to_lazoo", "FLA_MODEL_TYPES", "QWEN_MODEL_TYPES"]
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[Path, list[str]]:
+    """Convert the checkpoint folder `src` (fla, or Qwen3.5 / Qwen3.5-MoE / Qwen3-Next as transformers saves them)
+    into a new lazoo folder `dst`, by the `model_type` of its config.json. Returns (`dst`, what the conversion left
+    out, e.g. a vision tower). Refuses, before writing anything, what it cannot convert exactly."""
+    source = SourceFolder(src)
+    config_file = source.file("config.json", required=False)
+    if config_file is None:
+        raise ConversionError(f"{src} has no config.json: give a checkpoint folder (config.json + safetensors)")
+    config = source.read_json(config_file, limit=MAX_CONFIG_BYTES)
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in QWEN_MODEL_TYPES:
+        return from_qwen(src, dst, config=config)
+    if isinstance(model_type, str) and model_type in FLA_MODEL_TYPES:
+        return from_fla(src, dst), []
+    raise UnsupportedCheckpointError(
+        f"{config_file}: config field 'model_type' = {shown(config.get('model_type'))}: lazoo converts fla model "
+        f"types {', '.join(FLA_MODEL_TYPES)} and transformers' {', '.join(QWEN_MODEL_TYPES)}; nothing was "
+        "converted")

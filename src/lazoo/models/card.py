@@ -89,9 +89,14 @@ def _conversion_note(config) -> str | None:
     source = getattr(config, "converted_from", None)
     if not isinstance(source, dict):
         return None
-    return (f"Converted by `lazoo convert` from the {source.get('format', '?')} checkpoint `{source.get('source', '?')}` "
+    note = (f"Converted by `lazoo convert` from the {source.get('format', '?')} checkpoint "
+            f"`{source.get('source', '?')}` "
             f"({source.get('format', '?')} model type `{source.get('model_type', '?')}`): the weights are that "
-            "checkpoint's, unchanged; its training data is the source's.")
+            "checkpoint's, unchanged (fused projections split into lazoo's); its training data is the source's.")
+    left_out = source.get("left_out")
+    if isinstance(left_out, list) and left_out:
+        note += " Left out of the conversion: " + "; ".join(str(part) for part in left_out) + "."
+    return note
 
 
 def card_fields(model, metrics: dict[str, Any] | None = None, training_data: str | None = None,

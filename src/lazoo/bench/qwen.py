@@ -1,0 +1,201 @@
+"""Prefill, training and generation speed of a model of Qwen3.5-0.8B's shape: lazoo against transformers.
+
+The model: Qwen3.5-0.8B's published text configuration (24 layers, three Gated DeltaNet layers to one gated
+attention layer, hidden 1024, 16 key and 16 value heads of 128 in the DeltaNet layers, 8 query and 2 key/value heads
+of 256 with a quarter of each rotated in the attention layers, SwiGLU 3584, vocabulary 248320, tied embeddings),
+random weights from ``--seed``, built with transformers' ``Qwen3_5ForCausalLM``, saved, and converted with
+``lazoo.convert.convert_checkpoint``: both implementations hold the same weights.
+
+Rows, each the median of ``--repeats`` after one warm-up (CUDA synchronised, wall clock):
+
+  * ``prefill``: the base model over one prompt of each ``--prefill`` length, filling its cache (ms, tokens/s);
+  * ``train``: one AdamW step (forward with the loss, backward, step) on ``--train-batch`` × ``--train-length``
+    tokens (tokens/s);
+  * ``generate``: greedy ``generate`` of ``--new-tokens`` after a ``--prompt``-token prompt at each batch size,
+    every implementation on its default path; ms per new token = (t(N) − t(1)) / (N − 1);
+  * ``generate-static``: lazoo's the same with ``cache_implementation="static"`` (the compiled decode step).
+
+transformers runs its Gated DeltaNet with fla's kernels when fla is importable, and with FlashQLA's when that is,
+else with its PyTorch reference forms: the environment decides, and the ``env`` row records which. Run it once as
+is and once with fla (and FlashQLA) on ``PYTHONPATH`` for the two transformers columns.
+
+    python -m lazoo.bench.qwen --out bench_qwen.jsonl
+    PYTHONPATH=/tmp/fla-site python -m lazoo.bench.qwen --implementations transformers --out bench_qwen_fla.jsonl
+
+CPU smoke test: ``--device cpu --dtype float32 --layers 4 --hidden-size 64 --vocab-size 256 --prefill 32
+--train-length 32 --batch-sizes 1,2 --prompt 8 --new-tokens 4 --repeats 1``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lazoo_cli.bench import bench_parser
+
+from .report import command_line, error_text, triton_version
+from .timing import sync
+
+#: Qwen3.5-0.8B's text configuration as published (transformers' Qwen3_5TextConfig fields)
+QWEN3_5_0_8B = dict(
+    vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
+    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                               "partial_rotary_factor": 0.25})
+
+
+def text_config(args):
+    """The transformers config of the run: Qwen3.5-0.8B's, or a smaller one for smoke tests."""
+    from transformers import Qwen3_5TextConfig
+
+    fields = dict(QWEN3_5_0_8B)
+    if args.layers is not None:
+        fields["num_hidden_layers"] = args.layers
+    if args.hidden_size is not None:
+        h = args.hidden_size
+        fields.update(hidden_size=h, intermediate_size=4 * h, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=h // 2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=h // 4,
+                      linear_value_head_dim=h // 4)
+    if args.vocab_size is not None:
+        fields["vocab_size"] = args.vocab_size
+    n = fields["num_hidden_layers"]
+    fields["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    return Qwen3_5TextConfig(**fields)
+
+
+def build_models(args, folder: Path) -> dict:
+    """{"transformers": its model, "lazoo": the converted one}, both on the device in the run's dtype."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM
+
+    import lazoo  # noqa: F401  (registers lazoo's model types)
+    from lazoo.convert import convert_checkpoint
+
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):  # initialised where it runs (minutes on a CPU at the full size)
+        reference = Qwen3_5ForCausalLM(text_config(args)).to(dtype)
+    reference.save_pretrained(folder / "transformers")
+    convert_checkpoint(folder / "transformers", folder / "lazoo")
+    wanted = args.implementations.split(",")
+    models = {}
+    if "transformers" in wanted:
+        models["transformers"] = reference.to(args.device).eval()
+    if "lazoo" in wanted:
+        models["lazoo"] = AutoModelForCausalLM.from_pretrained(folder / "lazoo", dtype=dtype).to(args.device).eval()
+    return models
+
+
+def timed(fn, device, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` runs after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def prefill_row(model, args, length: int) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=args.device)
+    with torch.no_grad():
+        seconds = timed(lambda: model.model(ids, use_cache=True), args.device, args.repeats)
+    return {"ms": 1000 * seconds, "tokens_per_s": length / seconds}
+
+
+def train_row(model, args) -> dict:
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (args.train_batch, args.train_length), device=args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=str(args.device).startswith("cuda"))
+
+    def step():
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    try:
+        seconds = timed(step, args.device, args.repeats)
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    return {"ms": 1000 * seconds, "tokens_per_s": ids.numel() / seconds}
+
+
+def generate_row(model, args, batch: int, **options) -> dict:
+    ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device=args.device)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, **options)
+    n = args.new_tokens
+    with torch.no_grad():
+        first = timed(lambda: model.generate(ids, max_new_tokens=1, **kwargs), args.device, args.repeats)
+        whole = timed(lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs), args.device,
+                      args.repeats)
+    per_token = (whole - first) / (n - 1)
+    return {"prefill_ms": 1000 * first, "ms_per_token": 1000 * per_token, "tokens_per_s": batch / per_token}
+
+
+def environment(args) -> dict:
+    import transformers
+
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+            "triton": triton_version(), "transformers": transformers.__version__,
+            "fla": importlib.util.find_spec("fla") is not None,
+            "flash_qla": importlib.util.find_spec("flash_qla") is not None,
+            "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
+            "command": command_line("qwen")}
+
+
+def run(args) -> list[dict]:
+    rows = [{"env": environment(args)}]
+    out = open(args.out, "w")  # noqa: SIM115 - written row by row, so a crash keeps what was measured
+
+    def record(row):
+        rows.append(row)
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(json.dumps(row), flush=True)
+
+    record(rows.pop())
+    with tempfile.TemporaryDirectory() as folder:
+        models = build_models(args, Path(folder))
+    for name, model in models.items():
+        steps = [("prefill", length, lambda m, n: prefill_row(m, args, n)) for length in
+                 map(int, args.prefill.split(","))]
+        steps.append(("train", args.train_length, lambda m, n: train_row(m, args)))
+        batches = list(map(int, args.batch_sizes.split(",")))
+        steps += [("generate", batch, lambda m, b: generate_row(m, args, b)) for batch in batches]
+        if name == "lazoo":  # lazoo's static cache, whose decode step generate compiles on CUDA
+            steps += [("generate-static", batch, lambda m, b: generate_row(m, args, b, cache_implementation="static"))
+                      for batch in batches]
+        for kind, size, measure in steps:
+            row = {"implementation": name, "row": kind, "size": size}
+            try:
+                row.update(measure(model, size))
+            except Exception as err:  # noqa: BLE001 - a failed row is recorded; the run goes on
+                row["error"] = error_text(err)
+            if str(args.device).startswith("cuda"):
+                row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.reset_peak_memory_stats()
+            record(row)
+            gc.collect()
+    out.close()
+    return rows
+
+
+def main(argv=None) -> None:
+    args = bench_parser("qwen", prog="python -m lazoo.bench.qwen").parse_args(argv)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
