@@ -22,6 +22,7 @@ def test_the_qwen_benchmark_measures_every_row_on_the_cpu(tmp_path):
           "--repeats", "1", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["env"]["transformers"] == transformers.__version__
-    measured = {(r["implementation"], r["row"]) for r in rows[1:] if "error" not in r}
+    assert rows[1]["row"] == "agreement" and rows[1]["relative_difference"] < 1e-4, rows[1]
+    measured = {(r["implementation"], r["row"]) for r in rows[2:] if "error" not in r}
     assert measured == {(i, r) for i in ("lazoo", "transformers") for r in ("prefill", "train", "generate")} | {
         ("lazoo", "generate-static")}, rows

@@ -6,7 +6,9 @@ of 256 with a quarter of each rotated in the attention layers, SwiGLU 3584, voca
 random weights from ``--seed``, built with transformers' ``Qwen3_5ForCausalLM``, saved, and converted with
 ``lazoo.convert.convert_checkpoint``: both implementations hold the same weights.
 
-Rows, each the median of ``--repeats`` after one warm-up (CUDA synchronised, wall clock):
+First an ``agreement`` row: the relative difference of the two models' logits on two 512-token prompts, and the
+share of positions with the same greedy token. Then rows, each the median of ``--repeats`` after one warm-up (CUDA
+synchronised, wall clock):
 
   * ``prefill``: the base model over one prompt of each ``--prefill`` length, filling its cache (ms, tokens/s);
   * ``train``: one AdamW step (forward with the loss, backward, step) on ``--train-batch`` × ``--train-length``
@@ -144,6 +146,16 @@ def generate_row(model, args, batch: int, **options) -> dict:
     return {"prefill_ms": 1000 * first, "ms_per_token": 1000 * per_token, "tokens_per_s": batch / per_token}
 
 
+def agreement_row(models: dict, args, length: int = 512) -> dict:
+    """How far lazoo's logits are from transformers' on one prompt (same weights, the run's dtype): the relative
+    difference, and the share of positions whose greedy next token is the same."""
+    ids = torch.randint(0, models["lazoo"].config.vocab_size, (2, length), device=args.device)
+    with torch.no_grad():
+        ours, theirs = (models[name](ids, use_cache=False).logits.float() for name in ("lazoo", "transformers"))
+    return {"relative_difference": ((ours - theirs).norm() / theirs.norm()).item(),
+            "same_argmax": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()}
+
+
 def environment(args) -> dict:
     import transformers
 
@@ -168,6 +180,11 @@ def run(args) -> list[dict]:
     record(rows.pop())
     with tempfile.TemporaryDirectory() as folder:
         models = build_models(args, Path(folder))
+    if len(models) == 2:
+        try:
+            record({"row": "agreement", "size": 512, **agreement_row(models, args)})
+        except Exception as err:  # noqa: BLE001 - recorded; the timings go on
+            record({"row": "agreement", "error": error_text(err)})
     for name, model in models.items():
         steps = [("prefill", length, lambda m, n: prefill_row(m, args, n)) for length in
                  map(int, args.prefill.split(","))]
