@@ -53,6 +53,16 @@ def _ttt_mlp_state(gen, batch):
             "W2": 0.3 * torch.randn(batch, H, D, 8, generator=gen)}
 
 
+#: Mamba-2's per-head parameters (not per token): A < 0 and the skip D, cut to the heads a call runs
+MAMBA2_A, MAMBA2_D = -torch.linspace(0.3, 1.5, H), torch.linspace(-1.0, 1.0, H)
+
+
+def _mamba2(x, **kw):
+    """Mamba-2 with x as "v", B as "k" and C as "q" (one group per head), so the tests plant their Inf there."""
+    heads = x["v"].shape[2]
+    return ops.mamba2(x["v"], x["dt"], MAMBA2_A[:heads], x["k"], x["q"], MAMBA2_D[:heads], chunk_size=16, **kw)
+
+
 # name -> (the per-token inputs [B, T, H, ...] from a generator, the call on them; None: see _call)
 OPS = {
     "softmax_attention": (_qkv, lambda x, **kw: ops.softmax_attention(x["q"], x["k"], x["v"], **kw)),
@@ -90,6 +100,7 @@ OPS = {
     "ttt_linear": (lambda g: {**_qkv(g), "eta": 0.3 * _unit(g)},
                    lambda x, **kw: ops.ttt_linear(x["q"], x["k"], x["v"], x["eta"], mini_batch_size=4, **kw)),
     "ttt_mlp": (lambda g: {**_qkv(g), "eta": 0.3 * _unit(g)}, None),  # and an initial state
+    "mamba2": (lambda g: {**_qkv(g), "dt": F.softplus(_scalar(g))}, _mamba2),
     "titans": (lambda g: {**_qkv(g), "theta": 0.3 * _unit(g), "eta": _unit(g), "alpha": 0.2 * _unit(g)},
                lambda x, **kw: ops.titans(x["q"], x["k"], x["v"], x["theta"], x["eta"], x["alpha"],
                                           mini_batch_size=4, **kw)),
@@ -97,7 +108,8 @@ OPS = {
 #: ops with a Triton path; the first set runs in the default (interpreter) run: each kernel module once
 TRITON_DEFAULT = ("linear_attention", "gla", "gated_delta_rule", "vla", "ovq_attention", "rls",
                   "local_linear_attention", "ttt_linear", "bidirectional_linear_attention")
-TRITON_SLOW = ("gated_linear_attention", "delta_rule", "delta_product", "ela_exp", "ela_sum_sq", "ela_bidirectional")
+TRITON_SLOW = ("gated_linear_attention", "delta_rule", "delta_product", "ela_exp", "ela_sum_sq", "ela_bidirectional",
+               "mamba2")
 #: local-linear's step-by-step reference takes seconds per run: in the full matrix only
 CPU_CASES = [pytest.param(name, be, marks=[pytest.mark.slow] if (name, be) == ("local_linear_attention", "recurrent")
                           else []) for name in OPS for be in ("chunk", "recurrent")]
@@ -296,6 +308,7 @@ BAD_GATES = [
     ("gla", "g", 0.5, r"g must lie in \[-inf, 0\]"),
     ("gated_delta_rule", "g", 0.5, r"g must lie in \[-inf, 0\]"),
     ("delta_product", "g", 0.5, r"g must lie in \[-inf, 0\]"),
+    ("mamba2", "dt", -0.5, r"dt must lie in \[0, inf\]"),
     ("titans", "eta", -0.1, r"eta must lie in \[0, 1\]"),
     ("titans", "alpha", 1.5, r"alpha must lie in \[0, 1\]"),
 ]

@@ -142,6 +142,16 @@ def gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, *, s
                   output_final_state=output_final_state, mask=mask, backend=backend, cu_seqlens=cu_seqlens)
 
 
+def gated_linear_attention_as(op: str, q, k, v, g, *, scale, chunk_size, initial_state, output_final_state, mask,
+                              backend, cu_seqlens, check_g: bool = True, fp32_gate: bool = False):
+    """``gated_linear_attention`` with its errors naming ``op`` (Mamba-2 runs it: ``lazoo.ops.mamba2``);
+    ``check_g=False`` skips the g <= 0 check (a caller that checked its own inputs), ``fp32_gate=True`` takes g in
+    float32 beside half-precision q, k, v (a log decay keeps its precision)."""
+    return _gated_linear(op, q, k, v, g, _gated_triton, per_key=False, scale=scale, chunk_size=chunk_size,
+                         initial_state=initial_state, output_final_state=output_final_state, mask=mask,
+                         backend=backend, cu_seqlens=cu_seqlens, check_g=check_g, fp32_gate=fp32_gate)
+
+
 def gla_as(op: str, q, k, v, g, *, scale, chunk_size, initial_state, output_final_state, mask, backend, cu_seqlens,
            check_g: bool = True):
     """``gla`` with its errors naming ``op`` (ELA runs it on its features); ``check_g=False`` skips the g <= 0
@@ -152,10 +162,11 @@ def gla_as(op: str, q, k, v, g, *, scale, chunk_size, initial_state, output_fina
 
 
 def _gated_linear(op, q, k, v, g, triton_path, *, per_key, scale, chunk_size, initial_state, output_final_state,
-                  mask, backend, cu_seqlens, check_g=True):
+                  mask, backend, cu_seqlens, check_g=True, fp32_gate=False):
     """Linear attention with a log-decay gate, one per head (g ``[B, T, H]``) or, ``per_key``, one per key dim
-    (g ``[B, T, H, dk]``, GLA). The caller names the Triton path: the two gates have different kernels."""
-    gate = {"like_q": {"g": g}} if per_key else {"scalars": {"g": g}}
+    (g ``[B, T, H, dk]``, GLA). The caller names the Triton path: the two gates have different kernels.
+    ``fp32_gate``: a per-head g may be float32 whatever the dtype of q, k, v."""
+    gate = {"like_q": {"g": g}} if per_key else {"scalars": {"g": g}, "fp32_scalars": fp32_gate}
     # a pad writes nothing and does not decay the state
     (B, T, H, dk, dv), mask, (q, k, v, g) = prepare_inputs(op, q, k, v, mask, **gate)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
@@ -176,7 +187,7 @@ def _gated_linear(op, q, k, v, g, triton_path, *, per_key, scale, chunk_size, in
             lambda sl, st: _gated_linear(
                 op, q[:, sl], k[:, sl], v[:, sl], g[:, sl], triton_path, per_key=per_key, scale=scale,
                 chunk_size=chunk_size, initial_state=st, output_final_state=True, mask=None, backend=backend,
-                cu_seqlens=None, check_g=False),
+                cu_seqlens=None, check_g=False, fp32_gate=fp32_gate),
             cu_seqlens, matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt),
             output_final_state, q, v)
 
