@@ -74,7 +74,7 @@ def fla_intermediate_size(hidden_size: int, hidden_ratio, intermediate_size) -> 
     return 256 * ((width + 256 - 1) // 256)
 
 
-def _standard_fields() -> set[str]:
+def standard_fields() -> set[str]:
     """The fields transformers writes into every config.json (architectures, dtype, versions, ...)."""
     from transformers import PreTrainedConfig
 
@@ -145,7 +145,7 @@ def fla_config_to_lazoo(fla: dict) -> dict[str, Any]:
         refuse("model_type", model_type, f"lazoo converts fla model types {', '.join(FLA_MODEL_TYPES)}")
     mechanism = FLA_MODEL_TYPES[model_type]
     layer_fields = fla_layers.LAYER_FIELDS[model_type].keys()
-    unknown = sorted(set(fla) - COMMON_FIELDS.keys() - NO_MATH_FIELDS - layer_fields - _standard_fields())
+    unknown = sorted(set(fla) - COMMON_FIELDS.keys() - NO_MATH_FIELDS - layer_fields - standard_fields())
     if unknown:
         refuse(unknown[0], fla[unknown[0]], f"an option of fla's {model_type!r} that lazoo does not know")
     _check_values(fla, model_type)
@@ -266,7 +266,7 @@ def lazoo_name(name: str, config) -> str | None:
     return None
 
 
-def _meta_model(fields: dict[str, Any], config_file: Path, converted_from: dict):
+def meta_model(fields: dict[str, Any], config_file: Path, converted_from: dict):
     """The lazoo causal LM of `fields` on the meta device (no memory, no random init)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -337,7 +337,7 @@ def read_finite_tensors(source: SourceFolder, entries: dict[str, TensorEntry],
     return state
 
 
-def _fill(model, state: dict[str, torch.Tensor]):
+def fill_model(model, state: dict[str, torch.Tensor]):
     """`model` (on the meta device) holding exactly `state`, whose names and shapes are the model's."""
     model.load_state_dict(state, strict=False, assign=True)  # every key checked; a tied head comes next
     if model.config.tie_word_embeddings:
@@ -349,7 +349,7 @@ def _fill(model, state: dict[str, torch.Tensor]):
 
 
 # ============================================================================ the folder
-def _check_destination(dst: Path) -> None:
+def check_destination(dst: Path) -> None:
     """`dst` is new or an empty folder, and no symbolic link (a conversion never writes through one)."""
     if dst.is_symlink():
         raise ConversionError(f"{dst} is a symbolic link; convert into a new folder (a link is never written "
@@ -405,7 +405,7 @@ def _copy_files(files: dict[str, Path], staging: Path, dst: Path) -> None:
             (staging / name).write_bytes(data)
 
 
-def _write_folder(model, files: dict[str, Path], dst: Path) -> Path:
+def write_folder(model, files: dict[str, Path], dst: Path) -> Path:
     """The lazoo folder `dst` of `model` and `files` (name -> path, copied as they are): written into a staging
     folder beside it, renamed into place (over `dst` when it is an empty folder); on any failure the staging folder
     is removed and `dst` is as it was."""
@@ -437,13 +437,13 @@ def from_fla(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         fields = fla_config_to_lazoo(fla)
     except ConversionError as err:
         raise type(err)(f"{config_file}: {err}") from err
-    _check_destination(dst)
+    check_destination(dst)
     copied = tokenizer_files(source)
     entries = tensor_entries(source)
     check_layer_count(entries, fields["num_hidden_layers"], config_file)
     check_embedding(entries, fla, config_file)
     converted_from = {"format": "fla", "model_type": fla["model_type"], "source": source.root.name}
-    model = _meta_model(fields, config_file, converted_from)
+    model = meta_model(fields, config_file, converted_from)
     names = expected_tensors(entries, model, config_file)
-    model = _fill(model, read_finite_tensors(source, entries, names))
-    return _write_folder(model, copied, dst)
+    model = fill_model(model, read_finite_tensors(source, entries, names))
+    return write_folder(model, copied, dst)

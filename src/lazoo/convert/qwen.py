@@ -37,13 +37,13 @@ import torch
 from .fla import (
     MAX_CONFIG_BYTES,
     MAX_LAYERS,
-    _check_destination,
-    _fill,
-    _meta_model,
-    _standard_fields,
-    _write_folder,
+    check_destination,
+    fill_model,
+    meta_model,
+    standard_fields,
     tensor_entries,
     tokenizer_files,
+    write_folder,
 )
 from .fla_layers import KINDS
 from .source import ConversionError, SourceFolder, TensorEntry, UnsupportedCheckpointError, shown
@@ -110,7 +110,7 @@ def text_config(cfg: dict) -> tuple[dict, str, bool, list[str]]:
         refuse("model_type", model_type, f"lazoo converts {', '.join(QWEN_MODEL_TYPES)} here")
     if model_type not in WRAPPER_MODEL_TYPES:
         return cfg, "", cfg.get("tie_word_embeddings", False), []
-    unknown = sorted(set(cfg) - WRAPPER_FIELDS - _standard_fields())
+    unknown = sorted(set(cfg) - WRAPPER_FIELDS - standard_fields())
     if unknown:
         refuse(unknown[0], cfg[unknown[0]], f"a field of {model_type!r} that lazoo does not know")
     text = cfg.get("text_config")
@@ -194,7 +194,7 @@ def qwen_config_to_lazoo(cfg: dict) -> tuple[dict[str, Any], list[str]]:
     ConversionError naming the field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot
     express exactly."""
     text, prefix, tied, left_out = text_config(cfg)
-    unknown = sorted(set(text) - TEXT_FIELDS.keys() - NO_MATH_FIELDS - _standard_fields())
+    unknown = sorted(set(text) - TEXT_FIELDS.keys() - NO_MATH_FIELDS - standard_fields())
     if unknown:
         refuse(prefix + unknown[0], text[unknown[0]], f"a field of {text['model_type']!r} that lazoo does not know")
     for field in REQUIRED_FIELDS:
@@ -488,18 +488,18 @@ def from_qwen(src: str | os.PathLike, dst: str | os.PathLike, config: dict | Non
         fields, left_out = qwen_config_to_lazoo(cfg)
     except ConversionError as err:
         raise type(err)(f"{config_file}: {err}") from err
-    _check_destination(dst)
+    check_destination(dst)
     copied = tokenizer_files(source)
     entries = tensor_entries(source)
     names = source_names(entries)
     check_layer_count(names, entries, fields["num_hidden_layers"], config_file)
     converted_from = {"format": "transformers", "model_type": cfg["model_type"], "source": source.root.name,
                       "left_out": left_out}
-    model = _meta_model(fields, config_file, converted_from)
+    model = meta_model(fields, config_file, converted_from)
     plan = tensor_plan(fields, model, next_layout=fields_of_next(cfg), names=set(names))
     check_plan(plan, names, entries, model, config_file)
-    model = _fill(model, read_plan(source, plan, names, entries))
-    return _write_folder(model, copied, dst), left_out
+    model = fill_model(model, read_plan(source, plan, names, entries))
+    return write_folder(model, copied, dst), left_out
 
 
 def fields_of_next(cfg: dict) -> bool:
