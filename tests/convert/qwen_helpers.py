@@ -123,6 +123,27 @@ def _gated_norm_float64(self, hidden_states, gate):
     return self.weight * x̂ * F.silu(gate)
 
 
+#: transformers' functions that take fla's or causal-conv1d's kernels where those are importable
+KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def reference_forms(kind: str):
+    """transformers' model of `kind` on its own PyTorch reference forms, also where fla is importable (the suite
+    puts fla on the path for the fla converter tests; transformers then binds fla's Triton kernels, which need a
+    GPU)."""
+    module = importlib.import_module(f"transformers.models.{MODULES[kind]}.modeling_{MODULES[kind]}")
+    saved = {name: getattr(module, name) for name in KERNEL_FUNCTIONS if hasattr(module, name)}
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, getattr(fn, "__wrapped__", fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
 @contextlib.contextmanager
 def float64_faithful(kind: str, model):
     """transformers' model of `kind` computing in float64 throughout: its float32 casts lifted (`Tensor.float()`
@@ -134,6 +155,7 @@ def float64_faithful(kind: str, model):
     saved = {name: getattr(module, name) for name in ("torch_chunk_gated_delta_rule",
                                                       "torch_recurrent_gated_delta_rule")}
     saved_forward = gated_norm.forward
+    conv = reference_forms(kind)
     for rotary in (m for m in model.modules() if type(m).__name__.endswith("TextRotaryEmbedding")
                    or type(m).__name__ == "Qwen3NextRotaryEmbedding"):
         dim = 2 * rotary.inv_freq.numel()
@@ -146,7 +168,8 @@ def float64_faithful(kind: str, model):
         for name in saved:
             setattr(module, name, _gated_delta_float64)
         gated_norm.forward = _gated_norm_float64
-        yield model
+        with conv:
+            yield model
     finally:
         torch.Tensor.float = to_float
         for name, fn in saved.items():

@@ -11,7 +11,17 @@ import pytest
 import torch
 from convert_helpers import check_outcome, run_convert, snapshot
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
-from qwen_helpers import KINDS, MOE_KINDS, VOCAB, float64_faithful, prompt_and_mask, relative_error, require, save_tiny
+from qwen_helpers import (
+    KINDS,
+    MOE_KINDS,
+    VOCAB,
+    float64_faithful,
+    prompt_and_mask,
+    reference_forms,
+    relative_error,
+    require,
+    save_tiny,
+)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -61,7 +71,8 @@ def test_logits_equal_transformers_in_float32(converted):
     kind, reference, ours, _, _ = converted
     ids, mask = prompt_and_mask()
     reference, ours = reference.float(), ours.float()
-    expected = _logits(reference, ids, mask, use_cache=False)
+    with reference_forms(kind):
+        expected = _logits(reference, ids, mask, use_cache=False)
     got = _logits(ours, ids, mask)
     real = mask.bool()
     assert relative_error(got[real], expected[real]) < 1e-5
@@ -72,7 +83,7 @@ def test_greedy_tokens_equal_transformers_for_32_steps_with_the_cache(converted)
     ids, mask = prompt_and_mask()
     reference, ours = reference.float(), ours.float()
     kwargs = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
+    with torch.no_grad(), reference_forms(kind):
         expected = reference.generate(ids, **kwargs)
         got = ours.generate(ids, **kwargs)
     assert expected.shape[1] == ids.shape[1] + 32
