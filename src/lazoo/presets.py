@@ -30,12 +30,12 @@ HYBRIDS: dict[str, list[str]] = {
 
 #: config fields a hybrid preset sets unless overridden (per-mixer options merge key by key into
 #: the caller's `mixer_kwargs`)
-_SEED002_SW = {"sliding_window": 128, "mixer_kwargs": {"sliding_window": {"qk_norm": True, "use_rope": True}}}
+_OVQ_PAPER_SW = {"sliding_window": 128, "mixer_kwargs": {"sliding_window": {"qk_norm": True, "use_rope": True}}}
 HYBRID_OPTIONS: dict[str, dict] = {
-    "sw-ovq": _SEED002_SW,
+    "sw-ovq": _OVQ_PAPER_SW,
     "sw-nope": {"sliding_window": 128, "mixer_kwargs": {"sliding_window": {"qk_norm": True, "use_rope": True},
                                                         "softmax": {"qk_norm": True, "use_rope": False}}},
-    "sw-vq": _SEED002_SW,
+    "sw-vq": _OVQ_PAPER_SW,
     "gdn-ovq": {},
 }
 
