@@ -250,3 +250,15 @@ def test_the_worked_path_convert_lora_eval_push_and_load_without_lazoo(tmp_path,
     with torch.no_grad():
         expected = merged.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=8, do_sample=False)
     assert results[str(tuned)]["tokens"] == expected.tolist()
+
+
+def test_the_static_cache_generates_the_dynamic_cache_s_tokens(converted):
+    """`generate(cache_implementation="static")` (lazoo's static cache; compiled on CUDA) on the converted model."""
+    _, _, ours, _, _ = converted
+    ids, mask = prompt_and_mask()
+    ours = ours.float()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        dynamic = ours.generate(ids, **kwargs)
+        static = ours.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(static, dynamic)
