@@ -25,9 +25,13 @@ def test_folder_of_0_1_0_gives_the_same_logits(name, single_thread):
     torch.testing.assert_close(logits, EXPECTED["logits"][name], rtol=0, atol=1e-6)
 
 
+#: mechanisms that lazoo 0.1.0 did not have: no folder of that release can hold them
+ADDED_AFTER_0_1_0 = {"mamba2"}
+
+
 def test_every_model_type_has_a_saved_folder():
     missing = set(lazoo.list_mechanisms()) - set(FOLDERS)
-    assert not missing, f"no 0.1.0 folder for {sorted(missing)}"
+    assert missing == ADDED_AFTER_0_1_0, f"no 0.1.0 folder for {sorted(missing - ADDED_AFTER_0_1_0)}"
 
 
 def test_a_resaved_old_folder_keeps_the_defaults_it_was_saved_with(tmp_path, single_thread):

@@ -76,8 +76,8 @@ def check_head_layout(config, layer_types) -> None:
             source = (f"the {name!r} option num_heads={heads}" if options.get("num_heads")
                       else f"num_attention_heads={heads}")
             raise ValueError(f"hidden_size={config.hidden_size} must be divisible by {source} (the heads of the "
-                             f"{name!r} layers), or set the {name!r} option head_k_dim (head_dim for attention) "
-                             "where the mechanism has it")
+                             f"{name!r} layers), or set the {name!r} option head_k_dim (head_dim for attention and "
+                             "mamba2) where the mechanism has it")
     if config.memory_lobe is not None and config.hidden_size % config.num_attention_heads:
         raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads="
                          f"{config.num_attention_heads} (the Memory Lobe's heads)")

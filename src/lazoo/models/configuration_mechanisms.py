@@ -321,6 +321,33 @@ class LazooLocalLinearConfig(LazooConfig):
         super().__init__(**kwargs)
 
 
+class LazooMamba2Config(LazooConfig):
+    """Configuration of a lazoo `mamba2` model (Mamba-2 (SSD)): model type `lazoo_mamba2`, every layer `mamba2` unless `layer_types` says otherwise.
+
+    mamba2 options (typed fields here; `mixer_kwargs['mamba2']` in any config):
+        num_heads = None: SSM heads H (None: num_attention_heads)
+        head_dim = None: channels P of each head (None: 2·hidden_size / num_heads, i.e. expand = 2)
+        state_size = 128: the state size N of each head (the width of B and C per group)
+        n_groups = 1: groups G of B and C (dividing num_heads); head h reads group h // (H / G); also the groups of the output RMSNorm
+        conv_kernel = 4: taps of the depthwise causal convolution over x, B and C (SiLU after it)
+        use_conv_bias = True: the convolution has a bias
+        use_bias = False: in_proj and out_proj have biases
+        norm_eps = 1e-05: epsilon of the gated grouped RMSNorm
+        chunk_size = 64: chunk length of the chunked forms (changes no result)
+        time_step_min = 0.001: initialisation: dt = softplus(dt_bias) drawn log-uniform in [time_step_min, time_step_max]
+        time_step_max = 0.1: initialisation: the upper end of dt's range
+        time_step_floor = 0.0001: initialisation: dt at least this
+        A_init_min = 1.0: initialisation: A = exp(A_log) drawn uniform in [A_init_min, A_init_max]
+        A_init_max = 16.0: initialisation: the upper end of A's range
+    """
+
+    model_type = "lazoo_mamba2"
+    mechanism = "mamba2"
+
+    def __init__(self, **kwargs):  # explicit: transformers would give the subclass a dataclass __init__
+        super().__init__(**kwargs)
+
+
 class LazooOVQConfig(LazooConfig):
     """Configuration of a lazoo `ovq` model (Online Vector-Quantized attention): model type `lazoo_ovq`, every layer `ovq` unless `layer_types` says otherwise.
 
@@ -575,6 +602,7 @@ bind_config_classes(__name__, {
     "ela": LazooELAConfig,
     "gla": LazooGLAConfig,
     "local_linear": LazooLocalLinearConfig,
+    "mamba2": LazooMamba2Config,
     "ovq": LazooOVQConfig,
     "vq": LazooVQConfig,
     "rls": LazooRLSConfig,

@@ -11,6 +11,7 @@ from .configuration_mechanisms import (
     LazooGatedLinearConfig,
     LazooLinearConfig,
     LazooLocalLinearConfig,
+    LazooMamba2Config,
     LazooOVQConfig,
     LazooRLSConfig,
     LazooSlidingWindowConfig,
@@ -210,6 +211,24 @@ class LazooLocalLinearForSequenceClassification(LazooForSequenceClassification):
     config_class = LazooLocalLinearConfig
 
 
+class LazooMamba2Model(LazooModel):
+    """LazooModel with `mamba2` layers (Mamba-2 (SSD)); config: `LazooMamba2Config`."""
+
+    config_class = LazooMamba2Config
+
+
+class LazooMamba2ForCausalLM(LazooForCausalLM):
+    """LazooForCausalLM with `mamba2` layers (Mamba-2 (SSD)); config: `LazooMamba2Config`."""
+
+    config_class = LazooMamba2Config
+
+
+class LazooMamba2ForSequenceClassification(LazooForSequenceClassification):
+    """LazooForSequenceClassification with `mamba2` layers (Mamba-2 (SSD)); config: `LazooMamba2Config`."""
+
+    config_class = LazooMamba2Config
+
+
 class LazooOVQModel(LazooModel):
     """LazooModel with `ovq` layers (Online Vector-Quantized attention); config: `LazooOVQConfig`."""
 
@@ -348,6 +367,7 @@ bind_model_classes(__name__, {
     "ela": (LazooELAModel, LazooELAForCausalLM, LazooELAForSequenceClassification),
     "gla": (LazooGLAModel, LazooGLAForCausalLM, LazooGLAForSequenceClassification),
     "local_linear": (LazooLocalLinearModel, LazooLocalLinearForCausalLM, LazooLocalLinearForSequenceClassification),
+    "mamba2": (LazooMamba2Model, LazooMamba2ForCausalLM, LazooMamba2ForSequenceClassification),
     "ovq": (LazooOVQModel, LazooOVQForCausalLM, LazooOVQForSequenceClassification),
     "vq": (LazooVQModel, LazooVQForCausalLM, LazooVQForSequenceClassification),
     "rls": (LazooRLSModel, LazooRLSForCausalLM, LazooRLSForSequenceClassification),
