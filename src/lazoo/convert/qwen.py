@@ -92,8 +92,10 @@ def malformed(field: str, value, why: str):
     raise ConversionError(f"config field {field!r} = {shown(value)}: {why}; nothing was converted")
 
 
-def _check_kinds(cfg: dict, prefix: str) -> None:
-    for field, kind in TEXT_FIELDS.items():
+def check_kinds(cfg: dict, prefix: str, kinds: dict[str, str] = TEXT_FIELDS) -> None:
+    """Every field of `kinds` present in `cfg` holds a value of its kind (null where the kind ends in "?"), else a
+    ConversionError naming the field (`prefix` + its name)."""
+    for field, kind in kinds.items():
         if field not in cfg or (cfg[field] is None and kind.endswith("?")):
             continue
         test, what = KINDS[kind.rstrip("?")]
@@ -125,10 +127,10 @@ def text_config(cfg: dict) -> tuple[dict, str, bool, list[str]]:
     return text, "text_config.", tied, left_out
 
 
-def _rope(text: dict, prefix: str, head_dim: int) -> tuple[float, int]:
+def rope_fields(text: dict, prefix: str, head_dim: int, default_factor: float = 0.25) -> tuple[float, int]:
     """(rope θ, rotary dim) from `rope_parameters` (or the older top-level `rope_theta` /
-    `partial_rotary_factor`). With the text positions Qwen3.5 gives every multimodal section the same position, so
-    its sectioned rope is the plain one."""
+    `partial_rotary_factor`, `default_factor` where neither says). With the text positions Qwen3.5 gives every
+    multimodal section the same position, so its sectioned rope is the plain one."""
     if text.get("rope_scaling") is not None:
         refuse(prefix + "rope_scaling", text["rope_scaling"], "lazoo's attention has plain RoPE only")
     rope = text.get("rope_parameters") or {}
@@ -141,7 +143,7 @@ def _rope(text: dict, prefix: str, head_dim: int) -> tuple[float, int]:
     if rope.get("rope_type", "default") != "default":
         refuse(prefix + "rope_parameters.rope_type", rope.get("rope_type"), "lazoo's attention has plain RoPE only")
     theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", default_factor))
     for name, value in (("rope_theta", theta), ("partial_rotary_factor", factor)):
         if not KINDS["number"][0](value):
             malformed(f"{prefix}rope_parameters.{name}", value, "expected a positive finite number")
@@ -200,7 +202,7 @@ def qwen_config_to_lazoo(cfg: dict) -> tuple[dict[str, Any], list[str]]:
     for field in REQUIRED_FIELDS:
         if field not in text:
             raise ConversionError(f"config field {prefix + field!r} is missing; nothing was converted")
-    _check_kinds(text, prefix)
+    check_kinds(text, prefix)
     if not isinstance(tied, bool):
         malformed("tie_word_embeddings", tied, "expected true or false")
     n = text["num_hidden_layers"]
@@ -225,7 +227,7 @@ def qwen_config_to_lazoo(cfg: dict) -> tuple[dict[str, Any], list[str]]:
                   f"{k_heads}")
     dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
     eps = float(text.get("rms_norm_eps", 1e-6))
-    theta, rotary_dim = _rope(text, prefix, head_dim)
+    theta, rotary_dim = rope_fields(text, prefix, head_dim)
     layer_types = _layer_types(text, prefix, n)
     mixer_kwargs = {}
     if "softmax" in layer_types:
@@ -383,17 +385,20 @@ TEXT_PREFIXES = ("model.language_model.", "model.")
 LEFT_OUT_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
 
-def source_names(entries: dict[str, TensorEntry]) -> dict[str, str]:
+def source_names(entries: dict[str, TensorEntry], prefixes: tuple[str, ...] = TEXT_PREFIXES,
+                 left_out: tuple[str, ...] = LEFT_OUT_PREFIXES,
+                 family: str = "a Qwen language model") -> dict[str, str]:
     """The checkpoint's tensor names inside the text model (`layers.0.…`, `lm_head.weight`) -> the names in the
-    files; the tensors of the vision tower and the multi-token-prediction head left out."""
+    files: the first of `prefixes` a name starts with is taken off; the tensors under `left_out` (the vision tower
+    and the multi-token-prediction head) are left out; any other tensor is refused, as not one of `family`."""
     names = {}
     for name, entry in entries.items():
-        if name.startswith(LEFT_OUT_PREFIXES):
+        if name.startswith(left_out):
             continue
         inner = name if name == "lm_head.weight" else next(
-            (name[len(p):] for p in TEXT_PREFIXES if name.startswith(p)), None)
+            (name[len(p):] for p in prefixes if name.startswith(p)), None)
         if inner is None:
-            raise UnsupportedCheckpointError(f"{entry.file}: tensor {name!r} is not one of a Qwen language model; "
+            raise UnsupportedCheckpointError(f"{entry.file}: tensor {name!r} is not one of {family}; "
                                              "nothing was converted")
         if inner in names:
             raise UnsupportedCheckpointError(f"{entry.file}: tensors {names[inner]!r} and {name!r} are the same "

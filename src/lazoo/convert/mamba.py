@@ -1,0 +1,335 @@
+"""Mamba-2 checkpoints of transformers (`mamba2`) and its hybrid with attention (`bamba`) into lazoo folders.
+
+`from_mamba(src, dst)` reads a folder that transformers' `Mamba2ForCausalLM` or `BambaForCausalLM` saved (or one
+published in their format) and writes a lazoo causal LM computing the same function:
+
+- the Mamba-2 layers become lazoo `mamba2` layers, whose parameters have transformers' names and layout (`in_proj`,
+  `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`): each tensor is copied as it is;
+- `mamba2`: a layer is `x + mixer(RMSNorm(x))` with no MLP; lazoo's decoder layer has an MLP after the mixer, so the
+  converted model has `intermediate_size` 0 (an MLP of width 0 adds exactly 0; its norm is there, of weight 1);
+- `bamba`: the attention layers (`attn_layer_indices`) become lazoo `softmax` layers (grouped-query key/value heads,
+  RoPE on the first half of each head's channels), and every layer has Bamba's SwiGLU MLP.
+
+`granitemoehybrid` and `nemotron_h` folders are refused, naming the first config field lazoo cannot express: Granite's
+multipliers (of the embeddings, the residual branches, the attention scores and the logits) and its MoE, and
+Nemotron-H's layers that are an MLP or an MoE alone, without a mixer.
+
+What lazoo does not copy, and why: `time_step_limit` other than (0, inf) is refused (transformers clamps dt to it in
+its chunked form but not when it decodes one token, so the model has no one function to copy); `residual_in_fp32`
+(the residual stream kept in float32 when the model runs in 16 bits) is a precision choice: lazoo keeps the residual
+in the model's dtype, the same numbers in float32 and float64. As for fla and Qwen checkpoints (`lazoo.convert.fla`,
+`lazoo.convert.qwen`), the folder is untrusted input: every config field is expressed, changes no math, or is refused
+by name before anything is written; every tensor name and shape is checked on the meta device from the safetensors
+headers alone; NaN or infinite weights are refused; the folder is written through a staging folder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import fla
+from .fla_layers import is_layer_number
+from .qwen import (
+    Piece,
+    check_kinds,
+    check_layer_count,
+    check_plan,
+    malformed,
+    piece,
+    read_plan,
+    refuse,
+    rope_fields,
+    source_names,
+)
+from .source import ConversionError, SourceFolder
+
+__all__ = ["MAMBA_MODEL_TYPES", "from_mamba", "mamba_config_to_lazoo"]
+
+#: the model types converted, and those refused by the first field lazoo cannot express
+CONVERTED_MODEL_TYPES = ("mamba2", "bamba")
+REFUSED_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
+MAMBA_MODEL_TYPES = CONVERTED_MODEL_TYPES + REFUSED_MODEL_TYPES
+
+#: the config fields lazoo reads, with their kinds (fla_layers.KINDS; "?" allows null) and transformers' defaults
+MAMBA2_FIELDS = {
+    "model_type": ("name", None), "vocab_size": ("count", None), "hidden_size": ("count", None),
+    "num_hidden_layers": ("count", None), "num_heads": ("count", 128), "head_dim": ("count", 64),
+    "state_size": ("count", 128), "expand": ("count", 2), "conv_kernel": ("count", 4), "n_groups": ("count", 8),
+    "use_bias": ("flag", False), "use_conv_bias": ("flag", True), "hidden_act": ("name", "silu"),
+    "layer_norm_epsilon": ("number", 1e-5), "time_step_limit": ("any", None), "tie_word_embeddings": ("flag", False),
+    "time_step_min": ("number", 0.001), "time_step_max": ("number", 0.1), "time_step_floor": ("real", 1e-4),
+    "bos_token_id": ("token?", None), "eos_token_id": ("tokens?", None), "pad_token_id": ("token?", None),
+}
+BAMBA_FIELDS = {
+    "model_type": ("name", None), "vocab_size": ("count", None), "hidden_size": ("count", None),
+    "num_hidden_layers": ("count", None), "num_attention_heads": ("count", None),
+    "num_key_value_heads": ("count?", None), "intermediate_size": ("count", None), "hidden_act": ("name", "silu"),
+    "rms_norm_eps": ("number", 1e-5), "tie_word_embeddings": ("flag", False),
+    "max_position_embeddings": ("count?", None),
+    "attention_bias": ("flag", False), "attention_dropout": ("real?", 0.0), "mlp_bias": ("flag", False),
+    "attn_layer_indices": ("any", None), "rope_parameters": ("any", None), "rope_theta": ("number?", None),
+    "partial_rotary_factor": ("number?", None), "rope_scaling": ("any", None),
+    "mamba_n_heads": ("count", 128), "mamba_d_head": ("count?", None), "mamba_n_groups": ("count", 1),
+    "mamba_d_state": ("count", 256), "mamba_d_conv": ("count", 4), "mamba_expand": ("count", 2),
+    "mamba_conv_bias": ("flag", True), "mamba_proj_bias": ("flag", False), "time_step_limit": ("any", None),
+    "z_loss_coefficient": ("real?", 0.0),
+    "bos_token_id": ("token?", None), "eos_token_id": ("tokens?", None), "pad_token_id": ("token?", None),
+}
+#: fields that change no computed function: inits, kernel hints and chunk lengths, how many logits generate keeps,
+#: the residual stream's precision (see the module docstring)
+MAMBA2_NO_MATH = {"initializer_range", "use_cache", "chunk_size", "time_step_rank", "rescale_prenorm_residual",
+                  "residual_in_fp32"}
+BAMBA_NO_MATH = {"initializer_range", "use_cache", "mamba_chunk_size", "num_logits_to_keep", "use_mamba_kernels"}
+#: Granite's fields that scale a part of the model, in the order they are checked, with the value lazoo computes
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
+
+
+# ============================================================================ the config
+def _fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str]) -> dict[str, Any]:
+    """`cfg` with transformers' defaults filled in, after refusing an unknown field and a value of the wrong kind."""
+    unknown = sorted(set(cfg) - kinds.keys() - no_math - fla.standard_fields())
+    if unknown:
+        refuse(unknown[0], cfg[unknown[0]], f"a field of {cfg['model_type']!r} that lazoo does not know")
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if field not in cfg:
+            raise ConversionError(f"config field {field!r} is missing; nothing was converted")
+    check_kinds(cfg, "", {field: kind for field, (kind, _) in kinds.items()})
+    if cfg["num_hidden_layers"] > fla.MAX_LAYERS:
+        malformed("num_hidden_layers", cfg["num_hidden_layers"], f"more than {fla.MAX_LAYERS} layers")
+    return {**{field: default for field, (_, default) in kinds.items()}, **cfg}
+
+
+def _time_step_limit(cfg: dict) -> None:
+    """(0, inf), the default, is no clamp (dt = softplus(...) >= 0); anything else is refused."""
+    limit = cfg.get("time_step_limit")
+    if limit is None and "time_step_limit" not in cfg:
+        return
+    if isinstance(limit, list) and len(limit) == 2 and limit[0] == 0 and not isinstance(limit[0], bool) \
+            and (limit[1] == math.inf or limit[1] == {"__float__": "Infinity"}):
+        return
+    refuse("time_step_limit", limit, "lazoo does not clamp dt (transformers clamps it in its chunked form only, not "
+           "when decoding one token); only the default [0.0, Infinity] converts")
+
+
+def _mamba_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: str, conv: str, expand: str,
+                   conv_bias: str, proj_bias: str, eps: float) -> dict[str, Any]:
+    """The lazoo `mamba2` options of a Mamba-2 layer whose sizes the config's fields named here hold."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", cfg["hidden_act"], "lazoo's Mamba-2 convolution is followed by silu")
+    _time_step_limit(cfg)
+    if cfg[head_dim] is None:  # transformers' "auto": expand · hidden_size / heads
+        cfg = {**cfg, head_dim: cfg[expand] * cfg["hidden_size"] // cfg[heads]}
+    if cfg[heads] * cfg[head_dim] != cfg[expand] * cfg["hidden_size"]:
+        malformed(head_dim, cfg[head_dim], f"{heads} · {head_dim} must equal {expand} · hidden_size = "
+                  f"{cfg[expand] * cfg['hidden_size']}")
+    if cfg[heads] % cfg[groups]:
+        malformed(groups, cfg[groups], f"must divide {heads} = {cfg[heads]}")
+    options = {"num_heads": cfg[heads], "head_dim": cfg[head_dim], "state_size": cfg[state], "n_groups": cfg[groups],
+               "conv_kernel": cfg[conv], "use_conv_bias": cfg[conv_bias], "use_bias": cfg[proj_bias],
+               "norm_eps": float(eps)}
+    for field in ("time_step_min", "time_step_max", "time_step_floor"):  # initialisation only, kept where given
+        if field in cfg:
+            options[field] = float(cfg[field])
+    return options
+
+
+def _common(cfg: dict, eps: float) -> dict[str, Any]:
+    fields = {"model_type": "lazoo_hybrid", "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
+              "num_hidden_layers": cfg["num_hidden_layers"], "sliding_window": None, "use_short_conv": None,
+              "rms_norm_eps": float(eps), "tie_word_embeddings": cfg["tie_word_embeddings"],
+              "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
+              "pad_token_id": cfg["pad_token_id"]}
+    if cfg.get("max_position_embeddings") is not None:
+        fields["max_position_embeddings"] = cfg["max_position_embeddings"]
+    return fields
+
+
+def _mamba2_config(cfg: dict) -> dict[str, Any]:
+    cfg = _fields(cfg, MAMBA2_FIELDS, MAMBA2_NO_MATH)
+    eps = cfg["layer_norm_epsilon"]
+    mamba = _mamba_options(cfg, heads="num_heads", head_dim="head_dim", state="state_size", groups="n_groups",
+                           conv="conv_kernel", expand="expand", conv_bias="use_conv_bias", proj_bias="use_bias",
+                           eps=eps)
+    n = cfg["num_hidden_layers"]
+    return {**_common(cfg, eps), "num_attention_heads": mamba["num_heads"], "intermediate_size": 0,
+            "layer_types": ["mamba2"] * n, "mixer_kwargs": {"mamba2": mamba}}
+
+
+def _bamba_config(cfg: dict) -> dict[str, Any]:
+    if cfg.get("mamba_d_head") == "auto":  # as transformers reads it: expand · hidden_size / heads
+        cfg = {**cfg, "mamba_d_head": None}
+    cfg = _fields(cfg, BAMBA_FIELDS, BAMBA_NO_MATH)
+    for field, why in (("attention_bias", "lazoo's attention output projection has no bias"),
+                       ("mlp_bias", "lazoo's MLP has no biases")):
+        if cfg[field]:
+            refuse(field, True, why)
+    for field, why in (("attention_dropout", "lazoo's attention has no dropout"),
+                       ("z_loss_coefficient", "lazoo's loss has no z-loss term")):
+        if cfg[field]:
+            refuse(field, cfg[field], why)
+    eps, n = cfg["rms_norm_eps"], cfg["num_hidden_layers"]
+    mamba = _mamba_options(cfg, heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
+                           groups="mamba_n_groups", conv="mamba_d_conv", expand="mamba_expand",
+                           conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps)
+    attention = cfg["attn_layer_indices"] or []
+    if not isinstance(attention, list) or not all(is_layer_number(i, n) for i in attention):
+        malformed("attn_layer_indices", attention, f"expected a list of layer numbers below num_hidden_layers = {n}")
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg["num_key_value_heads"] or heads
+    if cfg["hidden_size"] % heads:
+        malformed("num_attention_heads", heads, f"must divide hidden_size = {cfg['hidden_size']}")
+    if heads % kv_heads:
+        malformed("num_key_value_heads", kv_heads, f"must divide num_attention_heads = {heads}")
+    head_dim = cfg["hidden_size"] // heads
+    # transformers' Bamba rotates half of each head's channels, whatever the config says
+    theta, rotary_dim = rope_fields(cfg, "", head_dim, default_factor=0.5)
+    if rotary_dim != int(head_dim * 0.5):
+        refuse("rope_parameters.partial_rotary_factor", rotary_dim / head_dim, "Bamba rotates half of each head")
+    layer_types = ["softmax" if i in attention else "mamba2" for i in range(n)]
+    mixer_kwargs = {}
+    if "mamba2" in layer_types:
+        mixer_kwargs["mamba2"] = mamba
+    if "softmax" in layer_types:
+        mixer_kwargs["softmax"] = {"num_heads": heads, "num_kv_heads": None if kv_heads == heads else kv_heads,
+                                   "head_dim": head_dim, "qkv_bias": False, "use_rope": True, "rope_theta": theta,
+                                   "rotary_dim": rotary_dim, "qk_norm": False, "qk_rmsnorm": False,
+                                   "output_gate": False}
+    return {**_common(cfg, eps), "num_attention_heads": heads, "intermediate_size": cfg["intermediate_size"],
+            "layer_types": layer_types, "mixer_kwargs": mixer_kwargs}
+
+
+def _granite_refusal(cfg: dict) -> None:
+    """GraniteMoeHybrid: the first field lazoo cannot express (a folder that has none is refused by model type: its
+    layers would convert, but the converter for them is not written)."""
+    for field in GRANITE_MULTIPLIERS[:3]:
+        if cfg.get(field, 1.0) != 1:
+            refuse(field, cfg[field], "lazoo's decoder has no such multiplier")
+    heads, hidden = cfg.get("num_attention_heads", 32), cfg.get("hidden_size", 4096)
+    scale = cfg.get("attention_multiplier", 1.0)
+    if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and scale == (hidden // heads) ** -0.5):
+        refuse("attention_multiplier", scale, "lazoo's attention scales its scores by 1/√head_dim")
+    if cfg.get("num_local_experts", 8):
+        refuse("num_local_experts", cfg.get("num_local_experts", 8), "Granite's routed experts come with an ungated "
+               "shared MLP; lazoo's shared expert is gated")
+    refuse("model_type", "granitemoehybrid", "a dense GraniteMoeHybrid folder with no multipliers converts in "
+           "principle, but lazoo convert does not implement it")
+
+
+def _nemotron_refusal(cfg: dict) -> None:
+    """Nemotron-H: its MLP and MoE layers have no mixer, which a lazoo decoder layer always has (a folder without
+    them is refused by model type: the converter for its layers is not written)."""
+    kinds = cfg.get("layers_block_type", cfg.get("hybrid_override_pattern"))
+    field = "layers_block_type" if "layers_block_type" in cfg else "hybrid_override_pattern"
+    if kinds is None or any(kind in ("mlp", "moe", "-", "E") for kind in kinds):
+        refuse(field, kinds, "Nemotron-H's MLP and MoE layers are an MLP alone, without a mixer; a lazoo decoder "
+               "layer is a mixer followed by an MLP")
+    refuse("model_type", "nemotron_h", "a Nemotron-H folder of Mamba-2 and attention layers only converts in "
+           "principle, but lazoo convert does not implement it")
+
+
+def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
+    """The lazoo config fields (with `model_type`) of a `mamba2` or `bamba` config dict; ConversionError naming the
+    field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot express exactly (every
+    `granitemoehybrid` and `nemotron_h` config, by its first such field)."""
+    model_type = cfg.get("model_type")
+    if model_type == "mamba2":
+        return _mamba2_config(cfg)
+    if model_type == "bamba":
+        return _bamba_config(cfg)
+    if model_type == "granitemoehybrid":
+        _granite_refusal(cfg)
+    if model_type == "nemotron_h":
+        _nemotron_refusal(cfg)
+    refuse("model_type", model_type, f"lazoo converts {', '.join(CONVERTED_MODEL_TYPES)} here")
+
+
+# ============================================================================ the weights
+def _ones_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(t)
+
+
+def _no_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.new_zeros(0, t.shape[0])
+
+
+def _no_columns(t: torch.Tensor) -> torch.Tensor:
+    return t.new_zeros(t.shape[0], 0)
+
+
+def _no_mlp(norm: str, dst: str) -> dict[str, Piece]:
+    """The norm and the MLP of width 0 of a layer that has no MLP: the norm's weight 1 and the MLP's empty
+    matrices, made like the layer's input norm `norm` (its shape [hidden_size] and dtype)."""
+    return {f"{dst}.post_mixer_norm.weight": piece(norm, _ones_like),
+            f"{dst}.mlp.gate_proj.weight": piece(norm, _no_rows), f"{dst}.mlp.up_proj.weight": piece(norm, _no_rows),
+            f"{dst}.mlp.down_proj.weight": piece(norm, _no_columns)}
+
+
+def _same_names(model_names: list[str], dst: str, src: str) -> dict[str, Piece]:
+    """Every tensor of the lazoo model under `dst` from the checkpoint's tensor of the same name under `src`."""
+    return {name: piece(src + name[len(dst):]) for name in model_names if name.startswith(dst + ".")}
+
+
+def tensor_plan(fields: dict, model, model_type: str, names: set[str]) -> dict[str, Piece]:
+    """lazoo tensor name -> the checkpoint tensor (by its name inside the backbone / model, `layers.0.…`) it is."""
+    model_names = list(model.state_dict())
+    if model_type == "mamba2":
+        # transformers' load hook still reads the older name of the embedding
+        embed = "embeddings.weight" if "embeddings.weight" in names or "embedding.weight" not in names \
+            else "embedding.weight"
+        plan = {"model.embed_tokens.weight": piece(embed), "model.norm.weight": piece("norm_f.weight")}
+    else:
+        plan = {"model.embed_tokens.weight": piece("embed_tokens.weight"),
+                "model.norm.weight": piece("final_layernorm.weight")}
+    if not fields["tie_word_embeddings"]:
+        plan["lm_head.weight"] = piece("lm_head.weight")
+    for i, kind in enumerate(fields["layer_types"]):
+        src, dst = f"layers.{i}", f"model.layers.{i}"
+        if model_type == "mamba2":
+            plan[f"{dst}.input_norm.weight"] = piece(f"{src}.norm.weight")
+            plan.update(_no_mlp(f"{src}.norm.weight", dst))
+            plan.update(_same_names(model_names, f"{dst}.mixer", f"{src}.mixer"))
+            continue
+        plan[f"{dst}.input_norm.weight"] = piece(f"{src}.input_layernorm.weight")
+        plan[f"{dst}.post_mixer_norm.weight"] = piece(f"{src}.pre_ff_layernorm.weight")
+        plan.update(_same_names(model_names, f"{dst}.mlp", f"{src}.feed_forward"))
+        plan.update(_same_names(model_names, f"{dst}.mixer", f"{src}.{'mamba' if kind == 'mamba2' else 'self_attn'}"))
+    return plan
+
+
+#: the prefix of the backbone's tensors in the folders each model type's causal LM writes
+PREFIXES = {"mamba2": ("backbone.",), "bamba": ("model.",)}
+FAMILIES = {"mamba2": "a transformers Mamba-2 model", "bamba": "a transformers Bamba model"}
+
+
+# ============================================================================ the folder
+def from_mamba(src: str | os.PathLike, dst: str | os.PathLike, config: dict | None = None) -> tuple[Path, list[str]]:
+    """Convert the Mamba-2 or Bamba folder `src` into a new lazoo folder `dst` (see the module docstring); `config`
+    is src's config.json when already read. Returns (`dst`, what was left out: nothing). Refuses before writing
+    anything, as `from_fla` does."""
+    source, dst = SourceFolder(src), Path(dst)
+    config_file = source.file("config.json", required=False)
+    if config_file is None:
+        raise ConversionError(f"{src} has no config.json: give a Mamba-2 or Bamba checkpoint folder")
+    cfg = config if config is not None else source.read_json(config_file, limit=fla.MAX_CONFIG_BYTES)
+    try:
+        fields = mamba_config_to_lazoo(cfg)
+    except ConversionError as err:
+        raise type(err)(f"{config_file}: {err}") from err
+    model_type = cfg["model_type"]
+    fla.check_destination(dst)
+    copied = fla.tokenizer_files(source)
+    entries = fla.tensor_entries(source)
+    names = source_names(entries, prefixes=PREFIXES[model_type], left_out=(), family=FAMILIES[model_type])
+    check_layer_count(names, entries, fields["num_hidden_layers"], config_file)
+    converted_from = {"format": "transformers", "model_type": model_type, "source": source.root.name,
+                      "left_out": []}
+    model = fla.meta_model(fields, config_file, converted_from)
+    plan = tensor_plan(fields, model, model_type, set(names))
+    check_plan(plan, names, entries, model, config_file)
+    model = fla.fill_model(model, read_plan(source, plan, names, entries))
+    return fla.write_folder(model, copied, dst), []
