@@ -122,6 +122,16 @@ def test_the_config_and_the_card_say_what_was_converted(converted):
     assert f"model type `{kind}`" in (dst / "README.md").read_text()
 
 
+def test_the_fields_of_earlier_releases_convert(tmp_path):
+    """A folder written by an earlier transformers release (as Mamba-Codestral's is): `norm_before_gate` false and
+    `rms_norm` true say what the layer computes anyway."""
+    require("mamba2")
+    save_tiny(tmp_path / "src", "mamba2")
+    _edit_config(tmp_path / "src", lambda c: c.update(norm_before_gate=False, rms_norm=True))
+    dst, _ = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert AutoModelForCausalLM.from_pretrained(dst).config.layer_types == ["mamba2"] * 3
+
+
 def test_the_older_name_of_the_embedding_converts(tmp_path):
     """Folders written before transformers renamed `backbone.embedding` to `backbone.embeddings` (its load hook
     still reads the old name)."""
@@ -158,6 +168,8 @@ REFUSED_CONFIGS = {
     "heads that do not fill expand · hidden_size": ("mamba2", lambda c: c.update(head_dim=8), "head_dim"),
     "groups that do not divide the heads": ("mamba2", lambda c: c.update(n_groups=3), "n_groups"),
     "a count that is a string": ("mamba2", lambda c: c.update(state_size="8"), "state_size"),
+    "the norm before the gate": ("mamba2", lambda c: c.update(norm_before_gate=True), "norm_before_gate"),
+    "a layer norm for the output": ("mamba2", lambda c: c.update(rms_norm=False), "rms_norm"),
     "a z-loss": ("bamba", lambda c: c.update(z_loss_coefficient=1e-4), "z_loss_coefficient"),
     "an attention bias": ("bamba", lambda c: c.update(attention_bias=True), "attention_bias"),
     "an MLP bias": ("bamba", lambda c: c.update(mlp_bias=True), "mlp_bias"),

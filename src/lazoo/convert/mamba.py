@@ -64,6 +64,8 @@ MAMBA2_FIELDS = {
     "layer_norm_epsilon": ("number", 1e-5), "time_step_limit": ("any", None), "tie_word_embeddings": ("flag", False),
     "time_step_min": ("number", 0.001), "time_step_max": ("number", 0.1), "time_step_floor": ("real", 1e-4),
     "bos_token_id": ("token?", None), "eos_token_id": ("tokens?", None), "pad_token_id": ("token?", None),
+    # written by earlier releases (Mamba-Codestral's folder has them): the output norm is an RMSNorm after the gate
+    "norm_before_gate": ("flag", False), "rms_norm": ("flag", True),
 }
 BAMBA_FIELDS = {
     "model_type": ("name", None), "vocab_size": ("count", None), "hidden_size": ("count", None),
@@ -151,6 +153,10 @@ def _common(cfg: dict, eps: float) -> dict[str, Any]:
 
 def _mamba2_config(cfg: dict) -> dict[str, Any]:
     cfg = _fields(cfg, MAMBA2_FIELDS, MAMBA2_NO_MATH)
+    if cfg["norm_before_gate"]:
+        refuse("norm_before_gate", True, "lazoo's Mamba-2 output norm comes after the gate, as transformers' does")
+    if not cfg["rms_norm"]:
+        refuse("rms_norm", False, "lazoo's Mamba-2 output norm is an RMSNorm, as transformers' is")
     eps = cfg["layer_norm_epsilon"]
     mamba = _mamba_options(cfg, heads="num_heads", head_dim="head_dim", state="state_size", groups="n_groups",
                            conv="conv_kernel", expand="expand", conv_bias="use_conv_bias", proj_bias="use_bias",
