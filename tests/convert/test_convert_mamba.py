@@ -123,13 +123,18 @@ def test_the_config_and_the_card_say_what_was_converted(converted):
 
 
 def test_the_fields_of_earlier_releases_convert(tmp_path):
-    """A folder written by an earlier transformers release (as Mamba-Codestral's is): `norm_before_gate` false and
-    `rms_norm` true say what the layer computes anyway."""
+    """Folders written by earlier transformers releases (as Mamba-Codestral's is): Mamba-2's `norm_before_gate` false
+    and `rms_norm` true, and Bamba's `attn_rotary_emb` of half a head, say what the layers compute anyway."""
     require("mamba2")
     save_tiny(tmp_path / "src", "mamba2")
     _edit_config(tmp_path / "src", lambda c: c.update(norm_before_gate=False, rms_norm=True))
     dst, _ = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
     assert AutoModelForCausalLM.from_pretrained(dst).config.layer_types == ["mamba2"] * 3
+    require("bamba")  # Bamba's attn_rotary_emb: half of each head's channels
+    save_tiny(tmp_path / "bamba", "bamba")
+    _edit_config(tmp_path / "bamba", lambda c: c.update(attn_rotary_emb=4))
+    dst, _ = convert_checkpoint(tmp_path / "bamba", tmp_path / "bamba_dst")
+    assert AutoModelForCausalLM.from_pretrained(dst).config.mixer_options("softmax")["rotary_dim"] == 4
 
 
 def test_the_older_name_of_the_embedding_converts(tmp_path):
@@ -175,6 +180,7 @@ REFUSED_CONFIGS = {
     "an MLP bias": ("bamba", lambda c: c.update(mlp_bias=True), "mlp_bias"),
     "rope on every channel": ("bamba", lambda c: c["rope_parameters"].update(partial_rotary_factor=1.0),
                               "partial_rotary_factor"),
+    "a rotary width other than half a head": ("bamba", lambda c: c.update(attn_rotary_emb=8), "attn_rotary_emb"),
     "an attention layer past the last": ("bamba", lambda c: c.update(attn_layer_indices=[9]), "attn_layer_indices"),
 }
 

@@ -80,6 +80,7 @@ BAMBA_FIELDS = {
     "mamba_d_state": ("count", 256), "mamba_d_conv": ("count", 4), "mamba_expand": ("count", 2),
     "mamba_conv_bias": ("flag", True), "mamba_proj_bias": ("flag", False), "time_step_limit": ("any", None),
     "z_loss_coefficient": ("real?", 0.0),
+    "attn_rotary_emb": ("count?", None),  # written by earlier releases: the rotated channels of each head
     "bos_token_id": ("token?", None), "eos_token_id": ("tokens?", None), "pad_token_id": ("token?", None),
 }
 #: fields that change no computed function: inits, kernel hints and chunk lengths, how many logits generate keeps,
@@ -196,6 +197,8 @@ def _bamba_config(cfg: dict) -> dict[str, Any]:
     theta, rotary_dim = rope_fields(cfg, "", head_dim, default_factor=0.5)
     if rotary_dim != int(head_dim * 0.5):
         refuse("rope_parameters.partial_rotary_factor", rotary_dim / head_dim, "Bamba rotates half of each head")
+    if cfg["attn_rotary_emb"] not in (None, rotary_dim):
+        refuse("attn_rotary_emb", cfg["attn_rotary_emb"], f"Bamba rotates half of each head ({rotary_dim} channels)")
     layer_types = ["softmax" if i in attention else "mamba2" for i in range(n)]
     mixer_kwargs = {}
     if "mamba2" in layer_types:
