@@ -5,9 +5,9 @@
     lazoo generate DIR --prompt "..."             sample (or --greedy) from a saved model
     lazoo card DIR [--metrics JSON]               (re)write the model card README.md of a saved model
     lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
-    lazoo convert SRC DST                         a fla checkpoint folder -> a lazoo folder (docs/pretrained.md)
+    lazoo convert SRC DST                         a fla, Qwen3.5/Qwen3-Next or Mamba-2 checkpoint -> a lazoo folder
     lazoo bench NAME [args...]                    a benchmark of lazoo.bench (kernels, vla, ovq, local_linear, ttt,
-                                                  training, generate)
+                                                  training, generate, qwen)
     lazoo eval MODEL...                           lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [options]                          the demo: train, evaluate, save, reload, sample
 
