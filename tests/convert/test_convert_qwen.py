@@ -262,3 +262,29 @@ def test_the_static_cache_generates_the_dynamic_cache_s_tokens(converted):
         dynamic = ours.generate(ids, **kwargs)
         static = ours.generate(ids, cache_implementation="static", **kwargs)
     assert torch.equal(static, dynamic)
+
+
+def test_a_folder_as_published_converts_leaving_out_the_mtp_head(tmp_path):
+    """The published Qwen3.5 folders carry fields transformers' classes do not write (attn_output_gate,
+    mtp_num_hidden_layers, mamba_ssm_dtype, full_attention_interval, the sectioned rope's mrope_section) and the
+    tensors of a multi-token-prediction head (`mtp.*`): the language model converts, and the head is said to be
+    left out."""
+    require("qwen3_5")
+    reference = save_tiny(tmp_path / "src", "qwen3_5", tie=True)
+
+    def published(text):
+        text.update(attn_output_gate=True, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+                    mamba_ssm_dtype="float32", full_attention_interval=4)
+        text["rope_parameters"].update(mrope_interleaved=True, mrope_section=[1, 1, 0])
+
+    _edit_config(tmp_path / "src", published)
+    _edit_weights(tmp_path / "src", lambda t: t.update({"mtp.fc.weight": torch.zeros(32, 64),
+                                                        "mtp.norm.weight": torch.zeros(32)}))
+    dst, left_out = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
+    assert any("vision tower" in part for part in left_out) and any("mtp" in part for part in left_out)
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()
+    ids, mask = prompt_and_mask()
+    with reference_forms("qwen3_5"):
+        expected = _logits(reference.float(), ids, mask, use_cache=False)
+    real = mask.bool()
+    assert relative_error(_logits(ours, ids, mask)[real], expected[real]) < 1e-5
