@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_convert_fla import fla_config, random_fla_checkpoint, write_fla_folder
 from transformers import AutoModelForCausalLM
 
@@ -30,6 +30,30 @@ def fla_folder(folder: Path, case: str = "gla", shards: int = 1, seed: int = 0) 
     cfg = fla_config(case)
     write_fla_folder(folder, cfg, random_fla_checkpoint(cfg, seed=seed, dtype=torch.float32), shards=shards)
     return folder
+
+
+def edit_config(folder: Path, edit) -> None:
+    """`edit(config)` on the folder's config.json in place (on its `text_config` where it has one)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config.get("text_config", config))
+    path.write_text(json.dumps(config))
+
+
+def edit_weights(folder: Path, edit) -> None:
+    """`edit(tensors)` on the folder's model.safetensors in place."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def save_with_tokenizer_config(model, folder: Path):
+    """`model.save_pretrained(folder)` and a tokenizer_config.json beside it, as published folders have; returns
+    the model."""
+    model.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    return model
 
 
 def qwen3_5_available() -> bool:

@@ -4,11 +4,11 @@ in float64 with their float32 casts lifted, for the conversion tests."""
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from convert_helpers import save_with_tokenizer_config
 
 VOCAB = 97
 
@@ -88,10 +88,7 @@ def tiny_model(kind: str, seed: int = 0, tie: bool = False, **overrides):
 
 def save_tiny(folder: Path, kind: str, seed: int = 0, tie: bool = False, **overrides):
     """`tiny_model(...)` saved with save_pretrained into `folder` (with a tokenizer_config.json); returns the model."""
-    model = tiny_model(kind, seed=seed, tie=tie, **overrides)
-    model.save_pretrained(folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
-    return model
+    return save_with_tokenizer_config(tiny_model(kind, seed=seed, tie=tie, **overrides), folder)
 
 
 @contextlib.contextmanager

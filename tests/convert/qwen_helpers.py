@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from convert_helpers import save_with_tokenizer_config
 
 VOCAB = 97
 
@@ -80,10 +80,7 @@ def tiny_model(kind: str, seed: int = 0, tie: bool = False, **overrides):
 
 def save_tiny(folder: Path, kind: str, seed: int = 0, tie: bool = False, **overrides):
     """`tiny_model(...)` saved with save_pretrained into `folder` (with a tokenizer_config.json); returns the model."""
-    model = tiny_model(kind, seed=seed, tie=tie, **overrides)
-    model.save_pretrained(folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
-    return model
+    return save_with_tokenizer_config(tiny_model(kind, seed=seed, tie=tie, **overrides), folder)
 
 
 def prompt_and_mask(batch: int = 3, length: int = 13, seed: int = 5):

@@ -11,11 +11,10 @@ import json
 
 import pytest
 import torch
-from convert_helpers import check_outcome, run_convert, snapshot
+from convert_helpers import check_outcome, edit_config, edit_weights, run_convert, snapshot
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 from mamba_helpers import CONVERTED, VOCAB, float64_faithful, groups, require, save_tiny
 from qwen_helpers import prompt_and_mask, relative_error
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import lazoo  # noqa: F401  (registers lazoo's model types)
@@ -127,12 +126,12 @@ def test_the_fields_of_earlier_releases_convert(tmp_path):
     and `rms_norm` true, and Bamba's `attn_rotary_emb` of half a head, say what the layers compute anyway."""
     require("mamba2")
     save_tiny(tmp_path / "src", "mamba2")
-    _edit_config(tmp_path / "src", lambda c: c.update(norm_before_gate=False, rms_norm=True))
+    edit_config(tmp_path / "src", lambda c: c.update(norm_before_gate=False, rms_norm=True))
     dst, _ = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
     assert AutoModelForCausalLM.from_pretrained(dst).config.layer_types == ["mamba2"] * 3
     require("bamba")  # Bamba's attn_rotary_emb: half of each head's channels
     save_tiny(tmp_path / "bamba", "bamba")
-    _edit_config(tmp_path / "bamba", lambda c: c.update(attn_rotary_emb=4))
+    edit_config(tmp_path / "bamba", lambda c: c.update(attn_rotary_emb=4))
     dst, _ = convert_checkpoint(tmp_path / "bamba", tmp_path / "bamba_dst")
     assert AutoModelForCausalLM.from_pretrained(dst).config.mixer_options("softmax")["rotary_dim"] == 4
 
@@ -142,7 +141,7 @@ def test_the_older_name_of_the_embedding_converts(tmp_path):
     still reads the old name)."""
     require("mamba2")
     reference = save_tiny(tmp_path / "src", "mamba2")
-    _edit_weights(tmp_path / "src", lambda t: t.update({"backbone.embedding.weight":
+    edit_weights(tmp_path / "src", lambda t: t.update({"backbone.embedding.weight":
                                                         t.pop("backbone.embeddings.weight")}))
     dst, _ = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
     ids, mask = prompt_and_mask()
@@ -152,20 +151,6 @@ def test_the_older_name_of_the_embedding_converts(tmp_path):
 
 
 # ----------------------------------------------------------------------------- refusals
-def _edit_config(folder, edit):
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    edit(config)
-    path.write_text(json.dumps(config))
-
-
-def _edit_weights(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 REFUSED_CONFIGS = {
     "a clamp on dt": ("mamba2", lambda c: c.update(time_step_limit=[0.0, 0.5]), "time_step_limit"),
     "a gelu convolution": ("mamba2", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
@@ -190,7 +175,7 @@ def test_a_config_lazoo_cannot_express_is_refused_by_field_and_dst_is_untouched(
     kind, edit, field = REFUSED_CONFIGS[case]
     require(kind)
     save_tiny(tmp_path / "src", kind)
-    _edit_config(tmp_path / "src", edit)
+    edit_config(tmp_path / "src", edit)
     (tmp_path / "dst").mkdir()
     before = snapshot(tmp_path / "dst")
     status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
@@ -238,7 +223,7 @@ def test_weights_that_do_not_fit_are_refused_by_name_and_dst_is_untouched(case, 
     require("mamba2")
     edit, name = REFUSED_WEIGHTS[case]
     save_tiny(tmp_path / "src", "mamba2")
-    _edit_weights(tmp_path / "src", edit)
+    edit_weights(tmp_path / "src", edit)
     status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
     check_outcome(status, err, tmp_path / "dst", None)
     assert status == 2 and name in err[0], err

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from convert_helpers import check_outcome, run_convert, snapshot
+from convert_helpers import check_outcome, edit_config, edit_weights, run_convert
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 from qwen_helpers import (
     KINDS,
@@ -22,7 +22,6 @@ from qwen_helpers import (
     require,
     save_tiny,
 )
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import lazoo  # noqa: F401  (registers lazoo's model types)
@@ -132,45 +131,6 @@ def test_the_command_line_says_the_vision_tower_was_left_out(tmp_path, capfd):
 
 
 # ----------------------------------------------------------------------------- refusals
-def _edit_config(folder, edit):
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    edit(config.get("text_config", config))
-    path.write_text(json.dumps(config))
-
-
-REFUSED_CONFIGS = {
-    "an unknown field": (lambda c: c.update(sliding_window_pattern=3), "sliding_window_pattern"),
-    "a gelu MLP": (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
-    "yarn rope": (lambda c: c["rope_parameters"].update(rope_type="yarn", factor=4.0), "rope_parameters"),
-    "an attention bias": (lambda c: c.update(attention_bias=True), "attention_bias"),
-    "an unknown layer kind": (lambda c: c["layer_types"].__setitem__(0, "sliding_attention"), "layer_types"),
-    "value heads not a multiple of key heads": (lambda c: c.update(linear_num_value_heads=3),
-                                                "linear_num_value_heads"),
-    "a count that is a string": (lambda c: c.update(linear_key_head_dim="8"), "linear_key_head_dim"),
-}
-
-
-@pytest.mark.parametrize("case", list(REFUSED_CONFIGS))
-def test_a_config_lazoo_cannot_express_is_refused_by_field_and_dst_is_untouched(case, tmp_path, capfd):
-    require("qwen3_5")
-    edit, field = REFUSED_CONFIGS[case]
-    save_tiny(tmp_path / "src", "qwen3_5")
-    _edit_config(tmp_path / "src", edit)
-    (tmp_path / "dst").mkdir()
-    before = snapshot(tmp_path / "dst")
-    status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
-    check_outcome(status, err, tmp_path / "dst", before)
-    assert status == 2 and field in err[0] and "config.json" in err[0], err
-
-
-def _edit_weights(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 REFUSED_WEIGHTS = {
     "a missing GDN projection": (lambda t: t.pop("model.language_model.layers.0.linear_attn.in_proj_z.weight"),
                                  "in_proj_z"),
@@ -190,7 +150,7 @@ def test_weights_that_do_not_fit_are_refused_by_name_and_dst_is_untouched(case, 
     require("qwen3_5")
     edit, name = REFUSED_WEIGHTS[case]
     save_tiny(tmp_path / "src", "qwen3_5")
-    _edit_weights(tmp_path / "src", edit)
+    edit_weights(tmp_path / "src", edit)
     status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
     check_outcome(status, err, tmp_path / "dst", None)
     assert status == 2 and name in err[0], err
@@ -277,8 +237,8 @@ def test_a_folder_as_published_converts_leaving_out_the_mtp_head(tmp_path):
                     mamba_ssm_dtype="float32", full_attention_interval=4)
         text["rope_parameters"].update(mrope_interleaved=True, mrope_section=[1, 1, 0])
 
-    _edit_config(tmp_path / "src", published)
-    _edit_weights(tmp_path / "src", lambda t: t.update({"mtp.fc.weight": torch.zeros(32, 64),
+    edit_config(tmp_path / "src", published)
+    edit_weights(tmp_path / "src", lambda t: t.update({"mtp.fc.weight": torch.zeros(32, 64),
                                                         "mtp.norm.weight": torch.zeros(32)}))
     dst, left_out = convert_checkpoint(tmp_path / "src", tmp_path / "dst")
     assert any("vision tower" in part for part in left_out) and any("mtp" in part for part in left_out)
