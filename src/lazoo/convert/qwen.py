@@ -501,12 +501,7 @@ def from_qwen(src: str | os.PathLike, dst: str | os.PathLike, config: dict | Non
     converted_from = {"format": "transformers", "model_type": cfg["model_type"], "source": source.root.name,
                       "left_out": left_out}
     model = meta_model(fields, config_file, converted_from)
-    plan = tensor_plan(fields, model, next_layout=fields_of_next(cfg), names=set(names))
+    plan = tensor_plan(fields, model, next_layout=cfg["model_type"] == "qwen3_next", names=set(names))
     check_plan(plan, names, entries, model, config_file)
     model = fill_model(model, read_plan(source, plan, names, entries))
     return write_folder(model, copied, dst), left_out
-
-
-def fields_of_next(cfg: dict) -> bool:
-    """Whether the checkpoint lays out its Gated DeltaNet projections as Qwen3-Next does (fused per key head)."""
-    return cfg.get("model_type") == "qwen3_next"
