@@ -104,6 +104,18 @@ def compare_backends(fn: Callable, leaves: Mapping[str, torch.Tensor], rtol: flo
         assert_close(g1[name], g2[name], rtol, f"grad {name} {test} vs {ref}")
 
 
+def check_against(run: Callable, reference: Callable, leaves: Mapping[str, torch.Tensor], rtol: float,
+                  what: str) -> None:
+    """Outputs, final states and every gradient of ``run()`` against ``reference()`` (both ``() -> (o, S)``)."""
+    o1, s1, g1 = forward_and_grads(run, leaves)
+    o2, s2, g2 = forward_and_grads(reference, leaves)
+    assert_close(o1, o2, rtol, f"{what} output")
+    assert_close(s1, s2, rtol, f"{what} final state")
+    for name in leaves:
+        assert g1[name] is not None and g2[name] is not None, f"{what}: no gradient reaches {name}"
+        assert_close(g1[name], g2[name], rtol, f"{what} grad {name}")
+
+
 def rls_closed_form(q, k, v, lam, gamma=1.0):
     """o_t = VK_t (KK_t + λI)^{-1} q_t from the moments of every prefix, one LU solve per t in float64 (no
     Cholesky, no Woodbury, no Sherman–Morrison: independent of every backend)."""

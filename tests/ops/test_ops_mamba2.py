@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import assert_close, forward_and_grads, left_pad_mask, needs_interpreter
+from op_helpers import assert_close, check_against, forward_and_grads, left_pad_mask, needs_interpreter
 
 from lazoo import ops
 
@@ -68,17 +68,6 @@ def _run(inputs, **kwargs):
                       initial_state=inputs["S0"], output_final_state=True, **kwargs)
 
 
-def _check_against(run, reference, leaves, rtol, what):
-    """Outputs, final states and every gradient of `run()` against `reference()` (both `() -> (y, S)`)."""
-    o1, s1, g1 = forward_and_grads(run, leaves)
-    o2, s2, g2 = forward_and_grads(reference, leaves)
-    assert_close(o1, o2, rtol, f"{what} output")
-    assert_close(s1, s2, rtol, f"{what} final state")
-    for name in leaves:
-        assert g1[name] is not None and g2[name] is not None, f"{what}: no gradient reaches {name}"
-        assert_close(g1[name], g2[name], rtol, f"{what} grad {name}")
-
-
 @pytest.mark.parametrize("backend", ["chunk", "recurrent"])
 @pytest.mark.parametrize("T,groups", [(1, 2), (13, 2), (37, 1), (20, 4)])
 def test_outputs_states_and_every_gradient_equal_the_float64_loop(backend, T, groups):
@@ -86,7 +75,7 @@ def test_outputs_states_and_every_gradient_equal_the_float64_loop(backend, T, gr
     heads (1 and 2 for 4 heads) and one group per head."""
     inputs = make_inputs(T, groups=groups, seed=T + groups)
     leaves = {k: v.requires_grad_(True) for k, v in inputs.items()}
-    _check_against(lambda: _run(leaves, chunk_size=8, backend=backend),
+    check_against(lambda: _run(leaves, chunk_size=8, backend=backend),
                    lambda: loop_reference(*(leaves[k] for k in ("x", "dt", "A", "B", "C", "D", "S0"))),
                    leaves, 1e-10, f"{backend} T={T} G={groups}")
 
@@ -99,7 +88,7 @@ def test_left_padded_ragged_lengths_equal_each_sample_alone(backend):
     inputs = make_inputs(T, seed=3)
     mask = left_pad_mask([21, 14, 5], T, holes=[(1, 12)])
     leaves = {k: v.requires_grad_(True) for k, v in inputs.items()}
-    _check_against(lambda: _run(leaves, chunk_size=8, backend=backend, mask=mask),
+    check_against(lambda: _run(leaves, chunk_size=8, backend=backend, mask=mask),
                    lambda: padded_reference(leaves, mask), leaves, 1e-10, f"{backend} left padding")
     y, _, grads = forward_and_grads(lambda: _run(leaves, chunk_size=8, backend=backend, mask=mask), leaves)
     assert (y[~mask] == 0).all()
@@ -125,7 +114,7 @@ def test_packed_sequences_equal_the_sequences_one_by_one(backend):
             states.append(S)
         return torch.cat(ys, dim=1), torch.cat(states)
 
-    _check_against(lambda: _run(leaves, chunk_size=8, backend=backend, cu_seqlens=cu), one_by_one, leaves, 1e-10,
+    check_against(lambda: _run(leaves, chunk_size=8, backend=backend, cu_seqlens=cu), one_by_one, leaves, 1e-10,
                    f"{backend} packed")
 
 

@@ -25,9 +25,9 @@ EXPORTED_BEFORE = {
 }
 #: the ops that run with autocast off (``dtypes.without_autocast`` on their definitions)
 AUTOCAST_OFF = {
-    "delta_product", "delta_rule", "ela", "gated_delta_rule", "gated_linear_attention", "gla", "linear_attention",
-    "local_linear_attention", "mamba2", "ovq_attention", "rls", "softmax_attention", "titans", "ttt_linear", "ttt_mlp",
-    "vla", "vq_attention",
+    "delta_product", "delta_rule", "ela", "gated_delta_rule", "gated_linear_attention", "gla", "kda",
+    "linear_attention", "local_linear_attention", "mamba2", "ovq_attention", "rls", "softmax_attention", "titans",
+    "ttt_linear", "ttt_mlp", "vla", "vq_attention",
 }
 #: the ops with a backend that follow the caller's autocast (ops.bidirectional's docstring says why)
 FOLLOWS_AUTOCAST = {"bidirectional_linear_attention"}

@@ -101,6 +101,8 @@ OPS = {
                    lambda x, **kw: ops.ttt_linear(x["q"], x["k"], x["v"], x["eta"], mini_batch_size=4, **kw)),
     "ttt_mlp": (lambda g: {**_qkv(g), "eta": 0.3 * _unit(g)}, None),  # and an initial state
     "mamba2": (lambda g: {**_qkv(g), "dt": F.softplus(_scalar(g))}, _mamba2),
+    "kda": (lambda g: {**_qkv(g), "g": _log_decay(g, D), "beta": _unit(g)},
+            lambda x, **kw: ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=8, **kw)),
     "titans": (lambda g: {**_qkv(g), "theta": 0.3 * _unit(g), "eta": _unit(g), "alpha": 0.2 * _unit(g)},
                lambda x, **kw: ops.titans(x["q"], x["k"], x["v"], x["theta"], x["eta"], x["alpha"],
                                           mini_batch_size=4, **kw)),

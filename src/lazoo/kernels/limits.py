@@ -15,6 +15,10 @@ DELTA_MAX_HEAD_DIM = 256
 #: the chunk sizes the kernels are built for
 DELTA_CHUNK_SIZES = (16, 32, 64)
 
+# ---- lazoo.kernels.kda: Kimi Delta Attention (the delta rule with a decay per key dim)
+#: largest head dim (dk and dv: a chunk's whole key rows are held in registers); the smallest is 16 (tl.dot)
+KDA_MAX_HEAD_DIM = 128
+
 # ---- lazoo.kernels.linear (linear attention, its gated form; RLS's memory part) and lazoo.kernels.gla
 #: largest head dim (the backward holds a whole dk row of a chunk)
 LINEAR_MAX_HEAD_DIM = 256

@@ -19,7 +19,7 @@ The package holds every name of every op module's ``__all__`` and ``BACKENDS``, 
 share holds no op: ``backend`` (backend choice), ``checks`` (argument checks), ``states`` (initial states),
 ``boundary`` (an op's preamble and result, pads), ``dtypes``, ``chunks``, ``scan``, ``norms`` and ``packing``
 (``cu_seqlens``). ``lazoo.ops.<module>`` is the module (``lazoo.ops.linear``) unless an op has its name:
-``delta_product``, ``ela``, ``mamba2``, ``rls``, ``titans`` and ``vla`` are the ops, their modules
+``delta_product``, ``ela``, ``kda``, ``mamba2``, ``rls``, ``titans`` and ``vla`` are the ops, their modules
 ``sys.modules["lazoo.ops.vla"]`` and so on.
 """
 
@@ -28,6 +28,7 @@ from .bidirectional import bidirectional_linear_attention
 from .delta import chunk_generalized_delta, delta_rule, gated_delta_rule
 from .delta_product import delta_product
 from .ela import ELA_KERNELS, ela, ela_feature_dim, ela_features, ela_kernel
+from .kda import chunk_kda, kda
 from .linear import FEATURE_MAPS, chunk_gated_linear, chunk_gla, gated_linear_attention, gla, linear_attention
 from .local_linear import local_linear_attention
 from .mamba2 import mamba2
@@ -39,9 +40,9 @@ from .ttt import ttt_linear, ttt_linear_decode_step, ttt_mlp, ttt_mlp_decode_ste
 from .vla import vla
 
 __all__ = [
-    "BACKENDS", "ELA_KERNELS", "FEATURE_MAPS", "bidirectional_linear_attention", "chunk_gated_linear", "chunk_gla",
-    "chunk_generalized_delta", "delta_product", "delta_rule", "ela", "ela_feature_dim", "ela_features", "ela_kernel",
-    "gated_delta_rule", "gated_linear_attention", "gla", "linear_attention", "local_linear_attention", "mamba2",
-    "ovq_attention", "ovq_dict_size", "rls", "softmax_attention", "titans", "ttt_linear", "ttt_linear_decode_step",
-    "ttt_mlp", "ttt_mlp_decode_step", "vla", "vq_attention",
+    "BACKENDS", "ELA_KERNELS", "FEATURE_MAPS", "bidirectional_linear_attention", "chunk_gated_linear",
+    "chunk_generalized_delta", "chunk_gla", "chunk_kda", "delta_product", "delta_rule", "ela", "ela_feature_dim",
+    "ela_features", "ela_kernel", "gated_delta_rule", "gated_linear_attention", "gla", "kda", "linear_attention",
+    "local_linear_attention", "mamba2", "ovq_attention", "ovq_dict_size", "rls", "softmax_attention", "titans",
+    "ttt_linear", "ttt_linear_decode_step", "ttt_mlp", "ttt_mlp_decode_step", "vla", "vq_attention",
 ]
