@@ -87,6 +87,15 @@ def random_ids(*shape, seed: int, low: int = 1, high: int = VOCAB) -> torch.Tens
     return torch.randint(low, high, shape, generator=gen)
 
 
+def left_padded(batch: int = 3, length: int = 9, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids and an attention mask with rows 0 and 2 padded on the left (3 and 6 pads; batch >= 3)."""
+    ids = random_ids(batch, length, seed=seed)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :6] = 0
+    return ids, mask
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core CI machine OpenMP threads

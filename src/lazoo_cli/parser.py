@@ -173,9 +173,12 @@ def _add_generate(sub) -> None:
     mode.add_argument("--temperature", type=float, default=None,
                       help=f"sampling temperature, at least {MIN_TEMPERATURE} (default: 1.0)")
     p.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest tokens; 0 = all (default: 40)")
-    p.add_argument("--static", action="store_true",
-                   help="a static cache: on CUDA the decode steps are compiled and replayed as CUDA graphs (about 10x "
-                   "faster per token after a compile of tens of seconds); the same tokens")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--static", dest="static", action="store_const", const=True, default=None,
+                       help="the static cache also off CUDA (on CUDA it is the default: the decode steps are compiled "
+                       "and replayed as CUDA graphs); the same tokens")
+    cache.add_argument("--eager", dest="static", action="store_const", const=False,
+                       help="the dynamic cache and no compile, also on CUDA; the same tokens")
     add_run_arguments(p)
 
 

@@ -28,16 +28,16 @@ def by_setting(rows):
 
 
 def test_a_row_per_setting_with_consistent_timings(tmp_path, capsys, single_thread):
-    env, rows = run(tmp_path, "--models", "gated_delta_net,llama", "--modes", "eager,static", "--prompts", "16",
+    env, rows = run(tmp_path, "--models", "gated_delta_net,llama", "--modes", "default,eager,static", "--prompts", "16",
                     "--batch-sizes", "1,2", "--new-tokens", "5", "--repeats", "3")
     assert env["device"] == "cpu" and env["gpu"] is None and env["torch"] and env["transformers"]
     assert env["arguments"]["new_tokens"] == 5 and env["fla"] is None
     assert env["sizes"] == dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                 vocab_size=101)
     settings = by_setting(rows)
-    assert len(settings) == len(rows) == 8
-    assert set(settings) == {(m, mode, b, 16) for m in ("gated_delta_net", "llama") for mode in ("eager", "static")
-                             for b in (1, 2)}
+    assert len(settings) == len(rows) == 12
+    assert set(settings) == {(m, mode, b, 16) for m in ("gated_delta_net", "llama")
+                             for mode in ("default", "eager", "static") for b in (1, 2)}
     for key, r in settings.items():
         model, mode, batch, _ = key
         assert r["error"] is None, (key, r["error"])
@@ -50,11 +50,13 @@ def test_a_row_per_setting_with_consistent_timings(tmp_path, capsys, single_thre
         assert r["tokens_per_s"] == pytest.approx(batch * 4 / decode_s)
         assert r["tokens_per_s"] == pytest.approx(batch * 1e3 / r["ms_per_token"])
         static = "StaticCache" if model == "llama" else "LazooCache(static)"
-        assert (r["cache"] == static) == (mode == "static"), (key, r["cache"])
+        assert (r["cache"] == static) == (mode == "static"), (key, r["cache"])  # the CPU's default is dynamic
+        assert r["first_call_s"] > 0 and r["other_prompt_s"] > 0
+        assert r["recompiles_other_prompt"] == 0  # nothing is compiled on the CPU
     table = capsys.readouterr().out
     assert "| model | mode | batch | prompt | prefill ms | ms/token | tokens/s | peak GiB | note |" in table
     table_rows = [line for line in table.splitlines() if line.startswith(("| gated_delta_net |", "| llama |"))]
-    assert len(table_rows) == 8
+    assert len(table_rows) == 12
     assert "| llama | eager | 2 | 16 |" in table
 
 

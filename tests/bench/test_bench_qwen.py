@@ -25,4 +25,4 @@ def test_the_qwen_benchmark_measures_every_row_on_the_cpu(tmp_path):
     assert rows[1]["row"] == "agreement" and rows[1]["relative_difference"] < 1e-4, rows[1]
     measured = {(r["implementation"], r["row"]) for r in rows[2:] if "error" not in r}
     assert measured == {(i, r) for i in ("lazoo", "transformers") for r in ("prefill", "train", "generate")} | {
-        ("lazoo", "generate-static")}, rows
+        ("lazoo", "generate-eager")}, rows

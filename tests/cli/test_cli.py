@@ -104,6 +104,9 @@ def test_train_then_generate_then_card(tiny_text, tmp_path, capsys):
     code, static, _ = run(capsys, "generate", str(out_dir), "--prompt", "And God said", "--max-new-tokens", "5",
                           "--greedy", "--static")
     assert code == 0 and static.strip() == text  # the static cache gives the same tokens
+    code, eager, _ = run(capsys, "generate", str(out_dir), "--prompt", "And God said", "--max-new-tokens", "5",
+                         "--greedy", "--eager")
+    assert code == 0 and eager.strip() == text
     code, out, err = run(capsys, "generate", str(out_dir), "--max-new-tokens", "3", "--temperature", "0.7")
     assert code == 0, err
 

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import left_padded, tiny_model
 from op_helpers import assert_close, left_pad_mask
 from transformers import AutoConfig
 
@@ -277,14 +277,6 @@ def test_gqa_state_equals_the_repeated_heads_of_a_plain_mha_layer():
 
 QWEN_TINY = dict(num_kv_heads=1, head_dim=24, rotary_dim=8, qk_rmsnorm=True, qk_rmsnorm_zero_centered=True,
                  output_gate=True)  # tiny models: hidden 32, 2 heads (2 · 24 ≠ 32)
-
-
-def left_padded(batch=3, length=9, seed=3):
-    ids = random_ids(batch, length, seed=seed)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    mask[2, :6] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("name", MECHANISMS)

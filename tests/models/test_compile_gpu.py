@@ -66,11 +66,18 @@ def test_compiled_generate_equals_eager(name):
     with torch.no_grad():
         for kwargs in (dict(do_sample=False), dict(do_sample=True, top_k=50)):
             torch.manual_seed(5)
-            eager = model.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
+            eager = model.generate(ids, attention_mask=mask, max_new_tokens=16, cache_implementation="dynamic",
+                                   **kwargs)
             torch.manual_seed(5)
             compiled = model.generate(ids, attention_mask=mask, max_new_tokens=16, cache_implementation="static",
                                       **kwargs)
             assert torch.equal(eager, compiled), kwargs
+            torch.manual_seed(5)
+            default = model.generate(ids, attention_mask=mask, max_new_tokens=16, return_dict_in_generate=True,
+                                     **kwargs)  # on CUDA: the static cache, compiled
+            assert torch.equal(eager, default.sequences), kwargs
+            cache = getattr(default, "cache", None) or default.past_key_values  # its name from transformers 5.24
+            assert cache.static, kwargs
     assert getattr(model, "_compiled_call", None) is not None, "generate did not compile its decode steps"
     assert not counters["graph_break"], dict(counters["graph_break"])
 

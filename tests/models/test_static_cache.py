@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_MODELS, random_ids, tiny_model
+from conftest import ALL_MODELS, left_padded, random_ids, tiny_model
 from torch.utils._pytree import tree_leaves
 from transformers import CompileConfig
 
@@ -17,14 +17,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 #: the default run compiles these; the slow run every model
 QUICK = ("gated_delta_net", "sliding_window", "softmax", "hybrid")
-
-
-def left_padded(batch=3, length=9, seed=3):
-    ids = random_ids(batch, length, seed=seed)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    mask[2, :6] = 0
-    return ids, mask
 
 
 def generate(model, ids, mask, **kwargs):
@@ -132,19 +124,20 @@ def test_static_cache_matches_a_states_dicts_by_key():
 
 def test_cache_preparation_reads_its_arguments_by_name():
     """generate passes batch_size and max_cache_length positionally today; a call by keyword (or a later release
-    that passes them so) builds the same cache: beams times the batch, the larger of the two lengths."""
+    that passes them so) builds the same cache: beams times the batch, the larger of the two lengths (in its
+    bucket: 300 -> 512, 600 -> 768)."""
     from transformers import GenerationConfig
 
-    model = tiny_model("gated_delta_net", seed=1)
-    config = GenerationConfig(cache_implementation="static", num_beams=2, max_cache_len=40)
+    model = tiny_model("softmax", seed=1)  # a full-length KV cache: its size follows the length
+    config = GenerationConfig(cache_implementation="static", num_beams=2, max_cache_len=300)
     made = []
     for args, kwargs in (((None, 3, 25), {}), ((), dict(generation_mode=None, batch_size=3, max_cache_length=25)),
-                         ((None,), dict(batch_size=3, max_cache_length=50))):
+                         ((None,), dict(batch_size=3, max_cache_length=600))):
         model_kwargs = {}
         model._prepare_cache_for_generation(config, model_kwargs, *args, **kwargs)
         cache = next(v for k, v in model_kwargs.items() if isinstance(v, LazooCache))
         made.append((cache.static, cache.max_cache_len))
-    assert made == [(True, 40), (True, 40), (True, 50)]
+    assert made == [(True, 512), (True, 512), (True, 768)]
     assert model._lazoo_static_cache_key[0] == 6  # 3 samples x 2 beams
 
 

@@ -15,14 +15,19 @@ tied input/output embeddings, random weights from ``--seed``):
 For every model, mode (``--modes``), batch (``--batch-sizes``) and prompt length (``--prompts``), on the same random
 prompt ids (seeded, equal for every model):
 
-  * ``eager``: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``;
+  * ``default``: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``, no cache argument
+    (for lazoo on CUDA: the static cache and the compiled decode step; for llama and fla: their dynamic cache);
+  * ``eager``: the same with ``cache_implementation="dynamic"`` (a growing cache, no compile);
   * ``static``: the same with ``cache_implementation="static"`` (transformers' static cache for llama, lazoo's
     static ``LazooCache``; on CUDA generate compiles the decode step for both). A model whose generate ignores it
     gets an ``error`` row rather than eager's timings under the wrong name;
   * ``compile``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, then eager generate.
 
 A short generate of ``--warmup-tokens`` (default 8) runs first in every setting, so compilation and Triton
-autotuning stay out of the timings. Then, ``--repeats`` times each (median taken): the prefill =
+autotuning stay out of the timings; its time is the row's ``first_call_s``. After the timed runs one more generate
+with a prompt ``--other-prompt-offset`` tokens longer (default 37) counts the graphs torch.compile made for it
+(``recompiles_other_prompt``: 0 when the compiled step is reused). Then, ``--repeats`` times each (median taken): the
+prefill =
 ``generate(..., max_new_tokens=1)`` (one forward over the prompt, filling the cache, plus one token), and the whole
 ``generate`` of N = ``--new-tokens`` tokens. ms per new token = (t_total - t_prefill) / (N - 1); tokens/s =
 batch * (N - 1) / (t_total - t_prefill). Peak memory = ``torch.cuda.max_memory_allocated`` over the setting (weights
@@ -147,11 +152,20 @@ def generate_kwargs(mode, new_tokens, cache_length=None):
     compile for, inside the timed runs."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True)
+    if mode == "eager":
+        kwargs["cache_implementation"] = "dynamic"
     if mode == "static":
         kwargs["cache_implementation"] = "static"
         if cache_length:
             kwargs["max_cache_len"] = cache_length
     return kwargs
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def output_cache(out):
@@ -201,15 +215,21 @@ def measure_setting(model, ids, args, mode):
     batch, prompt = ids.shape
     N = args.new_tokens
     length = prompt + N
-    if args.warmup_tokens:
-        timed_generate(model, ids, mode, args.warmup_tokens, length)
-    prefill = [timed_generate(model, ids, mode, 1, length)[0] for _ in range(args.repeats)]
-    runs = [timed_generate(model, ids, mode, N, length) for _ in range(args.repeats)]
+    fixed = None if mode == "default" else length  # the default sizes its own cache (in buckets)
+    first = timed_generate(model, ids, mode, args.warmup_tokens, fixed)[0] if args.warmup_tokens else None
+    prefill = [timed_generate(model, ids, mode, 1, fixed)[0] for _ in range(args.repeats)]
+    runs = [timed_generate(model, ids, mode, N, fixed) for _ in range(args.repeats)]
     total = [seconds for seconds, _ in runs]
     t_prefill, t_total = statistics.median(prefill), statistics.median(total)
     decode = t_total - t_prefill
     result = {"cache": runs[-1][1], "prefill_ms": t_prefill * 1e3, "total_ms": t_total * 1e3,
-              "prefill_ms_all": [t * 1e3 for t in prefill], "total_ms_all": [t * 1e3 for t in total]}
+              "prefill_ms_all": [t * 1e3 for t in prefill], "total_ms_all": [t * 1e3 for t in total],
+              "first_call_s": first}
+    if args.other_prompt_offset:
+        longer = torch.cat([ids, ids[:, :args.other_prompt_offset]], dim=1)
+        graphs = compiled_graphs()
+        result["other_prompt_s"] = timed_generate(model, longer, mode, N, fixed and fixed + args.other_prompt_offset)[0]
+        result["recompiles_other_prompt"] = compiled_graphs() - graphs
     if decode > 0:
         result.update(ms_per_token=decode * 1e3 / (N - 1), tokens_per_s=batch * (N - 1) / decode)
     else:  # timer noise larger than the decode itself (tiny CPU models): no rate rather than a negative one

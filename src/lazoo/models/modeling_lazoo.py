@@ -99,10 +99,18 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             config.hidden_size, config.num_attention_heads, layer_idx, mode=lobe,
             feature_map=config.memory_lobe_feature_map)
 
-    def forward(self, hidden_states, mask=None, position_ids=None, cache=None, cu_seqlens=None, **kwargs):
+    def forward(self, hidden_states, mask=None, position_ids=None, cache=None, cu_seqlens=None,
+                output_attentions=False, **kwargs):
+        """The layer's output; with `output_attentions=True`, `(output, weights)`: the mixer's attention weights
+        `[B, H, T, S]`, or None for a mixer that has none (`TokenMixer.has_attention_weights`)."""
         hidden_states = zero_pads(hidden_states, mask)
         x = self.input_norm(hidden_states)
-        if cu_seqlens is None:
+        weights = None
+        if output_attentions and self.mixer.has_attention_weights:
+            extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+            mixed, weights = self.mixer(x, mask=mask, position_ids=position_ids, cache=cache, output_attentions=True,
+                                        **extra)
+        elif cu_seqlens is None:
             mixed = self.mixer(x, mask=mask, position_ids=position_ids, cache=cache)
         else:  # packed sequences: the mixer keeps them apart (natively or one sequence at a time)
             mixed = self.mixer.forward_packed(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
@@ -118,7 +126,7 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             flow = mixed + f if self.memory_lobe is not None else None
         if self.memory_lobe is not None:
             out = out + self.memory_lobe(flow, mask=mask, cache=cache, cu_seqlens=cu_seqlens)
-        return out
+        return (out, weights) if output_attentions else out
 
     @property
     def aux_loss(self):
@@ -168,7 +176,7 @@ class LazooPreTrainedModel(PreTrainedModel):
         if stacked is not None:
             model.name_or_path = model.config._name_or_path = os.fspath(source)
         if not allow_layer_mismatch:
-            check_layer_weights(info, source)
+            check_layer_weights(info, source, model)
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -203,11 +211,15 @@ class LazooPreTrainedModel(PreTrainedModel):
 _LAYER_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.")
 
 
-def check_layer_weights(loading_info: dict, source) -> None:
-    """Refuse a load whose decoder-layer weights and config disagree (see `LazooPreTrainedModel.from_pretrained`)."""
+def check_layer_weights(loading_info: dict, source, model: nn.Module | None = None) -> None:
+    """Refuse a load whose decoder-layer weights and config disagree (see `LazooPreTrainedModel.from_pretrained`). A
+    folder holding none of the model's layer weights (and no other layer weights) is no such disagreement: every
+    weight is newly initialised, as transformers does, and its loading report says so."""
     extra = sorted(k for k in loading_info.get("unexpected_keys", ()) if _LAYER_WEIGHT.search(k))
     missing = sorted(k for k in loading_info.get("missing_keys", ()) if _LAYER_WEIGHT.search(k))
     if not extra and not missing:
+        return
+    if model is not None and not extra and set(missing) == {k for k in model.state_dict() if _LAYER_WEIGHT.search(k)}:
         return
     found = []
     if extra:
@@ -438,6 +450,20 @@ class LazooModel(LazooPreTrainedModel):
         return cu_seqlens_from_position_ids(position_ids.to(inputs_embeds.device))
 
 
+def default_cache_implementation(device: torch.device) -> str:
+    """The cache `generate` takes when none is asked for: the static cache on CUDA, where `generate` compiles the
+    decode step and replays it as a CUDA graph; the dynamic cache elsewhere, where a static cache is slower."""
+    return "static" if device.type == "cuda" else "dynamic"
+
+
+def cache_length_bucket(length: int) -> int:
+    """`length` rounded up to a multiple of a quarter of its octave (at least 256): a static cache of this many
+    positions serves every length in the bucket, so their `generate` calls share one compiled decode step. It
+    keeps less than a quarter more positions than asked for (at most 255 more below 2048)."""
+    step = 1 << max(8, length.bit_length() - 3)
+    return -(-length // step) * step
+
+
 class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -463,17 +489,30 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """transformers' cache preparation, plus `cache_implementation="static"`: a `LazooCache(static=True)` of
-        `max_length` positions (or `generation_config.max_cache_len` if larger), which `generate` then compiles
-        its decode steps against on CUDA. Other cache implementations are transformers' attention caches, which
-        lazoo layers cannot use: they are refused."""
+        """transformers' cache preparation, with lazoo's cache. `cache_implementation`:
+
+        - None (the default): `"static"` on CUDA, `"dynamic"` elsewhere (`default_cache_implementation`);
+        - `"static"`: a `LazooCache(static=True)`, which `generate` compiles its decode steps against on CUDA. Its
+          length is `max_length` (or `generation_config.max_cache_len` if larger) rounded up to a bucket, so prompts
+          of other lengths reuse the cache and the compiled step; models whose layers keep no full-length key-value
+          cache get one cache for every length;
+        - `"dynamic"`: the eager path, a cache that grows (the opt-out of the static default on CUDA).
+
+        Other cache implementations are transformers' attention caches, which lazoo layers cannot use: they are
+        refused."""
         implementation = generation_config.cache_implementation
         user_cache = any(model_kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
-        if implementation is None or user_cache or generation_config.use_cache is False:
+        if user_cache or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if implementation != "static":
+        if implementation is None:
+            implementation = default_cache_implementation(self.device)
+        if implementation not in ("static", "dynamic"):
             raise ValueError(f"lazoo models keep their own cache: cache_implementation may be 'static' (a cache of "
-                             f"fixed shapes, for compiled decoding) or None, not {implementation!r}")
+                             f"fixed shapes, for compiled decoding), 'dynamic' (eager) or None (static on CUDA, "
+                             f"dynamic elsewhere), not {implementation!r}")
+        if implementation == "dynamic":  # lazoo's growing cache, made by the model's first forward
+            generation_config.cache_implementation = None  # generate's own copy of the config
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         # the arguments by the names of transformers' own signature, however generate passes them
         bound = inspect.signature(super()._prepare_cache_for_generation).bind(generation_config, model_kwargs, *args,
                                                                                **kwargs).arguments
@@ -483,7 +522,13 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         batch_size = bound["batch_size"]
         max_length = max(bound["max_cache_length"] or 0, getattr(generation_config, "max_cache_len", None) or 0) or None
         batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, max_length)
+        length = cache_length_bucket(max_length) if self._keeps_every_position() and max_length else None
+        model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, length)
+
+    def _keeps_every_position(self) -> bool:
+        """Whether a layer keeps a key-value cache of every position (full softmax or local-linear attention):
+        only then does a static cache's size depend on the length generated."""
+        return any(module.keeps_every_position() for module in self.modules() if isinstance(module, TokenMixer))
 
     def _static_cache(self, batch_size: int, max_cache_len: int | None) -> LazooCache:
         """The static cache of the last `generate` of this batch size, length, dtype and device, reset (its buffers,

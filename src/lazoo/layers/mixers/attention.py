@@ -46,6 +46,7 @@ class AttentionMixer(TokenMixer):
                 "qk_rmsnorm_eps": 1e-5, "qk_rmsnorm_zero_centered": False, "output_gate": False}
     optional_int_options = ("num_heads", "num_kv_heads", "head_dim", "rotary_dim")  # None or a positive int
     packing = "native"  # cu_seqlens: the op's attention mask keeps every query inside its own sequence
+    has_attention_weights = True
 
     def __init__(self, config, layer_idx, options):
         self.check_options({k: options[k] for k in self.optional_int_options})
@@ -113,7 +114,10 @@ class AttentionMixer(TokenMixer):
             self.q_norm.reset_parameters(init)
             self.k_norm.reset_parameters(init)
 
-    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None, cu_seqlens=None):
+    def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None, cu_seqlens=None,
+                output_attentions=False):
+        """The layer's output; with `output_attentions=True`, `(output, weights [B, H, T, S])` (the explicit softmax
+        the output is made of, over the S cached + new key positions)."""
         q, k, v = self._project(hidden_states)
         scale = None
         if self.options["qk_norm"]:
@@ -129,16 +133,21 @@ class AttentionMixer(TokenMixer):
         # so that the op reads LAZOO_BACKEND (auto: SDPA)
         eager = getattr(self._config, "_attn_implementation", None) == "eager"
         backend = self.options.get("backend") or ("recurrent" if eager else None)
-        o, state = ops.softmax_attention(
+        o, state, *weights = ops.softmax_attention(
             q, k, v, scale=scale, window=self.window, initial_state=self.read_state(cache),
             output_final_state=cache is not None, mask=mask, backend=backend,
             **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}),
+            **({"output_attentions": True} if output_attentions else {}),
         )
         self.write_state(cache, state)
         o = self.merge_heads(o)
         if self.options["output_gate"]:
             o = o * torch.sigmoid(self.g_proj(hidden_states))
-        return self.o_proj(o)
+        o = self.o_proj(o)
+        return (o, weights[0]) if output_attentions else o
+
+    def keeps_every_position(self) -> bool:
+        return self.window is None
 
     def kv_cache_length(self) -> int | None:
         return None if self.window is None else self.window - 1

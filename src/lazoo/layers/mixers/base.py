@@ -91,6 +91,9 @@ class TokenMixer(nn.Module):
     packing: ClassVar[str] = "split"
     #: options whose default is None and whose other values are positive ints (head counts, head dims)
     optional_int_options: ClassVar[tuple[str, ...]] = ()
+    #: whether `forward` takes `output_attentions=True` and then returns `(output, weights [B, H, T, S])`: the
+    #: softmax-type mixers; the others have no attention matrix (the model reports None for their layers)
+    has_attention_weights: ClassVar[bool] = False
 
     def __init__(self, config, layer_idx: int, options: dict[str, Any], *, num_heads: int | None = None,
                  head_dim: int | None = None):
@@ -181,6 +184,11 @@ class TokenMixer(nn.Module):
         """Positions a KV-cache part of this mixer's state keeps (`window - 1`), or None when it keeps them all.
         A static cache holds such a part at this length (None: its max_cache_len)."""
         return None
+
+    def keeps_every_position(self) -> bool:
+        """Whether this mixer's cache holds a key-value part of every position seen (its size then grows with the
+        length generated, and a static cache sizes it to `max_cache_len`)."""
+        return False
 
     def _init_lazoo_parameters(self, init) -> None:
         """Initialise parameters that are not plain Linear/Embedding/Norm weights (called by the model's

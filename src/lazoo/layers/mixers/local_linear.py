@@ -72,6 +72,9 @@ class LocalLinearMixer(RecurrentMixer):
         columns, _ = torch.linalg.qr(torch.randn(H, dk, r, dtype=torch.float64))  # [H, dk, r], orthonormal columns
         set_parameter(self.slope_projection, columns.transpose(1, 2) * math.sqrt(dk / r), init)
 
+    def keeps_every_position(self) -> bool:
+        return self.options["window"] is None
+
     def kv_cache_length(self) -> int | None:
         window = self.options["window"]
         return None if window is None else window - 1
