@@ -116,6 +116,22 @@ def check_against(run: Callable, reference: Callable, leaves: Mapping[str, torch
         assert_close(g1[name], g2[name], rtol, f"{what} grad {name}")
 
 
+def kda_inputs(B, T, H, dk, dv, HV=None, seed=0, strong=False):
+    """q, k, v ~ N(0, 1); g = logsigmoid(N(2, 1)) per value head and key dim (with `strong`, every third key dim
+    decays by exp(−5) to exp(−40) a step); β = sigmoid(N(0, 1)); an initial state."""
+    HV = HV or H
+    F64 = torch.float64
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, dk, generator=gen, dtype=F64) for _ in range(2))
+    v = torch.randn(B, T, HV, dv, generator=gen, dtype=F64)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, dk, generator=gen, dtype=F64) + 2)
+    if strong:
+        g[..., ::3] = -5 - 35 * torch.rand(B, T, HV, len(range(0, dk, 3)), generator=gen, dtype=F64)
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=F64))
+    S0 = torch.randn(B, HV, dv, dk, generator=gen, dtype=F64)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "S0": S0}
+
+
 def rls_closed_form(q, k, v, lam, gamma=1.0):
     """o_t = VK_t (KK_t + λI)^{-1} q_t from the moments of every prefix, one LU solve per t in float64 (no
     Cholesky, no Woodbury, no Sherman–Morrison: independent of every backend)."""

@@ -11,26 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import assert_close, check_against, left_pad_mask
+from op_helpers import assert_close, check_against, kda_inputs, left_pad_mask
 
 from lazoo import ops
 
 F64 = torch.float64
-
-
-def make_inputs(B, T, H, dk, dv, HV=None, seed=0, strong=False):
-    """q, k, v ~ N(0, 1); g = logsigmoid(N(2, 1)) per value head and key dim (with `strong`, every third key dim
-    decays by exp(−5) to exp(−40) a step); β = sigmoid(N(0, 1)); an initial state."""
-    HV = HV or H
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, dk, generator=gen, dtype=F64) for _ in range(2))
-    v = torch.randn(B, T, HV, dv, generator=gen, dtype=F64)
-    g = F.logsigmoid(torch.randn(B, T, HV, dk, generator=gen, dtype=F64) + 2)
-    if strong:
-        g[..., ::3] = -5 - 35 * torch.rand(B, T, HV, len(range(0, dk, 3)), generator=gen, dtype=F64)
-    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=F64))
-    S0 = torch.randn(B, HV, dv, dk, generator=gen, dtype=F64)
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "S0": S0}
 
 
 def loop_reference(q, k, v, g, beta, S0):
@@ -60,7 +45,7 @@ def _run(x, **kw):
 @pytest.mark.parametrize("backend", ["recurrent", "chunk"])
 @pytest.mark.parametrize("T,HV,strong,chunk", [(1, None, False, 16), (37, None, True, 16), (29, 4, False, 8)])
 def test_kda_equals_the_token_loop(backend, T, HV, strong, chunk):
-    x = _leaves(make_inputs(2, T, 2, 6, 5, HV=HV, seed=T, strong=strong))
+    x = _leaves(kda_inputs(2, T, 2, 6, 5, HV=HV, seed=T, strong=strong))
     check_against(lambda: _run(x, backend=backend, chunk_size=chunk),
            lambda: loop_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"]), x, 1e-10,
            f"{backend} T={T}")
@@ -70,7 +55,7 @@ def test_kda_equals_the_token_loop(backend, T, HV, strong, chunk):
 def test_kda_pads_leave_the_state_alone(backend):
     """Left padding and interior holes: each sample equals its real tokens run alone (NaN at the pads stays out)."""
     T = 21
-    x = make_inputs(3, T, 2, 6, 5, seed=3)
+    x = kda_inputs(3, T, 2, 6, 5, seed=3)
     mask = left_pad_mask([21, 15, 9], T, holes=[(0, 4), (1, 10)])
     for name in ("q", "k", "v", "g", "beta"):
         x[name][~mask] = float("nan")
@@ -94,7 +79,7 @@ def test_kda_packed_sequences_and_carried_state(backend):
     a sequence split in two with the state carried across equals it run whole."""
     lens = [7, 0, 19, 4]
     cu = torch.tensor([0, 7, 7, 26, 30])
-    x = make_inputs(1, 30, 2, 6, 5, seed=5)
+    x = kda_inputs(1, 30, 2, 6, 5, seed=5)
     S0 = torch.randn(4, 2, 5, 6, dtype=F64)
     o, S = ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=S0, output_final_state=True,
                    cu_seqlens=cu, backend=backend, chunk_size=8)
@@ -117,7 +102,7 @@ def test_kda_packed_sequences_and_carried_state(backend):
 
 def test_kda_float32_and_no_l2norm():
     """float32 inputs against the float64 loop; use_qk_l2norm=False takes q and k as given."""
-    x = make_inputs(2, 40, 2, 8, 8, seed=7)
+    x = kda_inputs(2, 40, 2, 8, 8, seed=7)
     o, S = ops.kda(*(x[k].float() for k in ("q", "k", "v", "g", "beta")), initial_state=x["S0"].float(),
                    output_final_state=True, backend="chunk")
     o_ref, S_ref = loop_reference(*(x[k] for k in ("q", "k", "v", "g", "beta", "S0")))
@@ -134,7 +119,7 @@ def test_kda_float32_and_no_l2norm():
 
 
 def test_kda_bad_input_is_named():
-    x = make_inputs(1, 5, 2, 4, 4)
+    x = kda_inputs(1, 5, 2, 4, 4)
     args = [x[k] for k in ("q", "k", "v", "g", "beta")]
     with pytest.raises(ValueError, match="g must have shape"):
         ops.kda(*args[:3], x["g"][..., :3], args[4])

@@ -111,7 +111,7 @@ OPS = {
 TRITON_DEFAULT = ("linear_attention", "gla", "gated_delta_rule", "vla", "ovq_attention", "rls",
                   "local_linear_attention", "ttt_linear", "bidirectional_linear_attention")
 TRITON_SLOW = ("gated_linear_attention", "delta_rule", "delta_product", "ela_exp", "ela_sum_sq", "ela_bidirectional",
-               "mamba2")
+               "mamba2", "kda")
 #: local-linear's step-by-step reference takes seconds per run: in the full matrix only
 CPU_CASES = [pytest.param(name, be, marks=[pytest.mark.slow] if (name, be) == ("local_linear_attention", "recurrent")
                           else []) for name in OPS for be in ("chunk", "recurrent")]

@@ -1,0 +1,784 @@
+"""Triton kernels for Kimi Delta Attention (the delta rule with a decay per key channel): a chunk-parallel forward
+with a hand-written backward, and a fused recurrent kernel for decoding.
+
+Rule, per sequence and value head (state ``S`` ``[dv, dk]``; kernels hold ``Sᵀ`` ``[dk, dv]``):
+
+    S' = S_{t-1} Diag(exp(g_t)),   S_t = S' + β_t (v_t - S' k_t) k_tᵀ,   o_t = scale S_t q_t
+
+Chunks of ``BT = 64`` rows that never straddle a packed sequence; ``G`` the cumulative log decay inside a chunk
+(per key dim, float32, stored in base 2: ``log2(e)`` times the natural one, so a decay is one ``exp2``; the formulas
+write base e), ``S`` the chunk's start state:
+
+    Aqk[t, i] = Σ_d q_td k_id exp(G_td - G_id) (i <= t),    Mkk[t, i] = Σ_d k_td k_id exp(G_td - G_id) (i < t)
+    A  = (I + diag(β) Mkk)^{-1},   W = A (β ⊙ K ⊙ exp(G)),   U~ = A (β ⊙ V),   U = U~ - W Sᵀ
+    O  = scale ((Q ⊙ exp(G)) Sᵀ + Aqk U),    S_end = S Diag(exp(G_C)) + Uᵀ (K ⊙ exp(G_C - G))
+
+Aqk and Mkk are built from 16-row sub-chunks (as lazoo.kernels.gla builds GLA's A): a block below the diagonal
+(rows I, columns J < I) through the first row r of I, ``(X_I ⊙ exp(G_I - G_r)) (K_J ⊙ exp(G_r - G_J))ᵀ`` (both
+exponents <= 0); a diagonal block pair by pair, ``exp(G_t - G_i)`` for i <= t only. No exponent in these kernels is
+positive: any gate strength is stable.
+
+Backward (``dS'`` the gradient of a chunk's end state, ``dU`` of its pseudo-values):
+
+    dU  = scale Aqkᵀ dO + (K ⊙ exp(G_C - G)) dS'ᵀ,     dS = dS' Diag(exp(G_C)) + scale dOᵀ (Q ⊙ exp(G)) - dUᵀ W
+    dAqk = scale dO Uᵀ,   dW = -dU S,   dA = dW (β K ⊙ exp(G))ᵀ + dU (β V)ᵀ,   dL = -Aᵀ dA Aᵀ (strictly lower),
+    dMkk = diag(β) dL,    dv = β ⊙ Aᵀ dU,   dβ = Σ (Aᵀ dU) ⊙ V + Σ (Aᵀ dW) ⊙ K ⊙ exp(G) + Σ_i dL ⊙ Mkk
+
+and dq, dk through the decayed products: each product in which a row of q or k meets exp(+G_t) adds ``x ⊙ dx`` to
+dG_t and each in which it meets exp(-G_i) subtracts it; the chunk's last row also takes
+``exp(G_C) ⊙ Σ_dv S ⊙ dS' + Σ_t k_t ⊙ (its part of dk through the end-of-chunk decay)``, and dg is the reverse
+cumulative sum of dG inside the chunk.
+
+Kernels: ``_cumsum`` (G), ``_fwd_intra`` (Aqk, Mkk), ``_fwd_solve`` (A), ``_fwd_wu`` (W, U~), ``_fwd_h`` (the only
+sequential forward pass: start states and U), ``_fwd_o``; ``_bwd_du_local`` (dAqk and scale Aqkᵀ dO), ``_bwd_dhu``
+(sequential, reverse: dS' and dU), ``_bwd_inter`` (the state terms of dq, dk, dW and the last row's dG),
+``_bwd_wy`` (back through A: dv, dβ, dMkk and the W term of dk), ``_bwd_intra`` (the sub-chunk sums, totals, dg).
+
+Layout inside: tokens flattened, q/k ``[TT, HK, dk]``, v ``[TT, H, dv]``, g ``[TT, H, dk]``, β ``[TT, H]`` (B·T
+tokens, or the packed batch); H = m·HK (grouped value heads: key head j serves value heads jm ... jm + m − 1, read in
+place; dq and dk are formed per value head in float32 and summed over each group). Per-chunk states ``[NT, H, dk,
+dv]``; initial and final states ``[N, H, dv, dk]``.
+
+Like lazoo.kernels.delta and .gla, these kernels never transpose the register result of a ``tl.dot`` (Triton
+3.4-3.7.0 miscompiles that on Hopper): every transposed operand is a tile loaded from memory or computed
+elementwise from loads.
+
+Precision: products of the inputs with the states and with decayed tiles take 16-bit operands for 16-bit inputs
+(fp32 accumulation); the triangular algebra (A, W, U~ and their gradients) and the sub-chunk gradient sums take
+fp32 operands (tf32 products for 16-bit inputs; tf32x3, about fp32, for fp32 inputs); G, A, Aqk, Mkk, their
+gradients, the state between chunks and the decode recurrence are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._chunk_layout import prepare_varlen
+from ._launch import chunk_state_dtype, dot_types
+from ._utils import next_pow2
+from .limits import KDA_MAX_HEAD_DIM as MAX_HEAD_DIM
+from .limits import KERNEL_DTYPES
+
+#: chunk and sub-chunk rows
+BT = 64
+BC = 16
+NC = BT // BC
+LOG2E = 1.4426950408889634
+
+
+# ============================================================================ tiles
+@triton.jit
+def _rows(ptr, row0, eos, stride, ncols, R: tl.constexpr, BCOL: tl.constexpr):
+    """Rows ``row0 + [0, R)`` (masked to ``< eos``) and columns ``[0, BCOL)`` (masked to ``< ncols``) of a row-major
+    tensor (``ptr`` at column 0 of the head), in its storage dtype, zeros outside."""
+    r = tl.arange(0, R)
+    c = tl.arange(0, BCOL)
+    m = (r < eos - row0)[:, None] & (c < ncols)[None, :]
+    return tl.load(ptr + row0 * stride + (r[:, None] * stride + c[None, :]), mask=m, other=0)
+
+
+@triton.jit
+def _rows_t(ptr, row0, eos, stride, ncols, R: tl.constexpr, BCOL: tl.constexpr):
+    """``_rows`` loaded transposed: ``[BCOL, R]``."""
+    r = tl.arange(0, R)
+    c = tl.arange(0, BCOL)
+    m = (c < ncols)[:, None] & (r < eos - row0)[None, :]
+    return tl.load(ptr + row0 * stride + (c[:, None] + r[None, :] * stride), mask=m, other=0)
+
+
+@triton.jit
+def _put(ptr, x, row0, eos, stride, ncols, R: tl.constexpr, BCOL: tl.constexpr):
+    r = tl.arange(0, R)
+    c = tl.arange(0, BCOL)
+    m = (r < eos - row0)[:, None] & (c < ncols)[None, :]
+    tl.store(ptr + row0 * stride + (r[:, None] * stride + c[None, :]), x.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _vec(ptr, row0, eos, stride, R: tl.constexpr):
+    r = tl.arange(0, R)
+    return tl.load(ptr + row0 * stride + r * stride, mask=r < eos - row0, other=0).to(tl.float32)
+
+
+@triton.jit
+def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+    """``a @ b`` with operands in DT (16-bit for 16-bit inputs), fp32 accumulation."""
+    return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _dotf(a, b, PREC: tl.constexpr):
+    """``a @ b`` with fp32 operands (tf32 for 16-bit inputs, tf32x3 for fp32 inputs)."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _chunk(chunks, cu, i_c, CHUNK: tl.constexpr):
+    """(first token, end of its sequence) of global chunk ``i_c``."""
+    i_n = tl.load(chunks + i_c * 2).to(tl.int64)
+    c = tl.load(chunks + i_c * 2 + 1).to(tl.int64)
+    return tl.load(cu + i_n).to(tl.int64) + c * CHUNK, tl.load(cu + i_n + 1).to(tl.int64)
+
+
+@triton.jit
+def _inv16(L):
+    """``(I + L)^{-1}`` of a strictly lower-triangular 16x16 fp32 tile, row by row."""
+    o = tl.arange(0, 16)
+    Y = -L
+    for i in tl.static_range(2, 16):
+        y = tl.sum(tl.where(o[:, None] == i, Y, 0.0), 0)
+        y = y + tl.sum(y[:, None] * Y, 0)
+        Y = tl.where(o[:, None] == i, y[None, :], Y)
+    return Y + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+# ============================================================================ forward
+@triton.jit
+def _cumsum_kernel(g, Gc, chunks, cu, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Grid (NT, H): G = cumulative sum of g inside the chunk, times log2(e), float32."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    b_g = _rows(g + i_h * K, t0, eos, H * K, K, 64, BK).to(tl.float32)
+    _put(Gc + i_h * K, tl.cumsum(b_g, axis=0) * 1.4426950408889634, t0, eos, H * K, K, 64, BK)
+
+
+@triton.jit
+def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
+                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT * 4, H): rows of sub-chunk I of Aqk and Mkk (float32 ``[TT, H, 64]``; zeros above the diagonal)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_i = i_p // 4, i_p % 4
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    r0 = t0 + i_i * 16
+    if r0 >= eos:
+        return
+    qh = q + (i_h // (H // HK)) * K
+    kh = k + (i_h // (H // HK)) * K
+    gh = Gc + i_h * K
+    o = tl.arange(0, 16)
+    ck = tl.arange(0, BK)
+    m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
+    b_q = _rows(qh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
+    b_k = _rows(kh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
+    b_G = _rows(gh, r0, eos, H * K, K, 16, BK)
+    b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=ck < K, other=0)
+    e_r = tl.exp2(tl.where(m_i, b_G - b_Gr[None, :], float("-inf")))
+    b_qr = b_q * e_r
+    b_kr = b_k * e_r
+    pa = Aqk + i_h * 64 + r0 * (H * 64)
+    pm = Mkk + i_h * 64 + r0 * (H * 64)
+    m_row = (o < eos - r0)[:, None]
+    for i_j in range(0, i_i):  # blocks below the diagonal, through row r
+        c0 = t0 + i_j * 16
+        b_kj = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32)
+        b_Gj = _rows(gh, c0, eos, H * K, K, 16, BK)
+        b_kc = tl.trans(b_kj * tl.exp2(b_Gr[None, :] - b_Gj))
+        p = o[:, None] * (H * 64) + i_j * 16 + o[None, :]
+        tl.store(pa + p, _dot(b_qr, b_kc, DT, PREC), mask=m_row)
+        tl.store(pm + p, _dot(b_kr, b_kc, DT, PREC), mask=m_row)
+    b_a = tl.zeros([16, 16], dtype=tl.float32)
+    b_m = tl.zeros([16, 16], dtype=tl.float32)
+    for j in range(0, 16):  # the diagonal block, pair by pair
+        t_ok = r0 + j + ck * 0 < eos
+        b_kt = tl.load(kh + (r0 + j) * (HK * K) + ck, mask=(ck < K) & t_ok, other=0).to(tl.float32)
+        b_Gt = tl.load(gh + (r0 + j) * (H * K) + ck, mask=(ck < K) & t_ok, other=0)
+        e = tl.exp2(tl.where(m_i & (o >= j)[:, None], b_G - b_Gt[None, :], float("-inf")))
+        col = (o[None, :] == j)
+        b_a += tl.where(col, tl.sum(b_q * b_kt[None, :] * e, 1)[:, None], 0.0)
+        b_m += tl.where(col & (o > j)[:, None], tl.sum(b_k * b_kt[None, :] * e, 1)[:, None], 0.0)
+    p = o[:, None] * (H * 64) + i_i * 16 + o[None, :]
+    tl.store(pa + p, b_a, mask=m_row)
+    tl.store(pm + p, b_m, mask=m_row)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    for i_j in range(i_i + 1, 4):  # above the diagonal: zeros, so readers load whole rows
+        p = o[:, None] * (H * 64) + i_j * 16 + o[None, :]
+        tl.store(pa + p, zero, mask=m_row)
+        tl.store(pm + p, zero, mask=m_row)
+
+
+@triton.jit
+def _blk(M, t0, eos, i_h, H: tl.constexpr, I: tl.constexpr, J: tl.constexpr):
+    """Block (I, J) ``[16, 16]`` of a chunk's ``[64, 64]`` matrix stored ``[TT, H, 64]``, fp32."""
+    return _rows(M + i_h * 64 + J * 16, t0 + I * 16, eos, H * 64, 16, 16, 16).to(tl.float32)
+
+
+@triton.jit
+def _put_blk(M, x, t0, eos, i_h, H: tl.constexpr, I: tl.constexpr, J: tl.constexpr):
+    _put(M + i_h * 64 + J * 16, x, t0 + I * 16, eos, H * 64, 16, 16, 16)
+
+
+@triton.jit
+def _fwd_solve_kernel(Mkk, beta, A, chunks, cu, H: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT, H): A = (I + diag(β) Mkk)^{-1} from 16x16 diagonal inverses merged by block products."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    b0 = _vec(beta + i_h, t0, eos, H, 16)[:, None]
+    b1 = _vec(beta + i_h, t0 + 16, eos, H, 16)[:, None]
+    b2 = _vec(beta + i_h, t0 + 32, eos, H, 16)[:, None]
+    b3 = _vec(beta + i_h, t0 + 48, eos, H, 16)[:, None]
+    N00 = _inv16(_blk(Mkk, t0, eos, i_h, H, 0, 0) * b0)
+    N11 = _inv16(_blk(Mkk, t0, eos, i_h, H, 1, 1) * b1)
+    N22 = _inv16(_blk(Mkk, t0, eos, i_h, H, 2, 2) * b2)
+    N33 = _inv16(_blk(Mkk, t0, eos, i_h, H, 3, 3) * b3)
+    L10 = _blk(Mkk, t0, eos, i_h, H, 1, 0) * b1
+    L20 = _blk(Mkk, t0, eos, i_h, H, 2, 0) * b2
+    L21 = _blk(Mkk, t0, eos, i_h, H, 2, 1) * b2
+    L30 = _blk(Mkk, t0, eos, i_h, H, 3, 0) * b3
+    L31 = _blk(Mkk, t0, eos, i_h, H, 3, 1) * b3
+    L32 = _blk(Mkk, t0, eos, i_h, H, 3, 2) * b3
+    N10 = -_dotf(N11, _dotf(L10, N00, PREC), PREC)
+    N21 = -_dotf(N22, _dotf(L21, N11, PREC), PREC)
+    N32 = -_dotf(N33, _dotf(L32, N22, PREC), PREC)
+    N20 = -_dotf(N22, _dotf(L20, N00, PREC) + _dotf(L21, N10, PREC), PREC)
+    N31 = -_dotf(N33, _dotf(L31, N11, PREC) + _dotf(L32, N21, PREC), PREC)
+    N30 = -_dotf(N33, _dotf(L30, N00, PREC) + _dotf(L31, N10, PREC) + _dotf(L32, N20, PREC), PREC)
+    Z = tl.zeros([16, 16], dtype=tl.float32)
+    _put_blk(A, N00, t0, eos, i_h, H, 0, 0)
+    _put_blk(A, Z, t0, eos, i_h, H, 0, 1)
+    _put_blk(A, Z, t0, eos, i_h, H, 0, 2)
+    _put_blk(A, Z, t0, eos, i_h, H, 0, 3)
+    _put_blk(A, N10, t0, eos, i_h, H, 1, 0)
+    _put_blk(A, N11, t0, eos, i_h, H, 1, 1)
+    _put_blk(A, Z, t0, eos, i_h, H, 1, 2)
+    _put_blk(A, Z, t0, eos, i_h, H, 1, 3)
+    _put_blk(A, N20, t0, eos, i_h, H, 2, 0)
+    _put_blk(A, N21, t0, eos, i_h, H, 2, 1)
+    _put_blk(A, N22, t0, eos, i_h, H, 2, 2)
+    _put_blk(A, Z, t0, eos, i_h, H, 2, 3)
+    _put_blk(A, N30, t0, eos, i_h, H, 3, 0)
+    _put_blk(A, N31, t0, eos, i_h, H, 3, 1)
+    _put_blk(A, N32, t0, eos, i_h, H, 3, 2)
+    _put_blk(A, N33, t0, eos, i_h, H, 3, 3)
+
+
+@triton.jit
+def _fwd_wu_kernel(k, v, beta, Gc, A, w, ut, chunks, cu,
+                   H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT, H): W = A (β ⊙ K ⊙ exp(G)) and U~ = A (β ⊙ V)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    b_A = _rows(A + i_h * 64, t0, eos, H * 64, 64, 64, 64)
+    b_b = _vec(beta + i_h, t0, eos, H, 64)[:, None]
+    ck = tl.arange(0, BK)
+    m = (tl.arange(0, 64) < eos - t0)[:, None] & (ck < K)[None, :]
+    b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
+    b_k = _rows(k + (i_h // (H // HK)) * K, t0, eos, HK * K, K, 64, BK).to(tl.float32)
+    b_kg = b_k * tl.exp2(tl.where(m, b_G, float("-inf"))) * b_b
+    _put(w + i_h * K, _dotf(b_A, b_kg, PREC), t0, eos, H * K, K, 64, BK)
+    for vb in range(0, V, BV):
+        b_v = _rows(v + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV).to(tl.float32) * b_b
+        _put(ut + i_h * V + vb, _dotf(b_A, b_v, PREC), t0, eos, H * V, V - vb, 64, BV)
+
+
+@triton.jit
+def _fwd_h_kernel(k, Gc, w, ut, h, vnew, s0, sT, cu, coff,
+                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr,
+                  DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid (N, H, NV): over a sequence's chunks, store each start state Sᵀ and U = U~ - W Sᵀ, then
+    Sᵀ <- exp(G_C) ⊙ Sᵀ + (K ⊙ exp(G_C - G))ᵀ U."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
+    p_end = (i_n * H + i_h) * (V * K) + cv[None, :] * K + ck[:, None]
+    p_h = ck[:, None] * V + cv[None, :]
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + p_end, mask=m_s, other=0).to(tl.float32)
+    kh = k + (i_h // (H // HK)) * K
+    for j in range(0, tl.cdiv(eos - bos, 64)):
+        t0 = bos + j * 64
+        tl.store(h + ((c0 + j) * H + i_h) * (K * V) + p_h, b_s.to(h.dtype.element_ty), mask=m_s)
+        b_w = _rows(w + i_h * K, t0, eos, H * K, K, 64, BK)
+        b_u = _rows(ut + i_h * V + i_v * BV, t0, eos, H * V, V - i_v * BV, 64, BV).to(tl.float32) \
+            - _dot(b_w, b_s, DT, PREC)
+        _put(vnew + i_h * V + i_v * BV, b_u, t0, eos, H * V, V - i_v * BV, 64, BV)
+        last = tl.minimum(t0 + 64, eos) - 1
+        b_gl = tl.load(Gc + last * (H * K) + i_h * K + ck, mask=ck < K, other=0)
+        m = (tl.arange(0, 64) < eos - t0)[:, None] & (ck < K)[None, :]
+        b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
+        b_kd = _rows(kh, t0, eos, HK * K, K, 64, BK).to(tl.float32) \
+            * tl.exp2(tl.where(m, b_gl[None, :] - b_G, float("-inf")))
+        b_s = b_s * tl.exp2(b_gl)[:, None] + _dot(tl.trans(b_kd), b_u, DT, PREC)
+    if STORE_S:
+        tl.store(sT + p_end, b_s, mask=m_s)
+
+
+@triton.jit
+def _fwd_o_kernel(q, Gc, h, Aqk, vnew, o, chunks, cu, scale,
+                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT * NV, H): O = scale ((Q ⊙ exp(G)) Sᵀ + Aqk U)."""
+    scale = tl.cast(scale, tl.float32)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_v = i_p // NV, i_p % NV
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    ck = tl.arange(0, BK)
+    m = (tl.arange(0, 64) < eos - t0)[:, None] & (ck < K)[None, :]
+    b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
+    b_qg = _rows(q + (i_h // (H // HK)) * K, t0, eos, HK * K, K, 64, BK).to(tl.float32) \
+        * tl.exp2(tl.where(m, b_G, float("-inf")))
+    b_h = _rows(h + (i_c.to(tl.int64) * H + i_h) * (K * V) + i_v * BV, 0, K, V, V - i_v * BV, BK, BV)
+    b_o = _dot(b_qg, b_h, DT, PREC)
+    b_a = _rows(Aqk + i_h * 64, t0, eos, H * 64, 64, 64, 64)
+    b_u = _rows(vnew + i_h * V + i_v * BV, t0, eos, H * V, V - i_v * BV, 64, BV)
+    b_o += _dot(b_a, b_u, DT, PREC)
+    _put(o + i_h * V + i_v * BV, b_o * scale, t0, eos, H * V, V - i_v * BV, 64, BV)
+
+
+# ============================================================================ backward
+@triton.jit
+def _bwd_du_local_kernel(Aqk, vnew, do, dAqk, du, chunks, cu, scale,
+                         H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                         PREC: tl.constexpr):
+    """Grid (NT, H): dAqk = scale dO Uᵀ (lower triangle) and the local part of dU, scale Aqkᵀ dO."""
+    scale = tl.cast(scale, tl.float32)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    o = tl.arange(0, 64)
+    b_at = _rows_t(Aqk + i_h * 64, t0, eos, H * 64, 64, 64, 64)  # Aqkᵀ, loaded transposed
+    b_da = tl.zeros([64, 64], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        b_do = _rows(do + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
+        b_ut = _rows_t(vnew + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
+        b_da += _dot(b_do, b_ut, DT, PREC)
+        _put(du + i_h * V + vb, _dot(b_at, b_do, DT, PREC) * scale, t0, eos, H * V, V - vb, 64, BV)
+    _put(dAqk + i_h * 64, tl.where(o[:, None] >= o[None, :], b_da * scale, 0.0), t0, eos, H * 64, 64, 64, 64)
+
+
+@triton.jit
+def _bwd_dhu_kernel(q, k, Gc, w, do, du, dh, dsT, ds0, cu, coff, scale,
+                    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr,
+                    DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid (N, H, NV), reverse over a sequence's chunks: store each end-state gradient dS'ᵀ, complete
+    dU += (K ⊙ exp(G_C - G)) dS'ᵀ, then dSᵀ = exp(G_C) ⊙ dS'ᵀ + scale (Q ⊙ exp(G))ᵀ dO - Wᵀ dU."""
+    scale = tl.cast(scale, tl.float32)
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
+    p_end = (i_n * H + i_h) * (V * K) + cv[None, :] * K + ck[:, None]
+    p_h = ck[:, None] * V + cv[None, :]
+    b_ds = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DST:
+        b_ds += tl.load(dsT + p_end, mask=m_s, other=0).to(tl.float32)
+    kh = k + (i_h // (H // HK)) * K
+    qh = q + (i_h // (H // HK)) * K
+    NTn = tl.cdiv(eos - bos, 64)
+    for jj in range(0, NTn):
+        j = NTn - 1 - jj
+        t0 = bos + j * 64
+        tl.store(dh + ((c0 + j) * H + i_h) * (K * V) + p_h, b_ds.to(dh.dtype.element_ty), mask=m_s)
+        last = tl.minimum(t0 + 64, eos) - 1
+        b_gl = tl.load(Gc + last * (H * K) + i_h * K + ck, mask=ck < K, other=0)
+        m = (tl.arange(0, 64) < eos - t0)[:, None] & (ck < K)[None, :]
+        b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
+        b_kd = _rows(kh, t0, eos, HK * K, K, 64, BK).to(tl.float32) \
+            * tl.exp2(tl.where(m, b_gl[None, :] - b_G, float("-inf")))
+        b_du = _rows(du + i_h * V + i_v * BV, t0, eos, H * V, V - i_v * BV, 64, BV).to(tl.float32) \
+            + _dot(b_kd, b_ds, DT, PREC)
+        _put(du + i_h * V + i_v * BV, b_du, t0, eos, H * V, V - i_v * BV, 64, BV)
+        b_qgt = tl.trans(_rows(qh, t0, eos, HK * K, K, 64, BK).to(tl.float32)
+                         * tl.exp2(tl.where(m, b_G, float("-inf"))) * scale)
+        b_do = _rows(do + i_h * V + i_v * BV, t0, eos, H * V, V - i_v * BV, 64, BV)
+        b_wt = _rows_t(w + i_h * K, t0, eos, H * K, K, 64, BK)
+        b_ds = b_ds * tl.exp2(b_gl)[:, None] + _dot(b_qgt, b_do, DT, PREC) - _dot(b_wt, b_du, DT, PREC)
+    if STORE_DS0:
+        tl.store(ds0 + p_end, b_ds, mask=m_s)
+
+
+@triton.jit
+def _bwd_inter_kernel(k, Gc, h, dh, vnew, do, du, dq, dkn, dw, later, chunks, cu, scale,
+                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT, H): the state terms. dq = scale exp(G) ⊙ dO S, dk (through the end-of-chunk decay)
+    = exp(G_C - G) ⊙ U dS', dW = -dU S, and the last row's dG: exp(G_C) ⊙ Σ_dv S ⊙ dS' + Σ_t k ⊙ that dk."""
+    scale = tl.cast(scale, tl.float32)
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    ck = tl.arange(0, BK)
+    b_dq = tl.zeros([64, BK], dtype=tl.float32)
+    b_dk = tl.zeros([64, BK], dtype=tl.float32)
+    b_dw = tl.zeros([64, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    hb = h + (i_c.to(tl.int64) * H + i_h) * (K * V)
+    dhb = dh + (i_c.to(tl.int64) * H + i_h) * (K * V)
+    for vb in range(0, V, BV):
+        b_st = _rows_t(hb + vb, 0, K, V, V - vb, BK, BV)  # S [BV, BK]: the stored Sᵀ loaded transposed
+        b_dst = _rows_t(dhb + vb, 0, K, V, V - vb, BK, BV)
+        b_do = _rows(do + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
+        b_u = _rows(vnew + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
+        b_du = _rows(du + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
+        b_dq += _dot(b_do, b_st, DT, PREC)
+        b_dk += _dot(b_u, b_dst, DT, PREC)
+        b_dw += _dot(b_du, b_st, DT, PREC)
+        b_hdh += tl.sum(b_st.to(tl.float32) * b_dst.to(tl.float32), 0)
+    m = (tl.arange(0, 64) < eos - t0)[:, None] & (ck < K)[None, :]
+    last = tl.minimum(t0 + 64, eos) - 1
+    b_gl = tl.load(Gc + last * (H * K) + i_h * K + ck, mask=ck < K, other=0)
+    b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
+    b_dq = b_dq * tl.exp2(tl.where(m, b_G, float("-inf"))) * scale
+    b_dk = b_dk * tl.exp2(tl.where(m, b_gl[None, :] - b_G, float("-inf")))
+    b_k = _rows(k + (i_h // (H // HK)) * K, t0, eos, HK * K, K, 64, BK).to(tl.float32)
+    b_later = tl.exp2(b_gl) * b_hdh + tl.sum(b_k * b_dk, 0)
+    _put(dq + i_h * K, b_dq, t0, eos, H * K, K, 64, BK)
+    _put(dkn + i_h * K, b_dk, t0, eos, H * K, K, 64, BK)
+    _put(dw + i_h * K, -b_dw, t0, eos, H * K, K, 64, BK)
+    tl.store(later + (i_c.to(tl.int64) * H + i_h) * K + ck, b_later, mask=ck < K)
+
+
+@triton.jit
+def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks, cu,
+                   H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT, H): back through W = A (β K ⊙ exp(G)), U~ = A (β V) and A = (I + diag(β) Mkk)^{-1}: dv, dβ, the W
+    term of dk (into dkp) and dMkk."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    o = tl.arange(0, 64)
+    ck = tl.arange(0, BK)
+    m = (o < eos - t0)[:, None] & (ck < K)[None, :]
+    b_at = _rows_t(A + i_h * 64, t0, eos, H * 64, 64, 64, 64)  # Aᵀ, loaded transposed
+    b_b = _vec(beta + i_h, t0, eos, H, 64)
+    b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
+    b_kg = _rows(k + (i_h // (H // HK)) * K, t0, eos, HK * K, K, 64, BK).to(tl.float32) \
+        * tl.exp2(tl.where(m, b_G, float("-inf")))
+    b_dw = _rows(dw + i_h * K, t0, eos, H * K, K, 64, BK)
+    b_da = _dotf(b_dw, tl.trans(b_kg * b_b[:, None]), PREC)
+    b_dkgb = _dotf(b_at, b_dw, PREC)  # d(β K ⊙ exp(G))
+    b_db = tl.sum(b_dkgb * b_kg, 1)
+    _put(dkp + i_h * K, b_dkgb * b_b[:, None] * tl.exp2(tl.where(m, b_G, float("-inf"))), t0, eos, H * K, K,
+         64, BK)
+    for vb in range(0, V, BV):
+        b_du = _rows(du + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
+        b_v = _rows(v + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV).to(tl.float32)
+        b_da += _dotf(b_du, tl.trans(b_v * b_b[:, None]), PREC)
+        b_dvb = _dotf(b_at, b_du, PREC)  # d(β V)
+        b_db += tl.sum(b_dvb * b_v, 1)
+        _put(dv + i_h * V + vb, b_dvb * b_b[:, None], t0, eos, H * V, V - vb, 64, BV)
+    strict = o[:, None] > o[None, :]
+    b_da = tl.where(strict, b_da, 0.0)
+    b_dl = tl.where(strict, -_dotf(b_at, _dotf(b_da, b_at, PREC), PREC), 0.0)
+    b_m = _rows(Mkk + i_h * 64, t0, eos, H * 64, 64, 64, 64)
+    b_db += tl.sum(b_dl * b_m, 1)
+    _put(dMkk + i_h * 64, b_dl * b_b[:, None], t0, eos, H * 64, 64, 64, 64)
+    tl.store(dbeta + (t0 + o) * H + i_h, b_db, mask=o < eos - t0)
+
+
+@triton.jit
+def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, chunks, cu,
+                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Grid (NT, H): the sub-chunk sums through Aqk and Mkk, added to the state and W terms; dq, dk (per value
+    head, fp32) and dg, the reverse cumulative sum of dG over the chunk (sub-chunks from the last)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = _chunk(chunks, cu, i_c, 64)
+    qh = q + (i_h // (H // HK)) * K
+    kh = k + (i_h // (H // HK)) * K
+    gh = Gc + i_h * K
+    o = tl.arange(0, 16)
+    ck = tl.arange(0, BK)
+    carry = tl.load(later + (i_c.to(tl.int64) * H + i_h) * K + ck, mask=ck < K, other=0)
+    for ii in tl.static_range(0, 4):
+        i_i = 3 - ii
+        r0 = t0 + i_i * 16
+        if r0 < eos:  # a sub-chunk past the sequence adds nothing (its decays would read rows of no token)
+            m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
+            b_q = _rows(qh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
+            b_k = _rows(kh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
+            b_G = _rows(gh, r0, eos, H * K, K, 16, BK)
+            r_ok = ck * 0 + r0 < eos
+            b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=(ck < K) & r_ok, other=0)
+            n = tl.minimum(r0 + 15, eos - 1)
+            b_Gn = tl.load(gh + n * (H * K) + ck, mask=(ck < K) & r_ok, other=0)
+            # sub-chunks J < I, through the first row r of I
+            b_dq = tl.zeros([16, BK], dtype=tl.float32)
+            b_dkr = tl.zeros([16, BK], dtype=tl.float32)
+            for i_j in tl.static_range(0, i_i):
+                c0 = t0 + i_j * 16
+                b_kc = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32) \
+                    * tl.exp2(b_Gr[None, :] - _rows(gh, c0, eos, H * K, K, 16, BK))
+                b_dq += _dotf(_rows(dAqk + i_h * 64 + i_j * 16, r0, eos, H * 64, 16, 16, 16), b_kc, PREC)
+                b_dkr += _dotf(_rows(dMkk + i_h * 64 + i_j * 16, r0, eos, H * 64, 16, 16, 16), b_kc, PREC)
+            e_r = tl.exp2(tl.where(m_i, b_G - b_Gr[None, :], float("-inf")))
+            b_dq = b_dq * e_r
+            b_dkr = b_dkr * e_r
+            # sub-chunks J > I, through the last row n of I
+            b_dkc = tl.zeros([16, BK], dtype=tl.float32)
+            for i_j in tl.static_range(i_i + 1, 4):
+                c0 = t0 + i_j * 16
+                m_j = (o < eos - c0)[:, None] & (ck < K)[None, :]
+                e_n = tl.exp2(tl.where(m_j, _rows(gh, c0, eos, H * K, K, 16, BK) - b_Gn[None, :], float("-inf")))
+                b_qn = _rows(qh, c0, eos, HK * K, K, 16, BK).to(tl.float32) * e_n
+                b_kn = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32) * e_n
+                b_dkc += _dotf(_rows_t(dAqk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_qn, PREC)
+                b_dkc += _dotf(_rows_t(dMkk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_kn, PREC)
+            b_dkc = b_dkc * tl.exp2(tl.where(m_i, b_Gn[None, :] - b_G, float("-inf")))
+            # the diagonal block, pair by pair: row t = r0 + j; one exponent <= 0 a pair serves both directions
+            for j in range(0, 16):
+                t = r0 + j
+                t_ok = ck * 0 + t < eos
+                b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < K) & t_ok, other=0).to(tl.float32)
+                b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < K) & t_ok, other=0).to(tl.float32)
+                b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < K) & t_ok, other=0)
+                o_ok = o * 0 + t < eos
+                p_c = i_h * 64 + (r0 + o) * (H * 64) + i_i * 16 + j  # column t, rows of I: [i, t]
+                p_r = i_h * 64 + t * (H * 64) + i_i * 16 + o  # row t, columns of I: [t, i]
+                c_ok = (o < eos - r0) & (o >= j)
+                r_ok2 = (o <= j) & o_ok
+                b_ac = tl.load(dAqk + p_c, mask=c_ok, other=0)
+                b_ar = tl.load(dAqk + p_r, mask=r_ok2, other=0)
+                b_mc = tl.load(dMkk + p_c, mask=c_ok, other=0)
+                b_mr = tl.load(dMkk + p_r, mask=r_ok2, other=0)
+                x = tl.where((o >= j)[:, None], b_G - b_Gt[None, :], b_Gt[None, :] - b_G)
+                e = tl.exp2(tl.where(m_i & o_ok[:, None], x, float("-inf")))
+                b_dq += b_ac[:, None] * b_kt[None, :] * e
+                b_dkr += b_mc[:, None] * b_kt[None, :] * e
+                b_dkc += (b_ar[:, None] * b_qt[None, :] + b_mr[:, None] * b_kt[None, :]) * e
+            b_dqt = _rows(dq + i_h * K, r0, eos, H * K, K, 16, BK) + b_dq
+            b_neg = _rows(dkn + i_h * K, r0, eos, H * K, K, 16, BK) + b_dkc
+            b_pos = _rows(dkp + i_h * K, r0, eos, H * K, K, 16, BK) + b_dkr
+            _put(dq_out + i_h * K, b_dqt, r0, eos, H * K, K, 16, BK)
+            _put(dk_out + i_h * K, b_neg + b_pos, r0, eos, H * K, K, 16, BK)
+            b_dG = b_q * b_dqt + b_k * (b_pos - b_neg)
+            _put(dg + i_h * K, tl.cumsum(b_dG, axis=0, reverse=True) + carry[None, :], r0, eos, H * K, K, 16, BK)
+            carry += tl.sum(b_dG, 0)
+
+
+# ============================================================================ fused recurrent (decode)
+@triton.jit
+def _fused_recurrent_kernel(q, k, v, g, beta, s0, o, sT, cu, scale,
+                            H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr):
+    """Grid (N, H, NV): token by token against S ``[BV, dk]`` in registers (fp32)."""
+    scale = tl.cast(scale, tl.float32)
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_k = ck < K
+    m_v = cv < V
+    m_s = m_v[:, None] & m_k[None, :]
+    p_s = (i_n * H + i_h) * (V * K) + cv[:, None] * K + ck[None, :]
+    b_s = tl.zeros([BV, BK], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + p_s, mask=m_s, other=0).to(tl.float32)
+    kh = i_h // (H // HK)
+    for t in range(bos, eos):
+        b_q = tl.load(q + (t * HK + kh) * K + ck, mask=m_k, other=0).to(tl.float32)
+        b_k = tl.load(k + (t * HK + kh) * K + ck, mask=m_k, other=0).to(tl.float32)
+        b_g = tl.load(g + (t * H + i_h) * K + ck, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(v + (t * H + i_h) * V + cv, mask=m_v, other=0).to(tl.float32)
+        b_b = tl.load(beta + t * H + i_h).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)[None, :]
+        b_u = b_b * (b_v - tl.sum(b_s * b_k[None, :], 1))
+        b_s = b_s + b_u[:, None] * b_k[None, :]
+        b_o = tl.sum(b_s * b_q[None, :], 1) * scale
+        tl.store(o + (t * H + i_h) * V + cv, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_S:
+        tl.store(sT + p_s, b_s, mask=m_s)
+
+
+# ============================================================================ launch
+class _Seqs:
+    """The chunks of one call: sequence boundaries ``cu`` ``[N + 1]``, per-sequence first chunks ``coff`` and the
+    (sequence, chunk) pair of every chunk ``chunks`` ``[NT, 2]``."""
+
+    def __init__(self, B: int, T: int, cu_seqlens, device):
+        if cu_seqlens is None:
+            per = triton.cdiv(T, BT)
+            self.N, self.NT = B, B * per
+            self.cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+            self.coff = torch.arange(B + 1, device=device, dtype=torch.int64) * per
+            seq = torch.arange(B, device=device, dtype=torch.int64).repeat_interleave(per)
+            self.chunks = torch.stack([seq, torch.arange(per, device=device, dtype=torch.int64).repeat(B)], 1)
+        else:
+            self.N = cu_seqlens.numel() - 1
+            self.cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
+            self.coff, self.chunks, self.NT = prepare_varlen(self.cu, BT)
+        self.chunks = self.chunks.contiguous()
+
+
+def _blocks(K: int, V: int, interp: bool):
+    """(BK: all of dk, BV: value blocks of the chunk kernels, BVs: of the sequential ones)."""
+    BK = next_pow2(K)
+    return BK, min(64, next_pow2(V)), (next_pow2(V) if interp else min(64, next_pow2(V)))
+
+
+def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_state: bool):
+    """Forward on flattened inputs (module docstring): ``(o, final state or None, saved)``."""
+    TT, HK, K = q.shape
+    H, V = v.shape[1:]
+    dev = q.device
+    interp = dev.type == "cpu"
+    DT, PREC = dot_types(q)
+    BK, BV, BVs = _blocks(K, V, interp)
+    f32 = torch.float32
+    NT, N = seqs.NT, seqs.N
+    Gc = torch.empty(TT, H, K, device=dev, dtype=f32)
+    _cumsum_kernel[(NT, H)](g, Gc, seqs.chunks, seqs.cu, H=H, K=K, BK=BK)
+    Aqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
+                                    PREC=PREC, num_warps=2)
+    A = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, num_warps=1)
+    w = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+    ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
+    _fwd_wu_kernel[(NT, H)](k, v, beta, Gc, A, w, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
+                            PREC=PREC, num_warps=4)
+    h = torch.empty(NT, H, K, V, device=dev, dtype=chunk_state_dtype(q.dtype))
+    vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
+    sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
+    _fwd_h_kernel[(N, H, triton.cdiv(V, BVs))](
+        k, Gc, w, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff, H=H, HK=HK, K=K, V=V, BK=BK,
+        BV=BVs, USE_S0=S0 is not None, STORE_S=output_final_state, DT=DT, PREC=PREC, num_warps=4, num_stages=2)
+    o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
+    _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
+        q, Gc, h, Aqk, vnew, o, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC,
+        num_warps=4)
+    return o, (sT if output_final_state else None), (Gc, Aqk, Mkk, A, w, vnew, h)
+
+
+def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0: bool):
+    """Gradients ``(dq, dk, dv, dg, dbeta, ds0)`` of the flattened inputs."""
+    TT, HK, K = q.shape
+    H, V = v.shape[1:]
+    dev = q.device
+    interp = dev.type == "cpu"
+    DT, PREC = dot_types(q)
+    BK, BV, BVs = _blocks(K, V, interp)
+    f32 = torch.float32
+    NT, N = seqs.NT, seqs.N
+    Gc, Aqk, Mkk, A, w, vnew, h = saved
+    dAqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    du = torch.empty(TT, H, V, device=dev, dtype=f32)
+    _bwd_du_local_kernel[(NT, H)](Aqk, vnew, do, dAqk, du, seqs.chunks, seqs.cu, scale, H=H, V=V, BV=BV, DT=DT,
+                                  PREC=PREC, num_warps=4)
+    dh = torch.empty(NT, H, K, V, device=dev, dtype=h.dtype)
+    ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
+    _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVs))](
+        q, k, Gc, w, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale, H=H, HK=HK, K=K,
+        V=V, BK=BK, BV=BVs, USE_DST=dsT is not None, STORE_DS0=need_ds0, DT=DT, PREC=PREC, num_warps=4,
+        num_stages=2)
+    dq = torch.empty(TT, H, K, device=dev, dtype=f32)
+    dkn = torch.empty(TT, H, K, device=dev, dtype=f32)
+    dw = torch.empty(TT, H, K, device=dev, dtype=f32)
+    later = torch.empty(NT, H, K, device=dev, dtype=f32)
+    _bwd_inter_kernel[(NT, H)](k, Gc, h, dh, vnew, do, du, dq, dkn, dw, later, seqs.chunks, seqs.cu, scale, H=H,
+                               HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC, num_warps=4)
+    dkp = torch.empty(TT, H, K, device=dev, dtype=f32)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(TT, H, device=dev, dtype=f32)
+    dMkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    _bwd_wy_kernel[(NT, H)](k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, seqs.chunks, seqs.cu, H=H, HK=HK,
+                            K=K, V=V, BK=BK, BV=BV, PREC=PREC, num_warps=4)
+    grouped = H != HK
+    dq_out = dq if grouped or q.dtype == f32 else torch.empty_like(q)
+    dk_out = dkn if grouped or k.dtype == f32 else torch.empty_like(k)
+    dg = torch.empty(TT, H, K, device=dev, dtype=g.dtype)
+    _bwd_intra_kernel[(NT, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks, seqs.cu,
+                               H=H, HK=HK, K=K, BK=BK, PREC=PREC, num_warps=2)
+    if grouped:  # each key head's gradient: the sum over the value heads it serves
+        dq_out, dk_out = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq_out, dk_out))
+    return dq_out, dk_out, dv, dg, dbeta.to(beta.dtype), (ds0 if need_ds0 else None)
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """KDA, chunk-parallel, with a hand-written backward (see ``chunk_kda``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state):
+        B, T, HK, K = q.shape
+        H, V = v.shape[2:]
+        seqs = _Seqs(B, T, cu_seqlens, q.device)
+        qf, kf = (x.reshape(B * T, HK, K).contiguous() for x in (q, k))
+        vf = v.reshape(B * T, H, V).contiguous()
+        gf = g.reshape(B * T, H, K).contiguous()
+        bf = beta.reshape(B * T, H).contiguous()
+        S0 = None if initial_state is None else initial_state.contiguous()
+        o, sT, saved = chunk_fwd(qf, kf, vf, gf, bf, S0, float(scale), seqs, output_final_state)
+        ctx.save_for_backward(qf, kf, vf, gf, bf, S0, *saved)
+        ctx.seqs, ctx.scale, ctx.shapes = seqs, float(scale), (B, T, HK, H, K, V)
+        ctx.s0_dtype = None if initial_state is None else initial_state.dtype
+        return o.view(B, T, H, V), sT
+
+    @staticmethod
+    def backward(ctx, do, dsT):
+        qf, kf, vf, gf, bf, S0, *saved = ctx.saved_tensors
+        B, T, HK, H, K, V = ctx.shapes
+        do = do.reshape(B * T, H, V).contiguous()
+        dsT = None if dsT is None else dsT.contiguous().float()
+        need_ds0 = S0 is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dg, db, ds0 = chunk_bwd(qf, kf, vf, gf, bf, S0, ctx.scale, ctx.seqs, saved, do, dsT, need_ds0)
+        return (dq.view(B, T, HK, K), dk.view(B, T, HK, K), dv.view(B, T, H, V), dg.view(B, T, H, K),
+                db.view(B, T, H), None if ds0 is None else ds0.to(ctx.s0_dtype), None, None, None)
+
+
+def _check(op: str, q, k, v, g, beta, cu_seqlens) -> None:
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k, v must share one dtype of float32/float16/bfloat16, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    K, V = q.shape[-1], v.shape[-1]
+    if not (16 <= K <= MAX_HEAD_DIM and 16 <= V <= MAX_HEAD_DIM):
+        raise ValueError(f"{op}: head dims from 16 to {MAX_HEAD_DIM}, got dk={K}, dv={V}")
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
+        raise ValueError(f"{op}: k must have q's shape {tuple(q.shape)} and v [B, T, m·H, dv], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if tuple(g.shape) != (*v.shape[:3], K) or not g.is_floating_point():
+        raise ValueError(f"{op}: g must be a float tensor [B, T, HV, dk] = {(*v.shape[:3], K)}, got {g.dtype} "
+                         f"{tuple(g.shape)}")
+    if tuple(beta.shape) != tuple(v.shape[:3]) or not beta.is_floating_point():
+        raise ValueError(f"{op}: beta must be a float tensor [B, T, HV] = {tuple(v.shape[:3])}, got {beta.dtype} "
+                         f"{tuple(beta.shape)}")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"{op}: with cu_seqlens the batch is packed along time, so B must be 1, got {q.shape[0]}")
+
+
+def chunk_kda(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state: bool = False,
+              cu_seqlens=None):
+    """KDA, chunk-parallel and differentiable in q, k, v, g, β and the initial state: ``(o [B, T, HV, dv] in v's
+    dtype, final state [N, HV, dv, dk] float32 or None)``.
+
+    q, k ``[B, T, H, dk]`` (normalised by the caller), v ``[B, T, HV, dv]`` (HV = m·H), g ``[B, T, HV, dk]`` log
+    decays (float32 or q's dtype), beta ``[B, T, HV]``, initial_state ``[N, HV, dv, dk]``, ``cu_seqlens`` ``[N + 1]``
+    (B = 1) or None. Head dims 16 to ``KDA_MAX_HEAD_DIM``."""
+    _check("chunk_kda", q, k, v, g, beta, cu_seqlens)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), cu_seqlens, bool(output_final_state))
+
+
+def fused_recurrent_kda(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state: bool = False,
+                        cu_seqlens=None):
+    """KDA token by token against a state, forward only (decoding); the layout of ``chunk_kda``."""
+    _check("fused_recurrent_kda", q, k, v, g, beta, cu_seqlens)
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
+    dev = q.device
+    interp = dev.type == "cpu"
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu = (torch.arange(B + 1, device=dev, dtype=torch.int64) * T if cu_seqlens is None
+          else cu_seqlens.to(device=dev, dtype=torch.int64))
+    BK = next_pow2(K)
+    BV = next_pow2(V) if interp else min(next_pow2(V), 32)
+    o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
+    sT = torch.empty(N, H, V, K, device=dev, dtype=torch.float32) if output_final_state else o
+    S0 = None if initial_state is None else initial_state.contiguous()
+    _fused_recurrent_kernel[(N, H, triton.cdiv(V, BV))](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        S0 if S0 is not None else o, o, sT, cu, float(scale), H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
+        USE_S0=S0 is not None, STORE_S=output_final_state, num_warps=4)
+    return o, (sT if output_final_state else None)

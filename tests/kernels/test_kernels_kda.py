@@ -1,0 +1,146 @@
+"""The Kimi Delta Attention kernels (lazoo.kernels.kda: the delta rule with a decay per key channel, "Kimi Linear:
+An Expressive, Efficient Attention Architecture", Kimi Team, 2025) through ``ops.kda(backend="triton")``, against
+the float64 step-by-step reference: outputs, final states and the gradients of q, k, v, g, β and the initial state,
+at ragged T (not multiples of the 16-row sub-chunk or the 64-row chunk), with left padding and holes, packed
+sequences (an empty one among them), grouped value heads, and decays strong enough (log decay −5 to −40 per step in
+every third key dim) that exp(−G) over a chunk overflows if it is ever formed; the decode kernel, a prompt then a
+few tokens at a time, against one pass.
+
+CPU (default run): the ``interp_*`` tests run in a fresh process with ``TRITON_INTERPRET=1``
+(``tests/test_interpreter.py``); the wider matrix is ``-m slow``. ``-m gpu``: T = 1000 in fp32 and bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from op_helpers import assert_close, forward_and_grads, kda_inputs, left_pad_mask, record_launches
+
+from lazoo import ops
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+needs_interp = pytest.mark.skipif(
+    not interpreter_ready(), reason="needs TRITON_INTERPRET=1 from the start (tests/test_interpreter.py runs it)")
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def check(x, dtype, rtol, grad_rtol=None, device="cpu", **kw):
+    """Triton in ``dtype`` (g, β and the state in float32) against the float64 recurrent reference on the CPU."""
+    ref = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    run = lambda L, be: ops.kda(*(L[n] for n in NAMES), initial_state=L["S0"], output_final_state=True,  # noqa: E731
+                                backend=be, **{k: (v if v is None else v.to(L["q"].device)) for k, v in kw.items()})
+    o_r, s_r, g_r = forward_and_grads(lambda: run(ref, "recurrent"), ref)
+    tri = {n: t.detach().to(device, dtype if n in ("q", "k", "v") else torch.float32).requires_grad_(True)
+           for n, t in x.items()}
+    o, s, g = forward_and_grads(lambda: run(tri, "triton"), tri)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert_close(o.cpu(), o_r, rtol, "output")
+    assert_close(s.cpu(), s_r, rtol, "final state")
+    for name in x:
+        assert g[name] is not None, f"no gradient reaches {name}"
+        assert_close(g[name].cpu(), g_r[name], grad_rtol or rtol, f"grad {name}")
+
+
+@pytest.fixture
+def chunk_launches(monkeypatch):
+    """The grids of the chunk kernels' launches (the op must take the chunk path, not the decode kernel)."""
+    from lazoo.kernels import kda as kk
+
+    return record_launches(monkeypatch, kk, "_fwd_h_kernel", "_bwd_intra_kernel")
+
+
+# ============================================================================ CPU: the interpreter
+@needs_interp
+def test_interp_kda_chunk_ragged_padded_strong(chunk_launches):
+    """T = 70 (a chunk of 64 and one of 6, its last sub-chunk ragged), left padding and a hole, strong decays."""
+    T = 70
+    x = kda_inputs(2, T, 1, 16, 16, seed=1, strong=True)
+    check(x, torch.float32, 1e-5, mask=left_pad_mask([T, T - 11], T, holes=[(0, 40)]))
+    assert chunk_launches
+
+
+@needs_interp
+def test_interp_kda_chunk_packed_grouped_values(chunk_launches):
+    """Packed sequences (37, 0 and 83 tokens) with two value heads per query/key head and dv ≠ dk."""
+    cu = torch.tensor([0, 37, 37, 120])
+    x = kda_inputs(1, 120, 1, 16, 32, HV=2, seed=2, strong=True)
+    x["S0"] = torch.randn(3, 2, 32, 16, dtype=torch.float64)
+    check(x, torch.float32, 1e-5, cu_seqlens=cu)
+    assert chunk_launches
+
+
+@needs_interp
+def test_interp_kda_prefill_then_decode_equals_one_pass():
+    """The chunk kernel over a prompt, then the fused recurrent kernel (no autograd) a few tokens at a time, with
+    grouped value heads: outputs and state equal the float64 pass over the whole sequence."""
+    T, cut = 45, 37
+    x = {n: t.float() for n, t in kda_inputs(2, T, 1, 16, 16, HV=2, seed=5, strong=True).items()}
+    run = lambda sl, st, backend: ops.kda(*(x[n][:, sl] for n in NAMES), initial_state=st,  # noqa: E731
+                                          output_final_state=True, backend=backend)
+    ref_o, ref_s = ops.kda(*(x[n].double() for n in NAMES), initial_state=x["S0"].double(), output_final_state=True,
+                           backend="recurrent")
+    with torch.no_grad():
+        o, s = run(slice(0, cut), x["S0"], "triton")
+        outs = [o]
+        for i in range(cut, T, 3):
+            o, s = run(slice(i, i + 3), s, "triton")
+            outs.append(o)
+    assert_close(torch.cat(outs, 1), ref_o, 1e-5, "prefill + decode output")
+    assert_close(s, ref_s, 1e-5, "prefill + decode state")
+
+
+@needs_interp
+def test_interp_kda_kernels_refuse_what_they_cannot_run():
+    from lazoo.kernels.kda import chunk_kda, fused_recurrent_kda
+
+    q = torch.randn(1, 20, 1, 144)
+    v = torch.randn(1, 20, 1, 16)
+    with pytest.raises(ValueError, match="head dims from 16 to 128"):
+        chunk_kda(q, q, v, -q.abs(), torch.rand(1, 20, 1), scale=1.0)
+    q = torch.randn(1, 20, 2, 16)
+    with pytest.raises(ValueError, match="beta must be a float tensor"):
+        fused_recurrent_kda(q, q, q, -q.abs(), torch.rand(1, 20, 1), scale=1.0)
+    with pytest.raises(NotImplementedError, match="head dims of at least 16"):
+        ops.kda(q[..., :8], q[..., :8], q, -q[..., :8].abs(), torch.rand(1, 20, 2), backend="triton")
+
+
+@needs_interp
+@pytest.mark.slow
+@pytest.mark.parametrize("T,HK,HV,dk,dv,dtype", [(100, 2, 2, 32, 16, torch.float32), (129, 1, 1, 64, 48, torch.float32),
+                                                 (37, 2, 4, 16, 16, torch.float16), (64, 1, 1, 128, 16, torch.float32)])
+def test_interp_kda_chunk_matrix(T, HK, HV, dk, dv, dtype):
+    x = kda_inputs(2, T, HK, dk, dv, HV=HV, seed=T, strong=True)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    check(x, dtype, rtol, grad_rtol=None if dtype == torch.float32 else 3e-2,
+          mask=left_pad_mask([T, T - 5], T, holes=[(1, T // 2)]))
+
+
+# ============================================================================ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,rtol,grad_rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 2e-2, 3e-2)])
+@pytest.mark.parametrize("HV", [4, 8])
+def test_cuda_kda_kernels_match_float64(dtype, rtol, grad_rtol, HV):
+    """T = 1000 (ragged), dk = dv = 128, left padding, strong decays: fp32 and bf16 against float64."""
+    T = 1000
+    x = kda_inputs(2, T, 4, 128, 128, HV=HV, seed=11, strong=True)
+    check(x, dtype, rtol, grad_rtol, device="cuda", mask=left_pad_mask([T, T - 77], T))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kda_packed_and_decode_match_float64():
+    cu = torch.tensor([0, 300, 301, 1000])
+    x = kda_inputs(1, 1000, 4, 128, 128, seed=12)
+    x["S0"] = torch.randn(3, 4, 128, 128, dtype=torch.float64)
+    check(x, torch.float32, 1e-4, device="cuda", cu_seqlens=cu)
+    y = {n: t.float().cuda() for n, t in x.items()}
+    with torch.no_grad():
+        o, s = ops.kda(*(y[n][:, :5] for n in NAMES), initial_state=y["S0"][:1], output_final_state=True,
+                       backend="triton")
+    o_r, s_r = ops.kda(*(x[n][:, :5] for n in NAMES), initial_state=x["S0"][:1], output_final_state=True,
+                       backend="recurrent")
+    assert_close(o.cpu(), o_r, 1e-4, "decode output")
+    assert_close(s.cpu(), s_r, 1e-4, "decode state")
