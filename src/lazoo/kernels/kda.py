@@ -275,24 +275,34 @@ def _fwd_wu_kernel(k, v, beta, Gc, A, w, ut, chunks, cu,
 
 
 @triton.jit
+def _walk(cu, coff, s0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+          USE_S0: tl.constexpr):
+    """A sequential program on grid (N, H, NV): (head, sequence [bos, eos), its first chunk, the starting [BK, BV]
+    tile of Sᵀ from ``s0`` ``[N, H, V, K]`` (zeros without USE_S0), its mask, its offsets there and in a per-chunk
+    state ``[K, V]``)."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
+    p_end = (i_n * H + i_h) * (V * K) + cv[None, :] * K + ck[:, None]
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + p_end, mask=m_s, other=0).to(tl.float32)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    return i_h, bos, eos, tl.load(coff + i_n).to(tl.int64), b_s, m_s, p_end, ck[:, None] * V + cv[None, :]
+
+
+@triton.jit
 def _fwd_h_kernel(k, Gc, w, ut, h, vnew, s0, sT, cu, coff,
                   H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr,
                   DT: tl.constexpr, PREC: tl.constexpr):
     """Grid (N, H, NV): over a sequence's chunks, store each start state Sᵀ and U = U~ - W Sᵀ, then
     Sᵀ <- exp(G_C) ⊙ Sᵀ + (K ⊙ exp(G_C - G))ᵀ U."""
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
+    i_h, bos, eos, c0, b_s, m_s, p_end, p_h = _walk(cu, coff, s0, H, K, V, BK, BV, USE_S0)
+    i_v = tl.program_id(2)
     ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_s = (ck < K)[:, None] & (cv < V)[None, :]
-    p_end = (i_n * H + i_h) * (V * K) + cv[None, :] * K + ck[:, None]
-    p_h = ck[:, None] * V + cv[None, :]
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_S0:
-        b_s += tl.load(s0 + p_end, mask=m_s, other=0).to(tl.float32)
     kh = k + (i_h // (H // HK)) * K
     for j in range(0, tl.cdiv(eos - bos, 64)):
         t0 = bos + j * 64
@@ -363,18 +373,9 @@ def _bwd_dhu_kernel(q, k, Gc, w, do, du, dh, dsT, ds0, cu, coff, scale,
     """Grid (N, H, NV), reverse over a sequence's chunks: store each end-state gradient dS'ᵀ, complete
     dU += (K ⊙ exp(G_C - G)) dS'ᵀ, then dSᵀ = exp(G_C) ⊙ dS'ᵀ + scale (Q ⊙ exp(G))ᵀ dO - Wᵀ dU."""
     scale = tl.cast(scale, tl.float32)
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
+    i_h, bos, eos, c0, b_ds, m_s, p_end, p_h = _walk(cu, coff, dsT, H, K, V, BK, BV, USE_DST)
+    i_v = tl.program_id(2)
     ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    m_s = (ck < K)[:, None] & (cv < V)[None, :]
-    p_end = (i_n * H + i_h) * (V * K) + cv[None, :] * K + ck[:, None]
-    p_h = ck[:, None] * V + cv[None, :]
-    b_ds = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DST:
-        b_ds += tl.load(dsT + p_end, mask=m_s, other=0).to(tl.float32)
     kh = k + (i_h // (H // HK)) * K
     qh = q + (i_h // (H // HK)) * K
     NTn = tl.cdiv(eos - bos, 64)
