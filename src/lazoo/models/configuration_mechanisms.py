@@ -156,6 +156,40 @@ class LazooDeltaProductConfig(LazooConfig):
         super().__init__(**kwargs)
 
 
+class LazooKdaConfig(LazooConfig):
+    """Configuration of a lazoo `kda` model (Kimi Delta Attention (KDA)): model type `lazoo_kda`, every layer `kda` unless `layer_types` says otherwise.
+
+    kda options (typed fields here; `mixer_kwargs['kda']` in any config):
+        use_short_conv = True: causal depthwise short convolutions on the projections named by short_conv_targets
+        conv_size = 4: taps of each short convolution
+        short_conv_targets = 'qkv': which of q, k, v are convolved ('qkv', 'k', ...)
+        conv_activation = 'silu': 'silu' or None: the activation inside the short convolutions
+        output_norm = True: the per-head RMSNorm of the gated output norm (always on in KDA)
+        output_gate = True: the gated output norm (always on in KDA)
+        norm_eps = 1e-05: epsilon of the output RMSNorm
+        conv_bias = False: a learned bias in each short convolution (added before its activation)
+        qk_activation = None: activation of q and k after the projection and optional short convolution: None (the convolution's `conv_activation` only) or one of ['elu1', 'identity', 'logsigmoid', 'relu', 'sigmoid', 'silu', 'sqrelu']
+        v_activation = None: as `qk_activation`, for v
+        output_norm_affine = True: the per-head output RMSNorm has a learned weight (False: none)
+        gate_activation = 'sigmoid': the output gate's activation (sigmoid, as Kimi Linear)
+        num_heads = None: query heads of this mixer (None: the config's num_attention_heads)
+        head_k_dim = None: query/key head dim (None: hidden_size / query heads), free of hidden_size
+        expand_v = 1.0: value head dim = head_k_dim * expand_v (an integer); the output norm and gate act on it
+        num_kv_heads = None: key/value heads, fewer than query heads (grouped-query layout); each serves num_heads / num_kv_heads consecutive query heads (None: as many as query heads)
+        num_v_heads = None: value heads, more than query/key heads (grouped-value layout); each query/key head serves num_v_heads / num_heads consecutive value heads (None: as many as key heads)
+        allow_neg_eigval = False: β is doubled, in (0, 2): the transition I − β k kᵀ may have a negative eigenvalue
+        gate_low_rank_dim = None: the rank r of the decay and output-gate projections f_proj and g_proj (hidden -> r -> ...); None: the value head dim
+        gate_bias = False: the second layer of g_proj has a bias (fla's KimiDeltaAttention; Kimi Linear's has none)
+        chunk_size = 16: chunk length of the PyTorch chunk form (changes no result; the Triton kernels use 64)
+    """
+
+    model_type = "lazoo_kda"
+    mechanism = "kda"
+
+    def __init__(self, **kwargs):  # explicit: transformers would give the subclass a dataclass __init__
+        super().__init__(**kwargs)
+
+
 class LazooLinearConfig(LazooConfig):
     """Configuration of a lazoo `linear` model (Linear attention): model type `lazoo_linear`, every layer `linear` unless `layer_types` says otherwise.
 
@@ -597,6 +631,7 @@ bind_config_classes(__name__, {
     "delta_net": LazooDeltaNetConfig,
     "gated_delta_net": LazooGatedDeltaNetConfig,
     "delta_product": LazooDeltaProductConfig,
+    "kda": LazooKdaConfig,
     "linear": LazooLinearConfig,
     "gated_linear": LazooGatedLinearConfig,
     "ela": LazooELAConfig,

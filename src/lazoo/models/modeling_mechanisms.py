@@ -9,6 +9,7 @@ from .configuration_mechanisms import (
     LazooGLAConfig,
     LazooGatedDeltaNetConfig,
     LazooGatedLinearConfig,
+    LazooKdaConfig,
     LazooLinearConfig,
     LazooLocalLinearConfig,
     LazooMamba2Config,
@@ -119,6 +120,24 @@ class LazooDeltaProductForSequenceClassification(LazooForSequenceClassification)
     """LazooForSequenceClassification with `delta_product` layers (DeltaProduct); config: `LazooDeltaProductConfig`."""
 
     config_class = LazooDeltaProductConfig
+
+
+class LazooKdaModel(LazooModel):
+    """LazooModel with `kda` layers (Kimi Delta Attention (KDA)); config: `LazooKdaConfig`."""
+
+    config_class = LazooKdaConfig
+
+
+class LazooKdaForCausalLM(LazooForCausalLM):
+    """LazooForCausalLM with `kda` layers (Kimi Delta Attention (KDA)); config: `LazooKdaConfig`."""
+
+    config_class = LazooKdaConfig
+
+
+class LazooKdaForSequenceClassification(LazooForSequenceClassification):
+    """LazooForSequenceClassification with `kda` layers (Kimi Delta Attention (KDA)); config: `LazooKdaConfig`."""
+
+    config_class = LazooKdaConfig
 
 
 class LazooLinearModel(LazooModel):
@@ -362,6 +381,7 @@ bind_model_classes(__name__, {
     "delta_net": (LazooDeltaNetModel, LazooDeltaNetForCausalLM, LazooDeltaNetForSequenceClassification),
     "gated_delta_net": (LazooGatedDeltaNetModel, LazooGatedDeltaNetForCausalLM, LazooGatedDeltaNetForSequenceClassification),
     "delta_product": (LazooDeltaProductModel, LazooDeltaProductForCausalLM, LazooDeltaProductForSequenceClassification),
+    "kda": (LazooKdaModel, LazooKdaForCausalLM, LazooKdaForSequenceClassification),
     "linear": (LazooLinearModel, LazooLinearForCausalLM, LazooLinearForSequenceClassification),
     "gated_linear": (LazooGatedLinearModel, LazooGatedLinearForCausalLM, LazooGatedLinearForSequenceClassification),
     "ela": (LazooELAModel, LazooELAForCausalLM, LazooELAForSequenceClassification),
