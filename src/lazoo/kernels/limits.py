@@ -15,6 +15,10 @@ DELTA_MAX_HEAD_DIM = 256
 #: the chunk sizes the kernels are built for
 DELTA_CHUNK_SIZES = (16, 32, 64)
 
+# ---- lazoo.kernels.delta_step: a (Gated) DeltaNet layer's decode step in one kernel
+#: largest head dim (dk and dv: a value head's whole state [dv, dk] is held in registers)
+DELTA_STEP_MAX_HEAD_DIM = 128
+
 # ---- lazoo.kernels.kda: Kimi Delta Attention (the delta rule with a decay per key dim)
 #: largest head dim (dk and dv: a chunk's whole key rows are held in registers); the smallest is 16 (tl.dot)
 KDA_MAX_HEAD_DIM = 128

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from ...kernels.limits import DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES
+from ...ops.backend import resolve_backend, triton_unsupported
 from ...registry import Mechanism, register
 from .base import ShortConvProjections, set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
@@ -65,6 +70,55 @@ class DeltaNetMixer(RecurrentMixer):
         q, k, l2 = self.normalized_qk(q, k)
         return ops.delta_rule(q, k, v, self.beta(x), use_qk_l2norm=l2,
                               **self.op_kwargs(mask, state, want_state, cu_seqlens))
+
+    #: whether a decode step runs as one kernel (`lazoo.kernels.delta_step`): None, where the op would run its Triton
+    #: kernels (CUDA by default); True, wherever that kernel can run (the CPU under the interpreter, float64 there
+    #: too); False, never (also with LAZOO_FUSED_DECODE=0 at import: benchmarks compare the unfused step so).
+    fused_decode: ClassVar[bool | None] = False if os.environ.get("LAZOO_FUSED_DECODE") == "0" else None
+
+    @functools.cached_property
+    def _fused_step_options(self) -> bool:
+        """The layer options the one-kernel step computes: SiLU short convolutions on q, k and v, L2-normalised q and
+        k with their own heads (value heads a multiple of them), head dims within the kernel's limit."""
+        o = self.options
+        conv = self.short_conv
+        return (conv is not None and set(conv.convs) == set("qkv") and not self._post_activation
+                and all(c.activation == "silu" for c in conv.convs.values()) and o["qk_norm"] == "l2"
+                and self.num_kv_heads == self.num_heads and self.num_state_heads == self.num_v_heads
+                and max(self.head_dim, self.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
+
+    def fused_step_applies(self, qkv, x):
+        if self.fused_decode is False or torch.is_grad_enabled() or not self._fused_step_options:
+            return False
+        q, v = qkv["q"].unflatten(-1, (self.num_heads, -1)), qkv["v"].unflatten(-1, (self.num_v_heads, -1))
+        if self.fused_decode:  # wherever the kernel runs: float64 too, on the CPU (the interpreter)
+            dtypes = KERNEL_DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
+            return triton_unsupported(q, v, DELTA_STEP_MAX_HEAD_DIM, dtypes) is None
+        unsupported = triton_unsupported(q, v, DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES)
+        return resolve_backend("delta_step", self.options.get("backend"), x.device, unsupported,
+                               log_fallback=False) == "triton"
+
+    def fused_step(self, qkv, x, entry, mask, in_place):
+        from ...kernels.delta_step import delta_step  # lazy: importing defines the kernel
+
+        convs = self.short_conv.convs
+        gated = isinstance(self, GatedDeltaNetMixer)
+        use_beta = self.b_proj is not None
+        norm = self.o_norm
+        S = entry["op"]
+        if not in_place:
+            S = S.contiguous()
+        return delta_step(
+            qkv["q"], qkv["k"], qkv["v"], entry["conv"], {n: c.weight for n, c in convs.items()},
+            {n: c.bias for n, c in convs.items()} if self.options["conv_bias"] else None, S,
+            heads=self.num_heads, value_heads=self.num_v_heads, scale=self.head_dim ** -0.5,
+            a=self.a_proj(x) if gated else None, A_log=self.A_log if gated else None,
+            dt_bias=self.dt_bias if gated else None, b=self.b_proj(x) if use_beta else None,
+            neg_eigval=self.options["allow_neg_eigval"], norm_weight=None if norm is None else norm.weight,
+            norm_eps=None if norm is None else (norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps),
+            gate=None if self.g_proj is None else self.g_proj(x),
+            gate_activation=self.options["gate_activation"] if self.g_proj is not None else None,
+            mask=mask, in_place=in_place)
 
 
 class GatedDeltaNetMixer(DeltaNetMixer):

@@ -1,0 +1,203 @@
+"""One decode step of a DeltaNet or Gated DeltaNet layer in one Triton kernel.
+
+From the layer's projections of one token it does everything between them and the output projection:
+
+    q, k, v  = silu(short_conv(projections, conv states))       (the conv states shift by the new input)
+    q, k     = l2norm(q) · scale, l2norm(k)
+    β        = sigmoid(b)   (× 2 with negative eigenvalues allowed; 1 without β)
+    log α    = −exp(A_log) · softplus(a + dt_bias)              (Gated DeltaNet; 0 for DeltaNet)
+    S        = α S + β (v − α S k) kᵀ,  o = S q                 (S ``[dv, dk]`` per value head, fp32)
+    o        = RMSNorm(o) · act(gate)                            (the per-head output norm and output gate)
+
+One program per (sample, query/key head) walks the m value heads that head serves, so each conv-state channel
+and each state row has exactly one writer: the states are updated in place (or written to new tensors) with no
+race. A pad (mask 0) keeps S, outputs 0, and shifts a zero into the conv states, as the unfused layer does. The
+values pass through the input dtype where the unfused layer stores them (the convolution's output, β, the op's
+output, the norm's output), so both give the same numbers up to the order of fp32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_pow2
+from .limits import DELTA_STEP_MAX_HEAD_DIM
+
+#: the output gate's activation, by the mixer's `gate_activation` (0: no gate)
+GATES = {None: 0, "silu": 1, "sigmoid": 2}
+
+
+@triton.jit
+def _conv_silu(x, st, w, bias, b, c, m_c, real, st_b, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+               st_out, so_b, DT: tl.constexpr, CT: tl.constexpr):
+    """The causal depthwise convolution of channels ``c`` at the new input ``x`` (fp32) against the last W − 1
+    inputs (``st`` ``[B, W − 1, C]``, batch stride ``st_b``), SiLU, in CT, rounded to DT as the unfused layer
+    stores it;
+    the inputs shifted by one, the new one last, written to ``st_out`` (may be ``st``: each program owns its
+    channels, and reads a row before it overwrites it)."""
+    x = tl.where(real, x, 0.0)
+    acc = tl.load(w + c * W + (W - 1), mask=m_c, other=0).to(CT) * x
+    for j in tl.static_range(W - 1):
+        row = tl.load(st + b * st_b + j * C + c, mask=m_c, other=0)
+        acc += tl.load(w + c * W + j, mask=m_c, other=0).to(CT) * row.to(CT)
+        if j > 0:
+            tl.store(st_out + b * so_b + (j - 1) * C + c, row, mask=m_c)
+    tl.store(st_out + b * so_b + (W - 2) * C + c, x.to(st_out.dtype.element_ty), mask=m_c)
+    if HAS_BIAS:
+        acc += tl.load(bias + c, mask=m_c, other=0).to(CT)
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(DT).to(CT)
+
+
+@triton.jit
+def _delta_step_kernel(
+    q, k, v, sq, sk, sv,
+    cq, ck, cv, cq_b, ck_b, cv_b, oq, ok, ov, oq_b, ok_b, ov_b,
+    wq, wk, wv, bq, bk, bv,
+    a, sa, A_log, dt_bias, b, sb, gate, sg, norm_w,
+    S, S_out, mask, out, so,
+    SCALE: tl.constexpr, EPS: tl.constexpr,
+    HK: tl.constexpr, M: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_G: tl.constexpr, HAS_BETA: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
+    DT: tl.constexpr, CT: tl.constexpr,
+):
+    """DT: the inputs' dtype; CT: the compute dtype (fp32, fp64 for fp64 inputs). SCALE and EPS are constants of
+    the layer, taken as such: a float argument would reach the kernel as fp32."""
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    real = True
+    if HAS_MASK:
+        real = tl.load(mask + i_b) != 0
+    ck_q = i_h * K + o_k  # this head's channels of q and k
+    x = tl.load(q + i_b * sq + ck_q, mask=m_k, other=0).to(CT)
+    b_q = _conv_silu(x, cq, wq, bq, i_b, ck_q, m_k, real, cq_b, HK * K, W, HAS_BIAS, oq, oq_b, DT, CT)
+    x = tl.load(k + i_b * sk + ck_q, mask=m_k, other=0).to(CT)
+    b_k = _conv_silu(x, ck, wk, bk, i_b, ck_q, m_k, real, ck_b, HK * K, W, HAS_BIAS, ok, ok_b, DT, CT)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6) * SCALE
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+    m_s = m_v[:, None] & m_k[None, :]
+    for i in range(M):
+        hv = i_h * M + i
+        c_v = hv * V + o_v
+        x = tl.load(v + i_b * sv + c_v, mask=m_v, other=0).to(CT)
+        b_v = _conv_silu(x, cv, wv, bv, i_b, c_v, m_v, real, cv_b, HK * M * V, W, HAS_BIAS, ov, ov_b, DT, CT)
+        beta = 1.0
+        if HAS_BETA:
+            z = tl.load(b + i_b * sb + hv).to(CT)
+            beta = (1.0 / (1.0 + tl.exp(-z))).to(DT).to(CT)
+        if NEG_EIGVAL:
+            beta = 2.0 * beta
+        p_s = (i_b * HK * M + hv) * V * K + o_v[:, None] * K + o_k[None, :]
+        b_s = tl.load(S + p_s, mask=m_s, other=0).to(CT)
+        if HAS_G:
+            z = tl.load(a + i_b * sa + hv).to(CT) + tl.load(dt_bias + hv).to(CT)
+            softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
+            b_s = b_s * tl.exp(-tl.exp(tl.load(A_log + hv).to(CT)) * softplus)
+        b_u = b_v - tl.sum(b_s * b_k[None, :], 1)
+        b_s += (beta * b_u)[:, None] * b_k[None, :]
+        b_o = tl.sum(b_s * b_q[None, :], 1).to(DT).to(CT)
+        if real:
+            tl.store(S_out + p_s, b_s.to(S_out.dtype.element_ty), mask=m_s)
+        else:  # a pad keeps the state
+            tl.store(S_out + p_s, tl.load(S + p_s, mask=m_s, other=0), mask=m_s)
+            b_o = tl.zeros([BV], dtype=CT)
+        if NORM:
+            b_o = b_o / tl.sqrt(tl.sum(b_o * b_o, 0) / V + EPS)
+            if NORM_AFFINE:
+                b_o = b_o * tl.load(norm_w + o_v, mask=m_v, other=0).to(CT)
+            b_o = b_o.to(DT).to(CT)
+        if GATE == 1:
+            z = tl.load(gate + i_b * sg + c_v, mask=m_v, other=0).to(CT)
+            b_o = b_o * (z / (1.0 + tl.exp(-z))).to(DT).to(CT)
+        elif GATE == 2:
+            z = tl.load(gate + i_b * sg + c_v, mask=m_v, other=0).to(CT)
+            b_o = b_o * (1.0 / (1.0 + tl.exp(-z))).to(DT).to(CT)
+        tl.store(out + i_b * so + c_v, b_o.to(out.dtype.element_ty), mask=m_v)
+
+
+_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+           torch.float64: tl.float64}
+
+
+def _rows(x: torch.Tensor, width: int, name: str) -> tuple[torch.Tensor, int]:
+    """``x`` ``[B, 1, width]`` or ``[B, width]`` as rows of unit channel stride, and its row stride."""
+    x = x.reshape(x.shape[0], -1)
+    if x.shape[1] != width:
+        raise ValueError(f"delta_step: {name} has {x.shape[1]} features per token, expected {width}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
+def _conv_rows(state: torch.Tensor, name: str) -> torch.Tensor:
+    """A conv state ``[B, W − 1, C]`` whose rows and channels are contiguous (its batch stride is free)."""
+    if state.stride(2) != 1 or state.stride(1) != state.shape[2]:
+        raise ValueError(f"delta_step: the conv state of {name} must have contiguous rows, got strides "
+                         f"{tuple(state.stride())}")
+    return state
+
+
+def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict | None, state, *,
+               heads: int, value_heads: int, scale: float, a=None, A_log=None, dt_bias=None, b=None,
+               neg_eigval: bool = False, norm_weight=None, norm_eps: float | None = None, gate=None,
+               gate_activation: str | None = None, mask=None, in_place: bool = False):
+    """One token of a (Gated) DeltaNet layer after its projections; see the module docstring.
+
+    q, k ``[B, 1, H·dk]``, v ``[B, 1, HV·dv]`` (the projections, before the convolution); ``conv_states``
+    ``{"q", "k", "v"}`` of ``[B, W − 1, C]`` and ``conv_weights`` of ``[C, 1, W]`` (``conv_biases`` the same or
+    None); ``state`` S ``[B, HV, dv, dk]`` (fp32). Gated DeltaNet passes ``a`` ``[B, 1, HV]`` with ``A_log`` and
+    ``dt_bias`` ``[HV]``; ``b`` ``[B, 1, HV]`` (None: β = 1); ``norm_weight`` ``[dv]`` or None with ``norm_eps``
+    (None: no output norm); ``gate`` ``[B, 1, HV·dv]`` with ``gate_activation`` "silu" or "sigmoid"; ``mask``
+    ``[B]`` or ``[B, 1]`` (1 = real). ``in_place``: the conv states and S are updated where they are, else new
+    tensors hold them. Returns ``(o [B, 1, HV·dv], new S, new conv states)``."""
+    B = q.shape[0]
+    HV, V, K = state.shape[1:]
+    H = heads
+    if HV != value_heads or HV % H:
+        raise ValueError(f"delta_step: the state has {HV} value heads; expected {value_heads}, a multiple of {H}")
+    if max(K, V) > DELTA_STEP_MAX_HEAD_DIM:
+        raise ValueError(f"delta_step: head dims up to {DELTA_STEP_MAX_HEAD_DIM}, got dk = {K}, dv = {V}")
+    dt = q.dtype
+    q2, sq = _rows(q, H * K, "q")
+    k2, sk = _rows(k, H * K, "k")
+    v2, sv = _rows(v, HV * V, "v")
+    W = conv_weights["q"].shape[-1]
+    cin = {n: _conv_rows(conv_states[n], n) for n in "qkv"}
+    cout = cin if in_place else {n: torch.empty_like(cin[n], memory_format=torch.contiguous_format) for n in "qkv"}
+    weights = {n: conv_weights[n].reshape(conv_weights[n].shape[0], W).contiguous() for n in "qkv"}
+    if not state.is_contiguous():
+        raise ValueError("delta_step: the state S must be contiguous")
+    S_out = state if in_place else torch.empty_like(state)
+    out = torch.empty(B, HV * V, device=q.device, dtype=dt)
+    dummy = out
+    a2, sa = _rows(a, HV, "a") if a is not None else (dummy, 0)
+    b2, sb = _rows(b, HV, "b") if b is not None else (dummy, 0)
+    g2, sg = _rows(gate, HV * V, "gate") if gate is not None else (dummy, 0)
+    m = mask.reshape(B).contiguous() if mask is not None else dummy
+    biases = conv_biases or {}
+    _delta_step_kernel[(B, H)](
+        q2, k2, v2, sq, sk, sv,
+        cin["q"], cin["k"], cin["v"], cin["q"].stride(0), cin["k"].stride(0), cin["v"].stride(0),
+        cout["q"], cout["k"], cout["v"], cout["q"].stride(0), cout["k"].stride(0), cout["v"].stride(0),
+        weights["q"], weights["k"], weights["v"],
+        biases.get("q", dummy), biases.get("k", dummy), biases.get("v", dummy),
+        a2, sa, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, b2, sb, g2, sg,
+        norm_weight if norm_weight is not None else dummy,
+        state, S_out, m, out, out.stride(0),
+        SCALE=float(scale), EPS=float(norm_eps or 0.0), HK=H, M=HV // H, K=K, V=V, W=W, BK=next_pow2(K),
+        BV=next_pow2(V),
+        HAS_BIAS=bool(biases), HAS_G=a is not None, HAS_BETA=b is not None, NEG_EIGVAL=neg_eigval,
+        NORM=norm_eps is not None, NORM_AFFINE=norm_weight is not None,
+        GATE=GATES[gate_activation if gate is not None else None],
+        HAS_MASK=mask is not None, DT=_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
+        num_warps=4 if max(K, V) <= 64 else 8,
+    )
+    return out.view(B, 1, HV * V), S_out, cout
