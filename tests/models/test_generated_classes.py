@@ -11,14 +11,14 @@ import pickle
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationMixin
 
 import lazoo
 from lazoo import registry
 from lazoo.layers.mixers.linear import LinearAttentionMixer
 from lazoo.models import configuration_mechanisms, generate_classes, modeling_mechanisms
 from lazoo.models.configuration_lazoo import config_class_name, config_docstring
-from lazoo.models.modeling_lazoo import BASES, model_class_names, model_docstring
+from lazoo.models.modeling_lazoo import BASES, extra_bases, model_class_names, model_docstring
 from lazoo.registry import Mechanism
 
 BUILTINS = list(registry.builtin_mechanisms())
@@ -44,8 +44,9 @@ def test_a_builtin_mechanism_uses_its_written_out_classes(name):
     classes = tuple(getattr(modeling_mechanisms, n) for n in model_class_names(m))
     assert lazoo.MODEL_CLASSES[m.model_type] == (config_cls, *classes[:2])
     for cls, base in zip(classes, BASES):
-        assert cls.__bases__ == (base,) and cls.config_class is config_cls
+        assert cls.__bases__ == (base, *extra_bases(base)) and cls.config_class is config_cls
         assert inspect.getdoc(cls) == model_docstring(m, base, config_cls.__name__)
+    assert GenerationMixin in classes[1].__bases__  # how transformers tells a model that generates
 
 
 def test_no_class_is_made_with_three_argument_type():
@@ -81,6 +82,7 @@ def test_a_mechanism_registered_later_gets_derived_classes_found_by_name(late):
     assert inspect.getdoc(config_cls) == config_docstring(late)
     _, base_cls, lm_cls = lazoo.MODEL_CLASSES["lazoo_toy_late"]
     assert modeling_mechanisms.LazooToyLateForCausalLM is lm_cls and lm_cls.config_class is config_cls
+    assert GenerationMixin in lm_cls.__bases__
     config = AutoConfig.for_model("lazoo_toy_late", hidden_size=16, num_attention_heads=2, num_hidden_layers=1)
     assert type(pickle.loads(pickle.dumps(config))) is config_cls
     assert not hasattr(configuration_mechanisms, "LazooNoSuchConfig")

@@ -653,3 +653,25 @@ def test_grouped_value_heads_read_in_place_equal_repeated_heads(single_thread):
         rest = model(ids[:, 12:], past_key_values=first.past_key_values, use_cache=True).logits
     torch.testing.assert_close(grouped, repeated, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([first.logits, rest], 1), grouped, rtol=1e-4, atol=1e-4)
+
+
+def test_output_attentions_gives_the_softmax_layers_weights_and_none_for_recurrent_ones():
+    """A hybrid (sliding window + VLA) asked for attentions: the window layer's softmax weights [B, H, T, T] (rows
+    of real queries sum to 1, nothing beyond the window or on a pad), None for the VLA layer, the same logits."""
+    model = shared_model("hybrid")
+    ids, mask = left_padded([random_ids(9, seed=1), random_ids(5, seed=2)], seed=3)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        plain = model(ids, attention_mask=mask)
+    assert_close(out.logits, plain.logits, 1e-5, "logits with attentions vs without")
+    window, recurrent = out.attentions
+    assert recurrent is None
+    B, T = ids.shape
+    assert window.shape == (B, model.config.num_attention_heads, T, T)
+    sums = window.sum(-1)
+    assert torch.allclose(sums, mask[:, None, :].to(sums.dtype).expand_as(sums), atol=1e-5)
+    p = torch.arange(T)
+    outside = (p[None, :] > p[:, None]) | (p[None, :] <= p[:, None] - model.config.sliding_window)
+    assert window[..., outside].abs().max() == 0
+    pad_keys = (mask == 0)[:, None, None, :].expand_as(window)
+    assert pad_keys.any() and window[pad_keys].abs().max() == 0

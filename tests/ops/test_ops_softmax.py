@@ -253,3 +253,33 @@ def test_grouped_kv_heads_bad_inputs():
     with pytest.raises(ValueError, match=r"initial_state\['k'\]"):  # a cache of repeated heads for a grouped call
         cache = {name: (x.repeat_interleave(2, 2) if name != "mask" else x) for name, x in random_cache(3).items()}
         softmax_attention(torch.cat([q, q], 2), k, v, initial_state=cache)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_weights_are_the_per_query_softmax_the_output_is_made_of(window):
+    """output_attentions=True: weights [B, H, T, Tc + T], each real query's row the softmax over its visible keys
+    (a row of 0 for a pad), and the same output and final state as without them (here against SDPA)."""
+    T, Tc = 9, 5
+    q, k, v = make_inputs(T, seed=3)
+    cache = random_cache(Tc)
+    mask = left_pad_mask([9, 6, 1], T, holes=[(0, 3)])
+    o, state, weights = softmax_attention(q, k, v, window=window, initial_state=cache, mask=mask, backend="chunk",
+                                          output_final_state=True, output_attentions=True)
+    o_ref, state_ref = softmax_attention(q, k, v, window=window, initial_state=cache, mask=mask, backend="chunk",
+                                         output_final_state=True)
+    assert_close(o, o_ref, 1e-12, "output with weights vs without")
+    assert_state_close(state, state_ref, 0.0, "final state")
+    assert weights.shape == (B, H, T, Tc + T)
+    keys_mask = torch.cat([cache["mask"], mask], 1)
+    for b in range(B):
+        for t in range(T):
+            row = weights[b, :, t]
+            if not mask[b, t]:
+                assert torch.equal(row, torch.zeros_like(row)), f"pad query {b, t} has weights"
+                continue
+            p = Tc + t
+            seen = [s for s in range(p + 1) if keys_mask[b, s] and (window is None or s > p - window)]
+            logits = DK ** -0.5 * torch.einsum("hd,shd->hs", q[b, t], torch.cat([cache["k"], k], 1)[b, seen])
+            assert_close(row[:, seen], torch.softmax(logits, -1), 1e-12, f"row {b, t}")
+            others = [s for s in range(Tc + T) if s not in seen]
+            assert torch.equal(row[:, others], torch.zeros_like(row[:, others])), f"row {b, t}: unseen keys weighted"

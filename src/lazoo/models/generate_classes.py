@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..registry import builtin_mechanisms
 from .configuration_lazoo import config_class_name, config_docstring
-from .modeling_lazoo import BASES, model_class_names, model_docstring
+from .modeling_lazoo import BASES, extra_bases, model_class_names, model_docstring
 
 FOLDER = Path(__file__).resolve().parent
 CONFIG_MODULE = "configuration_mechanisms"
@@ -73,6 +73,7 @@ def modeling_module_text() -> str:
     builtins = builtin_mechanisms().values()
     parts = [HEADER, '"""The model classes of lazoo\'s built-in mechanisms (`<class_prefix>Model`, `...ForCausalLM`,\n'
                      '`...ForSequenceClassification`), one set per declaration in `lazoo.registry`."""\n\n',
+             "from transformers import GenerationMixin\n\n",
              _import(CONFIG_MODULE, [config_class_name(m) for m in builtins]),
              _import("modeling_lazoo", [b.__name__ for b in BASES] + ["bind_model_classes", "derived_model_class"])]
     table = {}
@@ -81,7 +82,8 @@ def modeling_module_text() -> str:
         names = model_class_names(m)
         for base, name in zip(BASES, names):
             doc = _docstring(model_docstring(m, base, config))
-            parts.append(f"\n\nclass {name}({base.__name__}):\n{doc}\n    config_class = {config}\n")
+            bases = ", ".join(b.__name__ for b in (base, *extra_bases(base)))
+            parts.append(f"\n\nclass {name}({bases}):\n{doc}\n    config_class = {config}\n")
         table[m.name] = f"({', '.join(names)})"
     parts.append(_bind_and_getattr("bind_model_classes", "derived_model_class", table, "its model classes"))
     return "".join(parts)

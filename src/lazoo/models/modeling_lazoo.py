@@ -141,6 +141,12 @@ class LazooPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["LazooDecoderLayer"]
     _supports_sdpa = True
     _is_stateful = True  # recurrent states cannot be rolled back (no assisted decoding)
+    # a forward, and a decode step on the static cache, trace without graph breaks (tests/models/test_compile.py,
+    # test_static_cache.py)
+    _can_compile_fullgraph = True
+    # False: the layers do not run through transformers' attention-function and mask interface (they build their
+    # own masks from the 2-D attention mask), and there is no tensor-parallel plan
+    _supports_attention_backend = False
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -362,6 +368,7 @@ class LazooModel(LazooPreTrainedModel):
         use_cache=None,
         output_hidden_states=None,
         past_key_values=None,
+        output_attentions=None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`.
@@ -369,7 +376,10 @@ class LazooModel(LazooPreTrainedModel):
         Inputs: exactly one of `input_ids` (`[batch, sequence]` integer ids in [0, vocab_size)) and
         `inputs_embeds` (`[batch, sequence, hidden_size]`). An empty batch or sequence (batch size or
         sequence length 0) raises a ValueError for either input, as do ids outside the vocabulary (the
-        message names the first offending id and vocab_size)."""
+        message names the first offending id and vocab_size).
+
+        `output_attentions=True` returns each layer's attention weights `[B, H, T, S]` (`attentions`; the explicit
+        softmax of the softmax-type layers, None for layers that have no attention matrix)."""
         cache = cache_argument(cache, past_key_values, kwargs)
         check_model_inputs(input_ids, inputs_embeds, self._vocabulary_size(), self.config.hidden_size)
         attention_mask = check_attention_mask(attention_mask)
@@ -399,6 +409,7 @@ class LazooModel(LazooPreTrainedModel):
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
 
         B, T = inputs_embeds.shape[:2]
         if cache is not None and cache.real_tokens is not None and cache.real_tokens.shape[0] != B:
@@ -415,10 +426,14 @@ class LazooModel(LazooPreTrainedModel):
 
         hidden_states = zero_pads(inputs_embeds, op_mask)  # (each layer zeroes its input's pads again)
         all_hidden = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
         aux_losses = []
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask=op_mask, position_ids=position_ids, cache=cache,
-                                  cu_seqlens=cu_seqlens)
+                                  cu_seqlens=cu_seqlens, **({"output_attentions": True} if output_attentions else {}))
+            if output_attentions:
+                hidden_states, weights = hidden_states
+                all_attentions += (weights,)
             if layer.aux_loss is not None:
                 aux_losses.append(layer.aux_loss)
             if output_hidden_states:
@@ -430,7 +445,8 @@ class LazooModel(LazooPreTrainedModel):
             cache.advance(T, real.sum(1))
         aux_loss = torch.stack([a.to(hidden_states.device) for a in aux_losses]).mean() if aux_losses else None
         return LazooModelOutputWithPast(
-            last_hidden_state=hidden_states, hidden_states=all_hidden, aux_loss=aux_loss, **output_cache_kwargs(cache)
+            last_hidden_state=hidden_states, hidden_states=all_hidden, attentions=all_attentions, aux_loss=aux_loss,
+            **output_cache_kwargs(cache),
         )
 
     def _vocabulary_size(self) -> int:
@@ -593,6 +609,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         output_hidden_states=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
+        output_attentions=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`.
@@ -606,6 +623,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             return_dict=True,  # read by field below, whatever config.return_dict says
         )
         hidden = outputs.last_hidden_state
@@ -618,8 +636,8 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
             if outputs.aux_loss is not None:  # MoE load balancing, as in transformers' MoE models
                 loss = loss + self.config.router_aux_loss_coef * outputs.aux_loss.to(loss.device)
         return LazooCausalLMOutputWithPast(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, aux_loss=outputs.aux_loss,
-            **output_cache_kwargs(outputs.cache),
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            aux_loss=outputs.aux_loss, **output_cache_kwargs(outputs.cache),
         )
 
 
@@ -756,6 +774,12 @@ SEQUENCE_CLASSIFICATION_CLASSES: dict[str, type] = {"lazoo_hybrid": LazooForSequ
 BASES = (LazooModel, LazooForCausalLM, LazooForSequenceClassification)
 
 
+def extra_bases(base: type) -> tuple[type, ...]:
+    """The bases a mechanism's class names besides `base`: `GenerationMixin` for the causal LM (transformers looks
+    for it among a class's direct bases to tell a model that generates)."""
+    return (GenerationMixin,) if base is LazooForCausalLM else ()
+
+
 def model_class_names(mechanism: Mechanism) -> list[str]:
     """`<class_prefix>Model`, `...ForCausalLM`, `...ForSequenceClassification`."""
     return [mechanism.class_prefix + base.__name__.removeprefix("Lazoo") for base in BASES]
@@ -777,7 +801,7 @@ def derive_model_classes(declared: Mechanism, config: type, module: str) -> tupl
     made = []
     for base, name in zip(BASES, model_class_names(declared)):
 
-        class Derived(base):
+        class Derived(base, *extra_bases(base)):
             config_class = config
 
         Derived.__name__ = Derived.__qualname__ = name

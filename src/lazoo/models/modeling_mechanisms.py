@@ -2,6 +2,8 @@
 """The model classes of lazoo's built-in mechanisms (`<class_prefix>Model`, `...ForCausalLM`,
 `...ForSequenceClassification`), one set per declaration in `lazoo.registry`."""
 
+from transformers import GenerationMixin
+
 from .configuration_mechanisms import (
     LazooDeltaNetConfig,
     LazooDeltaProductConfig,
@@ -38,7 +40,7 @@ class LazooSoftmaxModel(LazooModel):
     config_class = LazooSoftmaxConfig
 
 
-class LazooSoftmaxForCausalLM(LazooForCausalLM):
+class LazooSoftmaxForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `softmax` layers (Softmax attention); config: `LazooSoftmaxConfig`."""
 
     config_class = LazooSoftmaxConfig
@@ -56,7 +58,7 @@ class LazooSlidingWindowModel(LazooModel):
     config_class = LazooSlidingWindowConfig
 
 
-class LazooSlidingWindowForCausalLM(LazooForCausalLM):
+class LazooSlidingWindowForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `sliding_window` layers (Sliding-window attention); config: `LazooSlidingWindowConfig`."""
 
     config_class = LazooSlidingWindowConfig
@@ -74,7 +76,7 @@ class LazooDeltaNetModel(LazooModel):
     config_class = LazooDeltaNetConfig
 
 
-class LazooDeltaNetForCausalLM(LazooForCausalLM):
+class LazooDeltaNetForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `delta_net` layers (DeltaNet); config: `LazooDeltaNetConfig`."""
 
     config_class = LazooDeltaNetConfig
@@ -92,7 +94,7 @@ class LazooGatedDeltaNetModel(LazooModel):
     config_class = LazooGatedDeltaNetConfig
 
 
-class LazooGatedDeltaNetForCausalLM(LazooForCausalLM):
+class LazooGatedDeltaNetForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `gated_delta_net` layers (Gated DeltaNet); config: `LazooGatedDeltaNetConfig`."""
 
     config_class = LazooGatedDeltaNetConfig
@@ -110,7 +112,7 @@ class LazooDeltaProductModel(LazooModel):
     config_class = LazooDeltaProductConfig
 
 
-class LazooDeltaProductForCausalLM(LazooForCausalLM):
+class LazooDeltaProductForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `delta_product` layers (DeltaProduct); config: `LazooDeltaProductConfig`."""
 
     config_class = LazooDeltaProductConfig
@@ -128,7 +130,7 @@ class LazooKdaModel(LazooModel):
     config_class = LazooKdaConfig
 
 
-class LazooKdaForCausalLM(LazooForCausalLM):
+class LazooKdaForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `kda` layers (Kimi Delta Attention (KDA)); config: `LazooKdaConfig`."""
 
     config_class = LazooKdaConfig
@@ -146,7 +148,7 @@ class LazooLinearModel(LazooModel):
     config_class = LazooLinearConfig
 
 
-class LazooLinearForCausalLM(LazooForCausalLM):
+class LazooLinearForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `linear` layers (Linear attention); config: `LazooLinearConfig`."""
 
     config_class = LazooLinearConfig
@@ -164,7 +166,7 @@ class LazooGatedLinearModel(LazooModel):
     config_class = LazooGatedLinearConfig
 
 
-class LazooGatedLinearForCausalLM(LazooForCausalLM):
+class LazooGatedLinearForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `gated_linear` layers (Gated linear attention (scalar decay)); config: `LazooGatedLinearConfig`."""
 
     config_class = LazooGatedLinearConfig
@@ -182,7 +184,7 @@ class LazooELAModel(LazooModel):
     config_class = LazooELAConfig
 
 
-class LazooELAForCausalLM(LazooForCausalLM):
+class LazooELAForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `ela` layers (Exact Linear Attention); config: `LazooELAConfig`."""
 
     config_class = LazooELAConfig
@@ -200,7 +202,7 @@ class LazooGLAModel(LazooModel):
     config_class = LazooGLAConfig
 
 
-class LazooGLAForCausalLM(LazooForCausalLM):
+class LazooGLAForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `gla` layers (Gated Linear Attention (GLA)); config: `LazooGLAConfig`."""
 
     config_class = LazooGLAConfig
@@ -218,7 +220,7 @@ class LazooLocalLinearModel(LazooModel):
     config_class = LazooLocalLinearConfig
 
 
-class LazooLocalLinearForCausalLM(LazooForCausalLM):
+class LazooLocalLinearForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `local_linear` layers (Local-linear (p = 1) attention); config: `LazooLocalLinearConfig`."""
 
     config_class = LazooLocalLinearConfig
@@ -236,7 +238,7 @@ class LazooMamba2Model(LazooModel):
     config_class = LazooMamba2Config
 
 
-class LazooMamba2ForCausalLM(LazooForCausalLM):
+class LazooMamba2ForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `mamba2` layers (Mamba-2 (SSD)); config: `LazooMamba2Config`."""
 
     config_class = LazooMamba2Config
@@ -254,7 +256,7 @@ class LazooOVQModel(LazooModel):
     config_class = LazooOVQConfig
 
 
-class LazooOVQForCausalLM(LazooForCausalLM):
+class LazooOVQForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `ovq` layers (Online Vector-Quantized attention); config: `LazooOVQConfig`."""
 
     config_class = LazooOVQConfig
@@ -272,7 +274,7 @@ class LazooVQModel(LazooModel):
     config_class = LazooVQConfig
 
 
-class LazooVQForCausalLM(LazooForCausalLM):
+class LazooVQForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `vq` layers (VQ-attention (learned key codebook)); config: `LazooVQConfig`."""
 
     config_class = LazooVQConfig
@@ -290,7 +292,7 @@ class LazooRLSModel(LazooModel):
     config_class = LazooRLSConfig
 
 
-class LazooRLSForCausalLM(LazooForCausalLM):
+class LazooRLSForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `rls` layers (Recursive least squares (Mesa layer)); config: `LazooRLSConfig`."""
 
     config_class = LazooRLSConfig
@@ -308,7 +310,7 @@ class LazooTitansModel(LazooModel):
     config_class = LazooTitansConfig
 
 
-class LazooTitansForCausalLM(LazooForCausalLM):
+class LazooTitansForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `titans` layers (Titans neural memory (linear memory)); config: `LazooTitansConfig`."""
 
     config_class = LazooTitansConfig
@@ -326,7 +328,7 @@ class LazooTTTLinearModel(LazooModel):
     config_class = LazooTTTLinearConfig
 
 
-class LazooTTTLinearForCausalLM(LazooForCausalLM):
+class LazooTTTLinearForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `ttt_linear` layers (TTT-Linear (test-time training)); config: `LazooTTTLinearConfig`."""
 
     config_class = LazooTTTLinearConfig
@@ -344,7 +346,7 @@ class LazooTTTMLPModel(LazooModel):
     config_class = LazooTTTMLPConfig
 
 
-class LazooTTTMLPForCausalLM(LazooForCausalLM):
+class LazooTTTMLPForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `ttt_mlp` layers (TTT-MLP (test-time training)); config: `LazooTTTMLPConfig`."""
 
     config_class = LazooTTTMLPConfig
@@ -362,7 +364,7 @@ class LazooVLAModel(LazooModel):
     config_class = LazooVLAConfig
 
 
-class LazooVLAForCausalLM(LazooForCausalLM):
+class LazooVLAForCausalLM(LazooForCausalLM, GenerationMixin):
     """LazooForCausalLM with `vla` layers (Variational Linear Attention); config: `LazooVLAConfig`."""
 
     config_class = LazooVLAConfig

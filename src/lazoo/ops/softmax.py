@@ -43,7 +43,8 @@ def softmax_attention(
     mask: torch.Tensor | None = None,
     backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    output_attentions: bool = False,
+) -> tuple:
     """Causal (optionally sliding-window) softmax attention.
 
     scale: None -> dk ** -0.5; a number; or a tensor ``[H]`` (a learned per-head scale, as with
@@ -52,6 +53,9 @@ def softmax_attention(
     k and v may have Hkv heads, a divisor of q's H (grouped-query attention, see the module docstring).
     Returns ``(o [B, T, H, dv], final_state)``; a final state with a window keeps only the last
     W - 1 positions. Padded queries give 0. ``cu_seqlens``: packed sequences (see the module docstring).
+    ``output_attentions=True`` computes the explicit softmax (the "recurrent" backend's math, whatever
+    ``backend`` says) and returns ``(o, final_state, weights)``, the weights ``[B, H, T, S]`` over the S = cached
+    + new key positions that o is made of (0 where a key is not visible, a row of 0 for a padded query).
     """
     # a masked score times a NaN value is still NaN: the pads are zeroed
     (B, T, H, dk, dv), mask, (q, k, v) = prepare_inputs(_OP, q, k, v, mask, grouped_kv=True)
@@ -73,7 +77,15 @@ def softmax_attention(
     # the state keeps Hkv heads; every backend computes on keys and values repeated to q's H heads
     k_all, v_all = repeat_kv_heads(keys, H // Hkv), repeat_kv_heads(values, H // Hkv)
 
-    if backend != "recurrent" and Tc == 0 and mask is None and window is None and cu_seqlens is None:
+    weights = None
+    if output_attentions:
+        allowed = visible_keys(query_mask, key_mask, Tc, window)
+        if cu_seqlens is not None:
+            seq = packed_sequence_ids(cu_seqlens, T)
+            allowed = allowed & (seq[:, None] == seq[None, :])[None]
+        weights = _probabilities(q, k_all, allowed, scale)
+        o = torch.einsum("bhts,bshd->bthd", weights, v_all)
+    elif backend != "recurrent" and Tc == 0 and mask is None and window is None and cu_seqlens is None:
         o = _sdpa(q, k_all, v_all, None, scale)  # plain causal: SDPA's flash/causal kernels
     elif backend != "recurrent" and Tc == 0 and mask is None and cu_seqlens is None and T > 2 * window:
         o = _sdpa_window_blocks(q, k_all, v_all, window, scale)  # O(T·W), not a [T, T] mask
@@ -84,7 +96,8 @@ def softmax_attention(
             allowed = allowed & (seq[:, None] == seq[None, :])[None]
         o = (_eager if backend == "recurrent" else _sdpa)(q, k_all, v_all, allowed, scale)
     final = kv_cache_state(keys, values, key_mask, window) if output_final_state else None
-    return op_result(o, mask, v.dtype, final, output_final_state)
+    result = op_result(o, mask, v.dtype, final, output_final_state)
+    return result if weights is None else (*result, weights.to(v.dtype))
 
 
 def repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -181,13 +194,18 @@ def visible_keys(query_mask, key_mask, Tc: int, window: int | None) -> torch.Ten
     return visible[None] & key_mask[:, None, :] & query_mask[:, :, None]
 
 
-def _eager(q, k, v, allowed, scale):
-    """Explicit softmax(QK^T) V; a row with no visible key gives 0 (finite min fill, no NaN)."""
+def _probabilities(q, k, allowed, scale):
+    """softmax(QK^T) ``[B, H, T, S]`` over the visible keys; a row with no visible key is 0 (finite min fill, no
+    NaN)."""
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
     allowed = allowed[:, None]  # [B, 1, T, S]
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    p = torch.softmax(scores, dim=-1) * allowed  # zeros a row that had no visible key
-    return torch.einsum("bhts,bshd->bthd", p, v)
+    return torch.softmax(scores, dim=-1) * allowed  # zeros a row that had no visible key
+
+
+def _eager(q, k, v, allowed, scale):
+    """Explicit softmax(QK^T) V; a row with no visible key gives 0."""
+    return torch.einsum("bhts,bshd->bthd", _probabilities(q, k, allowed, scale), v)
 
 
 def _sdpa_window_blocks(q, k, v, window: int, scale):
