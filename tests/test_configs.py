@@ -69,7 +69,8 @@ def test_config_loads_and_builds(path):
     assert len(cfg.layer_types) == cfg.num_hidden_layers
     if path.name in PRESET_CONFIG_FILES:
         assert cfg.model_type == "lazoo_hybrid"
-        assert cfg.layer_types == HYBRIDS[PRESET_CONFIG_FILES[path.name]] * (cfg.num_hidden_layers // 2)
+        pattern = HYBRIDS[PRESET_CONFIG_FILES[path.name]]
+        assert cfg.layer_types == pattern * (cfg.num_hidden_layers // len(pattern))
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()

@@ -26,10 +26,14 @@ HYBRIDS: dict[str, list[str]] = {
     "sw-nope": ["sliding_window", "softmax"],
     "sw-vq": ["sliding_window", "vq"],
     "gdn-ovq": ["gated_delta_net", "ovq"],
+    # Kimi Linear's layout: three KDA layers to one multi-head latent attention layer (NoPE)
+    "kda-mla": ["kda", "kda", "kda", "mla"],
 }
 
 #: config fields a hybrid preset sets unless overridden (per-mixer options merge key by key into
 #: the caller's `mixer_kwargs`)
+#: MLA's latent and head dims at the small models' size (Kimi Linear's: 512, 128, 64, 128)
+_SMALL_MLA = {"kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
 _OVQ_PAPER_SW = {"sliding_window": 128, "mixer_kwargs": {"sliding_window": {"qk_norm": True, "use_rope": True}}}
 HYBRID_OPTIONS: dict[str, dict] = {
     "sw-ovq": _OVQ_PAPER_SW,
@@ -37,6 +41,7 @@ HYBRID_OPTIONS: dict[str, dict] = {
                                                         "softmax": {"qk_norm": True, "use_rope": False}}},
     "sw-vq": _OVQ_PAPER_SW,
     "gdn-ovq": {},
+    "kda-mla": {"mixer_kwargs": {"mla": _SMALL_MLA}},
 }
 
 #: the sizes of the small configs in configs/ (configs/README.md)
@@ -50,6 +55,7 @@ PRESET_CONFIG_FILES: dict[str, str] = {
     "sw-nope-small.json": "sw-nope",
     "sw-vq-small.json": "sw-vq",
     "gdn-ovq-small.json": "gdn-ovq",
+    "kda-mla-small.json": "kda-mla",
 }
 WRITE_CONFIGS_COMMAND = "python -m lazoo.presets --write-configs configs/"
 

@@ -17,9 +17,9 @@ from .bench import BENCHMARKS
 
 #: `lazoo.presets.known_layouts()`: the mechanisms, then the hybrid presets (tests/cli/test_cli_surface.py checks it)
 LAYOUTS = ("softmax", "sliding_window", "delta_net", "gated_delta_net", "delta_product", "kda", "linear",
-           "gated_linear", "ela", "gla", "local_linear", "mamba2", "ovq", "vq", "rls", "titans", "ttt_linear",
+           "gated_linear", "ela", "gla", "local_linear", "mamba2", "mla", "ovq", "vq", "rls", "titans", "ttt_linear",
            "ttt_mlp", "vla",
-           "sw-vla", "sw-gdn", "sw-softmax", "sw-ovq", "sw-nope", "sw-vq", "gdn-ovq")
+           "sw-vla", "sw-gdn", "sw-softmax", "sw-ovq", "sw-nope", "sw-vq", "gdn-ovq", "kda-mla")
 #: `lazoo.eval.local_tasks.TASKS`: lazoo eval's local tasks (checked by the same test)
 EVAL_TASKS = ("lazoo_kjv_ppl", "lazoo_kjv_next_verse", "lazoo_mqar")
 

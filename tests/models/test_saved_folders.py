@@ -26,7 +26,7 @@ def test_folder_of_0_1_0_gives_the_same_logits(name, single_thread):
 
 
 #: mechanisms that lazoo 0.1.0 did not have: no folder of that release can hold them
-ADDED_AFTER_0_1_0 = {"mamba2", "kda"}
+ADDED_AFTER_0_1_0 = {"mamba2", "kda", "mla"}
 
 
 def test_every_model_type_has_a_saved_folder():

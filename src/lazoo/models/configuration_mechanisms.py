@@ -382,6 +382,29 @@ class LazooMamba2Config(LazooConfig):
         super().__init__(**kwargs)
 
 
+class LazooMLAConfig(LazooConfig):
+    """Configuration of a lazoo `mla` model (Multi-head latent attention): model type `lazoo_mla`, every layer `mla` unless `layer_types` says otherwise.
+
+    mla options (typed fields here; `mixer_kwargs['mla']` in any config):
+        num_heads = None: attention heads (None: num_attention_heads)
+        q_lora_rank = None: None: q_proj from the hidden state; a rank r_q: q_b_proj(RMSNorm(q_a_proj(x)))
+        kv_lora_rank = 512: the latent's width r (what the cache keeps per token, with qk_rope_head_dim)
+        qk_nope_head_dim = 128: the per-head key/query channels dn that come from the latent
+        qk_rope_head_dim = 64: the key/query channels dr shared by all heads (the keys' part from kv_a_proj_with_mqa)
+        v_head_dim = 128: the value head dim dv
+        attention_bias = False: q_a_proj, kv_a_proj_with_mqa and o_proj have biases
+        latent_norm_eps = 1e-06: epsilon of the latent RMSNorms (kv_a_layernorm, q_a_layernorm)
+        use_rope = False: RoPE on the dr shared channels (Kimi Linear: none)
+        rope_theta = 10000.0: RoPE base θ (with use_rope)
+    """
+
+    model_type = "lazoo_mla"
+    mechanism = "mla"
+
+    def __init__(self, **kwargs):  # explicit: transformers would give the subclass a dataclass __init__
+        super().__init__(**kwargs)
+
+
 class LazooOVQConfig(LazooConfig):
     """Configuration of a lazoo `ovq` model (Online Vector-Quantized attention): model type `lazoo_ovq`, every layer `ovq` unless `layer_types` says otherwise.
 
@@ -638,6 +661,7 @@ bind_config_classes(__name__, {
     "gla": LazooGLAConfig,
     "local_linear": LazooLocalLinearConfig,
     "mamba2": LazooMamba2Config,
+    "mla": LazooMLAConfig,
     "ovq": LazooOVQConfig,
     "vq": LazooVQConfig,
     "rls": LazooRLSConfig,

@@ -14,6 +14,7 @@ from .configuration_mechanisms import (
     LazooKdaConfig,
     LazooLinearConfig,
     LazooLocalLinearConfig,
+    LazooMLAConfig,
     LazooMamba2Config,
     LazooOVQConfig,
     LazooRLSConfig,
@@ -250,6 +251,24 @@ class LazooMamba2ForSequenceClassification(LazooForSequenceClassification):
     config_class = LazooMamba2Config
 
 
+class LazooMLAModel(LazooModel):
+    """LazooModel with `mla` layers (Multi-head latent attention); config: `LazooMLAConfig`."""
+
+    config_class = LazooMLAConfig
+
+
+class LazooMLAForCausalLM(LazooForCausalLM, GenerationMixin):
+    """LazooForCausalLM with `mla` layers (Multi-head latent attention); config: `LazooMLAConfig`."""
+
+    config_class = LazooMLAConfig
+
+
+class LazooMLAForSequenceClassification(LazooForSequenceClassification):
+    """LazooForSequenceClassification with `mla` layers (Multi-head latent attention); config: `LazooMLAConfig`."""
+
+    config_class = LazooMLAConfig
+
+
 class LazooOVQModel(LazooModel):
     """LazooModel with `ovq` layers (Online Vector-Quantized attention); config: `LazooOVQConfig`."""
 
@@ -390,6 +409,7 @@ bind_model_classes(__name__, {
     "gla": (LazooGLAModel, LazooGLAForCausalLM, LazooGLAForSequenceClassification),
     "local_linear": (LazooLocalLinearModel, LazooLocalLinearForCausalLM, LazooLocalLinearForSequenceClassification),
     "mamba2": (LazooMamba2Model, LazooMamba2ForCausalLM, LazooMamba2ForSequenceClassification),
+    "mla": (LazooMLAModel, LazooMLAForCausalLM, LazooMLAForSequenceClassification),
     "ovq": (LazooOVQModel, LazooOVQForCausalLM, LazooOVQForSequenceClassification),
     "vq": (LazooVQModel, LazooVQForCausalLM, LazooVQForSequenceClassification),
     "rls": (LazooRLSModel, LazooRLSForCausalLM, LazooRLSForSequenceClassification),

@@ -5,7 +5,7 @@ importing this package imports every mixer module, listed below (a new module ad
 from collections.abc import Iterator, Mapping
 
 from ...registry import get, mechanisms
-from . import attention, delta, kda, linear, local_linear, mamba2, ovq, recurrent, rls, titans, ttt, vla  # noqa: F401 (they register)
+from . import attention, delta, kda, linear, local_linear, mamba2, mla, ovq, recurrent, rls, titans, ttt, vla  # noqa: F401 (they register)
 from .base import TokenMixer
 
 
