@@ -3,7 +3,8 @@
 #   oldest  requirements/oldest.lock: every dependency at the floor pyproject.toml declares (.venv-oldest)
 #   newest  the newest releases the package index serves right now, no lock (.venv-newest; torch stays
 #           the CPU build)
-# On each: the model, generation, export, PEFT, Trainer, eval and vision tests; then a model folder saved on
+# On each: the model, generation, export, PEFT, Trainer, eval and vision tests, and transformers' own common model tests
+# from that end's release (tests/models/transformers_suite.py); then a model folder saved on
 # each end loads with trust_remote_code on the other (lazoo hidden) and generates the same tokens.
 # Usage: bash scripts/test_range.sh [oldest|newest|both] [extra pytest arguments]
 set -euo pipefail
@@ -14,7 +15,8 @@ ENDS="${1:-both}"
 [ "$ENDS" = both ] && ENDS="oldest newest"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TESTS=(tests/models/test_compat.py tests/models/test_models.py tests/models/test_seqcls.py
-       tests/models/test_static_cache.py tests/integration/test_export.py tests/integration/test_peft.py
+       tests/models/test_static_cache.py tests/models/test_cache_layers.py tests/models/test_transformers_mixins.py
+       tests/integration/test_export.py tests/integration/test_peft.py
        tests/integration/test_trainer.py tests/integration/test_export_vision.py tests/eval/test_eval.py
        tests/vision/test_vision_models.py tests/test_optional_deps.py)
 
