@@ -225,7 +225,7 @@ def measure_setting(model, ids, args, mode):
     result = {"cache": runs[-1][1], "prefill_ms": t_prefill * 1e3, "total_ms": t_total * 1e3,
               "prefill_ms_all": [t * 1e3 for t in prefill], "total_ms_all": [t * 1e3 for t in total],
               "first_call_s": first}
-    if args.other_prompt_offset:
+    if getattr(args, "other_prompt_offset", 0):  # (the decode profiler passes none)
         longer = torch.cat([ids, ids[:, :args.other_prompt_offset]], dim=1)
         graphs = compiled_graphs()
         result["other_prompt_s"] = timed_generate(model, longer, mode, N, fixed and fixed + args.other_prompt_offset)[0]

@@ -30,20 +30,23 @@ GATES = {None: 0, "silu": 1, "sigmoid": 2}
 
 
 @triton.jit
-def _conv_silu(x, st, w, bias, b, c, m_c, real, st_b, C, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _conv_silu(x, st, w, bias, b, c, m_c, real, st_b, C, W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr,
                st_out, so_b, DT: tl.constexpr, CT: tl.constexpr):
-    """The causal depthwise convolution of channels ``c`` at the new input ``x`` (fp32) against the last W − 1
-    inputs (``st`` ``[B, W − 1, C]``, batch stride ``st_b``), SiLU, in CT, rounded to DT as the unfused layer
-    stores it;
-    the inputs shifted by one, the new one last, written to ``st_out`` (may be ``st``: each program owns its
-    channels, and reads a row before it overwrites it)."""
+    """The causal depthwise convolution of channels ``c`` at the new input ``x`` (in CT) against the last W − 1
+    inputs (``st`` ``[B, W − 1, C]``, batch stride ``st_b``; WP = W − 1 rounded up to a power of two), SiLU,
+    rounded to DT as the unfused layer stores it; the inputs shifted by one, the new one last, written to ``st_out``
+    (may be ``st``: each program owns its channels, and a barrier keeps every read before the first write, since
+    threads that hold copies of one element would otherwise race)."""
     x = tl.where(real, x, 0.0)
-    acc = tl.load(w + c * W + (W - 1), mask=m_c, other=0).to(CT) * x
-    for j in tl.static_range(W - 1):
-        row = tl.load(st + b * st_b + j * C + c, mask=m_c, other=0)
-        acc += tl.load(w + c * W + j, mask=m_c, other=0).to(CT) * row.to(CT)
-        if j > 0:
-            tl.store(st_out + b * so_b + (j - 1) * C + c, row, mask=m_c)
+    r = tl.arange(0, WP)
+    m_r = (r < W - 1)[:, None] & m_c[None, :]
+    rows = tl.load(st + b * st_b + r[:, None] * C + c[None, :], mask=m_r, other=0)
+    taps = tl.load(w + c[None, :] * W + r[:, None], mask=m_r, other=0).to(CT)
+    acc = tl.sum(taps * rows.to(CT), 0) + tl.load(w + c * W + (W - 1), mask=m_c, other=0).to(CT) * x
+    m_next = (r < W - 2)[:, None] & m_c[None, :]
+    later = tl.load(st + b * st_b + (r[:, None] + 1) * C + c[None, :], mask=m_next, other=0)
+    tl.debug_barrier()
+    tl.store(st_out + b * so_b + r[:, None] * C + c[None, :], later, mask=m_next)
     tl.store(st_out + b * so_b + (W - 2) * C + c, x.to(st_out.dtype.element_ty), mask=m_c)
     if HAS_BIAS:
         acc += tl.load(bias + c, mask=m_c, other=0).to(CT)
@@ -59,8 +62,8 @@ def _delta_step_kernel(
     a, sa, A_log, dt_bias, b, sb, gate, sg, norm_w,
     S, S_out, mask, out, so,
     SCALE: tl.constexpr, EPS: tl.constexpr,
-    HK: tl.constexpr, M: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
+    HK: tl.constexpr, M: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_G: tl.constexpr, HAS_BETA: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
     DT: tl.constexpr, CT: tl.constexpr,
@@ -78,9 +81,9 @@ def _delta_step_kernel(
         real = tl.load(mask + i_b) != 0
     ck_q = i_h * K + o_k  # this head's channels of q and k
     x = tl.load(q + i_b * sq + ck_q, mask=m_k, other=0).to(CT)
-    b_q = _conv_silu(x, cq, wq, bq, i_b, ck_q, m_k, real, cq_b, HK * K, W, HAS_BIAS, oq, oq_b, DT, CT)
+    b_q = _conv_silu(x, cq, wq, bq, i_b, ck_q, m_k, real, cq_b, HK * K, W, WP, HAS_BIAS, oq, oq_b, DT, CT)
     x = tl.load(k + i_b * sk + ck_q, mask=m_k, other=0).to(CT)
-    b_k = _conv_silu(x, ck, wk, bk, i_b, ck_q, m_k, real, ck_b, HK * K, W, HAS_BIAS, ok, ok_b, DT, CT)
+    b_k = _conv_silu(x, ck, wk, bk, i_b, ck_q, m_k, real, ck_b, HK * K, W, WP, HAS_BIAS, ok, ok_b, DT, CT)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6) * SCALE
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
     m_s = m_v[:, None] & m_k[None, :]
@@ -88,7 +91,7 @@ def _delta_step_kernel(
         hv = i_h * M + i
         c_v = hv * V + o_v
         x = tl.load(v + i_b * sv + c_v, mask=m_v, other=0).to(CT)
-        b_v = _conv_silu(x, cv, wv, bv, i_b, c_v, m_v, real, cv_b, HK * M * V, W, HAS_BIAS, ov, ov_b, DT, CT)
+        b_v = _conv_silu(x, cv, wv, bv, i_b, c_v, m_v, real, cv_b, HK * M * V, W, WP, HAS_BIAS, ov, ov_b, DT, CT)
         beta = 1.0
         if HAS_BETA:
             z = tl.load(b + i_b * sb + hv).to(CT)
@@ -104,11 +107,11 @@ def _delta_step_kernel(
         b_u = b_v - tl.sum(b_s * b_k[None, :], 1)
         b_s += (beta * b_u)[:, None] * b_k[None, :]
         b_o = tl.sum(b_s * b_q[None, :], 1).to(DT).to(CT)
-        if real:
-            tl.store(S_out + p_s, b_s.to(S_out.dtype.element_ty), mask=m_s)
-        else:  # a pad keeps the state
-            tl.store(S_out + p_s, tl.load(S + p_s, mask=m_s, other=0), mask=m_s)
+        if not real:  # a pad keeps the state
+            b_s = tl.load(S + p_s, mask=m_s, other=0).to(CT)
             b_o = tl.zeros([BV], dtype=CT)
+        tl.debug_barrier()  # every copy of S read before any is written (S_out may be S)
+        tl.store(S_out + p_s, b_s.to(S_out.dtype.element_ty), mask=m_s)
         if NORM:
             b_o = b_o / tl.sqrt(tl.sum(b_o * b_o, 0) / V + EPS)
             if NORM_AFFINE:
@@ -170,6 +173,8 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
     k2, sk = _rows(k, H * K, "k")
     v2, sv = _rows(v, HV * V, "v")
     W = conv_weights["q"].shape[-1]
+    if W < 2:
+        raise ValueError(f"delta_step: short convolutions of at least 2 taps, got {W}")
     cin = {n: _conv_rows(conv_states[n], n) for n in "qkv"}
     cout = cin if in_place else {n: torch.empty_like(cin[n], memory_format=torch.contiguous_format) for n in "qkv"}
     weights = {n: conv_weights[n].reshape(conv_weights[n].shape[0], W).contiguous() for n in "qkv"}
@@ -192,8 +197,8 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
         a2, sa, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, b2, sb, g2, sg,
         norm_weight if norm_weight is not None else dummy,
         state, S_out, m, out, out.stride(0),
-        SCALE=float(scale), EPS=float(norm_eps or 0.0), HK=H, M=HV // H, K=K, V=V, W=W, BK=next_pow2(K),
-        BV=next_pow2(V),
+        SCALE=float(scale), EPS=float(norm_eps or 0.0), HK=H, M=HV // H, K=K, V=V, W=W,
+        WP=triton.next_power_of_2(max(W - 1, 1)), BK=next_pow2(K), BV=next_pow2(V),
         HAS_BIAS=bool(biases), HAS_G=a is not None, HAS_BETA=b is not None, NEG_EIGVAL=neg_eigval,
         NORM=norm_eps is not None, NORM_AFFINE=norm_weight is not None,
         GATE=GATES[gate_activation if gate is not None else None],

@@ -82,7 +82,7 @@ class DeltaNetMixer(RecurrentMixer):
         k with their own heads (value heads a multiple of them), head dims within the kernel's limit."""
         o = self.options
         conv = self.short_conv
-        return (conv is not None and set(conv.convs) == set("qkv") and not self._post_activation
+        return (conv is not None and set(conv.convs) == set("qkv") and not self._post_activation and o["conv_size"] >= 2
                 and all(c.activation == "silu" for c in conv.convs.values()) and o["qk_norm"] == "l2"
                 and self.num_kv_heads == self.num_heads and self.num_state_heads == self.num_v_heads
                 and max(self.head_dim, self.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
