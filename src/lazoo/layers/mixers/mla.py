@@ -15,9 +15,11 @@ q_h and k_r (half-split pairs, positions counting real tokens).
 The cache keeps the latent only (`kv_b_proj` has no bias, so it folds into the queries and the output): with
 W_UK_h, W_UV_h the rows of `kv_b_proj` for head h, `q_h · k_h = (W_UK_hᵀ q_h[:dn]) · c + q_h[dn:] · k_r` and
 `o_h = W_UV_h Σ_s p_s c_s`, which is multi-query attention with one key [c, k_r] (r + dr channels) and one value c
-(r channels) per token. With a cache the layer runs that form (the cache is `softmax_attention`'s state: {"k":
-[B, T, 1, r + dr], "v": [B, T, 1, r], "mask"}, against H·(dn + dr + dv) numbers a token for the expanded keys and
-values); without one it runs the expanded form. Both compute the same function (float64: to rounding).
+(r channels) per token. The cache keeps that latent (`softmax_attention`'s state: {"k": [B, T, 1, r + dr], "v":
+[B, T, 1, r], "mask"}, against H·(dn + dr + dv) numbers a token for the expanded keys and values). A forward with
+nothing cached yet (training, a prompt) runs the expanded form and writes the latent to the cache; a forward
+against a filled cache (decoding) runs the latent form. Both compute the same function (float64: to rounding). The
+latent form reads `kv_b_proj`'s matrix (through the module where a wrapper such as a LoRA adapter holds it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from ...ops.softmax import kv_cache_state
 from ...registry import Mechanism, register
 from ..rope import apply_rotary, rotary_cos_sin
 from .base import TokenMixer
@@ -75,6 +78,14 @@ class MultiHeadLatentAttentionMixer(TokenMixer):
         self.o_proj = nn.Linear(H * dv, d, bias=bias)
         self._config = config  # read `_attn_implementation` at call time
 
+    def _kv_b_matrix(self) -> torch.Tensor:
+        """The matrix `kv_b_proj` applies, `[H·(dn + dv), r]`: its weight, or, where the module is not a plain
+        nn.Linear (a LoRA wrapper, which a read of `.weight` would bypass), the module applied to the identity."""
+        if type(self.kv_b_proj) is nn.Linear:
+            return self.kv_b_proj.weight
+        eye = torch.eye(self.latent_dim, device=self.o_proj.weight.device, dtype=self.o_proj.weight.dtype)
+        return self.kv_b_proj(eye).transpose(0, 1)
+
     def keeps_every_position(self) -> bool:
         """The latent cache holds every position seen (a static cache sizes it to max_cache_len)."""
         return True
@@ -99,15 +110,21 @@ class MultiHeadLatentAttentionMixer(TokenMixer):
         backend = self.options.get("backend") or ("recurrent" if eager else None)
         scale = (dn + dr) ** -0.5
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-        if cache is None:  # the expanded form: H keys and values per token
+        state = self.read_state(cache)
+        latent_k = torch.cat([c[:, :, None], k_rot], -1)  # [B, T, 1, r + dr]: one key and value c a token
+        if state is None:  # the expanded form: H keys and values per token (training, a prompt)
             k_nope, v = self.kv_b_proj(c).view(B, T, H, dn + self.v_dim).split([dn, self.v_dim], dim=-1)
             k = torch.cat([k_nope, k_rot.expand(B, T, H, dr)], -1)
             o, _ = ops.softmax_attention(q, k, v, scale=scale, mask=mask, backend=backend, **packed)
-        else:  # the latent form: one key [c, k_r] and one value c per token, kv_b_proj folded into q and o
-            w = self.kv_b_proj.weight.view(H, dn + self.v_dim, r)
+            if cache is not None:  # the cache keeps the latent (pads zeroed, as the op keeps its own keys)
+                real = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask.bool()
+                self.write_state(cache, kv_cache_state(latent_k.masked_fill(~real[:, :, None, None], 0),
+                                                       c[:, :, None].masked_fill(~real[:, :, None, None], 0),
+                                                       real, None))
+        else:  # the latent form against the cache: kv_b_proj folded into the queries and the output
+            w = self._kv_b_matrix().view(H, dn + self.v_dim, r)
             q_lat = torch.cat([torch.einsum("bthd,hdr->bthr", q[..., :dn], w[:, :dn]), q[..., dn:]], -1)
-            o_lat, state = ops.softmax_attention(q_lat, torch.cat([c[:, :, None], k_rot], -1), c[:, :, None],
-                                                 scale=scale, initial_state=self.read_state(cache),
+            o_lat, state = ops.softmax_attention(q_lat, latent_k, c[:, :, None], scale=scale, initial_state=state,
                                                  output_final_state=True, mask=mask, backend=backend)
             self.write_state(cache, state)
             o = torch.einsum("bthr,hvr->bthv", o_lat, w[:, dn:])
