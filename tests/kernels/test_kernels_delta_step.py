@@ -199,18 +199,16 @@ def test_interp_generate_with_the_fused_step_equals_generate_without_slow(name, 
     test_interp_generate_with_the_fused_step_equals_generate_without(name, options)
 
 
-def test_the_fused_step_is_taken_only_where_it_applies(monkeypatch):
+def test_the_fused_step_is_taken_only_where_it_applies():
     """On the CPU without the interpreter no layer takes it; options it does not compute keep the unfused step."""
     from conftest import tiny_model
 
     model = tiny_model("gated_delta_net", seed=2)
     mixer = model.model.layers[0].mixer
-    qkv = {"q": torch.zeros(1, 1, mixer.num_heads * mixer.head_dim),
-           "v": torch.zeros(1, 1, mixer.num_v_heads * mixer.head_v_dim)}
     assert mixer._fused_step_options
     with torch.no_grad():
-        assert not mixer.fused_step_applies(qkv, torch.zeros(1, 1, 32))  # auto on the CPU: PyTorch
-    assert not mixer.fused_step_applies(qkv, torch.zeros(1, 1, 32))  # autograd on
+        assert not mixer.fused_step_applies(torch.zeros(1, 1, 32))  # auto on the CPU: PyTorch
+    assert not mixer.fused_step_applies(torch.zeros(1, 1, 32))  # autograd on
     for options in ({"qk_norm": "sum"}, {"use_short_conv": False}, {"short_conv_targets": "k"},
                     {"qk_activation": "relu"}, {"conv_activation": None}, {"num_kv_heads": 1}):
         assert not tiny_model("gated_delta_net", seed=2, **options).model.layers[0].mixer._fused_step_options, options

@@ -15,6 +15,7 @@ from ... import ops
 from ...kernels.limits import DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES
 from ...ops.backend import resolve_backend, triton_unsupported
 from ...registry import Mechanism, register
+from ..projections import project_together
 from .base import ShortConvProjections, set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -87,37 +88,37 @@ class DeltaNetMixer(RecurrentMixer):
                 and self.num_kv_heads == self.num_heads and self.num_state_heads == self.num_v_heads
                 and max(self.head_dim, self.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
 
-    def fused_step_applies(self, qkv, x):
+    def fused_step_applies(self, x):
         if self.fused_decode is False or torch.is_grad_enabled() or not self._fused_step_options:
             return False
-        q, v = qkv["q"].unflatten(-1, (self.num_heads, -1)), qkv["v"].unflatten(-1, (self.num_v_heads, -1))
+        one = x[..., :1]  # the dtype and device checks (the head dims are options: `_fused_step_options`)
         if self.fused_decode:  # wherever the kernel runs: float64 too, on the CPU (the interpreter)
             dtypes = KERNEL_DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
-            return triton_unsupported(q, v, DELTA_STEP_MAX_HEAD_DIM, dtypes) is None
-        unsupported = triton_unsupported(q, v, DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES)
+            return triton_unsupported(one, one, DELTA_STEP_MAX_HEAD_DIM, dtypes) is None
+        unsupported = triton_unsupported(one, one, DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES)
         return resolve_backend("delta_step", self.options.get("backend"), x.device, unsupported,
                                log_fallback=False) == "triton"
 
-    def fused_step(self, qkv, x, entry, mask, in_place):
+    def fused_step(self, x, entry, mask, in_place):
         from ...kernels.delta_step import delta_step  # lazy: importing defines the kernel
 
-        convs = self.short_conv.convs
         gated = isinstance(self, GatedDeltaNetMixer)
-        use_beta = self.b_proj is not None
+        names = ["q", "k", "v"] + ["b"] * (self.b_proj is not None) + ["a"] * gated + ["g"] * (self.g_proj is not None)
+        proj = dict(zip(names, project_together(x, [getattr(self, f"{n}_proj") for n in names])))
+        convs = self.short_conv.convs
         norm = self.o_norm
         S = entry["op"]
         if not in_place:
             S = S.contiguous()
         return delta_step(
-            qkv["q"], qkv["k"], qkv["v"], entry["conv"], {n: c.weight for n, c in convs.items()},
+            proj["q"], proj["k"], proj["v"], entry["conv"], {n: c.weight for n, c in convs.items()},
             {n: c.bias for n, c in convs.items()} if self.options["conv_bias"] else None, S,
             heads=self.num_heads, value_heads=self.num_v_heads, scale=self.head_dim ** -0.5,
-            a=self.a_proj(x) if gated else None, A_log=self.A_log if gated else None,
-            dt_bias=self.dt_bias if gated else None, b=self.b_proj(x) if use_beta else None,
-            neg_eigval=self.options["allow_neg_eigval"], norm_weight=None if norm is None else norm.weight,
+            a=proj.get("a"), A_log=self.A_log if gated else None, dt_bias=self.dt_bias if gated else None,
+            b=proj.get("b"), neg_eigval=self.options["allow_neg_eigval"],
+            norm_weight=None if norm is None else norm.weight,
             norm_eps=None if norm is None else (norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps),
-            gate=None if self.g_proj is None else self.g_proj(x),
-            gate_activation=self.options["gate_activation"] if self.g_proj is not None else None,
+            gate=proj.get("g"), gate_activation=self.options["gate_activation"] if "g" in proj else None,
             mask=mask, in_place=in_place)
 
 

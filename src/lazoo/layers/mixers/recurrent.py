@@ -175,14 +175,14 @@ class RecurrentMixer(TokenMixer):
         """Run the op; return `(o [B, T, H, dv], new op state or None)`."""
         raise NotImplementedError
 
-    def fused_step_applies(self, qkv: dict[str, torch.Tensor], x: torch.Tensor) -> bool:
+    def fused_step_applies(self, x: torch.Tensor) -> bool:
         """Whether `fused_step` runs this decode step (one token, a cached state): a mixer with a one-kernel
         decode step says so (no autograd, its kernel's device, dtype and options)."""
         return False
 
-    def fused_step(self, qkv: dict[str, torch.Tensor], x: torch.Tensor, entry: dict, mask, in_place: bool):
-        """One decode step from the projections `qkv` of `x` to the input of `o_proj`: `(o [B, 1, value_dim], new
-        op state, new conv states)`; `in_place`: the cached tensors are updated where they are (a static cache)."""
+    def fused_step(self, x: torch.Tensor, entry: dict, mask, in_place: bool):
+        """One decode step from `x` to the input of `o_proj`: `(o [B, 1, value_dim], new op state, new conv
+        states)`; `in_place`: the cached tensors are updated where they are (a static cache)."""
         raise NotImplementedError
 
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None, cu_seqlens=None):
@@ -190,11 +190,11 @@ class RecurrentMixer(TokenMixer):
         if cu_seqlens is not None and (mask is not None or cache is not None):
             raise ValueError(f"{type(self).__name__}: packed sequences (cu_seqlens) take no mask and no cache")
         entry = self.read_state(cache) or {}
-        qkv = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
-        if cache is not None and x.shape[1] == 1 and entry and self.fused_step_applies(qkv, x):
-            o, op_state, conv_state = self.fused_step(qkv, x, entry, mask, in_place=cache.static)
+        if cache is not None and x.shape[1] == 1 and entry and self.fused_step_applies(x):
+            o, op_state, conv_state = self.fused_step(x, entry, mask, in_place=cache.static)
             self.write_state(cache, {"op": op_state, "conv": conv_state})
             return self.o_proj(o)
+        qkv = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
         conv_state = None
         if self.short_conv is not None:
             convolved, conv_state = self.short_conv({n: qkv[n] for n in self.short_conv.convs}, mask,

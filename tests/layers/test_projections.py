@@ -1,0 +1,49 @@
+"""`project_together`: several projections of one input in one product, equal to each on its own (float64), with
+biases where some have them, and one by one where a projection is not a plain `nn.Linear` (an adapter)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lazoo.layers.projections import project_together
+
+
+def linears(seed=0):
+    torch.manual_seed(seed)
+    return [nn.Linear(12, 7, bias=False).double(), nn.Linear(12, 3, bias=True).double(),
+            nn.Linear(12, 5, bias=False).double()]
+
+
+def test_one_product_equals_each_projection():
+    mods = linears()
+    x = torch.randn(4, 1, 12, dtype=torch.float64)
+    got = project_together(x, mods)
+    assert [g.shape for g in got] == [(4, 1, 7), (4, 1, 3), (4, 1, 5)]
+    assert got[0].stride(-2) == 15  # views of one product
+    for g, m in zip(got, mods):
+        torch.testing.assert_close(g, m(x), rtol=1e-13, atol=1e-13)
+    without_bias = [mods[0], mods[2]]
+    for g, m in zip(project_together(x, without_bias), without_bias):
+        torch.testing.assert_close(g, m(x), rtol=1e-13, atol=1e-13)
+
+
+class Adapted(nn.Module):
+    """A projection with an extra low-rank term, as a LoRA wrapper has."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.delta = base, nn.Linear(base.in_features, base.out_features, bias=False).double()
+        self.weight = base.weight
+
+    def forward(self, x):
+        return self.base(x) + self.delta(x)
+
+
+def test_adapted_projections_run_one_by_one():
+    mods = linears(1)
+    mods[1] = Adapted(mods[1])
+    x = torch.randn(2, 1, 12, dtype=torch.float64)
+    got = project_together(x, mods)
+    for g, m in zip(got, mods):
+        torch.testing.assert_close(g, m(x), rtol=0, atol=0)
