@@ -31,7 +31,6 @@ HYBRIDS = {"hybrid_sliding_window_gated_delta_net": ["sliding_window", "gated_de
            "hybrid_softmax_vla": ["softmax", "vla"]}
 #: the models of the default run (the others under -m slow)
 DEFAULT = ("gated_delta_net", "vla", "hybrid_sliding_window_gated_delta_net")
-ATTENTION_TYPES = ("softmax", "sliding_window", "local_linear")
 
 
 class LazooModelTester:
@@ -122,8 +121,9 @@ def _make(name: str, layer_types: list[str] | None) -> type:
     attributes = {
         "name": name, "layer_types": layer_types, "model_type": model_type,
         "all_model_classes": (base, lm),
-        # attention weights exist where a layer is a softmax-type one; a purely recurrent model has none
-        "has_attentions": any(t in ATTENTION_TYPES for t in types),
+        # attention weights come from the softmax-type layers (TokenMixer.has_attention_weights); a model with none of
+        # them (a recurrent one, local-linear attention) has none to return
+        "has_attentions": any(mixer_class(t).has_attention_weights for t in types),
     }
     bases = (LazooMixinTest, SUITE.ModelTesterMixin)
     if SUITE.has_generation_tests:
