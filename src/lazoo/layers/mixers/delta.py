@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import ClassVar
@@ -52,6 +51,7 @@ class DeltaNetMixer(RecurrentMixer):
             raise ValueError(f"{self.mechanism}: qk_norm must be one of {QK_NORMS}, got {options['qk_norm']!r}")
         self.b_proj = (nn.Linear(config.hidden_size, self.num_state_heads, bias=options["beta_bias"])
                        if options["use_beta"] else None)
+        self._fused_step_options = self.fused_step_computes_options()
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         """β `[B, T, H]`: sigmoid(b_proj(x)) (ones without `use_beta`), doubled with `allow_neg_eigval`."""
@@ -77,10 +77,11 @@ class DeltaNetMixer(RecurrentMixer):
     #: too); False, never (also with LAZOO_FUSED_DECODE=0 at import: benchmarks compare the unfused step so).
     fused_decode: ClassVar[bool | None] = False if os.environ.get("LAZOO_FUSED_DECODE") == "0" else None
 
-    @functools.cached_property
-    def _fused_step_options(self) -> bool:
-        """The layer options the one-kernel step computes: SiLU short convolutions on q, k and v, L2-normalised q and
-        k with their own heads (value heads a multiple of them), head dims within the kernel's limit."""
+    def fused_step_computes_options(self) -> bool:
+        """Whether the one-kernel step computes this layer's options: SiLU short convolutions on q, k and v,
+        L2-normalised q and k with their own heads (value heads a multiple of them), head dims within the kernel's
+        limit. (Known at construction: `_fused_step_options`; a cached_property would lock, which torch.compile
+        cannot trace on Python 3.11.)"""
         o = self.options
         conv = self.short_conv
         return (conv is not None and set(conv.convs) == set("qkv") and not self._post_activation and o["conv_size"] >= 2
