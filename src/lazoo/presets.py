@@ -67,14 +67,15 @@ def known_layouts() -> list[str]:
 def preset_fields(preset: str, overrides: dict) -> dict:
     """The config fields of hybrid `preset`: `overrides`, then the preset's layer pattern repeated over
     `num_hidden_layers` (unless `layer_types` is given) and its `HYBRID_OPTIONS` (unless overridden; per-mixer
-    options merge key by key into the caller's `mixer_kwargs`)."""
+    options merge key by key into the caller's `mixer_kwargs`, for the mechanisms the layers run: a pattern cut
+    short by few layers may leave one out)."""
     fields = dict(overrides)
     pattern = HYBRIDS[preset]
     layers = fields.get("num_hidden_layers", 4)
     fields.setdefault("layer_types", [pattern[i % len(pattern)] for i in range(layers)])
     for key, value in HYBRID_OPTIONS.get(preset, {}).items():
-        if key == "mixer_kwargs":
-            merged = {name: dict(opts) for name, opts in value.items()}
+        if key == "mixer_kwargs":  # the preset's own options of mechanisms its (possibly few) layers run
+            merged = {name: dict(opts) for name, opts in value.items() if name in fields["layer_types"]}
             for name, opts in (fields.get("mixer_kwargs") or {}).items():
                 merged[name] = {**merged.get(name, {}), **opts}
             fields["mixer_kwargs"] = merged

@@ -171,6 +171,10 @@ def test_valid_edge_values_are_accepted():
 
     for layout in ("sw-ovq", "sw-nope", "sw-vq", "gdn-ovq"):
         build_config(layout, **SIZES).validate()
+    # a preset cut short by few layers leaves a mechanism out, and its options with it
+    short = build_config("kda-mla", **{**SIZES, "num_hidden_layers": 2})
+    assert list(short.layer_types) == ["kda", "kda"] and "mla" not in short.mixer_kwargs
+    assert build_config("kda-mla", **{**SIZES, "num_hidden_layers": 4}).mixer_kwargs["mla"]["kv_lora_rank"] == 128
 
 
 # ============================================================================ vision
