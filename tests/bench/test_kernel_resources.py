@@ -1,6 +1,7 @@
 """lazoo.bench.kernel_resources: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
-block (shared memory) and do not spill at their launch settings, OVQ's and the normalised linear-attention
-kernels fit; an oversized tile is reported as over the limit, so the check can fail."""
+block (shared memory) and do not spill at their launch settings, OVQ's, the normalised linear-attention, GLA's and
+Kimi Delta Attention's kernels compile and fit; an oversized tile is reported as over the limit, so the check can
+fail."""
 
 import pytest
 
@@ -69,3 +70,35 @@ def test_gla_kernels_fit_hopper(single_thread):
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
         if "inter-chunk" not in name:
             assert r["spill_stores"] == 0, (name, r)
+
+
+KDA_KERNELS = {"cumsum", "fwd_intra", "fwd_solve", "fwd_wu", "fwd_h", "fwd_o", "bwd_du_local", "bwd_dhu", "bwd_inter",
+               "bwd_wy", "bwd_intra", "fused_recurrent"}
+
+
+def check_kda(report, no_spills=False):
+    assert set(report) == KDA_KERNELS, report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        if no_spills:
+            assert r["spill_stores"] == 0, (name, r)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kda_kernels_compile_and_fit_hopper(single_thread, dtype):
+    """Every Kimi Delta Attention kernel compiles for sm_90 at its launch settings with dk = dv = 128 (the largest
+    head dim it takes) and fits a Hopper block: a static loop over a bound that is not a constexpr compiled in the
+    interpreter but not for the GPU, and three pipeline stages made _bwd_dhu ask for 295 424 bytes with fp32
+    inputs. bf16 keeps every tile in registers; fp32 inputs spill (tf32x3 products split each [64, 128] fp32 tile in
+    three), allowed."""
+    check_kda(kernel_resources.kda_report(128, 128, dtype), no_spills=dtype == "bf16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dk,dv,dtype,gate,group", [
+    (128, 128, "fp16", "fp16", 1), (128, 128, "bf16", "fp32", 4), (128, 48, "bf16", "bf16", 2),
+    (64, 64, "bf16", "fp32", 1), (64, 64, "fp32", "fp32", 1), (16, 16, "fp16", "fp32", 1), (16, 16, "fp32", "fp32", 1)])
+def test_kda_kernels_compile_and_fit_hopper_matrix(single_thread, dk, dv, dtype, gate, group):
+    """The same at smaller and mixed head dims, fp16 (fp32 per-chunk states), a 16-bit gate and grouped values."""
+    check_kda(kernel_resources.kda_report(dk, dv, dtype, gate=gate, group=group))

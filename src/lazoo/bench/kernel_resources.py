@@ -5,8 +5,9 @@ Compiles a ``@triton.jit`` kernel for ``GPUTarget("cuda", 90, 32)`` with the ins
 use) and ``ptxas -v``'s registers and spill bytes. Resource use depends on the Triton version: to check what
 a GPU machine will do, run with the same Triton as it has (e.g. ``pip install --target /tmp/t36 --no-deps
 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``); that reproduced a launch failure of the OVQ assignment kernel
-(262 656 bytes asked) to the byte. The report covers the short-convolution kernels at their launch settings;
-``measure`` takes any kernel; OVQ's kernels are reported too.
+(262 656 bytes asked) to the byte, and the 295 424 bytes a Kimi Delta Attention backward kernel asked for fp32
+inputs. The report covers the short-convolution kernels at their launch settings; ``measure`` takes any kernel;
+OVQ's, VLA's, GLA's, the normalised linear-attention and the Kimi Delta Attention kernels are reported too.
 
     python -m lazoo.bench.kernel_resources
 """
@@ -272,6 +273,64 @@ def gla_report(dk: int = 128, dv: int = 128) -> dict:
     return out
 
 
+def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "fp32", heads: int = 16,
+               group: int = 1, launch: dict | None = None) -> dict:
+    """Every Kimi Delta Attention kernel (``lazoo.kernels.kda``) at its GPU launch settings (``launch_options``,
+    the blocks of ``_blocks``, ``DECODE_BV``) for q, k, v in ``dtype`` ("bf16", "fp16", "fp32") with g and β in
+    ``gate`` (float32, or q's dtype), ``heads`` value heads, ``group`` of them a key head. ``launch``: the kernels
+    to compile (names of ``LAUNCH``), each with its options (default: all, at the options for ``dtype``)."""
+    import torch
+    import triton.language as tl
+
+    from lazoo.kernels import kda as kk
+
+    x, f32, i64, gt = f"*{dtype}", "*fp32", "*i64", f"*{gate}"
+    DT, PREC = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (tl.float32, "tf32x3")}[dtype]
+    hd = "bf16" if dtype == "bf16" else "fp32"  # the per-chunk states (kda's chunk_state_dtype)
+    BK, BV, BVs = kk._blocks(dk, dv, interp=False)
+    H, HK = heads, heads // group
+    seq = dict(chunks=i64, cu=i64)
+    c_k = dict(H=H, HK=HK, K=dk, BK=BK)
+    c_kv = dict(c_k, V=dv, BV=BV)
+    c_state = dict(c_k, V=dv, BV=BVs)
+    cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
+    kernels = {
+        "cumsum": (kk._cumsum_kernel, dict(g=gt, Gc=f32, **seq), dict(H=H, K=dk, BK=BK)),
+        "fwd_intra": (kk._fwd_intra_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),
+                      dict(c_k, DT=DT, PREC=PREC)),
+        "fwd_solve": (kk._fwd_solve_kernel, dict(Mkk=f32, beta=gt, A=f32, **seq), dict(H=H, PREC=PREC)),
+        "fwd_wu": (kk._fwd_wu_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, w=x, ut=x, **seq),
+                   dict(c_kv, PREC=PREC)),
+        "fwd_h": (kk._fwd_h_kernel, dict(k=x, Gc=f32, w=x, ut=x, h=f"*{hd}", vnew=x, s0=f32, sT=f32, cu=i64,
+                                         coff=i64),
+                  dict(c_state, USE_S0=True, STORE_S=True, DT=DT, PREC=PREC)),
+        "fwd_o": (kk._fwd_o_kernel, dict(q=x, Gc=f32, h=f"*{hd}", Aqk=f32, vnew=x, o=x, **seq, scale="fp32"),
+                  dict(c_kv, DT=DT, PREC=PREC)),
+        "bwd_du_local": (kk._bwd_du_local_kernel, dict(Aqk=f32, vnew=x, do=x, dAqk=f32, du=f32, **seq,
+                                                       scale="fp32"),
+                         dict(H=H, V=dv, BV=BV, DT=DT, PREC=PREC)),
+        "bwd_dhu": (kk._bwd_dhu_kernel, dict(q=x, k=x, Gc=f32, w=x, do=x, du=f32, dh=f"*{hd}", dsT=f32, ds0=f32,
+                                             cu=i64, coff=i64, scale="fp32"),
+                    dict(c_state, USE_DST=True, STORE_DS0=True, DT=DT, PREC=PREC)),
+        "bwd_inter": (kk._bwd_inter_kernel, dict(k=x, Gc=f32, h=f"*{hd}", dh=f"*{hd}", vnew=x, do=x, du=f32,
+                                                 dq=f32, dkn=f32, dw=f32, later=f32, **seq, scale="fp32"),
+                      dict(c_kv, DT=DT, PREC=PREC)),
+        "bwd_wy": (kk._bwd_wy_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, Mkk=f32, dw=f32, du=f32, dkp=f32,
+                                           dv=x, dbeta=f32, dMkk=f32, **seq),
+                   dict(c_kv, PREC=PREC)),
+        "bwd_intra": (kk._bwd_intra_kernel, dict(q=x, k=x, Gc=f32, dAqk=f32, dMkk=f32, dq=f32, dkn=f32, dkp=f32,
+                                                 later=f32, dq_out=x if group == 1 else f32,
+                                                 dk_out=x if group == 1 else f32, dg=gt, **seq),
+                      dict(c_k, PREC=PREC)),
+        "fused_recurrent": (kk._fused_recurrent_kernel, dict(q=x, k=x, v=x, g=gt, beta=gt, s0=f32, o=x, sT=f32,
+                                                             cu=i64, scale="fp32"),
+                            dict(c_k, V=dv, BV=min(kk.DECODE_BV, BVs), USE_S0=True, STORE_S=True)),
+    }
+    launch = kk.launch_options(torch.float32 if dtype == "fp32" else torch.float16) if launch is None else launch
+    return {name: measure(fn, dict(sig, **cx(c)), c, **launch[name]) for name, (fn, sig, c) in kernels.items()
+            if name in launch}
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -300,6 +359,8 @@ def main() -> None:
     _print("Normalised linear attention with 2 scalar features (d = 128, bf16):", normalized_report())
     _print("The same, non-causal:", normalized_report(causal=False))
     _print("GLA (d = 128, bf16):", gla_report())
+    for dtype in ("bf16", "fp32"):
+        _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 
 
 if __name__ == "__main__":

@@ -493,8 +493,7 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
     o = tl.arange(0, 16)
     ck = tl.arange(0, BK)
     carry = tl.load(later + (i_c.to(tl.int64) * H + i_h) * K + ck, mask=ck < K, other=0)
-    for ii in tl.static_range(0, 4):
-        i_i = 3 - ii
+    for i_i in tl.static_range(3, -1, -1):  # a constexpr: the bounds of the static loops over J below
         r0 = t0 + i_i * 16
         if r0 < eos:  # a sub-chunk past the sequence adds nothing (its decays would read rows of no token)
             m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
@@ -614,6 +613,37 @@ class _Seqs:
         self.chunks = self.chunks.contiguous()
 
 
+#: launch options of each kernel on a GPU for 16-bit inputs (lazoo.bench.kernel_resources compiles every kernel with
+#: them for Hopper at the blocks ``_blocks`` gives, and a test holds each within a Hopper block's shared memory; the
+#: interpreter ignores them). 8 warps where a program holds several [64, dk] fp32 tiles (at 4 they spill at dk = 128);
+#: two pipeline stages at most (three asked for 295 424 bytes of shared memory in _bwd_dhu for fp32 inputs).
+LAUNCH = {
+    "cumsum": dict(num_warps=4, num_stages=1),
+    "fwd_intra": dict(num_warps=4, num_stages=1),
+    "fwd_solve": dict(num_warps=1, num_stages=1),
+    "fwd_wu": dict(num_warps=4, num_stages=2),
+    "fwd_h": dict(num_warps=8, num_stages=2),
+    "fwd_o": dict(num_warps=4, num_stages=2),
+    "bwd_du_local": dict(num_warps=4, num_stages=2),
+    "bwd_dhu": dict(num_warps=8, num_stages=2),
+    "bwd_inter": dict(num_warps=8, num_stages=2),
+    "bwd_wy": dict(num_warps=8, num_stages=2),
+    "bwd_intra": dict(num_warps=4, num_stages=1),
+    "fused_recurrent": dict(num_warps=4, num_stages=1),
+}
+#: for fp32 inputs (4-byte operand tiles, fp32 per-chunk states, tf32x3 products): one stage where two would not fit
+#: (_bwd_dhu, _bwd_inter) or buy nothing, more warps for the tiles
+LAUNCH_FP32 = {**LAUNCH, **{name: dict(num_warps=8, num_stages=1) for name in (
+    "fwd_intra", "fwd_wu", "fwd_h", "bwd_du_local", "bwd_dhu", "bwd_inter", "bwd_wy")}}
+#: value block of the decode kernel on a GPU
+DECODE_BV = 32
+
+
+def launch_options(dtype: torch.dtype) -> dict:
+    """``LAUNCH`` or, for fp32 inputs, ``LAUNCH_FP32``."""
+    return LAUNCH_FP32 if dtype == torch.float32 else LAUNCH
+
+
 def _blocks(K: int, V: int, interp: bool):
     """(BK: all of dk, BV: value blocks of the chunk kernels, BVs: of the sequential ones)."""
     BK = next_pow2(K)
@@ -628,30 +658,31 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     interp = dev.type == "cpu"
     DT, PREC = dot_types(q)
     BK, BV, BVs = _blocks(K, V, interp)
+    opts = launch_options(q.dtype)
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     Gc = torch.empty(TT, H, K, device=dev, dtype=f32)
-    _cumsum_kernel[(NT, H)](g, Gc, seqs.chunks, seqs.cu, H=H, K=K, BK=BK)
+    _cumsum_kernel[(NT, H)](g, Gc, seqs.chunks, seqs.cu, H=H, K=K, BK=BK, **opts["cumsum"])
     Aqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
-                                    PREC=PREC, num_warps=2)
+                                    PREC=PREC, **opts["fwd_intra"])
     A = torch.empty(TT, H, BT, device=dev, dtype=f32)
-    _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, num_warps=1)
+    _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, **opts["fwd_solve"])
     w = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _fwd_wu_kernel[(NT, H)](k, v, beta, Gc, A, w, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
-                            PREC=PREC, num_warps=4)
+                            PREC=PREC, **opts["fwd_wu"])
     h = torch.empty(NT, H, K, V, device=dev, dtype=chunk_state_dtype(q.dtype))
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     _fwd_h_kernel[(N, H, triton.cdiv(V, BVs))](
         k, Gc, w, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff, H=H, HK=HK, K=K, V=V, BK=BK,
-        BV=BVs, USE_S0=S0 is not None, STORE_S=output_final_state, DT=DT, PREC=PREC, num_warps=4, num_stages=2)
+        BV=BVs, USE_S0=S0 is not None, STORE_S=output_final_state, DT=DT, PREC=PREC, **opts["fwd_h"])
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
         q, Gc, h, Aqk, vnew, o, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC,
-        num_warps=4)
+        **opts["fwd_o"])
     return o, (sT if output_final_state else None), (Gc, Aqk, Mkk, A, w, vnew, h)
 
 
@@ -663,37 +694,38 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     interp = dev.type == "cpu"
     DT, PREC = dot_types(q)
     BK, BV, BVs = _blocks(K, V, interp)
+    opts = launch_options(q.dtype)
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     Gc, Aqk, Mkk, A, w, vnew, h = saved
     dAqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     du = torch.empty(TT, H, V, device=dev, dtype=f32)
     _bwd_du_local_kernel[(NT, H)](Aqk, vnew, do, dAqk, du, seqs.chunks, seqs.cu, scale, H=H, V=V, BV=BV, DT=DT,
-                                  PREC=PREC, num_warps=4)
+                                  PREC=PREC, **opts["bwd_du_local"])
     dh = torch.empty(NT, H, K, V, device=dev, dtype=h.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVs))](
         q, k, Gc, w, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale, H=H, HK=HK, K=K,
-        V=V, BK=BK, BV=BVs, USE_DST=dsT is not None, STORE_DS0=need_ds0, DT=DT, PREC=PREC, num_warps=4,
-        num_stages=2)
+        V=V, BK=BK, BV=BVs, USE_DST=dsT is not None, STORE_DS0=need_ds0, DT=DT, PREC=PREC,
+        **opts["bwd_dhu"])
     dq = torch.empty(TT, H, K, device=dev, dtype=f32)
     dkn = torch.empty(TT, H, K, device=dev, dtype=f32)
     dw = torch.empty(TT, H, K, device=dev, dtype=f32)
     later = torch.empty(NT, H, K, device=dev, dtype=f32)
     _bwd_inter_kernel[(NT, H)](k, Gc, h, dh, vnew, do, du, dq, dkn, dw, later, seqs.chunks, seqs.cu, scale, H=H,
-                               HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC, num_warps=4)
+                               HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC, **opts["bwd_inter"])
     dkp = torch.empty(TT, H, K, device=dev, dtype=f32)
     dv = torch.empty_like(v)
     dbeta = torch.empty(TT, H, device=dev, dtype=f32)
     dMkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _bwd_wy_kernel[(NT, H)](k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, seqs.chunks, seqs.cu, H=H, HK=HK,
-                            K=K, V=V, BK=BK, BV=BV, PREC=PREC, num_warps=4)
+                            K=K, V=V, BK=BK, BV=BV, PREC=PREC, **opts["bwd_wy"])
     grouped = H != HK
     dq_out = dq if grouped or q.dtype == f32 else torch.empty_like(q)
     dk_out = dkn if grouped or k.dtype == f32 else torch.empty_like(k)
     dg = torch.empty(TT, H, K, device=dev, dtype=g.dtype)
     _bwd_intra_kernel[(NT, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks, seqs.cu,
-                               H=H, HK=HK, K=K, BK=BK, PREC=PREC, num_warps=2)
+                               H=H, HK=HK, K=K, BK=BK, PREC=PREC, **opts["bwd_intra"])
     if grouped:  # each key head's gradient: the sum over the value heads it serves
         dq_out, dk_out = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq_out, dk_out))
     return dq_out, dk_out, dv, dg, dbeta.to(beta.dtype), (ds0 if need_ds0 else None)
@@ -774,12 +806,13 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale: float, initial_state=None, o
     cu = (torch.arange(B + 1, device=dev, dtype=torch.int64) * T if cu_seqlens is None
           else cu_seqlens.to(device=dev, dtype=torch.int64))
     BK = next_pow2(K)
-    BV = next_pow2(V) if interp else min(next_pow2(V), 32)
+    BV = next_pow2(V) if interp else min(next_pow2(V), DECODE_BV)
+    opts = launch_options(q.dtype)
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=torch.float32) if output_final_state else o
     S0 = None if initial_state is None else initial_state.contiguous()
     _fused_recurrent_kernel[(N, H, triton.cdiv(V, BV))](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         S0 if S0 is not None else o, o, sT, cu, float(scale), H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
-        USE_S0=S0 is not None, STORE_S=output_final_state, num_warps=4)
+        USE_S0=S0 is not None, STORE_S=output_final_state, **opts["fused_recurrent"])
     return o, (sT if output_final_state else None)
