@@ -96,3 +96,48 @@ def test_models_that_keep_every_position_say_so(name):
         assert "max_cache_len" in str(error)
         needs_length = True
     assert model._keeps_every_position() == needs_length, name
+
+
+def test_decode_steps_of_generate_skip_the_value_checks():
+    """generate marks its decode steps (ids it sampled, a mask column of ones): the model then reads no input value
+    back from the device; the prompt's forward is checked as every other call."""
+    model = tiny_model("gated_delta_net", seed=1)
+    ids, mask = left_padded()
+    steps = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        steps.append(kwargs.get("_generated_step", False))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        expected = generate(model, ids, mask, max_new_tokens=4, cache_implementation="dynamic").sequences
+    finally:
+        model.forward = forward
+    assert steps == [False, True, True, True]
+    assert torch.equal(expected, generate(model, ids, mask, max_new_tokens=4, cache_implementation="dynamic").sequences)
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        bad = torch.full((3, 1), model.config.vocab_size + 5)
+        with pytest.raises(ValueError, match="token ids in"):
+            model(input_ids=bad, cache=cache, use_cache=True)
+        with pytest.raises(IndexError):  # not checked: the embedding's own error
+            model(input_ids=bad, cache=cache, use_cache=True, _generated_step=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_generated_decode_step_does_not_wait_for_the_device():
+    model = tiny_model("gated_delta_net", seed=1).cuda()
+    ids, mask = (t.cuda() for t in left_padded())
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        token = ids[:, -1:]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(input_ids=token, attention_mask=torch.ones_like(mask[:, :1]), cache=cache, use_cache=True,
+                  position_ids=mask.sum(1, keepdim=True), _generated_step=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -61,7 +61,9 @@ class LazooCausalLMOutputWithPast(CacheAliases, CausalLMOutputWithPast):
 def _feed_forward(config: LazooConfig, layer_idx: int | None = None) -> nn.Module:
     """A gated MLP, or the routed MoE of the ELA paper (eqs. 14/15) when `config.moe_num_experts > 0` and the layer
     is one of `config.moe_layers` (None: every layer); with `moe_shared_expert_intermediate_size`, plus the gated
-    shared expert of Qwen3-Next / Qwen3.5-MoE."""
+    shared expert of Qwen3-Next / Qwen3.5-MoE (ungated with `moe_shared_expert_gate=False`); Kimi Linear's routing
+    from the `moe_router_score`, `moe_score_correction_bias`, `moe_num_groups`, `moe_top_k_groups` and
+    `moe_routed_scaling_factor` fields."""
     experts = getattr(config, "moe_num_experts", 0)
     moe_layers = getattr(config, "moe_layers", None)
     if not experts or (moe_layers is not None and layer_idx not in moe_layers):
@@ -69,7 +71,13 @@ def _feed_forward(config: LazooConfig, layer_idx: int | None = None) -> nn.Modul
     size = config.moe_intermediate_size or config.intermediate_size
     return RoutedMoE(config.hidden_size, size, experts, config.moe_top_k, config.moe_bias,
                      norm_top_k=getattr(config, "moe_norm_top_k", None),
-                     shared_intermediate_size=getattr(config, "moe_shared_expert_intermediate_size", None))
+                     shared_intermediate_size=getattr(config, "moe_shared_expert_intermediate_size", None),
+                     score=getattr(config, "moe_router_score", "softmax"),
+                     score_correction_bias=getattr(config, "moe_score_correction_bias", False),
+                     num_groups=getattr(config, "moe_num_groups", 1),
+                     top_k_groups=getattr(config, "moe_top_k_groups", None),
+                     routed_scaling_factor=getattr(config, "moe_routed_scaling_factor", 1.0),
+                     shared_gate=getattr(config, "moe_shared_expert_gate", True))
 
 
 def decoder_norm(config: LazooConfig) -> nn.Module:
@@ -154,6 +162,8 @@ class LazooPreTrainedModel(PreTrainedModel):
             module._init_lazoo_parameters(hf_init)
         elif isinstance(module, MoEExperts):  # stacked experts: normal(0, initializer_range), as nn.Linear ones
             module._init_lazoo_parameters(hf_init, self.config.initializer_range)
+        elif isinstance(module, RoutedMoE) and module.e_score_correction_bias is not None:
+            hf_init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, ZeroCenteredRMSNorm):
             module.reset_parameters(hf_init)
 
@@ -248,10 +258,11 @@ def zero_pads(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.T
     return hidden_states.masked_fill(~mask[..., None], 0)
 
 
-def check_attention_mask(attention_mask) -> torch.Tensor | None:
+def check_attention_mask(attention_mask, check_values: bool = True) -> torch.Tensor | None:
     """The 2-D `attention_mask` as bool (True = real token), after refusing anything that is not one: a mask
     holds 0 and 1 only (or True / False), since a 2, 0.5 or -1 is no kind of token. The values cost one host
-    sync, skipped under torch.compile and CUDA-graph capture."""
+    sync, skipped under torch.compile and CUDA-graph capture, and with `check_values=False` (a mask `generate`
+    made)."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_complex():
@@ -262,7 +273,7 @@ def check_attention_mask(attention_mask) -> torch.Tensor | None:
                          f"{tuple(attention_mask.shape)}")
     if attention_mask.dtype == torch.bool:
         return attention_mask
-    if host_sync_allowed():
+    if check_values and host_sync_allowed():
         bad = (attention_mask != 0) & (attention_mask != 1)  # NaN too
         if bool(bad.any()):
             raise ValueError(f"attention_mask must hold only 0 (pad) and 1 (real token), got "
@@ -270,12 +281,12 @@ def check_attention_mask(attention_mask) -> torch.Tensor | None:
     return attention_mask != 0
 
 
-def check_model_inputs(input_ids, inputs_embeds, vocab_size: int, hidden_size: int) -> None:
+def check_model_inputs(input_ids, inputs_embeds, vocab_size: int, hidden_size: int, check_values: bool = True) -> None:
     """Clear errors for the model's token inputs: exactly one of `input_ids` (integer ids in
     [0, vocab_size), `[batch, sequence]`) and `inputs_embeds` (`[batch, sequence, hidden_size]`), with at
     least one sample and one position (an empty batch or sequence has nothing to compute: a ValueError,
     for both kinds of input alike). The id range costs one host sync; it is skipped under torch.compile and
-    CUDA-graph capture."""
+    CUDA-graph capture, and with `check_values=False` (ids `generate` sampled)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -284,7 +295,7 @@ def check_model_inputs(input_ids, inputs_embeds, vocab_size: int, hidden_size: i
             raise ValueError(f"input_ids must be a 2-D integer tensor [batch, sequence], got "
                              f"{_describe(input_ids)}")
         _check_not_empty("input_ids", input_ids.shape)
-        if not host_sync_allowed():  # a data-dependent check: one host sync, skipped when compiled or captured
+        if not (check_values and host_sync_allowed()):  # one host sync: skipped when compiled or captured
             return
         bad = (input_ids < 0) | (input_ids >= vocab_size)
         if bool(bad.any()):
@@ -369,6 +380,7 @@ class LazooModel(LazooPreTrainedModel):
         output_hidden_states=None,
         past_key_values=None,
         output_attentions=None,
+        _generated_step: bool = False,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`.
@@ -379,10 +391,15 @@ class LazooModel(LazooPreTrainedModel):
         message names the first offending id and vocab_size).
 
         `output_attentions=True` returns each layer's attention weights `[B, H, T, S]` (`attentions`; the explicit
-        softmax of the softmax-type layers, None for layers that have no attention matrix)."""
+        softmax of the softmax-type layers, None for layers that have no attention matrix).
+
+        `_generated_step=True` (set by `generate` for its decode steps, whose ids and mask it made itself: ids it
+        sampled, a mask column of ones) skips the value checks of the ids and the mask and the test for pads, each
+        of which waits for the device."""
         cache = cache_argument(cache, past_key_values, kwargs)
-        check_model_inputs(input_ids, inputs_embeds, self._vocabulary_size(), self.config.hidden_size)
-        attention_mask = check_attention_mask(attention_mask)
+        check_values = not _generated_step
+        check_model_inputs(input_ids, inputs_embeds, self._vocabulary_size(), self.config.hidden_size, check_values)
+        attention_mask = check_attention_mask(attention_mask, check_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if attention_mask is not None:
@@ -422,6 +439,8 @@ class LazooModel(LazooPreTrainedModel):
             position_ids = (offset[:, None] + real.cumsum(1) - 1).clamp_min(0)
         # ops take mask=None as "all real", which is also their fast path; finding that out is a host sync, which
         # compiled or captured code cannot make: it passes the mask as it is
+        if _generated_step:  # generate's decode step: every new token is real
+            new_mask = None
         op_mask = None if new_mask is None or (host_sync_allowed() and bool(new_mask.all())) else new_mask
 
         hidden_states = zero_pads(inputs_embeds, op_mask)  # (each layer zeroes its input's pads again)
@@ -588,6 +607,8 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         inputs = super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
             inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
+        if not is_first_iteration and isinstance(cache, LazooCache):
+            inputs["_generated_step"] = True  # ids generate sampled, a mask of ones: nothing to check on the device
         mask = inputs.get("attention_mask")
         if isinstance(cache, LazooCache) and cache.static and isinstance(mask, torch.Tensor):
             # the mask of the new tokens only: one shape at every decode step (the whole mask grows by one each step,
@@ -610,6 +631,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
         output_attentions=None,
+        _generated_step: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """The cache may come as `cache` (transformers 5.24 and later), `past_key_values` or `cache_params`.
@@ -625,6 +647,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
             return_dict=True,  # read by field below, whatever config.return_dict says
+            _generated_step=_generated_step,
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
