@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from convert_helpers import save_with_tokenizer_config
+from transformers_reference import unwrapped_kernels
 
 VOCAB = 97
 
@@ -125,20 +126,12 @@ KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta
                     "causal_conv1d_update")
 
 
-@contextlib.contextmanager
 def reference_forms(kind: str):
     """transformers' model of `kind` on its own PyTorch reference forms, also where fla is importable (the suite
     puts fla on the path for the fla converter tests; transformers then binds fla's Triton kernels, which need a
     GPU)."""
     module = importlib.import_module(f"transformers.models.{MODULES[kind]}.modeling_{MODULES[kind]}")
-    saved = {name: getattr(module, name) for name in KERNEL_FUNCTIONS if hasattr(module, name)}
-    try:
-        for name, fn in saved.items():
-            setattr(module, name, getattr(fn, "__wrapped__", fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+    return unwrapped_kernels(module, KERNEL_FUNCTIONS)
 
 
 @contextlib.contextmanager

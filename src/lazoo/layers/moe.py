@@ -12,7 +12,24 @@ as the expert's bias, tying what the router looks for to what the expert adds:
     None    y = Σ_{e∈topk}  s_e · f_e(x)                            (the usual MoE)
 
 With a shared expert (`shared_intermediate_size > 0`, Qwen3-Next / Qwen3.5-MoE) every token also passes through one
-more SwiGLU MLP, scaled by a learned sigmoid gate: `y += sigmoid(w_g · x) · f_shared(x)`.
+more SwiGLU MLP, scaled by a learned sigmoid gate: `y += sigmoid(w_g · x) · f_shared(x)`; with `shared_gate=False`
+(Kimi Linear, DeepSeek-V3) it is added as it is: `y += f_shared(x)`.
+
+The routing of Kimi Linear ("Kimi Linear: An Expressive, Efficient Attention Architecture", Kimi Team, 2025; the
+DeepSeek-V3 router), each option on its own, the defaults giving the softmax router above:
+
+- `score="sigmoid"`: the scores are `s = sigmoid(W_r x)` (each in (0, 1), not a distribution) in place of the softmax;
+- `score_correction_bias=True`: a per-expert bias `c` (the buffer `e_score_correction_bias` [E], no gradient: the
+  checkpoints adjust it to balance the load) is added to the scores to choose the experts, `s + c`; the weights of
+  the chosen experts are their unbiased scores `s_e`;
+- `num_groups=G`, `top_k_groups=g` (group-limited top-k): the E experts form G groups of E / G consecutive ones, a
+  group's score is the sum of its two highest choice scores (`s + c`), only the experts of the g best groups may be
+  chosen; G = 1 (or g = G) chooses among all of them;
+- the renormalisation (`norm_top_k`) divides by `Σ s_e + 1e-20` with sigmoid scores (Kimi's guard against a sum of
+  0), by `Σ s_e` with softmax scores, as before;
+- `routed_scaling_factor=λ`: the weights, renormalised or not, times λ (1.0: unscaled).
+
+So the Kimi Linear block is `y = Σ_{e∈topk} λ · s_e / (Σ s + 1e-20) · f_e(x) + f_shared(x)`.
 
 Parameters (`E` experts of width `I`, shared width `S`, hidden `D`), the layout of transformers' MoE blocks:
 
@@ -20,7 +37,8 @@ Parameters (`E` experts of width `I`, shared width `S`, hidden `D`), the layout 
     experts.gate_up_proj          [E, 2I, D]    rows [:I] the gate projection, [I:] the up projection
     experts.down_proj             [E, D, I]
     shared_expert.{gate,up}_proj.weight  [S, D],  shared_expert.down_proj.weight  [D, S]
-    shared_expert_gate.weight     [1, D]
+    shared_expert_gate.weight     [1, D]        (none with shared_gate=False)
+    e_score_correction_bias       [E]           (a buffer, with score_correction_bias=True; Kimi: gate.e_score_...)
 
 The experts are stored stacked (not one nn.Linear per expert) so that a grouped GEMM reads them in place; a state
 dict of the first layout (`experts.{e}.gate_proj.weight` ...) is stacked when loaded (`stack_legacy_experts`). LoRA
@@ -33,7 +51,8 @@ rows (one host sync for the group sizes; the CPU default); "grouped" runs all ex
 device supports it). Both give the reference's numbers (to rounding).
 
 Load balancing (as in Switch/Mixtral): `aux = E · Σ_e f_e P_e`, f_e the fraction of the N·k routing
-slots that went to expert e and P_e the mean router probability of e, over real tokens (1 when balanced).
+slots that went to expert e and P_e the mean router probability of e, over real tokens (1 when balanced). With
+sigmoid scores the probabilities are the scores normalised to sum 1 per token (DeepSeek-V3's balance loss).
 The last forward's value is kept in `aux_loss` for the model to collect.
 """
 
@@ -50,6 +69,8 @@ from torch import nn
 from .mlp import GatedMLP
 
 BIAS_MODES = (None, "eq14", "eq15")
+#: how the router turns its logits into scores
+ROUTER_SCORES = ("softmax", "sigmoid")
 #: how the experts are computed: None = auto (see `RoutedMoE.expert_backend`)
 EXPERT_BACKENDS = (None, "loop", "grouped")
 
@@ -250,17 +271,63 @@ class MoEExperts(nn.Module):
         return y.view(N, k, -1).sum(1).to(x.dtype)
 
 
+# ============================================================================ routing options
+def check_routing(num_experts, top_k, score="softmax", score_correction_bias=False, num_groups=1, top_k_groups=None,
+                  routed_scaling_factor=1.0, shared_gate=True, prefix="", names=None) -> None:
+    """Clear errors for the routing options (module docstring); `names` maps each option to the name an error gives
+    it (the config's field names), `prefix` starts every message."""
+    names = names or {}
+
+    def name(option: str) -> str:
+        return names.get(option, option)
+
+    def is_count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if score not in ROUTER_SCORES:
+        raise ValueError(f"{prefix}{name('score')} must be one of {ROUTER_SCORES}, got {score!r}")
+    if not isinstance(score_correction_bias, bool):
+        raise ValueError(f"{prefix}{name('score_correction_bias')} must be True or False, got "
+                         f"{score_correction_bias!r}")
+    if not isinstance(shared_gate, bool):
+        raise ValueError(f"{prefix}{name('shared_gate')} must be True or False, got {shared_gate!r}")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
+            or not 0 < routed_scaling_factor < math.inf:
+        raise ValueError(f"{prefix}{name('routed_scaling_factor')} must be a finite number > 0, got "
+                         f"{routed_scaling_factor!r}")
+    if not is_count(num_groups) or num_experts % num_groups:
+        raise ValueError(f"{prefix}{name('num_groups')} must be an int >= 1 dividing the {num_experts} experts, got "
+                         f"{num_groups!r}")
+    if top_k_groups is not None and (not is_count(top_k_groups) or top_k_groups > num_groups):
+        raise ValueError(f"{prefix}{name('top_k_groups')} must be None (every group) or an int in [1, "
+                         f"{name('num_groups')}={num_groups}], got {top_k_groups!r}")
+    chosen_groups = num_groups if top_k_groups is None else top_k_groups
+    if chosen_groups < num_groups:
+        per_group = num_experts // num_groups
+        if per_group < 2:
+            raise ValueError(f"{prefix}{name('num_groups')}={num_groups} leaves {per_group} expert a group; a group's "
+                             "score is the sum of its two best scores, so each needs at least 2")
+        if top_k > chosen_groups * per_group:
+            raise ValueError(f"{prefix}{name('top_k')}={top_k} is more than the {chosen_groups * per_group} experts "
+                             f"of the {name('top_k_groups')}={chosen_groups} groups it may choose from")
+
+
 # ============================================================================ the block
 class RoutedMoE(nn.Module):
-    """Router + E routed SwiGLU experts (+ an optional shared expert with a sigmoid gate); see the module docstring.
+    """Router + E routed SwiGLU experts (+ an optional shared expert, gated by a sigmoid or not); see the module
+    docstring.
 
     `norm_top_k`: None renormalises the top-k scores when k > 1 (the original rule), True always, False never.
-    `shared_intermediate_size`: the shared expert's width (None / 0: none). `backend`: the experts' computation
-    ("loop", "grouped", None = auto), also settable later as the attribute `expert_backend`."""
+    `shared_intermediate_size`: the shared expert's width (None / 0: none); `shared_gate`: whether a learned sigmoid
+    gate scales it. `score` ("softmax" or "sigmoid"), `score_correction_bias`, `num_groups` / `top_k_groups` and
+    `routed_scaling_factor`: Kimi Linear's routing (module docstring). `backend`: the experts' computation ("loop",
+    "grouped", None = auto), also settable later as the attribute `expert_backend`."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2,
                  bias: str | None = "eq14", norm_top_k: bool | None = None,
-                 shared_intermediate_size: int | None = None, backend: str | None = None):
+                 shared_intermediate_size: int | None = None, backend: str | None = None, *,
+                 score: str = "softmax", score_correction_bias: bool = False, num_groups: int = 1,
+                 top_k_groups: int | None = None, routed_scaling_factor: float = 1.0, shared_gate: bool = True):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"RoutedMoE: num_experts must be >= 1, got {num_experts}")
@@ -273,29 +340,60 @@ class RoutedMoE(nn.Module):
                              f"got {norm_top_k!r}")
         if backend not in EXPERT_BACKENDS:
             raise ValueError(f"RoutedMoE: backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+        check_routing(num_experts, top_k, score, score_correction_bias, num_groups, top_k_groups,
+                      routed_scaling_factor, shared_gate, prefix="RoutedMoE: ")
         self.num_experts = num_experts
         self.top_k = top_k
         self.bias = bias
         self.norm_top_k = norm_top_k
+        self.score = score
+        self.num_groups = num_groups
+        self.top_k_groups = num_groups if top_k_groups is None else top_k_groups
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.expert_backend = backend
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
-        if shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        if score_correction_bias:  # persistent: saved and loaded with the weights, never trained by gradient
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         else:
-            self.shared_expert = self.shared_expert_gate = None
+            self.e_score_correction_bias = None
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if self.shared_expert is not None \
+            and shared_gate else None
         self.aux_loss: torch.Tensor | None = None
 
+    def extra_repr(self) -> str:
+        routing = [f"top_k={self.top_k}", f"score={self.score!r}"]
+        if self.num_groups > 1:
+            routing.append(f"groups={self.top_k_groups}/{self.num_groups}")
+        if self.routed_scaling_factor != 1.0:
+            routing.append(f"routed_scaling_factor={self.routed_scaling_factor}")
+        return ", ".join(routing)
+
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router probabilities `[N, E]` (float32 at least), top-k scores `[N, k]` (renormalised as `norm_top_k`
-        says, in the probabilities' dtype) and top-k expert ids `[N, k]`."""
+        """Router probabilities `[N, E]` (float32 at least; with sigmoid scores, the scores normalised to sum 1, for
+        the balance loss), the top-k weights `[N, k]` (renormalised as `norm_top_k` says and scaled by
+        `routed_scaling_factor`, in the probabilities' dtype) and the top-k expert ids `[N, k]`."""
         logits = self.router(flat)
         # routed in float32 at least (float64 stays float64)
-        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)  # [N, E]
-        top_p, top_idx = probs.topk(self.top_k, dim=-1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()  # [N, E]
+        choice = scores if self.e_score_correction_bias is None \
+            else scores + self.e_score_correction_bias.to(scores.dtype)
+        if self.top_k_groups < self.num_groups:  # group-limited: the experts of the best groups only
+            groups = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [N, G]: each group's two best choice scores
+            best = group_scores.topk(self.top_k_groups, dim=-1).indices
+            allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = groups.masked_fill(~allowed[..., None], float("-inf")).view(-1, self.num_experts)
+        top_idx = choice.topk(self.top_k, dim=-1).indices
+        top_p = scores.gather(1, top_idx)
         if self.norm_top_k if self.norm_top_k is not None else self.top_k > 1:
-            top_p = top_p / top_p.sum(-1, keepdim=True)
+            total = top_p.sum(-1, keepdim=True)
+            top_p = top_p / (total if self.score == "softmax" else total + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            top_p = top_p * self.routed_scaling_factor
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, top_p, top_idx
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,6 +407,9 @@ class RoutedMoE(nn.Module):
                 b = top_p[..., None].to(out.dtype) * b
             out = out + b.sum(1)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         self.aux_loss = load_balancing_loss(probs, top_idx, self.num_experts, mask)
         return out.view(shape)

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from ..layers.mixers import check_mixer_kwargs, mixer_class
+from ..layers.moe import check_routing
 from ..registry import Mechanism, mechanisms, on_register
 from .field_checks import check_int, check_number, is_int
 from .saving import ExportsCode
@@ -31,6 +32,11 @@ DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
 
 MEMORY_LOBE_MODES = (None, "causal", "bidirectional")
 MOE_BIAS_MODES = (None, "eq14", "eq15")
+#: RoutedMoE's routing options -> the config fields that set them (named so in errors)
+MOE_ROUTING_FIELDS = {"top_k": "moe_top_k", "score": "moe_router_score",
+                      "score_correction_bias": "moe_score_correction_bias", "num_groups": "moe_num_groups",
+                      "top_k_groups": "moe_top_k_groups",
+                      "routed_scaling_factor": "moe_routed_scaling_factor", "shared_gate": "moe_shared_expert_gate"}
 
 
 def check_sizes(config) -> None:
@@ -110,6 +116,10 @@ def check_decoder_options(config) -> None:
     if not (config.moe_norm_top_k is None or isinstance(config.moe_norm_top_k, bool)):
         raise ValueError(f"moe_norm_top_k must be None (renormalise the top-k scores when moe_top_k > 1), True "
                          f"(always) or False (never), got {config.moe_norm_top_k!r}")
+    if E:
+        check_routing(E, k, config.moe_router_score, config.moe_score_correction_bias, config.moe_num_groups,
+                      config.moe_top_k_groups, config.moe_routed_scaling_factor, config.moe_shared_expert_gate,
+                      names=MOE_ROUTING_FIELDS)
     check_moe_layers(config.moe_layers, config.num_hidden_layers)
     coef = config.router_aux_loss_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
@@ -252,6 +262,12 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         moe_norm_top_k: bool | None = None,
         moe_shared_expert_intermediate_size: int | None = None,
         moe_layers: list[int] | None = None,
+        moe_router_score: str = "softmax",
+        moe_score_correction_bias: bool = False,
+        moe_num_groups: int = 1,
+        moe_top_k_groups: int | None = None,
+        moe_routed_scaling_factor: float = 1.0,
+        moe_shared_expert_gate: bool = True,
         router_aux_loss_coef: float = 0.01,
         **kwargs,
     ):
@@ -312,6 +328,15 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         self.moe_shared_expert_intermediate_size = moe_shared_expert_intermediate_size
         # the layers with a routed MoE (None: every layer); the others get the dense MLP of intermediate_size
         self.moe_layers = list(moe_layers) if isinstance(moe_layers, tuple) else moe_layers
+        # Kimi Linear's routing (lazoo.layers.moe): "softmax" or "sigmoid" scores; a per-expert bias added to the
+        # scores to choose the experts only; group-limited top-k (moe_top_k_groups of moe_num_groups groups; None:
+        # every group); the weights times moe_routed_scaling_factor; a shared expert without its sigmoid gate
+        self.moe_router_score = moe_router_score
+        self.moe_score_correction_bias = moe_score_correction_bias
+        self.moe_num_groups = moe_num_groups
+        self.moe_top_k_groups = moe_top_k_groups
+        self.moe_routed_scaling_factor = moe_routed_scaling_factor
+        self.moe_shared_expert_gate = moe_shared_expert_gate
         self.router_aux_loss_coef = router_aux_loss_coef
         self.check_fields(layer_types)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
