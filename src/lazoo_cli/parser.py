@@ -207,17 +207,17 @@ def _add_cards(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a fla, Qwen3.5, Qwen3-Next, Mamba-2 or Bamba checkpoint into a lazoo "
-                       "folder",
+    p = sub.add_parser("convert", help="convert a fla, Qwen3.5, Qwen3-Next, Mamba-2, Bamba or Kimi Linear checkpoint "
+                       "into a lazoo folder",
                        description="Read a checkpoint folder (config.json + safetensors weights, sharded or not) and "
                        "write the lazoo folder DST (or --output DST): config, weights, tokenizer files, a model card "
                        "naming the source, and the trust_remote_code code. Sources: fla (model_type transformer, "
                        "gla, delta_net, gated_deltanet and their hybrids with attention layers) and transformers' "
                        "Qwen3.5 (qwen3_5, qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe, qwen3_5_moe_text), Qwen3-Next "
-                       "(qwen3_next), Mamba-2 (mamba2) and Bamba (bamba); of a vision-language folder the language "
-                       "model is converted and the vision tower left out (said on the command line and in the "
-                       "card). DST must be new or empty. A checkpoint that uses an option lazoo cannot express "
-                       "exactly is refused, naming the field; nothing is written then.")
+                       "(qwen3_next), Mamba-2 (mamba2), Bamba (bamba) and Kimi Linear (kimi_linear); of a "
+                       "vision-language folder the language model is converted and the vision tower left out (said "
+                       "on the command line and in the card). DST must be new or empty. A checkpoint that uses an "
+                       "option lazoo cannot express exactly is refused, naming the field; nothing is written then.")
     p.add_argument("src", metavar="SRC", help="the checkpoint folder")
     p.add_argument("dst", metavar="DST", nargs="?", default=None, help="the lazoo folder to write (new or empty)")
     p.add_argument("--output", default=None, metavar="DST", help="the same as DST, in train's and eval's words")

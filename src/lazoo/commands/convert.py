@@ -1,4 +1,4 @@
-"""`lazoo convert`: a fla, Qwen3.5, Qwen3-Next, Mamba-2 or Bamba checkpoint folder into a lazoo folder
+"""`lazoo convert`: a fla, Qwen3.5, Qwen3-Next, Mamba-2, Bamba or Kimi Linear checkpoint folder into a lazoo folder
 (`lazoo.convert.convert_checkpoint`)."""
 
 from __future__ import annotations

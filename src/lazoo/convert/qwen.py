@@ -341,6 +341,13 @@ def _gate_up_stacked(*gates_and_ups: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.cat([g, u]) for g, u in zip(gates_and_ups[:e], gates_and_ups[e:])])
 
 
+def per_expert_piece(name: str, prefix: str, experts: int, projections: tuple[str, str, str]) -> Piece:
+    """lazoo's stacked `experts.gate_up_proj` or `experts.down_proj` (`name`) from one module per expert
+    (`{prefix}.{e}.{projection}.weight`, the projections named (gate, up, down))."""
+    gate, up, down = (tuple(f"{prefix}.{e}.{proj}.weight" for e in range(experts)) for proj in projections)
+    return Piece(gate + up, _gate_up_stacked) if name == "experts.gate_up_proj" else Piece(down, _stacked)
+
+
 def _mlp_pieces(src: str, dst: str, model_names: list[str], names: set[str], experts: int) -> dict[str, Piece]:
     """The dense MLP's or the MoE's tensors: lazoo's names from the model's, each from Qwen's name for it (the router
     is Qwen's `gate`); the routed experts from Qwen's stacked tensors where the folder holds them, else stacked from
@@ -348,28 +355,31 @@ def _mlp_pieces(src: str, dst: str, model_names: list[str], names: set[str], exp
     pieces = {}
     for name in (n[len(dst) + 1:] for n in model_names if n.startswith(dst + ".")):
         if name.startswith("experts.") and f"{src}.{name}" not in names:
-            per_expert = [f"{src}.experts.{e}" for e in range(experts)]
-            if name == "experts.gate_up_proj":
-                sources = [f"{x}.gate_proj.weight" for x in per_expert] + [f"{x}.up_proj.weight" for x in per_expert]
-                pieces[f"{dst}.{name}"] = Piece(tuple(sources), _gate_up_stacked)
-            else:
-                pieces[f"{dst}.{name}"] = Piece(tuple(f"{x}.down_proj.weight" for x in per_expert), _stacked)
+            pieces[f"{dst}.{name}"] = per_expert_piece(name, f"{src}.experts", experts,
+                                                       ("gate_proj", "up_proj", "down_proj"))
             continue
         pieces[f"{dst}.{name}"] = piece(f"{src}.{re.sub(r'^router[.]', 'gate.', name)}")
     return pieces
 
 
+def decoder_plan(fields: dict) -> dict[str, Piece]:
+    """The pieces every transformers decoder of this shape has: the embedding, the final norm, the head (unless
+    tied) and each layer's two norms (`input_layernorm`, `post_attention_layernorm`)."""
+    plan = {"model.embed_tokens.weight": piece("embed_tokens.weight"), "model.norm.weight": piece("norm.weight")}
+    if not fields["tie_word_embeddings"]:
+        plan["lm_head.weight"] = piece("lm_head.weight")
+    for i in range(fields["num_hidden_layers"]):
+        plan[f"model.layers.{i}.input_norm.weight"] = piece(f"layers.{i}.input_layernorm.weight")
+        plan[f"model.layers.{i}.post_mixer_norm.weight"] = piece(f"layers.{i}.post_attention_layernorm.weight")
+    return plan
+
+
 def tensor_plan(fields: dict, model, next_layout: bool, names: set[str]) -> dict[str, Piece]:
     """lazoo tensor name -> the piece of a Qwen tensor (by its name inside the text model, `layers.0.…`) it is."""
     model_names = list(model.state_dict())
-    plan = {"model.embed_tokens.weight": piece("embed_tokens.weight"),
-            "model.norm.weight": piece("norm.weight")}
-    if not fields["tie_word_embeddings"]:
-        plan["lm_head.weight"] = piece("lm_head.weight")
+    plan = decoder_plan(fields)
     for i, kind in enumerate(fields["layer_types"]):
         src, dst = f"layers.{i}", f"model.layers.{i}"
-        plan[f"{dst}.input_norm.weight"] = piece(f"{src}.input_layernorm.weight")
-        plan[f"{dst}.post_mixer_norm.weight"] = piece(f"{src}.post_attention_layernorm.weight")
         mixer = fields["mixer_kwargs"][kind]
         if kind == "gated_delta_net":
             plan.update(_gdn_pieces(f"{src}.linear_attn", f"{dst}.mixer", mixer, next_layout))
@@ -480,6 +490,19 @@ def read_plan(source: SourceFolder, plan: dict[str, Piece], names: dict[str, str
 
 
 # ============================================================================ the folder
+def read_source_config(source: SourceFolder, config: dict | None, to_lazoo, family: str):
+    """(config.json's path, its dict, `to_lazoo(dict)`) of the folder `source` (`config`: the dict when already
+    read); a folder without config.json is refused naming `family`, an error of `to_lazoo` names the file."""
+    config_file = source.file("config.json", required=False)
+    if config_file is None:
+        raise ConversionError(f"{source.root} has no config.json: give a {family} checkpoint folder")
+    cfg = config if config is not None else source.read_json(config_file, limit=MAX_CONFIG_BYTES)
+    try:
+        return config_file, cfg, to_lazoo(cfg)
+    except ConversionError as err:
+        raise type(err)(f"{config_file}: {err}") from err
+
+
 def from_qwen(src: str | os.PathLike, dst: str | os.PathLike, config: dict | None = None) -> tuple[Path, list[str]]:
     """Convert the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next folder `src` into a new lazoo folder `dst` (see the module
     docstring); `config` is src's config.json when already read. Returns (`dst`, what was left out). Refuses before
