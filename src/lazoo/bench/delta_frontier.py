@@ -1,0 +1,192 @@
+"""The delta-rule family against the fastest kernels a user can install, on the same inputs in the same run:
+lazoo's ``gated_delta_rule`` beside FlashQLA's (``flash_qla.chunk_gated_delta_rule``, TileLang kernels) and fla's
+(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``), and lazoo's ``delta_rule`` beside fla's.
+
+The inputs are those of a Gated DeltaNet layer: raw q and k (L2-normalised inside each op), v, β in q's dtype, the
+log decay g in float32 (what the layers compute from ``A_log`` and ``dt_bias``), H query/key heads and HV value heads
+(HV = H, or HV = 2H as Qwen3.5 and Qwen3-Next have them), D = 128, B·T = 32k tokens. Each row: forward and
+forward + backward medians (``triton.testing.do_bench``), the error of the output against a float64 evaluation of
+the same inputs (max |o − o₆₄| / max |o₆₄|, at the row's shape), the rates and the fraction of the card's roofline
+(``lazoo.bench.roofline``), and the time over the fastest anchor's.
+
+    python -m lazoo.bench.delta_frontier --out frontier.jsonl
+
+FlashQLA and fla are optional: a missing one gives rows with its import error. Neither is a dependency of lazoo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .delta_ops import delta_flops
+from .report import command_line, error_text, gpu_environment
+from .roofline import add_rates, card_ceilings, roofline
+from .timing import require_cuda, time_fwd_bwd
+
+D = 128
+#: (T, B, H, HV): B·T = 32k tokens
+SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 16), (32768, 1, 16, 16), (8192, 4, 16, 32)]
+
+
+def versions(*packages) -> dict:
+    """The installed version of each package (None where it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in packages:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def make_inputs(T, B, H, HV, dtype, device, seed=0) -> dict:
+    """Raw q, k ``[B, T, H, D]``, v ``[B, T, HV, D]`` and β ``[B, T, HV]`` in ``dtype``; g ``[B, T, HV]`` float32,
+    most decays near 0.98 (``logsigmoid`` of N(4, 1))."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(B, T, H, D, device=device, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, HV, D, device=device, generator=gen).to(dtype)
+    beta = torch.rand(B, T, HV, device=device, generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(B, T, HV, device=device, generator=gen) + 4)
+    return {"q": q, "k": k, "v": v, "beta": beta, "g": g}
+
+
+def implementations(gated: bool) -> dict:
+    """impl name -> (callable of the inputs returning the output, or the error text of its import)."""
+    from lazoo import ops
+
+    scale = D ** -0.5
+    impls = {}
+    if gated:
+        impls["lazoo"] = lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
+                                                        backend="triton")[0]
+    else:
+        impls["lazoo"] = lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], scale=scale,
+                                                  backend="triton")[0]
+    if gated:
+        try:
+            flash_qla = importlib.import_module("flash_qla")
+            impls["flashqla"] = lambda x: flash_qla.chunk_gated_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, use_qk_l2norm_in_kernel=True)[0]
+        except Exception as e:  # noqa: BLE001 - not installed, or tilelang refuses this machine
+            impls["flashqla"] = error_text(e)
+    try:
+        if gated:
+            fn = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+            impls["fla"] = lambda x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
+                                        use_qk_l2norm_in_kernel=True)[0]
+        else:
+            fn = importlib.import_module("fla.ops.delta_rule").chunk_delta_rule
+            impls["fla"] = lambda x: fn(x["q"], x["k"], x["v"], x["beta"], scale=scale,
+                                        use_qk_l2norm_in_kernel=True)[0]
+    except Exception as e:  # noqa: BLE001
+        impls["fla"] = error_text(e)
+    return impls
+
+
+def reference(x: dict, gated: bool) -> torch.Tensor:
+    """The output in float64 (lazoo's chunked PyTorch form, checked against the token loop by the op tests)."""
+    from lazoo import ops
+
+    x64 = {n: t.double() for n, t in x.items()}
+    if gated:
+        return ops.gated_delta_rule(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], scale=D ** -0.5,
+                                    backend="chunk")[0]
+    return ops.delta_rule(x64["q"], x64["k"], x64["v"], x64["beta"], scale=D ** -0.5, backend="chunk")[0]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def io_bytes(T, B, H, HV, dtype) -> tuple[int, int]:
+    """Bytes each input and output is read or written once: forward (q, k, v, β, g, o), forward + backward (that,
+    dO read and the five gradients written)."""
+    e = torch.finfo(dtype).bits // 8
+    tensors = B * T * (2 * H * D * e + 2 * HV * D * e + HV * (e + 4))
+    return tensors, 2 * tensors + B * T * HV * D * e
+
+
+def bench_shape(op, gated, impls, T, B, H, HV, dtype, device, ceilings) -> list[dict]:
+    x = make_inputs(T, B, H, HV, dtype, device)
+    ref = reference(x, gated)
+    grads = ("q", "k", "v", "beta") + (("g",) if gated else ())
+    rows = []
+    for impl, fn in impls.items():
+        row = {"op": op, "impl": impl, "T": T, "B": B, "H": H, "HV": HV, "D": D}
+        if isinstance(fn, str):
+            rows.append({**row, "error": fn})
+            continue
+        try:
+            with torch.no_grad():
+                row["max_rel_err_vs_f64"] = relative_error(fn(x), ref)
+        except Exception as e:  # noqa: BLE001 - one failing implementation must not stop the table
+            rows.append({**row, "error": error_text(e)})
+            continue
+        start = time.perf_counter()
+        row["fwd_ms"], row["fwd_bwd_ms"], row["error"] = time_fwd_bwd(fn, x, grads)
+        row["first_call_and_timing_s"] = time.perf_counter() - start
+        fwd, bwd = delta_flops(D)
+        add_rates(row, (fwd * B * T * HV, bwd * B * T * HV), *io_bytes(T, B, H, HV, dtype))
+        roofline(row, ceilings)
+        rows.append(row)
+    anchors = [r for r in rows if r["impl"] != "lazoo"]
+    for key in ("fwd_ms", "fwd_bwd_ms"):
+        best = min((r[key] for r in anchors if r.get(key)), default=None)
+        for r in rows:
+            if r["impl"] == "lazoo" and best and r.get(key):
+                r[f"{key}_over_best_anchor"] = r[key] / best
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    def cell(value, fmt):
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    print(f"{'op':18s} {'impl':9s} {'T':>6s} {'B':>3s} {'H/HV':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'err':>9s} "
+          f"{'roof':>5s} {'f+b/best':>8s}")
+    for r in rows:
+        print(f"{r['op']:18s} {r['impl']:9s} {r['T']:6d} {r['B']:3d} {r['H']:>2d}/{r['HV']:<3d} "
+              f"{cell(r.get('fwd_ms'), '.3f'):>8s} {cell(r.get('fwd_bwd_ms'), '.3f'):>8s} "
+              f"{cell(r.get('max_rel_err_vs_f64'), '.2e'):>9s} {cell(r.get('roofline_frac'), '.0%'):>5s} "
+              f"{cell(r.get('fwd_bwd_ms_over_best_anchor'), '.2f'):>8s}"
+              + (f"  {r['error'][:90]}" if r.get("error") else ""))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lazoo.bench.delta_frontier", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="delta_frontier.jsonl", help="JSONL file the rows are appended to")
+    parser.add_argument("--ops", default="gated_delta_rule,delta_rule", help="comma-separated: gated_delta_rule, "
+                        "delta_rule")
+    parser.add_argument("--shapes", default=None, help="comma-separated T:B:H:HV (default: "
+                        + ",".join(":".join(map(str, s)) for s in SHAPES) + "); delta_rule takes those with HV = H")
+    args = parser.parse_args(argv)
+    require_cuda("delta_frontier")
+    shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    env = {**gpu_environment(), **versions("flash-qla", "flash-linear-attention", "fla-core", "tilelang"),
+           "command": command_line("delta_frontier", argv), "ceilings": card_ceilings(device)}
+    print(json.dumps(env))
+    rows = []
+    for op in args.ops.split(","):
+        gated = op == "gated_delta_rule"
+        impls = implementations(gated)
+        for T, B, H, HV in shapes:
+            if HV != H and not gated:
+                continue
+            rows += bench_shape(op, gated, impls, T, B, H, HV, dtype, device, env["ceilings"])
+    with open(args.out, "a") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "env": env}) + "\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
