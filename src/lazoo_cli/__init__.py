@@ -7,7 +7,7 @@
     lazoo cards [--check]                         (re)write model_cards/ from configs/ (--check: report stale ones)
     lazoo convert SRC DST                         a fla, Qwen3.5/Qwen3-Next or Mamba-2 checkpoint -> a lazoo folder
     lazoo bench NAME [args...]                    a benchmark of lazoo.bench (kernels, vla, ovq, local_linear, ttt,
-                                                  training, generate, qwen)
+                                                  training, generate, qwen, mamba2)
     lazoo eval MODEL...                           lm-eval bridge and local tasks (pip install 'lazoo[eval]')
     lazoo demo [options]                          the demo: train, evaluate, save, reload, sample
 

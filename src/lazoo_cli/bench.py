@@ -163,6 +163,47 @@ def add_qwen_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
 
 
+
+def add_mamba2_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="bench_mamba2.jsonl",
+                    help="JSON-lines rows; the markdown table goes beside it (.md)")
+    ap.add_argument("--parts", default="op,model", help="comma-separated, of op (the SSD op) and model (~370M Bamba)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the op at T = 8k only; the model rows with one repeat and 16 new tokens")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=GENERATE_DTYPES)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each model row (and of a CPU op row)")
+    op = ap.add_argument_group("the op (Bamba-9B's Mamba-2 shapes by default)")
+    op.add_argument("--lengths", default="1024,8192,32768", help="comma-separated sequence lengths T")
+    op.add_argument("--tokens", type=int, default=32768, help="tokens per batch: B = tokens / T")
+    op.add_argument("--heads", type=int, default=128, help="SSM heads H of the op rows")
+    op.add_argument("--head-dim", type=int, default=64, help="channels P of a head (op and model)")
+    op.add_argument("--state-size", type=int, default=128, help="state size N (op and model)")
+    op.add_argument("--groups", type=int, default=1, help="groups G of B and C of the op rows")
+    op.add_argument("--chunk-size", type=int, default=64, help="chunk length of lazoo's op and transformers' SSD")
+    op.add_argument("--anchors", default="fla,transformers", help="comma-separated, of fla and transformers")
+    op.add_argument("--hf-tokens", type=int, default=8192,
+                    help="tokens per batch of transformers' PyTorch SSD rows (at least one sequence)")
+    op.add_argument("--ref-length", type=int, default=1024, help="tokens of the float64 check (of one sequence)")
+    op.add_argument("--fla-budget", type=float, default=180.0,
+                    help="seconds for fla's rows, its autotuning included (0: no limit)")
+    model = ap.add_argument_group("the model (a ~370M Bamba; smaller sizes for smoke tests)")
+    model.add_argument("--implementations", default="lazoo,transformers",
+                       help="comma-separated, of lazoo and transformers")
+    model.add_argument("--layers", type=int, default=24)
+    model.add_argument("--hidden-size", type=int, default=1024)
+    model.add_argument("--intermediate-size", type=int, default=2048)
+    model.add_argument("--vocab-size", type=int, default=32000)
+    model.add_argument("--attention-every", type=int, default=9,
+                       help="attention at layers k, 2k, ... (Bamba-9B: 9, 18, 27 of 32)")
+    model.add_argument("--prefill", default="8192", help="comma-separated prompt lengths of the prefill rows")
+    model.add_argument("--train-length", type=int, default=4096)
+    model.add_argument("--train-batch", type=int, default=1)
+    model.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes of the generate rows")
+    model.add_argument("--prompt", type=int, default=128, help="prompt length of the generate rows")
+    model.add_argument("--new-tokens", type=int, default=64)
+
 #: `lazoo bench NAME` -> lazoo.bench.NAME
 BENCHMARKS = {
     "kernels": Benchmark(
@@ -198,6 +239,11 @@ BENCHMARKS = {
         "a Qwen3.5-0.8B-shaped model: lazoo's conversion against transformers' own class",
         "Prefill, training and generation speed of a model of Qwen3.5-0.8B's shape: lazoo against transformers.",
         add_qwen_options),
+    "mamba2": Benchmark(
+        "Mamba-2 at Bamba's shapes: the op against fla and transformers, a ~370M Bamba against transformers",
+        "Mamba-2 at Bamba's shapes: lazoo's op against fla and transformers, and a Bamba-shaped model against "
+        "transformers.",
+        add_mamba2_options),
 }
 
 

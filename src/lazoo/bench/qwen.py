@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import json
 import statistics
 import tempfile
 import time
@@ -43,7 +42,7 @@ import torch
 
 from lazoo_cli.bench import bench_parser
 
-from .report import command_line, error_text, triton_version
+from .report import JsonRows, command_line, error_text, triton_version
 from .timing import sync
 
 #: Qwen3.5-0.8B's text configuration as published (transformers' Qwen3_5TextConfig fields)
@@ -76,15 +75,22 @@ def text_config(args):
 
 def build_models(args, folder: Path) -> dict:
     """{"transformers": its model, "lazoo": the converted one}, both on the device in the run's dtype."""
-    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):  # initialised where it runs (minutes on a CPU at the full size)
+        reference = Qwen3_5ForCausalLM(text_config(args)).to(getattr(torch, args.dtype))
+    return converted_pair(reference, args, folder)
+
+
+def converted_pair(reference, args, folder: Path) -> dict:
+    """transformers' model `reference` saved in `folder` and converted with ``lazoo.convert``: {"transformers":
+    `reference`, "lazoo": the converted model}, those of ``--implementations``, on the device in the run's dtype."""
+    from transformers import AutoModelForCausalLM
 
     import lazoo  # noqa: F401  (registers lazoo's model types)
     from lazoo.convert import convert_checkpoint
 
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(args.seed)
-    with torch.device(args.device):  # initialised where it runs (minutes on a CPU at the full size)
-        reference = Qwen3_5ForCausalLM(text_config(args)).to(dtype)
     reference.save_pretrained(folder / "transformers")
     convert_checkpoint(folder / "transformers", folder / "lazoo")
     wanted = args.implementations.split(",")
@@ -92,7 +98,8 @@ def build_models(args, folder: Path) -> dict:
     if "transformers" in wanted:
         models["transformers"] = reference.to(args.device).eval()
     if "lazoo" in wanted:
-        models["lazoo"] = AutoModelForCausalLM.from_pretrained(folder / "lazoo", dtype=dtype).to(args.device).eval()
+        models["lazoo"] = AutoModelForCausalLM.from_pretrained(
+            folder / "lazoo", dtype=getattr(torch, args.dtype)).to(args.device).eval()
     return models
 
 
@@ -169,18 +176,17 @@ def environment(args) -> dict:
 
 
 def run(args) -> list[dict]:
-    rows = [{"env": environment(args)}]
-    out = open(args.out, "w")  # noqa: SIM115 - written row by row, so a crash keeps what was measured
+    with JsonRows(args.out) as rows:
+        rows.record({"env": environment(args)})
+        with tempfile.TemporaryDirectory() as folder:
+            models = build_models(args, Path(folder))
+        measure_models(models, args, rows.record)
+    return rows
 
-    def record(row):
-        rows.append(row)
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        print(json.dumps(row), flush=True)
 
-    record(rows.pop())
-    with tempfile.TemporaryDirectory() as folder:
-        models = build_models(args, Path(folder))
+def measure_models(models: dict, args, record) -> None:
+    """The ``agreement`` row (both implementations there) and each implementation's prefill, train and generate rows
+    (lazoo's eager generation too), each passed to ``record`` as it is measured; a failed row records its error."""
     if len(models) == 2:
         try:
             record({"row": "agreement", "size": 512, **agreement_row(models, args)})
@@ -206,8 +212,6 @@ def run(args) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats()
             record(row)
             gc.collect()
-    out.close()
-    return rows
 
 
 def main(argv=None) -> None:

@@ -49,3 +49,25 @@ def write_json(path, data, indent: int = 1) -> None:
 def fmt(value, spec: str) -> str:
     """A table cell: ``value`` in ``spec``, or "-" where there is none."""
     return "-" if value is None else format(value, spec)
+
+
+class JsonRows(list):
+    """The rows of a run, each written to a JSON-lines file and printed as it is recorded (a crash keeps what was
+    measured). A context manager: the file closes at the end of the ``with`` block."""
+
+    def __init__(self, path):
+        super().__init__()
+        self._file = open(path, "w")  # noqa: SIM115 - closed by __exit__
+
+    def record(self, row: dict) -> None:
+        self.append(row)
+        line = json.dumps(row)
+        self._file.write(line + "\n")
+        self._file.flush()
+        print(line, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
