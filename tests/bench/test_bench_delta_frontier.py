@@ -32,3 +32,27 @@ def test_it_says_it_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
         frontier.main(["--out", "unused.jsonl"])
+
+
+def test_rows_are_written_as_they_are_measured(monkeypatch, tmp_path):
+    """A run stopped part-way (a timeout while TileLang compiles) keeps the shapes it finished."""
+    import json
+
+    monkeypatch.setattr(frontier, "require_cuda", lambda name: None)
+    monkeypatch.setattr(frontier, "gpu_environment", lambda: {"gpu": "test"})
+    monkeypatch.setattr(frontier, "card_ceilings", lambda device: {})
+    monkeypatch.setattr(frontier, "implementations", lambda gated: {})
+    done = []
+
+    def one_shape(op, gated, impls, T, B, H, HV, *rest):
+        if done:
+            raise KeyboardInterrupt
+        done.append(T)
+        return [{"op": op, "impl": "lazoo", "T": T, "B": B, "H": H, "HV": HV, "fwd_ms": 1.0}]
+
+    monkeypatch.setattr(frontier, "bench_shape", one_shape)
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        frontier.main(["--out", str(out), "--ops", "gated_delta_rule", "--shapes", "64:1:2:2,128:1:2:2"])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["env"]["gpu"] == "test" and [r["T"] for r in lines[1:]] == [64]

@@ -12,20 +12,21 @@ the same inputs (max |o − o₆₄| / max |o₆₄|, at the row's shape), the r
     python -m lazoo.bench.delta_frontier --out frontier.jsonl
 
 FlashQLA and fla are optional: a missing one gives rows with its import error. Neither is a dependency of lazoo.
+FlashQLA's TileLang kernels compile at the first call of each shape (about 2.5 minutes for its forward and backward
+on an H200 with 16 cores) and are cached on the machine: ``--shapes`` runs a few at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
 from .delta_ops import delta_flops
-from .report import command_line, error_text, gpu_environment
+from .report import JsonRows, command_line, error_text, gpu_environment
 from .roofline import add_rates, card_ceilings, roofline
 from .timing import require_cuda, time_fwd_bwd
 
@@ -162,7 +163,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lazoo.bench.delta_frontier", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="delta_frontier.jsonl", help="JSONL file the rows are appended to")
+    parser.add_argument("--out", default="delta_frontier.jsonl", help="JSONL file the rows are written to, each as it "
+                        "is measured")
     parser.add_argument("--ops", default="gated_delta_rule,delta_rule", help="comma-separated: gated_delta_rule, "
                         "delta_rule")
     parser.add_argument("--shapes", default=None, help="comma-separated T:B:H:HV (default: "
@@ -173,19 +175,17 @@ def main(argv=None) -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     env = {**gpu_environment(), **versions("flash-qla", "flash-linear-attention", "fla-core", "tilelang"),
            "command": command_line("delta_frontier", argv), "ceilings": card_ceilings(device)}
-    print(json.dumps(env))
-    rows = []
-    for op in args.ops.split(","):
-        gated = op == "gated_delta_rule"
-        impls = implementations(gated)
-        for T, B, H, HV in shapes:
-            if HV != H and not gated:
-                continue
-            rows += bench_shape(op, gated, impls, T, B, H, HV, dtype, device, env["ceilings"])
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "env": env}) + "\n")
-    print_table(rows)
+    with JsonRows(args.out) as rows:
+        rows.record({"env": env})
+        for op in args.ops.split(","):
+            gated = op == "gated_delta_rule"
+            impls = implementations(gated)
+            for T, B, H, HV in shapes:
+                if HV != H and not gated:
+                    continue
+                for row in bench_shape(op, gated, impls, T, B, H, HV, dtype, device, env["ceilings"]):
+                    rows.record(row)
+    print_table(rows[1:])
 
 
 if __name__ == "__main__":
