@@ -3,6 +3,8 @@
 import importlib.util
 import json
 
+import pytest
+
 from lazoo.bench import training as bench_training
 
 
@@ -42,6 +44,7 @@ def test_errors_are_rows_not_crashes(tmp_path, single_thread):
         assert "fla" in fla[0]["error"]
 
 
+@pytest.mark.slow  # 15 s: two processes (tests/integration/test_ddp.py keeps DDP in the default run)
 def test_ddp_rows_count_every_process(tmp_path):
     """--parallel ddp under `accelerate launch` (2 CPU processes, gloo): one JSON from rank 0 whose rows time
     both processes and count both processes' tokens."""

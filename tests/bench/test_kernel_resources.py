@@ -39,6 +39,7 @@ def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
     assert r["shared"] > kernel_resources.SHARED_LIMIT, r
 
 
+@pytest.mark.slow  # 34 s of offline compiles on 2 cores
 def test_ovq_kernels_fit_hopper(single_thread):
     """OVQ's kernels at their launch settings (d = 128, chunk 128) fit a Hopper block. (Spills are allowed: several
     of them hold a 128 × 128 fp32 accumulator or a chunk's keys; the report prints them.)"""
@@ -49,6 +50,7 @@ def test_ovq_kernels_fit_hopper(single_thread):
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
 
 
+@pytest.mark.slow
 def test_normalized_kernels_fit_hopper(single_thread):
     """The normalised linear-attention kernels (bf16, d = 128, two scalar features) fit a Hopper block. (Spills are
     allowed, and depend on the Triton version: with 3.9 only the dq, dk, dv kernel spills, 180 bytes.)"""
@@ -85,8 +87,8 @@ def check_kda(report, no_spills=False):
             assert r["spill_stores"] == 0, (name, r)
 
 
-# fp32 (70 s of offline compiles) in the slow run, to keep the default run's time
-@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp32", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 39 s (bf16) and 69 s (fp32) of offline compiles on 2 cores
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kda_kernels_compile_and_fit_hopper(single_thread, dtype):
     """Every Kimi Delta Attention kernel compiles for sm_90 at its launch settings with dk = dv = 128 (the largest
     head dim it takes) and fits a Hopper block: a static loop over a bound that is not a constexpr compiled in the

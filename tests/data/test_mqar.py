@@ -65,6 +65,7 @@ def test_script_end_to_end(tmp_path, single_thread):
     assert data["versions"]["torch"] == torch.__version__ and report["wall_seconds"] > 0
 
 
+@pytest.mark.slow  # 23 s: worker processes each import torch and lazoo
 def test_script_runs_variants_in_worker_processes(tmp_path):
     # --jobs spawns workers that import the script as a file: run it as users do, in a subprocess
     import subprocess

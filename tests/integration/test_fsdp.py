@@ -72,7 +72,8 @@ WORKER = SETUP + textwrap.dedent('''
 ''').replace("{BATCH}", str(BATCH))
 
 
-@pytest.mark.parametrize("layer_types", [["sliding_window", "vla"], ["gated_delta_net", "ovq"]])
+@pytest.mark.parametrize("layer_types", [["sliding_window", "vla"],
+                                         pytest.param(["gated_delta_net", "ovq"], marks=pytest.mark.slow)])
 def test_fsdp2_sharded_training_equals_one_process(tmp_path, layer_types):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
