@@ -18,6 +18,7 @@ from test_convert_fla import fla_config, random_fla_checkpoint, write_fla_folder
 from transformers import AutoModelForCausalLM
 
 from lazoo.cli import main
+from lazoo.models.compat import CACHE_FIELD
 
 #: every element of the tensors outside the source folder (no finite weight of a random checkpoint is this)
 SENTINEL = 12345.0
@@ -164,3 +165,26 @@ def check_outcome(status: int, err: list[str], dst: Path, before) -> None:
     for name, tensor in model.state_dict().items():
         assert torch.isfinite(tensor).all(), name
         assert not (tensor == SENTINEL).any(), name
+
+
+def refusal_into_a_folder(src: Path, dst: Path, capfd) -> str:
+    """`lazoo convert src dst` into an existing empty folder `dst`, which it must refuse (exit 2) leaving `dst` as it
+    was: the error line."""
+    dst.mkdir()
+    before = snapshot(dst)
+    status, err, _ = run_convert(src, dst, capfd)
+    check_outcome(status, err, dst, before)
+    assert status == 2, err
+    return err[0]
+
+
+def generate_in_two_calls(model, ids, mask, kwargs):
+    """(16 greedy tokens of one `generate` call, 8 then 8 more from the cache the first call returned, that cache)."""
+    with torch.no_grad():
+        whole = model.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, **kwargs)
+        cache = getattr(first, CACHE_FIELD)
+        longer = torch.cat([mask, torch.ones_like(first.sequences[:, ids.shape[1]:])], dim=1)
+        second = model.generate(first.sequences, attention_mask=longer, max_new_tokens=8, **{CACHE_FIELD: cache},
+                                **kwargs)
+    return whole, second, cache

@@ -93,10 +93,10 @@ def save_tiny(folder: Path, kind: str, seed: int = 0, tie: bool = False, **overr
 
 @contextlib.contextmanager
 def float64_faithful(model):
-    """transformers' model computing in float64 throughout: its float32 casts lifted (`Tensor.float()` and
-    `Tensor.to(torch.float32)` keep float64, integers become float64 under `.float()`), the rotary frequencies
-    recomputed in float64. Everything else is transformers' own code."""
-    to_float, to = torch.Tensor.float, torch.Tensor.to
+    """transformers' model computing in float64 throughout: its float32 casts lifted (`Tensor.float()`,
+    `Tensor.to(torch.float32)` and `Tensor.type(torch.float32)` keep float64, integers become float64 under
+    `.float()`), the rotary frequencies recomputed in float64. Everything else is transformers' own code."""
+    to_float, to, as_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
 
     def lifted_to(self, *args, **kwargs):
         if self.dtype == torch.float64:
@@ -105,6 +105,11 @@ def float64_faithful(model):
                 kwargs["dtype"] = torch.float64
         return to(self, *args, **kwargs)
 
+    def lifted_type(self, *args, **kwargs):
+        if self.dtype == torch.float64 and args and args[0] is torch.float32:
+            args = (torch.float64, *args[1:])
+        return as_type(self, *args, **kwargs)
+
     for rotary in (m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")):
         dim = 2 * rotary.inv_freq.numel()
         theta = rotary.config.rope_parameters["rope_theta"]
@@ -112,7 +117,20 @@ def float64_faithful(model):
     try:
         torch.Tensor.float = lambda self, *a, **kw: (self if self.dtype == torch.float64 else self.double()
                                                      if not self.is_floating_point() else to_float(self, *a, **kw))
-        torch.Tensor.to = lifted_to
+        torch.Tensor.to, torch.Tensor.type = lifted_to, lifted_type
         yield model
     finally:
-        torch.Tensor.float, torch.Tensor.to = to_float, to
+        torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = to_float, to, as_type
+
+
+def reference_logits(reference, ids, mask, dtype):
+    """transformers' `reference` in `dtype` on left-padded `ids` (no cache): in float64 with its float32 casts lifted
+    and attention through sdpa (the eager form takes its softmax in float32), in float32 as it runs."""
+    reference = reference.to(dtype)
+    lifted = contextlib.nullcontext()
+    if dtype == torch.float64:
+        reference.config._attn_implementation = "sdpa"
+        lifted = float64_faithful(reference)
+    with lifted, torch.no_grad():
+        return reference(ids, attention_mask=mask, use_cache=False).logits
+

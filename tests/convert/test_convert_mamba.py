@@ -1,25 +1,30 @@
 """Mamba-2 ("Transformers are SSMs", Dao and Gu, 2024) and Bamba folders saved by transformers' own classes, converted
 with `lazoo convert`: the same logits as transformers' model (float64 with its float32 casts lifted, and float32 as
 it runs) at every real position of left-padded prompts, the same greedy tokens with the cache, a cache continued
-across two `generate` calls, and refusals by field (GraniteMoeHybrid and Nemotron-H among them) that leave DST as it
-was. On a transformers release without these classes the tests skip, saying so."""
+across two `generate` calls, and refusals by field (GraniteMoeHybrid among them) that leave DST as it was. On a
+transformers release without these classes the tests skip, saying so. (Nemotron-H: test_convert_nemotron.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
 import torch
-from convert_helpers import check_outcome, edit_config, edit_weights, run_convert, snapshot
+from convert_helpers import (
+    check_outcome,
+    edit_config,
+    edit_weights,
+    generate_in_two_calls,
+    refusal_into_a_folder,
+    run_convert,
+)
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
-from mamba_helpers import CONVERTED, VOCAB, float64_faithful, groups, require, save_tiny
+from mamba_helpers import CONVERTED, VOCAB, groups, reference_logits, require, save_tiny
 from qwen_helpers import prompt_and_mask, relative_error
 from transformers import AutoModelForCausalLM
 
 import lazoo  # noqa: F401  (registers lazoo's model types)
 from lazoo.convert import UnsupportedCheckpointError, convert_checkpoint
-from lazoo.models.compat import CACHE_FIELD
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -63,14 +68,8 @@ def test_logits_equal_transformers(converted, dtype, rtol):
     (its reference PyTorch forms, float32 casts included)."""
     case, kind, reference, ours, _ = converted
     ids, mask = _prompts(case)
-    reference, ours = reference.to(dtype), ours.to(dtype)
-    lifted = contextlib.nullcontext()
-    if dtype == torch.float64:
-        reference.config._attn_implementation = "sdpa"  # (the eager form takes its softmax in float32)
-        lifted = float64_faithful(reference)
-    with lifted:
-        expected = _logits(reference, ids, mask, use_cache=False)
-    got = _logits(ours, ids, mask)
+    expected = reference_logits(reference, ids, mask, dtype)
+    got = _logits(ours.to(dtype), ids, mask)
     real = mask.bool()
     assert relative_error(got[real], expected[real]) < rtol
 
@@ -92,14 +91,7 @@ def test_a_cache_continues_across_two_generate_calls(converted):
     case, _, _, ours, _ = converted
     ids, mask = _prompts(case)
     ours = ours.float()
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        whole = ours.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
-        first = ours.generate(ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, **kwargs)
-        cache = getattr(first, CACHE_FIELD)
-        longer = torch.cat([mask, torch.ones_like(first.sequences[:, ids.shape[1]:])], dim=1)
-        second = ours.generate(first.sequences, attention_mask=longer, max_new_tokens=8, **{CACHE_FIELD: cache},
-                               **kwargs)
+    whole, second, _ = generate_in_two_calls(ours, ids, mask, dict(do_sample=False, pad_token_id=0, eos_token_id=None))
     assert torch.equal(second, whole)
 
 
@@ -176,24 +168,20 @@ def test_a_config_lazoo_cannot_express_is_refused_by_field_and_dst_is_untouched(
     require(kind)
     save_tiny(tmp_path / "src", kind)
     edit_config(tmp_path / "src", edit)
-    (tmp_path / "dst").mkdir()
-    before = snapshot(tmp_path / "dst")
-    status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
-    check_outcome(status, err, tmp_path / "dst", before)
-    assert status == 2 and field in err[0] and "config.json" in err[0], err
+    error = refusal_into_a_folder(tmp_path / "src", tmp_path / "dst", capfd)
+    assert field in error and "config.json" in error, error
 
 
-#: the hybrids lazoo does not convert, each folder as transformers saves it, and the field named
+#: the hybrid lazoo does not convert, each folder as transformers saves it, and the field named
 REFUSED_KINDS = {
     "granitemoehybrid": ({}, "embedding_multiplier"),
     "granitemoehybrid_experts": ({"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
                                   "attention_multiplier": 8 ** -0.5}, "num_local_experts"),
-    "nemotron_h": ({}, "layers_block_type"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_KINDS))
-def test_granite_and_nemotron_h_folders_are_refused_by_their_first_field_lazoo_cannot_express(case, tmp_path, capfd):
+def test_granite_folders_are_refused_by_their_first_field_lazoo_cannot_express(case, tmp_path, capfd):
     kind = case.split("_experts")[0]
     require(kind)
     overrides, field = REFUSED_KINDS[case]

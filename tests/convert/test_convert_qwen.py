@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from convert_helpers import check_outcome, edit_config, edit_weights, run_convert
+from convert_helpers import check_outcome, edit_config, edit_weights, generate_in_two_calls, run_convert
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 from qwen_helpers import (
     KINDS,
@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM
 
 import lazoo  # noqa: F401  (registers lazoo's model types)
 from lazoo.convert import UnsupportedCheckpointError, convert_checkpoint
-from lazoo.models.compat import CACHE_FIELD
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -93,15 +92,8 @@ def test_a_cache_continues_across_two_generate_calls(converted):
     """8 tokens, then 8 more from the returned cache, are the 16 of one call."""
     _, _, ours, _, _ = converted
     ids, mask = prompt_and_mask()
-    ours = ours.float()
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        whole = ours.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
-        first = ours.generate(ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, **kwargs)
-        cache = getattr(first, CACHE_FIELD)
-        longer = torch.cat([mask, torch.ones_like(first.sequences[:, ids.shape[1]:])], dim=1)
-        second = ours.generate(first.sequences, attention_mask=longer, max_new_tokens=8, **{CACHE_FIELD: cache},
-                               **kwargs)
+    whole, second, _ = generate_in_two_calls(ours.float(), ids, mask,
+                                             dict(do_sample=False, pad_token_id=0, eos_token_id=None))
     assert torch.equal(second, whole)
 
 

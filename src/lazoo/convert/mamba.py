@@ -10,9 +10,9 @@ published in their format) and writes a lazoo causal LM computing the same funct
 - `bamba`: the attention layers (`attn_layer_indices`) become lazoo `softmax` layers (grouped-query key/value heads,
   RoPE on the first half of each head's channels), and every layer has Bamba's SwiGLU MLP.
 
-`granitemoehybrid` and `nemotron_h` folders are refused, naming the first config field lazoo cannot express: Granite's
-multipliers (of the embeddings, the residual branches, the attention scores and the logits) and its MoE, and
-Nemotron-H's layers that are an MLP or an MoE alone, without a mixer.
+`granitemoehybrid` folders are refused, naming the first config field lazoo cannot express: Granite's multipliers (of
+the embeddings, the residual branches, the attention scores and the logits) and its MoE. (`nemotron_h` folders convert
+through `lazoo.convert.nemotron`.)
 
 What lazoo does not copy, and why: `time_step_limit` other than (0, inf) is refused (transformers clamps dt to it in
 its chunked form but not when it decodes one token, so the model has no one function to copy); `residual_in_fp32`
@@ -52,7 +52,7 @@ __all__ = ["MAMBA_MODEL_TYPES", "from_mamba", "mamba_config_to_lazoo"]
 
 #: the model types converted, and those refused by the first field lazoo cannot express
 CONVERTED_MODEL_TYPES = ("mamba2", "bamba")
-REFUSED_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
+REFUSED_MODEL_TYPES = ("granitemoehybrid",)
 MAMBA_MODEL_TYPES = CONVERTED_MODEL_TYPES + REFUSED_MODEL_TYPES
 
 #: the config fields lazoo reads, with their kinds (fla_layers.KINDS; "?" allows null) and transformers' defaults
@@ -229,22 +229,10 @@ def _granite_refusal(cfg: dict) -> None:
            "principle, but lazoo convert does not implement it")
 
 
-def _nemotron_refusal(cfg: dict) -> None:
-    """Nemotron-H: its MLP and MoE layers have no mixer, which a lazoo decoder layer always has (a folder without
-    them is refused by model type: the converter for its layers is not written)."""
-    kinds = cfg.get("layers_block_type", cfg.get("hybrid_override_pattern"))
-    field = "layers_block_type" if "layers_block_type" in cfg else "hybrid_override_pattern"
-    if kinds is None or any(kind in ("mlp", "moe", "-", "E") for kind in kinds):
-        refuse(field, kinds, "Nemotron-H's MLP and MoE layers are an MLP alone, without a mixer; a lazoo decoder "
-               "layer is a mixer followed by an MLP")
-    refuse("model_type", "nemotron_h", "a Nemotron-H folder of Mamba-2 and attention layers only converts in "
-           "principle, but lazoo convert does not implement it")
-
-
 def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
     """The lazoo config fields (with `model_type`) of a `mamba2` or `bamba` config dict; ConversionError naming the
     field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot express exactly (every
-    `granitemoehybrid` and `nemotron_h` config, by its first such field)."""
+    `granitemoehybrid` config, by its first such field)."""
     model_type = cfg.get("model_type")
     if model_type == "mamba2":
         return _mamba2_config(cfg)
@@ -252,8 +240,6 @@ def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
         return _bamba_config(cfg)
     if model_type == "granitemoehybrid":
         _granite_refusal(cfg)
-    if model_type == "nemotron_h":
-        _nemotron_refusal(cfg)
     refuse("model_type", model_type, f"lazoo converts {', '.join(CONVERTED_MODEL_TYPES)} here")
 
 

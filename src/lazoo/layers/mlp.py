@@ -1,17 +1,72 @@
-"""Gated feed-forward block (SwiGLU)."""
+"""Feed-forward blocks: the gated MLP (SwiGLU by default) and the plain two-matrix MLP, with a choice of activation.
+
+    gated   y = down(act(gate(x)) · up(x))        gate_proj, up_proj [I, D], down_proj [D, I]
+    plain   y = down(act(up(x)))                  up_proj [I, D], down_proj [D, I]
+
+`ACTIVATIONS` names the activations by transformers' names (`hidden_act`): "silu", "gelu" (exact), "gelu_pytorch_tanh"
+(the tanh approximation), "relu" and "relu2" (relu squared, of "Primer: Searching for Efficient Transformers for
+Language Modeling", So et al., 2021; Nemotron-H's MLPs).
+"""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+#: activation name -> function
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "relu": F.relu, "relu2": relu_squared}
+
+
+def activation(name: str):
+    """The activation function called `name` (a ValueError listing the known names otherwise)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
+        self.act = act
+        self.act_fn = activation(act)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def extra_repr(self) -> str:
+        return "" if self.act == "silu" else f"act={self.act!r}"
+
+
+class PlainMLP(nn.Module):
+    """`down(act(up(x)))`: no gate (Nemotron-H's MLP with act="relu2")."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "relu2"):
+        super().__init__()
+        self.act = act
+        self.act_fn = activation(act)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"act={self.act!r}"
+
+
+def make_mlp(hidden_size: int, intermediate_size: int, gated: bool = True, act: str = "silu") -> nn.Module:
+    """A gated or a plain MLP (module docstring)."""
+    return GatedMLP(hidden_size, intermediate_size, act) if gated else PlainMLP(hidden_size, intermediate_size, act)

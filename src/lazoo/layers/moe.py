@@ -31,11 +31,22 @@ DeepSeek-V3 router), each option on its own, the defaults giving the softmax rou
 
 So the Kimi Linear block is `y = Σ_{e∈topk} λ · s_e / (Σ s + 1e-20) · f_e(x) + f_shared(x)`.
 
+The experts of Nemotron-H ("Nemotron-H: A Family of Accurate and Efficient Hybrid Mamba-Transformer Models", NVIDIA,
+2025), each option on its own, the defaults giving SwiGLU experts in the hidden space:
+
+- `gated=False`: every expert, and the shared expert, is a plain MLP `down(act(up(x)))` (`lazoo.layers.mlp`), with
+  `act` the activation of every expert (default "silu"; Nemotron-H's "relu2");
+- `latent_size=L`: the routed experts work in a latent space of L channels: `latent_in_proj` [L, D] takes the token
+  there, the weighted sum of the experts comes back through `latent_out_proj` [D, L]; the router and the shared
+  expert read the token itself. `y = W_out Σ_{e∈topk} w_e · f_e(W_in x) + f_shared(x)`.
+
 Parameters (`E` experts of width `I`, shared width `S`, hidden `D`), the layout of transformers' MoE blocks:
 
     router.weight                 [E, D]        (Qwen: mlp.gate.weight)
     experts.gate_up_proj          [E, 2I, D]    rows [:I] the gate projection, [I:] the up projection
-    experts.down_proj             [E, D, I]
+    experts.up_proj               [E, I, D]     (gated=False, in place of gate_up_proj)
+    experts.down_proj             [E, D, I]     (D is the latent width L with latent_size)
+    latent_in_proj.weight [L, D], latent_out_proj.weight [D, L]   (with latent_size)
     shared_expert.{gate,up}_proj.weight  [S, D],  shared_expert.down_proj.weight  [D, S]
     shared_expert_gate.weight     [1, D]        (none with shared_gate=False)
     e_score_correction_bias       [E]           (a buffer, with score_correction_bias=True; Kimi: gate.e_score_...)
@@ -66,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import GatedMLP
+from .mlp import activation, make_mlp
 
 BIAS_MODES = (None, "eq14", "eq15")
 #: how the router turns its logits into scores
@@ -158,30 +169,44 @@ def has_legacy_experts(keys) -> bool:
 
 class MoEExperts(nn.Module):
     """E SwiGLU experts, stored stacked: `gate_up_proj` `[E, 2I, D]` (gate rows first, then up), `down_proj`
-    `[E, D, I]` (transformers' layout). `forward(x, top_idx, top_weights)` returns `Σ_k top_weights[n, k] ·
-    f_{top_idx[n, k]}(x[n])` `[N, D]`; PEFT's `target_parameters` LoRA applies during this forward."""
+    `[E, D, I]` (transformers' layout); with `gated=False`, E plain MLPs `down(act(up(x)))`: `up_proj` `[E, I, D]` in
+    place of `gate_up_proj`. `act` is the activation (transformers' names, `lazoo.layers.mlp.ACTIVATIONS`).
+    `forward(x, top_idx, top_weights)` returns `Σ_k top_weights[n, k] · f_{top_idx[n, k]}(x[n])` `[N, D]`; PEFT's
+    `target_parameters` LoRA applies during this forward."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool = True,
+                 act: str = "silu"):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.gated, self.act = gated, act
+        self.act_fn = activation(act)
+        rows = 2 * intermediate_size if gated else intermediate_size
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.reset_parameters()
         self._register_load_state_dict_pre_hook(self._stack_legacy_state)
 
+    @property
+    def in_proj(self) -> nn.Parameter:
+        """The stacked input projections: `gate_up_proj` (gated) or `up_proj`."""
+        return self.gate_up_proj if self.gated else self.up_proj
+
     def reset_parameters(self) -> None:
         """nn.Linear's default init, expert by expert (uniform in ±1/sqrt(fan_in))."""
         with torch.no_grad():
-            self.gate_up_proj.uniform_(-1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+            self.in_proj.uniform_(-1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
             bound = 1 / math.sqrt(max(self.intermediate_size, 1))
             self.down_proj.uniform_(-bound, bound)
 
     def _init_lazoo_parameters(self, init, std: float) -> None:
         """The model's init (`LazooPreTrainedModel._init_weights`): normal(0, std), as nn.Linear experts got; `init`
         is transformers' guarded `initialization` module (a loaded weight is left as it is)."""
-        init.normal_(self.gate_up_proj, mean=0.0, std=std)
+        init.normal_(self.in_proj, mean=0.0, std=std)
         init.normal_(self.down_proj, mean=0.0, std=std)
 
     @staticmethod
@@ -194,13 +219,20 @@ class MoEExperts(nn.Module):
             state_dict.update(converted)
 
     def extra_repr(self) -> str:
+        form = "" if self.gated and self.act == "silu" else f", gated={self.gated}, act={self.act!r}"
         return f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, " \
-               f"intermediate_size={self.intermediate_size}"
+               f"intermediate_size={self.intermediate_size}" + form
+
+    def _hidden(self, projected: torch.Tensor) -> torch.Tensor:
+        """The experts' inner activations from their input projections: `act(gate) · up`, or `act(up)`."""
+        if not self.gated:
+            return self.act_fn(projected)
+        gate, up = projected.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` alone on rows `x` `[n, D]`: `down(silu(gate(x)) · up(x))`."""
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        """Expert `e` alone on rows `x` `[n, D]`: `down(act(gate(x)) · up(x))`, or `down(act(up(x)))`."""
+        return F.linear(self._hidden(F.linear(x, self.in_proj[e])), self.down_proj[e])
 
     def __getitem__(self, e: int):
         """Expert `e` as a function of its input rows (the first layout's `experts[e](x)`)."""
@@ -224,7 +256,7 @@ class MoEExperts(nn.Module):
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-        return self.gate_up_proj.dtype
+        return self.in_proj.dtype
 
     def _loop(self, x, top_idx, top_weights):
         """Each expert on its rows, the (token, slot) pairs sorted by expert once (a stable sort: each expert sees
@@ -264,8 +296,8 @@ class MoEExperts(nn.Module):
         experts = torch.arange(self.num_experts, device=x.device, dtype=sorted_idx.dtype)
         offsets = torch.searchsorted(sorted_idx, experts, right=True).to(torch.int32)  # end of each expert's rows
         rows = x[order // k].to(dtype)
-        gate, up = _grouped_linear(rows, self.gate_up_proj.to(dtype), offsets).chunk(2, dim=-1)
-        y = _grouped_linear(F.silu(gate) * up, self.down_proj.to(dtype), offsets)
+        hidden = self._hidden(_grouped_linear(rows, self.in_proj.to(dtype), offsets))
+        y = _grouped_linear(hidden, self.down_proj.to(dtype), offsets)
         y = y * top_weights.reshape(-1)[order, None].to(y.dtype)
         y = torch.zeros_like(y).index_copy(0, order, y)  # back to (token, slot) order
         return y.view(N, k, -1).sum(1).to(x.dtype)
@@ -314,20 +346,23 @@ def check_routing(num_experts, top_k, score="softmax", score_correction_bias=Fal
 
 # ============================================================================ the block
 class RoutedMoE(nn.Module):
-    """Router + E routed SwiGLU experts (+ an optional shared expert, gated by a sigmoid or not); see the module
+    """Router + E routed experts (+ an optional shared expert, gated by a sigmoid or not); see the module
     docstring.
 
     `norm_top_k`: None renormalises the top-k scores when k > 1 (the original rule), True always, False never.
     `shared_intermediate_size`: the shared expert's width (None / 0: none); `shared_gate`: whether a learned sigmoid
     gate scales it. `score` ("softmax" or "sigmoid"), `score_correction_bias`, `num_groups` / `top_k_groups` and
     `routed_scaling_factor`: Kimi Linear's routing (module docstring). `backend`: the experts' computation ("loop",
-    "grouped", None = auto), also settable later as the attribute `expert_backend`."""
+    "grouped", None = auto), also settable later as the attribute `expert_backend`. `gated` / `act`: SwiGLU-style
+    experts (and shared expert) or plain MLPs, and their activation; `latent_size`: the routed experts' latent width
+    (None: they read the token itself), as in Nemotron-H (module docstring)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int = 2,
                  bias: str | None = "eq14", norm_top_k: bool | None = None,
                  shared_intermediate_size: int | None = None, backend: str | None = None, *,
                  score: str = "softmax", score_correction_bias: bool = False, num_groups: int = 1,
-                 top_k_groups: int | None = None, routed_scaling_factor: float = 1.0, shared_gate: bool = True):
+                 top_k_groups: int | None = None, routed_scaling_factor: float = 1.0, shared_gate: bool = True,
+                 gated: bool = True, act: str = "silu", latent_size: int | None = None):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"RoutedMoE: num_experts must be >= 1, got {num_experts}")
@@ -342,6 +377,9 @@ class RoutedMoE(nn.Module):
             raise ValueError(f"RoutedMoE: backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
         check_routing(num_experts, top_k, score, score_correction_bias, num_groups, top_k_groups,
                       routed_scaling_factor, shared_gate, prefix="RoutedMoE: ")
+        if latent_size is not None and (not isinstance(latent_size, int) or isinstance(latent_size, bool)
+                                        or latent_size < 1):
+            raise ValueError(f"RoutedMoE: latent_size must be None or a positive int, got {latent_size!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.bias = bias
@@ -352,12 +390,17 @@ class RoutedMoE(nn.Module):
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.expert_backend = backend
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
+        self.latent_size = latent_size
+        if latent_size is not None:  # the routed experts' own space (the router and shared expert read x itself)
+            self.latent_in_proj = nn.Linear(hidden_size, latent_size, bias=False)
+            self.latent_out_proj = nn.Linear(latent_size, hidden_size, bias=False)
+        self.experts = MoEExperts(num_experts, latent_size or hidden_size, intermediate_size, gated=gated, act=act)
         if score_correction_bias:  # persistent: saved and loaded with the weights, never trained by gradient
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         else:
             self.e_score_correction_bias = None
-        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert = make_mlp(hidden_size, shared_intermediate_size, gated, act) \
+            if shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if self.shared_expert is not None \
             and shared_gate else None
         self.aux_loss: torch.Tensor | None = None
@@ -368,6 +411,8 @@ class RoutedMoE(nn.Module):
             routing.append(f"groups={self.top_k_groups}/{self.num_groups}")
         if self.routed_scaling_factor != 1.0:
             routing.append(f"routed_scaling_factor={self.routed_scaling_factor}")
+        if self.latent_size is not None:
+            routing.append(f"latent_size={self.latent_size}")
         return ", ".join(routing)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -400,7 +445,10 @@ class RoutedMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs, top_p, top_idx = self.route(flat)
-        out = self.experts(flat, top_idx, top_p.to(x.dtype), backend=self.expert_backend)
+        routed_in = flat if self.latent_size is None else self.latent_in_proj(flat)
+        out = self.experts(routed_in, top_idx, top_p.to(x.dtype), backend=self.expert_backend)
+        if self.latent_size is not None:
+            out = self.latent_out_proj(out)
         if self.bias is not None:  # each chosen expert's label vector w_e (eqs 14/15)
             b = self.router.weight[top_idx].to(out.dtype)  # [N, k, D]
             if self.bias == "eq15":

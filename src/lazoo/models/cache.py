@@ -17,15 +17,16 @@ decode step reads no Python number that changes, and can be compiled and capture
 (`is_compileable`: `generate` then compiles its decode steps on CUDA). The tokens are those of the dynamic cache.
 
 It is a `transformers.Cache` made of per-layer cache objects (`cache.layers`), one per model layer, so transformers'
-own code paths (beam reordering, batch expansion and selection, cropping, `get_seq_length`, reset) run on it
-layer by layer. A layer whose mixer keeps keys and values (softmax, sliding-window and local-linear attention) is a
+own code paths (beam reordering, batch expansion and selection, cropping, `get_seq_length`, reset) run on it layer by
+layer. A layer whose mixer keeps keys and values (softmax, sliding-window and local-linear attention) is a
 `LazooAttentionLayer`, a `transformers.cache_utils.CacheLayerMixin` whose `keys` and `values` read
 `[B, heads, positions, head_dim]` as transformers' attention layers do; any other is a `LazooStateLayer`, a
 `LinearAttentionCacheLayerMixin` (transformers' kind for linear-attention and Mamba layers) whose `recurrent_states`
 and `conv_states` number the state's tensors. A layer takes its kind from the first state written to it. The layer
 objects keep no tensors of their own: they read and edit the layer's entry of `cache.states` (and
 `cache.lobe_states`), the dicts the mixers write, so a state's layout and a decode step's work are the same as
-without them.
+without them. A layer without a token mixer (a `layer_types` entry None) never writes a state: its entry stays empty,
+and it neither blocks nor takes part in a crop.
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ class LazooStateLayer(_LayerEntry, LinearAttentionCacheLayerMixin):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
+        if tokens_to_remove and self.is_initialized:  # (a layer without a token mixer holds nothing to crop)
             raise ValueError(f"layer {self.layer_idx} keeps a recurrent state, which cannot be cropped (it does not "
                              "keep the positions it has seen); re-run the prompt instead")
 
@@ -450,8 +451,11 @@ class LazooCache(Cache):
     @property
     def is_croppable(self) -> bool:
         """Whether `crop` can take positions back: a dynamic cache whose every layer keeps all the positions it has
-        seen (full softmax attention, local-linear attention without a window) and no Memory Lobe state."""
-        return not self.static and not any(self._lobe_filled) and all(layer.is_croppable for layer in self.layers)
+        seen (full softmax attention, local-linear attention without a window) and no Memory Lobe state. A layer
+        that holds no state (one without a token mixer) has nothing to crop."""
+        stateless = (lambda layer: self.real_tokens is not None and not layer.is_initialized)  # after a forward
+        return not self.static and not any(self._lobe_filled) and all(
+            layer.is_croppable or stateless(layer) for layer in self.layers)
 
     def crop(self, max_length: int):
         """Keep the first `max_length` positions (a negative value: remove `-max_length` positions), through each

@@ -65,7 +65,8 @@ def _mechanism_row(name: str) -> str:
     return f"| `{name}` | {_cell(m.title)} | {_cell(m.equation)} | {_cell(m.source)} |"
 
 
-def _layer_pattern(layer_types: list[str]) -> str:
+def _layer_pattern(layer_types: list[str | None]) -> str:
+    layer_types = [t or "no mixer" for t in layer_types]  # None: a layer of its feed-forward alone
     counts = Counter(layer_types)
     listing = ", ".join(f"`{t}`" for t in layer_types) if len(layer_types) <= 12 else (
         ", ".join(f"`{t}` × {n}" for t, n in counts.items()))
@@ -105,7 +106,7 @@ def card_fields(model, metrics: dict[str, Any] | None = None, training_data: str
     model class the card is for when `model` is a config, e.g. "ForCausalLM")."""
     config = getattr(model, "config", model)
     layer_types = list(config.layer_types)
-    mechanisms = list(dict.fromkeys(layer_types))
+    mechanisms = [name for name in dict.fromkeys(layer_types) if name is not None]
     mechanism_table = "\n".join(
         ["| name | mechanism | state update / read-out (per head) | source |", "|---|---|---|---|"]
         + [_mechanism_row(m) for m in mechanisms])

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from ..layers.mixers import check_mixer_kwargs, mixer_class
+from ..layers.mlp import ACTIVATIONS
 from ..layers.moe import check_routing
 from ..registry import Mechanism, mechanisms, on_register
 from .field_checks import check_int, check_number, is_int
@@ -55,14 +56,22 @@ def check_sizes(config) -> None:
                          f"got {config.use_short_conv!r}")
 
 
+def mixer_names(layer_types) -> list[str]:
+    """The distinct mechanisms of `layer_types`, in order of first use, without the None of mixer-free layers."""
+    return [name for name in dict.fromkeys(layer_types) if name is not None]
+
+
 def check_layer_types(layer_types, num_hidden_layers) -> None:
-    """`layer_types` is a list of known mechanism names, one per layer."""
+    """`layer_types` is a list of known mechanism names (or None: a layer without a token mixer), one per layer."""
     if not isinstance(layer_types, (list, tuple)):
         raise ValueError(f"layer_types must be a list of mechanism names, one per layer (e.g. "
                          f"['linear'] * num_hidden_layers), got {type(layer_types).__name__} {layer_types!r}")
     for name in layer_types:
+        if name is None:  # a layer of its feed-forward alone
+            continue
         if not isinstance(name, str):
-            raise ValueError(f"layer_types entries must be mechanism names (str), got {name!r}")
+            raise ValueError(f"layer_types entries must be mechanism names (str), or None for a layer without a "
+                             f"token mixer, got {name!r}")
         mixer_class(name)  # raises ValueError listing the known names
     if len(layer_types) != num_hidden_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_hidden_layers}; "
@@ -74,7 +83,7 @@ def check_head_layout(config, layer_types) -> None:
     `num_attention_heads`, or the mechanism's own `num_heads` option; a mechanism with its own `head_k_dim` (the
     recurrent mixers) or `head_dim` (attention) sets its head dim freely (fla- and Qwen-style layouts). The Memory
     Lobe uses `num_attention_heads`."""
-    for name in dict.fromkeys(layer_types):
+    for name in mixer_names(layer_types):
         options = config.mixer_options(name)
         heads = options.get("num_heads") or config.num_attention_heads
         own_dim = options.get("head_k_dim") is not None or options.get("head_dim") is not None
@@ -126,19 +135,61 @@ def check_decoder_options(config) -> None:
         raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {coef!r}")
 
 
-def check_moe_layers(moe_layers, num_hidden_layers) -> None:
-    """`moe_layers` is None (every layer) or a list of distinct layer indices in [0, num_hidden_layers)."""
+def check_moe_layers(moe_layers, num_hidden_layers, field: str = "moe_layers",
+                     none_means: str = "a routed MoE in every layer") -> None:
+    """`moe_layers` (or the index list `field`) is None (every layer) or a list of distinct layer indices in
+    [0, num_hidden_layers)."""
     if moe_layers is None:
         return
     if not isinstance(moe_layers, (list, tuple)):
-        raise ValueError(f"moe_layers must be None (a routed MoE in every layer) or a list of layer indices, got "
+        raise ValueError(f"{field} must be None ({none_means}) or a list of layer indices, got "
                          f"{type(moe_layers).__name__} {moe_layers!r}")
     for index in moe_layers:
         if not is_int(index) or not 0 <= index < num_hidden_layers:
-            raise ValueError(f"moe_layers entries must be layer indices in [0, num_hidden_layers={num_hidden_layers}), "
+            raise ValueError(f"{field} entries must be layer indices in [0, num_hidden_layers={num_hidden_layers}), "
                              f"got {index!r}")
     if len(set(moe_layers)) != len(moe_layers):
-        raise ValueError(f"moe_layers lists a layer twice: {list(moe_layers)!r}")
+        raise ValueError(f"{field} lists a layer twice: {list(moe_layers)!r}")
+
+
+# ---------------------------------------------------------------------------- the feed-forward's form and layers
+def check_feed_forward_options(config, layer_types) -> None:
+    """Clear errors for the feed-forward's form (`mlp_gated`, `mlp_activation`, `moe_latent_size`) and the layers
+    with one (`mlp_layers`) or without a token mixer (None in `layer_types`): every layer has a mixer or a
+    feed-forward (or both), a routed MoE only where there is a feed-forward, and no Hyper-Link (which feeds the
+    mixer's output to the MLP) where a layer lacks either."""
+    if not isinstance(config.mlp_gated, bool):
+        raise ValueError(f"mlp_gated must be True (act(gate(x))·up(x)) or False (act(up(x))), got "
+                         f"{config.mlp_gated!r}")
+    if config.mlp_activation not in ACTIVATIONS:
+        raise ValueError(f"mlp_activation must be one of {list(ACTIVATIONS)}, got {config.mlp_activation!r}")
+    latent = config.moe_latent_size
+    if latent is not None and (not is_int(latent) or latent < 1):
+        raise ValueError(f"moe_latent_size must be None (the experts read the hidden state) or a positive int, got "
+                         f"{latent!r}")
+    n = config.num_hidden_layers
+    check_moe_layers(config.mlp_layers, n, "mlp_layers", "a feed-forward in every layer")
+    without_mlp = [] if config.mlp_layers is None else [i for i in range(n) if i not in set(config.mlp_layers)]
+    without_mixer = [i for i, name in enumerate(layer_types) if name is None]
+    empty = sorted(set(without_mlp) & set(without_mixer))
+    if empty:
+        raise ValueError(f"layer {empty[0]} has neither a token mixer (layer_types[{empty[0]}] is None) nor a "
+                         "feed-forward (not in mlp_layers): give it one of them, or remove the layer")
+    if config.moe_num_experts and config.moe_layers is not None:
+        stray = [i for i in config.moe_layers if i in set(without_mlp)]
+        if stray:
+            raise ValueError(f"moe_layers lists layer {stray[0]}, which has no feed-forward (not in mlp_layers): a "
+                             "routed MoE is a layer's feed-forward")
+    if config.hyper_link and (without_mlp or without_mixer):
+        raise ValueError(f"hyper_link=True feeds each layer's mixer output to its MLP, but layer "
+                         f"{min(without_mlp + without_mixer)} lacks one of them (layer_types None, or not in "
+                         "mlp_layers)")
+
+
+def has_feed_forward(config, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` has a feed-forward (an MLP or a routed MoE): `config.mlp_layers` None or lists it."""
+    layers = getattr(config, "mlp_layers", None)
+    return layers is None or layer_idx in layers
 
 
 def moe_layers_from_sparse_step(num_hidden_layers: int, decoder_sparse_step: int = 1, mlp_only_layers=(),
@@ -156,7 +207,7 @@ def _defaults_before(saved_format, layer_types) -> dict[str, dict[str, Any]]:
     if not is_int(saved_format) or saved_format >= CONFIG_FORMAT or not isinstance(layer_types, (list, tuple)):
         return {}
     old: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(layer_types):
+    for name in mixer_names(layer_types):
         try:
             changes = mixer_class(name).defaults_before
         except ValueError:  # an unknown name: check_layer_types says so
@@ -269,6 +320,11 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         moe_routed_scaling_factor: float = 1.0,
         moe_shared_expert_gate: bool = True,
         router_aux_loss_coef: float = 0.01,
+        # the feed-forward's form and the layers with one (Nemotron-H)
+        mlp_layers: list[int] | None = None,
+        mlp_gated: bool = True,
+        mlp_activation: str = "silu",
+        moe_latent_size: int | None = None,
         **kwargs,
     ):
         # `transformers_version` is in every config that save_pretrained wrote: one without `lazoo_format` is format 1
@@ -338,6 +394,15 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         self.moe_routed_scaling_factor = moe_routed_scaling_factor
         self.moe_shared_expert_gate = moe_shared_expert_gate
         self.router_aux_loss_coef = router_aux_loss_coef
+        # the feed-forward's form and the layers with one (Nemotron-H; lazoo.layers.mlp and .moe): the layers with a
+        # feed-forward (None: every layer; a layer whose layer_types entry is None has a feed-forward and no token
+        # mixer); act(gate(x))·up(x) or act(up(x)) in the MLP, the experts and the shared expert alike, with
+        # `mlp_activation` (transformers' names: silu, gelu, gelu_pytorch_tanh, relu, relu2); the routed experts'
+        # latent width (None: they read the hidden state)
+        self.mlp_layers = list(mlp_layers) if isinstance(mlp_layers, tuple) else mlp_layers
+        self.mlp_gated = mlp_gated
+        self.mlp_activation = mlp_activation
+        self.moe_latent_size = moe_latent_size
         self.check_fields(layer_types)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
         # set after the base __init__, whose validation only knows transformers' own attention kinds
@@ -355,6 +420,7 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         check_mixer_kwargs(self.mixer_kwargs, layer_types)
         check_head_layout(self, layer_types)
         check_decoder_options(self)
+        check_feed_forward_options(self, layer_types)
 
     def validate(self):
         """transformers' validators, except its `layer_types` check (which knows only its own attention

@@ -373,6 +373,7 @@ class LazooMamba2Config(LazooConfig):
         time_step_floor = 0.0001: initialisation: dt at least this
         A_init_min = 1.0: initialisation: A = exp(A_log) drawn uniform in [A_init_min, A_init_max]
         A_init_max = 16.0: initialisation: the upper end of A's range
+        dt_clamp_min = 0.0: the step sizes clamped from below, dt = max(softplus(dt + dt_bias), dt_clamp_min), in every form (0: no clamp; Nemotron-H clamps at its time_step_min)
     """
 
     model_type = "lazoo_mamba2"

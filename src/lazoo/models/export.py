@@ -260,6 +260,8 @@ def _extension_modules(mechanism_names) -> dict[str, Path]:
 
     found = {}
     for name in dict.fromkeys(mechanism_names or ()):
+        if name is None:  # a layer without a token mixer
+            continue
         module = get(name).mixer.__module__
         if module == PACKAGE or module.startswith(PACKAGE + "."):
             continue

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - older transformers
 
 from ..layers.memory_lobe import MemoryLobe
 from ..layers.mixers import TokenMixer, mixer_class
-from ..layers.mlp import GatedMLP
+from ..layers.mlp import make_mlp
 from ..layers.moe import MoEExperts, RoutedMoE
 from ..layers.norms import ZeroCenteredRMSNorm, rms_norm
 from ..ops.backend import host_sync_allowed
@@ -35,7 +35,7 @@ from ..registry import Mechanism, mechanisms, on_register
 from ..registry import get as get_mechanism
 from .cache import LazooCache
 from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
-from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, refuse_taken_name
+from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, has_feed_forward, mixer_names, refuse_taken_name
 from .legacy_moe import stacked_experts_folder
 
 logger = logging.get_logger(__name__)
@@ -63,11 +63,13 @@ def _feed_forward(config: LazooConfig, layer_idx: int | None = None) -> nn.Modul
     is one of `config.moe_layers` (None: every layer); with `moe_shared_expert_intermediate_size`, plus the gated
     shared expert of Qwen3-Next / Qwen3.5-MoE (ungated with `moe_shared_expert_gate=False`); Kimi Linear's routing
     from the `moe_router_score`, `moe_score_correction_bias`, `moe_num_groups`, `moe_top_k_groups` and
-    `moe_routed_scaling_factor` fields."""
+    `moe_routed_scaling_factor` fields. The MLP, the experts and the shared expert are gated or plain
+    (`mlp_gated`), with the activation `mlp_activation`; `moe_latent_size` gives the experts a latent space."""
     experts = getattr(config, "moe_num_experts", 0)
     moe_layers = getattr(config, "moe_layers", None)
+    gated, act = getattr(config, "mlp_gated", True), getattr(config, "mlp_activation", "silu")
     if not experts or (moe_layers is not None and layer_idx not in moe_layers):
-        return GatedMLP(config.hidden_size, config.intermediate_size)
+        return make_mlp(config.hidden_size, config.intermediate_size, gated, act)
     size = config.moe_intermediate_size or config.intermediate_size
     return RoutedMoE(config.hidden_size, size, experts, config.moe_top_k, config.moe_bias,
                      norm_top_k=getattr(config, "moe_norm_top_k", None),
@@ -77,7 +79,8 @@ def _feed_forward(config: LazooConfig, layer_idx: int | None = None) -> nn.Modul
                      num_groups=getattr(config, "moe_num_groups", 1),
                      top_k_groups=getattr(config, "moe_top_k_groups", None),
                      routed_scaling_factor=getattr(config, "moe_routed_scaling_factor", 1.0),
-                     shared_gate=getattr(config, "moe_shared_expert_gate", True))
+                     shared_gate=getattr(config, "moe_shared_expert_gate", True), gated=gated, act=act,
+                     latent_size=getattr(config, "moe_latent_size", None))
 
 
 def decoder_norm(config: LazooConfig) -> nn.Module:
@@ -88,6 +91,9 @@ def decoder_norm(config: LazooConfig) -> nn.Module:
 class LazooDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: `h = x + mixer(norm(x))`, `out = h + mlp(norm(h))`.
 
+    A layer may lack either part: with no token mixer (its `layer_types` entry None) `h = x` (no `input_norm`, no
+    `mixer`); with no feed-forward (not in `config.mlp_layers`) `out = h` (no `post_mixer_norm`, no `mlp`).
+
     ELA-GPT options (the ELA paper, §V; any mechanism): `hyper_link` drops the mixer's residual and its norm,
     `f = mlp(mixer(norm(x)))`, `out = x + f`; `memory_lobe` adds linear attention over the layer's flow
     `ΔX` (f with Hyper-Link, `mixer + mlp` otherwise): `out = x + ΔX + lobe(ΔX)`; the MLP may be a routed
@@ -97,11 +103,14 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         name = config.layer_types[layer_idx]
         self.hyper_link = bool(getattr(config, "hyper_link", False))
-        self.input_norm = decoder_norm(config)
-        self.mixer = mixer_class(name)(config, layer_idx, config.mixer_options(name))
-        if not self.hyper_link:
-            self.post_mixer_norm = decoder_norm(config)
-        self.mlp = _feed_forward(config, layer_idx)
+        self.input_norm = self.mixer = self.post_mixer_norm = self.mlp = None
+        if name is not None:
+            self.input_norm = decoder_norm(config)
+            self.mixer = mixer_class(name)(config, layer_idx, config.mixer_options(name))
+        if has_feed_forward(config, layer_idx):
+            if not self.hyper_link:
+                self.post_mixer_norm = decoder_norm(config)
+            self.mlp = _feed_forward(config, layer_idx)
         lobe = getattr(config, "memory_lobe", None)
         self.memory_lobe = None if lobe is None else MemoryLobe(
             config.hidden_size, config.num_attention_heads, layer_idx, mode=lobe,
@@ -112,8 +121,14 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         """The layer's output; with `output_attentions=True`, `(output, weights)`: the mixer's attention weights
         `[B, H, T, S]`, or None for a mixer that has none (`TokenMixer.has_attention_weights`)."""
         hidden_states = zero_pads(hidden_states, mask)
-        x = self.input_norm(hidden_states)
         weights = None
+        if self.mixer is None:  # a layer of its feed-forward alone
+            f = self._feed_forward(hidden_states, mask)
+            out = hidden_states + f
+            if self.memory_lobe is not None:
+                out = out + self.memory_lobe(f, mask=mask, cache=cache, cu_seqlens=cu_seqlens)
+            return (out, weights) if output_attentions else out
+        x = self.input_norm(hidden_states)
         if output_attentions and self.mixer.has_attention_weights:
             extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
             mixed, weights = self.mixer(x, mask=mask, position_ids=position_ids, cache=cache, output_attentions=True,
@@ -128,13 +143,17 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             out = hidden_states + flow
         else:
             h = hidden_states + mixed
-            normed = self.post_mixer_norm(h)
-            f = self.mlp(normed, mask) if moe else self.mlp(normed)
+            f = 0 if self.mlp is None else self._feed_forward(h, mask)
             out = h + f
             flow = mixed + f if self.memory_lobe is not None else None
         if self.memory_lobe is not None:
             out = out + self.memory_lobe(flow, mask=mask, cache=cache, cu_seqlens=cu_seqlens)
         return (out, weights) if output_attentions else out
+
+    def _feed_forward(self, h, mask):
+        """`mlp(norm(h))` (a routed MoE also takes the mask, to leave pads out of its balance loss)."""
+        normed = self.post_mixer_norm(h)
+        return self.mlp(normed, mask) if isinstance(self.mlp, RoutedMoE) else self.mlp(normed)
 
     @property
     def aux_loss(self):
@@ -672,7 +691,7 @@ MODEL_CLASSES: dict[str, tuple] = {"lazoo_hybrid": (LazooConfig, LazooModel, Laz
 def _make_bidirectional(model: LazooModel, config: LazooConfig) -> None:
     """Switch every mixer of `model` to its mechanism's bidirectional form (`Mechanism.bidirectional_mixer`:
     same parameters, the non-causal op)."""
-    forms = {name: get_mechanism(name).bidirectional_mixer for name in dict.fromkeys(config.layer_types)}
+    forms = {name: get_mechanism(name).bidirectional_mixer for name in mixer_names(config.layer_types)}
     missing = sorted(name for name, form in forms.items() if form is None)
     if missing:
         having = sorted(n for n, m in mechanisms().items() if m.bidirectional_mixer is not None)
@@ -682,6 +701,8 @@ def _make_bidirectional(model: LazooModel, config: LazooConfig) -> None:
             "causal encoder"
         )
     for name, layer in zip(config.layer_types, model.layers):
+        if name is None:  # no token mixer: nothing to turn
+            continue
         causal = get_mechanism(name).mixer
         if type(layer.mixer) is not causal:  # a subclass of ours would lose its own behaviour
             raise TypeError(f"bidirectional=True: expected a {causal.__name__}, got {type(layer.mixer).__name__}")

@@ -3,7 +3,7 @@ Duality", Dao and Gu, 2024): the layer transformers' `Mamba2Mixer` computes, on 
 
     [z, x, B, C, dt] = in_proj(h)                      (widths H·P, H·P, G·N, G·N, H, in that order)
     [x, B, C] = silu(conv1d([x, B, C]))                 (depthwise causal, `conv_kernel` taps, with a bias)
-    dt = softplus(dt + dt_bias),  A = −exp(A_log)
+    dt = softplus(dt + dt_bias),  A = −exp(A_log)          (at least `dt_clamp_min`, where set)
     y = SSD(x, dt, A, B, C) + D·x                       (lazoo.ops.mamba2)
     out = out_proj(RMSNorm_groups(y · silu(z)))         (the gate first, then an RMSNorm over each of G groups)
 
@@ -58,7 +58,7 @@ class Mamba2Mixer(TokenMixer):
     defaults = {"num_heads": None, "head_dim": None, "state_size": 128, "n_groups": 1, "conv_kernel": 4,
                 "use_conv_bias": True, "use_bias": False, "norm_eps": 1e-5, "chunk_size": 64,
                 "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4,
-                "A_init_min": 1.0, "A_init_max": 16.0}
+                "A_init_min": 1.0, "A_init_max": 16.0, "dt_clamp_min": 0.0}
 
     def __init__(self, config, layer_idx, options):
         self.check_options({k: options[k] for k in self.optional_int_options})
@@ -97,6 +97,8 @@ class Mamba2Mixer(TokenMixer):
                              f"{hi!r}")
         if not floor >= 0:
             raise ValueError(f"mamba2: time_step_floor must be >= 0, got {floor!r}")
+        if not 0 <= options["dt_clamp_min"] < math.inf:
+            raise ValueError(f"mamba2: dt_clamp_min must be a finite number >= 0, got {options['dt_clamp_min']!r}")
         if not 0 < options["A_init_min"] <= options["A_init_max"]:
             raise ValueError(f"mamba2: A_init_min and A_init_max must satisfy 0 < min <= max, got "
                              f"{options['A_init_min']!r} and {options['A_init_max']!r}")
@@ -131,6 +133,8 @@ class Mamba2Mixer(TokenMixer):
                              self.num_groups * self.state_size], dim=-1)
         cdt = torch.promote_types(hidden_states.dtype, torch.float32)  # the step sizes in float32 (float64 stays)
         dt = F.softplus(dt.to(cdt) + self.dt_bias.to(cdt))
+        if self.options["dt_clamp_min"]:  # in every form alike: the prompt's chunks and each decoded token
+            dt = dt.clamp_min(self.options["dt_clamp_min"])
         A = -torch.exp(self.A_log.to(cdt))
         groups = (batch, T, self.num_groups, self.state_size)
         y, state = ops.mamba2(x.view(batch, T, self.num_heads, self.head_dim), dt, A, B.view(groups),
@@ -165,6 +169,8 @@ register(Mechanism(
         "time_step_floor": "initialisation: dt at least this",
         "A_init_min": "initialisation: A = exp(A_log) drawn uniform in [A_init_min, A_init_max]",
         "A_init_max": "initialisation: the upper end of A's range",
+        "dt_clamp_min": "the step sizes clamped from below, dt = max(softplus(dt + dt_bias), dt_clamp_min), in every "
+                        "form (0: no clamp; Nemotron-H clamps at its time_step_min)",
     },
     tiny_options={"state_size": 16, "chunk_size": 8},
 ))
