@@ -164,3 +164,20 @@ def check_outcome(status: int, err: list[str], dst: Path, before) -> None:
     for name, tensor in model.state_dict().items():
         assert torch.isfinite(tensor).all(), name
         assert not (tensor == SENTINEL).any(), name
+
+
+def check_refused(src: Path, dst: Path, edit, error: type, field: str, capfd) -> None:
+    """With `edit(config)` applied to `src`'s config.json, converting into `dst` raises `error` naming `field`, and
+    `lazoo convert` exits 2 with one line naming it, leaving `dst` as it was."""
+    from lazoo.convert import convert_checkpoint
+
+    edit_config(src, edit)
+    try:
+        convert_checkpoint(src, dst)
+    except error as err:
+        assert f"'{field}'" in str(err), err
+    else:
+        raise AssertionError(f"{src}: converted, though {field!r} should be refused")
+    status, err, _ = run_convert(src, dst, capfd)
+    check_outcome(status, err, dst, None)
+    assert status == 2 and field in err[0], err
