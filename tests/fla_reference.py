@@ -1,19 +1,20 @@
 """Float64 transcriptions of fla 0.6.0's recurrent layers, and the map of their weights onto lazoo's mixers.
 
-Three layers of fla (flash-linear-attention 0.6.0), written in plain torch from fla's own code, not from
-lazoo's: `GatedDeltaNet` (fla/layers/gated_deltanet.py), `DeltaNet` (fla/layers/delta_net.py) and
-`GatedLinearAttention` (fla/layers/gla.py), with their recurrences from fla/ops/gated_delta_rule/naive.py,
-fla/ops/delta_rule/naive.py and fla/ops/gla/naive.py, their norms from fla/modules (RMSNorm,
-FusedRMSNormGated, l2norm) and their short convolution from fla/modules/causal_conv1d. fla is not imported.
+Four layers of fla (flash-linear-attention 0.6.0), written in plain torch from fla's own code, not from
+lazoo's: `GatedDeltaNet` (fla/layers/gated_deltanet.py), `DeltaNet` (fla/layers/delta_net.py),
+`GatedLinearAttention` (fla/layers/gla.py) and `KimiDeltaAttention` (fla/layers/kda.py), with their recurrences
+from fla/ops/gated_delta_rule/naive.py, fla/ops/delta_rule/naive.py, fla/ops/gla/naive.py and fla/ops/kda/naive.py,
+their norms from fla/modules (RMSNorm, FusedRMSNormGated, l2norm) and their short convolution from
+fla/modules/causal_conv1d. fla is not imported.
 
-Layer names (`layer` below): "gated_deltanet", "delta_net", "gla" (fla's model types). Layer arguments
+Layer names (`layer` below): "gated_deltanet", "delta_net", "gla", "kda" (fla's model types). Layer arguments
 (`**args`) are the keyword arguments of fla's layer classes, with fla's defaults, e.g.
 `gated_deltanet_layer(weights, x, hidden_size=64, head_dim=16, num_heads=2, expand_v=2)`.
 Weights are a dict `{fla parameter name: tensor}` exactly as fla's layer `state_dict()` names them
 (`q_proj.weight`, `q_conv1d.weight`, `o_norm.weight`, ...).
 
 Functions:
-- `gated_deltanet_layer`, `delta_net_layer`, `gla_layer` `(weights, x [T, hidden], **args) -> [T, hidden]`:
+- `gated_deltanet_layer`, `delta_net_layer`, `gla_layer`, `kda_layer` `(weights, x [T, hidden], **args) -> [T, hidden]`:
   one sequence (fla unpads a batch into sequences that see nothing of each other).
 - `padded_layer(layer, weights, x [B, T, hidden], mask [B, T], **args) -> [B, T, hidden]`: a padded batch as
   fla's layer runs it with `attention_mask`: each sample's real tokens alone, zeros at the pads.
@@ -130,6 +131,22 @@ def gla_recurrence(q, k, v, gk) -> torch.Tensor:
     return torch.stack(o)
 
 
+def kda_recurrence(q, k, v, g, beta, scale: float | None = None) -> torch.Tensor:
+    """`naive_recurrent_kda` (fla/ops/kda/naive.py) on one sequence: q, k `[T, H, K]`, v `[T, HV, V]`, g `[T, HV, K]`
+    (a log decay per key channel), beta `[T, HV]`; value head j reads query/key head j // (HV // H)."""
+    T, H, K = q.shape
+    HV = v.shape[1]
+    qk_head = torch.arange(HV) // (HV // H)
+    q, k = q[:, qk_head] * (K ** -0.5 if scale is None else scale), k[:, qk_head]
+    S = q.new_zeros(HV, K, v.shape[-1])
+    o = []
+    for i in range(T):
+        S = S * g[i].exp()[..., None]
+        S = S + (beta[i][:, None] * k[i])[..., None] * (v[i] - (k[i][..., None] * S).sum(-2))[:, None, :]
+        o.append(torch.einsum("hk,hkv->hv", q[i], S))
+    return torch.stack(o)
+
+
 # ============================================================================ layers (fla/layers/*.py)
 
 
@@ -145,17 +162,23 @@ def _heads(x, head_dim):
     return x.view(x.shape[0], -1, head_dim)
 
 
-def gated_deltanet_layer(weights, x, *, hidden_size=2048, expand_v=2, head_dim=256, num_heads=6,
-                         num_v_heads=None, use_gate=True, use_short_conv=True, allow_neg_eigval=False,
-                         conv_size=4, conv_bias=False, norm_eps=1e-5, output_gate_activation="swish", **_):
-    """fla's `GatedDeltaNet.forward` on one sequence x `[T, hidden]`."""
-    head_v_dim = int(head_dim * expand_v)
+def _silu_qkv_heads(weights, x, head_dim: int, head_v_dim: int, use_short_conv: bool):
+    """q, k, v `[T, heads, dim]`: the projections, through their short convolutions with silu (silu alone
+    without them), as GatedDeltaNet and KimiDeltaAttention compute them."""
     q, k, v = (_linear(weights, f"{n}_proj", x) for n in "qkv")
     if use_short_conv:
         q, k, v = (_conv(weights, f"{n}_conv1d", t, "silu") for n, t in zip("qkv", (q, k, v)))
     else:
         q, k, v = F.silu(q), F.silu(k), F.silu(v)
-    q, k, v = _heads(q, head_dim), _heads(k, head_dim), _heads(v, head_v_dim)
+    return _heads(q, head_dim), _heads(k, head_dim), _heads(v, head_v_dim)
+
+
+def gated_deltanet_layer(weights, x, *, hidden_size=2048, expand_v=2, head_dim=256, num_heads=6,
+                         num_v_heads=None, use_gate=True, use_short_conv=True, allow_neg_eigval=False,
+                         conv_size=4, conv_bias=False, norm_eps=1e-5, output_gate_activation="swish", **_):
+    """fla's `GatedDeltaNet.forward` on one sequence x `[T, hidden]`."""
+    head_v_dim = int(head_dim * expand_v)
+    q, k, v = _silu_qkv_heads(weights, x, head_dim, head_v_dim, use_short_conv)
     beta = torch.sigmoid(_linear(weights, "b_proj", x)) * (2.0 if allow_neg_eigval else 1.0)
     g = -weights["A_log"].exp() * F.softplus(_linear(weights, "a_proj", x) + weights["dt_bias"])
     o = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)  # use_qk_l2norm_in_kernel=True
@@ -164,6 +187,25 @@ def gated_deltanet_layer(weights, x, *, hidden_size=2048, expand_v=2, head_dim=2
         o = rms_norm_gated(o, gate, weights["o_norm.weight"], norm_eps, output_gate_activation)
     else:
         o = rms_norm(o, weights["o_norm.weight"], norm_eps)
+    return _linear(weights, "o_proj", o.reshape(o.shape[0], -1))
+
+
+def kda_layer(weights, x, *, hidden_size=2048, expand_v=1.0, head_dim=128, num_heads=16, num_v_heads=None,
+              use_short_conv=True, allow_neg_eigval=False, lower_bound=None, conv_size=4, conv_bias=False,
+              norm_eps=1e-5, **_):
+    """fla's `KimiDeltaAttention.forward` on one sequence x `[T, hidden]`: the gate as fla's `naive_kda_gate`
+    (`naive_kda_lowerbound_gate` with `lower_bound`), q and k l2-normalised and β a sigmoid in the kernel, the output
+    through `FusedRMSNormGated(activation="sigmoid")` with g_proj (two layers, a bias on the second)."""
+    head_v_dim = int(head_dim * expand_v)
+    q, k, v = _silu_qkv_heads(weights, x, head_dim, head_v_dim, use_short_conv)
+    f = _heads(_linear(weights, "f_proj.1", _linear(weights, "f_proj.0", x)), head_dim)
+    f = f + weights["dt_bias"].view(f.shape[1], head_dim)
+    rate = weights["A_log"].exp()[:, None]
+    g = -rate * F.softplus(f) if lower_bound is None else lower_bound * torch.sigmoid(rate * f)
+    beta = torch.sigmoid(_linear(weights, "b_proj", x)) * (2.0 if allow_neg_eigval else 1.0)
+    o = kda_recurrence(l2norm(q), l2norm(k), v, g, beta)
+    gate = _heads(_linear(weights, "g_proj.1", _linear(weights, "g_proj.0", x)), head_v_dim)
+    o = rms_norm_gated(o, gate, weights["o_norm.weight"], norm_eps, "sigmoid")
     return _linear(weights, "o_proj", o.reshape(o.shape[0], -1))
 
 
@@ -239,7 +281,7 @@ def gla_layer(weights, x, *, hidden_size=1024, expand_k=0.5, expand_v=1.0, num_h
     return _linear(weights, "o_proj", o)
 
 
-LAYERS = {"gated_deltanet": gated_deltanet_layer, "delta_net": delta_net_layer, "gla": gla_layer}
+LAYERS = {"gated_deltanet": gated_deltanet_layer, "delta_net": delta_net_layer, "gla": gla_layer, "kda": kda_layer}
 
 
 def padded_layer(layer: str, weights, x: torch.Tensor, mask: torch.Tensor, **args) -> torch.Tensor:
@@ -321,7 +363,24 @@ def _gla_shapes(*, hidden_size=1024, expand_k=0.5, expand_v=1.0, num_heads=4, nu
     return shapes
 
 
-_SHAPES = {"gated_deltanet": _gated_deltanet_shapes, "delta_net": _delta_net_shapes, "gla": _gla_shapes}
+def _kda_shapes(*, hidden_size=2048, expand_v=1.0, head_dim=128, num_heads=16, num_v_heads=None,
+                use_short_conv=True, conv_size=4, conv_bias=False, **_):
+    hv = num_heads if num_v_heads is None else num_v_heads
+    key_dim, head_v_dim = num_heads * head_dim, int(head_dim * expand_v)
+    value_dim = hv * head_v_dim
+    shapes = {"A_log": (hv,), "dt_bias": (hv * head_dim,), "q_proj.weight": (key_dim, hidden_size),
+              "k_proj.weight": (key_dim, hidden_size), "v_proj.weight": (value_dim, hidden_size),
+              "f_proj.0.weight": (head_v_dim, hidden_size), "f_proj.1.weight": (hv * head_dim, head_v_dim),
+              "b_proj.weight": (hv, hidden_size), "g_proj.0.weight": (head_v_dim, hidden_size),
+              "g_proj.1.weight": (value_dim, head_v_dim), "g_proj.1.bias": (value_dim,),
+              "o_norm.weight": (head_v_dim,), "o_proj.weight": (hidden_size, value_dim)}
+    if use_short_conv:
+        shapes.update(_conv_shapes({"q": key_dim, "k": key_dim, "v": value_dim}, conv_size, conv_bias))
+    return shapes
+
+
+_SHAPES = {"gated_deltanet": _gated_deltanet_shapes, "delta_net": _delta_net_shapes, "gla": _gla_shapes,
+           "kda": _kda_shapes}
 
 
 def random_fla_weights(layer: str, generator: torch.Generator, dtype=torch.float64, **args) -> dict:

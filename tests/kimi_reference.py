@@ -34,8 +34,15 @@ def _lift(self: torch.Tensor, value):
 
 @contextlib.contextmanager
 def float32_casts_lifted():
+    """`float64_kept()` with transformers' Kimi Linear on its `reference_forms()`."""
+    with float64_kept(), reference_forms():
+        yield
+
+
+@contextlib.contextmanager
+def float64_kept():
     """Inside the block a float64 tensor cast to float32 (`.to(torch.float32)`, `.to(dtype=torch.float32)`,
-    `.type(torch.float32)`, `.float()`) stays float64; every other cast is unchanged. With `reference_forms()`."""
+    `.type(torch.float32)`, `.float()`) stays float64; every other cast is unchanged."""
     real_to, real_type, real_float = torch.Tensor.to, torch.Tensor.type, torch.Tensor.float
 
     def to(self, *args, **kwargs):
@@ -54,8 +61,7 @@ def float32_casts_lifted():
 
     try:
         torch.Tensor.to, torch.Tensor.type, torch.Tensor.float = to, type_, float_
-        with reference_forms():
-            yield
+        yield
     finally:
         torch.Tensor.to, torch.Tensor.type, torch.Tensor.float = real_to, real_type, real_float
 

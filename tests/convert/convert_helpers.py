@@ -188,3 +188,20 @@ def generate_in_two_calls(model, ids, mask, kwargs):
         second = model.generate(first.sequences, attention_mask=longer, max_new_tokens=8, **{CACHE_FIELD: cache},
                                 **kwargs)
     return whole, second, cache
+
+
+def check_refused(src: Path, dst: Path, edit, error: type, field: str, capfd) -> None:
+    """With `edit(config)` applied to `src`'s config.json, converting into `dst` raises `error` naming `field`, and
+    `lazoo convert` exits 2 with one line naming it, leaving `dst` as it was."""
+    from lazoo.convert import convert_checkpoint
+
+    edit_config(src, edit)
+    try:
+        convert_checkpoint(src, dst)
+    except error as err:
+        assert f"'{field}'" in str(err), err
+    else:
+        raise AssertionError(f"{src}: converted, though {field!r} should be refused")
+    status, err, _ = run_convert(src, dst, capfd)
+    check_outcome(status, err, dst, None)
+    assert status == 2 and field in err[0], err

@@ -43,6 +43,11 @@ CASES = {
     "gla+swa": dict(model_type="gla", hidden_size=32, num_heads=4, num_kv_heads=2, num_hidden_layers=3,
                     intermediate_size=48, use_short_conv=True,
                     attn={"layers": [0, 2], "num_heads": 2, "qkv_bias": True, "window_size": 5, "rope_theta": 500.0}),
+    "kda": dict(model_type="kda", hidden_size=32, num_heads=2, head_dim=8, num_v_heads=4, expand_v=1.5,
+                num_hidden_layers=2, hidden_ratio=2, allow_neg_eigval=True),
+    "kda+attn": dict(model_type="kda", hidden_size=40, num_heads=2, head_dim=10, num_hidden_layers=3,
+                     intermediate_size=48, use_short_conv=False, safe_gate=True, lower_bound=-5.0,
+                     tie_word_embeddings=True, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2}),
     "transformer": dict(model_type="transformer", hidden_size=32, num_heads=4, num_kv_heads=2, qkv_bias=True,
                         qk_norm=True, num_hidden_layers=2, intermediate_size=48, rope_theta=1000.0),
 }
@@ -285,7 +290,9 @@ def fla_models():
     return {"transformer": (models.TransformerConfig, models.TransformerForCausalLM),
             "gla": (models.GLAConfig, models.GLAForCausalLM),
             "delta_net": (models.DeltaNetConfig, models.DeltaNetForCausalLM),
-            "gated_deltanet": (models.GatedDeltaNetConfig, models.GatedDeltaNetForCausalLM)}
+            "gated_deltanet": (models.GatedDeltaNetConfig, models.GatedDeltaNetForCausalLM),
+            "kda": (models.KDAConfig, models.KDAForCausalLM),
+            "mamba2": (models.Mamba2Config, models.Mamba2ForCausalLM)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

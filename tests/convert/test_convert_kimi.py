@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from convert_helpers import check_outcome, edit_config, run_convert, save_with_tokenizer_config
+from convert_helpers import check_refused, edit_config, run_convert, save_with_tokenizer_config
 from kimi_reference import float32_casts_lifted, kimi_module, reference_forms, relative_error
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
 from qwen_helpers import VOCAB, prompt_and_mask  # left-padded rows of 0, 4 and 7 pads
@@ -182,12 +182,7 @@ def test_what_lazoo_cannot_convert_is_refused_by_name_and_dst_is_untouched(field
     edit, error = REFUSED[field]
     src = tmp_path / "src"
     shutil.copytree(converted[2].parent / "src", src)
-    edit_config(src, edit)
-    with pytest.raises(error, match=f"'{field}'"):
-        convert_checkpoint(src, tmp_path / "dst")
-    status, err, _ = run_convert(src, tmp_path / "dst", capfd)
-    check_outcome(status, err, tmp_path / "dst", None)
-    assert status == 2 and field in err[0], err
+    check_refused(src, tmp_path / "dst", edit, error, field, capfd)
 
 
 def test_the_command_line_lists_kimi_linear_and_converts_it(converted, tmp_path, capfd):

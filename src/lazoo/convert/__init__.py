@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from .fla import (
+    FLA_MAMBA_MODEL_TYPES,
     FLA_MODEL_TYPES,
     MAX_CONFIG_BYTES,
     ConversionError,
@@ -30,9 +31,9 @@ __all__ = ["ConversionError", "UnsupportedCheckpointError", "convert_checkpoint"
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[Path, list[str]]:
     """Convert the checkpoint folder `src` (fla, or Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Mamba-2 / Bamba / Kimi Linear
-    / Nemotron-H as transformers saves them) into a new lazoo folder `dst`, by the `model_type` of its config.json.
-    Returns (`dst`, what the conversion left out, e.g. a vision tower). Refuses, before writing anything, what it
-    cannot convert exactly."""
+    / Nemotron-H as transformers saves them) into a new lazoo folder `dst`, by the `model_type` of its config.json
+    (a `mamba2` folder is fla's or transformers', by the fields of its config). Returns (`dst`, what the
+    conversion left out, e.g. a vision tower). Refuses, before writing anything, what it cannot convert exactly."""
     source = SourceFolder(src)
     config_file = source.file("config.json", required=False)
     if config_file is None:
@@ -51,6 +52,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[
         return from_fla(src, dst), []
     raise UnsupportedCheckpointError(
         f"{config_file}: config field 'model_type' = {shown(config.get('model_type'))}: lazoo converts fla model "
-        f"types {', '.join(FLA_MODEL_TYPES)} and transformers' {', '.join(QWEN_MODEL_TYPES)}, "
+        f"types {', '.join([*FLA_MODEL_TYPES, *FLA_MAMBA_MODEL_TYPES])} and transformers' "
+        f"{', '.join(QWEN_MODEL_TYPES)}, "
         f"{', '.join(CONVERTED_MODEL_TYPES)}, {', '.join(KIMI_MODEL_TYPES)}, {', '.join(NEMOTRON_MODEL_TYPES)}; "
         "nothing was converted")

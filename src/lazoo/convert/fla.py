@@ -3,7 +3,10 @@
 `from_fla(src, dst)` reads a fla checkpoint folder (`config.json` with a fla `model_type`, safetensors weights,
 sharded or not) and writes a lazoo folder: config, weights, the tokenizer files, a model card naming the source,
 and lazoo's `trust_remote_code` code. The result loads with `AutoModelForCausalLM.from_pretrained(dst)` after
-`import lazoo`, and with `trust_remote_code=True` where lazoo is not installed.
+`import lazoo`, and with `trust_remote_code=True` where lazoo is not installed. The model types: `transformer`,
+`gla`, `delta_net`, `gated_deltanet`, `kda` (each with fla's `attn` layers where the config has them); fla's
+`mamba2` folders are laid out as transformers' Mamba-2 folders and convert with `lazoo.convert.mamba` (`lazoo
+convert` picks it), which tells them apart by the fields only fla writes.
 
 Every config field of the checkpoint is either expressed by a lazoo option (the layer computes the same function)
 or changes no math (kernel choice, fused implementations, training losses); anything else is refused with an
@@ -39,7 +42,11 @@ from .fla_layers import ConversionError, UnsupportedCheckpointError, check_field
 from .source import SourceFolder, TensorEntry, one_line, os_errno, os_failure, reporting_os_errors
 
 #: fla model type -> the lazoo mechanism of its non-attention layers (None: every layer is attention)
-FLA_MODEL_TYPES = {"transformer": None, "gla": "gla", "delta_net": "delta_net", "gated_deltanet": "gated_delta_net"}
+FLA_MODEL_TYPES = {"transformer": None, "gla": "gla", "delta_net": "delta_net", "gated_deltanet": "gated_delta_net",
+                   "kda": "kda"}
+#: fla model types whose folders are laid out as transformers' of the same type, converted by `lazoo.convert.mamba`
+#: (told apart there by the fields only fla writes)
+FLA_MAMBA_MODEL_TYPES = ("mamba2",)
 
 #: fields that change no computed function: kernel modes, fused implementations, training-only losses and inits
 NO_MATH_FIELDS = {"attn_mode", "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy",
@@ -141,8 +148,12 @@ def fla_config_to_lazoo(fla: dict) -> dict[str, Any]:
     """The lazoo config fields (with `model_type`) of a fla config dict; ConversionError naming the field for a
     malformed value, UnsupportedCheckpointError for anything lazoo cannot express exactly."""
     model_type = fla.get("model_type")
+    if model_type in FLA_MAMBA_MODEL_TYPES:
+        refuse("model_type", model_type, "fla's Mamba-2 folders are laid out as transformers' and convert with "
+               "`lazoo convert` (convert_checkpoint) or lazoo.convert.mamba_config_to_lazoo / from_mamba")
     if not isinstance(model_type, str) or model_type not in FLA_MODEL_TYPES:
-        refuse("model_type", model_type, f"lazoo converts fla model types {', '.join(FLA_MODEL_TYPES)}")
+        refuse("model_type", model_type, f"lazoo converts fla model types "
+               f"{', '.join([*FLA_MODEL_TYPES, *FLA_MAMBA_MODEL_TYPES])}")
     mechanism = FLA_MODEL_TYPES[model_type]
     layer_fields = fla_layers.LAYER_FIELDS[model_type].keys()
     unknown = sorted(set(fla) - COMMON_FIELDS.keys() - NO_MATH_FIELDS - layer_fields - standard_fields())

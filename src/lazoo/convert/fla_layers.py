@@ -33,6 +33,8 @@ LAYER_FIELDS = {
     "gated_deltanet": {"expand_v": "number", "use_gate": "flag", "use_short_conv": "flag", "allow_neg_eigval": "flag",
                        "conv_size": "count", "head_dim": "count", "num_v_heads": "count?",
                        "output_gate_activation": "name"},
+    "kda": {"expand_v": "number", "use_short_conv": "flag", "allow_neg_eigval": "flag", "safe_gate": "flag",
+            "lower_bound": "real?", "conv_size": "count", "head_dim": "count", "num_v_heads": "count?"},
 }
 NO_EFFECT = {"use_gk", "use_gv", "use_output_norm"}
 #: the fields of one spec of fla's `attn` block, with their kinds
@@ -166,7 +168,30 @@ def _gla(fla: dict) -> dict[str, Any]:
             "clamp_min": fla.get("clamp_min")}
 
 
-_MIXERS = {"gated_deltanet": _gated_deltanet, "delta_net": _delta_net, "gla": _gla}
+def _kda(fla: dict) -> dict[str, Any]:
+    """fla's KimiDeltaAttention: Kimi Linear's KDA layer with a bias on the output gate's second projection, both
+    low-rank projections of rank head_v_dim, grouped value heads (`num_v_heads` a multiple of `num_heads`), and with
+    `lower_bound` the bounded decay lower_bound · sigmoid(exp(A_log) · (f + dt_bias)) (`safe_gate` only lets the
+    kernels rely on that bound)."""
+    heads, head_dim = fla["num_heads"], fla.get("head_dim", 128)
+    v_heads, expand_v = fla.get("num_v_heads"), fla.get("expand_v", 1.0)
+    if v_heads is not None and (v_heads < heads or v_heads % heads):
+        malformed("num_v_heads", v_heads, f"must be a multiple of num_heads = {heads}")
+    if not math.isclose(head_dim * expand_v, round(head_dim * expand_v), abs_tol=1e-6):
+        malformed("expand_v", expand_v, f"head_dim = {head_dim} · expand_v must be an integer")
+    lower_bound = fla.get("lower_bound")
+    if lower_bound is not None and not lower_bound < 0:
+        malformed("lower_bound", lower_bound, "expected a negative number (the least log decay)")
+    if fla.get("safe_gate", False) and lower_bound is None:
+        malformed("safe_gate", True, "fla requires lower_bound with safe_gate")
+    return {**_conv(fla, True), "num_heads": heads, "head_k_dim": head_dim, "expand_v": expand_v,
+            "num_v_heads": None if v_heads in (None, heads) else v_heads, "qk_activation": "silu",
+            "v_activation": "silu", "gate_low_rank_dim": None, "gate_bias": True,
+            "allow_neg_eigval": bool(fla.get("allow_neg_eigval", False)), "gate_lower_bound": lower_bound,
+            "norm_eps": fla.get("norm_eps", 1e-6)}
+
+
+_MIXERS = {"gated_deltanet": _gated_deltanet, "delta_net": _delta_net, "gla": _gla, "kda": _kda}
 
 
 def mixer_options(model_type: str, fla: dict) -> dict[str, Any]:

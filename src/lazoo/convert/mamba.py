@@ -1,12 +1,19 @@
-"""Mamba-2 checkpoints of transformers (`mamba2`) and its hybrid with attention (`bamba`) into lazoo folders.
+"""Mamba-2 checkpoints of transformers (`mamba2`) and fla (flash-linear-attention's `mamba2`), and transformers'
+hybrid with attention (`bamba`), into lazoo folders.
 
-`from_mamba(src, dst)` reads a folder that transformers' `Mamba2ForCausalLM` or `BambaForCausalLM` saved (or one
-published in their format) and writes a lazoo causal LM computing the same function:
+`from_mamba(src, dst)` reads a folder that transformers' `Mamba2ForCausalLM` or `BambaForCausalLM` or fla's
+`Mamba2ForCausalLM` saved (or one published in their format) and writes a lazoo causal LM computing the same
+function:
 
 - the Mamba-2 layers become lazoo `mamba2` layers, whose parameters have transformers' names and layout (`in_proj`,
   `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`): each tensor is copied as it is;
 - `mamba2`: a layer is `x + mixer(RMSNorm(x))` with no MLP; lazoo's decoder layer has an MLP after the mixer, so the
   converted model has `intermediate_size` 0 (an MLP of width 0 adds exactly 0; its norm is there, of weight 1);
+- fla's `mamba2` (told from transformers' by a field only fla writes, e.g. `norm_eps`, `dt_min`, `rmsnorm`): the same
+  layer, block and tensor names as transformers' under fla's config names (`norm_eps`; the initialisation ranges
+  `dt_min`, `dt_max`, `dt_init_floor`, `A_init_range` kept as lazoo's options); fla's options lazoo does not compute
+  are refused by name: `D_has_hdim` (a skip weight per channel), `rmsnorm` false (no output norm),
+  `norm_before_gate`, a `dt_limit` other than (0, inf), an activation other than silu;
 - `bamba`: the attention layers (`attn_layer_indices`) become lazoo `softmax` layers (grouped-query key/value heads,
   RoPE on the first half of each head's channels), and every layer has Bamba's SwiGLU MLP.
 
@@ -33,7 +40,7 @@ from typing import Any
 import torch
 
 from . import fla
-from .fla_layers import is_layer_number
+from .fla_layers import KINDS, is_layer_number
 from .qwen import (
     Piece,
     check_kinds,
@@ -61,7 +68,8 @@ MAMBA2_FIELDS = {
     "num_hidden_layers": ("count", None), "num_heads": ("count", 128), "head_dim": ("count", 64),
     "state_size": ("count", 128), "expand": ("count", 2), "conv_kernel": ("count", 4), "n_groups": ("count", 8),
     "use_bias": ("flag", False), "use_conv_bias": ("flag", True), "hidden_act": ("name", "silu"),
-    "layer_norm_epsilon": ("number", 1e-5), "time_step_limit": ("any", None), "tie_word_embeddings": ("flag", False),
+    "layer_norm_epsilon": ("number", 1e-5), "time_step_limit": ("any", [0.0, math.inf]),
+    "tie_word_embeddings": ("flag", False),
     "time_step_min": ("number", 0.001), "time_step_max": ("number", 0.1), "time_step_floor": ("real", 1e-4),
     "bos_token_id": ("token?", None), "eos_token_id": ("tokens?", None), "pad_token_id": ("token?", None),
     # written by earlier releases (Mamba-Codestral's folder has them): the output norm is an RMSNorm after the gate
@@ -78,7 +86,8 @@ BAMBA_FIELDS = {
     "partial_rotary_factor": ("number?", None), "rope_scaling": ("any", None),
     "mamba_n_heads": ("count", 128), "mamba_d_head": ("count?", None), "mamba_n_groups": ("count", 1),
     "mamba_d_state": ("count", 256), "mamba_d_conv": ("count", 4), "mamba_expand": ("count", 2),
-    "mamba_conv_bias": ("flag", True), "mamba_proj_bias": ("flag", False), "time_step_limit": ("any", None),
+    "mamba_conv_bias": ("flag", True), "mamba_proj_bias": ("flag", False),
+    "time_step_limit": ("any", [0.0, math.inf]),
     "z_loss_coefficient": ("real?", 0.0),
     "attn_rotary_emb": ("count?", None),  # written by earlier releases: the rotated channels of each head
     "bos_token_id": ("token?", None), "eos_token_id": ("tokens?", None), "pad_token_id": ("token?", None),
@@ -88,16 +97,37 @@ BAMBA_FIELDS = {
 MAMBA2_NO_MATH = {"initializer_range", "use_cache", "chunk_size", "time_step_rank", "rescale_prenorm_residual",
                   "residual_in_fp32"}
 BAMBA_NO_MATH = {"initializer_range", "use_cache", "mamba_chunk_size", "num_logits_to_keep", "use_mamba_kernels"}
+#: the fields of fla's Mamba-2 (flash-linear-attention 0.6.0, model type `mamba2` as well), with fla's defaults
+FLA_MAMBA2_FIELDS = {
+    "model_type": ("name", None), "vocab_size": ("count", None), "hidden_size": ("count", None),
+    "num_hidden_layers": ("count", None), "num_heads": ("count", None), "head_dim": ("count", 64),
+    "state_size": ("count", 128), "expand": ("number", 2), "conv_kernel": ("count", 4), "n_groups": ("count", 1),
+    "use_bias": ("flag", False), "use_conv_bias": ("flag", True), "hidden_act": ("name", "silu"),
+    "norm_eps": ("number", 1e-5), "rmsnorm": ("flag", True), "norm_before_gate": ("flag", False),
+    "D_has_hdim": ("flag", False), "dt_limit": ("any", None), "A_init_range": ("any", [1, 16]),
+    "dt_min": ("number", 0.001), "dt_max": ("number", 0.1), "dt_init_floor": ("number", 1e-4),
+    "tie_word_embeddings": ("flag", False),
+    "bos_token_id": ("token?", 1), "eos_token_id": ("tokens?", 2), "pad_token_id": ("token?", 0),
+}
+#: fla's fields that change no computed function: inits, kernel choices and chunk lengths, training losses, the
+#: residual stream's precision
+FLA_MAMBA2_NO_MATH = {"initializer_range", "use_cache", "chunk_size", "conv_init", "rescale_prenorm_residual",
+                      "residual_in_fp32", "fuse_norm", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp"}
+#: fields only fla's Mamba-2 config writes: a `mamba2` config holding one of them is read as fla's
+FLA_MAMBA2_MARKERS = ("norm_eps", "rmsnorm", "D_has_hdim", "dt_limit", "A_init_range", "dt_min", "dt_max",
+                      "dt_init_floor", "conv_init", "fuse_norm", "fuse_cross_entropy", "fuse_linear_cross_entropy",
+                      "use_l2warp")
 #: Granite's fields that scale a part of the model, in the order they are checked, with the value lazoo computes
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
 # ============================================================================ the config
-def _fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str]) -> dict[str, Any]:
-    """`cfg` with transformers' defaults filled in, after refusing an unknown field and a value of the wrong kind."""
+def _fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str], owner: str = "") -> dict[str, Any]:
+    """`cfg` with the defaults of `kinds` filled in, after refusing an unknown field and a value of the wrong kind
+    (`owner`: whose config it is, for the error)."""
     unknown = sorted(set(cfg) - kinds.keys() - no_math - fla.standard_fields())
     if unknown:
-        refuse(unknown[0], cfg[unknown[0]], f"a field of {cfg['model_type']!r} that lazoo does not know")
+        refuse(unknown[0], cfg[unknown[0]], f"a field of {owner}{cfg['model_type']!r} that lazoo does not know")
     for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if field not in cfg:
             raise ConversionError(f"config field {field!r} is missing; nothing was converted")
@@ -107,13 +137,16 @@ def _fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str]) -> 
     return {**{field: default for field, (_, default) in kinds.items()}, **cfg}
 
 
+def _is_no_clamp(limit) -> bool:
+    """Whether a dt limit is (0, inf), as saved: [0.0, Infinity] (written {"__float__": "Infinity"} by transformers)."""
+    return isinstance(limit, list) and len(limit) == 2 and limit[0] == 0 and not isinstance(limit[0], bool) \
+        and (limit[1] == math.inf or limit[1] == {"__float__": "Infinity"})
+
+
 def _time_step_limit(cfg: dict) -> None:
     """(0, inf), the default, is no clamp (dt = softplus(...) >= 0); anything else is refused."""
-    limit = cfg.get("time_step_limit")
-    if limit is None and "time_step_limit" not in cfg:
-        return
-    if isinstance(limit, list) and len(limit) == 2 and limit[0] == 0 and not isinstance(limit[0], bool) \
-            and (limit[1] == math.inf or limit[1] == {"__float__": "Infinity"}):
+    limit = cfg.get("time_step_limit", [0.0, math.inf])
+    if _is_no_clamp(limit):
         return
     refuse("time_step_limit", limit, "lazoo does not clamp dt (transformers clamps it in its chunked form only, not "
            "when decoding one token); only the default [0.0, Infinity] converts")
@@ -164,6 +197,60 @@ def _mamba2_config(cfg: dict) -> dict[str, Any]:
                            eps=eps)
     n = cfg["num_hidden_layers"]
     return {**_common(cfg, eps), "num_attention_heads": mamba["num_heads"], "intermediate_size": 0,
+            "layer_types": ["mamba2"] * n, "mixer_kwargs": {"mamba2": mamba}}
+
+
+def is_fla_mamba2(cfg: dict) -> bool:
+    """Whether a `mamba2` config is fla's (it holds a field only fla's Mamba-2 config writes)."""
+    return cfg.get("model_type") == "mamba2" and any(field in cfg for field in FLA_MAMBA2_MARKERS)
+
+
+def _fla_refusals(cfg: dict) -> None:
+    """fla's Mamba-2 options that lazoo's layer does not compute."""
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        refuse("hidden_act", cfg["hidden_act"], "lazoo's Mamba-2 convolution is followed by silu")
+    if not cfg["rmsnorm"]:
+        refuse("rmsnorm", False, "lazoo's Mamba-2 has its gated RMSNorm before out_proj (fla's rmsnorm=true)")
+    if cfg["norm_before_gate"]:
+        refuse("norm_before_gate", True, "lazoo's Mamba-2 output norm comes after the gate")
+    if cfg["D_has_hdim"]:
+        refuse("D_has_hdim", True, "lazoo's Mamba-2 has one skip weight D per head, not per channel")
+    if cfg["dt_limit"] is not None and not _is_no_clamp(cfg["dt_limit"]):
+        refuse("dt_limit", cfg["dt_limit"], "lazoo does not clamp dt; only the default [0.0, Infinity] converts")
+
+
+def _fla_init_ranges(cfg: dict) -> dict[str, float]:
+    """The initialisation ranges of fla's config as lazoo's options (they change no computed function)."""
+    low_high = cfg["A_init_range"]
+    if not (isinstance(low_high, list) and len(low_high) == 2 and all(KINDS["number"][0](v) for v in low_high)
+            and low_high[0] <= low_high[1]):
+        malformed("A_init_range", low_high, "expected [min, max], two positive numbers")
+    if cfg["dt_min"] > cfg["dt_max"]:
+        malformed("dt_min", cfg["dt_min"], f"more than dt_max = {cfg['dt_max']}")
+    return {"time_step_min": float(cfg["dt_min"]), "time_step_max": float(cfg["dt_max"]),
+            "time_step_floor": float(cfg["dt_init_floor"]), "A_init_min": float(low_high[0]),
+            "A_init_max": float(low_high[1])}
+
+
+def _fla_mamba2_config(cfg: dict) -> dict[str, Any]:
+    """fla's Mamba-2 (fla/models/mamba2): the layer of transformers' Mamba-2 under other config names, the heads
+    derived from expand · hidden_size / head_dim (a `num_heads` saved beside them must agree)."""
+    cfg = _fields(cfg, FLA_MAMBA2_FIELDS, FLA_MAMBA2_NO_MATH, owner="fla's ")
+    _fla_refusals(cfg)
+    inner = int(cfg["expand"] * cfg["hidden_size"])
+    if inner % cfg["head_dim"]:
+        malformed("head_dim", cfg["head_dim"], f"must divide expand · hidden_size = {inner}")
+    heads = inner // cfg["head_dim"]
+    if cfg["num_heads"] not in (None, heads):
+        malformed("num_heads", cfg["num_heads"], f"fla derives expand · hidden_size / head_dim = {heads}")
+    if heads % cfg["n_groups"]:
+        malformed("n_groups", cfg["n_groups"], f"must divide the {heads} heads")
+    eps = cfg["norm_eps"]
+    mamba = {"num_heads": heads, "head_dim": cfg["head_dim"], "state_size": cfg["state_size"],
+             "n_groups": cfg["n_groups"], "conv_kernel": cfg["conv_kernel"], "use_conv_bias": cfg["use_conv_bias"],
+             "use_bias": cfg["use_bias"], "norm_eps": float(eps), **_fla_init_ranges(cfg)}
+    n = cfg["num_hidden_layers"]
+    return {**_common(cfg, eps), "num_attention_heads": heads, "intermediate_size": 0,
             "layer_types": ["mamba2"] * n, "mixer_kwargs": {"mamba2": mamba}}
 
 
@@ -230,10 +317,12 @@ def _granite_refusal(cfg: dict) -> None:
 
 
 def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
-    """The lazoo config fields (with `model_type`) of a `mamba2` or `bamba` config dict; ConversionError naming the
-    field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot express exactly (every
-    `granitemoehybrid` config, by its first such field)."""
+    """The lazoo config fields (with `model_type`) of a `mamba2` (transformers' or fla's) or `bamba` config dict;
+    ConversionError naming the field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot
+    express exactly (every `granitemoehybrid` config, by its first such field)."""
     model_type = cfg.get("model_type")
+    if is_fla_mamba2(cfg):
+        return _fla_mamba2_config(cfg)
     if model_type == "mamba2":
         return _mamba2_config(cfg)
     if model_type == "bamba":
@@ -316,13 +405,14 @@ def from_mamba(src: str | os.PathLike, dst: str | os.PathLike, config: dict | No
     except ConversionError as err:
         raise type(err)(f"{config_file}: {err}") from err
     model_type = cfg["model_type"]
+    flavour = "fla" if is_fla_mamba2(cfg) else "transformers"
     fla.check_destination(dst)
     copied = fla.tokenizer_files(source)
     entries = fla.tensor_entries(source)
-    names = source_names(entries, prefixes=PREFIXES[model_type], left_out=(), family=FAMILIES[model_type])
+    family = "a fla Mamba-2 model" if flavour == "fla" else FAMILIES[model_type]
+    names = source_names(entries, prefixes=PREFIXES[model_type], left_out=(), family=family)
     check_layer_count(names, entries, fields["num_hidden_layers"], config_file)
-    converted_from = {"format": "transformers", "model_type": model_type, "source": source.root.name,
-                      "left_out": []}
+    converted_from = {"format": flavour, "model_type": model_type, "source": source.root.name, "left_out": []}
     model = fla.meta_model(fields, config_file, converted_from)
     plan = tensor_plan(fields, model, model_type, set(names))
     check_plan(plan, names, entries, model, config_file)

@@ -180,6 +180,7 @@ class LazooKdaConfig(LazooConfig):
         allow_neg_eigval = False: β is doubled, in (0, 2): the transition I − β k kᵀ may have a negative eigenvalue
         gate_low_rank_dim = None: the rank r of the decay and output-gate projections f_proj and g_proj (hidden -> r -> ...); None: the value head dim
         gate_bias = False: the second layer of g_proj has a bias (fla's KimiDeltaAttention; Kimi Linear's has none)
+        gate_lower_bound = None: None, or a negative b: the log decay is b · sigmoid(exp(A_log) · (f_proj(x) + dt_bias)), bounded in (b, 0) (fla's lower_bound) instead of −exp(A_log) · softplus(...)
         chunk_size = 16: chunk length of the PyTorch chunk form (changes no result; the Triton kernels use 64)
     """
 

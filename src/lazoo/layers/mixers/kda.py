@@ -4,6 +4,7 @@ layer as Kimi Linear writes it (transformers' `KimiLinearDeltaAttention`, fla's 
 
     q, k, v = silu(conv(q_proj(x))), silu(conv(k_proj(x))), silu(conv(v_proj(x)))   (depthwise causal short convs)
     g = −exp(A_log) · softplus(f_proj(x) + dt_bias)        a log decay per value head and key channel; f_proj low-rank
+      (with gate_lower_bound b: g = b · sigmoid(exp(A_log) · (f_proj(x) + dt_bias)), in (b, 0), as fla's lower_bound)
     β = sigmoid(b_proj(x))                                  (doubled with allow_neg_eigval)
     o = KDA(l2norm(q), l2norm(k), v, g, β)                 (lazoo.ops.kda; scale 1/√dk)
     out = o_proj(RMSNorm_head(o) · sigmoid(g_proj(x)))      the gated output norm; g_proj low-rank
@@ -38,7 +39,7 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
     optional_int_options = (*RecurrentMixer.optional_int_options, "gate_low_rank_dim")
     defaults = {**RecurrentMixer.defaults, "use_short_conv": True, "output_gate": True, "gate_activation": "sigmoid",
                 "norm_eps": 1e-5, "allow_neg_eigval": False, "gate_low_rank_dim": None, "gate_bias": False,
-                "chunk_size": 16}
+                "gate_lower_bound": None, "chunk_size": 16}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
@@ -46,6 +47,10 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
             raise ValueError("kda: the KDA layer always has its gated output norm; output_gate and output_norm must "
                              "stay True")
         self.check_positive_int("chunk_size")
+        bound = options["gate_lower_bound"]
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                  or not -math.inf < bound < 0):
+            raise ValueError(f"kda: gate_lower_bound must be None or a finite negative number, got {bound!r}")
         d, heads = config.hidden_size, self.num_state_heads
         rank = options["gate_low_rank_dim"] or self.head_v_dim
         self.f_proj = nn.Sequential(nn.Linear(d, rank, bias=False), nn.Linear(rank, heads * self.head_dim, bias=False))
@@ -67,11 +72,15 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
         set_parameter(self.dt_bias, dt_bias.to(self.dt_bias.device, self.dt_bias.dtype), init)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """g `[B, T, H, dk]` = −exp(A_log) · softplus(f_proj(x) + dt_bias), in float32 (float64 stays)."""
+        """g `[B, T, H, dk]` = −exp(A_log) · softplus(f_proj(x) + dt_bias), or with `gate_lower_bound` b
+        b · sigmoid(exp(A_log) · (f_proj(x) + dt_bias)); in float32 (float64 stays)."""
         cdt = torch.promote_types(x.dtype, torch.float32)
-        f = self.f_proj(x).to(cdt) + self.dt_bias.to(cdt)
-        g = -self.A_log.to(cdt).exp()[:, None] * F.softplus(f.unflatten(-1, (self.num_state_heads, self.head_dim)))
-        return g
+        f = (self.f_proj(x).to(cdt) + self.dt_bias.to(cdt)).unflatten(-1, (self.num_state_heads, self.head_dim))
+        rate = self.A_log.to(cdt).exp()[:, None]
+        bound = self.options["gate_lower_bound"]
+        if bound is not None:
+            return bound * torch.sigmoid(rate * f)
+        return -rate * F.softplus(f)
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))
@@ -104,6 +113,8 @@ register(Mechanism(
         "gate_low_rank_dim": "the rank r of the decay and output-gate projections f_proj and g_proj (hidden -> r -> "
                              "...); None: the value head dim",
         "gate_bias": "the second layer of g_proj has a bias (fla's KimiDeltaAttention; Kimi Linear's has none)",
+        "gate_lower_bound": "None, or a negative b: the log decay is b · sigmoid(exp(A_log) · (f_proj(x) + dt_bias)), "
+                            "bounded in (b, 0) (fla's lower_bound) instead of −exp(A_log) · softplus(...)",
         "chunk_size": "chunk length of the PyTorch chunk form (changes no result; the Triton kernels use 64)",
     },
     tiny_options={"chunk_size": 8},
