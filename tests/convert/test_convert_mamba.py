@@ -1,8 +1,9 @@
 """Mamba-2 ("Transformers are SSMs", Dao and Gu, 2024) and Bamba folders saved by transformers' own classes, converted
 with `lazoo convert`: the same logits as transformers' model (float64 with its float32 casts lifted, and float32 as
 it runs) at every real position of left-padded prompts, the same greedy tokens with the cache, a cache continued
-across two `generate` calls, and refusals by field (GraniteMoeHybrid and Nemotron-H among them) that leave DST as it
-was. On a transformers release without these classes the tests skip, saying so."""
+across two `generate` calls, and refusals by field (Nemotron-H folders among them) that leave DST as it was
+(GraniteMoeHybrid folders: tests/convert/test_convert_granite.py). On a transformers release without these classes
+the tests skip, saying so."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from convert_helpers import check_outcome, edit_config, edit_weights, run_convert, snapshot
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
-from mamba_helpers import CONVERTED, VOCAB, float64_faithful, groups, require, save_tiny
+from mamba_helpers import CONVERTED, VOCAB, float64_faithful, greedy_tokens, groups, require, save_tiny
 from qwen_helpers import prompt_and_mask, relative_error
 from transformers import AutoModelForCausalLM
 
@@ -78,12 +79,7 @@ def test_logits_equal_transformers(converted, dtype, rtol):
 def test_greedy_tokens_equal_transformers_for_32_steps_with_the_cache(converted):
     case, kind, reference, ours, _ = converted
     ids, mask = _prompts(case)
-    reference, ours = reference.float(), ours.float()
-    kwargs = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        expected = reference.generate(ids, **kwargs)
-        got = ours.generate(ids, **kwargs)
-    assert expected.shape[1] == ids.shape[1] + 32
+    expected, got = greedy_tokens(reference, ours, ids, mask)
     assert torch.equal(got, expected)
 
 
@@ -185,20 +181,15 @@ def test_a_config_lazoo_cannot_express_is_refused_by_field_and_dst_is_untouched(
 
 #: the hybrids lazoo does not convert, each folder as transformers saves it, and the field named
 REFUSED_KINDS = {
-    "granitemoehybrid": ({}, "embedding_multiplier"),
-    "granitemoehybrid_experts": ({"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
-                                  "attention_multiplier": 8 ** -0.5}, "num_local_experts"),
     "nemotron_h": ({}, "layers_block_type"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED_KINDS))
-def test_granite_and_nemotron_h_folders_are_refused_by_their_first_field_lazoo_cannot_express(case, tmp_path, capfd):
-    kind = case.split("_experts")[0]
+def test_nemotron_h_folders_are_refused_by_their_first_field_lazoo_cannot_express(case, tmp_path, capfd):
+    kind = case
     require(kind)
     overrides, field = REFUSED_KINDS[case]
-    if kind == "granitemoehybrid" and not overrides:
-        overrides = {"embedding_multiplier": 12.0}  # as Granite 4.0 checkpoints have it
     save_tiny(tmp_path / "src", kind, **overrides)
     status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
     check_outcome(status, err, tmp_path / "dst", None)

@@ -10,9 +10,9 @@ published in their format) and writes a lazoo causal LM computing the same funct
 - `bamba`: the attention layers (`attn_layer_indices`) become lazoo `softmax` layers (grouped-query key/value heads,
   RoPE on the first half of each head's channels), and every layer has Bamba's SwiGLU MLP.
 
-`granitemoehybrid` and `nemotron_h` folders are refused, naming the first config field lazoo cannot express: Granite's
-multipliers (of the embeddings, the residual branches, the attention scores and the logits) and its MoE, and
-Nemotron-H's layers that are an MLP or an MoE alone, without a mixer.
+`nemotron_h` folders are refused, naming the first config field lazoo cannot express: Nemotron-H's layers that are an
+MLP or an MoE alone, without a mixer. (`granitemoehybrid` folders, Mamba-2 and attention layers with an MoE, are
+`lazoo.convert.granite`'s.)
 
 What lazoo does not copy, and why: `time_step_limit` other than (0, inf) is refused (transformers clamps dt to it in
 its chunked form but not when it decodes one token, so the model has no one function to copy); `residual_in_fp32`
@@ -52,7 +52,7 @@ __all__ = ["MAMBA_MODEL_TYPES", "from_mamba", "mamba_config_to_lazoo"]
 
 #: the model types converted, and those refused by the first field lazoo cannot express
 CONVERTED_MODEL_TYPES = ("mamba2", "bamba")
-REFUSED_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
+REFUSED_MODEL_TYPES = ("nemotron_h",)
 MAMBA_MODEL_TYPES = CONVERTED_MODEL_TYPES + REFUSED_MODEL_TYPES
 
 #: the config fields lazoo reads, with their kinds (fla_layers.KINDS; "?" allows null) and transformers' defaults
@@ -88,12 +88,10 @@ BAMBA_FIELDS = {
 MAMBA2_NO_MATH = {"initializer_range", "use_cache", "chunk_size", "time_step_rank", "rescale_prenorm_residual",
                   "residual_in_fp32"}
 BAMBA_NO_MATH = {"initializer_range", "use_cache", "mamba_chunk_size", "num_logits_to_keep", "use_mamba_kernels"}
-#: Granite's fields that scale a part of the model, in the order they are checked, with the value lazoo computes
-GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
 # ============================================================================ the config
-def _fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str]) -> dict[str, Any]:
+def filled_fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str]) -> dict[str, Any]:
     """`cfg` with transformers' defaults filled in, after refusing an unknown field and a value of the wrong kind."""
     unknown = sorted(set(cfg) - kinds.keys() - no_math - fla.standard_fields())
     if unknown:
@@ -119,8 +117,8 @@ def _time_step_limit(cfg: dict) -> None:
            "when decoding one token); only the default [0.0, Infinity] converts")
 
 
-def _mamba_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: str, conv: str, expand: str,
-                   conv_bias: str, proj_bias: str, eps: float) -> dict[str, Any]:
+def mamba_layer_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: str, conv: str, expand: str,
+                        conv_bias: str, proj_bias: str, eps: float) -> dict[str, Any]:
     """The lazoo `mamba2` options of a Mamba-2 layer whose sizes the config's fields named here hold."""
     if cfg.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", cfg["hidden_act"], "lazoo's Mamba-2 convolution is followed by silu")
@@ -141,7 +139,7 @@ def _mamba_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: 
     return options
 
 
-def _common(cfg: dict, eps: float) -> dict[str, Any]:
+def common_fields(cfg: dict, eps: float) -> dict[str, Any]:
     fields = {"model_type": "lazoo_hybrid", "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
               "num_hidden_layers": cfg["num_hidden_layers"], "sliding_window": None, "use_short_conv": None,
               "rms_norm_eps": float(eps), "tie_word_embeddings": cfg["tie_word_embeddings"],
@@ -153,24 +151,24 @@ def _common(cfg: dict, eps: float) -> dict[str, Any]:
 
 
 def _mamba2_config(cfg: dict) -> dict[str, Any]:
-    cfg = _fields(cfg, MAMBA2_FIELDS, MAMBA2_NO_MATH)
+    cfg = filled_fields(cfg, MAMBA2_FIELDS, MAMBA2_NO_MATH)
     if cfg["norm_before_gate"]:
         refuse("norm_before_gate", True, "lazoo's Mamba-2 output norm comes after the gate, as transformers' does")
     if not cfg["rms_norm"]:
         refuse("rms_norm", False, "lazoo's Mamba-2 output norm is an RMSNorm, as transformers' is")
     eps = cfg["layer_norm_epsilon"]
-    mamba = _mamba_options(cfg, heads="num_heads", head_dim="head_dim", state="state_size", groups="n_groups",
-                           conv="conv_kernel", expand="expand", conv_bias="use_conv_bias", proj_bias="use_bias",
-                           eps=eps)
+    mamba = mamba_layer_options(cfg, heads="num_heads", head_dim="head_dim", state="state_size", groups="n_groups",
+                                conv="conv_kernel", expand="expand", conv_bias="use_conv_bias", proj_bias="use_bias",
+                                eps=eps)
     n = cfg["num_hidden_layers"]
-    return {**_common(cfg, eps), "num_attention_heads": mamba["num_heads"], "intermediate_size": 0,
+    return {**common_fields(cfg, eps), "num_attention_heads": mamba["num_heads"], "intermediate_size": 0,
             "layer_types": ["mamba2"] * n, "mixer_kwargs": {"mamba2": mamba}}
 
 
 def _bamba_config(cfg: dict) -> dict[str, Any]:
     if cfg.get("mamba_d_head") == "auto":  # as transformers reads it: expand · hidden_size / heads
         cfg = {**cfg, "mamba_d_head": None}
-    cfg = _fields(cfg, BAMBA_FIELDS, BAMBA_NO_MATH)
+    cfg = filled_fields(cfg, BAMBA_FIELDS, BAMBA_NO_MATH)
     for field, why in (("attention_bias", "lazoo's attention output projection has no bias"),
                        ("mlp_bias", "lazoo's MLP has no biases")):
         if cfg[field]:
@@ -180,9 +178,9 @@ def _bamba_config(cfg: dict) -> dict[str, Any]:
         if cfg[field]:
             refuse(field, cfg[field], why)
     eps, n = cfg["rms_norm_eps"], cfg["num_hidden_layers"]
-    mamba = _mamba_options(cfg, heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
-                           groups="mamba_n_groups", conv="mamba_d_conv", expand="mamba_expand",
-                           conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps)
+    mamba = mamba_layer_options(cfg, heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
+                                groups="mamba_n_groups", conv="mamba_d_conv", expand="mamba_expand",
+                                conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps)
     attention = cfg["attn_layer_indices"] or []
     if not isinstance(attention, list) or not all(is_layer_number(i, n) for i in attention):
         malformed("attn_layer_indices", attention, f"expected a list of layer numbers below num_hidden_layers = {n}")
@@ -208,25 +206,8 @@ def _bamba_config(cfg: dict) -> dict[str, Any]:
                                    "head_dim": head_dim, "qkv_bias": False, "use_rope": True, "rope_theta": theta,
                                    "rotary_dim": rotary_dim, "qk_norm": False, "qk_rmsnorm": False,
                                    "output_gate": False}
-    return {**_common(cfg, eps), "num_attention_heads": heads, "intermediate_size": cfg["intermediate_size"],
+    return {**common_fields(cfg, eps), "num_attention_heads": heads, "intermediate_size": cfg["intermediate_size"],
             "layer_types": layer_types, "mixer_kwargs": mixer_kwargs}
-
-
-def _granite_refusal(cfg: dict) -> None:
-    """GraniteMoeHybrid: the first field lazoo cannot express (a folder that has none is refused by model type: its
-    layers would convert, but the converter for them is not written)."""
-    for field in GRANITE_MULTIPLIERS[:3]:
-        if cfg.get(field, 1.0) != 1:
-            refuse(field, cfg[field], "lazoo's decoder has no such multiplier")
-    heads, hidden = cfg.get("num_attention_heads", 32), cfg.get("hidden_size", 4096)
-    scale = cfg.get("attention_multiplier", 1.0)
-    if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and scale == (hidden // heads) ** -0.5):
-        refuse("attention_multiplier", scale, "lazoo's attention scales its scores by 1/√head_dim")
-    if cfg.get("num_local_experts", 8):
-        refuse("num_local_experts", cfg.get("num_local_experts", 8), "Granite's routed experts come with an ungated "
-               "shared MLP; lazoo's shared expert is gated")
-    refuse("model_type", "granitemoehybrid", "a dense GraniteMoeHybrid folder with no multipliers converts in "
-           "principle, but lazoo convert does not implement it")
 
 
 def _nemotron_refusal(cfg: dict) -> None:
@@ -244,14 +225,12 @@ def _nemotron_refusal(cfg: dict) -> None:
 def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
     """The lazoo config fields (with `model_type`) of a `mamba2` or `bamba` config dict; ConversionError naming the
     field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot express exactly (every
-    `granitemoehybrid` and `nemotron_h` config, by its first such field)."""
+    `nemotron_h` config, by its first such field)."""
     model_type = cfg.get("model_type")
     if model_type == "mamba2":
         return _mamba2_config(cfg)
     if model_type == "bamba":
         return _bamba_config(cfg)
-    if model_type == "granitemoehybrid":
-        _granite_refusal(cfg)
     if model_type == "nemotron_h":
         _nemotron_refusal(cfg)
     refuse("model_type", model_type, f"lazoo converts {', '.join(CONVERTED_MODEL_TYPES)} here")
@@ -278,7 +257,7 @@ def _no_mlp(norm: str, dst: str) -> dict[str, Piece]:
             f"{dst}.mlp.down_proj.weight": piece(norm, _no_columns)}
 
 
-def _same_names(model_names: list[str], dst: str, src: str) -> dict[str, Piece]:
+def same_names(model_names: list[str], dst: str, src: str) -> dict[str, Piece]:
     """Every tensor of the lazoo model under `dst` from the checkpoint's tensor of the same name under `src`."""
     return {name: piece(src + name[len(dst):]) for name in model_names if name.startswith(dst + ".")}
 
@@ -301,12 +280,12 @@ def tensor_plan(fields: dict, model, model_type: str, names: set[str]) -> dict[s
         if model_type == "mamba2":
             plan[f"{dst}.input_norm.weight"] = piece(f"{src}.norm.weight")
             plan.update(_no_mlp(f"{src}.norm.weight", dst))
-            plan.update(_same_names(model_names, f"{dst}.mixer", f"{src}.mixer"))
+            plan.update(same_names(model_names, f"{dst}.mixer", f"{src}.mixer"))
             continue
         plan[f"{dst}.input_norm.weight"] = piece(f"{src}.input_layernorm.weight")
         plan[f"{dst}.post_mixer_norm.weight"] = piece(f"{src}.pre_ff_layernorm.weight")
-        plan.update(_same_names(model_names, f"{dst}.mlp", f"{src}.feed_forward"))
-        plan.update(_same_names(model_names, f"{dst}.mixer", f"{src}.{'mamba' if kind == 'mamba2' else 'self_attn'}"))
+        plan.update(same_names(model_names, f"{dst}.mlp", f"{src}.feed_forward"))
+        plan.update(same_names(model_names, f"{dst}.mixer", f"{src}.{'mamba' if kind == 'mamba2' else 'self_attn'}"))
     return plan
 
 

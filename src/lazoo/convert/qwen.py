@@ -503,6 +503,28 @@ def read_source_config(source: SourceFolder, config: dict | None, to_lazoo, fami
         raise type(err)(f"{config_file}: {err}") from err
 
 
+def convert_model_folder(src: str | os.PathLike, dst: str | os.PathLike, config: dict | None, to_lazoo, plan_of,
+                         family: str) -> tuple[Path, list[str]]:
+    """Convert a transformers folder whose language model's tensors are all under `model.` (and `lm_head`) with
+    nothing left out (Kimi Linear, GraniteMoeHybrid): the lazoo config fields from `to_lazoo(config dict)`, each
+    lazoo tensor from the pieces of `plan_of(fields, meta model, checkpoint names)`; `family` names the kind of folder
+    in errors. Refuses before writing anything, as `from_fla` does. Returns (`dst`, [])."""
+    source, dst = SourceFolder(src), Path(dst)
+    config_file, cfg, fields = read_source_config(source, config, to_lazoo, family)
+    check_destination(dst)
+    copied = tokenizer_files(source)
+    entries = tensor_entries(source)
+    names = source_names(entries, prefixes=("model.",), left_out=(), family=f"a {family} language model")
+    check_layer_count(names, entries, fields["num_hidden_layers"], config_file)
+    converted_from = {"format": "transformers", "model_type": cfg["model_type"], "source": source.root.name,
+                      "left_out": []}
+    model = meta_model(fields, config_file, converted_from)
+    plan = plan_of(fields, model, set(names))
+    check_plan(plan, names, entries, model, config_file)
+    model = fill_model(model, read_plan(source, plan, names, entries))
+    return write_folder(model, copied, dst), []
+
+
 def from_qwen(src: str | os.PathLike, dst: str | os.PathLike, config: dict | None = None) -> tuple[Path, list[str]]:
     """Convert the Qwen3.5 / Qwen3.5-MoE / Qwen3-Next folder `src` into a new lazoo folder `dst` (see the module
     docstring); `config` is src's config.json when already read. Returns (`dst`, what was left out). Refuses before
