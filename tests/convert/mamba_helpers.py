@@ -16,7 +16,8 @@ VOCAB = 97
 KINDS = {"mamba2": ("Mamba2Config", "Mamba2ForCausalLM"), "bamba": ("BambaConfig", "BambaForCausalLM"),
          "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
          "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM")}
-#: the kinds lazoo converts (the others it refuses by field)
+#: the kinds tests/convert/test_convert_mamba.py converts (GraniteMoeHybrid: test_convert_granite.py; Nemotron-H is
+#: refused by field)
 CONVERTED = ("mamba2", "bamba")
 
 
@@ -30,19 +31,26 @@ def require(kind: str):
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
-def grouped_norm() -> bool:
-    """Whether transformers' Mamba-2 output norm normalises each of the n_groups groups, as Mamba-2 does (5.17's
-    normalises all H·P channels at once: it then computes Mamba-2 only for n_groups = 1)."""
+def grouped_norm(kind: str = "mamba2") -> bool:
+    """Whether transformers' Mamba-2 output norm (of `kind`'s Mamba-2 layers) normalises each of the n_groups
+    groups, as Mamba-2 does (5.17's normalises all H·P channels at once: it then computes Mamba-2 only for
+    n_groups = 1)."""
     import inspect
 
-    from transformers.models.mamba2 import modeling_mamba2
+    if kind == "granitemoehybrid":
+        from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 
-    return "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated).parameters
+        norm = modeling_granitemoehybrid.GraniteMoeHybridRMSNormGated
+    else:
+        from transformers.models.mamba2 import modeling_mamba2
+
+        norm = modeling_mamba2.MambaRMSNormGated
+    return "group_size" in inspect.signature(norm).parameters
 
 
-def groups() -> int:
+def groups(kind: str = "mamba2") -> int:
     """The groups of B and C of the tiny models: 2 where transformers computes them as Mamba-2, else 1."""
-    return 2 if grouped_norm() else 1
+    return 2 if grouped_norm(kind) else 1
 
 
 def config_fields(kind: str, **overrides) -> dict:
@@ -56,11 +64,13 @@ def config_fields(kind: str, **overrides) -> dict:
                       num_key_value_heads=2, intermediate_size=48, attn_layer_indices=[1], mamba_n_heads=4,
                       mamba_d_head=16, mamba_n_groups=groups(), mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8,
                       max_position_embeddings=512)
-    elif kind == "granitemoehybrid":
-        fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=48, shared_intermediate_size=48, num_local_experts=2,
-                      num_experts_per_tok=1, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
-                      mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8)
+    elif kind == "granitemoehybrid":  # Granite 4.0-H's scaling (attention scores by 1/head_dim), no positions
+        fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=24, shared_intermediate_size=40, num_local_experts=4,
+                      num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba", "attention"],
+                      mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=groups(kind), mamba_d_state=8,
+                      mamba_chunk_size=8, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0,
+                      attention_multiplier=1 / 8, position_embedding_type="nope", rms_norm_eps=1e-5)
     else:
         fields = dict(vocab_size=VOCAB, hidden_size=32, layers_block_type=["mamba", "mlp", "attention", "mlp"],
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -72,7 +82,9 @@ def config_fields(kind: str, **overrides) -> dict:
 
 def tiny_model(kind: str, seed: int = 0, tie: bool = False, **overrides):
     """transformers' own model of `kind`, with random weights everywhere (norm weights, A_log, dt_bias, D and the
-    convolution's bias too, so that a parameter read at the wrong place shows)."""
+    convolution's bias too, so that a parameter read at the wrong place shows); Granite's router, experts, shared MLP
+    and attention drawn large enough to weigh in the logits (the router's scores spread enough to route differently
+    per token)."""
     config_cls, model_cls = require(kind)
     config = config_cls(**config_fields(kind, **overrides), tie_word_embeddings=tie)
     torch.manual_seed(seed)
@@ -83,7 +95,15 @@ def tiny_model(kind: str, seed: int = 0, tie: bool = False, **overrides):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith(("A_log", "dt_bias", "D", "conv1d.bias")):
                 p.copy_(0.5 * torch.randn_like(p))
+            elif kind == "granitemoehybrid" and name.endswith("router.weight"):
+                p.copy_(torch.randn_like(p))
+            elif kind == "granitemoehybrid" and any(part in name for part in GRANITE_LARGE):
+                p.copy_(0.2 * torch.randn_like(p))
     return model
+
+
+#: the parts of Granite's layers drawn larger than transformers' init (std 0.02)
+GRANITE_LARGE = ("block_sparse_moe.experts.", "shared_mlp.", "self_attn.")
 
 
 def save_tiny(folder: Path, kind: str, seed: int = 0, tie: bool = False, **overrides):
@@ -134,3 +154,12 @@ def reference_logits(reference, ids, mask, dtype):
     with lifted, torch.no_grad():
         return reference(ids, attention_mask=mask, use_cache=False).logits
 
+
+def greedy_tokens(reference, ours, ids, mask, steps: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `steps` greedy tokens (after the prompt) of transformers' model and of ours in float32, with the cache."""
+    kwargs = dict(attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        expected = reference.float().generate(ids, **kwargs)
+        got = ours.float().generate(ids, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + steps
+    return expected, got

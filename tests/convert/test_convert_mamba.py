@@ -1,8 +1,9 @@
 """Mamba-2 ("Transformers are SSMs", Dao and Gu, 2024) and Bamba folders saved by transformers' own classes, converted
 with `lazoo convert`: the same logits as transformers' model (float64 with its float32 casts lifted, and float32 as
 it runs) at every real position of left-padded prompts, the same greedy tokens with the cache, a cache continued
-across two `generate` calls, and refusals by field (GraniteMoeHybrid among them) that leave DST as it was. On a
-transformers release without these classes the tests skip, saying so. (Nemotron-H: test_convert_nemotron.py.)"""
+across two `generate` calls, and refusals by field that leave DST as it was. On a transformers release without
+these classes the tests skip, saying so. (Nemotron-H: test_convert_nemotron.py; GraniteMoeHybrid:
+test_convert_granite.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from convert_helpers import (
     run_convert,
 )
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
-from mamba_helpers import CONVERTED, VOCAB, groups, reference_logits, require, save_tiny
+from mamba_helpers import CONVERTED, VOCAB, greedy_tokens, groups, reference_logits, require, save_tiny
 from qwen_helpers import prompt_and_mask, relative_error
 from transformers import AutoModelForCausalLM
 
@@ -77,12 +78,7 @@ def test_logits_equal_transformers(converted, dtype, rtol):
 def test_greedy_tokens_equal_transformers_for_32_steps_with_the_cache(converted):
     case, kind, reference, ours, _ = converted
     ids, mask = _prompts(case)
-    reference, ours = reference.float(), ours.float()
-    kwargs = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        expected = reference.generate(ids, **kwargs)
-        got = ours.generate(ids, **kwargs)
-    assert expected.shape[1] == ids.shape[1] + 32
+    expected, got = greedy_tokens(reference, ours, ids, mask)
     assert torch.equal(got, expected)
 
 
@@ -170,27 +166,6 @@ def test_a_config_lazoo_cannot_express_is_refused_by_field_and_dst_is_untouched(
     edit_config(tmp_path / "src", edit)
     error = refusal_into_a_folder(tmp_path / "src", tmp_path / "dst", capfd)
     assert field in error and "config.json" in error, error
-
-
-#: the hybrid lazoo does not convert, each folder as transformers saves it, and the field named
-REFUSED_KINDS = {
-    "granitemoehybrid": ({}, "embedding_multiplier"),
-    "granitemoehybrid_experts": ({"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
-                                  "attention_multiplier": 8 ** -0.5}, "num_local_experts"),
-}
-
-
-@pytest.mark.parametrize("case", list(REFUSED_KINDS))
-def test_granite_folders_are_refused_by_their_first_field_lazoo_cannot_express(case, tmp_path, capfd):
-    kind = case.split("_experts")[0]
-    require(kind)
-    overrides, field = REFUSED_KINDS[case]
-    if kind == "granitemoehybrid" and not overrides:
-        overrides = {"embedding_multiplier": 12.0}  # as Granite 4.0 checkpoints have it
-    save_tiny(tmp_path / "src", kind, **overrides)
-    status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
-    check_outcome(status, err, tmp_path / "dst", None)
-    assert status == 2 and f"'{field}'" in err[0] and "config.json" in err[0], err
 
 
 REFUSED_WEIGHTS = {

@@ -1,5 +1,5 @@
-"""`lazoo convert`: a fla, Qwen3.5, Qwen3-Next, Mamba-2, Bamba, Nemotron-H or Kimi Linear checkpoint folder into a lazoo
-folder (`lazoo.convert.convert_checkpoint`)."""
+"""`lazoo convert`: a fla, Qwen3.5, Qwen3-Next, Mamba-2, Bamba, Nemotron-H, GraniteMoeHybrid or Kimi Linear checkpoint
+folder into a lazoo folder (`lazoo.convert.convert_checkpoint`)."""
 
 from __future__ import annotations
 

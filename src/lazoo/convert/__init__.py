@@ -1,7 +1,8 @@
 """Checkpoint conversion into lazoo folders: `from_fla` (flash-linear-attention checkpoints), `from_qwen` (Qwen3.5,
 Qwen3.5-MoE and Qwen3-Next folders of transformers), `from_mamba` (Mamba-2 and Bamba folders of transformers),
-`from_kimi` (Kimi Linear folders of transformers), `from_nemotron` (Nemotron-H folders of transformers), and
-`convert_checkpoint`, which picks one by the folder's `model_type` (`lazoo convert`)."""
+`from_kimi` (Kimi Linear folders of transformers), `from_nemotron` (Nemotron-H folders of transformers),
+`from_granite` (GraniteMoeHybrid folders of transformers), and `convert_checkpoint`, which picks one by the
+folder's `model_type` (`lazoo convert`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .fla import (
     fla_config_to_lazoo,
     from_fla,
 )
+from .granite import GRANITE_MODEL_TYPES, from_granite, granite_config_to_lazoo
 from .kimi import KIMI_MODEL_TYPES, from_kimi, kimi_config_to_lazoo
 from .mamba import CONVERTED_MODEL_TYPES, MAMBA_MODEL_TYPES, from_mamba, mamba_config_to_lazoo
 from .nemotron import NEMOTRON_MODEL_TYPES, from_nemotron, nemotron_config_to_lazoo
@@ -24,16 +26,17 @@ from .qwen import QWEN_MODEL_TYPES, from_qwen, qwen_config_to_lazoo
 from .source import SourceFolder, shown
 
 __all__ = ["ConversionError", "UnsupportedCheckpointError", "convert_checkpoint", "fla_config_to_lazoo", "from_fla",
-           "from_kimi", "from_mamba", "from_nemotron", "from_qwen", "kimi_config_to_lazoo", "mamba_config_to_lazoo",
-           "nemotron_config_to_lazoo", "qwen_config_to_lazoo", "FLA_MODEL_TYPES", "KIMI_MODEL_TYPES",
-           "MAMBA_MODEL_TYPES", "NEMOTRON_MODEL_TYPES", "QWEN_MODEL_TYPES"]
+           "from_granite", "from_kimi", "from_mamba", "from_nemotron", "from_qwen", "granite_config_to_lazoo",
+           "kimi_config_to_lazoo", "mamba_config_to_lazoo", "nemotron_config_to_lazoo", "qwen_config_to_lazoo",
+           "FLA_MODEL_TYPES", "GRANITE_MODEL_TYPES", "KIMI_MODEL_TYPES", "MAMBA_MODEL_TYPES", "NEMOTRON_MODEL_TYPES",
+           "QWEN_MODEL_TYPES"]
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[Path, list[str]]:
     """Convert the checkpoint folder `src` (fla, or Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Mamba-2 / Bamba / Kimi Linear
-    / Nemotron-H as transformers saves them) into a new lazoo folder `dst`, by the `model_type` of its config.json
-    (a `mamba2` folder is fla's or transformers', by the fields of its config). Returns (`dst`, what the
-    conversion left out, e.g. a vision tower). Refuses, before writing anything, what it cannot convert exactly."""
+    / Nemotron-H / GraniteMoeHybrid as transformers saves them) into a new lazoo folder `dst`, by the `model_type` of
+    its config.json (a `mamba2` folder is fla's or transformers', by the fields of its config). Returns (`dst`, what
+    the conversion left out, e.g. a vision tower). Refuses, before writing anything, what it cannot convert exactly."""
     source = SourceFolder(src)
     config_file = source.file("config.json", required=False)
     if config_file is None:
@@ -48,11 +51,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[
         return from_kimi(src, dst, config=config)
     if isinstance(model_type, str) and model_type in NEMOTRON_MODEL_TYPES:
         return from_nemotron(src, dst, config=config)
+    if isinstance(model_type, str) and model_type in GRANITE_MODEL_TYPES:
+        return from_granite(src, dst, config=config)
     if isinstance(model_type, str) and model_type in FLA_MODEL_TYPES:
         return from_fla(src, dst), []
     raise UnsupportedCheckpointError(
         f"{config_file}: config field 'model_type' = {shown(config.get('model_type'))}: lazoo converts fla model "
         f"types {', '.join([*FLA_MODEL_TYPES, *FLA_MAMBA_MODEL_TYPES])} and transformers' "
-        f"{', '.join(QWEN_MODEL_TYPES)}, "
-        f"{', '.join(CONVERTED_MODEL_TYPES)}, {', '.join(KIMI_MODEL_TYPES)}, {', '.join(NEMOTRON_MODEL_TYPES)}; "
+        f"{', '.join(QWEN_MODEL_TYPES)}, {', '.join(CONVERTED_MODEL_TYPES)}, {', '.join(KIMI_MODEL_TYPES)}, "
+        f"{', '.join(NEMOTRON_MODEL_TYPES)}, {', '.join(GRANITE_MODEL_TYPES)}; "
         "nothing was converted")

@@ -41,18 +41,14 @@ from . import fla
 from .fla_layers import KINDS
 from .qwen import (
     Piece,
-    check_layer_count,
-    check_plan,
+    convert_model_folder,
     decoder_plan,
     malformed,
     per_expert_piece,
     piece,
-    read_plan,
-    read_source_config,
     refuse,
-    source_names,
 )
-from .source import ConversionError, SourceFolder
+from .source import ConversionError
 
 __all__ = ["KIMI_MODEL_TYPES", "from_kimi", "kimi_config_to_lazoo"]
 
@@ -367,17 +363,4 @@ def from_kimi(src: str | os.PathLike, dst: str | os.PathLike, config: dict | Non
     """Convert the Kimi Linear folder `src` into a new lazoo folder `dst` (see the module docstring); `config` is
     src's config.json when already read. Returns (`dst`, what was left out: nothing). Refuses before writing
     anything, as `from_fla` does."""
-    source, dst = SourceFolder(src), Path(dst)
-    config_file, cfg, fields = read_source_config(source, config, kimi_config_to_lazoo, "Kimi Linear")
-    fla.check_destination(dst)
-    copied = fla.tokenizer_files(source)
-    entries = fla.tensor_entries(source)
-    names = source_names(entries, prefixes=("model.",), left_out=(), family="a Kimi Linear language model")
-    check_layer_count(names, entries, fields["num_hidden_layers"], config_file)
-    converted_from = {"format": "transformers", "model_type": cfg["model_type"], "source": source.root.name,
-                      "left_out": []}
-    model = fla.meta_model(fields, config_file, converted_from)
-    plan = tensor_plan(fields, model, set(names))
-    check_plan(plan, names, entries, model, config_file)
-    model = fla.fill_model(model, read_plan(source, plan, names, entries))
-    return fla.write_folder(model, copied, dst), []
+    return convert_model_folder(src, dst, config, kimi_config_to_lazoo, tensor_plan, "Kimi Linear")

@@ -17,9 +17,8 @@ function:
 - `bamba`: the attention layers (`attn_layer_indices`) become lazoo `softmax` layers (grouped-query key/value heads,
   RoPE on the first half of each head's channels), and every layer has Bamba's SwiGLU MLP.
 
-`granitemoehybrid` folders are refused, naming the first config field lazoo cannot express: Granite's multipliers (of
-the embeddings, the residual branches, the attention scores and the logits) and its MoE. (`nemotron_h` folders convert
-through `lazoo.convert.nemotron`.)
+(`granitemoehybrid` folders convert through `lazoo.convert.granite`, `nemotron_h` folders through
+`lazoo.convert.nemotron`.)
 
 What lazoo does not copy, and why: `time_step_limit` other than (0, inf) is refused (transformers clamps dt to it in
 its chunked form but not when it decodes one token, so the model has no one function to copy); `residual_in_fp32`
@@ -59,8 +58,7 @@ __all__ = ["MAMBA_MODEL_TYPES", "from_mamba", "mamba_config_to_lazoo"]
 
 #: the model types converted, and those refused by the first field lazoo cannot express
 CONVERTED_MODEL_TYPES = ("mamba2", "bamba")
-REFUSED_MODEL_TYPES = ("granitemoehybrid",)
-MAMBA_MODEL_TYPES = CONVERTED_MODEL_TYPES + REFUSED_MODEL_TYPES
+MAMBA_MODEL_TYPES = CONVERTED_MODEL_TYPES
 
 #: the config fields lazoo reads, with their kinds (fla_layers.KINDS; "?" allows null) and transformers' defaults
 MAMBA2_FIELDS = {
@@ -117,12 +115,10 @@ FLA_MAMBA2_NO_MATH = {"initializer_range", "use_cache", "chunk_size", "conv_init
 FLA_MAMBA2_MARKERS = ("norm_eps", "rmsnorm", "D_has_hdim", "dt_limit", "A_init_range", "dt_min", "dt_max",
                       "dt_init_floor", "conv_init", "fuse_norm", "fuse_cross_entropy", "fuse_linear_cross_entropy",
                       "use_l2warp")
-#: Granite's fields that scale a part of the model, in the order they are checked, with the value lazoo computes
-GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
 # ============================================================================ the config
-def _fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str], owner: str = "") -> dict[str, Any]:
+def filled_fields(cfg: dict, kinds: dict[str, tuple[str, Any]], no_math: set[str], owner: str = "") -> dict[str, Any]:
     """`cfg` with the defaults of `kinds` filled in, after refusing an unknown field and a value of the wrong kind
     (`owner`: whose config it is, for the error)."""
     unknown = sorted(set(cfg) - kinds.keys() - no_math - fla.standard_fields())
@@ -143,7 +139,7 @@ def _is_no_clamp(limit) -> bool:
         and (limit[1] == math.inf or limit[1] == {"__float__": "Infinity"})
 
 
-def _time_step_limit(cfg: dict) -> None:
+def check_time_step_limit(cfg: dict) -> None:
     """(0, inf), the default, is no clamp (dt = softplus(...) >= 0); anything else is refused."""
     limit = cfg.get("time_step_limit", [0.0, math.inf])
     if _is_no_clamp(limit):
@@ -152,12 +148,12 @@ def _time_step_limit(cfg: dict) -> None:
            "when decoding one token); only the default [0.0, Infinity] converts")
 
 
-def _mamba_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: str, conv: str, expand: str,
-                   conv_bias: str, proj_bias: str, eps: float) -> dict[str, Any]:
+def mamba_layer_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: str, conv: str, expand: str,
+                        conv_bias: str, proj_bias: str, eps: float) -> dict[str, Any]:
     """The lazoo `mamba2` options of a Mamba-2 layer whose sizes the config's fields named here hold."""
     if cfg.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", cfg["hidden_act"], "lazoo's Mamba-2 convolution is followed by silu")
-    _time_step_limit(cfg)
+    check_time_step_limit(cfg)
     if cfg[head_dim] is None:  # transformers' "auto": expand · hidden_size / heads
         cfg = {**cfg, head_dim: cfg[expand] * cfg["hidden_size"] // cfg[heads]}
     if cfg[heads] * cfg[head_dim] != cfg[expand] * cfg["hidden_size"]:
@@ -174,7 +170,7 @@ def _mamba_options(cfg: dict, *, heads: str, head_dim: str, state: str, groups: 
     return options
 
 
-def _common(cfg: dict, eps: float) -> dict[str, Any]:
+def common_fields(cfg: dict, eps: float) -> dict[str, Any]:
     fields = {"model_type": "lazoo_hybrid", "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
               "num_hidden_layers": cfg["num_hidden_layers"], "sliding_window": None, "use_short_conv": None,
               "rms_norm_eps": float(eps), "tie_word_embeddings": cfg["tie_word_embeddings"],
@@ -186,17 +182,17 @@ def _common(cfg: dict, eps: float) -> dict[str, Any]:
 
 
 def _mamba2_config(cfg: dict) -> dict[str, Any]:
-    cfg = _fields(cfg, MAMBA2_FIELDS, MAMBA2_NO_MATH)
+    cfg = filled_fields(cfg, MAMBA2_FIELDS, MAMBA2_NO_MATH)
     if cfg["norm_before_gate"]:
         refuse("norm_before_gate", True, "lazoo's Mamba-2 output norm comes after the gate, as transformers' does")
     if not cfg["rms_norm"]:
         refuse("rms_norm", False, "lazoo's Mamba-2 output norm is an RMSNorm, as transformers' is")
     eps = cfg["layer_norm_epsilon"]
-    mamba = _mamba_options(cfg, heads="num_heads", head_dim="head_dim", state="state_size", groups="n_groups",
-                           conv="conv_kernel", expand="expand", conv_bias="use_conv_bias", proj_bias="use_bias",
-                           eps=eps)
+    mamba = mamba_layer_options(cfg, heads="num_heads", head_dim="head_dim", state="state_size", groups="n_groups",
+                                conv="conv_kernel", expand="expand", conv_bias="use_conv_bias", proj_bias="use_bias",
+                                eps=eps)
     n = cfg["num_hidden_layers"]
-    return {**_common(cfg, eps), "num_attention_heads": mamba["num_heads"], "intermediate_size": 0,
+    return {**common_fields(cfg, eps), "num_attention_heads": mamba["num_heads"], "intermediate_size": 0,
             "layer_types": ["mamba2"] * n, "mixer_kwargs": {"mamba2": mamba}}
 
 
@@ -235,7 +231,7 @@ def _fla_init_ranges(cfg: dict) -> dict[str, float]:
 def _fla_mamba2_config(cfg: dict) -> dict[str, Any]:
     """fla's Mamba-2 (fla/models/mamba2): the layer of transformers' Mamba-2 under other config names, the heads
     derived from expand · hidden_size / head_dim (a `num_heads` saved beside them must agree)."""
-    cfg = _fields(cfg, FLA_MAMBA2_FIELDS, FLA_MAMBA2_NO_MATH, owner="fla's ")
+    cfg = filled_fields(cfg, FLA_MAMBA2_FIELDS, FLA_MAMBA2_NO_MATH, owner="fla's ")
     _fla_refusals(cfg)
     inner = int(cfg["expand"] * cfg["hidden_size"])
     if inner % cfg["head_dim"]:
@@ -250,14 +246,14 @@ def _fla_mamba2_config(cfg: dict) -> dict[str, Any]:
              "n_groups": cfg["n_groups"], "conv_kernel": cfg["conv_kernel"], "use_conv_bias": cfg["use_conv_bias"],
              "use_bias": cfg["use_bias"], "norm_eps": float(eps), **_fla_init_ranges(cfg)}
     n = cfg["num_hidden_layers"]
-    return {**_common(cfg, eps), "num_attention_heads": heads, "intermediate_size": 0,
+    return {**common_fields(cfg, eps), "num_attention_heads": heads, "intermediate_size": 0,
             "layer_types": ["mamba2"] * n, "mixer_kwargs": {"mamba2": mamba}}
 
 
 def _bamba_config(cfg: dict) -> dict[str, Any]:
     if cfg.get("mamba_d_head") == "auto":  # as transformers reads it: expand · hidden_size / heads
         cfg = {**cfg, "mamba_d_head": None}
-    cfg = _fields(cfg, BAMBA_FIELDS, BAMBA_NO_MATH)
+    cfg = filled_fields(cfg, BAMBA_FIELDS, BAMBA_NO_MATH)
     for field, why in (("attention_bias", "lazoo's attention output projection has no bias"),
                        ("mlp_bias", "lazoo's MLP has no biases")):
         if cfg[field]:
@@ -267,9 +263,9 @@ def _bamba_config(cfg: dict) -> dict[str, Any]:
         if cfg[field]:
             refuse(field, cfg[field], why)
     eps, n = cfg["rms_norm_eps"], cfg["num_hidden_layers"]
-    mamba = _mamba_options(cfg, heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
-                           groups="mamba_n_groups", conv="mamba_d_conv", expand="mamba_expand",
-                           conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps)
+    mamba = mamba_layer_options(cfg, heads="mamba_n_heads", head_dim="mamba_d_head", state="mamba_d_state",
+                                groups="mamba_n_groups", conv="mamba_d_conv", expand="mamba_expand",
+                                conv_bias="mamba_conv_bias", proj_bias="mamba_proj_bias", eps=eps)
     attention = cfg["attn_layer_indices"] or []
     if not isinstance(attention, list) or not all(is_layer_number(i, n) for i in attention):
         malformed("attn_layer_indices", attention, f"expected a list of layer numbers below num_hidden_layers = {n}")
@@ -295,31 +291,14 @@ def _bamba_config(cfg: dict) -> dict[str, Any]:
                                    "head_dim": head_dim, "qkv_bias": False, "use_rope": True, "rope_theta": theta,
                                    "rotary_dim": rotary_dim, "qk_norm": False, "qk_rmsnorm": False,
                                    "output_gate": False}
-    return {**_common(cfg, eps), "num_attention_heads": heads, "intermediate_size": cfg["intermediate_size"],
+    return {**common_fields(cfg, eps), "num_attention_heads": heads, "intermediate_size": cfg["intermediate_size"],
             "layer_types": layer_types, "mixer_kwargs": mixer_kwargs}
-
-
-def _granite_refusal(cfg: dict) -> None:
-    """GraniteMoeHybrid: the first field lazoo cannot express (a folder that has none is refused by model type: its
-    layers would convert, but the converter for them is not written)."""
-    for field in GRANITE_MULTIPLIERS[:3]:
-        if cfg.get(field, 1.0) != 1:
-            refuse(field, cfg[field], "lazoo's decoder has no such multiplier")
-    heads, hidden = cfg.get("num_attention_heads", 32), cfg.get("hidden_size", 4096)
-    scale = cfg.get("attention_multiplier", 1.0)
-    if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and scale == (hidden // heads) ** -0.5):
-        refuse("attention_multiplier", scale, "lazoo's attention scales its scores by 1/√head_dim")
-    if cfg.get("num_local_experts", 8):
-        refuse("num_local_experts", cfg.get("num_local_experts", 8), "Granite's routed experts come with an ungated "
-               "shared MLP; lazoo's shared expert is gated")
-    refuse("model_type", "granitemoehybrid", "a dense GraniteMoeHybrid folder with no multipliers converts in "
-           "principle, but lazoo convert does not implement it")
 
 
 def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
     """The lazoo config fields (with `model_type`) of a `mamba2` (transformers' or fla's) or `bamba` config dict;
     ConversionError naming the field for a malformed value, UnsupportedCheckpointError for anything lazoo cannot
-    express exactly (every `granitemoehybrid` config, by its first such field)."""
+    express exactly, by its first such field."""
     model_type = cfg.get("model_type")
     if is_fla_mamba2(cfg):
         return _fla_mamba2_config(cfg)
@@ -327,8 +306,6 @@ def mamba_config_to_lazoo(cfg: dict) -> dict[str, Any]:
         return _mamba2_config(cfg)
     if model_type == "bamba":
         return _bamba_config(cfg)
-    if model_type == "granitemoehybrid":
-        _granite_refusal(cfg)
     refuse("model_type", model_type, f"lazoo converts {', '.join(CONVERTED_MODEL_TYPES)} here")
 
 
@@ -353,7 +330,7 @@ def _no_mlp(norm: str, dst: str) -> dict[str, Piece]:
             f"{dst}.mlp.down_proj.weight": piece(norm, _no_columns)}
 
 
-def _same_names(model_names: list[str], dst: str, src: str) -> dict[str, Piece]:
+def same_names(model_names: list[str], dst: str, src: str) -> dict[str, Piece]:
     """Every tensor of the lazoo model under `dst` from the checkpoint's tensor of the same name under `src`."""
     return {name: piece(src + name[len(dst):]) for name in model_names if name.startswith(dst + ".")}
 
@@ -376,12 +353,12 @@ def tensor_plan(fields: dict, model, model_type: str, names: set[str]) -> dict[s
         if model_type == "mamba2":
             plan[f"{dst}.input_norm.weight"] = piece(f"{src}.norm.weight")
             plan.update(_no_mlp(f"{src}.norm.weight", dst))
-            plan.update(_same_names(model_names, f"{dst}.mixer", f"{src}.mixer"))
+            plan.update(same_names(model_names, f"{dst}.mixer", f"{src}.mixer"))
             continue
         plan[f"{dst}.input_norm.weight"] = piece(f"{src}.input_layernorm.weight")
         plan[f"{dst}.post_mixer_norm.weight"] = piece(f"{src}.pre_ff_layernorm.weight")
-        plan.update(_same_names(model_names, f"{dst}.mlp", f"{src}.feed_forward"))
-        plan.update(_same_names(model_names, f"{dst}.mixer", f"{src}.{'mamba' if kind == 'mamba2' else 'self_attn'}"))
+        plan.update(same_names(model_names, f"{dst}.mlp", f"{src}.feed_forward"))
+        plan.update(same_names(model_names, f"{dst}.mixer", f"{src}.{'mamba' if kind == 'mamba2' else 'self_attn'}"))
     return plan
 
 

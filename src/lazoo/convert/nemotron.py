@@ -39,10 +39,9 @@ from typing import Any
 
 from ..layers.mlp import ACTIVATIONS
 from . import fla
-from .mamba import _fields, _time_step_limit
+from .mamba import check_time_step_limit, filled_fields
 from .qwen import (
     Piece,
-    _stacked,
     check_layer_count,
     check_plan,
     malformed,
@@ -51,6 +50,7 @@ from .qwen import (
     read_source_config,
     refuse,
     source_names,
+    stacked,
 )
 from .source import SourceFolder
 
@@ -218,9 +218,9 @@ def nemotron_config_to_lazoo(cfg: dict) -> dict[str, Any]:
         refuse("model_type", cfg.get("model_type"), "lazoo converts nemotron_h here")
     cfg = _renamed(cfg)
     kinds = block_kinds(cfg)
-    _time_step_limit(cfg)
+    check_time_step_limit(cfg)
     # transformers counts the blocks of the list, whatever num_hidden_layers says
-    cfg = _fields({**cfg, "num_hidden_layers": len(kinds), "vocab_size": cfg.get("vocab_size", 131072),
+    cfg = filled_fields({**cfg, "num_hidden_layers": len(kinds), "vocab_size": cfg.get("vocab_size", 131072),
                    "hidden_size": cfg.get("hidden_size", 4096)}, NEMOTRON_FIELDS, NEMOTRON_NO_MATH)
     _refuse_unexpressed(cfg)
     blocks = pair_blocks(kinds)
@@ -266,7 +266,7 @@ def _feed_forward_pieces(src: str, dst: str, model_names: list[str], names: set[
         if ours.startswith("experts.") and theirs not in names:
             projection = ours.removeprefix("experts.")
             pieces[f"{dst}.{ours}"] = Piece(tuple(f"{src}.experts.{e}.{projection}.weight" for e in range(experts)),
-                                            _stacked)
+                                            stacked)
         else:
             pieces[f"{dst}.{ours}"] = piece(theirs)
     return pieces

@@ -331,7 +331,7 @@ def _attention_pieces(src: str, dst: str, mixer: dict) -> dict[str, Piece]:
     return pieces
 
 
-def _stacked(*experts: torch.Tensor) -> torch.Tensor:
+def stacked(*experts: torch.Tensor) -> torch.Tensor:
     return torch.stack(experts)
 
 
@@ -345,7 +345,7 @@ def per_expert_piece(name: str, prefix: str, experts: int, projections: tuple[st
     """lazoo's stacked `experts.gate_up_proj` or `experts.down_proj` (`name`) from one module per expert
     (`{prefix}.{e}.{projection}.weight`, the projections named (gate, up, down))."""
     gate, up, down = (tuple(f"{prefix}.{e}.{proj}.weight" for e in range(experts)) for proj in projections)
-    return Piece(gate + up, _gate_up_stacked) if name == "experts.gate_up_proj" else Piece(down, _stacked)
+    return Piece(gate + up, _gate_up_stacked) if name == "experts.gate_up_proj" else Piece(down, stacked)
 
 
 def _mlp_pieces(src: str, dst: str, model_names: list[str], names: set[str], experts: int) -> dict[str, Piece]:
@@ -501,6 +501,28 @@ def read_source_config(source: SourceFolder, config: dict | None, to_lazoo, fami
         return config_file, cfg, to_lazoo(cfg)
     except ConversionError as err:
         raise type(err)(f"{config_file}: {err}") from err
+
+
+def convert_model_folder(src: str | os.PathLike, dst: str | os.PathLike, config: dict | None, to_lazoo, plan_of,
+                         family: str) -> tuple[Path, list[str]]:
+    """Convert a transformers folder whose language model's tensors are all under `model.` (and `lm_head`) with
+    nothing left out (Kimi Linear, GraniteMoeHybrid): the lazoo config fields from `to_lazoo(config dict)`, each
+    lazoo tensor from the pieces of `plan_of(fields, meta model, checkpoint names)`; `family` names the kind of folder
+    in errors. Refuses before writing anything, as `from_fla` does. Returns (`dst`, [])."""
+    source, dst = SourceFolder(src), Path(dst)
+    config_file, cfg, fields = read_source_config(source, config, to_lazoo, family)
+    check_destination(dst)
+    copied = tokenizer_files(source)
+    entries = tensor_entries(source)
+    names = source_names(entries, prefixes=("model.",), left_out=(), family=f"a {family} language model")
+    check_layer_count(names, entries, fields["num_hidden_layers"], config_file)
+    converted_from = {"format": "transformers", "model_type": cfg["model_type"], "source": source.root.name,
+                      "left_out": []}
+    model = meta_model(fields, config_file, converted_from)
+    plan = plan_of(fields, model, set(names))
+    check_plan(plan, names, entries, model, config_file)
+    model = fill_model(model, read_plan(source, plan, names, entries))
+    return write_folder(model, copied, dst), []
 
 
 def from_qwen(src: str | os.PathLike, dst: str | os.PathLike, config: dict | None = None) -> tuple[Path, list[str]]:

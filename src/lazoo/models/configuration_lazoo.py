@@ -10,6 +10,7 @@ registered after import gets one derived here (`derive_config_class`).
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -59,6 +60,22 @@ def check_sizes(config) -> None:
 def mixer_names(layer_types) -> list[str]:
     """The distinct mechanisms of `layer_types`, in order of first use, without the None of mixer-free layers."""
     return [name for name in dict.fromkeys(layer_types) if name is not None]
+
+
+#: the decoder's scaling fields (Granite's): each a finite number > 0, 1.0 = no scaling
+SCALING_FIELDS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def check_scaling(config) -> None:
+    """Clear errors for the scaling fields: finite numbers > 0; `residual_multiplier` says how the mixer's and the
+    MLP's branches are scaled, not the Memory Lobe's, so it stays 1 with one."""
+    for field in SCALING_FIELDS:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{field} must be a finite number > 0 (1.0: no scaling), got {value!r}")
+    if config.residual_multiplier != 1 and config.memory_lobe is not None:
+        raise ValueError(f"residual_multiplier={config.residual_multiplier} scales the mixer's and the MLP's residual "
+                         "branches; with a memory_lobe it is not defined: leave it 1.0 or memory_lobe None")
 
 
 def check_layer_types(layer_types, num_hidden_layers) -> None:
@@ -296,6 +313,9 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         mixer_kwargs: dict[str, dict[str, Any]] | None = None,
         rms_norm_eps: float = 1e-6,
         zero_centered_norm: bool = False,
+        embedding_multiplier: float = 1.0,
+        residual_multiplier: float = 1.0,
+        logits_scaling: float = 1.0,
         initializer_range: float = 0.02,
         max_position_embeddings: int = 1 << 20,
         tie_word_embeddings: bool = True,
@@ -363,6 +383,11 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         # the decoder's norms as (1 + w)·x̂ with w starting at 0 (Qwen3.5 / Qwen3-Next checkpoints), not w·x̂
         self.zero_centered_norm = zero_centered_norm
+        # Granite's scaling: the embeddings times embedding_multiplier, each residual branch (the mixer's, the MLP's)
+        # times residual_multiplier before it is added, the logits divided by logits_scaling
+        self.embedding_multiplier = embedding_multiplier
+        self.residual_multiplier = residual_multiplier
+        self.logits_scaling = logits_scaling
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
         self.tie_word_embeddings = tie_word_embeddings
@@ -421,6 +446,7 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         check_head_layout(self, layer_types)
         check_decoder_options(self)
         check_feed_forward_options(self, layer_types)
+        check_scaling(self)
 
     def validate(self):
         """transformers' validators, except its `layer_types` check (which knows only its own attention

@@ -21,6 +21,7 @@ class LazooSoftmaxConfig(LazooConfig):
         qk_rmsnorm_eps = 1e-05: the ε of the qk_rmsnorm norms
         qk_rmsnorm_zero_centered = False: the qk_rmsnorm norms scale by (1 + w), w initialised to 0, computed in fp32 for half types (Qwen3.5 / Qwen3-Next); needs qk_rmsnorm
         output_gate = False: the attention output times sigmoid(g_proj(x)) per channel before o_proj (g_proj: hidden_size -> num_heads·head_dim; Qwen3.5 / Qwen3-Next gated attention)
+        softmax_scale = None: the number the scores q·k are multiplied by before the softmax (Granite's attention_multiplier); None: 1/√head_dim (or qk_norm's learned scale, with which it cannot be combined)
     """
 
     model_type = "lazoo_softmax"
@@ -46,6 +47,7 @@ class LazooSlidingWindowConfig(LazooConfig):
         qk_rmsnorm_eps = 1e-05: the ε of the qk_rmsnorm norms
         qk_rmsnorm_zero_centered = False: the qk_rmsnorm norms scale by (1 + w), w initialised to 0, computed in fp32 for half types (Qwen3.5 / Qwen3-Next); needs qk_rmsnorm
         output_gate = False: the attention output times sigmoid(g_proj(x)) per channel before o_proj (g_proj: hidden_size -> num_heads·head_dim; Qwen3.5 / Qwen3-Next gated attention)
+        softmax_scale = None: the number the scores q·k are multiplied by before the softmax (Granite's attention_multiplier); None: 1/√head_dim (or qk_norm's learned scale, with which it cannot be combined)
     """
 
     model_type = "lazoo_sliding_window"

@@ -89,7 +89,8 @@ def decoder_norm(config: LazooConfig) -> nn.Module:
 
 
 class LazooDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: `h = x + mixer(norm(x))`, `out = h + mlp(norm(h))`.
+    """Pre-norm block: `h = x + mixer(norm(x))`, `out = h + mlp(norm(h))`; with `config.residual_multiplier` m (Granite)
+    each branch is scaled before it is added: `h = x + m·mixer(norm(x))`, `out = h + m·mlp(norm(h))`.
 
     A layer may lack either part: with no token mixer (its `layer_types` entry None) `h = x` (no `input_norm`, no
     `mixer`); with no feed-forward (not in `config.mlp_layers`) `out = h` (no `post_mixer_norm`, no `mlp`).
@@ -103,6 +104,7 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         name = config.layer_types[layer_idx]
         self.hyper_link = bool(getattr(config, "hyper_link", False))
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
         self.input_norm = self.mixer = self.post_mixer_norm = self.mlp = None
         if name is not None:
             self.input_norm = decoder_norm(config)
@@ -124,7 +126,7 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         weights = None
         if self.mixer is None:  # a layer of its feed-forward alone
             f = self._feed_forward(hidden_states, mask)
-            out = hidden_states + f
+            out = hidden_states + self._scaled(f)
             if self.memory_lobe is not None:
                 out = out + self.memory_lobe(f, mask=mask, cache=cache, cu_seqlens=cu_seqlens)
             return (out, weights) if output_attentions else out
@@ -140,11 +142,11 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         moe = isinstance(self.mlp, RoutedMoE)
         if self.hyper_link:  # the whole layer is one transformation: no residual around the mixer
             flow = self.mlp(mixed, mask) if moe else self.mlp(mixed)
-            out = hidden_states + flow
+            out = hidden_states + self._scaled(flow)
         else:
-            h = hidden_states + mixed
+            h = hidden_states + self._scaled(mixed)
             f = 0 if self.mlp is None else self._feed_forward(h, mask)
-            out = h + f
+            out = h + self._scaled(f)
             flow = mixed + f if self.memory_lobe is not None else None
         if self.memory_lobe is not None:
             out = out + self.memory_lobe(flow, mask=mask, cache=cache, cu_seqlens=cu_seqlens)
@@ -154,6 +156,10 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
         """`mlp(norm(h))` (a routed MoE also takes the mask, to leave pads out of its balance loss)."""
         normed = self.post_mixer_norm(h)
         return self.mlp(normed, mask) if isinstance(self.mlp, RoutedMoE) else self.mlp(normed)
+
+    def _scaled(self, branch):
+        """A residual branch times `residual_multiplier` (as it is where that is 1)."""
+        return branch if self.residual_multiplier == 1 else branch * self.residual_multiplier
 
     @property
     def aux_loss(self):
@@ -421,6 +427,8 @@ class LazooModel(LazooPreTrainedModel):
         attention_mask = check_attention_mask(attention_mask, check_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1:  # Granite's scaled embeddings (given ones too, as transformers)
+            inputs_embeds = inputs_embeds * self.config.embedding_multiplier
         if attention_mask is not None:
             attention_mask = attention_mask.to(inputs_embeds.device)
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
@@ -671,6 +679,8 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
+        if self.config.logits_scaling != 1:  # Granite's logits, divided (not multiplied by the inverse)
+            logits = logits / self.config.logits_scaling
         loss = None
         if labels is not None:
             # Trainer passes num_items_in_batch in kwargs: the loss is then sum / count over the whole batch

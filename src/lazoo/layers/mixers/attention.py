@@ -33,17 +33,20 @@ class AttentionMixer(TokenMixer):
     `config.num_attention_heads`), `num_kv_heads` (grouped-query attention; None: one key/value head per query
     head), `head_dim` (None: `hidden_size // num_heads`), `qkv_bias`, `qk_rmsnorm` with `qk_rmsnorm_eps` and
     `qk_rmsnorm_zero_centered` (RMSNorm with a learned weight over each head's q and k, before RoPE; zero-centred:
-    (1 + w)), `output_gate` (the attention output times sigmoid(g_proj(x)) per channel, before o_proj). The softmax
-    scale is head_dim^-0.5 (unless `qk_norm`). With every option on (head_dim, num_kv_heads, qk_rmsnorm,
-    qk_rmsnorm_zero_centered, rotary_dim, output_gate) the layer computes transformers' `Qwen3_5Attention` /
-    `Qwen3NextAttention`, whose q_proj holds lazoo's q_proj and g_proj interleaved per head ([H, 2·head_dim] rows:
-    query then gate). `config._attn_implementation` "eager" runs the explicit softmax; otherwise the op picks its
-    backend (`LAZOO_BACKEND`, else SDPA). The KV cache keeps num_kv_heads heads.
+    (1 + w)), `output_gate` (the attention output times sigmoid(g_proj(x)) per channel, before o_proj),
+    `softmax_scale` (the number the scores q·k are multiplied by; None: head_dim^-0.5, or the learned scale of
+    `qk_norm`). With every option on (head_dim, num_kv_heads, qk_rmsnorm, qk_rmsnorm_zero_centered, rotary_dim,
+    output_gate) the layer computes transformers' `Qwen3_5Attention` / `Qwen3NextAttention`, whose q_proj holds
+    lazoo's q_proj and g_proj interleaved per head ([H, 2·head_dim] rows: query then gate); with `softmax_scale`,
+    NoPE or full RoPE and grouped key/value heads, Granite 4.0-H's attention. `config._attn_implementation` "eager"
+    runs the explicit softmax; otherwise the op picks its backend (`LAZOO_BACKEND`, else SDPA). The KV cache keeps
+    num_kv_heads heads.
     """
 
     defaults = {"use_rope": True, "rope_theta": 10000.0, "rotary_dim": None, "qk_norm": False, "num_heads": None,
                 "num_kv_heads": None, "head_dim": None, "qkv_bias": False, "qk_rmsnorm": False,
-                "qk_rmsnorm_eps": 1e-5, "qk_rmsnorm_zero_centered": False, "output_gate": False}
+                "qk_rmsnorm_eps": 1e-5, "qk_rmsnorm_zero_centered": False, "output_gate": False,
+                "softmax_scale": None}
     optional_int_options = ("num_heads", "num_kv_heads", "head_dim", "rotary_dim")  # None or a positive int
     packing = "native"  # cu_seqlens: the op's attention mask keeps every query inside its own sequence
     has_attention_weights = True
@@ -53,6 +56,7 @@ class AttentionMixer(TokenMixer):
         super().__init__(config, layer_idx, options, num_heads=options["num_heads"], head_dim=options["head_dim"])
         self.num_kv_heads = self._kv_heads(options["num_kv_heads"])
         self.rotary_dim = self._rotary_dim(options)
+        self.softmax_scale = self._softmax_scale(options)
         self._add_projections(config.hidden_size, options["qkv_bias"])
         if options["output_gate"]:
             self.g_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=options["qkv_bias"])
@@ -91,6 +95,20 @@ class AttentionMixer(TokenMixer):
                              f"{self.head_dim} (RoPE turns pairs of them), got {rotary}")
         return rotary
 
+    def _softmax_scale(self, options) -> float | None:
+        """The scores' scale: `softmax_scale` (a finite number > 0; Granite's `attention_multiplier`), or None for
+        head_dim^-0.5. Not with qk_norm, whose learned per-head scale takes its place."""
+        scale = options["softmax_scale"]
+        if scale is None:
+            return None
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"{self.mechanism}: softmax_scale must be None (head_dim^-0.5) or a finite number > 0, "
+                             f"got {scale!r}")
+        if options["qk_norm"]:
+            raise ValueError(f"{self.mechanism}: softmax_scale={scale} and qk_norm=True both scale the scores (qk_norm "
+                             "by its learned per-head scale); set at most one of them")
+        return float(scale)
+
     def _kv_heads(self, num_kv_heads) -> int:
         """Key/value heads: `num_kv_heads`, or one per query head; they must divide the query heads."""
         kv_heads = num_kv_heads or self.num_heads
@@ -119,7 +137,7 @@ class AttentionMixer(TokenMixer):
         """The layer's output; with `output_attentions=True`, `(output, weights [B, H, T, S])` (the explicit softmax
         the output is made of, over the S cached + new key positions)."""
         q, k, v = self._project(hidden_states)
-        scale = None
+        scale = self.softmax_scale
         if self.options["qk_norm"]:
             q, k = unit_norm(q), unit_norm(k)
             scale = self.qk_scale
@@ -202,6 +220,8 @@ ATTENTION_OPTION_DOCS = {
                                 "half types (Qwen3.5 / Qwen3-Next); needs qk_rmsnorm",
     "output_gate": "the attention output times sigmoid(g_proj(x)) per channel before o_proj (g_proj: hidden_size -> "
                    "num_heads·head_dim; Qwen3.5 / Qwen3-Next gated attention)",
+    "softmax_scale": "the number the scores q·k are multiplied by before the softmax (Granite's attention_multiplier); "
+                     "None: 1/√head_dim (or qk_norm's learned scale, with which it cannot be combined)",
 }
 
 register(Mechanism(
