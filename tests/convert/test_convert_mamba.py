@@ -194,10 +194,19 @@ def test_weights_that_do_not_fit_are_refused_by_name_and_dst_is_untouched(case, 
 
 def test_an_unknown_model_type_names_the_mamba_types_too(tmp_path):
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "falcon_h1"}))
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "jamba"}))
     with pytest.raises(UnsupportedCheckpointError, match="mamba2, bamba"):
         convert_checkpoint(tmp_path / "src", tmp_path / "dst")
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("model_type,field", [("falcon_h1", "mamba_d_ssm"), ("zamba2", "hybrid_layer_ids")])
+def test_hybrids_lazoo_cannot_express_are_refused_saying_why(model_type, field, tmp_path, capfd):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    status, err, _ = run_convert(tmp_path / "src", tmp_path / "dst", capfd)
+    check_outcome(status, err, tmp_path / "dst", None)
+    assert status == 2 and f"'{field}'" in err[0] and ("a lazoo layer" in err[0] or "lazoo's layers" in err[0]), err
 
 
 def test_every_converted_kind_has_a_case():

@@ -32,6 +32,18 @@ __all__ = ["ConversionError", "UnsupportedCheckpointError", "convert_checkpoint"
            "QWEN_MODEL_TYPES"]
 
 
+#: hybrids transformers ships whose layer structure lazoo's decoder cannot express: model type -> (the config field
+#: that shows it, why)
+STRUCTURES_REFUSED = {
+    "falcon_h1": ("mamba_d_ssm", "Falcon-H1 runs attention and Mamba-2 side by side in every layer on the same input "
+                  "and adds them, each with its own multipliers (attention_in_multiplier, ssm_in_multiplier, "
+                  "ssm_multipliers, ...); a lazoo layer has one token mixer"),
+    "zamba2": ("hybrid_layer_ids", "Zamba2's attention blocks are shared between layers (one set of weights, "
+               "applied at several depths to the concatenated embeddings and hidden state); lazoo's layers each own "
+               "their weights"),
+}
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[Path, list[str]]:
     """Convert the checkpoint folder `src` (fla, or Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Mamba-2 / Bamba / Kimi Linear
     / Nemotron-H / GraniteMoeHybrid as transformers saves them) into a new lazoo folder `dst`, by the `model_type` of
@@ -55,6 +67,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[
         return from_granite(src, dst, config=config)
     if isinstance(model_type, str) and model_type in FLA_MODEL_TYPES:
         return from_fla(src, dst), []
+    if isinstance(model_type, str) and model_type in STRUCTURES_REFUSED:
+        field, why = STRUCTURES_REFUSED[model_type]
+        raise UnsupportedCheckpointError(f"{config_file}: model_type {model_type!r} (config field {field!r}): {why}; "
+                                         "nothing was converted")
     raise UnsupportedCheckpointError(
         f"{config_file}: config field 'model_type' = {shown(config.get('model_type'))}: lazoo converts fla model "
         f"types {', '.join([*FLA_MODEL_TYPES, *FLA_MAMBA_MODEL_TYPES])} and transformers' "
