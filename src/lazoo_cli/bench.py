@@ -204,6 +204,16 @@ def add_mamba2_options(ap: argparse.ArgumentParser) -> None:
     model.add_argument("--prompt", type=int, default=128, help="prompt length of the generate rows")
     model.add_argument("--new-tokens", type=int, default=64)
 
+def add_delta_frontier_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="delta_frontier.jsonl",
+                    help="JSON-lines rows, each written as it is measured")
+    ap.add_argument("--ops", default="gated_delta_rule,delta_rule",
+                    help="comma-separated, of gated_delta_rule and delta_rule")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated T:B:H:HV (default 1024:32:16:16,8192:4:16:16,32768:1:16:16,8192:4:16:32); "
+                         "delta_rule takes those with HV = H")
+
+
 #: `lazoo bench NAME` -> lazoo.bench.NAME
 BENCHMARKS = {
     "kernels": Benchmark(
@@ -244,6 +254,11 @@ BENCHMARKS = {
         "Mamba-2 at Bamba's shapes: lazoo's op against fla and transformers, and a Bamba-shaped model against "
         "transformers.",
         add_mamba2_options),
+    "delta_frontier": Benchmark(
+        "the (gated) delta rule against FlashQLA and fla, grouped value heads included",
+        "The gated delta rule against FlashQLA and fla, and the delta rule against fla, on a Gated DeltaNet layer's "
+        "inputs.",
+        add_delta_frontier_options),
 }
 
 

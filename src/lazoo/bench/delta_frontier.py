@@ -1,6 +1,8 @@
-"""The delta-rule family against the fastest kernels a user can install, on the same inputs in the same run:
-lazoo's ``gated_delta_rule`` beside FlashQLA's (``flash_qla.chunk_gated_delta_rule``, TileLang kernels) and fla's
-(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``), and lazoo's ``delta_rule`` beside fla's.
+"""The gated delta rule against FlashQLA and fla, and the delta rule against fla, on a Gated DeltaNet layer's inputs.
+
+Measured in the same run on the same inputs: lazoo's ``gated_delta_rule`` beside FlashQLA's
+(``flash_qla.chunk_gated_delta_rule``, TileLang kernels) and fla's (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``),
+and lazoo's ``delta_rule`` beside fla's.
 
 The inputs are those of a Gated DeltaNet layer: raw q and k (L2-normalised inside each op), v, β in q's dtype, the
 log decay g in float32 (what the layers compute from ``A_log`` and ``dt_bias``), H query/key heads and HV value heads
@@ -18,7 +20,6 @@ on an H200 with 16 cores) and are cached on the machine: ``--shapes`` runs a few
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import time
 
@@ -162,14 +163,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lazoo.bench.delta_frontier", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="delta_frontier.jsonl", help="JSONL file the rows are written to, each as it "
-                        "is measured")
-    parser.add_argument("--ops", default="gated_delta_rule,delta_rule", help="comma-separated: gated_delta_rule, "
-                        "delta_rule")
-    parser.add_argument("--shapes", default=None, help="comma-separated T:B:H:HV (default: "
-                        + ",".join(":".join(map(str, s)) for s in SHAPES) + "); delta_rule takes those with HV = H")
-    args = parser.parse_args(argv)
+    from lazoo_cli.bench import bench_parser
+
+    args = bench_parser("delta_frontier", prog="python -m lazoo.bench.delta_frontier").parse_args(argv)
     require_cuda("delta_frontier")
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     device, dtype = torch.device("cuda"), torch.bfloat16
