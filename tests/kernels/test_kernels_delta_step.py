@@ -9,13 +9,13 @@ them in a fresh process). GPU: ``-m gpu``, bf16 against the unfused layer."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
+from decode_helpers import assert_all_equal, assert_close_on_gpu  # noqa: E402
+
 from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
 
 INTERP = interpreter_ready()
@@ -151,31 +151,12 @@ def test_interp_delta_step_reads_strided_rows():
 def fused_and_unfused_generate(name, options, device="cpu", dtype=F64, tokens=6):
     """`generate` of a tiny model with the one-kernel step and without it (the mixer's switch), greedy, left-padded,
     the dynamic cache and the static one: (tokens, logits) of each."""
-    from conftest import left_padded, tiny_model
+    from decode_helpers import fused_and_unfused_generate as run
 
     from lazoo.kernels import delta_step
     from lazoo.layers.mixers.delta import DeltaNetMixer
 
-    model = tiny_model(name, seed=2, **options).to(device=device, dtype=dtype)
-    ids, mask = (t.to(device) for t in left_padded())
-    results, calls = {}, []
-    kernel = delta_step.delta_step
-    for fused_decode, implementation in itertools.product((True, False), ("dynamic", "static")):
-        DeltaNetMixer.fused_decode = fused_decode  # True: also the CPU's interpreter, in float64
-        delta_step.delta_step = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
-        calls.clear()
-        try:
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                                     output_logits=True, return_dict_in_generate=True,
-                                     cache_implementation=implementation)
-        finally:
-            DeltaNetMixer.fused_decode = None
-            delta_step.delta_step = kernel
-        # one call per layer and decode step where it is on, none where it is off
-        assert len(calls) == (model.config.num_hidden_layers * (tokens - 1) if fused_decode else 0)
-        results[fused_decode, implementation] = out.sequences, torch.stack(out.logits)
-    return results
+    return run(name, options, DeltaNetMixer, delta_step, "delta_step", device=device, dtype=dtype, tokens=tokens)
 
 
 MODEL_CASES = [("gated_delta_net", {}), ("delta_net", {}), ("gated_delta_net", {"num_v_heads": 4}),
@@ -185,11 +166,7 @@ MODEL_CASES = [("gated_delta_net", {}), ("delta_net", {}), ("gated_delta_net", {
 @needs_interp
 @pytest.mark.parametrize("name, options", MODEL_CASES[:2])
 def test_interp_generate_with_the_fused_step_equals_generate_without(name, options):
-    results = fused_and_unfused_generate(name, options)
-    ids, logits = results[False, "dynamic"]
-    for key, (other_ids, other_logits) in results.items():
-        assert torch.equal(other_ids, ids), key
-        torch.testing.assert_close(other_logits, logits, rtol=1e-10, atol=1e-10, msg=str(key))
+    assert_all_equal(fused_and_unfused_generate(name, options))
 
 
 @needs_interp
@@ -219,14 +196,8 @@ def test_the_fused_step_is_taken_only_where_it_applies():
 @pytest.mark.parametrize("name, options", MODEL_CASES)
 def test_fused_step_generate_on_gpu(name, options):
     """bf16 on CUDA: the same greedy tokens as the unfused step and logits within bf16 rounding; float32 close."""
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
-        results = fused_and_unfused_generate(name, options, device="cuda", dtype=dtype, tokens=12)
-        ids, logits = results[False, "dynamic"]
-        for key, (other_ids, other_logits) in results.items():
-            scale = logits.float().abs().max()
-            assert (other_logits.float() - logits.float()).abs().max() <= tol * scale, (key, dtype)
-            if dtype == torch.float32:
-                assert torch.equal(other_ids, ids), key
+    assert_close_on_gpu(lambda dtype, tokens: fused_and_unfused_generate(name, options, device="cuda", dtype=dtype,
+                                                                         tokens=tokens))
 
 
 @needs_cuda

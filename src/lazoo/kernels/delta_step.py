@@ -22,36 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._step_parts import TL_DTYPES, conv_rows, conv_silu_shift, rows
 from ._utils import next_pow2
 from .limits import DELTA_STEP_MAX_HEAD_DIM
 
+OP = "delta_step"
 #: the output gate's activation, by the mixer's `gate_activation` (0: no gate)
 GATES = {None: 0, "silu": 1, "sigmoid": 2}
-
-
-@triton.jit
-def _conv_silu(x, st, w, bias, b, c, m_c, real, st_b, C, W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr,
-               st_out, so_b, DT: tl.constexpr, CT: tl.constexpr):
-    """The causal depthwise convolution of channels ``c`` at the new input ``x`` (in CT) against the last W − 1
-    inputs (``st`` ``[B, W − 1, C]``, batch stride ``st_b``; WP = W − 1 rounded up to a power of two), SiLU,
-    rounded to DT as the unfused layer stores it; the inputs shifted by one, the new one last, written to ``st_out``
-    (may be ``st``: each program owns its channels, and a barrier keeps every read before the first write, since
-    threads that hold copies of one element would otherwise race)."""
-    x = tl.where(real, x, 0.0)
-    r = tl.arange(0, WP)
-    m_r = (r < W - 1)[:, None] & m_c[None, :]
-    rows = tl.load(st + b * st_b + r[:, None] * C + c[None, :], mask=m_r, other=0)
-    taps = tl.load(w + c[None, :] * W + r[:, None], mask=m_r, other=0).to(CT)
-    acc = tl.sum(taps * rows.to(CT), 0) + tl.load(w + c * W + (W - 1), mask=m_c, other=0).to(CT) * x
-    m_next = (r < W - 2)[:, None] & m_c[None, :]
-    later = tl.load(st + b * st_b + (r[:, None] + 1) * C + c[None, :], mask=m_next, other=0)
-    tl.debug_barrier()
-    tl.store(st_out + b * so_b + r[:, None] * C + c[None, :], later, mask=m_next)
-    tl.store(st_out + b * so_b + (W - 2) * C + c, x.to(st_out.dtype.element_ty), mask=m_c)
-    if HAS_BIAS:
-        acc += tl.load(bias + c, mask=m_c, other=0).to(CT)
-    y = acc / (1.0 + tl.exp(-acc))
-    return y.to(DT).to(CT)
 
 
 @triton.jit
@@ -81,9 +58,9 @@ def _delta_step_kernel(
         real = tl.load(mask + i_b) != 0
     ck_q = i_h * K + o_k  # this head's channels of q and k
     x = tl.load(q + i_b * sq + ck_q, mask=m_k, other=0).to(CT)
-    b_q = _conv_silu(x, cq, wq, bq, i_b, ck_q, m_k, real, cq_b, HK * K, W, WP, HAS_BIAS, oq, oq_b, DT, CT)
+    b_q = conv_silu_shift(x, cq, wq, bq, i_b, ck_q, m_k, real, cq_b, HK * K, W, WP, HAS_BIAS, oq, oq_b, DT, CT)
     x = tl.load(k + i_b * sk + ck_q, mask=m_k, other=0).to(CT)
-    b_k = _conv_silu(x, ck, wk, bk, i_b, ck_q, m_k, real, ck_b, HK * K, W, WP, HAS_BIAS, ok, ok_b, DT, CT)
+    b_k = conv_silu_shift(x, ck, wk, bk, i_b, ck_q, m_k, real, ck_b, HK * K, W, WP, HAS_BIAS, ok, ok_b, DT, CT)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + 1e-6) * SCALE
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)
     m_s = m_v[:, None] & m_k[None, :]
@@ -91,7 +68,7 @@ def _delta_step_kernel(
         hv = i_h * M + i
         c_v = hv * V + o_v
         x = tl.load(v + i_b * sv + c_v, mask=m_v, other=0).to(CT)
-        b_v = _conv_silu(x, cv, wv, bv, i_b, c_v, m_v, real, cv_b, HK * M * V, W, WP, HAS_BIAS, ov, ov_b, DT, CT)
+        b_v = conv_silu_shift(x, cv, wv, bv, i_b, c_v, m_v, real, cv_b, HK * M * V, W, WP, HAS_BIAS, ov, ov_b, DT, CT)
         beta = 1.0
         if HAS_BETA:
             z = tl.load(b + i_b * sb + hv).to(CT)
@@ -126,28 +103,6 @@ def _delta_step_kernel(
         tl.store(out + i_b * so + c_v, b_o.to(out.dtype.element_ty), mask=m_v)
 
 
-_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-           torch.float64: tl.float64}
-
-
-def _rows(x: torch.Tensor, width: int, name: str) -> tuple[torch.Tensor, int]:
-    """``x`` ``[B, 1, width]`` or ``[B, width]`` as rows of unit channel stride, and its row stride."""
-    x = x.reshape(x.shape[0], -1)
-    if x.shape[1] != width:
-        raise ValueError(f"delta_step: {name} has {x.shape[1]} features per token, expected {width}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    return x, x.stride(0)
-
-
-def _conv_rows(state: torch.Tensor, name: str) -> torch.Tensor:
-    """A conv state ``[B, W − 1, C]`` whose rows and channels are contiguous (its batch stride is free)."""
-    if state.stride(2) != 1 or state.stride(1) != state.shape[2]:
-        raise ValueError(f"delta_step: the conv state of {name} must have contiguous rows, got strides "
-                         f"{tuple(state.stride())}")
-    return state
-
-
 def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict | None, state, *,
                heads: int, value_heads: int, scale: float, a=None, A_log=None, dt_bias=None, b=None,
                neg_eigval: bool = False, norm_weight=None, norm_eps: float | None = None, gate=None,
@@ -169,13 +124,13 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
     if max(K, V) > DELTA_STEP_MAX_HEAD_DIM:
         raise ValueError(f"delta_step: head dims up to {DELTA_STEP_MAX_HEAD_DIM}, got dk = {K}, dv = {V}")
     dt = q.dtype
-    q2, sq = _rows(q, H * K, "q")
-    k2, sk = _rows(k, H * K, "k")
-    v2, sv = _rows(v, HV * V, "v")
+    q2, sq = rows(OP, q, H * K, "q")
+    k2, sk = rows(OP, k, H * K, "k")
+    v2, sv = rows(OP, v, HV * V, "v")
     W = conv_weights["q"].shape[-1]
     if W < 2:
         raise ValueError(f"delta_step: short convolutions of at least 2 taps, got {W}")
-    cin = {n: _conv_rows(conv_states[n], n) for n in "qkv"}
+    cin = {n: conv_rows(OP, conv_states[n], n) for n in "qkv"}
     cout = cin if in_place else {n: torch.empty_like(cin[n], memory_format=torch.contiguous_format) for n in "qkv"}
     weights = {n: conv_weights[n].reshape(conv_weights[n].shape[0], W).contiguous() for n in "qkv"}
     if not state.is_contiguous():
@@ -183,9 +138,9 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
     S_out = state if in_place else torch.empty_like(state)
     out = torch.empty(B, HV * V, device=q.device, dtype=dt)
     dummy = out
-    a2, sa = _rows(a, HV, "a") if a is not None else (dummy, 0)
-    b2, sb = _rows(b, HV, "b") if b is not None else (dummy, 0)
-    g2, sg = _rows(gate, HV * V, "gate") if gate is not None else (dummy, 0)
+    a2, sa = rows(OP, a, HV, "a") if a is not None else (dummy, 0)
+    b2, sb = rows(OP, b, HV, "b") if b is not None else (dummy, 0)
+    g2, sg = rows(OP, gate, HV * V, "gate") if gate is not None else (dummy, 0)
     m = mask.reshape(B).contiguous() if mask is not None else dummy
     biases = conv_biases or {}
     _delta_step_kernel[(B, H)](
@@ -202,7 +157,7 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
         HAS_BIAS=bool(biases), HAS_G=a is not None, HAS_BETA=b is not None, NEG_EIGVAL=neg_eigval,
         NORM=norm_eps is not None, NORM_AFFINE=norm_weight is not None,
         GATE=GATES[gate_activation if gate is not None else None],
-        HAS_MASK=mask is not None, DT=_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
+        HAS_MASK=mask is not None, DT=TL_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
         num_warps=4 if max(K, V) <= 64 else 8,
     )
     return out.view(B, 1, HV * V), S_out, cout

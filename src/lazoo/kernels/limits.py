@@ -19,6 +19,10 @@ DELTA_CHUNK_SIZES = (16, 32, 64)
 #: largest head dim (dk and dv: a value head's whole state [dv, dk] is held in registers)
 DELTA_STEP_MAX_HEAD_DIM = 128
 
+# ---- lazoo.kernels.mamba2_step: a Mamba-2 layer's decode step
+#: largest state size N (a program holds whole rows of a head's state [P, N]; the head dim P is split into blocks)
+MAMBA2_STEP_MAX_STATE_SIZE = 256
+
 # ---- lazoo.kernels.kda: Kimi Delta Attention (the delta rule with a decay per key dim)
 #: largest head dim (dk and dv: a chunk's whole key rows are held in registers); the smallest is 16 (tl.dot)
 KDA_MAX_HEAD_DIM = 128

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import ClassVar
 
 import torch
@@ -11,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
-from ...kernels.limits import DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES
-from ...ops.backend import resolve_backend, triton_unsupported
+from ...kernels.limits import DELTA_STEP_MAX_HEAD_DIM
 from ...registry import Mechanism, register
 from ..projections import project_together
+from ._fused_decode import FUSED_DECODE_DEFAULT, fused_decode_runs
 from .base import ShortConvProjections, set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -72,10 +71,10 @@ class DeltaNetMixer(RecurrentMixer):
         return ops.delta_rule(q, k, v, self.beta(x), use_qk_l2norm=l2,
                               **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
-    #: whether a decode step runs as one kernel (`lazoo.kernels.delta_step`): None, where the op would run its Triton
-    #: kernels (CUDA by default); True, wherever that kernel can run (the CPU under the interpreter, float64 there
-    #: too); False, never (also with LAZOO_FUSED_DECODE=0 at import: benchmarks compare the unfused step so).
-    fused_decode: ClassVar[bool | None] = False if os.environ.get("LAZOO_FUSED_DECODE") == "0" else None
+    #: whether a decode step runs as one kernel (`lazoo.kernels.delta_step`): None where the op would run its Triton
+    #: kernels (CUDA by default); True wherever that kernel can run (the CPU under the interpreter, float64 there
+    #: too); False never (also the default with LAZOO_FUSED_DECODE=0 at import: benchmarks compare the unfused step)
+    fused_decode: ClassVar[bool | None] = FUSED_DECODE_DEFAULT
 
     def fused_step_computes_options(self) -> bool:
         """Whether the one-kernel step computes this layer's options: SiLU short convolutions on q, k and v,
@@ -90,15 +89,8 @@ class DeltaNetMixer(RecurrentMixer):
                 and max(self.head_dim, self.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
 
     def fused_step_applies(self, x):
-        if self.fused_decode is False or torch.is_grad_enabled() or not self._fused_step_options:
-            return False
-        one = x[..., :1]  # the dtype and device checks (the head dims are options: `_fused_step_options`)
-        if self.fused_decode:  # wherever the kernel runs: float64 too, on the CPU (the interpreter)
-            dtypes = KERNEL_DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
-            return triton_unsupported(one, one, DELTA_STEP_MAX_HEAD_DIM, dtypes) is None
-        unsupported = triton_unsupported(one, one, DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES)
-        return resolve_backend("delta_step", self.options.get("backend"), x.device, unsupported,
-                               log_fallback=False) == "triton"
+        return self._fused_step_options and fused_decode_runs(self.fused_decode, "delta_step", x,
+                                                              self.options.get("backend"))
 
     def fused_step(self, x, entry, mask, in_place):
         from ...kernels.delta_step import delta_step  # lazy: importing defines the kernel

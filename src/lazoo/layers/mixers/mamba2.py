@@ -15,14 +15,17 @@ inputs of the convolution [B, conv_kernel − 1, H·P + 2·G·N]}`.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from ...kernels.limits import MAMBA2_STEP_MAX_STATE_SIZE
 from ...registry import Mechanism, register
 from ..short_conv import ShortConvolution
+from ._fused_decode import FUSED_DECODE_DEFAULT, fused_decode_runs, log_unfused_once
 from .base import TokenMixer, set_parameter
 
 
@@ -88,6 +91,7 @@ class Mamba2Mixer(TokenMixer):
         self.norm = GroupedGatedRMSNorm(self.inner_size, self.inner_size // groups, eps=options["norm_eps"])
         self.out_proj = nn.Linear(self.inner_size, d, bias=options["use_bias"])
         self._init_lazoo_parameters(None)
+        self._fused_step_unsupported = self.fused_step_unsupported()
 
     @staticmethod
     def _check_init_ranges(options) -> None:
@@ -117,11 +121,54 @@ class Mamba2Mixer(TokenMixer):
         set_parameter(self.D, 1.0, init)
         set_parameter(self.norm.weight, 1.0, init)
 
+    #: whether a decode step runs fused (`lazoo.kernels.mamba2_step`): None where the op would run its Triton kernels
+    #: (CUDA by default); True wherever that kernel can run (the CPU under the interpreter, float64 there
+    #: too); False never (also the default with LAZOO_FUSED_DECODE=0 at import: benchmarks compare the unfused step)
+    fused_decode: ClassVar[bool | None] = FUSED_DECODE_DEFAULT
+
+    def fused_step_unsupported(self) -> str | None:
+        """Why the fused decode step cannot compute this layer's options (None: it can). Known at construction."""
+        if self.conv1d.kernel_size[0] < 2:
+            return f"it takes convolutions of at least 2 taps, got conv_kernel = {self.conv1d.kernel_size[0]}"
+        if self.state_size > MAMBA2_STEP_MAX_STATE_SIZE:
+            return f"it takes state sizes up to {MAMBA2_STEP_MAX_STATE_SIZE}, got state_size = {self.state_size}"
+        return None
+
+    def fused_step_applies(self, x: torch.Tensor) -> bool:
+        """Whether `fused_step` runs this decode step: the switch `fused_decode`, no autograd, the kernel's device
+        and dtype, the layer's options, and the modules the kernel reads as they were built (an adapter such as
+        LoRA on the convolution keeps the unfused step; one on in_proj or out_proj runs as it is)."""
+        if not fused_decode_runs(self.fused_decode, "mamba2_step", x, self.options.get("backend")):
+            return False
+        if self._fused_step_unsupported is not None:
+            log_unfused_once("mamba2_step", self._fused_step_unsupported)
+            return False
+        return type(self.conv1d) is ShortConvolution and type(self.norm) is GroupedGatedRMSNorm
+
+    def fused_step(self, hidden_states, entry, mask, in_place: bool):
+        """One decode step from the layer's input to out_proj's input: `(y [B, 1, H·P], new S, new conv state)`;
+        `in_place`: the cached tensors are updated where they are (a static cache)."""
+        from ...kernels.mamba2_step import mamba2_step  # lazy: importing defines the kernels
+
+        z, xBC, dt = self.in_proj(hidden_states).split([self.inner_size, self.conv_dim, self.num_heads], dim=-1)
+        S, conv = entry["op"], entry["conv"]
+        if not in_place:  # new tensors take the result: any layout of the cached ones is read as a copy
+            S = S.contiguous()
+            if conv.stride(2) != 1 or conv.stride(1) != conv.shape[2]:
+                conv = conv.contiguous()
+        return mamba2_step(z, xBC, dt, conv, self.conv1d.weight, self.conv1d.bias, S, dt_bias=self.dt_bias,
+                           A_log=self.A_log, D=self.D, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
+                           groups=self.num_groups, mask=mask, in_place=in_place)
+
     def forward(self, hidden_states, *, mask=None, position_ids=None, cache=None, cu_seqlens=None):
         if cu_seqlens is not None and (mask is not None or cache is not None):
             raise ValueError("Mamba2Mixer: packed sequences (cu_seqlens) take no mask and no cache")
         batch, T, _ = hidden_states.shape
         entry = self.read_state(cache) or {}
+        if cache is not None and T == 1 and entry and self.fused_step_applies(hidden_states):
+            y, op_state, conv_state = self.fused_step(hidden_states, entry, mask, in_place=cache.static)
+            self.write_state(cache, {"op": op_state, "conv": conv_state})
+            return self.out_proj(y)
         backend = self.options.get("backend")
         z, xBC, dt = self.in_proj(hidden_states).split([self.inner_size, self.conv_dim, self.num_heads], dim=-1)
         # the short-convolution kernel has no bias: a convolution with one runs conv1d whatever the backend (a forced

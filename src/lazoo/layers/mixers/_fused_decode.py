@@ -1,0 +1,44 @@
+"""When a mixer's decode step runs as one fused kernel (`lazoo.kernels.delta_step`, `lazoo.kernels.mamba2_step`).
+
+A mixer with such a step has a class attribute `fused_decode`: None (the default) where its op would run its Triton
+kernels (CUDA by default, or as the `backend` option and `LAZOO_BACKEND` say); True wherever the kernel can run (the
+CPU under the Triton interpreter, float64 there too); False never. `LAZOO_FUSED_DECODE=0`, set before lazoo is
+imported, makes False the default, so that benchmarks can time the unfused step."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ...kernels.limits import KERNEL_DTYPES
+from ...ops.backend import resolve_backend, triton_unsupported
+
+logger = logging.getLogger(__name__)
+
+#: the default of the mixers' `fused_decode` switch
+FUSED_DECODE_DEFAULT: bool | None = False if os.environ.get("LAZOO_FUSED_DECODE") == "0" else None
+
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def fused_decode_runs(switch: bool | None, kernel: str, x: torch.Tensor, backend: str | None) -> bool:
+    """Whether the fused step `kernel` may run a decode step on `x` by the mixer's switch `fused_decode` (module
+    docstring): never with autograd on; otherwise Triton's presence, `x`'s dtype and device. The caller checks the
+    options its kernel computes."""
+    if switch is False or torch.is_grad_enabled():
+        return False
+    one = x[..., :1]  # the dtype and device checks
+    if switch:
+        dtypes = KERNEL_DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
+        return triton_unsupported(one, one, 1, dtypes) is None
+    unsupported = triton_unsupported(one, one, 1, KERNEL_DTYPES)
+    return resolve_backend(kernel, backend, x.device, unsupported, log_fallback=False) == "triton"
+
+
+def log_unfused_once(kernel: str, reason: str) -> None:
+    """Say once per kernel why a layer that could have decoded with it keeps the unfused step."""
+    if kernel not in _FALLBACK_LOGGED and not torch.compiler.is_compiling():
+        _FALLBACK_LOGGED.add(kernel)
+        logger.warning("%s: %s; decoding with the unfused step.", kernel, reason)
