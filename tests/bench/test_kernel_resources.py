@@ -85,6 +85,25 @@ def check_kda(report, no_spills=False):
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
         if no_spills:
             assert r["spill_stores"] == 0, (name, r)
+        assert r["inflight_refills"] == 0, (name, r)
+
+
+def test_inflight_refills_finds_a_copy_under_products_in_flight():
+    """The scan counts a copy into a single-buffered tile after a wgmma wait that leaves products in flight, and
+    neither one after a full wait nor one into a double-buffered tile."""
+    ir = """
+    %a = ttg.local_alloc : () -> !ttg.memdesc<1x64x128xbf16, #shared, #smem, mutable>
+    %b = ttg.local_alloc : () -> !ttg.memdesc<2x64x64xbf16, #shared1, #smem, mutable>
+    %a_0 = ttg.memdesc_index %a[%c0_i32] : !ttg.memdesc<1x64x128xbf16> -> !ttg.memdesc<64x128xbf16>
+    %b_0 = ttg.memdesc_index %b[%i] : !ttg.memdesc<2x64x64xbf16> -> !ttg.memdesc<64x64xbf16>
+    %c = ttg.async_copy_global_to_local %p, %a_0 mask %m : tensor<64x128x!tt.ptr<bf16>> -> <64x128xbf16>
+    %w:2 = ttng.warp_group_dot_wait %d, %a_0 {pendings = 5 : i32} : tensor<64x128xf32, #mma>
+    %e = ttg.async_copy_global_to_local %p, %b_0 mask %m : tensor<64x64x!tt.ptr<bf16>> -> <64x64xbf16>
+    %f = ttg.async_copy_global_to_local %p, %a_0 mask %m : tensor<64x128x!tt.ptr<bf16>> -> <64x128xbf16>
+    %v:3 = ttng.warp_group_dot_wait %d, %g, %h {pendings = 0 : i32} : tensor<64x128xf32, #mma>
+    %k = ttg.async_copy_global_to_local %p, %a_0 mask %m : tensor<64x128x!tt.ptr<bf16>> -> <64x128xbf16>
+    """
+    assert kernel_resources.inflight_refills(ir) == 1
 
 
 @pytest.mark.slow  # 39 s (bf16) and 69 s (fp32) of offline compiles on 2 cores
@@ -94,7 +113,8 @@ def test_kda_kernels_compile_and_fit_hopper(single_thread, dtype):
     head dim it takes) and fits a Hopper block: a static loop over a bound that is not a constexpr compiled in the
     interpreter but not for the GPU, and three pipeline stages made _bwd_dhu ask for 295 424 bytes with fp32
     inputs. bf16 keeps every tile in registers; fp32 inputs spill (tf32x3 products split each [64, 128] fp32 tile in
-    three), allowed."""
+    three), allowed. No kernel refills a shared tile that products in flight still read (two pipeline stages in
+    _bwd_inter did: wrong bf16 dk, dg and dβ on an H200)."""
     check_kda(kernel_resources.kda_report(128, 128, dtype), no_spills=dtype == "bf16")
 
 
