@@ -33,8 +33,9 @@ def random_state(b=B, t0=(7, 19, 0), dtype=F64, lambda0=0.1):
 
 
 # ----------------------------------------------------------------------------- Algorithm 1
-def algorithm1(q, k, v, u, S, A, z, t, lambda0=0.1, eps=1e-4, period=20, eta=1e-3):
-    """The VLA paper's Algorithm 1 for one head, batch 1, token by token (q, k, u [T, dh], v [T, dv])."""
+def algorithm1(q, k, v, u, S, A, z, t, lambda0=0.1, eps=1e-4, period=20, eta=1e-3, unit_u=False):
+    """The VLA paper's Algorithm 1 for one head, batch 1, token by token (q, k, u [T, dh], v [T, dv]); with
+    ``unit_u`` the penalty directions are unit vectors as the paper's eq. (8) writes them, not / √dh (line 10)."""
     dh = k.shape[-1]
     outs = []
     for i in range(k.shape[0]):
@@ -42,7 +43,7 @@ def algorithm1(q, k, v, u, S, A, z, t, lambda0=0.1, eps=1e-4, period=20, eta=1e-
         k_feat = F.elu(k_raw) + 1
         k_hat = k_feat / torch.linalg.norm(k_feat)
         wu = u[i]  # W_u k_raw, already projected
-        uu = wu / torch.linalg.norm(wu) / math.sqrt(dh)
+        uu = wu / torch.linalg.norm(wu) / (1 if unit_u else math.sqrt(dh))
         # Sherman-Morrison update for A_t
         z_sm = A @ uu
         delta = max(1 + uu @ z_sm, eps)
@@ -80,6 +81,21 @@ def algorithm1_batch(q, k, v, u, state, lambda0=0.1, **hp):
             o[b, :, h], final["S"][b, h], final["A"][b, h], final["z"][b, h] = ob, S, A, z
             final["t"][b] = t
     return o, final
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_unit_penalty_directions_are_the_op_with_lambda0_over_dh_and_eta_times_dh(backend):
+    """eq. (8)'s unit u (M = λ0 I + Σ û ûᵀ) is Algorithm 1's û / √dh with λ0 / dh and η · dh: A scales by dh, and
+    α̂ = A k̂ / |A k̂| and δ do not see the scale (experiments/mqar.py's ``vla_eq8`` runs it so)."""
+    q, k, v, u = make_inputs(45, b=1)
+    lambda0, eta = 0.1, 1e-3
+    o_ref, s_ref = algorithm1_batch(q, k, v, u, None, lambda0=lambda0, eta=eta, unit_u=True)
+    o, s = vla(q, k, v, u, lambda0=lambda0 / DK, refresh_eta=eta * DK, output_final_state=True, backend=backend,
+               chunk_size=16)
+    assert_close(o, o_ref, 1e-10, "output vs Algorithm 1 with unit u")
+    assert_close(s["A"], DK * s_ref["A"], 1e-10, "A vs dh · A of Algorithm 1 with unit u")
+    o_literal = vla(q, k, v, u, backend=backend, chunk_size=16)[0]
+    assert (o_literal - o).abs().max() > 1e-3  # the two readings differ
 
 
 @pytest.mark.parametrize("backend", ["recurrent", "chunk"])
