@@ -52,13 +52,13 @@ MODEL = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention
 #: named variants of a mechanism: name -> (mechanism, config overrides); any other name is a mechanism as it is
 VARIANTS = {
     # the VLA paper's Algorithm 1 as written: ELU+1 features, the z-normalised read-out, no normalisation before
-    "vla_paper": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=False, output_norm=False)),
+    "vla_paper": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=False, output_norm=False,
+                              penalty_norm="algorithm1")),
     # VLA's defaults with A frozen at A₀ ∝ I (α̂ = k̂): what the precision geometry adds
     "vla_fixed_a": ("vla", dict(precision_update=False)),
-    # the VLA paper's eq. (8) reading of the penalty directions: unit u (each key adds 1 to M = A⁻¹, the prior λ₀ = 0.1
-    # worth a tenth of a key) rather than Algorithm 1's u / √d_h (a key adds 1/32 at d_h = 32: the prior worth ~3
-    # keys); the op with λ₀ / d_h and η · d_h computes exactly that (tests/ops/test_ops_vla.py)
-    "vla_eq8": ("vla", dict(lambda0=0.1 / 32, refresh_eta=1e-3 * 32)),
+    # the defaults before config format 3: Algorithm 1's penalty directions u / ‖u‖ / √d_h (a key adds 1/d_h to A⁻¹
+    # against the prior λ₀ = 0.1; today's default is the paper's eq. (8), unit u)
+    "vla_algorithm1_u": ("vla", dict(penalty_norm="algorithm1")),
     # other read-outs of the VLA state
     "vla_signed": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False, output_norm=False)),
     "vla_signed_norm": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False,
@@ -68,7 +68,6 @@ VARIANTS = {
     "linear_prenorm": ("linear", dict(qk_prenorm=True, output_norm=True)),
     "ela_prenorm": ("ela", dict(qk_prenorm=True, output_norm=True)),
 }
-assert MODEL["hidden_size"] // MODEL["num_attention_heads"] == 32, "vla_eq8's λ₀ and η are scaled by d_h = 32"
 EVAL_SEED_OFFSET = 10_000
 
 

@@ -229,7 +229,8 @@ def test_the_mixer_passes_the_options_to_the_op():
     q, k, v = (torch.randn(2, 13, 2, 8, generator=gen, dtype=F64) for _ in range(3))
     got, _ = mixer.mix(q, k, v, None, mask=None, state=None, want_state=False)
     u = torch.einsum("bthd,hed->bthe", k, mixer.u_weight)
-    kw = dict(lambda0=0.1, refresh_period=5, refresh_eta=1e-3, eps=1e-4, backend="recurrent")
+    d = mixer.head_dim  # penalty_norm="unit": λ₀ / d and η · d (the test below)
+    kw = dict(lambda0=0.1 / d, refresh_period=5, refresh_eta=1e-3 * d, eps=1e-4, backend="recurrent")
     expected, _ = ops.vla(q, k, v, u, feature_map="identity", readout="unit_query", **kw)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     assert rel_err(got, ops.vla(q, k, v, u, **kw)[0]) > 0.1
@@ -278,3 +279,28 @@ def test_without_precision_updates_vla_is_the_delta_rule_with_unit_beta():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     mixer.options["precision_update"] = True  # the A geometry does change the output
     assert rel_err(mixer.mix(q, k, v, None, mask=None, state=None, want_state=False)[0], expected) > 1e-3
+
+
+def test_penalty_norm_unit_is_algorithm1_with_lambda0_over_d_and_eta_times_d():
+    """The mixer's `penalty_norm="unit"` (the paper's eq. (8), the default) runs the op with λ₀ / d and η · d, the
+    same recurrence as unit û (tests/ops/test_ops_vla.py checks that against the token loop); "algorithm1" runs
+    Algorithm 1's û = u / ‖u‖ / √d as it is; they differ, and an unknown value is refused by name."""
+    torch.manual_seed(0)
+    kwargs = dict(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, vocab_size=50, intermediate_size=32,
+                  refresh_period=5, refresh_eta=0.01)
+    unit = AutoModelForCausalLM.from_config(AutoConfig.for_model("lazoo_vla", **kwargs)).double().eval()
+    assert unit.config.penalty_norm == "unit"
+    d = unit.model.layers[0].mixer.head_dim
+    literal = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "lazoo_vla", **{**kwargs, "refresh_eta": 0.01 * d}, lambda0=0.1 / d, penalty_norm="algorithm1")).double().eval()
+    literal.load_state_dict(unit.state_dict())
+    paper = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "lazoo_vla", **kwargs, penalty_norm="algorithm1")).double().eval()
+    paper.load_state_dict(unit.state_dict())
+    ids = random_ids(2, 30, seed=0, high=50)
+    with torch.no_grad():
+        a, b, c = (m(ids).logits for m in (unit, literal, paper))
+    assert_close(a, b, 1e-10, "unit penalty directions vs Algorithm 1 with lambda0 / d, eta * d")
+    assert rel_err(a, c) > 1e-4
+    with pytest.raises(ValueError, match="penalty_norm"):
+        AutoModelForCausalLM.from_config(AutoConfig.for_model("lazoo_vla", **kwargs, penalty_norm="sqrt"))

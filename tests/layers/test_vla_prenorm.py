@@ -36,7 +36,8 @@ def test_the_mixer_feeds_the_op_prenormalised_queries_and_keys(prenorm):
     u = torch.einsum("bthd,hed->bthe", k, mixer.u_weight)  # from the raw k, with or without the prenorm
     if prenorm:
         q, k = (math.sqrt(8) * x / x.norm(dim=-1, keepdim=True) for x in (q, k))
-    expected, _ = ops.vla(q, k, v, u, lambda0=0.1, refresh_period=5, refresh_eta=1e-3, eps=1e-4, mask=mask,
+    d = mixer.head_dim  # penalty_norm="unit" (the default): λ₀ / d and η · d
+    expected, _ = ops.vla(q, k, v, u, lambda0=0.1 / d, refresh_period=5, refresh_eta=1e-3 * d, eps=1e-4, mask=mask,
                           backend="recurrent")
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 

@@ -35,16 +35,19 @@ def test_every_model_type_has_a_saved_folder():
 
 
 def test_a_resaved_old_folder_keeps_the_defaults_it_was_saved_with(tmp_path, single_thread):
-    # VLA's defaults changed in config format 2 (qk_prenorm, output_norm): an old folder keeps Algorithm 1, and
-    # saving it again writes the old values out, so it still does after the next load
+    # VLA's defaults changed in config format 2 (qk_prenorm, output_norm) and 3 (penalty_norm): an old folder keeps
+    # Algorithm 1, and saving it again writes the old values out, so it still does after the next load
     import json
+
+    from lazoo.models.configuration_lazoo import CONFIG_FORMAT
 
     for name, options in (("vla", None), ("hybrid", "vla")):
         model = AutoModelForCausalLM.from_pretrained(RELEASE / name).eval()
         model.save_pretrained(tmp_path / name)
         saved = json.loads((tmp_path / name / "config.json").read_text())
         fields = saved if options is None else saved["mixer_kwargs"][options]
-        assert (fields["qk_prenorm"], fields["output_norm"], saved["lazoo_format"]) == (False, False, 2)
+        assert (fields["qk_prenorm"], fields["output_norm"], fields["penalty_norm"], saved["lazoo_format"]) == (
+            False, False, "algorithm1", CONFIG_FORMAT)
         again = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
         with torch.no_grad():
             torch.testing.assert_close(again(EXPECTED["input_ids"]).logits.double(), EXPECTED["logits"][name],
@@ -64,6 +67,21 @@ def test_new_configs_take_the_current_defaults(tmp_path):
     hybrid = AutoConfig.for_model("lazoo_hybrid", hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
                                   layer_types=["sliding_window", "vla"])
     assert hybrid.mixer_options("vla")["qk_prenorm"] is True and hybrid.mixer_kwargs == {}
+    assert fresh.penalty_norm == loaded.penalty_norm == hybrid.mixer_options("vla")["penalty_norm"] == "unit"
+
+
+def test_a_format_2_config_keeps_algorithm1_penalty_directions(tmp_path):
+    import json
+
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("lazoo_vla", hidden_size=16, num_attention_heads=2).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.pop("penalty_norm")
+    saved["lazoo_format"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert (loaded.penalty_norm, loaded.qk_prenorm) == ("algorithm1", True)
 
 
 # ----------------------------------------------------------------------------- folders whose config was edited

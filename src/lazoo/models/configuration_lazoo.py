@@ -26,7 +26,7 @@ from .saving import ExportsCode
 #: the format of a saved config, written as `lazoo_format`. A config that `save_pretrained` wrote without the field
 #: is format 1. Where a mechanism's default changed in a later format (its mixer's `defaults_before`), a config of
 #: an older format gets the old value, so a saved model computes what it computed when it was saved.
-CONFIG_FORMAT = 2
+CONFIG_FORMAT = 3
 
 #: the layer pattern of a `lazoo_hybrid` config created without `layer_types`
 DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")

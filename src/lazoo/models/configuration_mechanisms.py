@@ -642,6 +642,7 @@ class LazooVLAConfig(LazooConfig):
         feature_map = 'elu1': φ of k and q in the op: 'elu1' (elu + 1, Algorithm 1) or 'identity' (signed keys, k̂ = k/‖k‖)
         readout = 'normalized': 'normalized' (S φ(q) / max(z·φ(q), ε), Algorithm 1) or 'unit_query' (S φ(q)/‖φ(q)‖, no z); feature_map='identity' needs 'unit_query'
         precision_update = True: False: A stays A₀ (no Sherman–Morrison updates; α̂ = k̂): an ablation, not a model
+        penalty_norm = 'unit': 'unit' (u / ‖u‖, the paper's eq. (8)) or 'algorithm1' (u / ‖u‖ / √d, its Algorithm 1): how much one key counts in A against λ₀
     """
 
     model_type = "lazoo_vla"

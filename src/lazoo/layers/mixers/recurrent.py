@@ -58,7 +58,7 @@ RECURRENT_OPTION_DOCS = {
 }
 
 
-def _check_choice(mechanism: str, option: str, value, allowed) -> None:
+def check_option_choice(mechanism: str, option: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{mechanism}: {option} must be one of {sorted(allowed, key=str)}, got {value!r}")
 
@@ -113,7 +113,7 @@ class RecurrentMixer(TokenMixer):
         self.o_norm = (nn.RMSNorm(self.head_v_dim, eps=options["norm_eps"],
                                   elementwise_affine=options["output_norm_affine"])
                        if options["output_norm"] else None)
-        _check_choice(self.mechanism, "gate_activation", options["gate_activation"], GATE_ACTIVATIONS)
+        check_option_choice(self.mechanism, "gate_activation", options["gate_activation"], GATE_ACTIVATIONS)
         self.gate_fn = GATE_ACTIVATIONS[options["gate_activation"]]
         self.g_proj = nn.Linear(d, self.value_dim, bias=False) if options["output_gate"] else None
 
@@ -153,7 +153,7 @@ class RecurrentMixer(TokenMixer):
         if options["conv_activation"] not in ("silu", None):
             raise ValueError(f"conv_activation must be 'silu' or None, got {options['conv_activation']!r}")
         for key in ("qk_activation", "v_activation"):
-            _check_choice(self.mechanism, key, options[key], {None, *ACTIVATIONS})
+            check_option_choice(self.mechanism, key, options[key], {None, *ACTIVATIONS})
         convolved = [n for n in "qkv" if n in targets] if options["use_short_conv"] else []
         self._post_activation, conv_activation = {}, {}
         for n in "qkv":

@@ -13,7 +13,10 @@ from torch import nn
 from ... import ops
 from ...registry import Mechanism, register
 from .base import set_parameter
-from .recurrent import RecurrentMixer
+from .recurrent import RecurrentMixer, check_option_choice
+
+#: the lengths of the penalty directions û (the option `penalty_norm`)
+PENALTY_NORMS = ("unit", "algorithm1")
 
 
 class VLAMixer(RecurrentMixer):
@@ -39,12 +42,17 @@ class VLAMixer(RecurrentMixer):
         "readout": "normalized",
         # False: u is zeroed, so A stays A₀ ∝ I and α̂ = k̂ (the delta rule with β = 1): the ablation of what A adds
         "precision_update": True,
+        # the penalty directions' length: "unit" as the VLA paper's eq. (8) writes them (a key adds 1 to A⁻¹ against
+        # the prior λ₀), or "algorithm1": / √d as its Algorithm 1 does (a key adds 1/d, so λ₀ = 0.1 outweighs the
+        # first few keys and A steers a repeated filler's writes into the stored keys: recall fails at T = 512)
+        "penalty_norm": "unit",
     }
-    # folders saved before format 2 ran Algorithm 1 as written: they keep doing so
-    defaults_before = {2: {"output_norm": False, "qk_prenorm": False}}
+    # folders saved before format 2 ran Algorithm 1 as written, those before format 3 its u / √d: they keep doing so
+    defaults_before = {2: {"output_norm": False, "qk_prenorm": False}, 3: {"penalty_norm": "algorithm1"}}
 
     def __init__(self, config, layer_idx, options):
         super().__init__(config, layer_idx, options)
+        check_option_choice(self.mechanism, "penalty_norm", options["penalty_norm"], PENALTY_NORMS)
         # W_u: a learned dk×dk map per head, initialised to the identity (u starts along k_raw)
         self.u_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
         self._init_lazoo_parameters(None)
@@ -59,8 +67,12 @@ class VLAMixer(RecurrentMixer):
         if not o["precision_update"]:
             u = torch.zeros_like(u)
         q, k = self.apply_qk_prenorm(q, k)  # after u: u comes from the raw k
+        # the op runs Algorithm 1 (û = u / ‖u‖ / √d); unit û is the same recurrence with λ₀ / d and η · d (A scales by
+        # d, which α̂ = A k̂ / ‖A k̂‖ and δ do not see)
+        scale = self.head_dim if o["penalty_norm"] == "unit" else 1
         return ops.vla(
-            q, k, v, u, lambda0=o["lambda0"], refresh_period=o["refresh_period"], refresh_eta=o["refresh_eta"],
+            q, k, v, u, lambda0=o["lambda0"] / scale, refresh_period=o["refresh_period"],
+            refresh_eta=o["refresh_eta"] * scale,
             eps=o["eps"], triton_scan=o["triton_scan"], feature_map=o["feature_map"], readout=o["readout"],
             **self.op_kwargs(mask, state, want_state),
         )
@@ -89,6 +101,8 @@ register(Mechanism(
         "readout": ("'normalized' (S φ(q) / max(z·φ(q), ε), Algorithm 1) or 'unit_query' (S φ(q)/‖φ(q)‖, no z); "
                     "feature_map='identity' needs 'unit_query'"),
         "precision_update": "False: A stays A₀ (no Sherman–Morrison updates; α̂ = k̂): an ablation, not a model",
+        "penalty_norm": ("'unit' (u / ‖u‖, the paper's eq. (8)) or 'algorithm1' (u / ‖u‖ / √d, its Algorithm 1): "
+                         "how much one key counts in A against λ₀"),
     },
     tiny_options={"refresh_period": 7, "refresh_eta": 0.3}, class_prefix="LazooVLA",
 ))
