@@ -1,8 +1,8 @@
 """The gated delta rule against FlashQLA and fla, and the delta rule against fla, on a Gated DeltaNet layer's inputs.
 
 Measured in the same run on the same inputs: lazoo's ``gated_delta_rule`` beside FlashQLA's
-(``flash_qla.chunk_gated_delta_rule``, TileLang kernels) and fla's (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``),
-and lazoo's ``delta_rule`` beside fla's.
+(``flash_qla.chunk_gated_delta_rule``, TileLang kernels) and fla's
+(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``), and lazoo's ``delta_rule`` beside fla's.
 
 The inputs are those of a Gated DeltaNet layer: raw q and k (L2-normalised inside each op), v, β in q's dtype, the
 log decay g in float32 (what the layers compute from ``A_log`` and ``dt_bias``), H query/key heads and HV value heads
