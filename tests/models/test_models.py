@@ -443,14 +443,15 @@ def test_mechanism_options_reach_the_op(monkeypatch, tmp_path):
     assert both.mixer_options("vla")["lambda0"] == 0.4  # mixer_kwargs wins
 
     ids = random_ids(1, 12, seed=17)
+    d = typed.model.layers[0].mixer.head_dim  # penalty_norm="unit": the op gets λ₀ / d
     with torch.no_grad():
         seen.clear()
         out = typed(ids).logits
-        assert seen == [0.25, 0.25]
+        assert seen == [0.25 / d] * 2
         default = tiny_model("vla")  # same seed, same weights, default lambda0
         seen.clear()
         assert not torch.allclose(default(ids).logits, out, atol=1e-4), "lambda0 has no effect"
-        assert seen == [default_lambda0] * 2
+        assert seen == [default_lambda0 / d] * 2
         typed.save_pretrained(tmp_path)
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
         assert loaded.config.lambda0 == 0.25
