@@ -457,7 +457,7 @@ def test_mechanism_options_reach_the_op(monkeypatch, tmp_path):
         assert loaded.config.lambda0 == 0.25
         seen.clear()
         assert torch.equal(loaded(ids).logits, out)
-        assert seen == [0.25, 0.25]
+        assert seen == [0.25 / d] * 2
 
 
 # ----------------------------------------------------------------------------- 7. pipeline, streamer
