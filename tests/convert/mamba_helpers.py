@@ -143,6 +143,12 @@ def float64_faithful(model):
         torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = to_float, to, as_type
 
 
+def logits_of(model, ids, mask, **kwargs):
+    """`model`'s logits on `ids` with the attention mask, without autograd."""
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, **kwargs).logits
+
+
 def reference_logits(reference, ids, mask, dtype):
     """transformers' `reference` in `dtype` on left-padded `ids` (no cache): in float64 with its float32 casts lifted
     and attention through sdpa (the eager form takes its softmax in float32), in float32 as it runs."""

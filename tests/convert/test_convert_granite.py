@@ -13,7 +13,7 @@ import pytest
 import torch
 from convert_helpers import check_outcome, edit_config, edit_weights, run_convert, snapshot
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
-from mamba_helpers import VOCAB, float64_faithful, greedy_tokens, groups, require, save_tiny
+from mamba_helpers import VOCAB, float64_faithful, greedy_tokens, groups, logits_of, require, save_tiny
 from qwen_helpers import prompt_and_mask, relative_error
 from transformers import AutoModelForCausalLM
 
@@ -44,11 +44,6 @@ def converted(request, tmp_path_factory):
     return case, reference, ours, dst
 
 
-def _logits(model, ids, mask, **kwargs):
-    with torch.no_grad():
-        return model(ids, attention_mask=mask, **kwargs).logits
-
-
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-8), (torch.float32, 1e-5)], ids=["float64", "float32"])
 def test_logits_equal_transformers(converted, dtype, rtol):
     """Every real position of left-padded prompts: transformers' model in float64 with its float32 casts lifted (the
@@ -62,9 +57,9 @@ def test_logits_equal_transformers(converted, dtype, rtol):
         reference.config._experts_implementation = "eager"
         lifted = float64_faithful(reference)
     with lifted:
-        expected = _logits(reference, ids, mask, use_cache=False)
+        expected = logits_of(reference, ids, mask, use_cache=False)
     assert expected.dtype == dtype
-    got = _logits(ours, ids, mask)
+    got = logits_of(ours, ids, mask)
     real = mask.bool()
     assert relative_error(got[real], expected[real]) < rtol
 
@@ -123,7 +118,7 @@ def test_the_published_fields_and_tensor_names_convert(tmp_path):
     assert ours.config.layer_types == ["mamba2", "softmax", "mamba2", "softmax"]
     ids, mask = prompt_and_mask()
     real = mask.bool()
-    assert relative_error(_logits(ours, ids, mask)[real], _logits(reference, ids, mask)[real]) < 1e-5
+    assert relative_error(logits_of(ours, ids, mask)[real], logits_of(reference, ids, mask)[real]) < 1e-5
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -25,7 +25,7 @@ from convert_helpers import (
     save_with_tokenizer_config,
 )
 from log_helpers import library_logs_to_a_live_stream  # noqa: F401  (autouse: live log streams)
-from mamba_helpers import reference_logits, tiny_model
+from mamba_helpers import logits_of, reference_logits, tiny_model
 from qwen_helpers import prompt_and_mask, relative_error
 from transformers import AutoModelForCausalLM
 
@@ -81,11 +81,6 @@ def converted(request, tmp_path_factory):
     return case, reference, ours, dst
 
 
-def _logits(model, ids, mask, **kwargs):
-    with torch.no_grad():
-        return model(ids, attention_mask=mask, **kwargs).logits
-
-
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-8), (torch.float32, 1e-5)], ids=["float64", "float32"])
 def test_logits_equal_transformers(converted, dtype, rtol):
     """Every real position of left-padded prompts (rows padded by 0, 4 and 7): transformers' model in float64 with its
@@ -93,7 +88,7 @@ def test_logits_equal_transformers(converted, dtype, rtol):
     _, reference, ours, _ = converted
     ids, mask = prompt_and_mask()
     expected = reference_logits(reference, ids, mask, dtype)
-    got = _logits(ours.to(dtype), ids, mask)
+    got = logits_of(ours.to(dtype), ids, mask)
     real = mask.bool()
     assert relative_error(got[real], expected[real]) < rtol
 
@@ -125,7 +120,7 @@ def test_the_clamp_on_dt_changes_the_logits(converted, tmp_path):
     unclamped = AutoModelForCausalLM.from_pretrained(dst, mixer_kwargs={
         **options, "mamba2": {**options["mamba2"], "dt_clamp_min": 0.0}}).eval()
     real = mask.bool()
-    assert relative_error(_logits(unclamped, ids, mask)[real], _logits(ours.float(), ids, mask)[real]) > 1e-3
+    assert relative_error(logits_of(unclamped, ids, mask)[real], logits_of(ours.float(), ids, mask)[real]) > 1e-3
 
 
 def test_the_config_says_how_the_blocks_became_layers(converted):
@@ -183,7 +178,7 @@ def test_the_fields_of_earlier_releases_convert(tmp_path):
     assert ours.config.layer_types == LAYER_TYPES
     ids, mask = prompt_and_mask()
     real = mask.bool()
-    assert relative_error(_logits(ours, ids, mask)[real], _logits(reference, ids, mask)[real]) < 1e-5
+    assert relative_error(logits_of(ours, ids, mask)[real], logits_of(reference, ids, mask)[real]) < 1e-5
 
 
 def test_the_multi_token_prediction_layers_are_left_out_and_said_so(tmp_path):
@@ -196,7 +191,7 @@ def test_the_multi_token_prediction_layers_are_left_out_and_said_so(tmp_path):
     assert ours.config.converted_from["left_out"] == left_out
     ids, mask = prompt_and_mask()
     real = mask.bool()
-    assert relative_error(_logits(ours, ids, mask)[real], _logits(reference, ids, mask)[real]) < 1e-5
+    assert relative_error(logits_of(ours, ids, mask)[real], logits_of(reference, ids, mask)[real]) < 1e-5
 
 
 def test_a_dense_folder_without_moe_blocks_converts():
