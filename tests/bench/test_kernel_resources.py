@@ -125,3 +125,20 @@ def test_kda_kernels_compile_and_fit_hopper(single_thread, dtype):
 def test_kda_kernels_compile_and_fit_hopper_matrix(single_thread, dk, dv, dtype, gate, group):
     """The same at smaller and mixed head dims, fp16 (fp32 per-chunk states), a 16-bit gate and grouped values."""
     check_kda(kernel_resources.kda_report(dk, dv, dtype, gate=gate, group=group))
+
+
+@pytest.mark.slow  # about a minute of offline compiles per dtype on 2 cores
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_delta_prefill_kernels_fit_hopper(single_thread, dtype):
+    """The delta rule's prefill kernels compile for sm_90 at their launch settings with dk = dv = 128 (the widest the
+    walk takes) and fit a Hopper block at every dv block the walk launches with; no shared tile is refilled under
+    products in flight. bf16 keeps its tiles in registers but for a few bytes at blocks of 64 (4 with Triton 3.6);
+    fp32 spills (tf32x3 products), allowed."""
+    report = kernel_resources.delta_prefill_report(dtype=dtype)
+    assert {"mix", "walk, dv blocks of 32", "walk, dv blocks of 16"} <= set(report), report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        assert r["inflight_refills"] == 0, (name, r)
+        if dtype == "bf16":
+            assert r["spill_stores"] <= 64, (name, r)

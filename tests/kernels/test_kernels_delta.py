@@ -218,6 +218,30 @@ def test_interp_prefill_then_decode_equals_whole():
     assert_close(S, S_whole.detach(), 1e-5, "prefill + decode state")
 
 
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_forward_without_autograd_matches_reference(op):
+    # T > 64 without autograd: one walk that stores nothing for a backward (``_fwd_walk``); its outputs and state
+    # are the float64 reference's and those of the kernels autograd runs. Grouped value heads, a carried state,
+    # packed sequences of ragged lengths.
+    H, HV, dk, dv = 2, 4, 16, 12
+    cu = torch.tensor([0, 70, 71, 150])
+    x = inputs(1, 150, H, dk, dv, seed=41, value_heads=HV)
+    S0 = torch.randn(3, HV, dv, dk, dtype=F64)
+    with torch.no_grad():
+        ro, rs = call(op, x, initial_state=S0, output_final_state=True, cu_seqlens=cu, backend="recurrent")
+        xf = {n: t.float() for n, t in x.items()}
+        o, s = call(op, xf, initial_state=S0.float(), output_final_state=True, cu_seqlens=cu, backend="triton",
+                    chunk_size=32)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in xf.items()}
+    og, sg = call(op, leaves, initial_state=S0.float(), output_final_state=True, cu_seqlens=cu, backend="triton",
+                  chunk_size=32)
+    assert_close(o, ro, 1e-4, f"{op} output without autograd")
+    assert_close(s, rs, 1e-4, f"{op} state without autograd")
+    assert_close(o, og.detach(), 1e-5, f"{op} output with and without autograd")
+    assert_close(s, sg.detach(), 1e-5, f"{op} state with and without autograd")
+
+
 def generalized_reference(q, k, v, w, g, S0, scale, cu=None):
     """Step-by-step generalised gated delta rule (float64), one sequence at a time when packed."""
     B, T, H, _ = q.shape
@@ -239,12 +263,12 @@ def generalized_reference(q, k, v, w, g, S0, scale, cu=None):
 def check_generalized(T, gated, chunk, dtype=torch.float32, rtol=1e-4, cu=None, seed=31, device="cpu"):
     """The generalised rule (own write keys w) vs ``generalized_reference``; ``gated`` runs the kernels'
     gated variant directly (not exposed by ``chunk_generalized_delta_rule``, see its docstring)."""
-    from lazoo.kernels.delta import ChunkDeltaRuleFunction
+    from lazoo.kernels.delta import ChunkDeltaRuleFunction, records_graph
 
     def chunk_generalized_delta_rule(q, k, v, w, g, *, scale, initial_state, output_final_state, cu_seqlens,
                                      chunk_size):
         return ChunkDeltaRuleFunction.apply(q, k, v, None, g, w, initial_state, scale, cu_seqlens, chunk_size,
-                                            output_final_state)
+                                            output_final_state, records_graph(q, k, v, w, g, initial_state))
 
     B = 2 if cu is None else 1
     N = B if cu is None else len(cu) - 1
@@ -269,6 +293,13 @@ def check_generalized(T, gated, chunk, dtype=torch.float32, rtol=1e-4, cu=None, 
         chunk_size=chunk), tst)
     assert_close(to.cpu(), ro, rtol, "generalised output")
     assert_close(ts.cpu(), rs, rtol, "generalised final state")
+    with torch.no_grad():  # without autograd: the prefill kernels
+        po, ps = chunk_generalized_delta_rule(
+            tst["q"], tst["k"], tst["v"], tst["w"], tst.get("g"), scale=0.5, initial_state=tst["S0"],
+            output_final_state=True, cu_seqlens=None if cu is None else torch.tensor(cu, device=device),
+            chunk_size=chunk)
+    assert_close(po.cpu(), ro, rtol, "generalised output without autograd")
+    assert_close(ps.cpu(), rs, rtol, "generalised final state without autograd")
     for n in tst:
         assert tg[n] is not None and tg[n].dtype == tst[n].dtype, n
         assert_close(tg[n].cpu(), rg[n], rtol, f"generalised grad {n}")
@@ -336,6 +367,29 @@ def test_gpu_grouped_value_heads(op):
     check_against_reference(op, x, S0, *GPU_RTOL[torch.bfloat16], device="cuda", dtype=torch.bfloat16,
                             scalar_dtype=torch.float32, ref_backend="chunk", ref_device="cuda", chunk_size=64,
                             cu_seqlens=None)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_gpu_forward_without_autograd_matches_float64(op, dtype):
+    # a prefill: the forward kernels that store nothing for a backward, packed ragged sequences, grouped value
+    # heads and a carried state, against float64
+    H, D = 2, 128
+    cu = torch.tensor([0, 300, 301, 1000, 1777])
+    x = inputs(1, 1777, H, D, D, seed=26, value_heads=2 * H)
+    x = {n: t.to(dtype).to(F64) for n, t in x.items()}
+    S0 = torch.randn(4, 2 * H, D, D, dtype=F64) * 0.5
+    with torch.no_grad():
+        ro, rs = call(op, {n: t.cuda() for n, t in x.items()}, initial_state=S0.cuda(), output_final_state=True,
+                      cu_seqlens=cu.cuda(), backend="chunk")
+        o, s = call(op, {n: t.to("cuda", dtype) for n, t in x.items()}, initial_state=S0.float().cuda(),
+                    output_final_state=True, cu_seqlens=cu.cuda(), backend="triton")
+    rtol = GPU_RTOL[dtype][0]
+    assert o.dtype == dtype
+    assert_close(o.cpu(), ro.cpu(), rtol, f"{op} output without autograd")
+    assert_state_close(s.cpu(), rs.cpu(), rtol, f"{op} state without autograd")
 
 
 @pytest.mark.gpu

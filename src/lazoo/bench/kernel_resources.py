@@ -356,6 +356,31 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
             if name in launch}
 
 
+def delta_prefill_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chunk: int = 64) -> dict:
+    """The (gated) delta rule's prefill kernels (``lazoo.kernels.delta._fwd_mix`` and ``_fwd_walk``, the forward
+    without autograd) at their launch settings, g and β in float32, the walk at each dv block it launches with."""
+    import triton.language as tl
+
+    from lazoo.kernels import delta as kd
+
+    x, f32, i32 = f"*{dtype}", "*fp32", "*i32"
+    DT, PREC = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (tl.float32, "tf32x3")}[dtype]
+    fp32 = dtype == "fp32"
+    BKF, BK, _ = kd._blocks(dk, dv, interpret=False)
+    cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
+    out = {}
+    c = dict(H=16, HK=16, K=dk, C=chunk, BK=BK, HAS_G=True, HAS_W=False, DT=DT, PREC=PREC)
+    out["mix"] = measure(kd._fwd_mix_kernel, dict(q=x, kw=x, beta=f32, Gc=f32, A=f32, M=x, Y=x, chunks=i32, cu=i32,
+                                                 **cx(c)), c, **kd._opts("mix", False, fp32))
+    for bv in sorted({min(32 if fp32 else 64, dv), 32, 16}, reverse=True):
+        c = dict(H=16, HK=16, K=dk, V=dv, C=chunk, BKF=BKF, BV=bv, HAS_G=True, USE_S0=True, STORE_S=True, DT=DT,
+                 PREC=PREC)
+        out[f"walk, dv blocks of {bv}"] = measure(kd._fwd_walk_kernel, dict(
+            q=x, k=x, v=x, Gc=f32, M=x, Y=x, o=x, s0=f32, sT=f32, cu=i32, coff=i32, scale="fp32", **cx(c)), c,
+            **kd._opts("walk", False, fp32))
+    return out
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -385,6 +410,8 @@ def main() -> None:
     _print("Normalised linear attention with 2 scalar features (d = 128, bf16):", normalized_report())
     _print("The same, non-causal:", normalized_report(causal=False))
     _print("GLA (d = 128, bf16):", gla_report())
+    for dtype in ("bf16", "fp32"):
+        _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))
     for dtype in ("bf16", "fp32"):
         _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 

@@ -13,8 +13,12 @@ Chunk form (C rows per chunk, ``G`` = cumsum of g inside the chunk, ``γ = exp(G
     O  = scale (diag(γ) Q S^T + tril(E ⊙ Q W^T) U)
     S' = γ_C S + U^T diag(D) W
 
-Kernels (forward): ``_fwd_solve`` (G and A, parallel over chunks), ``_fwd_wu`` (W~ and U~ as whole-chunk
-products), ``_fwd_h`` (the only sequential pass over chunks: start states and U), ``_fwd_o`` (outputs).
+Kernels (forward with autograd): ``_fwd_solve`` (G and A, parallel over chunks), ``_fwd_wu`` (W~ and U~ as
+whole-chunk products), ``_fwd_h`` (the only sequential pass over chunks: start states and U), ``_fwd_o`` (outputs).
+Without autograd (a prefill), after ``_fwd_solve``: ``_fwd_mix`` (M = tril(E ⊙ Q W^T) A and Y = A^T diag(D) W,
+parallel) and ``_fwd_walk`` (per chunk X = V - Γ K S^T, O = scale (diag(γ) Q S^T + M X), S' = γ_C S + Y^T X): no
+chunk state, W~ or U reaches memory. It is the same rule regrouped (U = A X); FlashQLA's fused forward (the Qwen
+team's TileLang kernels) walks the chunks with the same X.
 Backward: ``_bwd_dv_local`` (P^T dO), ``_bwd_dhu`` (sequential, reverse: state gradients and dU), ``_bwd_dqkw``
 (dq, dW, dW~ and part of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg).
 
@@ -433,6 +437,80 @@ def _fwd_o_kernel(
     _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
 
 
+@triton.jit
+def _fwd_mix_kernel(
+    q, kw, beta, Gc, A, M, Y, chunks, cu,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """What ``_fwd_walk`` needs of a chunk beside its start state, all of it parallel over chunks:
+    M = tril(E ⊙ Q W^T) A (outputs O = diag(γ) Q S^T + M X) and Y = A^T diag(D) W (S' = γ_C S + Y^T X), where
+    X = V - Γ K S^T is what the walk computes from the state (W = β K: ``kw`` is k, β applied here; else the
+    given write keys)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_hk = i_h // (H // HK)
+    o_c = tl.arange(0, C)
+    tril = o_c[:, None] >= o_c[None, :]
+    b_p = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
+        b_kw = _load_raw(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
+        b_p = _dot_acc(b_q, tl.trans(b_kw), b_p, DT, PREC)
+    b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+    if HAS_G:
+        b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+        b_p = tl.where(tril, b_p * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        b_d = b_f * tl.exp(g_last - b_G)
+    else:
+        b_p = tl.where(tril, b_p, 0.0)
+        b_d = b_f
+    b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
+    _store_tile(M + i_h * C, _dotf(b_p * b_f[None, :], b_A, PREC), t0, eos, H * C, 0, C, C, C)
+    b_At = tl.trans(b_A) * b_d[None, :]  # A^T diag(D β), a loaded tile's transpose
+    for kb in range(0, K, BK):
+        b_kw = _load_tile(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
+        _store_tile(Y + i_h * K, _dotf(b_At, b_kw, PREC), t0, eos, H * K, kb, K, C, BK)
+
+
+@triton.jit
+def _fwd_walk_kernel(
+    q, k, v, Gc, M, Y, o, s0, sT, cu, coff, scale,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr,
+    HAS_G: tl.constexpr, USE_S0: tl.constexpr, STORE_S: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """The forward without autograd after ``_fwd_mix``: per chunk X = V - Γ K S^T, O = scale (diag(γ) Q S^T + M X),
+    S' = γ_C S + Y^T X; four products a chunk, and only O and the final state leave the chip."""
+    scale = tl.cast(scale, tl.float32)
+    i_nh, i_h, i_v, bos, eos, _, NTn, m_s, p_end, _ = _state_program(cu, coff, H, K, V, C, BKF, BV)
+    i_hk = i_h // (H // HK)
+    b_s = tl.zeros([BKF, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + i_nh * V * K + p_end, mask=m_s, other=0).to(tl.float32)
+    for j in range(0, NTn):
+        t0 = bos + j * C
+        b_k = _load_raw(k + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_ks = dot(b_k, b_s, DT, PREC)
+        b_o = dot(b_q, b_s, DT, PREC)
+        if HAS_G:
+            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            e_G = tl.exp(b_G)[:, None]
+            b_ks = b_ks * e_G
+            b_o = b_o * e_G
+            b_s = b_s * tl.exp(g_last)
+        b_x = (_load_tile(v + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ks).to(DT)
+        b_m = _load_raw(M + i_h * C, t0, eos, H * C, 0, C, C, C)
+        b_o = _dot_acc(b_m, b_x, b_o, DT, PREC) * scale
+        _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
+        b_yT = tl.trans(_load_raw(Y + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_s = _dot_acc(b_yT, b_x, b_s, DT, PREC)
+    if STORE_S:
+        tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
+
+
 # ============================================================================ backward kernels
 @triton.jit
 def _bwd_dv_local_kernel(
@@ -791,6 +869,23 @@ def _seq_bv(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool =
     return fill_device(bv, V, parallel, device, per_sm=SEQ_PROGRAMS_PER_SM)
 
 
+#: programs a multiprocessor the prefill walk's dv block aims at. H200, bf16, gated rule without autograd, 4 warps,
+#: 3 stages: at 32k tokens in one sequence (16 heads) dv blocks of 32 ran 1.49 ms against 1.66 at 16 (2 stages) and
+#: 1.77 at 64; at 1k and 8k (512 and 64 sequences x heads) blocks of 64 were fastest (1.04 / 0.99 against 1.28 / 1.11
+#: at 32). 3 stages against 2 at blocks of 64: 1.04 / 0.99 / 1.77 against 1.11 / 1.09 / 1.93 ms.
+WALK_PROGRAMS_PER_SM = 0.4
+#: the prefill walk holds a chunk's q, k and Y rows whole: at dk = 256 its tiles outgrow a Hopper block's shared
+#: memory (233 732 bytes at dv blocks of 32), so wider keys take the four training kernels without autograd too
+WALK_MAX_HEAD_DIM = 128
+
+
+def _walk_bv(V: int, parallel: int, device, interpret: bool, fp32: bool) -> int:
+    """dv block of ``_fwd_walk``: 64 (32 for fp32 tiles) unless that leaves the GPU short of programs."""
+    if interpret:
+        return next_pow2(V)
+    return fill_device(min(32 if fp32 else 64, next_pow2(V)), V, parallel, device, per_sm=WALK_PROGRAMS_PER_SM)
+
+
 #: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the
 #: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic.
 #: Measured on an H100 with Triton 3.6 (T = 32k, one sequence): num_stages=3 is the fastest for the
@@ -806,6 +901,8 @@ CONFIGS = {
     "wu": {"num_warps": 4, "num_stages": 2},
     "h": {"num_warps": 4, "num_stages": 3},
     "o": {"num_warps": 4, "num_stages": 2},
+    "mix": {"num_warps": 4, "num_stages": 2},
+    "walk": {"num_warps": 4, "num_stages": 3},
     "dv_local": {"num_warps": 4, "num_stages": 2},
     "dhu": {"num_warps": 8, "num_stages": 3},
     "dqkw": {"num_warps": 8},
@@ -826,10 +923,12 @@ def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
     return opts
 
 
-def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool, w=None):
+def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool, w=None,
+              save: bool = True):
     """Forward on flattened inputs q/k ``[TT, HK, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]`` (or write
     keys w ``[TT, H, dk]`` in place of β k, beta then unused; HK = H then). H = m·HK: each key head serves m
-    consecutive value heads (grouped value heads), read in place. Returns ``(o, final_state or None, saved)``."""
+    consecutive value heads (grouped value heads), read in place. Returns ``(o, final_state or None, saved)``;
+    ``saved`` is what ``chunk_bwd`` reads (None where the prefill kernels ran: not ``save``, dk <= 128)."""
     TT, HK, K = q.shape
     H, V = v.shape[1:]
     dev = q.device
@@ -843,23 +942,35 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     f32 = torch.float32
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     A = torch.empty(TT, H, C, device=dev, dtype=f32)
-    wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
-    ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     NT, N = seqs.NT, seqs.N
     _fwd_solve_kernel[(NT, H)](
         k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
         H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
+    sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
+    o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
+    use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
+    if not save and BKF <= WALK_MAX_HEAD_DIM:  # a forward without autograd (a prefill): nothing stored
+        M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
+        Y = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+        _fwd_mix_kernel[(NT, H)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
+                                 HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("mix", interp, FP32))
+        BVw = _walk_bv(V, N * H, dev, interp, FP32)
+        _fwd_walk_kernel[(N, H, triton.cdiv(V, BVw))](
+            q, k, v, Gc, M, Y, o, S0, sT, seqs.cu, seqs.coff, scale,
+            H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVw, HAS_G=HAS_G, USE_S0=use_s0,
+            STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("walk", interp, FP32))
+        return o, (sT if output_final_state else None), None
+    wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+    ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _fwd_wu_kernel[(NT, H)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, PREC=PREC, **_opts("wu", interp, FP32))
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
     _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
-        kw, beta, Gc, wt, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff,
-        H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=S0 is not None,
+        kw, beta, Gc, wt, ut, h, vnew, S0, sT, seqs.cu, seqs.coff,
+        H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=use_s0,
         STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
-    o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
         H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
@@ -964,11 +1075,12 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     write keys as beta ``[B, T, H]`` (w = β k) or as w ``[B, T, H, dk]`` (the generalised rule; beta None; HK = H),
     g ``[B, T, H]`` log decays or None (beta and g in q's dtype or fp32), initial state ``[N, H, dv, dk]`` (fp32)
     or None; with ``cu_seqlens`` B = 1 and N sequences are packed.
+    ``save``: keep what the backward reads (``records_graph``); without it the forward runs the prefill kernels.
     Returns ``(o [B, T, H, dv], final_state [N, H, dv, dk] fp32 or None)``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, w, initial_state, scale, cu_seqlens, chunk_size, output_final_state):
+    def forward(ctx, q, k, v, beta, g, w, initial_state, scale, cu_seqlens, chunk_size, output_final_state, save):
         B, T, HK, K = q.shape
         H, V = v.shape[2:]
         seqs = _Seqs(B, T, cu_seqlens, chunk_size, q.device)
@@ -979,9 +1091,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         gf = None if g is None else g.reshape(B * T, H).contiguous()
         S0 = None if initial_state is None else initial_state.contiguous()
         o, sT, saved = chunk_fwd(qf, kf, vf, bf, gf, S0, float(scale), seqs, chunk_size, output_final_state,
-                                 w=wf)
-        Gc, A, wt, vnew, h = saved
-        ctx.save_for_backward(qf, kf, vf, bf, gf, wf, S0, Gc, A, wt, vnew, h)
+                                 w=wf, save=save)
+        if save:
+            ctx.save_for_backward(qf, kf, vf, bf, gf, wf, S0, *saved)
         ctx.seqs, ctx.scale, ctx.C = seqs, float(scale), chunk_size
         ctx.shapes = (B, T, HK, H, K, V)
         ctx.dtypes = (None if beta is None else beta.dtype, None if g is None else g.dtype,
@@ -1002,7 +1114,13 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         dw = None if wf is None else db.view(B, T, H, K)
         return (dq.view(B, T, HK, K), dk.view(B, T, HK, K), dv.view(B, T, H, V),
                 dbeta, None if dg is None else dg.view(B, T, H).to(g_dt), dw,
-                None if ds0 is None else ds0.to(s_dt), None, None, None, None)
+                None if ds0 is None else ds0.to(s_dt), None, None, None, None, None)
+
+
+def records_graph(*inputs) -> bool:
+    """Whether autograd records this call: grad mode is on and an input wants a gradient (inside
+    ``Function.forward`` grad mode is always off and ``needs_input_grad`` ignores it, so the callers decide)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
 
 def _check(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
@@ -1022,7 +1140,7 @@ def chunk_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state
     """Chunk-parallel (gated) delta rule, differentiable: see ``ChunkDeltaRuleFunction``."""
     _check_chunk("chunk_delta_rule", q, v, cu_seqlens, chunk_size)
     return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, None, initial_state, scale, cu_seqlens, chunk_size,
-                                        output_final_state)
+                                        output_final_state, records_graph(q, k, v, beta, g, initial_state))
 
 
 def chunk_generalized_delta_rule(q, k, v, w, *, scale: float = 1.0, initial_state=None,
@@ -1040,7 +1158,7 @@ def chunk_generalized_delta_rule(q, k, v, w, *, scale: float = 1.0, initial_stat
         raise ValueError(f"chunk_generalized_delta_rule: w must match k ({tuple(k.shape)}, {k.dtype}), "
                          f"got {tuple(w.shape)}, {w.dtype}")
     return ChunkDeltaRuleFunction.apply(q, k, v, None, None, w, initial_state, scale, cu_seqlens, chunk_size,
-                                        output_final_state)
+                                        output_final_state, records_graph(q, k, v, w, initial_state))
 
 
 def _check_chunk(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens, chunk_size: int) -> None:
