@@ -27,26 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from .delta_ops import delta_flops
-from .report import JsonRows, command_line, error_text, gpu_environment
+from .report import JsonRows, command_line, error_text, gpu_environment, installed_versions
 from .roofline import add_rates, card_ceilings, roofline
 from .timing import require_cuda, time_fwd_bwd
 
 D = 128
 #: (T, B, H, HV): B·T = 32k tokens
 SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 16), (32768, 1, 16, 16), (8192, 4, 16, 32)]
-
-
-def versions(*packages) -> dict:
-    """The installed version of each package (None where it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in packages:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def make_inputs(T, B, H, HV, dtype, device, seed=0) -> dict:
@@ -169,7 +156,7 @@ def main(argv=None) -> None:
     require_cuda("delta_frontier")
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     device, dtype = torch.device("cuda"), torch.bfloat16
-    env = {**gpu_environment(), **versions("flash-qla", "flash-linear-attention", "fla-core", "tilelang"),
+    env = {**gpu_environment(), **installed_versions("flash-qla", "flash-linear-attention", "fla-core", "tilelang"),
            "command": command_line("delta_frontier", argv), "ceilings": card_ceilings(device)}
     with JsonRows(args.out) as rows:
         rows.record({"env": env})

@@ -45,8 +45,6 @@ CPU smoke test (every row but fla's): ``--device cpu --dtype float32 --lengths 1
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import math
 import tempfile
 from pathlib import Path
@@ -57,7 +55,7 @@ import torch.nn.functional as F
 from lazoo_cli.bench import bench_parser
 
 from .qwen import converted_pair, measure_models, timed
-from .report import JsonRows, command_line, error_text, fmt, triton_version
+from .report import JsonRows, command_line, error_text, fmt, installed_versions, triton_version
 from .timing import OutOfTime, time_budget, time_fwd_bwd
 
 #: the op's inputs, all of which get gradients
@@ -327,25 +325,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- the run
-def installed(module: str, distribution: str) -> str | None:
-    """The version of ``distribution`` where ``module`` is importable ("installed" where it has no metadata), else
-    None."""
-    if importlib.util.find_spec(module) is None:
-        return None
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "installed"
-
-
 def environment(args) -> dict:
     import transformers
 
     cuda = str(args.device).startswith("cuda")
+    found = installed_versions("flash-linear-attention", "mamba-ssm", "causal-conv1d")
     return {"gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
             "triton": triton_version(), "transformers": transformers.__version__, "dtype": args.dtype,
-            "fla": installed("fla", "flash-linear-attention"), "mamba_ssm": installed("mamba_ssm", "mamba-ssm"),
-            "causal_conv1d": installed("causal_conv1d", "causal-conv1d"),
+            "fla": found["flash-linear-attention"], "mamba_ssm": found["mamba-ssm"],
+            "causal_conv1d": found["causal-conv1d"],
             "op_shape": {"H": args.heads, "P": args.head_dim, "N": args.state_size, "G": args.groups,
                          "tokens": args.tokens, "chunk": args.chunk_size},
             "command": command_line("mamba2")}

@@ -9,6 +9,19 @@ import shlex
 import sys
 
 
+def installed_versions(*distributions: str) -> dict[str, str | None]:
+    """The installed version of each distribution (its metadata's), None where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in distributions:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def triton_version() -> str | None:
     try:
         import triton

@@ -292,13 +292,7 @@ def _unique_names(folders: list[str]) -> list[str]:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    from ..bench.report import installed_versions
 
-    out = {}
-    for pkg in ("lazoo", "lm_eval", "transformers", "torch"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
+    return {name: v for name, v in installed_versions("lazoo", "lm_eval", "transformers", "torch").items() if v}
 
