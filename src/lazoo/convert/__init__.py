@@ -44,6 +44,16 @@ STRUCTURES_REFUSED = {
 }
 
 
+def _from_fla(src, dst, config):
+    return from_fla(src, dst), []
+
+
+#: the converter of each model type, as (model types, converter(src, dst, config=...) -> (dst, what it left out))
+CONVERTERS = ((QWEN_MODEL_TYPES, from_qwen), (MAMBA_MODEL_TYPES, from_mamba), (KIMI_MODEL_TYPES, from_kimi),
+              (NEMOTRON_MODEL_TYPES, from_nemotron), (GRANITE_MODEL_TYPES, from_granite),
+              (FLA_MODEL_TYPES, _from_fla))
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[Path, list[str]]:
     """Convert the checkpoint folder `src` (fla, or Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Mamba-2 / Bamba / Kimi Linear
     / Nemotron-H / GraniteMoeHybrid as transformers saves them) into a new lazoo folder `dst`, by the `model_type` of
@@ -55,18 +65,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[
         raise ConversionError(f"{src} has no config.json: give a checkpoint folder (config.json + safetensors)")
     config = source.read_json(config_file, limit=MAX_CONFIG_BYTES)
     model_type = config.get("model_type")
-    if isinstance(model_type, str) and model_type in QWEN_MODEL_TYPES:
-        return from_qwen(src, dst, config=config)
-    if isinstance(model_type, str) and model_type in MAMBA_MODEL_TYPES:
-        return from_mamba(src, dst, config=config)
-    if isinstance(model_type, str) and model_type in KIMI_MODEL_TYPES:
-        return from_kimi(src, dst, config=config)
-    if isinstance(model_type, str) and model_type in NEMOTRON_MODEL_TYPES:
-        return from_nemotron(src, dst, config=config)
-    if isinstance(model_type, str) and model_type in GRANITE_MODEL_TYPES:
-        return from_granite(src, dst, config=config)
-    if isinstance(model_type, str) and model_type in FLA_MODEL_TYPES:
-        return from_fla(src, dst), []
+    for model_types, convert in CONVERTERS:
+        if isinstance(model_type, str) and model_type in model_types:
+            return convert(src, dst, config=config)
     if isinstance(model_type, str) and model_type in STRUCTURES_REFUSED:
         field, why = STRUCTURES_REFUSED[model_type]
         raise UnsupportedCheckpointError(f"{config_file}: model_type {model_type!r} (config field {field!r}): {why}; "
