@@ -164,6 +164,25 @@ def add_qwen_options(ap: argparse.ArgumentParser) -> None:
 
 
 
+def add_gdn_training_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="bench_gdn_training.jsonl")
+    ap.add_argument("--implementations", default="fla,lazoo",
+                    help="comma-separated: fla (its GatedDeltaNetForCausalLM), lazoo (the converted model)")
+    ap.add_argument("--hidden-size", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--distinct-batches", type=int, default=4, help="batches drawn, taken in turn")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of tokens/s")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def add_mamba2_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="bench_mamba2.jsonl",
                     help="JSON-lines rows; the markdown table goes beside it (.md)")
@@ -249,6 +268,10 @@ BENCHMARKS = {
         "a Qwen3.5-0.8B-shaped model: lazoo's conversion against transformers' own class",
         "Prefill, training and generation speed of a model of Qwen3.5-0.8B's shape: lazoo against transformers.",
         add_qwen_options),
+    "gdn_training": Benchmark(
+        "a ~350M Gated DeltaNet LM trained by lazoo and by fla's layers from the same weights",
+        "Training a Gated DeltaNet language model: lazoo against the same model built from fla's layers.",
+        add_gdn_training_options),
     "mamba2": Benchmark(
         "Mamba-2 at Bamba's shapes: the op against fla and transformers, a ~370M Bamba against transformers",
         "Mamba-2 at Bamba's shapes: lazoo's op against fla and transformers, and a Bamba-shaped model against "
