@@ -19,6 +19,7 @@ def fused_and_unfused_generate(name, options, mixer_cls, kernel_module, kernel_n
     ids, mask = (t.to(device) for t in left_padded())
     results, calls = {}, []
     kernel = getattr(kernel_module, kernel_name)
+    default = mixer_cls.fused_decode  # the class's switch, put back after each run
     for fused_decode, implementation in itertools.product((True, False), ("dynamic", "static")):
         mixer_cls.fused_decode = fused_decode  # True: also the CPU's interpreter, in float64
         setattr(kernel_module, kernel_name, lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
@@ -29,7 +30,7 @@ def fused_and_unfused_generate(name, options, mixer_cls, kernel_module, kernel_n
                                      output_logits=True, return_dict_in_generate=True,
                                      cache_implementation=implementation)
         finally:
-            mixer_cls.fused_decode = None
+            mixer_cls.fused_decode = default
             setattr(kernel_module, kernel_name, kernel)
         assert len(calls) == (model.config.num_hidden_layers * (tokens - 1) if fused_decode else 0)
         results[fused_decode, implementation] = out.sequences, torch.stack(out.logits)

@@ -1,8 +1,8 @@
-"""The one-kernel decode step of DeltaNet and Gated DeltaNet layers (lazoo.kernels.delta_step) against the unfused
-step in float64: the output, the new state S and the shifted conv states, over the options the kernel computes
-(gate or none, β or none, negative eigenvalues, output norm with or without weight or none, output gate SiLU,
-sigmoid or none, conv biases, grouped value heads, a pad, in place or into new tensors); and the (Gated) DeltaNet
-models' `generate` with it equal to their generate without it.
+"""The one-kernel decode step of DeltaNet, Gated DeltaNet and Kimi Delta Attention layers (lazoo.kernels.delta_step)
+against the unfused step in float64: the output, the new state S and the shifted conv states, over the options the
+kernel computes (gate or none, a decay per key channel, β or none, negative eigenvalues, output norm with or without
+weight or none, output gate SiLU, sigmoid or none, conv biases, grouped value heads, a pad, in place or into new
+tensors); and the models' `generate` with it equal to their generate without it.
 
 CPU: ``interp_*`` tests need ``TRITON_INTERPRET=1`` set before triton is imported (tests/test_interpreter.py runs
 them in a fresh process). GPU: ``-m gpu``, bf16 against the unfused layer."""
@@ -24,8 +24,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 F64 = torch.float64
 
 
-def reference_step(p, H, HV, scale, neg_eigval, eps, gate_activation):
-    """The unfused step, written out in float64 from the inputs `p` (see `inputs`)."""
+def reference_step(p, H, HV, scale, neg_eigval, eps, gate_activation, key_gate=None, bound=None):
+    """The unfused step, written out in float64 from the inputs `p` (see `inputs`); `key_gate` "softplus" or
+    "bounded" (with `bound`): Kimi Delta Attention's decay per key channel from `a` `[B, 1, HV·dk]`."""
     B = p["q"].shape[0]
     real = p["mask"].bool() if p["mask"] is not None else torch.ones(B, dtype=torch.bool)
     streams, conv = {}, {}
@@ -46,7 +47,12 @@ def reference_step(p, H, HV, scale, neg_eigval, eps, gate_activation):
     beta = torch.sigmoid(p["b"][:, 0]) if p["b"] is not None else torch.ones(B, HV, dtype=F64)
     beta = 2 * beta if neg_eigval else beta
     S = p["S"].clone()
-    if p["a"] is not None:
+    if key_gate is not None:  # S Diag(α): a decay per value head and key channel
+        z = (p["a"][:, 0] + p["dt_bias"]).view(B, HV, K)
+        rate = p["A_log"].exp()[:, None]
+        log_a = -rate * F.softplus(z) if key_gate == "softplus" else bound * torch.sigmoid(rate * z)
+        S = S * log_a.exp()[:, :, None, :]
+    elif p["a"] is not None:
         S = S * (-p["A_log"].exp() * F.softplus(p["a"][:, 0] + p["dt_bias"])).exp()[..., None, None]
     u = v - torch.einsum("bhvk,bhk->bhv", S, k)
     S = S + (beta[..., None] * u)[..., None] * k[:, :, None, :]
@@ -63,7 +69,7 @@ def reference_step(p, H, HV, scale, neg_eigval, eps, gate_activation):
     return o.reshape(B, 1, HV * V), S, conv
 
 
-def inputs(B, H, HV, K, V, W, *, gated, use_beta, norm, affine, gate, bias, pad, dtype=F64, seed=0):
+def inputs(B, H, HV, K, V, W, *, gated, use_beta, norm, affine, gate, bias, pad, dtype=F64, seed=0, key_gate=False):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, s=1.0):
@@ -75,9 +81,10 @@ def inputs(B, H, HV, K, V, W, *, gated, use_beta, norm, affine, gate, bias, pad,
     p["weights"] = {n: rand(c, 1, W, s=W ** -0.5) for n, c in widths.items()}
     p["biases"] = {n: rand(c, s=0.1) for n, c in widths.items()} if bias else None
     p["S"] = rand(B, HV, V, K, s=0.5).to(torch.float32 if dtype != F64 else F64)
-    p["a"] = rand(B, 1, HV) if gated else None
+    gates = HV * K if key_gate else HV
+    p["a"] = rand(B, 1, gates) if gated else None
     p["A_log"] = torch.rand(HV, generator=gen, dtype=F64).mul(2).to(torch.float32 if dtype != F64 else F64)
-    p["dt_bias"] = rand(HV, s=0.5).to(p["A_log"].dtype)
+    p["dt_bias"] = rand(gates, s=0.5).to(p["A_log"].dtype)
     p["b"] = rand(B, 1, HV) if use_beta else None
     p["norm_weight"] = (1 + rand(V, s=0.2)) if norm and affine else None
     p["gate"] = rand(B, 1, HV * V) if gate else None
@@ -85,7 +92,7 @@ def inputs(B, H, HV, K, V, W, *, gated, use_beta, norm, affine, gate, bias, pad,
     return p
 
 
-def fused(p, H, HV, scale, neg_eigval, eps, gate_activation, in_place, device="cpu"):
+def fused(p, H, HV, scale, neg_eigval, eps, gate_activation, in_place, device="cpu", key_gate=None, bound=None):
     from lazoo.kernels.delta_step import delta_step
 
     d = {key: (value.to(device) if isinstance(value, torch.Tensor) else value) for key, value in p.items()}
@@ -97,7 +104,8 @@ def fused(p, H, HV, scale, neg_eigval, eps, gate_activation, in_place, device="c
         a=d["a"], A_log=d["A_log"] if d["a"] is not None else None,
         dt_bias=d["dt_bias"] if d["a"] is not None else None, b=d["b"], neg_eigval=neg_eigval,
         norm_weight=d["norm_weight"], norm_eps=eps, gate=d["gate"],
-        gate_activation=gate_activation if d["gate"] is not None else None, mask=d["mask"], in_place=in_place)
+        gate_activation=gate_activation if d["gate"] is not None else None, mask=d["mask"], in_place=in_place,
+        key_gate=key_gate, gate_lower_bound=bound)
     if in_place:
         assert S_new is S and all(conv_new[n] is d["conv"][n] for n in "qkv")
     else:
@@ -135,6 +143,33 @@ def test_interp_delta_step_equals_the_unfused_step_in_float64(gated, use_beta, n
 
 
 @needs_interp
+@pytest.mark.parametrize("key_gate, bound, m, pad, in_place", [("softplus", None, 1, True, True),
+                                                              ("bounded", -5.0, 2, False, False)])
+def test_interp_kda_step_equals_the_unfused_step_in_float64(key_gate, bound, m, pad, in_place):
+    # Kimi Delta Attention: a decay per key channel, β, the gated output norm (sigmoid), grouped value heads
+    B, H, K, V, W = 3, 2, 16, 8, 4
+    HV = m * H
+    p = inputs(B, H, HV, K, V, W, gated=True, use_beta=True, norm=True, affine=True, gate="sigmoid", bias=pad,
+               pad=pad, seed=5 + m, key_gate=True)
+    want = reference_step(p, H, HV, K ** -0.5, False, 1e-5, "sigmoid", key_gate=key_gate, bound=bound)
+    got = fused(p, H, HV, K ** -0.5, False, 1e-5, "sigmoid", in_place, key_gate=key_gate, bound=bound)
+    for name, a, b in (("o", got[0], want[0]), ("S", got[1], want[1])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    for n in "qkv":
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0, msg=f"conv {n}")
+
+
+def test_the_step_refuses_a_lower_bound_without_the_bounded_key_gate():
+    from lazoo.kernels.delta_step import delta_step
+
+    p = inputs(1, 1, 1, 16, 16, 4, gated=True, use_beta=True, norm=False, affine=False, gate=None, bias=False,
+               pad=False, key_gate=True)
+    with pytest.raises(ValueError, match="key_gate"):
+        delta_step(p["q"], p["k"], p["v"], p["conv"], p["weights"], None, p["S"], heads=1, value_heads=1, scale=1.0,
+                   a=p["a"], A_log=p["A_log"], dt_bias=p["dt_bias"], key_gate="softplus", gate_lower_bound=-5.0)
+
+
+@needs_interp
 def test_interp_delta_step_reads_strided_rows():
     """Projections that are views of a wider tensor (row stride > width) and head dims that are no power of two."""
     B, H, HV, K, V, W = 2, 1, 2, 12, 20, 3
@@ -155,12 +190,15 @@ def fused_and_unfused_generate(name, options, device="cpu", dtype=F64, tokens=6)
 
     from lazoo.kernels import delta_step
     from lazoo.layers.mixers.delta import DeltaNetMixer
+    from lazoo.layers.mixers.kda import KimiDeltaAttentionMixer
 
-    return run(name, options, DeltaNetMixer, delta_step, "delta_step", device=device, dtype=dtype, tokens=tokens)
+    mixer = KimiDeltaAttentionMixer if name == "kda" else DeltaNetMixer
+    return run(name, options, mixer, delta_step, "delta_step", device=device, dtype=dtype, tokens=tokens)
 
 
-MODEL_CASES = [("gated_delta_net", {}), ("delta_net", {}), ("gated_delta_net", {"num_v_heads": 4}),
-               ("delta_net", {"use_beta": False, "allow_neg_eigval": True})]
+MODEL_CASES = [("gated_delta_net", {}), ("kda", {}), ("delta_net", {}), ("gated_delta_net", {"num_v_heads": 4}),
+               ("delta_net", {"use_beta": False, "allow_neg_eigval": True}),
+               ("kda", {"gate_lower_bound": -5.0, "num_v_heads": 4, "conv_bias": True})]
 
 
 @needs_interp
@@ -189,6 +227,8 @@ def test_the_fused_step_is_taken_only_where_it_applies():
     for options in ({"qk_norm": "sum"}, {"use_short_conv": False}, {"short_conv_targets": "k"},
                     {"qk_activation": "relu"}, {"conv_activation": None}, {"num_kv_heads": 1}):
         assert not tiny_model("gated_delta_net", seed=2, **options).model.layers[0].mixer._fused_step_options, options
+    assert tiny_model("kda", seed=2).model.layers[0].mixer._fused_step_options
+    assert not tiny_model("kda", seed=2, use_short_conv=False).model.layers[0].mixer._fused_step_options
 
 
 @needs_cuda

@@ -9,6 +9,12 @@ From the layer's projections of one token it does everything between them and th
     S        = α S + β (v − α S k) kᵀ,  o = S q                 (S ``[dv, dk]`` per value head, fp32)
     o        = RMSNorm(o) · act(gate)                            (the per-head output norm and output gate)
 
+Kimi Delta Attention's step is the same with a decay per key channel: ``a`` holds f_proj's output, one value per
+value head and key channel, ``dt_bias`` as many, and log α = −exp(A_log) · softplus(a + dt_bias) (or, with a lower
+bound b, b · sigmoid(exp(A_log) · (a + dt_bias))) scales S's columns: S = S Diag(α) + β (v − S Diag(α) k) kᵀ. Its
+β, output norm and gate stay in fp32 (Kimi Linear's gated norm), where (Gated) DeltaNet's pass through the input
+dtype.
+
 One program per (sample, query/key head) walks the m value heads that head serves, so each conv-state channel
 and each state row has exactly one writer: the states are updated in place (or written to new tensors) with no
 race. A pad (mask 0) keeps S, outputs 0, and shifts a zero into the conv states, as the unfused layer does. The
@@ -29,6 +35,8 @@ from .limits import DELTA_STEP_MAX_HEAD_DIM
 OP = "delta_step"
 #: the output gate's activation, by the mixer's `gate_activation` (0: no gate)
 GATES = {None: 0, "silu": 1, "sigmoid": 2}
+#: the decay per key channel (Kimi Delta Attention), by its form (0: one decay per value head, or none)
+KEY_GATES = {None: 0, "softplus": 1, "bounded": 2}
 
 
 @triton.jit
@@ -43,10 +51,11 @@ def _delta_step_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_G: tl.constexpr, HAS_BETA: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
-    DT: tl.constexpr, CT: tl.constexpr,
+    KEY_GATE: tl.constexpr, BOUND: tl.constexpr, ROUND: tl.constexpr, DT: tl.constexpr, CT: tl.constexpr,
 ):
     """DT: the inputs' dtype; CT: the compute dtype (fp32, fp64 for fp64 inputs). SCALE and EPS are constants of
-    the layer, taken as such: a float argument would reach the kernel as fp32."""
+    the layer, taken as such: a float argument would reach the kernel as fp32. ROUND: β, the norm's output and the
+    gate pass through DT, as the unfused (Gated) DeltaNet layer stores them (KDA keeps them in fp32)."""
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     o_k = tl.arange(0, BK)
@@ -72,12 +81,24 @@ def _delta_step_kernel(
         beta = 1.0
         if HAS_BETA:
             z = tl.load(b + i_b * sb + hv).to(CT)
-            beta = (1.0 / (1.0 + tl.exp(-z))).to(DT).to(CT)
+            beta = 1.0 / (1.0 + tl.exp(-z))
+            if ROUND:
+                beta = beta.to(DT).to(CT)
         if NEG_EIGVAL:
             beta = 2.0 * beta
         p_s = (i_b * HK * M + hv) * V * K + o_v[:, None] * K + o_k[None, :]
         b_s = tl.load(S + p_s, mask=m_s, other=0).to(CT)
-        if HAS_G:
+        if KEY_GATE != 0:  # a decay per key channel: S's columns
+            c_k = hv * K + o_k
+            z = (tl.load(a + i_b * sa + c_k, mask=m_k, other=0).to(CT)
+                 + tl.load(dt_bias + c_k, mask=m_k, other=0).to(CT))
+            rate = tl.exp(tl.load(A_log + hv).to(CT))
+            if KEY_GATE == 1:
+                log_a = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
+            else:
+                log_a = BOUND / (1.0 + tl.exp(-rate * z))
+            b_s = b_s * tl.exp(log_a)[None, :]
+        elif HAS_G:
             z = tl.load(a + i_b * sa + hv).to(CT) + tl.load(dt_bias + hv).to(CT)
             softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
             b_s = b_s * tl.exp(-tl.exp(tl.load(A_log + hv).to(CT)) * softplus)
@@ -93,20 +114,25 @@ def _delta_step_kernel(
             b_o = b_o / tl.sqrt(tl.sum(b_o * b_o, 0) / V + EPS)
             if NORM_AFFINE:
                 b_o = b_o * tl.load(norm_w + o_v, mask=m_v, other=0).to(CT)
-            b_o = b_o.to(DT).to(CT)
-        if GATE == 1:
+            if ROUND:
+                b_o = b_o.to(DT).to(CT)
+        if GATE != 0:
             z = tl.load(gate + i_b * sg + c_v, mask=m_v, other=0).to(CT)
-            b_o = b_o * (z / (1.0 + tl.exp(-z))).to(DT).to(CT)
-        elif GATE == 2:
-            z = tl.load(gate + i_b * sg + c_v, mask=m_v, other=0).to(CT)
-            b_o = b_o * (1.0 / (1.0 + tl.exp(-z))).to(DT).to(CT)
+            if GATE == 1:
+                act = z / (1.0 + tl.exp(-z))
+            else:
+                act = 1.0 / (1.0 + tl.exp(-z))
+            if ROUND:
+                act = act.to(DT).to(CT)
+            b_o = b_o * act
         tl.store(out + i_b * so + c_v, b_o.to(out.dtype.element_ty), mask=m_v)
 
 
 def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict | None, state, *,
                heads: int, value_heads: int, scale: float, a=None, A_log=None, dt_bias=None, b=None,
                neg_eigval: bool = False, norm_weight=None, norm_eps: float | None = None, gate=None,
-               gate_activation: str | None = None, mask=None, in_place: bool = False):
+               gate_activation: str | None = None, mask=None, in_place: bool = False, key_gate: str | None = None,
+               gate_lower_bound: float | None = None):
     """One token of a (Gated) DeltaNet layer after its projections; see the module docstring.
 
     q, k ``[B, 1, H·dk]``, v ``[B, 1, HV·dv]`` (the projections, before the convolution); ``conv_states``
@@ -115,7 +141,9 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
     ``dt_bias`` ``[HV]``; ``b`` ``[B, 1, HV]`` (None: β = 1); ``norm_weight`` ``[dv]`` or None with ``norm_eps``
     (None: no output norm); ``gate`` ``[B, 1, HV·dv]`` with ``gate_activation`` "silu" or "sigmoid"; ``mask``
     ``[B]`` or ``[B, 1]`` (1 = real). ``in_place``: the conv states and S are updated where they are, else new
-    tensors hold them. Returns ``(o [B, 1, HV·dv], new S, new conv states)``."""
+    tensors hold them. Kimi Delta Attention: ``key_gate`` "softplus" (or "bounded" with ``gate_lower_bound``) with
+    ``a`` ``[B, 1, HV·dk]`` (f_proj's output) and ``dt_bias`` ``[HV·dk]``. Returns ``(o [B, 1, HV·dv], new S, new
+    conv states)``."""
     B = q.shape[0]
     HV, V, K = state.shape[1:]
     H = heads
@@ -138,7 +166,10 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
     S_out = state if in_place else torch.empty_like(state)
     out = torch.empty(B, HV * V, device=q.device, dtype=dt)
     dummy = out
-    a2, sa = rows(OP, a, HV, "a") if a is not None else (dummy, 0)
+    if key_gate not in KEY_GATES or (key_gate == "bounded") != (gate_lower_bound is not None):
+        raise ValueError(f"delta_step: key_gate must be one of {list(KEY_GATES)} (a lower bound with 'bounded' only), "
+                         f"got {key_gate!r} with gate_lower_bound={gate_lower_bound!r}")
+    a2, sa = rows(OP, a, HV * K if key_gate else HV, "a") if a is not None else (dummy, 0)
     b2, sb = rows(OP, b, HV, "b") if b is not None else (dummy, 0)
     g2, sg = rows(OP, gate, HV * V, "gate") if gate is not None else (dummy, 0)
     m = mask.reshape(B).contiguous() if mask is not None else dummy
@@ -157,7 +188,8 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
         HAS_BIAS=bool(biases), HAS_G=a is not None, HAS_BETA=b is not None, NEG_EIGVAL=neg_eigval,
         NORM=norm_eps is not None, NORM_AFFINE=norm_weight is not None,
         GATE=GATES[gate_activation if gate is not None else None],
-        HAS_MASK=mask is not None, DT=TL_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
+        HAS_MASK=mask is not None, KEY_GATE=KEY_GATES[key_gate], BOUND=float(gate_lower_bound or 0.0),
+        ROUND=key_gate is None, DT=TL_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
         num_warps=4 if max(K, V) <= 64 else 8,
     )
     return out.view(B, 1, HV * V), S_out, cout

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ...kernels.limits import KERNEL_DTYPES
+from ...kernels.limits import DELTA_STEP_MAX_HEAD_DIM, KERNEL_DTYPES
 from ...ops.backend import resolve_backend, triton_unsupported
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,17 @@ def fused_decode_runs(switch: bool | None, kernel: str, x: torch.Tensor, backend
         return triton_unsupported(one, one, 1, dtypes) is None
     unsupported = triton_unsupported(one, one, 1, KERNEL_DTYPES)
     return resolve_backend(kernel, backend, x.device, unsupported, log_fallback=False) == "triton"
+
+
+def delta_step_layout(mixer) -> bool:
+    """Whether `lazoo.kernels.delta_step` computes a delta-rule mixer's layout: SiLU short convolutions on q, k and v
+    (no activation after them), q and k with their own heads and value heads a multiple of them, head dims within
+    the kernel's limit."""
+    conv = mixer.short_conv
+    return (conv is not None and set(conv.convs) == set("qkv") and not mixer._post_activation
+            and mixer.options["conv_size"] >= 2 and all(c.activation == "silu" for c in conv.convs.values())
+            and mixer.num_kv_heads == mixer.num_heads and mixer.num_state_heads == mixer.num_v_heads
+            and max(mixer.head_dim, mixer.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
 
 
 def log_unfused_once(kernel: str, reason: str) -> None:

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
-from ...kernels.limits import DELTA_STEP_MAX_HEAD_DIM
 from ...registry import Mechanism, register
 from ..projections import project_together
-from ._fused_decode import FUSED_DECODE_DEFAULT, fused_decode_runs
+from ._fused_decode import FUSED_DECODE_DEFAULT, delta_step_layout, fused_decode_runs
 from .base import ShortConvProjections, set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -81,12 +80,7 @@ class DeltaNetMixer(RecurrentMixer):
         L2-normalised q and k with their own heads (value heads a multiple of them), head dims within the kernel's
         limit. (Known at construction: `_fused_step_options`; a cached_property would lock, which torch.compile
         cannot trace on Python 3.11.)"""
-        o = self.options
-        conv = self.short_conv
-        return (conv is not None and set(conv.convs) == set("qkv") and not self._post_activation and o["conv_size"] >= 2
-                and all(c.activation == "silu" for c in conv.convs.values()) and o["qk_norm"] == "l2"
-                and self.num_kv_heads == self.num_heads and self.num_state_heads == self.num_v_heads
-                and max(self.head_dim, self.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
+        return delta_step_layout(self) and self.options["qk_norm"] == "l2"
 
     def fused_step_applies(self, x):
         return self._fused_step_options and fused_decode_runs(self.fused_decode, "delta_step", x,

@@ -18,6 +18,7 @@ cache entry is `{"op": S [B, H, dv, dk], "conv": the short convolutions' tails}`
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,8 @@ from torch import nn
 
 from ... import ops
 from ...registry import Mechanism, register
+from ..projections import project_together
+from ._fused_decode import delta_step_layout, fused_decode_runs
 from .base import set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -60,6 +63,7 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
         self.A_log = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads * self.head_dim))
         self._init_lazoo_parameters(None)
+        self._fused_step_options = delta_step_layout(self)
 
     def _init_lazoo_parameters(self, init):
         # A in [1, 16], dt log-uniform in [1e-3, 1e-1] through the inverse softplus of dt_bias (fla, Kimi Linear)
@@ -97,6 +101,34 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
         gate = self.g_proj(x).to(cdt).unflatten(-1, (self.num_state_heads, self.head_v_dim))
         return self.merge_heads(h * torch.sigmoid(gate)).to(o.dtype)
 
+
+    #: whether a decode step runs as one kernel (`lazoo.kernels.delta_step` with a decay per key channel), as
+    #: DeltaNet's switch: None where the op would run its Triton kernels, True wherever that kernel can run, False
+    #: never. False by default until the step's GPU tests (`pytest -m gpu tests/kernels/test_kernels_delta_step.py`)
+    #: have passed on a GPU; the interpreter's match the unfused step in float64.
+    fused_decode: ClassVar[bool | None] = False
+
+    def fused_step_applies(self, x):
+        return self._fused_step_options and fused_decode_runs(self.fused_decode, "delta_step", x,
+                                                              self.options.get("backend"))
+
+    def fused_step(self, x, entry, mask, in_place):
+        from ...kernels.delta_step import delta_step  # lazy: importing defines the kernel
+
+        q, k, v, b, f, g = project_together(x, [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_proj[0],
+                                                self.g_proj[0]])
+        convs = self.short_conv.convs
+        norm = self.o_norm
+        bound = self.options["gate_lower_bound"]
+        S = entry["op"] if in_place else entry["op"].contiguous()
+        eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        return delta_step(
+            q, k, v, entry["conv"], {n: c.weight for n, c in convs.items()},
+            {n: c.bias for n, c in convs.items()} if self.options["conv_bias"] else None, S,
+            heads=self.num_heads, value_heads=self.num_v_heads, scale=self.head_dim ** -0.5, a=self.f_proj[1](f),
+            A_log=self.A_log, dt_bias=self.dt_bias, b=b, neg_eigval=self.options["allow_neg_eigval"],
+            norm_weight=norm.weight, norm_eps=eps, gate=self.g_proj[1](g), gate_activation="sigmoid", mask=mask,
+            in_place=in_place, key_gate="softplus" if bound is None else "bounded", gate_lower_bound=bound)
 
 register(Mechanism(
     name="kda", mixer=KimiDeltaAttentionMixer, op="kda", title="Kimi Delta Attention (KDA)",
