@@ -212,10 +212,6 @@ def test_vision_folders_load_where_lazoo_cannot_be_imported(saved, tmp_path):
     check_results(results, saved, "hidden")
 
 
-def test_vision_folders_load_in_a_process_that_never_imports_lazoo(saved, tmp_path):
-    check_results(run_loader("clean", saved, tmp_path), saved, "clean")
-
-
 @pytest.mark.skipif(not OTHER_PYTHON, reason="LAZOO_OTHER_PYTHON names no other virtualenv (scripts/test_range.sh "
                                              "sets it to the other end of the supported transformers range)")
 def test_a_vision_folder_saved_here_loads_on_the_other_end_of_the_range(saved, tmp_path):

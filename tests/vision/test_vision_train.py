@@ -160,7 +160,7 @@ def test_box_iou_and_recall():
 
 # ------------------------------------------------------------------------------------------------ training
 @needs_deepforest
-@pytest.mark.parametrize("variant", ["conv", "lat"])
+@pytest.mark.parametrize("variant", [pytest.param("conv", marks=pytest.mark.slow), "lat"])  # conv: 13 s, the baseline
 def test_detector_overfits_two_tree_tiles(td, variant, tmp_path):
     """Trainer + the image-processor collator on two real tiles (98 crowns): the loss falls at least 3-fold and
     the post-processed predictions (score >= 0.25) find at least 60% of the crowns at IoU 0.5."""
