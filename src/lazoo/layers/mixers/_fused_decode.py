@@ -48,6 +48,15 @@ def delta_step_layout(mixer) -> bool:
             and max(mixer.head_dim, mixer.head_v_dim) <= DELTA_STEP_MAX_HEAD_DIM)
 
 
+def delta_step_state(mixer, entry: dict, in_place: bool) -> tuple:
+    """What `lazoo.kernels.delta_step` takes of a delta-rule mixer besides its projections: (the cached conv states,
+    the conv weights, the conv biases or None, the state S (contiguous; the cached tensor itself in place))."""
+    convs = mixer.short_conv.convs
+    S = entry["op"] if in_place else entry["op"].contiguous()
+    biases = {n: c.bias for n, c in convs.items()} if mixer.options["conv_bias"] else None
+    return entry["conv"], {n: c.weight for n, c in convs.items()}, biases, S
+
+
 def log_unfused_once(kernel: str, reason: str) -> None:
     """Say once per kernel why a layer that could have decoded with it keeps the unfused step."""
     if kernel not in _FALLBACK_LOGGED and not torch.compiler.is_compiling():

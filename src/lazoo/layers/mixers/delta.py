@@ -12,7 +12,7 @@ from torch import nn
 from ... import ops
 from ...registry import Mechanism, register
 from ..projections import project_together
-from ._fused_decode import FUSED_DECODE_DEFAULT, delta_step_layout, fused_decode_runs
+from ._fused_decode import FUSED_DECODE_DEFAULT, delta_step_layout, delta_step_state, fused_decode_runs
 from .base import ShortConvProjections, set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -92,14 +92,9 @@ class DeltaNetMixer(RecurrentMixer):
         gated = isinstance(self, GatedDeltaNetMixer)
         names = ["q", "k", "v"] + ["b"] * (self.b_proj is not None) + ["a"] * gated + ["g"] * (self.g_proj is not None)
         proj = dict(zip(names, project_together(x, [getattr(self, f"{n}_proj") for n in names])))
-        convs = self.short_conv.convs
         norm = self.o_norm
-        S = entry["op"]
-        if not in_place:
-            S = S.contiguous()
         return delta_step(
-            proj["q"], proj["k"], proj["v"], entry["conv"], {n: c.weight for n, c in convs.items()},
-            {n: c.bias for n, c in convs.items()} if self.options["conv_bias"] else None, S,
+            proj["q"], proj["k"], proj["v"], *delta_step_state(self, entry, in_place),
             heads=self.num_heads, value_heads=self.num_v_heads, scale=self.head_dim ** -0.5,
             a=proj.get("a"), A_log=self.A_log if gated else None, dt_bias=self.dt_bias if gated else None,
             b=proj.get("b"), neg_eigval=self.options["allow_neg_eigval"],

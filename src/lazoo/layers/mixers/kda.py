@@ -27,7 +27,7 @@ from torch import nn
 from ... import ops
 from ...registry import Mechanism, register
 from ..projections import project_together
-from ._fused_decode import delta_step_layout, fused_decode_runs
+from ._fused_decode import delta_step_layout, delta_step_state, fused_decode_runs
 from .base import set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -117,14 +117,11 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
 
         q, k, v, b, f, g = project_together(x, [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_proj[0],
                                                 self.g_proj[0]])
-        convs = self.short_conv.convs
         norm = self.o_norm
         bound = self.options["gate_lower_bound"]
-        S = entry["op"] if in_place else entry["op"].contiguous()
         eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
         return delta_step(
-            q, k, v, entry["conv"], {n: c.weight for n, c in convs.items()},
-            {n: c.bias for n, c in convs.items()} if self.options["conv_bias"] else None, S,
+            q, k, v, *delta_step_state(self, entry, in_place),
             heads=self.num_heads, value_heads=self.num_v_heads, scale=self.head_dim ** -0.5, a=self.f_proj[1](f),
             A_log=self.A_log, dt_bias=self.dt_bias, b=b, neg_eigval=self.options["allow_neg_eigval"],
             norm_weight=norm.weight, norm_eps=eps, gate=self.g_proj[1](g), gate_activation="sigmoid", mask=mask,
