@@ -27,7 +27,7 @@ from torch import nn
 from ... import ops
 from ...registry import Mechanism, register
 from ..projections import project_together
-from ._fused_decode import delta_step_layout, delta_step_state, fused_decode_runs
+from ._fused_decode import FUSED_DECODE_DEFAULT, delta_step_layout, delta_step_state, fused_decode_runs
 from .base import set_parameter
 from .recurrent import RECURRENT_OPTION_DOCS, RecurrentMixer
 
@@ -103,10 +103,9 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
 
 
     #: whether a decode step runs as one kernel (`lazoo.kernels.delta_step` with a decay per key channel), as
-    #: DeltaNet's switch: None where the op would run its Triton kernels, True wherever that kernel can run, False
-    #: never. False by default until the step's GPU tests (`pytest -m gpu tests/kernels/test_kernels_delta_step.py`)
-    #: have passed on a GPU; the interpreter's match the unfused step in float64.
-    fused_decode: ClassVar[bool | None] = False
+    #: DeltaNet's switch: None (the default) where the op would run its Triton kernels, True wherever that kernel can
+    #: run, False never (`LAZOO_FUSED_DECODE=0` at import).
+    fused_decode: ClassVar[bool | None] = FUSED_DECODE_DEFAULT
 
     def fused_step_applies(self, x):
         return self._fused_step_options and fused_decode_runs(self.fused_decode, "delta_step", x,
