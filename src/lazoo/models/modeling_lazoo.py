@@ -37,6 +37,7 @@ from .cache import LazooCache
 from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, has_feed_forward, mixer_names, refuse_taken_name
 from .legacy_moe import stacked_experts_folder
+from .stop_check import deferred_stop_for_lazoo_caches
 
 logger = logging.get_logger(__name__)
 
@@ -586,6 +587,12 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         length = cache_length_bucket(max_length) if self._keeps_every_position() and max_length else None
         model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, length)
+
+    def _sample(self, *args, **kwargs):
+        """transformers' decoding loop, its stopping check read one step late for a lazoo cache on CUDA that
+        `generate` drops (`lazoo.models.stop_check`): the host queues the next step while the device runs this one."""
+        with deferred_stop_for_lazoo_caches():
+            return super()._sample(*args, **kwargs)
 
     def _keeps_every_position(self) -> bool:
         """Whether a layer keeps a key-value cache of every position (full softmax or local-linear attention):
