@@ -105,7 +105,7 @@ def fused(p, H, HV, scale, neg_eigval, eps, gate_activation, in_place, device="c
         dt_bias=d["dt_bias"] if d["a"] is not None else None, b=d["b"], neg_eigval=neg_eigval,
         norm_weight=d["norm_weight"], norm_eps=eps, gate=d["gate"],
         gate_activation=gate_activation if d["gate"] is not None else None, mask=d["mask"], in_place=in_place,
-        key_gate=key_gate, gate_lower_bound=bound)
+        key_gate=key_gate, gate_lower_bound=bound, round_to_dtype=key_gate is None)  # as each layer calls it
     if in_place:
         assert S_new is S and all(conv_new[n] is d["conv"][n] for n in "qkv")
     else:

@@ -132,7 +132,7 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
                heads: int, value_heads: int, scale: float, a=None, A_log=None, dt_bias=None, b=None,
                neg_eigval: bool = False, norm_weight=None, norm_eps: float | None = None, gate=None,
                gate_activation: str | None = None, mask=None, in_place: bool = False, key_gate: str | None = None,
-               gate_lower_bound: float | None = None):
+               gate_lower_bound: float | None = None, round_to_dtype: bool = True):
     """One token of a (Gated) DeltaNet layer after its projections; see the module docstring.
 
     q, k ``[B, 1, H·dk]``, v ``[B, 1, HV·dv]`` (the projections, before the convolution); ``conv_states``
@@ -142,7 +142,9 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
     (None: no output norm); ``gate`` ``[B, 1, HV·dv]`` with ``gate_activation`` "silu" or "sigmoid"; ``mask``
     ``[B]`` or ``[B, 1]`` (1 = real). ``in_place``: the conv states and S are updated where they are, else new
     tensors hold them. Kimi Delta Attention: ``key_gate`` "softplus" (or "bounded" with ``gate_lower_bound``) with
-    ``a`` ``[B, 1, HV·dk]`` (f_proj's output) and ``dt_bias`` ``[HV·dk]``. Returns ``(o [B, 1, HV·dv], new S, new
+    ``a`` ``[B, 1, HV·dk]`` (f_proj's output) and ``dt_bias`` ``[HV·dk]``. ``round_to_dtype``: β, the norm's output
+    and the gate pass through q's dtype, as the (Gated) DeltaNet layer stores them (KDA's layer keeps them in fp32:
+    False). Returns ``(o [B, 1, HV·dv], new S, new
     conv states)``."""
     B = q.shape[0]
     HV, V, K = state.shape[1:]
@@ -189,7 +191,7 @@ def delta_step(q, k, v, conv_states: dict, conv_weights: dict, conv_biases: dict
         NORM=norm_eps is not None, NORM_AFFINE=norm_weight is not None,
         GATE=GATES[gate_activation if gate is not None else None],
         HAS_MASK=mask is not None, KEY_GATE=KEY_GATES[key_gate], BOUND=float(gate_lower_bound or 0.0),
-        ROUND=key_gate is None, DT=TL_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
+        ROUND=round_to_dtype, DT=TL_DTYPES[dt], CT=tl.float64 if dt == torch.float64 else tl.float32,
         num_warps=4 if max(K, V) <= 64 else 8,
     )
     return out.view(B, 1, HV * V), S_out, cout

@@ -124,7 +124,8 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
             heads=self.num_heads, value_heads=self.num_v_heads, scale=self.head_dim ** -0.5, a=self.f_proj[1](f),
             A_log=self.A_log, dt_bias=self.dt_bias, b=b, neg_eigval=self.options["allow_neg_eigval"],
             norm_weight=norm.weight, norm_eps=eps, gate=self.g_proj[1](g), gate_activation="sigmoid", mask=mask,
-            in_place=in_place, key_gate="softplus" if bound is None else "bounded", gate_lower_bound=bound)
+            in_place=in_place, key_gate="softplus" if bound is None else "bounded", gate_lower_bound=bound,
+            round_to_dtype=False)  # the layer keeps β, the norm's output and the gate in fp32
 
 register(Mechanism(
     name="kda", mixer=KimiDeltaAttentionMixer, op="kda", title="Kimi Delta Attention (KDA)",
