@@ -1,7 +1,6 @@
-"""Running a script in a fresh interpreter, for the `trust_remote_code` export tests: lazoo importable but never
-imported ("clean"), or made unimportable ("hidden"), with only the environment transformers needs offline; the
-script that loads saved language-model folders there and generates (`run_loader`), and `push_to_hub` stubbed
-offline."""
+"""Running a script in a fresh interpreter, for the `trust_remote_code` export tests: lazoo made unimportable, with
+only the environment transformers needs offline; the script that loads saved language-model folders there and
+generates (`run_loader`), and `push_to_hub` stubbed offline."""
 
 from __future__ import annotations
 
@@ -11,25 +10,24 @@ import subprocess
 import sys
 import textwrap
 
-#: the opening of every script: argv[1] is the mode; in "hidden" mode lazoo cannot be imported
+#: the opening of every script: lazoo cannot be imported
 HIDE_LAZOO = textwrap.dedent('''
+    import importlib.abc
     import json, sys
-    if sys.argv[1] == "hidden":
-        import importlib.abc
 
-        class HideLazoo(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "lazoo" or name.startswith("lazoo."):
-                    raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
-                return None
+    class HideLazoo(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "lazoo" or name.startswith("lazoo."):
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+            return None
 
-        sys.meta_path.insert(0, HideLazoo())
-        try:
-            import lazoo  # noqa: F401
-        except ModuleNotFoundError:
-            pass
-        else:
-            raise SystemExit("lazoo is still importable")
+    sys.meta_path.insert(0, HideLazoo())
+    try:
+        import lazoo  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit("lazoo is still importable")
 ''')
 
 #: the end of every script: which lazoo modules were imported, the transformers version, the results as JSON
@@ -44,14 +42,14 @@ REPORT = textwrap.dedent('''
 OTHER_PYTHON = os.environ.get("LAZOO_OTHER_PYTHON")
 
 
-def run_script(body: str, mode: str, args: list[str], tmp_path, python: str = sys.executable) -> dict:
-    """Run `HIDE_LAZOO + body + REPORT` (`body` fills the dict `results`) as `python -c SCRIPT mode *args` in
+def run_script(body: str, args: list[str], tmp_path, python: str = sys.executable) -> dict:
+    """Run `HIDE_LAZOO + body + REPORT` (`body` fills the dict `results`) as `python -c SCRIPT *args` in
     `tmp_path`, offline, with its own transformers module cache; returns `results`."""
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), PYTHONNOUSERSITE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     script = HIDE_LAZOO + textwrap.dedent(body) + REPORT
-    proc = subprocess.run([python, "-c", script, mode, *args], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([python, "-c", script, *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
@@ -66,8 +64,7 @@ TEXT = "In the beginning God created the heaven and the earth. And the earth was
 
 # Runs in a fresh interpreter: loads every folder with trust_remote_code and generates greedily; loads a tokenizer
 # saved in the folder with AutoTokenizer (trust_remote_code) and with its own class (no flag needed).
-# argv: mode ("clean": lazoo importable but never imported; "hidden": lazoo cannot be imported), prompt, text,
-# folders... (MAX_NEW_TOKENS stands for NEW_TOKENS)
+# argv: prompt, text, folders... (MAX_NEW_TOKENS stands for NEW_TOKENS)
 LOADER = '''
     import os
 
@@ -75,11 +72,11 @@ LOADER = '''
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     torch.set_num_threads(1)
-    prompt = torch.tensor(json.loads(sys.argv[2]))
-    text = sys.argv[3]
+    prompt = torch.tensor(json.loads(sys.argv[1]))
+    text = sys.argv[2]
     mask = (prompt != 0).long()
     results = {}
-    for folder in sys.argv[4:]:
+    for folder in sys.argv[3:]:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
         with torch.no_grad():
             logits = model(prompt, attention_mask=mask).logits
@@ -93,7 +90,7 @@ LOADER = '''
                 name: {"ids": tok(text).input_ids, "decoded": tok.decode(tok(text).input_ids),
                        "special": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id], "side": tok.padding_side}
                 for name, tok in tokenizers.items()}
-        if sys.argv[1] == "hidden" and folder == sys.argv[4]:  # re-save the loaded model, load that again
+        if folder == sys.argv[3]:  # re-save the loaded model, load that again
             model.save_pretrained(folder + "-resaved")
             again = AutoModelForCausalLM.from_pretrained(folder + "-resaved", trust_remote_code=True).eval()
             with torch.no_grad():
@@ -102,8 +99,8 @@ LOADER = '''
 '''.replace("MAX_NEW_TOKENS", str(NEW_TOKENS))
 
 
-def run_loader(mode: str, folders: list[str], tmp_path, python: str = sys.executable) -> dict:
-    return run_script(LOADER, mode, [json.dumps(PROMPT), TEXT, *folders], tmp_path, python=python)
+def run_loader(folders: list[str], tmp_path, python: str = sys.executable) -> dict:
+    return run_script(LOADER, [json.dumps(PROMPT), TEXT, *folders], tmp_path, python=python)
 
 
 def stub_push_to_hub(monkeypatch) -> dict:

@@ -205,7 +205,7 @@ def test_a_mechanism_from_a_test_file_is_exported_with_the_model(toy, tmp_path):
     prompt = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(prompt, attention_mask=(prompt != 0).long()).logits
-    results = run_loader("hidden", [str(folder)], tmp_path)
+    results = run_loader([str(folder)], tmp_path)
     assert results.pop("lazoo_imported") == []
     torch.testing.assert_close(torch.tensor(results[str(folder)]["logits"]), logits, rtol=1e-5, atol=1e-5)
 

@@ -201,7 +201,7 @@ def test_the_converted_folder_loads_where_lazoo_is_not_installed(tmp_path):
     prompt = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(prompt, attention_mask=(prompt != 0).long()).logits
-    results = run_loader("hidden", [str(tmp_path / "lazoo")], tmp_path)
+    results = run_loader([str(tmp_path / "lazoo")], tmp_path)
     assert results.pop("lazoo_imported") == []
     torch.testing.assert_close(torch.tensor(results[str(tmp_path / "lazoo")]["logits"]), logits,
                                rtol=1e-5, atol=1e-5)
@@ -339,7 +339,7 @@ def test_a_converted_model_fine_tunes_with_lora_evaluates_and_loads_without_lazo
     assert eval_main([str(tuned), "--limit", "2", "--batch-size", "2", "--device", "cpu", "--output", str(out)]) == 0
     metrics = json.loads(out.read_text())["metrics"][str(tuned)]
     assert metrics["lazoo_kjv_ppl"]["word_perplexity"] > 1
-    results = run_loader("hidden", [str(tuned)], tmp_path)
+    results = run_loader([str(tuned)], tmp_path)
     assert results.pop("lazoo_imported") == [] and results[str(tuned)]["tokens"]
 
 

@@ -196,7 +196,7 @@ def test_the_worked_path_convert_lora_eval_push_and_load_without_lazoo(tmp_path,
     merged.push_to_hub("someone/qwen3.5-tuned")
     assert {"config.json", "model.safetensors", "modeling_lazoo.py"} <= set(uploaded["files"])
     assert "`qwen`" in uploaded["card"] and "Gated DeltaNet" in uploaded["card"]
-    results = run_loader("hidden", [str(tuned)], tmp_path)
+    results = run_loader([str(tuned)], tmp_path)
     assert results.pop("lazoo_imported") == []
     prompt = torch.tensor(PROMPT)
     with torch.no_grad():

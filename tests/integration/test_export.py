@@ -110,7 +110,7 @@ def test_the_exported_code_never_picks_triton(saved, tmp_path):
 def test_every_model_loads_where_lazoo_cannot_be_imported(saved, tmp_path):
     # lazoo unimportable in the loading process (so never imported there either); the first folder re-saved and
     # loaded again
-    results = run_loader("hidden", [saved[n][0] for n in ALL_MODELS], tmp_path)
+    results = run_loader([saved[n][0] for n in ALL_MODELS], tmp_path)
     first = saved[ALL_MODELS[0]]
     assert results[first[0]]["resaved_tokens"] == first[1], "the re-saved remote-code model differs"
     check_results(results, saved, ALL_MODELS, "hidden")
@@ -121,7 +121,7 @@ def test_every_model_loads_where_lazoo_cannot_be_imported(saved, tmp_path):
 def test_a_folder_saved_here_loads_on_the_other_end_of_the_range(saved, tmp_path):
     """Saved with this process's transformers, loaded with trust_remote_code by another virtualenv's (with lazoo
     hidden), the same logits and tokens: the exported code runs on both ends of the range."""
-    results = run_loader("hidden", [saved[n][0] for n in ALL_MODELS], tmp_path, python=OTHER_PYTHON)
+    results = run_loader([saved[n][0] for n in ALL_MODELS], tmp_path, python=OTHER_PYTHON)
     assert results["transformers"] != transformers.__version__, "the other python has the same transformers"
     first = saved[ALL_MODELS[0]]
     assert results[first[0]]["resaved_tokens"] == first[1], "the re-saved remote-code model differs"

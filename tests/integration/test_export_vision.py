@@ -29,7 +29,7 @@ VARIANTS = {"lat": dict(variant="lat"), "ela_all": dict(variant="lat", attention
 POST = dict(threshold=0.0, max_detections=20)  # a random head's scores are low: keep the best 20 boxes
 
 # Runs in a fresh interpreter (lazoo hidden or never imported): loads the folders with trust_remote_code=True and
-# prints their outputs as JSON. argv: mode, the image (.npy), the backbones' input (.npy), JSON {"backbones": [...],
+# prints their outputs as JSON. argv: the image (.npy), the backbones' input (.npy), JSON {"backbones": [...],
 # "detectors": [...]} (each detector folder holds the image processor too).
 LOADER = '''
     import os
@@ -40,9 +40,9 @@ LOADER = '''
     from transformers import AutoBackbone, AutoConfig, AutoImageProcessor, AutoModel, AutoModelForObjectDetection
 
     torch.set_num_threads(1)
-    image, pixels = np.load(sys.argv[2]), torch.from_numpy(np.load(sys.argv[3]))
-    folders = json.loads(sys.argv[4])
-    post = json.loads(sys.argv[5])
+    image, pixels = np.load(sys.argv[1]), torch.from_numpy(np.load(sys.argv[2]))
+    folders = json.loads(sys.argv[3])
+    post = json.loads(sys.argv[4])
     results = {}
 
     def auto_backbone(folder):
@@ -93,7 +93,7 @@ LOADER = '''
                                "processor_loaded_by": how, "pixel_values": inputs["pixel_values"].tolist(),
                                "logits": out.logits.tolist(), "pred_boxes": out.pred_boxes.tolist(),
                                "detections": detections(found)}
-            if sys.argv[1] == "hidden" and folder == folders["detectors"][0]:  # re-save what was loaded, load that
+            if folder == folders["detectors"][0]:  # re-save what was loaded, load that
                 model.save_pretrained(folder + "-resaved")
                 again = AutoModelForObjectDetection.from_pretrained(folder + "-resaved", trust_remote_code=True)
                 results[folder]["resaved_logits"] = again.eval()(inputs["pixel_values"]).logits.tolist()
@@ -140,10 +140,10 @@ def saved(tmp_path_factory):
     return out
 
 
-def run_loader(mode: str, saved, tmp_path, python: str | None = None) -> dict:
+def run_loader(saved, tmp_path, python: str | None = None) -> dict:
     folders = {kind: [folder for folder, *_ in saved[kind].values()] for kind in ("backbones", "detectors")}
     args = [str(saved["root"] / "image.npy"), str(saved["root"] / "pixels.npy"), json.dumps(folders), json.dumps(POST)]
-    return run_script(LOADER, mode, args, tmp_path, **({"python": python} if python else {}))
+    return run_script(LOADER, args, tmp_path, **({"python": python} if python else {}))
 
 
 def check_results(results, saved, mode: str) -> None:
@@ -205,7 +205,7 @@ def test_save_pretrained_writes_the_auto_map_and_the_code(saved):
 
 
 def test_vision_folders_load_where_lazoo_cannot_be_imported(saved, tmp_path):
-    results = run_loader("hidden", saved, tmp_path)
+    results = run_loader(saved, tmp_path)
     first = saved["detectors"]["lat"]
     torch.testing.assert_close(torch.tensor(results[first[0]]["resaved_logits"]), first[1].logits, rtol=1e-5,
                                atol=1e-5, msg="the re-saved remote-code detector differs")
@@ -215,7 +215,7 @@ def test_vision_folders_load_where_lazoo_cannot_be_imported(saved, tmp_path):
 @pytest.mark.skipif(not OTHER_PYTHON, reason="LAZOO_OTHER_PYTHON names no other virtualenv (scripts/test_range.sh "
                                              "sets it to the other end of the supported transformers range)")
 def test_a_vision_folder_saved_here_loads_on_the_other_end_of_the_range(saved, tmp_path):
-    results = run_loader("hidden", saved, tmp_path, python=OTHER_PYTHON)
+    results = run_loader(saved, tmp_path, python=OTHER_PYTHON)
     assert results["transformers"] != transformers.__version__, "the other python has the same transformers"
     check_results(results, saved, f"transformers {results['transformers']}")
 
