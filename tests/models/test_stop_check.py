@@ -56,7 +56,7 @@ def cpu_events(monkeypatch):
 
 @pytest.fixture
 def cpu_as_cuda(monkeypatch, cpu_events):
-    monkeypatch.setattr(stop_check, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
+    defer_on_the_cpu(monkeypatch)
 
 
 def counted_generate(model, ids, mask, **kwargs) -> tuple[torch.Tensor, int]:
@@ -80,18 +80,29 @@ def early_stops(model, ids, mask, cache_implementation) -> list[int]:
     return sorted({int(free[0, start + 2]), int(free[1, start + 4]), int(free[2, start + 6])})
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net", "hybrid", "softmax", "kda"])
-@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
-def test_deferred_check_gives_the_same_tokens(name, cache_implementation, monkeypatch, cpu_events):
+def stopping_early(name: str, cache_implementation: str | None = None):
+    """A tiny model `name` and `run(**kwargs)`: its counted `generate` of up to 12 tokens on left-padded prompts
+    (with `cache_implementation`, or generate's default), with end-of-sequence ids that stop every row early."""
     model = tiny_model(name, seed=1)
     ids, mask = left_padded()
     eos = early_stops(model, ids, mask, cache_implementation)
-    every, every_calls = counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos,
-                                          cache_implementation=cache_implementation)
-    assert every.shape[1] < ids.shape[1] + 12  # every row stopped early
+    chosen = {"cache_implementation": cache_implementation} if cache_implementation else {}
+    return model, lambda **kwargs: counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos,
+                                                    **chosen, **kwargs)
+
+
+def defer_on_the_cpu(monkeypatch):
     monkeypatch.setattr(stop_check, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
-    late, late_calls = counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos,
-                                        cache_implementation=cache_implementation)
+
+
+@pytest.mark.parametrize("name", ["gated_delta_net", "hybrid", "softmax", "kda"])
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_deferred_check_gives_the_same_tokens(name, cache_implementation, monkeypatch, cpu_events):
+    _, run = stopping_early(name, cache_implementation)
+    every, every_calls = run()
+    assert every.shape[1] < left_padded()[0].shape[1] + 12  # every row stopped early
+    defer_on_the_cpu(monkeypatch)
+    late, late_calls = run()
     assert torch.equal(late, every), name
     assert late_calls == every_calls + 1  # read one step late: one step more, its token removed
 
@@ -105,27 +116,20 @@ def test_max_length_stops_without_an_extra_step(cpu_as_cuda):
 
 def test_a_cache_given_back_is_checked_every_token(monkeypatch, cpu_events):
     """With `return_dict_in_generate` the cache is handed back: no step too many reaches it."""
-    model = tiny_model("gated_delta_net", seed=1)
-    ids, mask = left_padded()
-    eos = early_stops(model, ids, mask, "dynamic")
-    every, every_calls = counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos)
-    monkeypatch.setattr(stop_check, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
-    given, calls = counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos,
-                                    return_dict_in_generate=True)
+    _, run = stopping_early("gated_delta_net")
+    every, every_calls = run()
+    defer_on_the_cpu(monkeypatch)
+    given, calls = run(return_dict_in_generate=True)
     assert calls == every_calls and torch.equal(given.sequences, every)
     assert given.past_key_values.seen_positions == given.sequences.shape[1] - 1
-    assert counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos)[1] == every_calls + 1
+    assert run()[1] == every_calls + 1
 
 
 def test_a_users_cache_is_checked_every_token(monkeypatch, cpu_events):
-    model = tiny_model("gated_delta_net", seed=1)
-    ids, mask = left_padded()
-    eos = early_stops(model, ids, mask, "dynamic")
-    _, every_calls = counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos)
-    monkeypatch.setattr(stop_check, "DEFERRED_STOP_DEVICES", ("cuda", "cpu"))
-    cache = LazooCache(model.config.num_hidden_layers)
-    _, calls = counted_generate(model, ids, mask, max_new_tokens=12, eos_token_id=eos,
-                                **{CACHE_FIELD: cache})
+    model, run = stopping_early("gated_delta_net")
+    _, every_calls = run()
+    defer_on_the_cpu(monkeypatch)
+    _, calls = run(**{CACHE_FIELD: LazooCache(model.config.num_hidden_layers)})
     assert calls == every_calls
 
 
