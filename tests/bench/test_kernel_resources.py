@@ -1,7 +1,7 @@
 """lazoo.bench.kernel_resources: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
-block (shared memory) and do not spill at their launch settings, OVQ's, the normalised linear-attention, GLA's and
-Kimi Delta Attention's kernels compile and fit; an oversized tile is reported as over the limit, so the check can
-fail."""
+block (shared memory) and do not spill at their launch settings, OVQ's, the gated and the normalised
+linear-attention, GLA's and Kimi Delta Attention's kernels compile and fit; an oversized tile is reported as over the
+limit, so the check can fail."""
 
 import pytest
 
@@ -72,6 +72,33 @@ def test_gla_kernels_fit_hopper(single_thread):
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
         if "inter-chunk" not in name:
             assert r["spill_stores"] == 0, (name, r)
+
+
+LINEAR_KERNELS = {"forward: states", "forward: outputs", "backward: state gradients", "backward: dq, dk, dv",
+                  "decoding"}
+
+
+def check_linear(report):
+    assert set(report) == LINEAR_KERNELS, report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+
+
+def test_linear_kernels_fit_hopper_at_bamba_shapes(single_thread):
+    """The gated linear-attention kernels as Mamba-2 runs them at Bamba-9B's shapes (128 value heads of 64 reading
+    one group of B and C, state 128, bf16, 64 heads a program in the output and gradient kernels) fit a Hopper
+    block. (Spills are allowed: the gradient kernel holds a chunk's dq and dk in float32; with Triton 3.9 it spills
+    240 bytes, where one head a program at value blocks of 64 spills 480.)"""
+    check_linear(kernel_resources.linear_report(128, 64, heads=128, group=128, heads_per_program=64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dk,dv,dtype,group,per_program", [
+    (128, 128, "bf16", 1, 1), (128, 128, "fp32", 1, 1), (256, 64, "bf16", 8, 2), (64, 64, "fp16", 4, 4)])
+def test_linear_kernels_fit_hopper_matrix(single_thread, dk, dv, dtype, group, per_program):
+    """The same without grouped heads, with fp32 inputs, a head dim of 256 and fp16 (fp32 per-chunk states)."""
+    check_linear(kernel_resources.linear_report(dk, dv, dtype, heads=16, group=group, heads_per_program=per_program))
 
 
 KDA_KERNELS = {"cumsum", "fwd_intra", "fwd_solve", "fwd_wu", "fwd_h", "fwd_o", "bwd_du_local", "bwd_dhu", "bwd_inter",

@@ -1,6 +1,7 @@
 """Triton kernels of linear / gated linear attention (lazoo.kernels.linear) through the ops'
 ``backend="triton"``, against the float64 recurrent reference: outputs, final states and the
-gradients of q, k, v, g and the initial state, at ragged T, with masks and with ``cu_seqlens``.
+gradients of q, k, v, g and the initial state, at ragged T, with masks and with ``cu_seqlens``; and with
+grouped heads (q and k with fewer heads than v), their blocks of heads per program and partial sums of dq, dk.
 
 CPU (default run): the ``interp_*`` tests need the Triton interpreter, and ``TRITON_INTERPRET=1``
 must be set before triton is first imported (conftest imports lazoo, which imports triton through
@@ -32,6 +33,13 @@ def inputs(B, T, H, dk, dv, dtype=F64, device="cpu", seed=0, g_bias=2.0):
     v = torch.randn(B, T, H, dv, generator=gen, dtype=F64)
     g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=F64) + g_bias)
     return [x.to(device=device, dtype=dtype) for x in (q, k, v, g)]
+
+
+def grouped_inputs(B, T, HK, m, dk, dv, dtype=F64, seed=0):
+    """q, k with HK heads; v, g with m·HK (grouped heads)."""
+    q, k, _, _ = inputs(B, T, HK, dk, dv, dtype=dtype, seed=seed)
+    _, _, v, g = inputs(B, T, HK * m, dk, dv, dtype=dtype, seed=seed + 50)
+    return q, k, v, g
 
 
 def linear_state(N, H, dk, dv, normalize, seed=1):
@@ -160,12 +168,15 @@ def test_interp_gated_fp16():
 
 
 @needs_interp
-@pytest.mark.parametrize("name", ["gated", "linear"])
+@pytest.mark.parametrize("name", ["gated", "linear", "grouped"])
 def test_interp_prefill_then_decode_equals_one_pass(name):
-    """Chunk kernel over a prompt, then the fused recurrent kernel token by token (the cache path)."""
+    """Chunk kernel over a prompt, then the fused recurrent kernel token by token (the cache path); "grouped": q and k
+    with 2 heads serving 6 value heads."""
     B, T, H, dk, dv, cut = 2, 37, 2, 8, 8, 33
     q, k, v, g = inputs(B, T, H, dk, dv, dtype=torch.float32, seed=7)
-    if name == "gated":
+    if name == "grouped":
+        q, k, v, g = grouped_inputs(B, T, H, 3, dk, dv, dtype=torch.float32, seed=7)
+    if name != "linear":
         run = lambda sl, st, backend: ops.gated_linear_attention(  # noqa: E731
             q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=st, output_final_state=True, backend=backend)
     else:
@@ -180,6 +191,91 @@ def test_interp_prefill_then_decode_equals_one_pass(name):
             outs.append(o_t)
     assert_close(torch.cat(outs, 1), ref_o, 1e-5, "prefill + decode output")
     assert_state_close(s, ref_s, 1e-5, "prefill + decode state")
+
+
+def heads_per_program(monkeypatch, heads):
+    """Force the value heads per program of the output and gradient kernels (None: the launcher's choice)."""
+    monkeypatch.setattr(kernels_linear(), "FORCE_HEADS_PER_PROGRAM", heads)
+
+
+def recorded_grids(monkeypatch) -> list:
+    """The grids of the output and gradient kernels' launches, recorded from now on."""
+    return record_launches(monkeypatch, kernels_linear(), "_fwd_o_kernel", "_bwd_dqkv_kernel")
+
+
+@needs_interp
+@pytest.mark.parametrize("heads", [None, 1, 2], ids=["all-heads", "one-head-parts", "two-heads-parts"])
+def test_interp_grouped_heads_match_reference(heads, monkeypatch):
+    """q and k with 2 heads, v and g with 8 (4 per key head), against the float64 reference that repeats q and k:
+    all 4 heads of a key head in one output program (the launcher's choice on the CPU; the gradient kernel takes
+    one), or one or two per program in both (the gradients of q and k summed from 4 or 2 float32 parts), with left
+    padding, a hole and a carried state."""
+    heads_per_program(monkeypatch, heads)
+    grids = recorded_grids(monkeypatch)
+    B, T, HK, m, dk, dv = 2, 45, 2, 4, 16, 8  # T ragged against chunk 16
+    q, k, v, g = grouped_inputs(B, T, HK, m, dk, dv, seed=21)
+    mask = left_pad_mask([T, T - 9], T, holes=[(0, 30)])
+    check_against_reference(gated_call(mask=mask), {"q": q, "k": k, "v": v, "g": g},
+                            linear_state(B, HK * m, dk, dv, False), torch.float32, 1e-5)
+    forward_blocks = HK * m // (heads or m)  # the gradient kernel: one head a program unless forced
+    assert len(grids) == 2 and grids[0][-2] == B * forward_blocks and grids[1][-2] == B * HK * m // (heads or 1), grids
+
+
+@needs_interp
+def test_interp_grouped_heads_cu_seqlens(monkeypatch):
+    """Packed sequences (an empty one, ragged ones) with grouped heads, two heads per program: four parts."""
+    heads_per_program(monkeypatch, 2)
+    T, HK, m, dk, dv = 70, 1, 8, 8, 16
+    cu = torch.tensor([0, 13, 13, 50, 70])
+    q, k, v, g = grouped_inputs(1, T, HK, m, dk, dv, seed=23)
+    check_against_reference(gated_call(cu_seqlens=cu), {"q": q, "k": k, "v": v, "g": g},
+                            linear_state(4, HK * m, dk, dv, False), torch.float32, 1e-5)
+
+
+@needs_interp
+@pytest.mark.parametrize("heads", [None, 1])
+def test_interp_grouped_heads_without_decay(heads, monkeypatch):
+    """lazoo.kernels.linear's ungated path (g None) with grouped heads, against the float64 reference with g = 0."""
+    heads_per_program(monkeypatch, heads)
+    kl = kernels_linear()
+    B, T, HK, m, d = 2, 37, 2, 3, 8
+    q, k, v, _ = grouped_inputs(B, T, HK, m, d, d, seed=25)
+
+    def call(t, state, backend):
+        if backend == "recurrent":
+            return ops.gated_linear_attention(t["q"], t["k"], t["v"], t["q"].new_zeros(B, T, HK * m), scale=1.0,
+                                              initial_state=state, output_final_state=True, backend=backend)
+        return kl.chunk_linear_attention(t["q"], t["k"], t["v"], None, initial_state=state, output_final_state=True,
+                                         chunk_size=16)
+
+    check_against_reference(call, {"q": q, "k": k, "v": v}, linear_state(B, HK * m, d, d, False), torch.float32,
+                            1e-5)
+
+
+@needs_interp
+def test_interp_grouped_heads_fp16():
+    B, T, HK, m, dk, dv = 1, 45, 1, 2, 16, 16
+    q, k, v, g = grouped_inputs(B, T, HK, m, dk, dv, seed=27)
+    check_against_reference(gated_call(), {"q": q, "k": k, "v": v, "g": g},
+                            linear_state(B, HK * m, dk, dv, False), torch.float16, 1e-2, grad_rtol=2e-2)
+
+
+def test_heads_per_program_fill_the_device(monkeypatch):
+    """The launcher takes as many of a key head's value heads per program as leave PROGRAMS_PER_SM programs per
+    multiprocessor, a divisor of them; one without grouped heads; a forced count must divide them."""
+    import types
+
+    kl = kernels_linear()
+    monkeypatch.setattr(kl, "num_sms", lambda device: 132)
+    bamba = types.SimpleNamespace(H=128, HK=1)
+    assert kl._heads_per_program(bamba, 512, "cuda") == 64  # 512 chunks: two programs per key head
+    assert kl._heads_per_program(bamba, 9, "cuda") == 2  # 64 programs of 9 chunks each fill 4 x 132
+    assert kl._heads_per_program(bamba, 8, "cuda") == 1  # 512 programs would not: one head each
+    assert kl._heads_per_program(types.SimpleNamespace(H=16, HK=16), 1, "cuda") == 1
+    assert kl._heads_per_program(types.SimpleNamespace(H=12, HK=1), 150, "cuda") == 3  # 4 parts (3 would not fill)
+    monkeypatch.setattr(kl, "FORCE_HEADS_PER_PROGRAM", 3)
+    with pytest.raises(ValueError, match="must divide the 4 value heads per key head"):
+        kl._heads_per_program(types.SimpleNamespace(H=8, HK=2), 10, "cuda")
 
 
 def gla_inputs(B, T, H, dk, dv, seed=0, strong=False):
@@ -327,11 +423,15 @@ def test_gpu_long_sequence_walks_in_segments(dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("grouped", [False, True], ids=["heads", "grouped-heads"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_cu_seqlens_and_decode(dtype):
+def test_gpu_cu_seqlens_and_decode(dtype, grouped):
+    """Packed sequences, then prefill and token-by-token decoding; grouped: two key heads of 4 value heads each."""
     T, H, D = 1500, 4, 128
     cu = torch.tensor([0, 1, 300, 300, 1077, 1500])
     q, k, v, g = inputs(1, T, H, D, D, seed=13, g_bias=4.0)
+    if grouped:
+        q, k = q[:, :, :2], k[:, :, :2]
     gpu_reference_check(gated_call(chunk_size=64, cu_seqlens=cu), {"q": q, "k": k, "v": v, "g": g},
                         linear_state(5, H, D, D, False), dtype, GPU_RTOL[dtype])
     # prefill 1000 tokens, then decode one token at a time with the fused recurrent kernel
@@ -347,6 +447,23 @@ def test_gpu_cu_seqlens_and_decode(dtype):
                                               initial_state=s, output_final_state=True, backend="triton")
             outs.append(o)
     assert_close(torch.cat(outs, 1), ref_o[:, :1008], GPU_RTOL[dtype], "prefill + decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads", [None, 1, 4], ids=["launcher", "one-head-parts", "four-heads-parts"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_grouped_heads_match_float64(dtype, heads, monkeypatch):
+    """Mamba-2's shape at a smaller scale: one key head of dk = 128 serving 16 value heads of 64, with a left-padded
+    row; the heads per program the launcher picks, or one or four (dq, dk summed from 16 or 4 float32 parts)."""
+    heads_per_program(monkeypatch, heads)
+    B, T, HK, m, dk, dv = 2, 1000, 1, 16, 128, 64
+    q, k, v, g = grouped_inputs(B, T, HK, m, dk, dv, seed=31)
+    q, k = q * dk ** -0.5, k * dk ** -0.5
+    g = g / 4
+    mask = left_pad_mask([T, T - 123], T)
+    gpu_reference_check(gated_call(chunk_size=64, mask=mask, scale=1.0), {"q": q, "k": k, "v": v, "g": g},
+                        linear_state(B, HK * m, dk, dv, False), dtype, GPU_RTOL[dtype])
 
 
 @pytest.mark.gpu

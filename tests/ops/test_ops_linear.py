@@ -1,9 +1,16 @@
-"""linear_attention and gated_linear_attention: recurrent vs chunk, quadratic form, pads, splits."""
+"""linear_attention and gated_linear_attention: recurrent vs chunk, quadratic form, pads, splits, grouped heads."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import assert_close, assert_state_close, compare_backends, left_pad_mask, needs_interpreter
+from op_helpers import (
+    assert_close,
+    assert_state_close,
+    check_against,
+    compare_backends,
+    left_pad_mask,
+    needs_interpreter,
+)
 
 from lazoo.ops import gated_linear_attention, linear_attention
 
@@ -155,6 +162,41 @@ def test_gla_left_padded_batch_and_split(backend):
                                     initial_state=s1, **kw)
     assert_close(torch.cat([o1, o2], 1), o, 1e-12, "split output")
     assert_close(s2, s, 1e-12, "split state")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_grouped_heads_equal_repeated_query_key_heads(backend, packed):
+    """q and k with 2 heads serving v's and g's 6 (3 each): the same as q and k repeated to the 6 heads, gradients
+    summed over each group; with left padding and a hole, or packed sequences, and a carried state."""
+    T, HK, m = 21, 2, 3
+    torch.manual_seed(5)
+    q, k = (torch.randn(B, T, HK, DK, dtype=F64) for _ in range(2))
+    v = torch.randn(B, T, HK * m, DV, dtype=F64)
+    g = F.logsigmoid(torch.randn(B, T, HK * m, dtype=F64) + 2)
+    S0 = torch.randn(B, HK * m, DV, DK, dtype=F64)
+    kw = dict(output_final_state=True, backend=backend, chunk_size=8)
+    if packed:
+        q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+        kw["cu_seqlens"] = torch.tensor([0, 7, 7 + T, B * T])
+    else:
+        kw["mask"] = left_pad_mask([T, T - 6, T - 13], T, holes=[(0, 9)])
+    leaves = {"q": q, "k": k, "v": v, "g": g, "S0": S0}
+    for x in leaves.values():
+        x.requires_grad_(True)
+    check_against(lambda: gated_linear_attention(q, k, v, g, initial_state=S0, **kw),
+                  lambda: gated_linear_attention(q.repeat_interleave(m, 2), k.repeat_interleave(m, 2), v, g,
+                                                 initial_state=S0, **kw), leaves, 1e-12, f"grouped {backend}")
+
+
+def test_grouped_heads_refusals():
+    q, k, v, g = make_inputs(5)
+    with pytest.raises(ValueError, match=r"v must have shape .*or a multiple of H = 2 heads"):
+        gated_linear_attention(q, k, torch.randn(B, 5, 3, DV, dtype=F64), g)
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\] = \(3, 5, 4\)"):
+        gated_linear_attention(q, k, torch.randn(B, 5, 4, DV, dtype=F64), g)
+    with pytest.raises(TypeError, match="g has dtype torch.float32"):  # q's dtype (a float32 g with fp32_gate only)
+        gated_linear_attention(q, k, v, g.float())
 
 
 def test_linear_ops_float32_close_to_float64():

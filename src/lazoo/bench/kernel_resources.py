@@ -7,7 +7,8 @@ a GPU machine will do, run with the same Triton as it has (e.g. ``pip install --
 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``); that reproduced a launch failure of the OVQ assignment kernel
 (262 656 bytes asked) to the byte, and the 295 424 bytes a Kimi Delta Attention backward kernel asked for fp32
 inputs. The report covers the short-convolution kernels at their launch settings; ``measure`` takes any kernel;
-OVQ's, VLA's, GLA's, the normalised linear-attention and the Kimi Delta Attention kernels are reported too.
+OVQ's, VLA's, GLA's, the (gated and normalised) linear-attention and the Kimi Delta Attention kernels are reported
+too.
 
 ``measure`` also counts, in the compiled TTGIR, the asynchronous copies into a single-buffered shared tile issued
 while Hopper matrix products (wgmma) may still be reading shared memory (``inflight_refills``): Triton's software
@@ -270,6 +271,51 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
     return out
 
 
+def linear_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", heads: int = 16, group: int = 1,
+                  heads_per_program: int = 1) -> dict:
+    """The chunked (gated) linear-attention kernels (``lazoo.kernels.linear``), chunks of 64, with the decay, at
+    their first launch settings, for q, k, v in ``dtype``: ``heads`` value heads, ``group`` of them per key head
+    (Mamba-2's groups), ``heads_per_program`` of them per program of the output and gradient kernels."""
+    import torch
+
+    from lazoo.kernels import linear as kl
+    from lazoo.kernels._launch import chunk_state_dtype, dqkv_configs, state_blocks
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    x, f32, i64 = f"*{dtype}", "*fp32", "*i64"
+    hd = "*bf16" if chunk_state_dtype(torch_dtype) == torch.bfloat16 else f32
+    two_byte = dtype != "fp32"
+    meta = dict(H=heads, HK=heads // group, K=dk, V=dv, BT=64, USE_G=True, IS_VARLEN=False,
+                PREC=kl._prec(torch_dtype))
+    cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
+    BK, BV = state_blocks(dk, dv)
+    walk = dict(meta, BK=BK, BV=BV, SEG=0, STORE_CHUNKS=True)
+    out = {}
+    c = dict(walk, USE_H0=True, STORE_HT=True)
+    out["forward: states"] = measure(kl._fwd_h_kernel, dict(
+        k=x, v=x, g=f32, h=hd, h0=f32, ht=f32, cu_seqlens=i64, chunk_offsets=i64, T="i32", **cx(c)), c, num_stages=2)
+    c = dict(meta, BK=min(64, dk), BV=min(128 if two_byte else 64, dv), HB=heads_per_program)
+    out["forward: outputs"] = measure(kl._fwd_o_kernel, dict(
+        q=x, k=x, v=x, g=f32, h=hd, o=x, cu_seqlens=i64, chunk_indices=i64, scale="fp32", T="i32", **cx(c)), c,
+        num_stages=2)
+    c = dict(walk, USE_DHT=True, STORE_DH0=True)
+    out["backward: state gradients"] = measure(kl._bwd_dh_kernel, dict(
+        q=x, do=x, g=f32, dh=hd, dht=f32, dh0=f32, cu_seqlens=i64, chunk_offsets=i64, scale="fp32", T="i32",
+        **cx(c)), c, num_stages=2)
+    first = dqkv_configs(dk, dv, two_byte)[0]  # as kl._bwd picks (value blocks of 64)
+    c = dict(meta, BK=dk, BV=first["BV"], HB=heads_per_program)
+    dqk = x if heads_per_program == group else f32  # float32 parts where a key head's heads take several programs
+    out["backward: dq, dk, dv"] = measure(kl._bwd_dqkv_kernel, dict(
+        q=x, k=x, v=x, g=f32, h=hd, do=x, dh=hd, dq=dqk, dk=dqk, dv=x, dg=f32, cu_seqlens=i64, chunk_indices=i64,
+        scale="fp32", T="i32", TT="i32", **cx(c)), c, num_warps=first["num_warps"], num_stages=first["num_stages"])
+    c = dict(H=heads, HK=heads // group, K=dk, V=dv, BK=dk, BV=min(32, dv), USE_G=True, USE_S0=True, NORMALIZE=False,
+             STORE_ST=True)
+    out["decoding"] = measure(kl._fused_recurrent_kernel, dict(
+        q=x, k=x, v=x, g=f32, s0=f32, z0=f32, o=x, st=f32, zt=f32, scale="fp32", eps="fp32", T="i32", **cx(c)), c,
+        num_warps=4 if dk * min(32, dv) >= 4096 else 2)
+    return out
+
+
 def gla_report(dk: int = 128, dv: int = 128) -> dict:
     """GLA's sub-chunk kernels (``lazoo.kernels.gla``), bf16, chunks of 64 in sub-chunks of 16, at their launch
     settings (``INTRA_WARPS``, ``A_BK``, ``DIAG_BK``), and the inter-chunk backward kernel."""
@@ -409,6 +455,9 @@ def main() -> None:
     _print("VLA's A scans (d = 128, fp32):", vla_report())
     _print("Normalised linear attention with 2 scalar features (d = 128, bf16):", normalized_report())
     _print("The same, non-causal:", normalized_report(causal=False))
+    _print("Gated linear attention (d = 128, bf16):", linear_report())
+    _print("Mamba-2 as gated linear attention at Bamba's shapes (128 heads of 64, state 128, one group, bf16, 64 "
+           "heads per program):", linear_report(128, 64, heads=128, group=128, heads_per_program=64))
     _print("GLA (d = 128, bf16):", gla_report())
     for dtype in ("bf16", "fp32"):
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))

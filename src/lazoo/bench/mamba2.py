@@ -9,8 +9,9 @@ run's dtype (bf16), at T = 1k, 8k and 32k with B·T = 32k tokens: forward and fo
 D get gradients), the median of ``triton.testing.do_bench`` on CUDA (of ``--repeats`` wall-clock runs elsewhere),
 against two anchors on the same inputs:
 
-* ``fla``: fla's ``chunk_simple_gla`` with the inputs mapped as ``ops.mamba2`` maps them (q = C and k = B repeated
-  to the heads, v = dt·x, g = dt·A in float32, scale 1; D·x added outside), the mapping inside the timed call;
+* ``fla``: fla's ``chunk_simple_gla`` with the inputs mapped as ``ops.mamba2`` maps them (q = C and k = B, repeated
+  to the heads since fla's kernel takes q and k with v's heads, where lazoo's read each group in place; v = dt·x,
+  g = dt·A in float32, scale 1; D·x added outside), the mapping inside the timed call;
 * ``transformers``: ``mamba2_chunk_scan`` of transformers' Mamba-2 module, the chunked SSD its ``Mamba2Mixer`` and
   ``BambaMixer`` run when mamba-ssm is not installed (with it installed, mamba-ssm's kernel: the ``env`` row says
   which), on the same inputs (dt already positive: no bias, no softplus) and the same chunk length

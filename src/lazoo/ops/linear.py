@@ -7,7 +7,9 @@ and outputs 0).
     linear:  S_t = S_{t-1} + v_t φ(k_t)^T,  z_t = z_{t-1} + φ(k_t),
              o_t = S_t φ(q_t) / max(φ(q_t)·z_t, eps)   (or S_t φ(q_t) without normaliser)
     gated:   S_t = exp(g_t) S_{t-1} + v_t k_t^T,  o_t = S_t (scale q_t),  g_t <= 0 (log decay; g > 0 at a real
-             token is refused)
+             token is refused). Grouped heads: q/k ``[B, T, H, dk]`` with v ``[B, T, m·H, dv]``, g ``[B, T, m·H]``
+             and the state ``[B, m·H, dv, dk]``: query/key head j serves value heads jm to jm + m − 1 (the Triton
+             kernels read q and k in place; the PyTorch forms repeat them)
     gla:     S_t = S_{t-1} diag(exp(g_t)) + v_t k_t^T,  o_t = S_t (scale q_t),  g_t ``[B, T, H, dk]``
              (a decay per key dim, GLA)
 
@@ -122,7 +124,8 @@ def gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            scale: float | None = None, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, mask: torch.Tensor | None = None,
                            backend: str | None = None, cu_seqlens: torch.Tensor | None = None):
-    """Linear attention with a scalar per-head decay exp(g_t), g ``[B, T, H]`` the log decay (<= 0)."""
+    """Linear attention with a scalar per-head decay exp(g_t), g ``[B, T, H]`` the log decay (<= 0). v and g may
+    have m times q's and k's heads (grouped heads: module docstring)."""
     return _gated_linear("gated_linear_attention", q, k, v, g, _gated_triton, per_key=False, scale=scale,
                          chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
                          mask=mask, backend=backend, cu_seqlens=cu_seqlens)
@@ -166,9 +169,11 @@ def _gated_linear(op, q, k, v, g, triton_path, *, per_key, scale, chunk_size, in
     """Linear attention with a log-decay gate, one per head (g ``[B, T, H]``) or, ``per_key``, one per key dim
     (g ``[B, T, H, dk]``, GLA). The caller names the Triton path: the two gates have different kernels.
     ``fp32_gate``: a per-head g may be float32 whatever the dtype of q, k, v."""
-    gate = {"like_q": {"g": g}} if per_key else {"scalars": {"g": g}, "fp32_scalars": fp32_gate}
+    gate = ({"like_q": {"g": g}} if per_key else
+            {"scalars": {"g": g}, "fp32_scalars": fp32_gate, "grouped_values": True})
     # a pad writes nothing and does not decay the state
-    (B, T, H, dk, dv), mask, (q, k, v, g) = prepare_inputs(op, q, k, v, mask, **gate)
+    (B, T, _, dk, dv), mask, (q, k, v, g) = prepare_inputs(op, q, k, v, mask, **gate)
+    H = v.shape[2]  # the state's heads: the value heads (m per query/key head with grouped heads)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device, mask)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     scale = check_scale(op, scale, dk)
@@ -193,6 +198,8 @@ def _gated_linear(op, q, k, v, g, triton_path, *, per_key, scale, chunk_size, in
 
     S0 = matrix_initial_state(op, initial_state, B, H, dk, dv, q.device, cdt)
     q_c, k_c, v_c, g_c = (x.to(cdt) for x in (q, k, v, g))
+    if q_c.shape[2] != H:  # grouped heads: the PyTorch forms read each query/key head once per value head
+        q_c, k_c = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (q_c, k_c))
     q_c = q_c * scale
     if backend == "recurrent":
         o, S = (_recurrent_gla if per_key else _recurrent_gated_linear)(q_c, k_c, v_c, g_c, S0)
@@ -318,7 +325,7 @@ def _gated_triton(op, q, k, v, g, scale, chunk_size, initial_state, output_final
 def _gated_kernel_inputs(op, q, v, scale, initial_state, N):
     """(q, scale, S0) as the gated kernels take them: a learned (tensor) scale folded into q, so that it stays
     differentiable outside the kernel; the initial state checked and in float32 (None: none)."""
-    B, T, H, dk = q.shape
+    dk, H = q.shape[-1], v.shape[2]  # the state's heads: v's
     S0 = None
     if initial_state is not None:
         S0 = matrix_initial_state(op, initial_state, N, H, dk, v.shape[-1], q.device, torch.float32)

@@ -11,10 +11,11 @@ Layout: x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]``, B and C ``[B, T, G, N]`
 mask ``[B, T]`` (a pad neither writes nor decays the state, and outputs 0); packed ``cu_seqlens`` ``[N + 1]`` (B = 1,
 states one per sequence).
 
-It is gated linear attention with a scalar decay per head (``gated_linear_attention``): q = C, k = B repeated to
-the heads, v = dt · x, log decay g = dt · A, scale 1. Every backend of that op serves it ("recurrent", "chunk" and
-the Triton kernels of lazoo.kernels.linear); the skip D · x is added outside. dt · A is formed in float32 (float64
-stays) and handed to the kernels in float32 for half-precision inputs.
+It is gated linear attention with a scalar decay per head (``gated_linear_attention``): q = C, k = B with their G
+groups as grouped query/key heads (value head h reads group h // (H / G)), v = dt · x, log decay g = dt · A, scale
+1. Every backend of that op serves it ("recurrent", "chunk" and the Triton kernels of lazoo.kernels.linear, which
+read each group's B and C in place and sum their gradients over the group's heads); the skip D · x is added
+outside. dt · A is formed in float32 (float64 stays) and handed to the kernels in float32 for half-precision inputs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def mamba2(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     """Mamba-2's SSD recurrence (module docstring). Returns ``(y [B, T, H, P] in x's dtype, final state
     [B, H, P, N] or None)``; the state in float32 (float64 for float64 inputs)."""
     op = "mamba2"
-    heads, groups = _check_inputs(op, x, dt, A, B, C, D)
+    _check_inputs(op, x, dt, A, B, C, D)
     mask, (x, dt, B, C) = apply_mask(op, mask, x, dt, B, C)  # a NaN at a pad never meets a real token
     report_dt = queue_range_check(op, "dt", dt, low=0.0, hint=" (a step size: softplus of its projection)")
     report_A = queue_range_check(op, "A", A, high=0.0, hint=" (the state decays by exp(dt·A))")
@@ -45,9 +46,8 @@ def mamba2(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     dt_c = dt.to(cdt)
     g = dt_c * A.to(cdt)  # the log decay dt·A <= 0, [B, T, H]
     v = (dt_c[..., None] * x.to(cdt)).to(x.dtype)
-    q, k = (t if heads == groups else t.repeat_interleave(heads // groups, dim=2) for t in (C, B))
     y, state = gated_linear_attention_as(
-        op, q, k, v, g, scale=1.0, chunk_size=chunk_size,
+        op, C, B, v, g, scale=1.0, chunk_size=chunk_size,
         initial_state=initial_state, output_final_state=output_final_state, mask=mask, backend=backend,
         cu_seqlens=cu_seqlens, check_g=False, fp32_gate=True)
     report_dt()
@@ -57,8 +57,8 @@ def mamba2(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     return y, state
 
 
-def _check_inputs(op, x, dt, A, B, C, D) -> tuple[int, int]:
-    """Shapes, dtypes and devices of the inputs (errors naming the argument); returns (heads H, groups G)."""
+def _check_inputs(op, x, dt, A, B, C, D) -> None:
+    """Shapes, dtypes and devices of the inputs (errors naming the argument)."""
     for name, t, dims in (("x", x, "[B, T, H, P]"), ("B", B, "[B, T, G, N]"), ("C", C, "[B, T, G, N]"),
                           ("dt", dt, "[B, T, H]"), ("A", A, "[H]")):
         if not isinstance(t, torch.Tensor):
@@ -90,4 +90,3 @@ def _check_inputs(op, x, dt, A, B, C, D) -> tuple[int, int]:
     if dt.dtype not in (x.dtype, torch.float32):
         raise TypeError(f"{op}: dt must have x's dtype ({x.dtype}) or float32, got {dt.dtype}")
     check_same_device(op, x, B=B, C=C, dt=dt, A=A)
-    return H, B.shape[2]
