@@ -27,6 +27,31 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh, "relu": F.relu, "relu2": relu_squared}
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) · up, keeping only gate and up for the backward (autograd would also keep silu(gate)): a quarter
+    less of a SwiGLU's activations in training. The gradients are autograd's own, bit for bit: silu is recomputed
+    and its backward is ATen's ``silu_backward``."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up; under autograd, through ``_SiluMul`` (same values and gradients, less memory kept)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(gate, up)
+    return F.silu(gate) * up
+
+
 def activation(name: str):
     """The activation function called `name` (a ValueError listing the known names otherwise)."""
     if name not in ACTIVATIONS:
@@ -44,6 +69,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
+        if self.act == "silu":
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
     def extra_repr(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -32,3 +33,16 @@ class ZeroCenteredRMSNorm(nn.Module):
 def rms_norm(hidden_size: int, eps: float, zero_centered: bool = False) -> nn.Module:
     """The RMSNorm of a decoder (its two norms per layer and the final one)."""
     return ZeroCenteredRMSNorm(hidden_size, eps) if zero_centered else nn.RMSNorm(hidden_size, eps=eps)
+
+
+def norm_keeping_only_input(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``. Where x's dtype differs from the norm's weight (bf16 activations against fp32 weights under
+    autocast), torch's RMSNorm cannot run its fused kernel and its composite form keeps two float32 copies of x
+    for the backward; there the norm is recomputed in the backward instead (``torch.utils.checkpoint``), keeping
+    only x. The same values and gradients either way."""
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.dtype == x.dtype or not torch.is_grad_enabled():
+        return norm(x)
+    if not (x.requires_grad or weight.requires_grad):
+        return norm(x)
+    return checkpoint(norm, x, use_reentrant=False)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..mlp import silu_mul
+from ..norms import norm_keeping_only_input
 from .base import ShortConvProjections, TokenMixer
 
 
@@ -233,10 +235,12 @@ class RecurrentMixer(TokenMixer):
     def read_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per-head output norm, heads merged, output gate: `[B, T, H, dv]` -> `[B, T, H * dv]` (before `o_proj`)."""
         if self.o_norm is not None:
-            o = self.o_norm(o)
+            o = norm_keeping_only_input(self.o_norm, o)
         o = self.merge_heads(o)
         if self.g_proj is not None:
-            o = o * self.gate_fn(self.g_proj(x))
+            gate = self.g_proj(x)
+            # silu(gate) · o through silu_mul keeps gate and o for the backward, not silu(gate) as well
+            o = silu_mul(gate, o) if self.gate_fn is F.silu else o * self.gate_fn(gate)
         return o
 
     def _mix_packed(self, q, k, v, x, cu_seqlens):
