@@ -65,3 +65,22 @@ def test_gated_mlp_gradients_unchanged():
     params = [x, *mlp.parameters()]
     for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
         assert torch.equal(a, b)
+
+
+def test_moe_experts_keep_only_their_projection():
+    from lazoo.layers.moe import MoEExperts
+
+    torch.manual_seed(1)
+    experts = MoEExperts(num_experts=2, hidden_size=8, intermediate_size=12).double()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    projected = torch.nn.functional.linear(x, experts.in_proj[0]).detach().requires_grad_()
+    assert _saved_bytes(experts._hidden, projected) == projected.numel() * projected.element_size()
+    out = experts.expert_forward(0, x)
+    gate, up = torch.nn.functional.linear(x, experts.in_proj[0]).chunk(2, dim=-1)
+    ref = torch.nn.functional.linear(F.silu(gate) * up, experts.down_proj[0])
+    assert torch.equal(out, ref)
+    params = [x, experts.in_proj, experts.down_proj]
+    for a, b in zip(torch.autograd.grad(out.square().sum(), params), torch.autograd.grad(ref.square().sum(), params)):
+        assert torch.equal(a, b)

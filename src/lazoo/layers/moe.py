@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import activation, make_mlp
+from .mlp import activation, make_mlp, silu_mul
 
 BIAS_MODES = (None, "eq14", "eq15")
 #: how the router turns its logits into scores
@@ -228,7 +228,7 @@ class MoEExperts(nn.Module):
         if not self.gated:
             return self.act_fn(projected)
         gate, up = projected.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
+        return silu_mul(gate, up) if self.act == "silu" else self.act_fn(gate) * up
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e` alone on rows `x` `[n, D]`: `down(act(gate(x)) · up(x))`, or `down(act(up(x)))`."""
