@@ -41,8 +41,7 @@ def norm_keeping_only_input(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for the backward; there the norm is recomputed in the backward instead (``torch.utils.checkpoint``), keeping
     only x. The same values and gradients either way."""
     weight = getattr(norm, "weight", None)
-    if weight is None or weight.dtype == x.dtype or not torch.is_grad_enabled():
-        return norm(x)
-    if not (x.requires_grad or weight.requires_grad):
-        return norm(x)
-    return checkpoint(norm, x, use_reentrant=False)
+    mixed = weight is not None and weight.dtype != x.dtype
+    if mixed and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return checkpoint(norm, x, use_reentrant=False)
+    return norm(x)

@@ -14,20 +14,19 @@ from .checks import check_head_scalar, check_like_q, check_mask, check_qkv
 def prepare_inputs(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scalars: Mapping[str, torch.Tensor | None] | None = None,
                    like_q: Mapping[str, torch.Tensor] | None = None, grouped_values: bool = False,
-                   grouped_kv: bool = False, fp32_scalars: bool | None = None) -> tuple:
+                   grouped_kv: bool = False, fp32_scalars: bool = False) -> tuple:
     """The preamble the ops share: check q, k, v (``check_qkv``), the per-head scalars ``scalars`` (``[B, T, H]``;
     None entries are absent inputs) and the inputs ``like_q`` (q's shape), then the mask; zero every one of them
     at the pads (``apply_mask``). Returns ``((B, T, H, dk, dv), bool mask or None, (q, k, v, *scalars, *like_q))``
-    with the inputs in that order. ``grouped_values``: v may have m·H heads, the scalars then v's heads and
-    either q's dtype or float32. ``grouped_kv``: k and v may have fewer heads than q, a divisor of them
-    (grouped-query attention). ``fp32_scalars``: the scalars may be float32 whatever q's dtype (None: with
-    ``grouped_values`` only)."""
+    with the inputs in that order. ``grouped_values``: v may have m·H heads, the scalars then v's heads.
+    ``grouped_kv``: k and v may have fewer heads than q, a divisor of them
+    (grouped-query attention). ``fp32_scalars``: the scalars may be float32 whatever q's dtype."""
     scalars, like_q = scalars or {}, like_q or {}
     sizes = check_qkv(op, q, k, v, grouped_values=grouped_values, grouped_kv=grouped_kv)
     for name, x in scalars.items():
         if x is not None:
             check_head_scalar(op, name, x, q, heads=v if grouped_values else None,
-                              fp32_ok=grouped_values if fp32_scalars is None else fp32_scalars)
+                              fp32_ok=fp32_scalars)
     for name, x in like_q.items():
         check_like_q(op, name, x, q)
     mask, inputs = apply_mask(op, mask, q, k, v, *scalars.values(), *like_q.values())

@@ -65,7 +65,7 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
     ``gated_delta_rule``, and of DeltaProduct's interleaved steps. ``check_g=False``: g is already checked."""
     # β = 0 and g = 0 at a pad: S untouched
     (B, T, H, dk, dv), mask, (q, k, v, g, beta) = prepare_inputs(op, q, k, v, mask, {"g": g, "beta": beta},
-                                                                 grouped_values=True)
+                                                                 grouped_values=True, fp32_scalars=True)
     H = v.shape[2]  # the state's heads: the value heads (m per query/key head with grouped value heads)
     cu_seqlens = check_cu_seqlens(op, cu_seqlens, B, T, q.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

@@ -59,7 +59,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     [B, HV, dv, dk] or None)``; the state in float32 (float64 for float64 inputs). ``chunk_size`` is the PyTorch
     chunk form's (the Triton kernels have their own)."""
     (B, T, H, dk, dv), mask, (q, k, v, beta) = prepare_inputs(_OP, q, k, v, mask, {"beta": beta},
-                                                              grouped_values=True)
+                                                              grouped_values=True, fp32_scalars=True)
     HV = v.shape[2]
     _check_gate(g, q, v)
     (g,) = zero_pads(mask, g)  # a pad neither decays nor writes (β = 0 there too)
