@@ -793,9 +793,8 @@ def _fused_recurrent_kernel(
 
 # ============================================================================ L2 normalisation
 @triton.jit
-def _l2norm_fwd_kernel(x, y, rstd, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """y = x / sqrt(|x|^2 + 1e-6) over rows of length D (the ops' ``l2norm``); keeps 1/sqrt(.)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
+def _l2norm_rows_fwd(x, y, rstd, blk, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    r = blk * BR + tl.arange(0, BR)
     c = tl.arange(0, BD)
     m = (r < NR)[:, None] & (c < D)[None, :]
     p = r.to(tl.int64)[:, None] * D + c[None, :]
@@ -806,9 +805,8 @@ def _l2norm_fwd_kernel(x, y, rstd, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl
 
 
 @triton.jit
-def _l2norm_bwd_kernel(y, rstd, dy, dx, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """dx = (dy - y (y . dy)) / sqrt(|x|^2 + 1e-6)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
+def _l2norm_rows_bwd(y, rstd, dy, dx, blk, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    r = blk * BR + tl.arange(0, BR)
     c = tl.arange(0, BD)
     m = (r < NR)[:, None] & (c < D)[None, :]
     p = r.to(tl.int64)[:, None] * D + c[None, :]
@@ -817,6 +815,31 @@ def _l2norm_bwd_kernel(y, rstd, dy, dx, NR, D: tl.constexpr, BD: tl.constexpr, B
     b_r = tl.load(rstd + r, mask=r < NR, other=0)
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
     tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _l2norm_fwd_kernel(x, y, rstd, NR, x2, y2, rstd2, NR2, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                       PAIR: tl.constexpr):
+    """y = x / sqrt(|x|^2 + 1e-6) over rows of length D (the ops' ``l2norm``); keeps 1/sqrt(.). With ``PAIR`` the
+    programs past x's rows normalise x2 (q and k in one launch)."""
+    blk = tl.program_id(0)
+    nb = tl.cdiv(NR, BR)
+    if PAIR and blk >= nb:
+        _l2norm_rows_fwd(x2, y2, rstd2, blk - nb, NR2, D, BD, BR)
+    else:
+        _l2norm_rows_fwd(x, y, rstd, blk, NR, D, BD, BR)
+
+
+@triton.jit
+def _l2norm_bwd_kernel(y, rstd, dy, dx, NR, y2, rstd2, dy2, dx2, NR2, D: tl.constexpr, BD: tl.constexpr,
+                       BR: tl.constexpr, PAIR: tl.constexpr):
+    """dx = (dy - y (y . dy)) / sqrt(|x|^2 + 1e-6) (and the same for the second tensor with ``PAIR``)."""
+    blk = tl.program_id(0)
+    nb = tl.cdiv(NR, BR)
+    if PAIR and blk >= nb:
+        _l2norm_rows_bwd(y2, rstd2, dy2, dx2, blk - nb, NR2, D, BD, BR)
+    else:
+        _l2norm_rows_bwd(y, rstd, dy, dx, blk, NR, D, BD, BR)
 
 
 # ============================================================================ host side
@@ -844,6 +867,26 @@ class _Seqs:
             start = cu[seq] + (i - coff[seq]) * C
             self.cu, self.coff = cu.to(torch.int32), coff.to(torch.int32)
         self.chunks = torch.stack([seq, start], 1).to(torch.int32).contiguous()
+
+
+#: chunk tables of uniform batches by (B, T, C, device): every layer of a training step or a prefill needs the same
+#: one, and building it is a handful of small tensor ops whose host time counts where the host sets the pace
+_UNIFORM_SEQS: dict = {}
+
+
+def seqs_for(B: int, T: int, cu_seqlens, C: int, device) -> _Seqs:
+    """The chunk table of this batch: built once per uniform shape (not while torch.compile traces or a CUDA graph
+    is captured: a table made there belongs to that graph); packed batches build theirs each call."""
+    if cu_seqlens is not None or torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return _Seqs(B, T, cu_seqlens, C, device)
+    key = (B, T, C, device)
+    seqs = _UNIFORM_SEQS.get(key)
+    if seqs is None:
+        if len(_UNIFORM_SEQS) >= 64:  # bounded: a run over many lengths keeps the newest
+            _UNIFORM_SEQS.clear()
+        seqs = _UNIFORM_SEQS[key] = _Seqs(B, T, None, C, device)
+    return seqs
 
 
 def _blocks(K: int, V: int, interpret: bool):
@@ -1010,7 +1053,9 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     NK = triton.cdiv(K, BKq)
     grouped = H != HK
-    dq = torch.empty(TT, H, K, device=dev, dtype=f32) if grouped else torch.empty_like(q)
+    # per value head in q's dtype (a group's partials summed below in float32, as fla does): half the bytes of
+    # float32 partials, H200 8k HV = 2H fwd + bwd 7.92 against 8.03 ms, the same error against float64
+    dq = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
@@ -1018,7 +1063,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
         H=H, HK=HK, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("dqkw", interp, FP32))
-    dk = torch.empty(TT, H, K, device=dev, dtype=f32) if grouped else torch.empty_like(k)
+    dk = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(w) if HAS_W else torch.empty(TT, H, device=dev, dtype=f32)
     dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
@@ -1027,16 +1072,42 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("wy", interp, FP32))
     if grouped:  # each key head's gradient: the sum over the value heads it serves
-        dq, dk = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq, dk))
+        dq, dk = (x.view(TT, HK, H // HK, K).sum(2, dtype=f32).to(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
 
 
-def _l2norm_launch(x: torch.Tensor):
-    D = x.shape[-1]
-    NR = x.numel() // D
+def _l2norm_blocks(D: int) -> tuple[int, int]:
     BD = triton.next_power_of_2(D)
-    BR = max(1, min(64, 2048 // BD))
-    return NR, D, BD, BR, (triton.cdiv(NR, BR),)
+    return BD, max(1, min(64, 2048 // BD))
+
+
+def l2norm_fwd(x: torch.Tensor, x2: torch.Tensor | None = None):
+    """``(y, rstd)`` of contiguous ``x`` (and ``(y2, rstd2)`` of ``x2``, same last dim, in the same launch)."""
+    D = x.shape[-1]
+    BD, BR = _l2norm_blocks(D)
+    outs = [(torch.empty_like(t), torch.empty(t.numel() // D, device=t.device, dtype=torch.float32))
+            for t in (x, x if x2 is None else x2)]
+    (y, r), (y2, r2) = outs
+    NR, NR2 = x.numel() // D, (0 if x2 is None else x2.numel() // D)
+    grid = (triton.cdiv(NR, BR) + triton.cdiv(NR2, BR),)
+    _l2norm_fwd_kernel[grid](x, y, r, NR, x if x2 is None else x2, y2, r2, NR2, D=D, BD=BD, BR=BR,
+                             PAIR=x2 is not None, **_opts("l2norm", x.device.type == "cpu"))
+    return (y, r) if x2 is None else (y, r, y2, r2)
+
+
+def l2norm_bwd(y, rstd, dy, y2=None, rstd2=None, dy2=None):
+    """dx of ``l2norm_fwd``'s outputs ``y`` (and dx2 of ``y2``, in the same launch)."""
+    D = y.shape[-1]
+    BD, BR = _l2norm_blocks(D)
+    pair = y2 is not None
+    dy = dy.contiguous()
+    dy2 = dy2.contiguous() if pair else dy
+    dx, dx2 = torch.empty_like(y), (torch.empty_like(y2) if pair else None)
+    NR, NR2 = y.numel() // D, (y2.numel() // D if pair else 0)
+    grid = (triton.cdiv(NR, BR) + triton.cdiv(NR2, BR),)
+    _l2norm_bwd_kernel[grid](y, rstd, dy, dx, NR, *((y2, rstd2, dy2, dx2) if pair else (y, rstd, dy, dx)), NR2,
+                             D=D, BD=BD, BR=BR, PAIR=pair, **_opts("l2norm", y.device.type == "cpu"))
+    return dx if not pair else (dx, dx2)
 
 
 class L2NormFunction(torch.autograd.Function):
@@ -1044,22 +1115,14 @@ class L2NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        x = x.contiguous()
-        NR, D, BD, BR, grid = _l2norm_launch(x)
-        y = torch.empty_like(x)
-        rstd = torch.empty(NR, device=x.device, dtype=torch.float32)
-        _l2norm_fwd_kernel[grid](x, y, rstd, NR, D=D, BD=BD, BR=BR, **_opts("l2norm", x.device.type == "cpu"))
+        y, rstd = l2norm_fwd(x.contiguous())
         ctx.save_for_backward(y, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, rstd = ctx.saved_tensors
-        dy = dy.contiguous()
-        NR, D, BD, BR, grid = _l2norm_launch(y)
-        dx = torch.empty_like(y)
-        _l2norm_bwd_kernel[grid](y, rstd, dy, dx, NR, D=D, BD=BD, BR=BR, **_opts("l2norm", y.device.type == "cpu"))
-        return dx
+        return l2norm_bwd(y, rstd, dy)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -1076,15 +1139,20 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     g ``[B, T, H]`` log decays or None (beta and g in q's dtype or fp32), initial state ``[N, H, dv, dk]`` (fp32)
     or None; with ``cu_seqlens`` B = 1 and N sequences are packed.
     ``save``: keep what the backward reads (``records_graph``); without it the forward runs the prefill kernels.
+    ``l2norm_qk``: q and k are L2-normalised here first (both in one launch each way, no autograd nodes of their own).
     Returns ``(o [B, T, H, dv], final_state [N, H, dv, dk] fp32 or None)``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, w, initial_state, scale, cu_seqlens, chunk_size, output_final_state, save):
+    def forward(ctx, q, k, v, beta, g, w, initial_state, scale, cu_seqlens, chunk_size, output_final_state, save,
+                l2norm_qk=False):
         B, T, HK, K = q.shape
         H, V = v.shape[2:]
-        seqs = _Seqs(B, T, cu_seqlens, chunk_size, q.device)
+        seqs = seqs_for(B, T, cu_seqlens, chunk_size, q.device)
         qf, kf = q.reshape(B * T, HK, K).contiguous(), k.reshape(B * T, HK, K).contiguous()
+        rq = rk = None
+        if l2norm_qk:
+            qf, rq, kf, rk = l2norm_fwd(qf, kf)
         vf = v.reshape(B * T, H, V).contiguous()
         bf = None if beta is None else beta.reshape(B * T, H).contiguous()
         wf = None if w is None else w.reshape(B * T, H, K).contiguous()
@@ -1093,7 +1161,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         o, sT, saved = chunk_fwd(qf, kf, vf, bf, gf, S0, float(scale), seqs, chunk_size, output_final_state,
                                  w=wf, save=save)
         if save:
-            ctx.save_for_backward(qf, kf, vf, bf, gf, wf, S0, *saved)
+            ctx.save_for_backward(qf, kf, vf, bf, gf, wf, S0, rq, rk, *saved)
         ctx.seqs, ctx.scale, ctx.C = seqs, float(scale), chunk_size
         ctx.shapes = (B, T, HK, H, K, V)
         ctx.dtypes = (None if beta is None else beta.dtype, None if g is None else g.dtype,
@@ -1102,19 +1170,21 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dsT):
-        qf, kf, vf, bf, gf, wf, S0, Gc, A, wt, vnew, h = ctx.saved_tensors
+        qf, kf, vf, bf, gf, wf, S0, rq, rk, Gc, A, wt, vnew, h = ctx.saved_tensors
         B, T, HK, H, K, V = ctx.shapes
         do = do.reshape(B * T, H, V).contiguous()
         dsT = None if dsT is None else dsT.contiguous().float()
         need_ds0 = S0 is not None and ctx.needs_input_grad[6]
         dq, dk, dv, db, dg, ds0 = chunk_bwd(qf, kf, vf, bf, gf, S0, ctx.scale, ctx.seqs, ctx.C,
                                             (Gc, A, wt, vnew, h), do, dsT, need_ds0, w=wf)
+        if rq is not None:  # back through the L2 norms of q and k
+            dq, dk = l2norm_bwd(qf, rq, dq, kf, rk, dk)
         b_dt, g_dt, s_dt = ctx.dtypes
         dbeta = None if wf is not None else db.view(B, T, H).to(b_dt)
         dw = None if wf is None else db.view(B, T, H, K)
         return (dq.view(B, T, HK, K), dk.view(B, T, HK, K), dv.view(B, T, H, V),
                 dbeta, None if dg is None else dg.view(B, T, H).to(g_dt), dw,
-                None if ds0 is None else ds0.to(s_dt), None, None, None, None, None)
+                None if ds0 is None else ds0.to(s_dt), None, None, None, None, None, None)
 
 
 def records_graph(*inputs) -> bool:
@@ -1136,11 +1206,14 @@ def _check(op: str, q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> None:
 
 
 def chunk_delta_rule(q, k, v, beta, g=None, *, scale: float = 1.0, initial_state=None,
-                     output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
-    """Chunk-parallel (gated) delta rule, differentiable: see ``ChunkDeltaRuleFunction``."""
+                     output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64,
+                     use_qk_l2norm: bool = False):
+    """Chunk-parallel (gated) delta rule, differentiable: see ``ChunkDeltaRuleFunction`` (``use_qk_l2norm``: q and
+    k divided by sqrt(|x|^2 + 1e-6) first, inside the same autograd node)."""
     _check_chunk("chunk_delta_rule", q, v, cu_seqlens, chunk_size)
     return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, None, initial_state, scale, cu_seqlens, chunk_size,
-                                        output_final_state, records_graph(q, k, v, beta, g, initial_state))
+                                        output_final_state, records_graph(q, k, v, beta, g, initial_state),
+                                        use_qk_l2norm)
 
 
 def chunk_generalized_delta_rule(q, k, v, w, *, scale: float = 1.0, initial_state=None,

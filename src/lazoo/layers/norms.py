@@ -1,5 +1,10 @@
 """The decoder's RMSNorms: torch's `nn.RMSNorm` (`w·x̂`, w initialised to ones), or the zero-centred form
-`(1 + w)·x̂` (w initialised to zeros) that Qwen3.5 and Qwen3-Next checkpoints store."""
+`(1 + w)·x̂` (w initialised to zeros) that Qwen3.5 and Qwen3-Next checkpoints store.
+
+On CUDA each runs as one Triton launch a direction (`lazoo.kernels.rms_norm`: fp32 arithmetic, the weight read in
+its own dtype, one rounding to x's dtype), in place of the five or so PyTorch ops of its composite form: at a few
+thousand tokens a step the host's time per op, not the GPU's, sets a layer's cost. Elsewhere, and while
+torch.compile traces (it fuses the PyTorch form itself), the PyTorch form runs."""
 
 from __future__ import annotations
 
@@ -7,6 +12,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ..ops.backend import triton_missing
+
+
+def fused_norm_runs(x: torch.Tensor, weight: torch.Tensor | None, gate: torch.Tensor | None = None) -> bool:
+    """Whether the Triton RMSNorm takes this call: CUDA tensors, Triton present, not while torch.compile traces,
+    and inputs the kernel takes."""
+    if not x.is_cuda or torch.compiler.is_compiling() or triton_missing():
+        return False
+    from ..kernels.rms_norm import check_supported  # defines the kernels: only where they can run
+
+    return check_supported(x, weight, gate) is None
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, offset: float = 0.0,
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
+    """`x̂ · (offset + w) [· silu(gate)]` by the Triton kernel (`fused_norm_runs` said yes); eps None is torch's
+    default, x's dtype's machine epsilon."""
+    from ..kernels.rms_norm import rms_norm
+
+    return rms_norm(x, weight, torch.finfo(x.dtype).eps if eps is None else eps, offset=offset, gate=gate)
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's `nn.RMSNorm`, the same parameters and values; one Triton launch a direction on CUDA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_norm_runs(x, self.weight):
+            return fused_rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -19,6 +54,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_norm_runs(x, self.weight):
+            return fused_rms_norm(x, self.weight, self.eps, offset=1.0)
         cdt = torch.promote_types(x.dtype, torch.float32)
         scale = 1.0 + self.weight.to(cdt)
         return F.rms_norm(x.to(cdt), self.weight.shape, scale, self.eps).to(x.dtype)
@@ -32,7 +69,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 def rms_norm(hidden_size: int, eps: float, zero_centered: bool = False) -> nn.Module:
     """The RMSNorm of a decoder (its two norms per layer and the final one)."""
-    return ZeroCenteredRMSNorm(hidden_size, eps) if zero_centered else nn.RMSNorm(hidden_size, eps=eps)
+    return ZeroCenteredRMSNorm(hidden_size, eps) if zero_centered else RMSNorm(hidden_size, eps=eps)
 
 
 def norm_keeping_only_input(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +78,21 @@ def norm_keeping_only_input(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for the backward; there the norm is recomputed in the backward instead (``torch.utils.checkpoint``), keeping
     only x. The same values and gradients either way."""
     weight = getattr(norm, "weight", None)
+    if fused_norm_runs(x, weight):  # the kernel keeps only x (and its rstd) in any case
+        return norm(x)
     mixed = weight is not None and weight.dtype != x.dtype
     if mixed and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return checkpoint(norm, x, use_reentrant=False)
     return norm(x)
+
+
+def norm_then_silu_gate(norm: nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`norm(x) · silu(gate)` (gate of x's shape): one Triton launch a direction where the kernel runs and `norm`
+    is an `nn.RMSNorm` (a recurrent mixer's output norm and gate), else the norm (``norm_keeping_only_input``)
+    and then ``silu_mul``."""
+    weight = getattr(norm, "weight", None)
+    if isinstance(norm, nn.RMSNorm) and fused_norm_runs(x, weight, gate):
+        return fused_rms_norm(x, weight, norm.eps, gate=gate)
+    from .mlp import silu_mul
+
+    return silu_mul(gate, norm_keeping_only_input(norm, x))

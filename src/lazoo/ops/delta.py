@@ -59,6 +59,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                          mask=mask, backend=backend, cu_seqlens=cu_seqlens)
 
 
+@without_autocast
 def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, initial_state, output_final_state,
                   mask, backend, cu_seqlens=None, check_g: bool = True):
     """The (gated) delta rule with its errors naming ``op``: the body of ``delta_rule`` (g None) and
@@ -134,13 +135,14 @@ def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output
             q, k, v, beta, g, scale=float(scale), initial_state=S0, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     else:
-        if use_qk_l2norm:  # one fused pass each way (the same formula as norms.l2norm)
+        l2_inside = use_qk_l2norm and not isinstance(scale, torch.Tensor)  # the kernels' own pass (same formula)
+        if use_qk_l2norm and not l2_inside:  # a learned scale multiplies the normalised q: keep it in autograd
             q, k = kd.l2norm(q), kd.l2norm(k)
-        if isinstance(scale, torch.Tensor):  # a learned scale: keep it in autograd
+        if isinstance(scale, torch.Tensor):
             q, scale = (q * scale).to(q.dtype), 1.0
         o, S = kd.chunk_delta_rule(q, k, v, beta, g, scale=scale, initial_state=S0,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                   chunk_size=chunk_size)
+                                   chunk_size=chunk_size, use_qk_l2norm=l2_inside)
     o = zero_masked(o, mask)
     return o, (S if output_final_state else None)
 

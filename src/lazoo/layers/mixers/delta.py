@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import ops
+from ...ops.backend import triton_missing
+from ...ops.delta import delta_rule_as
 from ...registry import Mechanism, register
 from ..projections import project_together
 from ._fused_decode import FUSED_DECODE_DEFAULT, delta_step_layout, delta_step_state, fused_decode_runs
@@ -24,10 +26,22 @@ def sum_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / x.abs().sum(-1, keepdim=True).clamp_min(eps)
 
 
-def mamba2_log_decay(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`−exp(A_log) · softplus(a_proj(x) + dt_bias)` per head, in fp32 for half types (float64 stays)."""
+def mamba2_log_decay(module: nn.Module, x: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
+    """`−exp(A_log) · softplus(a + dt_bias)`, a = `a_proj(x)` unless given, per head, in fp32 for half types (float64
+    stays)."""
     cdt = torch.promote_types(x.dtype, torch.float32)
-    return -module.A_log.to(cdt).exp() * F.softplus(module.a_proj(x).to(cdt) + module.dt_bias.to(cdt))
+    a = module.a_proj(x) if a is None else a
+    return -module.A_log.to(cdt).exp() * F.softplus(a.to(cdt) + module.dt_bias.to(cdt))
+
+
+def gates_kernel_runs(a: torch.Tensor, b: torch.Tensor | None, A_log: torch.Tensor, dt_bias: torch.Tensor) -> bool:
+    """Whether `lazoo.kernels.gates` computes a Gated DeltaNet layer's g and β: CUDA tensors, Triton present, not
+    while torch.compile traces (it fuses the PyTorch form itself), inputs the kernel takes."""
+    if not a.is_cuda or torch.compiler.is_compiling() or triton_missing():
+        return False
+    from ...kernels.gates import check_supported  # defines the kernels: only where they can run
+
+    return check_supported(a, b, A_log, dt_bias) is None
 
 
 class DeltaNetMixer(RecurrentMixer):
@@ -51,12 +65,13 @@ class DeltaNetMixer(RecurrentMixer):
                        if options["use_beta"] else None)
         self._fused_step_options = self.fused_step_computes_options()
 
-    def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """β `[B, T, H]`: sigmoid(b_proj(x)) (ones without `use_beta`), doubled with `allow_neg_eigval`."""
+    def beta(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """β `[B, T, H]`: sigmoid(b) with b = `b_proj(x)` unless given (ones without `use_beta`), doubled with
+        `allow_neg_eigval`."""
         if self.b_proj is None:
             beta = x.new_ones(*x.shape[:2], self.num_state_heads)
         else:
-            beta = torch.sigmoid(self.b_proj(x))
+            beta = torch.sigmoid(self.b_proj(x) if b is None else b)
         return 2 * beta if self.options["allow_neg_eigval"] else beta
 
     def normalized_qk(self, q, k) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -130,9 +145,25 @@ class GatedDeltaNetMixer(DeltaNetMixer):
 
     def mix(self, q, k, v, x, *, mask, state, want_state, cu_seqlens=None):
         q, k, l2 = self.normalized_qk(q, k)
-        g = mamba2_log_decay(self, x)
-        return ops.gated_delta_rule(q, k, v, g, self.beta(x), use_qk_l2norm=l2,
-                                    **self.op_kwargs(mask, state, want_state, cu_seqlens))
+        g, beta = self.gates(x)
+        # g = −exp(·)·softplus(·) <= 0 by construction: no g <= 0 check, whose read-back would hold the host
+        # back each layer until the GPU caught up
+        return delta_rule_as("gated_delta_rule", q, k, v, g, beta, scale=None, use_qk_l2norm=l2,
+                             chunk_size=64, check_g=False, **self.op_kwargs(mask, state, want_state, cu_seqlens))
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g fp32, β) `[B, T, H]`: in one Triton launch a direction on CUDA (`lazoo.kernels.gates`), else in PyTorch
+        (`mamba2_log_decay`, `beta`); the same formulas."""
+        a = self.a_proj(x)
+        b = None if self.b_proj is None else self.b_proj(x)
+        if gates_kernel_runs(a, b, self.A_log, self.dt_bias):
+            from ...kernels.gates import gated_delta_gates
+
+            g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias, neg_eigval=self.options["allow_neg_eigval"])
+            if beta is None:  # no b_proj: β = 1 (2 with allow_neg_eigval), as `beta`
+                beta = self.beta(x)
+            return g, beta
+        return mamba2_log_decay(self, x, a), self.beta(x, b)
 
 
 class DeltaProductMixer(RecurrentMixer):

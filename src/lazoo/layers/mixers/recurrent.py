@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..mlp import silu_mul
-from ..norms import norm_keeping_only_input
+from ..norms import RMSNorm, norm_keeping_only_input, norm_then_silu_gate
 from .base import ShortConvProjections, TokenMixer
 
 
@@ -112,8 +112,8 @@ class RecurrentMixer(TokenMixer):
         self.v_proj = nn.Linear(d, self.num_v_heads * self.head_v_dim, bias=False)
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.short_conv = self._make_short_conv(options)
-        self.o_norm = (nn.RMSNorm(self.head_v_dim, eps=options["norm_eps"],
-                                  elementwise_affine=options["output_norm_affine"])
+        self.o_norm = (RMSNorm(self.head_v_dim, eps=options["norm_eps"],
+                               elementwise_affine=options["output_norm_affine"])
                        if options["output_norm"] else None)
         check_option_choice(self.mechanism, "gate_activation", options["gate_activation"], GATE_ACTIVATIONS)
         self.gate_fn = GATE_ACTIVATIONS[options["gate_activation"]]
@@ -234,6 +234,8 @@ class RecurrentMixer(TokenMixer):
 
     def read_out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per-head output norm, heads merged, output gate: `[B, T, H, dv]` -> `[B, T, H * dv]` (before `o_proj`)."""
+        if self.o_norm is not None and self.g_proj is not None and self.gate_fn is F.silu:
+            return self.merge_heads(norm_then_silu_gate(self.o_norm, o, self.g_proj(x).view(o.shape)))
         if self.o_norm is not None:
             o = norm_keeping_only_input(self.o_norm, o)
         o = self.merge_heads(o)

@@ -1,0 +1,132 @@
+"""The decoder's norms on the Triton RMSNorm (``lazoo.kernels.rms_norm``, on CUDA by default): `RMSNorm`,
+`ZeroCenteredRMSNorm`, the attention q/k norms and a recurrent mixer's output norm with its SiLU gate give the
+values and gradients of their PyTorch forms, and the kernel is what ran. On the CPU the interpreter runs the kernel
+with ``fused_norm_runs`` patched to say yes (``interp_*`` tests; ``tests/test_interpreter.py``); the GPU test takes
+the default path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from lazoo import LazooConfig
+from lazoo.layers import norms
+from lazoo.layers.mixers import attention
+from lazoo.layers.mlp import silu_mul
+
+pytest.importorskip("triton")
+from lazoo.kernels._utils import interpreter_ready  # noqa: E402  (defines no kernel)
+
+INTERP = interpreter_ready()
+needs_interp = pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 from the start")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The norms take the kernel on the CPU (under the interpreter); the list counts its calls."""
+    from lazoo.kernels import rms_norm as krn
+
+    calls = []
+    real = krn.rms_norm
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("gate") is not None)
+        return real(*args, **kwargs)
+
+    def runs(x, weight, gate=None):
+        return krn.check_supported(x, weight, gate) is None
+
+    monkeypatch.setattr(krn, "rms_norm", counted)
+    monkeypatch.setattr(norms, "fused_norm_runs", runs)
+    monkeypatch.setattr(attention, "fused_norm_runs", runs)
+    return calls
+
+
+def values_and_grads(fn, *inputs):
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*inputs)
+    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    grads = torch.autograd.grad((out * proj).sum(), inputs)
+    return out, grads
+
+
+@needs_interp
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_interp_decoder_norm_runs_the_kernel(zero_centered, kernel_calls):
+    torch.manual_seed(0)
+    norm = norms.rms_norm(24, 1e-5, zero_centered)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 7, 24)
+    fused, fused_grads = values_and_grads(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)),
+                                          x, norm.weight)
+    assert len(kernel_calls) == 1
+    plain, plain_grads = values_and_grads(lambda x, w: F.rms_norm(x, (24,), (1 + w) if zero_centered else w, 1e-5),
+                                          x, norm.weight)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    for got, want in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_interp
+def test_interp_output_norm_and_silu_gate_in_one_kernel(kernel_calls):
+    torch.manual_seed(0)
+    norm = norms.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    o, gate = torch.randn(2, 5, 3, 16), torch.randn(2, 5, 3, 16)
+    fused, fused_grads = values_and_grads(
+        lambda o, g, w: norms.norm_then_silu_gate(_with_weight(norm, w), o, g), o, gate, norm.weight)
+    assert kernel_calls == [True]
+    plain, plain_grads = values_and_grads(lambda o, g, w: silu_mul(g, F.rms_norm(o, (16,), w, 1e-6)),
+                                          o, gate, norm.weight)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    for got, want in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _with_weight(norm, weight):
+    """`norm` with `weight` (a leaf that wants its gradient) in place of its parameter."""
+    copy = norms.RMSNorm(norm.normalized_shape, eps=norm.eps)
+    del copy.weight
+    copy.weight = weight
+    return copy
+
+
+@needs_interp
+def test_interp_a_model_gives_the_same_logits_and_gradients_on_the_kernel(kernel_calls, monkeypatch):
+    config = LazooConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         layer_types=["gated_delta_net", "softmax"], zero_centered_norm=True,
+                         mixer_kwargs={"softmax": {"qk_rmsnorm": True}})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 40, (2, 9))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fused_logits, fused_grads = run()
+    # decoder norms (2 a layer and the final one), the output norm with its gate, the q and k norms
+    assert len(kernel_calls) >= 2 * 2 + 1 + 1 + 2 and True in kernel_calls
+    monkeypatch.setattr(norms, "fused_norm_runs", lambda *a, **k: False)
+    monkeypatch.setattr(attention, "fused_norm_runs", lambda *a, **k: False)
+    plain_logits, plain_grads = run()
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-5, atol=1e-5)
+    assert fused_grads.keys() == plain_grads.keys()
+    for name in plain_grads:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_norms_take_the_kernel_by_default():
+    norm = norms.rms_norm(1024, 1e-6, zero_centered=True).cuda().bfloat16()
+    x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    assert norms.fused_norm_runs(x, norm.weight)
+    want = F.rms_norm(x.float(), (1024,), 1 + norm.weight.float(), 1e-6)
+    torch.testing.assert_close(norm(x).float(), want, rtol=1e-2, atol=1e-2)
