@@ -71,6 +71,52 @@ def test_interp_kernel_half_precision():
 
 
 @needs_interp
+@pytest.mark.parametrize("L,R,BC", [(6, 4, 8), (4, 8, 16), (1, 1, 16)])
+@pytest.mark.parametrize("silu", [True, False])
+def test_interp_backward_runs_and_load_groups(L, R, BC, silu, monkeypatch):
+    """The backward walks runs of L rows, loading R rows at a time: several groups a run, runs that end inside
+    a group, a final partial run (T not a multiple of L), groups longer than a run, one-row runs, T < K, the
+    widest K, channel blocks that end past C; B = 3."""
+    from lazoo.kernels import short_conv as ksc
+
+    monkeypatch.setattr(ksc, "_bwd_blocks", lambda B, T, C: (L, R, BC, 1))
+    for T, C, K in ((23, 13, 4), (2, 5, 4), (11, 9, 8), (9, 6, 1)):
+        check(3, T, C, K, silu, torch.float32, 1e-6)
+
+
+@needs_interp
+def test_interp_backward_at_the_gpu_block_sizes(monkeypatch):
+    """The launch settings CUDA gets (R = 8 rows a load, 256 channels a program), here over several runs with a
+    final partial one and a partial channel block."""
+    from lazoo.kernels import short_conv as ksc
+
+    monkeypatch.setattr(ksc, "is_interpreting", lambda: False)
+    assert ksc._bwd_blocks(2, 70, 300) == (8, 8, 256, 2)
+    for silu in (True, False):
+        check(2, 70, 300, 4, silu, torch.float32, 1e-6)
+
+
+def test_backward_launch_rule(monkeypatch):
+    """Enough programs for 132 multiprocessors at small B·T; few (about 1024 to 2048) at large B·T."""
+    import triton
+
+    from lazoo.kernels import short_conv as ksc
+
+    monkeypatch.setattr(ksc, "is_interpreting", lambda: False)
+
+    def programs(B, T, C):
+        L, R, BC, warps = ksc._bwd_blocks(B, T, C)
+        assert BC == 4 * 32 * warps and R == 8
+        return B * triton.cdiv(T, L) * triton.cdiv(C, BC), L
+
+    assert programs(1, 512, 768)[0] >= 132
+    assert programs(1, 4096, 2048) == (1024, 32)
+    for shape in ((1, 32768, 2048), (8, 2048, 2048)):
+        n, L = programs(*shape)
+        assert L == 128 and 1024 <= n <= 2048, (shape, n, L)
+
+
+@needs_interp
 @pytest.mark.parametrize("output_state", [False, True])
 def test_interp_module_kernel_equals_conv1d(output_state):
     from lazoo.layers import short_conv as sc
@@ -220,3 +266,17 @@ def test_gpu_bf16_matches_loop_and_conv1d(K, silu, kernel_calls, monkeypatch):
     ref = F.conv1d(F.pad(x.float().transpose(1, 2), (K - 1, 0)), conv.weight.float(), groups=768).transpose(1, 2)
     ref = F.silu(ref) if silu else ref
     assert (y.float() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_backward_is_deterministic():
+    """dw sums per-program partial rows in a fixed order (no atomics): the same bits on every run."""
+    from lazoo.kernels.short_conv import short_conv
+
+    x = torch.randn(2, 3000, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(768, 1, 4, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+    runs = [torch.autograd.grad(short_conv(x, w), (x, w), dy) for _ in range(3)]
+    for gx, gw in runs[1:]:
+        assert torch.equal(gx, runs[0][0]) and torch.equal(gw, runs[0][1])

@@ -79,21 +79,23 @@ def inflight_refills(ttgir: str) -> int:
 
 
 def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int = 768) -> dict:
-    """The three short-convolution kernels at the block sizes their launcher picks for ``channels``."""
+    """The short-convolution kernels, forward and backward, at the block sizes their launchers pick for
+    ``channels`` (the backward's run length L is a runtime argument and changes nothing compiled)."""
     from lazoo.kernels import short_conv as ksc
 
     BT, BC, warps = ksc._blocks(channels)
-    common = {"T": "i32", "C": "i32", "K": "constexpr", "BT": "constexpr", "BC": "constexpr"}
-    consts = {"K": kernel_size, "BT": BT, "BC": BC}
+    _, R, BCb, warps_b = ksc._bwd_blocks(1, 4096, channels)
+    x = f"*{dtype}"
+    ints = {"T": "i32", "C": "i32"}
     kernels = {
-        "forward": (ksc._fwd_kernel, {"x": f"*{dtype}", "w": "*fp32", "y": f"*{dtype}", **common,
-                                      "SILU": "constexpr"}, {**consts, "SILU": True}),
-        "backward dpre, dw": (ksc._bwd_dpre_kernel, {"x": f"*{dtype}", "w": "*fp32", "dy": f"*{dtype}",
-                                                     "dpre": "*fp32", "dw_part": "*fp32", **common,
-                                                     "SILU": "constexpr"}, {**consts, "SILU": True}),
-        "backward dx": (ksc._bwd_dx_kernel, {"dpre": "*fp32", "w": "*fp32", "dx": f"*{dtype}", **common}, consts),
+        "forward": (ksc._fwd_kernel, {"x": x, "w": "*fp32", "y": x, **ints, "K": "constexpr", "SILU": "constexpr",
+                                      "BT": "constexpr", "BC": "constexpr"},
+                    {"K": kernel_size, "SILU": True, "BT": BT, "BC": BC}, warps),
+        "backward": (ksc._bwd_kernel, {"x": x, "w": "*fp32", "dy": x, "dx": x, "dw_part": "*fp32", **ints, "L": "i32",
+                                       "K": "constexpr", "SILU": "constexpr", "R": "constexpr", "BC": "constexpr"},
+                     {"K": kernel_size, "SILU": True, "R": R, "BC": BCb}, warps_b),
     }
-    return {name: measure(fn, sig, ce, num_warps=warps) for name, (fn, sig, ce) in kernels.items()}
+    return {name: measure(fn, sig, ce, num_warps=w) for name, (fn, sig, ce, w) in kernels.items()}
 
 
 def ovq_report(dk: int = 128, chunk: int = 128) -> dict:

@@ -9,8 +9,10 @@ in place.
 
 Backward, with dpre = dy ⊙ act'(pre) (pre recomputed from x):
     dx_s = Σ_j w_j ⊙ dpre_{s+(K−1−j)}  (dpre_t = 0 for t ≥ T),   dw_j = Σ_{b,t} dpre_t ⊙ x_{t−(K−1−j)}
-in two kernels: ``_bwd_dpre_kernel`` (dpre, and dw summed over each program's time block) and
-``_bwd_dx_kernel``. Arithmetic in fp32; x, y, dx in the input dtype; w and dw fp32.
+in one kernel, ``_bwd_kernel``: each program walks a run of rows in time order for a block of channels, keeping
+the last K − 1 rows of x and dpre in registers, so dpre never goes through memory; it writes dx and one row of dw
+partial sums, which PyTorch adds up (deterministic, no atomics). Arithmetic in fp32; x, y, dx in the input dtype;
+w and dw fp32.
 """
 
 from __future__ import annotations
@@ -52,55 +54,104 @@ def _fwd_kernel(x, w, y, T, C, K: tl.constexpr, SILU: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def _bwd_dpre_kernel(x, w, dy, dpre, dw_part, T, C, K: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
-                     BC: tl.constexpr):
-    i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    x += b * T * C
-    dy += b * T * C
-    dpre += b * T * C
-    t = i_t * BT + tl.arange(0, BT)
-    c = i_c * BC + tl.arange(0, BC)
-    t_ok, c_ok = t < T, c < C
-    tc_ok = t_ok[:, None] & c_ok[None, :]
-    g = tl.load(dy + t[:, None] * C + c[None, :], mask=tc_ok, other=0.0).to(tl.float32)
-    if SILU:
-        pre = _pre(x, w, t, c, C, t_ok, c_ok, K)
-        s = tl.sigmoid(pre)
-        g = g * s * (1 + pre * (1 - s))
-    tl.store(dpre + t[:, None] * C + c[None, :], g, mask=tc_ok)
-    # dw_j over this block: Σ_t dpre_t x_{t−(K−1−j)}, one row of partial sums per (sample, time block)
-    row = (b * tl.num_programs(0) + i_t) * C
-    for j in tl.static_range(K):
-        src = t - (K - 1 - j)
-        ok = (src >= 0) & t_ok
-        xv = tl.load(x + src[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-        tl.store(dw_part + (row + c) * K + j, tl.sum(g * xv.to(tl.float32), 0), mask=c_ok)
+def _cols(c, C, ok):
+    """The channels ``c < C`` of one row, none where the scalar ``ok`` is false (one vector compare)."""
+    return c < tl.where(ok, C, 0)
 
 
 @triton.jit
-def _bwd_dx_kernel(dpre, w, dx, T, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    dpre += b * T * C
+def _rows(p, t0, c, T, C, R: tl.constexpr):
+    """Rows t0 … t0 + R − 1 at channels ``c`` (zeros past T), in the stored dtype."""
+    out = ()
+    for i in tl.static_range(R):
+        out = out + (tl.load(p + (t0 + i) * C + c, mask=_cols(c, C, t0 + i < T), other=0.0),)
+    return out
+
+
+@triton.jit
+def _bwd_kernel(x, w, dy, dx, dw_part, T, C, L, K: tl.constexpr, SILU: tl.constexpr, R: tl.constexpr,
+                BC: tl.constexpr):
+    """dx and dw for the rows [r0, r0 + L) of one sample at ``BC`` channels, walking time in order with the last
+    K − 1 rows of x and of dpre in registers: each row of x and dy is loaded once and pre, dpre formed once (a
+    2D tile would recompute pre at K shifted rows, K² products an element, which made the kernel issue-bound).
+    Rows are loaded R at a time to keep loads in flight. The run also reads the K − 1 rows of x before it, and
+    x and dy at the K − 1 rows after it (dx_s needs dpre_{s+K−1}); those feed dx only."""
+    i_r, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    x += b * T * C  # this sample (64-bit once; offsets inside it stay 32-bit)
+    dy += b * T * C
     dx += b * T * C
-    s = i_t * BT + tl.arange(0, BT)
     c = i_c * BC + tl.arange(0, BC)
-    s_ok, c_ok = s < T, c < C
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    c_ok = c < C
+    ws = ()  # the K taps, loaded once
     for j in tl.static_range(K):
-        dst = s + (K - 1 - j)  # the output row that tap j of x_s feeds
-        ok = (dst < T) & s_ok
-        g = tl.load(dpre + dst[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-        wj = tl.load(w + c * K + j, mask=c_ok, other=0.0)
-        acc += g * wj[None, :]
-    tl.store(dx + s[:, None] * C + c[None, :], acc.to(dx.dtype.element_ty), mask=s_ok[:, None] & c_ok[None, :])
+        ws = ws + (tl.load(w + c * K + j, mask=c_ok, other=0.0),)
+    r0 = i_r * L
+    r1 = tl.minimum(r0 + L, T)
+    zero = tl.zeros([BC], dtype=tl.float32)
+    xs = ()  # x_{t−(K−1)} … x_{t−1}
+    gs = ()  # dpre_{t−(K−1)} … dpre_{t−1}
+    for j in tl.static_range(K - 1):
+        row = r0 - (K - 1) + j
+        xs = xs + (tl.load(x + row * C + c, mask=_cols(c, C, row >= 0), other=0.0).to(tl.float32),)
+        gs = gs + (zero,)
+    dws = ()  # dw over this run, fp32
+    for _ in tl.static_range(K):
+        dws = dws + (zero,)
+    for t0 in range(r0, r1 + K - 1, R):
+        xr = _rows(x, t0, c, T, C, R)
+        gr = _rows(dy, t0, c, T, C, R)
+        for i in tl.static_range(R):
+            t = t0 + i
+            win = xs + (xr[i].to(tl.float32),)  # win[j] = x_{t−(K−1−j)}
+            g = gr[i].to(tl.float32)  # 0 past T
+            if SILU:
+                pre = ws[0] * win[0]
+                for j in tl.static_range(1, K):
+                    pre += ws[j] * win[j]
+                sg = tl.sigmoid(pre)
+                g = g * sg * (1 + pre * (1 - sg))
+            gw = tl.where(t < r1, g, 0.0)  # rows past the run only feed dx
+            nxt = ()
+            for j in tl.static_range(K):
+                nxt = nxt + (dws[j] + gw * win[j],)
+            dws = nxt
+            gwin = gs + (g,)  # gwin[d] = dpre_{u+d}, u = t − (K − 1)
+            acc = ws[K - 1] * gwin[0]
+            for d in tl.static_range(1, K):
+                acc += ws[K - 1 - d] * gwin[d]
+            u = t - (K - 1)
+            tl.store(dx + u * C + c, acc.to(dx.dtype.element_ty), mask=_cols(c, C, (u >= r0) & (u < r1)))
+            xs = ()
+            gs = ()
+            for j in tl.static_range(1, K):
+                xs = xs + (win[j],)
+                gs = gs + (gwin[j],)
+    row = (b * tl.num_programs(0) + i_r) * C  # one row of partial sums a program: dw_part [B, runs, C, K]
+    for j in tl.static_range(K):
+        tl.store(dw_part + (row + c) * K + j, dws[j], mask=c_ok)
 
 
 def _blocks(C: int) -> tuple[int, int, int]:
-    """(BT, BC, warps). 16 × 128 tiles with 4 warps compile for sm_90 (Triton 3.6) with no spills: 72 / 150 / 80
-    registers for the forward / dpre / dx kernels (32-row tiles spill in dpre)."""
+    """(BT, BC, warps) of the forward kernel. 16 × 128 tiles with 4 warps compile for sm_90 (Triton 3.6) with no
+    spills (72 registers)."""
     if is_interpreting():
         return 16, min(32, next_pow2(C)), 1
     return 16, min(128, next_pow2(C)), 4
+
+
+def _bwd_blocks(B: int, T: int, C: int) -> tuple[int, int, int, int]:
+    """(L, R, BC, warps) of the backward kernel: runs of L rows, loaded R at a time, BC channels a program.
+
+    4 channels a thread (BC = 256 on 2 warps). L aims at about 1024 programs: each program walks its rows one
+    after another, so with few programs the GPU idles on memory latency, and with many the K − 1 rows re-read at
+    each end of a run and the partial rows of dw cost more. H200, bf16, C = 2048, K = 4, kernel and dw sum: at
+    B·T = 4096, 28 µs at L = 32, 31 at L = 64, 68 at L = 256; at B·T = 32768, 142 µs at L = 128, 160 at L = 64.
+    L ≥ 8 still gives 192 programs at B·T = 512, C = 768."""
+    if is_interpreting():
+        return 7, 3, min(16, next_pow2(C, 1)), 1  # runs and load groups that end mid-way at small test shapes
+    BC = min(256, next_pow2(C, 128))
+    L = max(8, min(128, triton.next_power_of_2(max(1, B * T * triton.cdiv(C, BC) // 1024))))
+    return L, 8, BC, BC // 128
 
 
 def _grid(B, T, C, BT, BC):
@@ -124,14 +175,12 @@ class _ShortConv(torch.autograd.Function):
         x, w = ctx.saved_tensors
         B, T, C = x.shape
         K = w.shape[1]
-        BT, BC, warps = _blocks(C)
-        grid = _grid(B, T, C, BT, BC)
-        dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
-        dw_part = torch.empty(B, grid[0], C, K, dtype=torch.float32, device=x.device)
-        _bwd_dpre_kernel[grid](x, w, dy.contiguous(), dpre, dw_part, T, C, K=K, SILU=ctx.silu, BT=BT, BC=BC,
-                               num_warps=warps)
+        L, R, BC, warps = _bwd_blocks(B, T, C)
+        grid = (triton.cdiv(T, L), triton.cdiv(C, BC), B)
         dx = torch.empty_like(x)
-        _bwd_dx_kernel[grid](dpre, w, dx, T, C, K=K, BT=BT, BC=BC, num_warps=warps)
+        dw_part = torch.empty(B, grid[0], C, K, dtype=torch.float32, device=x.device)
+        _bwd_kernel[grid](x, w, dy.contiguous(), dx, dw_part, T, C, L, K=K, SILU=ctx.silu, R=R, BC=BC,
+                          num_warps=warps)
         return dx, dw_part.sum((0, 1)), None
 
 
