@@ -1,10 +1,14 @@
 """The decoder's RMSNorms: torch's `nn.RMSNorm` (`w·x̂`, w initialised to ones), or the zero-centred form
 `(1 + w)·x̂` (w initialised to zeros) that Qwen3.5 and Qwen3-Next checkpoints store.
 
-On CUDA each runs as one Triton launch a direction (`lazoo.kernels.rms_norm`: fp32 arithmetic, the weight read in
-its own dtype, one rounding to x's dtype), in place of the five or so PyTorch ops of its composite form: at a few
-thousand tokens a step the host's time per op, not the GPU's, sets a layer's cost. Elsewhere, and while
-torch.compile traces (it fuses the PyTorch form itself), the PyTorch form runs."""
+On CUDA the Triton RMSNorm (`lazoo.kernels.rms_norm`: fp32 arithmetic, the weight read in its own dtype, one
+rounding to x's dtype) runs where it replaces several PyTorch ops and the float32 copies they keep: a norm whose
+weight's dtype is not its input's (bf16 activations, fp32 weights under autocast: torch then runs its unfused
+composite form), and a recurrent mixer's output norm with its SiLU gate. Where torch runs one fused op (weight and
+input of one dtype), or a few casts around one, torch stays: a Triton launch costs the host several native ops
+(H200 machine, torch 2.11, Triton 3.6: 56 µs a call of the delta rule's L2 norm against 12 µs of `torch.mul`), and a
+training step or prefill of a few thousand tokens is paced by the host. While torch.compile traces (it fuses the
+PyTorch form itself) the PyTorch form runs."""
 
 from __future__ import annotations
 
@@ -36,10 +40,11 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | No
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's `nn.RMSNorm`, the same parameters and values; one Triton launch a direction on CUDA."""
+    """torch's `nn.RMSNorm`, the same parameters and values; on CUDA one Triton launch a direction where the weight's
+    dtype is not x's (torch's form is then unfused and keeps float32 copies of x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_norm_runs(x, self.weight):
+        if self.weight is not None and self.weight.dtype != x.dtype and fused_norm_runs(x, self.weight):
             return fused_rms_norm(x, self.weight, self.eps)
         return super().forward(x)
 
@@ -54,8 +59,6 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_norm_runs(x, self.weight):
-            return fused_rms_norm(x, self.weight, self.eps, offset=1.0)
         cdt = torch.promote_types(x.dtype, torch.float32)
         scale = 1.0 + self.weight.to(cdt)
         return F.rms_norm(x.to(cdt), self.weight.shape, scale, self.eps).to(x.dtype)
@@ -78,9 +81,9 @@ def norm_keeping_only_input(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for the backward; there the norm is recomputed in the backward instead (``torch.utils.checkpoint``), keeping
     only x. The same values and gradients either way."""
     weight = getattr(norm, "weight", None)
-    if fused_norm_runs(x, weight):  # the kernel keeps only x (and its rstd) in any case
-        return norm(x)
     mixed = weight is not None and weight.dtype != x.dtype
+    if mixed and isinstance(norm, RMSNorm) and fused_norm_runs(x, weight):  # keeps only x (and its rstd)
+        return norm(x)
     if mixed and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return checkpoint(norm, x, use_reentrant=False)
     return norm(x)

@@ -11,7 +11,7 @@ from torch import nn
 from ... import ops
 from ...ops.softmax import repeat_kv_heads  # noqa: F401  (kept importable here; the op repeats the heads now)
 from ...registry import Mechanism, register
-from ..norms import ZeroCenteredRMSNorm, fused_norm_runs, fused_rms_norm
+from ..norms import ZeroCenteredRMSNorm
 from ..rope import apply_rotary, rotary_cos_sin
 from .base import TokenMixer, init_qk_scale, unit_norm
 
@@ -21,8 +21,6 @@ def head_rms_norm(norm: nn.RMSNorm | ZeroCenteredRMSNorm, x: torch.Tensor) -> to
     and returned in x's dtype, as fla's q/k norms do; a zero-centred norm scales by (1 + w), as Qwen3.5's do."""
     if isinstance(norm, ZeroCenteredRMSNorm):
         return norm(x)  # (1 + w)·x̂, in fp32 for half types (float64 stays), returned in x's dtype
-    if fused_norm_runs(x, norm.weight):  # the same arithmetic in one Triton launch
-        return fused_rms_norm(x, norm.weight, norm.eps)
     cdt = torch.promote_types(x.dtype, torch.float32)
     return F.rms_norm(x.to(cdt), norm.normalized_shape, norm.weight.to(cdt), norm.eps).to(x.dtype)
 
