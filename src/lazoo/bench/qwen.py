@@ -8,7 +8,10 @@ random weights from ``--seed``, built with transformers' ``Qwen3_5ForCausalLM``,
 
 First an ``agreement`` row: the relative difference of the two models' logits on two 512-token prompts, and the
 share of positions with the same greedy token. Then rows, each the median of ``--repeats`` after one warm-up (CUDA
-synchronised, wall clock):
+synchronised, wall clock). The prefill and train rows take the implementations in turns, one call each a round:
+at these sizes the host's Python and dispatch, not the GPU, set the time, and the host's speed drifts between
+seconds on a shared machine (the same prefill read 42-67 ms in one process), so rounds side by side compare what
+one after the other would not; each row keeps its samples (``samples_ms``) beside the median.
 
   * ``prefill``: the base model over one prompt of each ``--prefill`` length, filling its cache (ms, tokens/s);
   * ``train``: one AdamW step (forward with the loss, backward, step) on ``--train-batch`` × ``--train-length``
@@ -116,30 +119,88 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def prefill_row(model, args, length: int) -> dict:
+def prefill_call(model, args, length: int):
+    """One prefill of `length` tokens (the base model filling its cache), as a callable."""
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=args.device)
-    with torch.no_grad():
-        seconds = timed(lambda: model.model(ids, use_cache=True), args.device, args.repeats)
-    return {"ms": 1000 * seconds, "tokens_per_s": length / seconds}
+
+    def call():
+        with torch.no_grad():
+            model.model(ids, use_cache=True)
+    return call
 
 
-def train_row(model, args) -> dict:
-    model.train()
+def train_call(model, args):
+    """One AdamW training step on ``--train-batch`` × ``--train-length`` tokens, as a callable (the model in train
+    mode for the step only)."""
     ids = torch.randint(0, model.config.vocab_size, (args.train_batch, args.train_length), device=args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=str(args.device).startswith("cuda"))
 
-    def step():
-        loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def call():
+        model.train()
+        try:
+            loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        finally:
+            model.eval()
+    return call
 
-    try:
-        seconds = timed(step, args.device, args.repeats)
-    finally:
-        model.eval()
-        model.zero_grad(set_to_none=True)
-    return {"ms": 1000 * seconds, "tokens_per_s": ids.numel() / seconds}
+
+def interleaved(calls: dict, device, repeats: int) -> tuple[dict, dict]:
+    """({name: seconds of each of `repeats` rounds}, {name: peak GiB of its warm-up call, on CUDA}) of the
+    callables in `calls`, each warmed up once, then called in turns, one call each a round."""
+    cuda = str(device).startswith("cuda")
+    peaks = {}
+    for name, call in calls.items():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        call()
+        sync(device)
+        if cuda:
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+    samples = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return samples, peaks
+
+
+def interleaved_rows(models: dict, args, record) -> None:
+    """The prefill and train rows, the implementations in turns (``interleaved``); a row whose call fails records
+    its error and leaves the others to go on."""
+    kinds = [("prefill", n) for n in map(int, args.prefill.split(","))] + [("train", args.train_length)]
+    for kind, size in kinds:
+        calls, failed = {}, {}
+        for name, model in models.items():
+            try:
+                calls[name] = prefill_call(model, args, size) if kind == "prefill" else train_call(model, args)
+                calls[name]()  # a call that fails here is left out of the rounds
+            except Exception as err:  # noqa: BLE001 - recorded; the other implementation goes on
+                failed[name] = error_text(err)
+                calls.pop(name, None)
+        samples, peaks = interleaved(calls, args.device, args.repeats) if calls else ({}, {})
+        tokens = size * (args.train_batch if kind == "train" else 1)
+        for name in models:
+            row = {"implementation": name, "row": kind, "size": size}
+            if name in failed:
+                row["error"] = failed[name]
+            else:
+                seconds = statistics.median(samples[name])
+                row.update(ms=1000 * seconds, tokens_per_s=tokens / seconds,
+                           samples_ms=[round(1000 * t, 3) for t in samples[name]])
+                if name in peaks:
+                    row["peak_gb"] = peaks[name]
+            record(row)
+        for model in models.values():
+            model.zero_grad(set_to_none=True)
+        calls.clear()
+        gc.collect()
+        if str(args.device).startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def generate_row(model, args, batch: int, **options) -> dict:
@@ -185,19 +246,18 @@ def run(args) -> list[dict]:
 
 
 def measure_models(models: dict, args, record) -> None:
-    """The ``agreement`` row (both implementations there) and each implementation's prefill, train and generate rows
-    (lazoo's eager generation too), each passed to ``record`` as it is measured; a failed row records its error."""
+    """The ``agreement`` row (both implementations there), the prefill and train rows (``interleaved_rows``), then
+    each implementation's generate rows (lazoo's eager generation too), each passed to ``record`` as it is measured;
+    a failed row records its error."""
     if len(models) == 2:
         try:
             record({"row": "agreement", "size": 512, **agreement_row(models, args)})
         except Exception as err:  # noqa: BLE001 - recorded; the timings go on
             record({"row": "agreement", "error": error_text(err)})
+    interleaved_rows(models, args, record)
     for name, model in models.items():
-        steps = [("prefill", length, lambda m, n: prefill_row(m, args, n)) for length in
-                 map(int, args.prefill.split(","))]
-        steps.append(("train", args.train_length, lambda m, n: train_row(m, args)))
         batches = list(map(int, args.batch_sizes.split(",")))
-        steps += [("generate", batch, lambda m, b: generate_row(m, args, b)) for batch in batches]
+        steps = [("generate", batch, lambda m, b: generate_row(m, args, b)) for batch in batches]
         if name == "lazoo":  # lazoo's eager path, beside its default (on CUDA, compiled)
             steps += [("generate-eager", batch, lambda m, b: generate_row(m, args, b, cache_implementation="dynamic"))
                       for batch in batches]
