@@ -71,6 +71,39 @@ def test_interp_kernel_half_precision():
 
 
 @needs_interp
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+def test_interp_a_half_precision_weight_is_read_as_it_is(w_dtype):
+    """A bf16 model's conv weight goes to the kernels without a cast op; dw comes back in its dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lazoo.kernels.short_conv import short_conv
+
+    class Casts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Casts.count += func.overloadpacket.__name__ == "_to_copy"
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 19, 24, generator=gen, dtype=F64).to(w_dtype)
+    w = (torch.randn(24, 1, 4, generator=gen, dtype=F64) / 2).to(w_dtype)
+    proj = torch.randn(2, 19, 24, generator=gen, dtype=F64)
+    xr, wr = x.to(F64).requires_grad_(), w.to(F64).requires_grad_()
+    ref = loop_reference(xr, wr[:, 0], True)
+    gx_ref, gw_ref = torch.autograd.grad((ref * proj).sum(), (xr, wr))
+    xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with Casts():
+        y = short_conv(xk, wk, "silu")
+    assert Casts.count == 0
+    gx, gw = torch.autograd.grad((y.to(F64) * proj).sum(), (xk, wk))
+    assert gw.dtype == w_dtype and gx.dtype == w_dtype
+    for name, got, want in (("y", y, ref), ("dx", gx, gx_ref), ("dw", gw, gw_ref)):
+        err = (got.detach().to(F64) - want).norm() / want.norm()
+        assert err < 2e-2, f"{name}: relative error {err:.2e} ({w_dtype})"
+
+
+@needs_interp
 @pytest.mark.parametrize("L,R,BC", [(6, 4, 8), (4, 8, 16), (1, 1, 16)])
 @pytest.mark.parametrize("silu", [True, False])
 def test_interp_backward_runs_and_load_groups(L, R, BC, silu, monkeypatch):

@@ -12,7 +12,7 @@ Backward, with dpre = dy ⊙ act'(pre) (pre recomputed from x):
 in one kernel, ``_bwd_kernel``: each program walks a run of rows in time order for a block of channels, keeping
 the last K − 1 rows of x and dpre in registers, so dpre never goes through memory; it writes dx and one row of dw
 partial sums, which PyTorch adds up (deterministic, no atomics). Arithmetic in fp32; x, y, dx in the input dtype;
-w and dw fp32.
+w read in its own dtype (no cast op before the launch), dw summed in fp32 and returned in w's dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _pre(x, w, t, c, C, t_ok, c_ok, K: tl.constexpr):
         src = t - (K - 1 - j)
         ok = (src >= 0) & t_ok
         xv = tl.load(x + src[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-        wj = tl.load(w + c * K + j, mask=c_ok, other=0.0)
+        wj = tl.load(w + c * K + j, mask=c_ok, other=0.0).to(tl.float32)
         acc += xv.to(tl.float32) * wj[None, :]
     return acc
 
@@ -84,7 +84,7 @@ def _bwd_kernel(x, w, dy, dx, dw_part, T, C, L, K: tl.constexpr, SILU: tl.conste
     c_ok = c < C
     ws = ()  # the K taps, loaded once
     for j in tl.static_range(K):
-        ws = ws + (tl.load(w + c * K + j, mask=c_ok, other=0.0),)
+        ws = ws + (tl.load(w + c * K + j, mask=c_ok, other=0.0).to(tl.float32),)
     r0 = i_r * L
     r1 = tl.minimum(r0 + L, T)
     zero = tl.zeros([BC], dtype=tl.float32)
@@ -181,7 +181,7 @@ class _ShortConv(torch.autograd.Function):
         dw_part = torch.empty(B, grid[0], C, K, dtype=torch.float32, device=x.device)
         _bwd_kernel[grid](x, w, dy.contiguous(), dx, dw_part, T, C, L, K=K, SILU=ctx.silu, R=R, BC=BC,
                           num_warps=warps)
-        return dx, dw_part.sum((0, 1)), None
+        return dx, dw_part.sum((0, 1)).to(w.dtype), None
 
 
 def check_supported(x: torch.Tensor, kernel_size: int, activation: str | None = "silu") -> str | None:
@@ -199,10 +199,12 @@ def check_supported(x: torch.Tensor, kernel_size: int, activation: str | None = 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """``act(causal depthwise conv(x))`` for ``x [B, T, C]`` from a zero state; ``weight [C, K]`` (conv1d's
-    ``[C, 1, K]`` squeezed: tap j multiplies x_{t−(K−1−j)}), kept in fp32 for the arithmetic. Differentiable
-    in x and weight."""
+    ``[C, 1, K]`` squeezed: tap j multiplies x_{t−(K−1−j)}), read in its own dtype (other than float16, bfloat16
+    or float32: cast to float32) with fp32 arithmetic. Differentiable in x and weight."""
     why = check_supported(x, weight.shape[-1], activation)
     if why is not None:
         raise ValueError(f"short_conv: {why}")
-    w = weight.reshape(weight.shape[0], -1).float().contiguous()
+    w = weight.reshape(weight.shape[0], -1).contiguous()  # read in its own dtype: no cast op a call
+    if w.dtype not in SUPPORTED_DTYPES:
+        w = w.float()
     return _ShortConv.apply(x.contiguous(), w, activation == "silu")
