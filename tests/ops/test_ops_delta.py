@@ -187,3 +187,18 @@ def test_grouped_value_heads_refusals_and_fp32_scalars():
     full = gated_delta_rule(q, k, v, x["g"].float(), x["beta"].float(), backend="chunk")[0]
     assert half.dtype == torch.float16
     assert_close(half.float(), full, 5e-3, "fp16 with fp32 scalars")
+
+
+def test_check_g_false_skips_the_log_decay_check_only():
+    """A g > 0 is refused by default; with ``check_g=False`` (a caller whose g is <= 0 by construction) the op runs
+    it as given, with the same outputs as the checked call wherever g is valid."""
+    q, k, v, g, beta = make_inputs(9)
+    o, _ = gated_delta_rule(q, k, v, g, beta, backend="chunk")
+    o_unchecked, _ = gated_delta_rule(q, k, v, g, beta, backend="chunk", check_g=False)
+    assert torch.equal(o, o_unchecked)
+    bad = g.clone()
+    bad[0, 3] = 0.25
+    with pytest.raises(ValueError, match=r"^gated_delta_rule: g must lie in \[-inf, 0\]"):
+        gated_delta_rule(q, k, v, bad, beta, backend="chunk")
+    o_bad, _ = gated_delta_rule(q, k, v, bad, beta, backend="chunk", check_g=False)
+    assert o_bad.shape == o.shape and not torch.equal(o_bad, o)

@@ -23,10 +23,8 @@ import triton
 import triton.language as tl
 
 from ._utils import device_unsupported, next_pow2, num_sms
+from .limits import GATES_MAX_HEADS as MAX_HEADS
 from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES
-
-#: most heads (a program holds whole rows of H)
-MAX_HEADS = 1024
 
 
 @triton.jit

@@ -65,3 +65,11 @@ VLA_MAX_HEAD_DIM = 128
 # ---- lazoo.kernels.short_conv
 #: widest convolution (taps unrolled at compile time)
 SHORT_CONV_MAX_KERNEL_SIZE = 8
+
+# ---- lazoo.kernels.rms_norm: the RMSNorm (zero-centred or not, optionally with a SiLU gate)
+#: largest normalised dim (a program holds whole rows in registers)
+RMS_NORM_MAX_DIM = 16384
+
+# ---- lazoo.kernels.gates: a Gated DeltaNet layer's g and β
+#: most heads (a program holds whole rows of heads)
+GATES_MAX_HEADS = 1024

@@ -27,9 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from ._utils import device_unsupported, is_interpreting, next_pow2, num_sms
 from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES
-
-#: largest normalised dim D (one program holds whole rows of fp32 in registers)
-MAX_DIM = 16384
+from .limits import RMS_NORM_MAX_DIM as MAX_DIM
 
 
 @triton.jit

@@ -52,14 +52,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                      mask: torch.Tensor | None = None, backend: str | None = None,
-                     cu_seqlens: torch.Tensor | None = None):
-    """Gated DeltaNet: ``S_t = exp(g_t) S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, g the log decay."""
+                     cu_seqlens: torch.Tensor | None = None, check_g: bool = True):
+    """Gated DeltaNet: ``S_t = exp(g_t) S_{t-1}(I - β_t k_t k_t^T) + β_t v_t k_t^T``, g the log decay.
+    ``check_g=False`` skips the g <= 0 check and its read-back to the host (which waits for the GPU to get there),
+    for a caller whose g is <= 0 by construction (the Gated DeltaNet layer's −exp(·)·softplus(·))."""
     return delta_rule_as("gated_delta_rule", q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
                          chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
-                         mask=mask, backend=backend, cu_seqlens=cu_seqlens)
+                         mask=mask, backend=backend, cu_seqlens=cu_seqlens, check_g=check_g)
 
 
-@without_autocast
 def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size, initial_state, output_final_state,
                   mask, backend, cu_seqlens=None, check_g: bool = True):
     """The (gated) delta rule with its errors naming ``op``: the body of ``delta_rule`` (g None) and

@@ -11,7 +11,6 @@ from torch import nn
 
 from ... import ops
 from ...ops.backend import triton_missing
-from ...ops.delta import delta_rule_as
 from ...registry import Mechanism, register
 from ..projections import project_together
 from ._fused_decode import FUSED_DECODE_DEFAULT, delta_step_layout, delta_step_state, fused_decode_runs
@@ -148,8 +147,8 @@ class GatedDeltaNetMixer(DeltaNetMixer):
         g, beta = self.gates(x)
         # g = −exp(·)·softplus(·) <= 0 by construction: no g <= 0 check, whose read-back would hold the host
         # back each layer until the GPU caught up
-        return delta_rule_as("gated_delta_rule", q, k, v, g, beta, scale=None, use_qk_l2norm=l2,
-                             chunk_size=64, check_g=False, **self.op_kwargs(mask, state, want_state, cu_seqlens))
+        return ops.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=l2, check_g=False,
+                                    **self.op_kwargs(mask, state, want_state, cu_seqlens))
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g fp32, β) `[B, T, H]`: in one Triton launch a direction on CUDA (`lazoo.kernels.gates`), else in PyTorch
