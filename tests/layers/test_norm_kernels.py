@@ -134,3 +134,20 @@ def test_gpu_mixed_dtype_and_gated_norms_take_the_kernel_by_default():
     torch.testing.assert_close(norm(x).float(), want, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(norms.norm_then_silu_gate(norm, x, gate).float(), want * F.silu(gate.float()),
                                rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("module", ["lazoo.kernels.rms_norm", "lazoo.kernels.gates"])
+def test_without_the_kernels_the_layers_take_their_pytorch_forms(module, monkeypatch):
+    """An exported model folder has no kernels (importing them raises ImportError): on CUDA the norms and the Gated
+    DeltaNet gates then run in PyTorch instead of failing."""
+    import sys
+    import types
+
+    from lazoo.layers.mixers import delta as mixers
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import` of it raises ImportError
+    on_cuda = types.SimpleNamespace(is_cuda=True)
+    if module.endswith("rms_norm"):
+        assert norms.fused_norm_runs(on_cuda, None) is False
+    else:
+        assert mixers.gates_kernel_runs(on_cuda, None, None, None) is False
