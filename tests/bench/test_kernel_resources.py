@@ -87,9 +87,9 @@ def check_linear(report):
 
 def test_linear_kernels_fit_hopper_at_bamba_shapes(single_thread):
     """The gated linear-attention kernels as Mamba-2 runs them at Bamba-9B's shapes (128 value heads of 64 reading
-    one group of B and C, state 128, bf16, 64 heads a program in the output and gradient kernels) fit a Hopper
-    block. (Spills are allowed: the gradient kernel holds a chunk's dq and dk in float32; with Triton 3.9 it spills
-    240 bytes, where one head a program at value blocks of 64 spills 480.)"""
+    one group of B and C, state 128, bf16, 64 heads a program in the output kernel, one in the gradient kernel, as
+    the launcher runs it) fit a Hopper block. (Spills are allowed: the gradient kernel holds a chunk's dq and dk in
+    float32; with Triton 3.9 one head a program at value blocks of 64 spills 480 bytes.)"""
     check_linear(kernel_resources.linear_report(128, 64, heads=128, group=128, heads_per_program=64))
 
 

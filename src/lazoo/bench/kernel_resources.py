@@ -274,10 +274,11 @@ def normalized_report(dk: int = 128, dv: int = 128, scalars: int = 2, causal: bo
 
 
 def linear_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", heads: int = 16, group: int = 1,
-                  heads_per_program: int = 1) -> dict:
+                  heads_per_program: int = 1, bwd_heads_per_program: int = 1) -> dict:
     """The chunked (gated) linear-attention kernels (``lazoo.kernels.linear``), chunks of 64, with the decay, at
     their first launch settings, for q, k, v in ``dtype``: ``heads`` value heads, ``group`` of them per key head
-    (Mamba-2's groups), ``heads_per_program`` of them per program of the output and gradient kernels."""
+    (Mamba-2's groups), ``heads_per_program`` of them per program of the output kernel and
+    ``bwd_heads_per_program`` of the gradient kernel (the launcher runs it at one)."""
     import torch
 
     from lazoo.kernels import linear as kl
@@ -305,8 +306,8 @@ def linear_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", heads: int 
         q=x, do=x, g=f32, dh=hd, dht=f32, dh0=f32, cu_seqlens=i64, chunk_offsets=i64, scale="fp32", T="i32",
         **cx(c)), c, num_stages=2)
     first = dqkv_configs(dk, dv, two_byte)[0]  # as kl._bwd picks (value blocks of 64)
-    c = dict(meta, BK=dk, BV=first["BV"], HB=heads_per_program)
-    dqk = x if heads_per_program == group else f32  # float32 parts where a key head's heads take several programs
+    c = dict(meta, BK=dk, BV=first["BV"], HB=bwd_heads_per_program)
+    dqk = x if bwd_heads_per_program == group else f32  # float32 parts where a key head's heads take several programs
     out["backward: dq, dk, dv"] = measure(kl._bwd_dqkv_kernel, dict(
         q=x, k=x, v=x, g=f32, h=hd, do=x, dh=hd, dq=dqk, dk=dqk, dv=x, dg=f32, cu_seqlens=i64, chunk_indices=i64,
         scale="fp32", T="i32", TT="i32", **cx(c)), c, num_warps=first["num_warps"], num_stages=first["num_stages"])
@@ -458,8 +459,9 @@ def main() -> None:
     _print("Normalised linear attention with 2 scalar features (d = 128, bf16):", normalized_report())
     _print("The same, non-causal:", normalized_report(causal=False))
     _print("Gated linear attention (d = 128, bf16):", linear_report())
-    _print("Mamba-2 as gated linear attention at Bamba's shapes (128 heads of 64, state 128, one group, bf16, 64 "
-           "heads per program):", linear_report(128, 64, heads=128, group=128, heads_per_program=64))
+    _print("Mamba-2 as gated linear attention at Bamba's shapes (128 heads of 64, state 128, one group, bf16; the "
+           "output kernel at 64 heads a program, the gradient kernel at one):",
+           linear_report(128, 64, heads=128, group=128, heads_per_program=64))
     _print("GLA (d = 128, bf16):", gla_report())
     for dtype in ("bf16", "fp32"):
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))
