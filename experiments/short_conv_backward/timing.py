@@ -68,7 +68,7 @@ def with_L(L):
         grid = (triton.cdiv(T, L), triton.cdiv(C, BC), B)
         dx = torch.empty_like(x)
         dw_part = torch.empty(B, grid[0], C, K, dtype=torch.float32, device=dev)
-        ksc._bwd_kernel[grid](x, w, dy, dx, dw_part, T, C, L, K=K, SILU=silu, R=R, BC=BC, num_warps=warps)
+        ksc._bwd_kernel[grid](x, w, dy, dx, dw_part, T, C, T * C, C, L, K=K, SILU=silu, R=R, BC=BC, num_warps=warps)
         return dx, dw_part.sum((0, 1))
     return f
 

@@ -104,6 +104,33 @@ def test_interp_a_half_precision_weight_is_read_as_it_is(w_dtype):
 
 
 @needs_interp
+@pytest.mark.parametrize("silu", [True, False])
+def test_interp_a_slice_of_a_wider_projection_is_read_in_place(silu, monkeypatch):
+    """x as the middle third of a [B, T, 3C] projection (rows 3C apart): the kernels get it where it is (no copy),
+    with the same outputs and gradients as from a contiguous copy."""
+    from lazoo.kernels import short_conv as ksc
+
+    monkeypatch.setattr(ksc, "_bwd_blocks", lambda B, T, C: (5, 4, 16, 1))  # several runs and channel blocks
+    strides = []
+    apply = ksc._ShortConv.apply
+    monkeypatch.setattr(ksc._ShortConv, "apply", lambda x, *a: strides.append(x.stride()) or apply(x, *a))
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(2, 21, 3 * 20, generator=gen)
+    w = torch.randn(20, 1, 4, generator=gen) / 2
+    proj = torch.randn(2, 21, 20, generator=gen)
+    results = []
+    for x in (wide[..., 20:40].detach().requires_grad_(), wide[..., 20:40].contiguous().requires_grad_()):
+        wk = w.clone().requires_grad_()
+        y = ksc.short_conv(x, wk, "silu" if silu else None)
+        results.append((y, *torch.autograd.grad((y * proj).sum(), (x, wk))))
+    assert strides == [(21 * 60, 60, 1), (21 * 20, 20, 1)]
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = loop_reference(wide[..., 20:40].double(), w.double()[:, 0], silu)
+    torch.testing.assert_close(results[0][0].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_interp
 @pytest.mark.parametrize("L,R,BC", [(6, 4, 8), (4, 8, 16), (1, 1, 16)])
 @pytest.mark.parametrize("silu", [True, False])
 def test_interp_backward_runs_and_load_groups(L, R, BC, silu, monkeypatch):

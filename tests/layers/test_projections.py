@@ -47,3 +47,14 @@ def test_adapted_projections_run_one_by_one():
     got = project_together(x, mods)
     for g, m in zip(got, mods):
         torch.testing.assert_close(g, m(x), rtol=0, atol=0)
+
+
+def test_a_projection_with_a_forward_hook_runs_as_itself():
+    mods = linears()
+    seen = []
+    mods[1].register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    x = torch.randn(4, 2, 12, dtype=torch.float64)
+    got = project_together(x, mods)
+    assert seen == [(4, 2, 3)]  # the hook saw its module's call
+    for g, m in zip(got, mods):
+        torch.testing.assert_close(g, m(x), rtol=1e-13, atol=1e-13)

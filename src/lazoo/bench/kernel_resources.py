@@ -86,7 +86,7 @@ def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int =
     BT, BC, warps = ksc._blocks(channels)
     _, R, BCb, warps_b = ksc._bwd_blocks(1, 4096, channels)
     x = f"*{dtype}"
-    ints = {"T": "i32", "C": "i32"}
+    ints = {"T": "i32", "C": "i32", "SXB": "i64", "SX": "i32"}
     kernels = {
         "forward": (ksc._fwd_kernel, {"x": x, "w": "*fp32", "y": x, **ints, "K": "constexpr", "SILU": "constexpr",
                                       "BT": "constexpr", "BC": "constexpr"},

@@ -27,28 +27,29 @@ from .limits import SHORT_CONV_MAX_KERNEL_SIZE as MAX_KERNEL_SIZE
 
 
 @triton.jit
-def _pre(x, w, t, c, C, t_ok, c_ok, K: tl.constexpr):
-    """pre at rows ``t`` (``[BT]``) and channels ``c`` (``[BC]``) of one sample (``x`` points at its row 0),
-    fp32 ``[BT, BC]``."""
+def _pre(x, w, t, c, C, SX, t_ok, c_ok, K: tl.constexpr):
+    """pre at rows ``t`` (``[BT]``) and channels ``c`` (``[BC]``) of one sample (``x`` points at its row 0, rows
+    ``SX`` apart), fp32 ``[BT, BC]``."""
     acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
     for j in tl.static_range(K):
         src = t - (K - 1 - j)
         ok = (src >= 0) & t_ok
-        xv = tl.load(x + src[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
+        xv = tl.load(x + src[:, None] * SX + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
         wj = tl.load(w + c * K + j, mask=c_ok, other=0.0).to(tl.float32)
         acc += xv.to(tl.float32) * wj[None, :]
     return acc
 
 
 @triton.jit
-def _fwd_kernel(x, w, y, T, C, K: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _fwd_kernel(x, w, y, T, C, SXB, SX, K: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    x += b * T * C  # this sample (64-bit once; offsets inside it stay 32-bit)
-    y += b * T * C
+    x += b * SXB  # this sample (x's rows may be SX > C apart: a slice of a wider projection)
+    SX = tl.cast(SX, tl.int64)  # row offsets in 64 bits
+    y += b * T * C  # (64-bit once; offsets inside y's sample stay 32-bit)
     t = i_t * BT + tl.arange(0, BT)
     c = i_c * BC + tl.arange(0, BC)
     t_ok, c_ok = t < T, c < C
-    pre = _pre(x, w, t, c, C, t_ok, c_ok, K)
+    pre = _pre(x, w, t, c, C, SX, t_ok, c_ok, K)
     out = pre * tl.sigmoid(pre) if SILU else pre
     tl.store(y + t[:, None] * C + c[None, :], out.to(y.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
@@ -60,16 +61,16 @@ def _cols(c, C, ok):
 
 
 @triton.jit
-def _rows(p, t0, c, T, C, R: tl.constexpr):
-    """Rows t0 … t0 + R − 1 at channels ``c`` (zeros past T), in the stored dtype."""
+def _rows(p, t0, c, T, S, C, R: tl.constexpr):
+    """Rows t0 … t0 + R − 1 (``S`` apart) at channels ``c`` (zeros past T), in the stored dtype."""
     out = ()
     for i in tl.static_range(R):
-        out = out + (tl.load(p + (t0 + i) * C + c, mask=_cols(c, C, t0 + i < T), other=0.0),)
+        out = out + (tl.load(p + (t0 + i) * S + c, mask=_cols(c, C, t0 + i < T), other=0.0),)
     return out
 
 
 @triton.jit
-def _bwd_kernel(x, w, dy, dx, dw_part, T, C, L, K: tl.constexpr, SILU: tl.constexpr, R: tl.constexpr,
+def _bwd_kernel(x, w, dy, dx, dw_part, T, C, SXB, SX, L, K: tl.constexpr, SILU: tl.constexpr, R: tl.constexpr,
                 BC: tl.constexpr):
     """dx and dw for the rows [r0, r0 + L) of one sample at ``BC`` channels, walking time in order with the last
     K − 1 rows of x and of dpre in registers: each row of x and dy is loaded once and pre, dpre formed once (a
@@ -77,7 +78,8 @@ def _bwd_kernel(x, w, dy, dx, dw_part, T, C, L, K: tl.constexpr, SILU: tl.conste
     Rows are loaded R at a time to keep loads in flight. The run also reads the K − 1 rows of x before it, and
     x and dy at the K − 1 rows after it (dx_s needs dpre_{s+K−1}); those feed dx only."""
     i_r, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    x += b * T * C  # this sample (64-bit once; offsets inside it stay 32-bit)
+    x += b * SXB  # this sample (x's rows SX apart; dy's and dx's C apart)
+    SX = tl.cast(SX, tl.int64)  # row offsets in 64 bits: x's rows may be several times C apart
     dy += b * T * C
     dx += b * T * C
     c = i_c * BC + tl.arange(0, BC)
@@ -92,14 +94,14 @@ def _bwd_kernel(x, w, dy, dx, dw_part, T, C, L, K: tl.constexpr, SILU: tl.conste
     gs = ()  # dpre_{t−(K−1)} … dpre_{t−1}
     for j in tl.static_range(K - 1):
         row = r0 - (K - 1) + j
-        xs = xs + (tl.load(x + row * C + c, mask=_cols(c, C, row >= 0), other=0.0).to(tl.float32),)
+        xs = xs + (tl.load(x + row * SX + c, mask=_cols(c, C, row >= 0), other=0.0).to(tl.float32),)
         gs = gs + (zero,)
     dws = ()  # dw over this run, fp32
     for _ in tl.static_range(K):
         dws = dws + (zero,)
     for t0 in range(r0, r1 + K - 1, R):
-        xr = _rows(x, t0, c, T, C, R)
-        gr = _rows(dy, t0, c, T, C, R)
+        xr = _rows(x, t0, c, T, SX, C, R)
+        gr = _rows(dy, t0, c, T, C, C, R)
         for i in tl.static_range(R):
             t = t0 + i
             win = xs + (xr[i].to(tl.float32),)  # win[j] = x_{t−(K−1−j)}
@@ -164,8 +166,9 @@ class _ShortConv(torch.autograd.Function):
         B, T, C = x.shape
         K = w.shape[1]
         BT, BC, warps = _blocks(C)
-        y = torch.empty_like(x)
-        _fwd_kernel[_grid(B, T, C, BT, BC)](x, w, y, T, C, K=K, SILU=silu, BT=BT, BC=BC, num_warps=warps)
+        y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+        _fwd_kernel[_grid(B, T, C, BT, BC)](x, w, y, T, C, x.stride(0), x.stride(1), K=K, SILU=silu, BT=BT, BC=BC,
+                                            num_warps=warps)
         ctx.save_for_backward(x, w)
         ctx.silu = silu
         return y
@@ -177,10 +180,10 @@ class _ShortConv(torch.autograd.Function):
         K = w.shape[1]
         L, R, BC, warps = _bwd_blocks(B, T, C)
         grid = (triton.cdiv(T, L), triton.cdiv(C, BC), B)
-        dx = torch.empty_like(x)
+        dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
         dw_part = torch.empty(B, grid[0], C, K, dtype=torch.float32, device=x.device)
-        _bwd_kernel[grid](x, w, dy.contiguous(), dx, dw_part, T, C, L, K=K, SILU=ctx.silu, R=R, BC=BC,
-                          num_warps=warps)
+        _bwd_kernel[grid](x, w, dy.contiguous(), dx, dw_part, T, C, x.stride(0), x.stride(1), L, K=K, SILU=ctx.silu,
+                          R=R, BC=BC, num_warps=warps)
         return dx, dw_part.sum((0, 1)).to(w.dtype), None
 
 
@@ -207,4 +210,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None = "
     w = weight.reshape(weight.shape[0], -1).contiguous()  # read in its own dtype: no cast op a call
     if w.dtype not in SUPPORTED_DTYPES:
         w = w.float()
-    return _ShortConv.apply(x.contiguous(), w, activation == "silu")
+    if x.stride(-1) != 1:  # the kernels read rows of unit channel stride, any row and sample strides
+        x = x.contiguous()
+    return _ShortConv.apply(x, w, activation == "silu")

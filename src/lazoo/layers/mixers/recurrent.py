@@ -15,6 +15,7 @@ from torch import nn
 
 from ..mlp import silu_mul
 from ..norms import RMSNorm, norm_keeping_only_input, norm_then_silu_gate
+from ..projections import project_together
 from .base import ShortConvProjections, TokenMixer
 
 
@@ -196,7 +197,12 @@ class RecurrentMixer(TokenMixer):
             o, op_state, conv_state = self.fused_step(x, entry, mask, in_place=cache.static)
             self.write_state(cache, {"op": op_state, "conv": conv_state})
             return self.o_proj(o)
-        qkv = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
+        if x.shape[1] > 1 and self.short_conv is not None and set(self.short_conv.convs) == set("qkv"):
+            # q, k and v in one product (at a few thousand tokens the host's time per op sets a layer's cost); their
+            # short convolutions read the three slices where they are
+            qkv = dict(zip("qkv", project_together(x, [self.q_proj, self.k_proj, self.v_proj])))
+        else:
+            qkv = {"q": self.q_proj(x), "k": self.k_proj(x), "v": self.v_proj(x)}
         conv_state = None
         if self.short_conv is not None:
             convolved, conv_state = self.short_conv({n: qkv[n] for n in self.short_conv.convs}, mask,
