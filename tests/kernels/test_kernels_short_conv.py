@@ -340,3 +340,22 @@ def test_gpu_backward_is_deterministic():
     runs = [torch.autograd.grad(short_conv(x, w), (x, w), dy) for _ in range(3)]
     for gx, gw in runs[1:]:
         assert torch.equal(gx, runs[0][0]) and torch.equal(gw, runs[0][1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_slice_of_a_wider_projection_equals_its_copy():
+    """x as the k slice of a [2, 2048, 3 · 768] bf16 projection (rows 2304 apart) and a bf16 weight: the same bits as
+    from a contiguous copy, forward and backward."""
+    from lazoo.kernels.short_conv import short_conv
+
+    wide = torch.randn(2, 2048, 3 * 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 1, 4, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2, 2048, 768, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for x in (wide[..., 768:1536], wide[..., 768:1536].contiguous()):
+        x, wk = x.detach().requires_grad_(), w.clone().requires_grad_()
+        y = short_conv(x, wk)
+        out.append((y, *torch.autograd.grad(y, (x, wk), dy)))
+    for got, want in zip(*out):
+        assert torch.equal(got, want)
