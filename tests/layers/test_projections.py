@@ -58,3 +58,28 @@ def test_a_projection_with_a_forward_hook_runs_as_itself():
     assert seen == [(4, 2, 3)]  # the hook saw its module's call
     for g, m in zip(got, mods):
         torch.testing.assert_close(g, m(x), rtol=1e-13, atol=1e-13)
+
+
+def test_a_recurrent_layer_projects_q_k_and_v_together_for_a_prompt_but_not_for_a_decode_step(monkeypatch):
+    """A layer whose short convolutions take q, k and v: one product for T > 1 (the same output as three), the
+    three projections one by one for a single token."""
+    from transformers import AutoConfig
+
+    from lazoo.layers.mixers import mixer_class, recurrent
+
+    calls = []
+    monkeypatch.setattr(recurrent, "project_together", lambda x, mods: calls.append(len(mods)) or
+                        project_together(x, mods))
+    config = AutoConfig.for_model("lazoo_gated_delta_net", hidden_size=32, num_attention_heads=4)
+    torch.manual_seed(0)
+    layer = mixer_class("gated_delta_net")(config, 0, config.mixer_options("gated_delta_net")).double()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    together = layer(x)
+    assert calls == [3]
+    monkeypatch.setattr(recurrent, "project_together", lambda x, mods: [m(x) for m in mods])
+    torch.testing.assert_close(together, layer(x), rtol=1e-12, atol=1e-12)
+    calls.clear()
+    monkeypatch.setattr(recurrent, "project_together", lambda x, mods: calls.append(len(mods)) or
+                        project_together(x, mods))
+    layer(x[:, :1])
+    assert calls == []
