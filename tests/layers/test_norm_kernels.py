@@ -42,6 +42,15 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+def random_norm(dim: int, eps: float) -> norms.RMSNorm:
+    """An `RMSNorm` with a random weight (seed 0)."""
+    torch.manual_seed(0)
+    norm = norms.RMSNorm(dim, eps=eps)
+    with torch.no_grad():
+        norm.weight.normal_()
+    return norm
+
+
 def values_and_grads(fn, *inputs):
     inputs = [x.detach().clone().requires_grad_() for x in inputs]
     out = fn(*inputs)
@@ -52,10 +61,7 @@ def values_and_grads(fn, *inputs):
 
 @needs_interp
 def test_interp_a_norm_of_mixed_dtypes_runs_the_kernel_and_one_of_one_dtype_does_not(kernel_calls):
-    torch.manual_seed(0)
-    norm = norms.RMSNorm(24, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.normal_()
+    norm = random_norm(24, 1e-5)
     x = torch.randn(3, 7, 24)
     same, _ = values_and_grads(norm, x)
     zero_centered = norms.rms_norm(24, 1e-5, zero_centered=True)
@@ -75,10 +81,7 @@ def test_interp_a_norm_of_mixed_dtypes_runs_the_kernel_and_one_of_one_dtype_does
 
 @needs_interp
 def test_interp_output_norm_and_silu_gate_in_one_kernel(kernel_calls):
-    torch.manual_seed(0)
-    norm = norms.RMSNorm(16, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.normal_()
+    norm = random_norm(16, 1e-6)
     o, gate = torch.randn(2, 5, 3, 16), torch.randn(2, 5, 3, 16)
     fused, fused_grads = values_and_grads(
         lambda o, g, w: norms.norm_then_silu_gate(_with_weight(norm, w), o, g), o, gate, norm.weight)
