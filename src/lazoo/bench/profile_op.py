@@ -5,6 +5,7 @@
     python -m lazoo.bench.profile_op --op ovq_pytorch_assign --T 4096   # the same with the PyTorch assignments
     python -m lazoo.bench.profile_op --op vla --T 32768 --B 1           # lazoo.bench.vla's shape (H=16, d=128)
     python -m lazoo.bench.profile_op --op gla --T 8192 --fla            # fla's chunk_gla at the same shape
+    python -m lazoo.bench.profile_op --op mamba2 --T 8192 [--fla]       # lazoo.bench.mamba2's op (Bamba-9B's shapes)
 
 The kernels benchmark's ops run at its shape (32k tokens a batch, H = 16, bf16). Prints the wall time of one step
 (median of --repeats after warm-up), the GPU-busy time inside it, and the top --rows entries by GPU time and by host
@@ -81,22 +82,48 @@ def vla_step(T: int, B: int):
     return step
 
 
+def mamba2_step(T: int, fla: bool = False, argv=()):
+    """One forward + backward of ``lazoo.bench.mamba2``'s op at its shapes (``argv``: that benchmark's options, its
+    defaults Bamba-9B's), lazoo's ``ops.mamba2`` or (``fla``) fla's ``chunk_simple_gla`` on the same mapped inputs."""
+    from lazoo_cli.bench import bench_parser
+
+    from . import mamba2
+
+    args = bench_parser("mamba2").parse_args(list(argv))
+    run = mamba2.lazoo_op(args)
+    if fla:
+        chunk_simple_gla, version = mamba2.load_fla_simple_gla(args.device)
+        if chunk_simple_gla is None:
+            sys.exit(f"fla's chunk_simple_gla cannot run here ({version})")
+        run = mamba2.fla_op(chunk_simple_gla)
+    x = {n: t.requires_grad_() for n, t in mamba2.op_inputs(max(1, args.tokens // T), T, args).items()}
+    do = torch.randn_like(run(x))  # a ready output gradient
+
+    def step():
+        run(x).backward(do)
+        for t in x.values():
+            t.grad = None
+    step.inputs = x
+    return step
+
+
 def op_names() -> list[str]:
     from .kernel_ops import kernel_ops
 
-    return sorted(kernel_ops()) + ["ovq", "ovq_pytorch_assign", "vla"]
+    return sorted(kernel_ops()) + ["mamba2", "ovq", "ovq_pytorch_assign", "vla"]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lazoo.bench.profile_op", description=__doc__.splitlines()[0])
-    ap.add_argument("--op", required=True, help="an op of lazoo.bench.kernel_ops, or ovq / ovq_pytorch_assign / vla")
+    ap.add_argument("--op", required=True,
+                    help="an op of lazoo.bench.kernel_ops, or mamba2 / ovq / ovq_pytorch_assign / vla")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--B", type=int, default=1, help="batch size of the vla op")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fla", action="store_true",
-                    help="profile fla's form of a kernels-benchmark op instead of lazoo's")
+                    help="profile fla's form of a kernels-benchmark op (or of mamba2) instead of lazoo's")
     args = ap.parse_args(argv)
     known = op_names()
     if args.op not in known:
@@ -107,6 +134,8 @@ def main(argv=None):
         step = ovq_step(args.T, triton_assign=args.op != "ovq_pytorch_assign")
     elif args.op == "vla":
         step = vla_step(args.T, args.B)
+    elif args.op == "mamba2":
+        step = mamba2_step(args.T, fla=args.fla)
     else:
         step = kernel_op_step(args.op, args.T, args.D, fla=args.fla)
     for _ in range(2):  # compile and autotune outside the profile
