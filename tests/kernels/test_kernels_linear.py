@@ -208,7 +208,7 @@ def recorded_grids(monkeypatch) -> list:
 def test_interp_grouped_heads_match_reference(heads, monkeypatch):
     """q and k with 2 heads, v and g with 8 (4 per key head), against the float64 reference that repeats q and k:
     all 4 heads of a key head in one output program (the launcher's choice on the CPU; the gradient kernel takes
-    one), or one or two per program in both (the gradients of q and k summed from 4 or 2 float32 parts), with left
+    one), or one or two per program in both (the gradients of q and k summed from 4 or 2 parts in q's dtype), with left
     padding, a hole and a carried state."""
     heads_per_program(monkeypatch, heads)
     grids = recorded_grids(monkeypatch)
@@ -455,7 +455,7 @@ def test_gpu_cu_seqlens_and_decode(dtype, grouped):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_grouped_heads_match_float64(dtype, heads, monkeypatch):
     """Mamba-2's shape at a smaller scale: one key head of dk = 128 serving 16 value heads of 64, with a left-padded
-    row; the heads per program the launcher picks, or one or four (dq, dk summed from 16 or 4 float32 parts)."""
+    row; the heads per program the launcher picks, or one or four (dq, dk summed from 16 or 4 parts in q's dtype)."""
     heads_per_program(monkeypatch, heads)
     B, T, HK, m, dk, dv = 2, 1000, 1, 16, 128, 64
     q, k, v, g = grouped_inputs(B, T, HK, m, dk, dv, seed=31)

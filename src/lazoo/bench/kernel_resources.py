@@ -307,9 +307,8 @@ def linear_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", heads: int 
         **cx(c)), c, num_stages=2)
     first = dqkv_configs(dk, dv, two_byte)[0]  # as kl._bwd picks (value blocks of 64)
     c = dict(meta, BK=dk, BV=first["BV"], HB=bwd_heads_per_program)
-    dqk = x if bwd_heads_per_program == group else f32  # float32 parts where a key head's heads take several programs
-    out["backward: dq, dk, dv"] = measure(kl._bwd_dqkv_kernel, dict(
-        q=x, k=x, v=x, g=f32, h=hd, do=x, dh=hd, dq=dqk, dk=dqk, dv=x, dg=f32, cu_seqlens=i64, chunk_indices=i64,
+    out["backward: dq, dk, dv"] = measure(kl._bwd_dqkv_kernel, dict(  # dq and dk (or their parts) in q's dtype
+        q=x, k=x, v=x, g=f32, h=hd, do=x, dh=hd, dq=x, dk=x, dv=x, dg=f32, cu_seqlens=i64, chunk_indices=i64,
         scale="fp32", T="i32", TT="i32", **cx(c)), c, num_warps=first["num_warps"], num_stages=first["num_stages"])
     c = dict(H=heads, HK=heads // group, K=dk, V=dv, BK=dk, BV=min(32, dv), USE_G=True, USE_S0=True, NORMALIZE=False,
              STORE_ST=True)

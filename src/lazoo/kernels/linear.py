@@ -30,9 +30,9 @@ a decay: ``lazoo.kernels._segments``).
 
 Grouped heads: q and k may have HK heads and v, g, the states H = m·HK, value head h reading q and k of head
 h // m (Mamba-2's B and C groups). The output and gradient kernels take a block of HB value heads of one key head
-per program: their scores q k^T are formed once, and the backward sums dq and dk over the block's heads in the
-program (where a key head's m heads take several programs, in float32 parts summed afterwards), so no per-head
-copy of q, k, dq or dk is ever written.
+per program: their scores q k^T are formed once, and no per-head copy of q or k is written. The backward sums dq and
+dk over a program's heads; where a key head's m heads take several programs (the backward runs one head a program),
+each writes its part in q's dtype and the parts are summed afterwards in float32.
 
 Conventions (see lazoo.ops): q/k ``[B, T, HK, dk]``, v ``[B, T, H, dv]``, g ``[B, T, H]``, states
 ``[N, H, dv, dk]`` in float32; ``cu_seqlens`` packs N sequences into B = 1. Inputs may be fp32,
@@ -505,11 +505,10 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
     HB = FORCE_HEADS_PER_PROGRAM or 1
     if (c.H // c.HK) % HB:
         raise ValueError(f"FORCE_HEADS_PER_PROGRAM = {HB} must divide the {c.H // c.HK} value heads per key head")
-    parts = c.H // c.HK // HB  # programs per key head: each sums dq and dk over its heads, in float32 parts
-    if parts == 1:
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-    else:
-        dq, dk = (torch.empty(parts, *q.shape, dtype=torch.float32, device=dev) for _ in range(2))
+    parts = c.H // c.HK // HB  # programs per key head: each writes the sum of dq and dk over its heads
+    # the parts in q's dtype, summed below in float32 (as fla sums its per-head dq and dk): half the bytes of float32
+    # parts, which at Mamba-2's shapes (128 heads of one group, one part each) are 2 GiB each for dq and dk a 32k tokens
+    dq, dk = (torch.empty(parts, *q.shape, dtype=q.dtype, device=dev) for _ in range(2))
     dv = torch.empty_like(v)
     dg = torch.empty(c.B, c.T, c.H, dtype=torch.float32, device=dev) if g is not None else None
     BK = next_pow2(c.K)
@@ -518,8 +517,7 @@ def _bwd(c: _Ctx, q, k, v, g, scale, h, do, dht, want_dh0):
                          q, k, v, g, h, do, dh, dq, dk, dv, dg, c.cu, c.chunk_indices, scale, c.T, c.B * c.T,
                          H=c.H, HK=c.HK, K=c.K, V=c.V, BT=c.BT, BK=BK, HB=HB, USE_G=g is not None,
                          IS_VARLEN=c.varlen, PREC=c.prec)
-    if parts > 1:
-        dq, dk = dq.sum(0).to(q.dtype), dk.sum(0).to(k.dtype)
+    dq, dk = (x[0] if parts == 1 else x.sum(0, dtype=torch.float32).to(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dg, dh0
 
 
