@@ -1,7 +1,7 @@
-"""lazoo.bench.kernel_resources: lazoo's short-convolution kernels compiled for sm_90 without a GPU fit a Hopper
-block (shared memory) and do not spill at their launch settings, OVQ's, the gated and the normalised
-linear-attention, GLA's and Kimi Delta Attention's kernels compile and fit; an oversized tile is reported as over the
-limit, so the check can fail."""
+"""lazoo.bench.kernel_resources: lazoo's short-convolution kernels and Mamba-2's element-wise kernels compiled for
+sm_90 without a GPU fit a Hopper block (shared memory) and do not spill at their launch settings; OVQ's, the gated
+and the normalised linear-attention, GLA's and Kimi Delta Attention's kernels compile and fit; an oversized tile is
+reported as over the limit, so the check can fail."""
 
 import pytest
 
@@ -12,6 +12,16 @@ from lazoo.bench import kernel_resources  # noqa: E402
 def test_short_conv_kernels_fit_hopper(single_thread):
     report = kernel_resources.short_conv_report()
     assert set(report) == {"forward", "backward"}
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
+
+
+def test_ssd_io_kernels_fit_hopper(single_thread):
+    """Mamba-2's element-wise kernels (dt·x and the D skip, both directions) compile for sm_90 without spilling."""
+    report = kernel_resources.ssd_io_report()
+    assert len(report) == 4, report
     for name, r in report.items():
         assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)

@@ -98,6 +98,27 @@ def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int =
     return {name: measure(fn, sig, ce, num_warps=w) for name, (fn, sig, ce, w) in kernels.items()}
 
 
+def ssd_io_report(dtype: str = "bf16", head_dim: int = 64, heads: int = 128) -> dict:
+    """Mamba-2's element-wise kernels around its SSD (v = dt·x and the D skip, both directions) at the tile their
+    launcher picks for ``heads`` heads of ``head_dim`` over 32k tokens."""
+    from lazoo.kernels import ssd_io
+    from lazoo.kernels._utils import next_pow2
+
+    BP = next_pow2(head_dim, 1)
+    BR = max(1, 2048 // BP)  # the launcher's tile at 32k tokens (many programs an SM)
+    warps = min(8, max(1, BR * BP // 256))
+    x = f"*{dtype}"
+    dims = {"R": "i32", "H": "i32", "P": "i32", "SX": "i64", "BR": "constexpr", "BP": "constexpr"}
+    ce = {"BR": BR, "BP": BP}
+    kernels = {
+        "scale: forward": (ssd_io._scale_fwd_kernel, {"x": x, "dt": "*fp32", "v": x}),
+        "scale: backward": (ssd_io._scale_bwd_kernel, {"x": x, "dt": "*fp32", "dv": x, "dx": x, "ddt": "*fp32"}),
+        "skip: forward": (ssd_io._skip_fwd_kernel, {"y": x, "x": x, "D": "*fp32", "out": x}),
+        "skip: backward": (ssd_io._skip_bwd_kernel, {"x": x, "D": "*fp32", "dout": x, "dx": x, "d_rows": "*fp32"}),
+    }
+    return {name: measure(fn, {**sig, **dims}, ce, num_warps=warps) for name, (fn, sig) in kernels.items()}
+
+
 def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq.attention`` and ``.assign``):
     the assignments' search and merge (fp32), the version tables' two walks (``.versions``), the chunk attention's
@@ -461,6 +482,7 @@ def main() -> None:
     _print("Mamba-2 as gated linear attention at Bamba's shapes (128 heads of 64, state 128, one group, bf16; the "
            "output kernel at 64 heads a program, the gradient kernel at one):",
            linear_report(128, 64, heads=128, group=128, heads_per_program=64))
+    _print("Mamba-2's dt·x and D skip (heads of 64, bf16):", ssd_io_report())
     _print("GLA (d = 128, bf16):", gla_report())
     for dtype in ("bf16", "fp32"):
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))

@@ -1,5 +1,6 @@
 """Device functions the chunked kernels share (lazoo.kernels.linear, .gla, .normalized): which sequence, chunk and
-state tile a program owns, its state tiles' loads and stores, and ``tl.dot`` on operands of one type.
+state tile a program owns, its state tiles' loads and stores, ``tl.dot`` on operands of one type, and a float32 value
+rounded to a pointer's element type the same way in the interpreter and on a GPU (the element-wise kernels).
 
 Chunked kernels split every sequence into chunks of ``BT`` tokens that never straddle a packed sequence. Without
 ``cu_seqlens`` a row is a sample (B rows of T tokens); with it, B = 1 and row i_n is the packed sequence
@@ -97,3 +98,14 @@ def chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H: tl.constexpr, BT: t
 def dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     """``a @ b`` with operands cast to DT (a no-op for tiles loaded raw) and fp32 (fp64) accumulation."""
     return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def rounded_for(x, ptr):
+    """fp32 ``x`` in ``ptr``'s element type, rounded to nearest even. The interpreter truncates fp32 to bf16 (the
+    GPU rounds), so bf16 is rounded here on the bits first and the cast is exact on both (x finite)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(ptr.dtype.element_ty)

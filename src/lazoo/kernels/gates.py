@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tiles import rounded_for
 from ._utils import device_unsupported, next_pow2, num_sms
 from .limits import GATES_MAX_HEADS as MAX_HEADS
 from .limits import KERNEL_DTYPES as SUPPORTED_DTYPES
@@ -47,17 +48,6 @@ def _softplus(z):
 
 
 @triton.jit
-def _stored(x, ptr):
-    """fp32 ``x`` in ``ptr``'s element type, rounded to nearest even. The interpreter truncates fp32 to bf16 (the
-    GPU rounds), so bf16 is rounded here on the bits first and the cast is exact on both (x finite)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        x = u.to(tl.float32, bitcast=True)
-    return x.to(ptr.dtype.element_ty)
-
-
-@triton.jit
 def _tile(R, H, BR: tl.constexpr, BH: tl.constexpr):
     """This program's rows' element offsets ``[BR, BH]``, their mask, the heads ``[BH]`` and their mask."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -79,7 +69,7 @@ def _fwd_kernel(a, b, A_log, dt_bias, g, beta, R, H, HAS_B: tl.constexpr, NEG_EI
             # doubled before the rounding: torch's 2 * sigmoid(b), except for fp16 betas below 2^-14 (b < −9.7),
             # which are subnormal there (their rounding does not commute with the doubling)
             s = 2.0 * s
-        tl.store(beta + offs, _stored(s, beta), mask=ok)
+        tl.store(beta + offs, rounded_for(s, beta), mask=ok)
 
 
 @triton.jit
@@ -93,7 +83,7 @@ def _bwd_kernel(a, b, A_log, dt_bias, dg, dbeta, da, db, part, R, H, HAS_DG: tl.
         d = tl.load(dg + offs, mask=ok, other=0).to(tl.float32)  # 0 outside the tile: no contribution below
         # softplus' = sigmoid(z) (= 1 in fp32 above the threshold, as torch's backward there)
         d_z = d * -r[None, :] * tl.sigmoid(z)
-        tl.store(da + offs, _stored(d_z, da), mask=ok)
+        tl.store(da + offs, rounded_for(d_z, da), mask=ok)
         # this program's partial sums: row 0 dA_log (Σ dg · g), row 1 d dt_bias (Σ da)
         p = part + tl.program_id(0).to(tl.int64) * 2 * H + h
         tl.store(p, tl.sum(d * (-r[None, :] * _softplus(z)), 0), mask=h_ok)
@@ -103,7 +93,7 @@ def _bwd_kernel(a, b, A_log, dt_bias, dg, dbeta, da, db, part, R, H, HAS_DG: tl.
         d_b = tl.load(dbeta + offs, mask=ok, other=0).to(tl.float32) * s * (1.0 - s)
         if NEG_EIGVAL:
             d_b = 2.0 * d_b
-        tl.store(db + offs, _stored(d_b, db), mask=ok)
+        tl.store(db + offs, rounded_for(d_b, db), mask=ok)
 
 
 def _blocks(R: int, H: int, device) -> tuple[int, int, int]:

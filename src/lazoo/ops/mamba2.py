@@ -16,16 +16,19 @@ groups as grouped query/key heads (value head h reads group h // (H / G)), v = d
 1. Every backend of that op serves it ("recurrent", "chunk" and the Triton kernels of lazoo.kernels.linear, which
 read each group's B and C in place and sum their gradients over the group's heads); the skip D · x is added
 outside. dt · A is formed in float32 (float64 stays) and handed to the kernels in float32 for half-precision inputs.
+Where those kernels run, v = dt · x and the skip are ``lazoo.kernels.ssd_io``'s kernels (the same arithmetic, in
+one launch each way each).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .backend import resolve_backend
 from .boundary import apply_mask, zero_masked
 from .checks import check_float, check_same_device, queue_range_check
 from .dtypes import compute_dtype, without_autocast
-from .linear import gated_linear_attention_as
+from .linear import gated_linear_attention_as, linear_kernel_unsupported
 
 __all__ = ["mamba2"]
 
@@ -45,16 +48,34 @@ def mamba2(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, 
     cdt = compute_dtype(x.dtype)
     dt_c = dt.to(cdt)
     g = dt_c * A.to(cdt)  # the log decay dt·A <= 0, [B, T, H]
-    v = (dt_c[..., None] * x.to(cdt)).to(x.dtype)
+    io = _io_kernels(x, dt, C, D, backend)
+    v = io.scale_by_dt(x, dt) if io else (dt_c[..., None] * x.to(cdt)).to(x.dtype)
     y, state = gated_linear_attention_as(
         op, C, B, v, g, scale=1.0, chunk_size=chunk_size,
         initial_state=initial_state, output_final_state=output_final_state, mask=mask, backend=backend,
         cu_seqlens=cu_seqlens, check_g=False, fp32_gate=True)
     report_dt()
     report_A()
-    if D is not None:  # x is zero at the pads: so is D·x
+    if D is not None and io:  # x and y are zero at the pads: so is y + D·x
+        y = io.add_skip(y, x, D)
+    elif D is not None:
         y = (y.to(cdt) + D.to(cdt)[:, None] * zero_masked(x, mask).to(cdt)).to(x.dtype)
     return y, state
+
+
+def _io_kernels(x, dt, C, D, backend):
+    """``lazoo.kernels.ssd_io`` where it computes v = dt·x and the D skip (one launch each way for each, where
+    PyTorch runs chains of casts through float32 copies of x): where the Triton kernels run the op (the choice
+    ``gated_linear_attention`` makes), not while torch.compile traces (it fuses the PyTorch form itself); else None."""
+    if torch.compiler.is_compiling():
+        return None
+    if resolve_backend("mamba2", backend, x.device, linear_kernel_unsupported(C, x), log_fallback=False) != "triton":
+        return None
+    try:
+        from ..kernels import ssd_io  # defines the kernels: only where they can run
+    except ImportError:  # an exported model folder: no kernels there
+        return None
+    return ssd_io if ssd_io.check_supported(x, dt, D) is None else None
 
 
 def _check_inputs(op, x, dt, A, B, C, D) -> None:

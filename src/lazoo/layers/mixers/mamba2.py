@@ -199,7 +199,7 @@ register(Mechanism(
     source=("Dao, Gu 2024, Transformers are SSMs: Generalized Models and Efficient Algorithms Through Structured "
             "State Space Duality"),
     state='{"op": S [B, H, P, N], "conv": the convolution tail [B, conv_kernel − 1, H·P + 2·G·N]}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear",),
+    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.linear", "lazoo.kernels.ssd_io"),
     option_docs={
         "num_heads": "SSM heads H (None: num_attention_heads)",
         "head_dim": "channels P of each head (None: 2·hidden_size / num_heads, i.e. expand = 2)",
