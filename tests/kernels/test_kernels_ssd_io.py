@@ -24,20 +24,18 @@ F64 = torch.float64
 
 
 def inputs(dtype, dt_dtype, device="cpu", B=2, T=7, H=3, P=12, seed=0):
-    """x as the middle slice of a wider projection's output (tokens strided), dt > 0, y, D, and output gradients."""
+    """x as the middle slice of a wider projection's output (tokens strided), dt > 0 in ``dt_dtype``, y, D (float32)
+    and the output gradients."""
     gen = torch.Generator().manual_seed(seed)
-    wide = torch.randn(B, T, H * P + 9, generator=gen)
-    x = wide[..., 4:4 + H * P].unflatten(-1, (H, P))
-    dt = torch.nn.functional.softplus(torch.randn(B, T, H, generator=gen))
-    y, dv, dout = (torch.randn(B, T, H, P, generator=gen) for _ in range(3))
-    D = torch.randn(H, generator=gen)
-    t = {"x": x, "dt": dt.to(dt_dtype), "y": y, "D": D, "dv": dv, "dout": dout}
-    t = {n: v.to(device, dtype if n in ("x", "y", "dv", "dout") else v.dtype if n != "D" else torch.float32)
-         for n, v in t.items()}
-    t["x"] = t["x"] if dtype == torch.float32 and device == "cpu" else \
-        torch.empty(B, T, H * P + 9, dtype=dtype, device=device)[..., 4:4 + H * P].unflatten(-1, (H, P)).copy_(t["x"])
-    assert not t["x"].is_contiguous()
-    return t
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    x = randn(B, T, H * P + 9)[..., 4:4 + H * P].unflatten(-1, (H, P))
+    assert not x.is_contiguous()
+    dt = torch.nn.functional.softplus(randn(B, T, H, dtype=torch.float32)).to(dt_dtype)
+    return {"x": x, "dt": dt, "y": randn(B, T, H, P), "D": randn(H, dtype=torch.float32), "dv": randn(B, T, H, P),
+            "dout": randn(B, T, H, P)}
 
 
 def pytorch_forms(t):
