@@ -149,3 +149,15 @@ def rls_closed_form(q, k, v, lam, gamma=1.0):
     eye = torch.eye(q.shape[-1], dtype=torch.float64)
     z = torch.linalg.solve(KK + lam * eye, q[..., None])
     return (VK @ z)[..., 0]
+
+
+def prefill_then_steps(run, T: int, cut: int, state=None, step: int = 3):
+    """``run(slice, state)`` -> (output, state) over a prompt of ``cut`` tokens, then ``step`` tokens at a time up to
+    ``T`` from the state each call leaves, without autograd: (the outputs concatenated in time, the last state)."""
+    with torch.no_grad():
+        o, state = run(slice(0, cut), state)
+        outs = [o]
+        for i in range(cut, T, step):
+            o, state = run(slice(i, i + step), state)
+            outs.append(o)
+    return torch.cat(outs, 1), state

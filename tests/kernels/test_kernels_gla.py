@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask
+from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, prefill_then_steps
 
 from lazoo import ops
 
@@ -148,13 +148,8 @@ def test_interp_gla_prefill_then_decode_equals_one_pass():
     run = lambda sl, st, backend: ops.gla(*(t[n][:, sl] for n in "qkvg"), initial_state=st,  # noqa: E731
                                           output_final_state=True, backend=backend)
     ref_o, ref_s = run(slice(None), None, "recurrent")
-    with torch.no_grad():
-        o1, s = run(slice(0, cut), None, "triton")
-        outs = [o1]
-        for i in range(cut, T, 3):
-            o_t, s = run(slice(i, i + 3), s, "triton")
-            outs.append(o_t)
-    assert_close(torch.cat(outs, 1), ref_o, 1e-5, "prefill + decode output")
+    o, s = prefill_then_steps(lambda sl, st: run(sl, st, "triton"), T, cut)
+    assert_close(o, ref_o, 1e-5, "prefill + decode output")
     assert_state_close(s, ref_s, 1e-5, "prefill + decode state")
 
 

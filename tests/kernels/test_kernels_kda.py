@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from op_helpers import assert_close, forward_and_grads, kda_inputs, left_pad_mask, record_launches
+from op_helpers import assert_close, forward_and_grads, kda_inputs, left_pad_mask, prefill_then_steps, record_launches
 
 from lazoo import ops
 
@@ -81,13 +81,8 @@ def test_interp_kda_prefill_then_decode_equals_one_pass():
                                           output_final_state=True, backend=backend)
     ref_o, ref_s = ops.kda(*(x[n].double() for n in NAMES), initial_state=x["S0"].double(), output_final_state=True,
                            backend="recurrent")
-    with torch.no_grad():
-        o, s = run(slice(0, cut), x["S0"], "triton")
-        outs = [o]
-        for i in range(cut, T, 3):
-            o, s = run(slice(i, i + 3), s, "triton")
-            outs.append(o)
-    assert_close(torch.cat(outs, 1), ref_o, 1e-5, "prefill + decode output")
+    o, s = prefill_then_steps(lambda sl, st: run(sl, st, "triton"), T, cut, x["S0"])
+    assert_close(o, ref_o, 1e-5, "prefill + decode output")
     assert_close(s, ref_s, 1e-5, "prefill + decode state")
 
 

@@ -14,7 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import assert_close, assert_state_close, forward_and_grads, left_pad_mask, record_launches
+from op_helpers import (
+    assert_close,
+    assert_state_close,
+    forward_and_grads,
+    left_pad_mask,
+    prefill_then_steps,
+    record_launches,
+)
 
 from lazoo import ops
 
@@ -183,13 +190,8 @@ def test_interp_prefill_then_decode_equals_one_pass(name):
         run = lambda sl, st, backend: ops.linear_attention(  # noqa: E731
             q[:, sl], k[:, sl], v[:, sl], initial_state=st, output_final_state=True, backend=backend)
     ref_o, ref_s = run(slice(None), None, "recurrent")
-    with torch.no_grad():
-        o1, s = run(slice(0, cut), None, "triton")
-        outs = [o1]
-        for t in range(cut, T, 2):  # steps of 2 tokens and a last one of 2
-            o_t, s = run(slice(t, t + 2), s, "triton")
-            outs.append(o_t)
-    assert_close(torch.cat(outs, 1), ref_o, 1e-5, "prefill + decode output")
+    o, s = prefill_then_steps(lambda sl, st: run(sl, st, "triton"), T, cut, step=2)  # two steps of 2 tokens
+    assert_close(o, ref_o, 1e-5, "prefill + decode output")
     assert_state_close(s, ref_s, 1e-5, "prefill + decode state")
 
 
