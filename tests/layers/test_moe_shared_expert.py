@@ -316,7 +316,8 @@ def test_moe_layers_follow_qwen3_next(step, mlp_only, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.moe_layers == moe_layers and loaded.config.moe_norm_top_k is True
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
+        # equal to float32 rounding (a BLAS may round other allocations of the same weights differently)
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-7)
 
 
 def test_pads_change_no_real_token_and_stay_out_of_the_aux_loss():
