@@ -101,12 +101,12 @@ def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int =
 def ssd_io_report(dtype: str = "bf16", head_dim: int = 64, heads: int = 128) -> dict:
     """Mamba-2's element-wise kernels around its SSD (v = dt·x and the D skip, both directions) at the tile their
     launcher picks for ``heads`` heads of ``head_dim`` over 32k tokens."""
-    from lazoo.kernels import ssd_io
-    from lazoo.kernels._utils import next_pow2
+    import torch
 
-    BP = next_pow2(head_dim, 1)
-    BR = max(1, 2048 // BP)  # the launcher's tile at 32k tokens (many programs an SM)
-    warps = min(8, max(1, BR * BP // 256))
+    from lazoo.kernels import ssd_io
+
+    # the launcher's tile for 32k tokens (many programs an SM, so the device's SM count does not enter)
+    BR, BP, warps = ssd_io._blocks(32768 * heads, head_dim, torch.device("cpu"))
     x = f"*{dtype}"
     dims = {"R": "i32", "H": "i32", "P": "i32", "SX": "i64", "BR": "constexpr", "BP": "constexpr"}
     ce = {"BR": BR, "BP": BP}

@@ -80,19 +80,25 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), H * P
 
 
+def _blocks(R: int, P: int, device) -> tuple[int, int, int]:
+    """(BR, BP, warps): tiles of BR rows × BP ≥ P channels, ~2048 elements, their rows halved (down to 256 elements)
+    while the grid has fewer than two programs an SM (the kernels are bound by memory: every SM only needs loads in
+    flight); a warp per 256 elements, at most 8."""
+    BP = next_pow2(P, 1)
+    BR = max(1, 2048 // BP)
+    while BR > 1 and BR * BP > 256 and triton.cdiv(R, BR) < 2 * num_sms(device):
+        BR //= 2
+    return BR, BP, min(8, max(1, BR * BP // 256))
+
+
 def _launch(kernel, x: torch.Tensor, sx: int, *tensors: torch.Tensor) -> None:
-    """``kernel`` over the B·T·H rows of P channels of x ``[B, T, H, P]`` (tokens at stride ``sx``): tiles of ~2048
-    elements, halved (down to 256) while the grid has fewer than two programs an SM (the kernels are bound by
-    memory: every SM only needs loads in flight)."""
+    """``kernel`` over the B·T·H rows of P channels of x ``[B, T, H, P]`` (tokens at stride ``sx``)."""
     B, T, H, P = x.shape
     R = B * T * H
     if R == 0:
         return
-    BP = next_pow2(P, 1)
-    BR = max(1, 2048 // BP)
-    while BR > 1 and BR * BP > 256 and triton.cdiv(R, BR) < 2 * num_sms(x.device):
-        BR //= 2
-    kernel[(triton.cdiv(R, BR),)](*tensors, R, H, P, sx, BR=BR, BP=BP, num_warps=min(8, max(1, BR * BP // 256)))
+    BR, BP, warps = _blocks(R, P, x.device)
+    kernel[(triton.cdiv(R, BR),)](*tensors, R, H, P, sx, BR=BR, BP=BP, num_warps=warps)
 
 
 class _ScaleByDt(torch.autograd.Function):
