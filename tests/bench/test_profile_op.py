@@ -31,3 +31,14 @@ def test_the_mamba2_step_runs_the_op_forward_and_backward_on_the_cpu():
     assert set(grads) == {"x", "dt", "A", "B", "C", "D"}  # every input of the op gets its gradient
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
     assert all(t.grad is None for t in step.inputs.values())  # and the step leaves none behind for the next
+
+
+def test_device_busy_counts_device_events_once():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    events = [SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=900.0),  # a node: its kernels' time
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=600.0),
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=300.0)]
+    assert profile_op.device_busy_ms(events) == 0.9

@@ -67,7 +67,11 @@ def check(dtype, dt_dtype, device):
     v1, o1, g1 = kernel_forms(t)
     v2, o2, g2 = pytorch_forms(t)
     assert v1.dtype == dtype and o1.dtype == dtype and g1["dt"].dtype == dt_dtype
-    assert torch.equal(v1, v2) and torch.equal(o1, o2)  # the same float32 arithmetic, rounded once
+    assert torch.equal(v1, v2)  # the same float32 product, rounded once
+    # y + D·x: a GPU may contract it into one fused multiply-add (one rounding where PyTorch rounds twice), so the
+    # two agree to a rounding of the operands' scale, not bit for bit
+    scale = t["y"].float().abs() + (t["D"].float()[:, None] * t["x"].float()).abs()
+    assert ((o1.float() - o2.float()).abs() <= 2 * torch.finfo(dtype).eps * scale).all()
     assert torch.equal(g1["y"], g2["y"])
     g64 = float64_grads(t)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
