@@ -8,6 +8,8 @@ import itertools
 import torch
 from conftest import left_padded, tiny_model
 
+from lazoo.layers.mlp import GatedMLP
+
 
 def fused_and_unfused_generate(name, options, mixer_cls, kernel_module, kernel_name, device="cpu",
                                dtype=torch.float64, tokens=6):
@@ -20,8 +22,9 @@ def fused_and_unfused_generate(name, options, mixer_cls, kernel_module, kernel_n
     results, calls = {}, []
     kernel = getattr(kernel_module, kernel_name)
     default = mixer_cls.fused_decode  # the class's switch, put back after each run
+    mlp_default = GatedMLP.fused_decode
     for fused_decode, implementation in itertools.product((True, False), ("dynamic", "static")):
-        mixer_cls.fused_decode = fused_decode  # True: also the CPU's interpreter, in float64
+        mixer_cls.fused_decode = GatedMLP.fused_decode = fused_decode  # True: also the CPU's interpreter (float64)
         setattr(kernel_module, kernel_name, lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
         calls.clear()
         try:
@@ -30,7 +33,7 @@ def fused_and_unfused_generate(name, options, mixer_cls, kernel_module, kernel_n
                                      output_logits=True, return_dict_in_generate=True,
                                      cache_implementation=implementation)
         finally:
-            mixer_cls.fused_decode = default
+            mixer_cls.fused_decode, GatedMLP.fused_decode = default, mlp_default
             setattr(kernel_module, kernel_name, kernel)
         assert len(calls) == (model.config.num_hidden_layers * (tokens - 1) if fused_decode else 0)
         results[fused_decode, implementation] = out.sequences, torch.stack(out.logits)

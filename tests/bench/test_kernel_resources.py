@@ -28,6 +28,18 @@ def test_ssd_io_kernels_fit_hopper(single_thread):
         assert r["spill_stores"] == 0, (name, r)
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_decode_linear_kernels_fit_hopper(single_thread, rows):
+    """A decode step's one-launch products (six projections; a SwiGLU's gate and up) compile for sm_90 without
+    spilling, at one row and at the most rows they take."""
+    report = kernel_resources.decode_linear_report(rows=rows)
+    assert len(report) == 2, report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
+
+
 @pytest.mark.slow  # shows once that the check can fail; the default run keeps the checks themselves
 def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
     """A matrix product over 256 × 256 fp32 tiles in 3 pipeline stages needs far more than a Hopper block has."""

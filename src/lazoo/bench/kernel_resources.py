@@ -119,6 +119,35 @@ def ssd_io_report(dtype: str = "bf16", head_dim: int = 64, heads: int = 128) -> 
     return {name: measure(fn, {**sig, **dims}, ce, num_warps=warps) for name, (fn, sig) in kernels.items()}
 
 
+def decode_linear_report(dtype: str = "bf16", hidden: int = 768, rows: int = 1) -> dict:
+    """A decode step's input products (``lazoo.kernels.decode_linear``) at the tiles their launchers pick for
+    ``rows`` rows of ``hidden`` inputs: a Gated DeltaNet mixer's six projections (q, k, v and the output gate of
+    ``hidden`` each, β and the decay's input of 12 heads: the ~145M model's) and a SwiGLU of width 4 × hidden."""
+    import torch
+
+    from lazoo.kernels import decode_linear as dl
+
+    x = torch.empty(rows, hidden, device="meta", dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    widths = [hidden, hidden, hidden, 12, 12, hidden]  # q, k, v, beta, the decay's a, the output gate
+    many = dl._tiles(x, dl.PROGRAMS_WANTED, sum(widths))
+    unit = dl._tiles(x, dl.PROGRAMS_WANTED, 4 * hidden)
+    p = f"*{dtype}"
+    ints = {"sx": "i32", "so": "i32", "M": "i32", "K": "i32"}
+    sizes = {f"N{i}": (widths[i] if i < len(widths) else 0) for i in range(dl.MAX_WEIGHTS)}
+    tiles = ("BM", "BN", "BK", "CT", "PREC")
+    sig_many = {"x": p, **{n: ints[n] for n in ("sx",)}, "out": p, "so": "i32", "M": "i32", "K": "i32",
+                **{f"w{i}": p for i in range(dl.MAX_WEIGHTS)}, **dict.fromkeys(sizes, "constexpr"), "NW": "constexpr",
+                **dict.fromkeys(tiles, "constexpr")}
+    sig_unit = {"x": p, "sx": "i32", "wg": p, "wu": p, "out": p, "so": "i32", "M": "i32", "K": "i32", "N": "i32",
+                "ACT": "constexpr", **dict.fromkeys(tiles, "constexpr")}
+    return {
+        f"six projections (BN {many['BN']})": measure(
+            dl._linear_many_kernel, sig_many, {**sizes, "NW": len(widths), **{k: many[k] for k in tiles}}),
+        f"SwiGLU's gate and up (BN {unit['BN']})": measure(
+            dl._gated_unit_kernel, sig_unit, {"ACT": 0, **{k: unit[k] for k in tiles}}),
+    }
+
+
 def ovq_report(dk: int = 128, chunk: int = 128) -> dict:
     """OVQ's kernels at their GPU launch settings (``_blocks`` of ``lazoo.kernels.ovq.attention`` and ``.assign``):
     the assignments' search and merge (fp32), the version tables' two walks (``.versions``), the chunk attention's
@@ -483,6 +512,7 @@ def main() -> None:
            "output kernel at 64 heads a program, the gradient kernel at one):",
            linear_report(128, 64, heads=128, group=128, heads_per_program=64))
     _print("Mamba-2's dt·x and D skip (heads of 64, bf16):", ssd_io_report())
+    _print("A decode step's input products (hidden 768, one row, bf16):", decode_linear_report())
     _print("GLA (d = 128, bf16):", gla_report())
     for dtype in ("bf16", "fp32"):
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))

@@ -19,6 +19,12 @@ DELTA_CHUNK_SIZES = (16, 32, 64)
 #: largest head dim (dk and dv: a value head's whole state [dv, dk] is held in registers)
 DELTA_STEP_MAX_HEAD_DIM = 128
 
+# ---- lazoo.kernels.decode_linear: a decode step's input products in one launch each
+#: the rows (batch × new tokens) they take: one block of rows, so that every weight is read once
+DECODE_LINEAR_MAX_ROWS = 64
+#: the weights one launch of ``linear_many`` takes
+DECODE_LINEAR_MAX_WEIGHTS = 8
+
 # ---- lazoo.kernels.mamba2_step: a Mamba-2 layer's decode step
 #: largest state size N (a program holds whole rows of a head's state [P, N]; the head dim P is split into blocks)
 MAMBA2_STEP_MAX_STATE_SIZE = 256

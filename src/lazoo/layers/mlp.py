@@ -10,9 +10,15 @@ Language Modeling", So et al., 2021; Nemotron-H's MLPs).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.limits import DECODE_LINEAR_MAX_ROWS
+from .mixers._fused_decode import FUSED_DECODE_DEFAULT, fused_decode_runs
+from .projections import plain_weights
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
@@ -68,10 +74,32 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    #: whether a decode step's gate and up products and activation run as one kernel
+    #: (`lazoo.kernels.decode_linear.gated_linear_unit`), as the mixers' fused steps: None (the default) where
+    #: Triton's kernels run (CUDA), True wherever that kernel can run (the interpreter), False never
+    #: (`LAZOO_FUSED_DECODE=0` at import)
+    fused_decode: ClassVar[bool | None] = FUSED_DECODE_DEFAULT
+
     def forward(self, x):
+        decode = x.numel() <= DECODE_LINEAR_MAX_ROWS * x.shape[-1]  # a decode step's few rows
+        if decode and fused_decode_runs(self.fused_decode, "decode_linear", x, None):
+            unit = self._one_launch(x)
+            if unit is not None:
+                return self.down_proj(unit)
         if self.act == "silu":
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def _one_launch(self, x):
+        """act(gate(x)) · up(x) in one launch where the kernel takes these weights (plain, no bias), else None."""
+        weights = plain_weights([self.gate_proj, self.up_proj])
+        if weights is None:
+            return None
+        from ..kernels import decode_linear  # lazy: importing defines the kernels
+
+        if decode_linear.check_supported(x, weights) is not None:
+            return None
+        return decode_linear.gated_linear_unit(x, *weights, self.act)
 
     def extra_repr(self) -> str:
         return "" if self.act == "silu" else f"act={self.act!r}"

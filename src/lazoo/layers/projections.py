@@ -7,13 +7,31 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def project_together(x: torch.Tensor, linears: list[nn.Module]) -> list[torch.Tensor]:
+def plain_weights(linears: list[nn.Module]) -> list[torch.Tensor] | None:
+    """The weights of ``linears`` where every one is a plain `nn.Linear` without a bias or forward hooks (what a
+    one-launch product may read in their place), else None (an adapter such as LoRA, a quantized weight, a hook)."""
+    if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks)
+           for m in linears):
+        return [m.weight for m in linears]
+    return None
+
+
+def project_together(x: torch.Tensor, linears: list[nn.Module], one_launch: bool = False) -> list[torch.Tensor]:
     """`[m(x) for m in linears]`, as one product with their weights stacked when every one is a plain `nn.Linear`
     without forward hooks (an adapter such as LoRA, a quantized weight or a hook: those run one by one). A decode
     step is a handful of tiny products whose launch latency, not their work, sets the time, and a training step of
     a few thousand tokens is paced by the host's time per op: one product in place of several saves most of it,
     for the cost of stacking the weights (one copy, since they may change between steps). The outputs are views of
-    one tensor (rows of stride = the summed widths)."""
+    one tensor (rows of stride = the summed widths).
+
+    ``one_launch`` (a decode step whose fused kernel runs, so Triton does): the products in one launch of
+    `lazoo.kernels.decode_linear` with every weight read where it is, no copy, where that kernel takes them (a few
+    rows, plain weights without biases)."""
+    if one_launch and (weights := plain_weights(linears)) is not None:
+        from ..kernels import decode_linear  # lazy: importing defines the kernels
+
+        if decode_linear.check_supported(x, weights) is None:
+            return decode_linear.linear_many(x, weights)
     if not all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears):
         return [m(x) for m in linears]  # an adapter, a quantized weight or a hook: each module as it is
     weight = torch.cat([m.weight for m in linears])

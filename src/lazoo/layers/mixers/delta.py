@@ -107,7 +107,7 @@ class DeltaNetMixer(RecurrentMixer):
 
         gated = isinstance(self, GatedDeltaNetMixer)
         names = ["q", "k", "v"] + ["b"] * (self.b_proj is not None) + ["a"] * gated + ["g"] * (self.g_proj is not None)
-        proj = dict(zip(names, project_together(x, [getattr(self, f"{n}_proj") for n in names])))
+        proj = dict(zip(names, project_together(x, [getattr(self, f"{n}_proj") for n in names], one_launch=True)))
         norm = self.o_norm
         return delta_step(
             proj["q"], proj["k"], proj["v"], *delta_step_state(self, entry, in_place),

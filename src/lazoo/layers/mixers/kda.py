@@ -115,7 +115,7 @@ class KimiDeltaAttentionMixer(RecurrentMixer):
         from ...kernels.delta_step import delta_step  # lazy: importing defines the kernel
 
         q, k, v, b, f, g = project_together(x, [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_proj[0],
-                                                self.g_proj[0]])
+                                                self.g_proj[0]], one_launch=True)
         norm = self.o_norm
         bound = self.options["gate_lower_bound"]
         eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
