@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from lazoo.bench.yolo_lat import VARIANTS, build_detector, count_parameters, wall_ms  # noqa: E402
 from lazoo.data.vision import (  # noqa: E402
     SHAPE_CLASSES,
     TREE_CLASSES,
@@ -69,20 +69,6 @@ def build_processor(image_size: int):
     return YoloLatImageProcessor(image_size=image_size)
 
 
-#: the compared models: name -> YoloLatConfig fields ("lat_all" also makes the down-sampling and head
-#: convolutions depthwise-separable, the closest to "every deep convolution reformulated")
-VARIANTS = {"conv": {"variant": "conv"}, "lat": {"variant": "lat"},
-            "lat_all": {"variant": "lat", "lat_scope": "all"}}
-
-
-def build_detector(variant: str, num_labels: int, image_size: int, **config_kwargs):
-    from lazoo.vision import YoloLatConfig, YoloLatForObjectDetection
-
-    fields = {**VARIANTS[variant], **config_kwargs}
-    config = YoloLatConfig(num_labels=num_labels, image_size=image_size, **fields)
-    return YoloLatForObjectDetection(config)
-
-
 def build_classifier(variant: str, image_size: int, **config_kwargs):
     from lazoo.vision import YoloLatConfig, YoloLatForImageClassification
 
@@ -91,8 +77,6 @@ def build_classifier(variant: str, image_size: int, **config_kwargs):
     return YoloLatForImageClassification(config)
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    return int(sum(p.numel() for p in model.parameters()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,17 +233,7 @@ def latency_ms(model, image_size: int, device: str, runs: int = 30, warmup: int 
     """Median wall time (ms) of one forward pass, batch 1, ``image_size`` square, on ``device``."""
     model.eval().to(device)
     x = torch.randn(1, 3, image_size, image_size, device=device)
-    times = []
-    for i in range(warmup + runs):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(pixel_values=x)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return float(statistics.median(times))
+    return wall_ms(lambda: model(pixel_values=x), device, runs, warmup)
 
 
 # ----------------------------------------------------------------------------------------------------------

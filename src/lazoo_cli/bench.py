@@ -75,6 +75,19 @@ def add_ttt_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-chunk", action="store_true", help="skip the (slow) PyTorch chunk form")
 
 
+def add_yolo_lat_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--variants", default="conv,lat,lat_all", help="comma-separated, of conv, lat and lat_all")
+    ap.add_argument("--device", default="cuda", help="cuda or cpu")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--image-size", type=int, default=320)
+    ap.add_argument("--num-labels", type=int, default=80)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="CUDA: bf16 autocast or fp32")
+    ap.add_argument("--repeats", type=int, default=30, help="timed forwards per row (after 5 warm-up)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def add_training_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="bench_training.json")
     ap.add_argument("--mechanisms", default="linear,gated_delta_net,vla,sw-ovq",
@@ -277,6 +290,11 @@ BENCHMARKS = {
         "Mamba-2 at Bamba's shapes: lazoo's op against fla and transformers, and a Bamba-shaped model against "
         "transformers.",
         add_mamba2_options),
+    "yolo_lat": Benchmark(
+        "YOLO-LAT's detectors against the convolutional one: parameters, eager and CUDA-graph latency",
+        "YOLO-LAT's detectors against the convolutional one: parameters and inference latency, eager and as CUDA "
+        "graphs.",
+        add_yolo_lat_options),
     "delta_frontier": Benchmark(
         "the (gated) delta rule against FlashQLA and fla, grouped value heads included",
         "The gated delta rule against FlashQLA and fla, and the delta rule against fla, on a Gated DeltaNet layer's "

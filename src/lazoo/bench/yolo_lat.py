@@ -1,0 +1,140 @@
+"""YOLO-LAT's detectors against the convolutional one: parameters and inference latency, eager and as CUDA graphs.
+
+The three detectors of docs/yolo_lat.md (``conv``: dense 3×3 bottlenecks; ``lat``: depthwise-separable bottlenecks
+with linear-attention branches at strides 16 and 32; ``lat_all``: every 3×3 convolution after the stem separable
+too), random weights, 80 classes, 320 × 320 inputs, in inference mode. Per model and batch size: the parameters and
+the median wall time of one forward pass (``--repeats`` after warm-up, synchronised); on a CUDA GPU also the median
+of the same forward replayed from a CUDA graph, which takes the kernels' launches out and leaves their work (the
+ELA paper's 4.3 × GPU speed-up is a claim about that work, or about launches, and the two columns tell which).
+
+    python -m lazoo.bench.yolo_lat --device cuda --out bench_yolo_lat.json
+    python -m lazoo.bench.yolo_lat --device cpu --batch-sizes 1 --out bench_yolo_lat_cpu.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from lazoo_cli.bench import bench_parser
+
+from .report import command_line, error_text, gpu_environment, write_json
+
+#: the compared detectors: name -> YoloLatConfig fields ("lat_all" also makes the down-sampling and head
+#: convolutions depthwise-separable, the closest to "every deep convolution reformulated")
+VARIANTS = {"conv": {"variant": "conv"}, "lat": {"variant": "lat"},
+            "lat_all": {"variant": "lat", "lat_scope": "all"}}
+
+
+def build_detector(variant: str, num_labels: int, image_size: int, **config_kwargs):
+    """A YOLO-LAT detector of one of ``VARIANTS`` with random weights."""
+    from lazoo.vision import YoloLatConfig, YoloLatForObjectDetection
+
+    config = YoloLatConfig(num_labels=num_labels, image_size=image_size, **{**VARIANTS[variant], **config_kwargs})
+    return YoloLatForObjectDetection(config)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+def wall_ms(fn, device: str, repeats: int, warmup: int = 5) -> float:
+    """Median wall time (ms) of ``fn()``, the device synchronised around each call."""
+    cuda = device.startswith("cuda")
+    times = []
+    for i in range(warmup + repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return float(statistics.median(times))
+
+
+def graph_ms(fn, repeats: int) -> float:
+    """Median ms of ``fn()`` replayed from a CUDA graph (captured after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return wall_ms(graph.replay, "cuda", repeats)
+
+
+@torch.inference_mode()
+def measure(variant: str, batch: int, args) -> dict:
+    """One row: parameters, eager ms and (on CUDA) CUDA-graph ms of a forward at ``batch`` images."""
+    row = {"variant": variant, "batch": batch, "image_size": args.image_size, "num_labels": args.num_labels}
+    model = build_detector(variant, args.num_labels, args.image_size).eval().to(args.device)
+    row["parameters"] = count_parameters(model)
+    x = torch.randn(batch, 3, args.image_size, args.image_size, device=args.device)
+    cuda = args.device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and args.dtype == "bf16" else None
+
+    def forward():
+        if autocast is None:
+            return model(pixel_values=x)
+        with autocast:
+            return model(pixel_values=x)
+
+    try:
+        row["eager_ms"] = wall_ms(forward, args.device, args.repeats)
+        if cuda:
+            row["cuda_graph_ms"] = graph_ms(forward, args.repeats)
+    except Exception as err:  # noqa: BLE001 - recorded in the row
+        row["error"] = error_text(err)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per batch size, each variant's parameters and times, and conv's over each variant's."""
+    lines = ["| batch | variant | parameters | eager ms | CUDA graph ms | conv / variant, eager "
+             "| conv / variant, graph |", "|---:|---|---:|---:|---:|---:|---:|"]
+    conv = {r["batch"]: r for r in rows if r["variant"] == "conv"}
+
+    def ratio(key, r):
+        base = conv.get(r["batch"], {}).get(key)
+        return f"{base / r[key]:.2f}" if base and r.get(key) else "-"
+
+    for r in rows:
+        graph = f"{r['cuda_graph_ms']:.3f}" if r.get("cuda_graph_ms") else "-"
+        eager = f"{r['eager_ms']:.3f}" if r.get("eager_ms") else r.get("error", "-")
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['parameters']:,} | {eager} | {graph} | "
+                     f"{ratio('eager_ms', r)} | {ratio('cuda_graph_ms', r)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = bench_parser("yolo_lat").parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("lazoo.bench.yolo_lat --device cuda: torch sees no CUDA device here; use --device cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    torch.manual_seed(args.seed)
+    rows = [measure(v, b, args) for b in args.batch_sizes for v in variants]
+    env = gpu_environment() if args.device.startswith("cuda") else {"device": "cpu", "torch": torch.__version__,
+                                                                     "threads": torch.get_num_threads()}
+    result = {"env": {**env, "dtype": args.dtype if args.device.startswith("cuda") else "fp32",
+                      "command": command_line("yolo_lat", argv)}, "rows": rows}
+    print(table(rows))
+    if args.out:
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

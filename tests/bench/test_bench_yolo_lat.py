@@ -1,0 +1,34 @@
+"""lazoo.bench.yolo_lat on the CPU: every row at a tiny size, the table, the JSON, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lazoo.bench import yolo_lat
+
+
+def test_rows_table_and_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = yolo_lat.main(["--device", "cpu", "--variants", "conv,lat_all", "--batch-sizes", "1", "2",
+                            "--image-size", "64", "--num-labels", "2", "--repeats", "1", "--threads", "1",
+                            "--out", str(out)])
+    rows = result["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [("conv", 1), ("lat_all", 1), ("conv", 2), ("lat_all", 2)]
+    params = {r["variant"]: r["parameters"] for r in rows}
+    assert params["lat_all"] < params["conv"]  # the separable convolutions are the point
+    assert all(r["eager_ms"] > 0 and "cuda_graph_ms" not in r and "error" not in r for r in rows)
+    assert json.loads(out.read_text())["env"]["device"] == "cpu"
+    assert "lazoo.bench.yolo_lat" in result["env"]["command"]
+    printed = capsys.readouterr().out
+    assert "| 1 | lat_all |" in printed and "| 2 | conv |" in printed
+
+
+def test_refusals():
+    with pytest.raises(SystemExit, match="unknown yolo"):
+        yolo_lat.main(["--device", "cpu", "--variants", "yolo"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            yolo_lat.main(["--device", "cuda"])
