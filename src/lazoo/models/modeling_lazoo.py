@@ -33,6 +33,7 @@ from ..ops.backend import host_sync_allowed
 from ..ops.packing import cu_seqlens_from_position_ids
 from ..registry import Mechanism, mechanisms, on_register
 from ..registry import get as get_mechanism
+from . import graph_decode
 from .cache import LazooCache
 from .compat import CACHE_FIELD, CacheAliases, cache_argument, output_cache_kwargs
 from .configuration_lazoo import MECHANISM_CONFIGS, LazooConfig, has_feed_forward, mixer_names, refuse_taken_name
@@ -585,12 +586,37 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         batch_size = bound["batch_size"]
         max_length = max(bound["max_cache_length"] or 0, getattr(generation_config, "max_cache_len", None) or 0) or None
         batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        if max_length:  # room for the steps a graph round runs past the last token kept (lazoo.models.graph_decode)
+            max_length += graph_decode.requested_steps(generation_config)
         length = cache_length_bucket(max_length) if self._keeps_every_position() and max_length else None
         model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, length)
 
+    def _prepare_generation_config(self, generation_config, *args, **kwargs):
+        """transformers' preparation, taking lazoo's `decode_steps_per_graph` (`lazoo.models.graph_decode`) as a
+        `generate` argument too, whether or not the model's generation config has the field."""
+        steps = kwargs.pop(graph_decode.STEPS_FIELD, None)
+        config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        if steps is not None:
+            setattr(config, graph_decode.STEPS_FIELD, steps)
+        return config, model_kwargs
+
     def _sample(self, *args, **kwargs):
         """transformers' decoding loop, its stopping check read one step late for a lazoo cache on CUDA that
-        `generate` drops (`lazoo.models.stop_check`): the host queues the next step while the device runs this one."""
+        `generate` drops (`lazoo.models.stop_check`): the host queues the next step while the device runs this one.
+        With `generation_config.decode_steps_per_graph` set, greedy decoding runs lazoo's loop of captured decode
+        steps instead where it computes the same tokens (`lazoo.models.graph_decode`)."""
+        bound = inspect.signature(super()._sample).bind(*args, **kwargs).arguments
+        config = bound["generation_config"]
+        if graph_decode.requested_steps(config):
+            model_kwargs = bound.get("model_kwargs", {})
+            reason = graph_decode.refusal(config, bound.get("logits_processor"), bound["stopping_criteria"],
+                                          bound.get("streamer"), bound.get("synced_gpus", False),
+                                          model_kwargs.get(CACHE_FIELD))
+            if reason is None:
+                return graph_decode.greedy(self, bound["input_ids"], bound.get("logits_processor"),
+                                           bound["stopping_criteria"], config, bound.get("synced_gpus", False),
+                                           bound.get("streamer"), model_kwargs, super()._sample)
+            graph_decode.say_once(reason)
         with deferred_stop_for_lazoo_caches():
             return super()._sample(*args, **kwargs)
 

@@ -1,0 +1,113 @@
+"""lazoo's greedy loop of several decode steps per graph (lazoo.models.graph_decode), on the CPU where the same steps
+run uncaptured: the tokens of transformers' loop for every model, with left padding, rows that stop early at an end
+token, lengths that are not a multiple of the steps; the cases it refuses keep transformers' loop and say why once.
+On a GPU (``-m gpu``) the steps are captured and replayed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import ALL_MODELS, left_padded, tiny_model
+
+from lazoo.models import graph_decode
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def generate(model, ids, mask, steps, **kwargs):
+    model.generation_config.decode_steps_per_graph = steps
+    try:
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, **{"pad_token_id": 0, "do_sample": False,
+                                                               "cache_implementation": "static", **kwargs})
+    finally:
+        model.generation_config.decode_steps_per_graph = None
+
+
+@pytest.fixture
+def rounds(monkeypatch):
+    """Counts the rounds of lazoo's loop (it did run, not transformers' loop)."""
+    calls = []
+    real = graph_decode.GraphLoop.run
+    monkeypatch.setattr(graph_decode.GraphLoop, "run", lambda self, eager: calls.append(eager) or real(self, eager))
+    return calls
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_the_tokens_of_transformers_loop(name, rounds):
+    model = tiny_model(name, seed=1)
+    ids, mask = left_padded()
+    want = generate(model, ids, mask, 0, max_new_tokens=10)
+    got = generate(model, ids, mask, 4, max_new_tokens=10)  # 1 token from the prompt, then rounds of 4, 4, 1 of 4
+    assert torch.equal(got, want), name
+    assert rounds == [True, False, False]
+
+
+@pytest.mark.parametrize("steps", [1, 3, 16])
+def test_rows_that_stop_early(steps, rounds):
+    """An end token that some rows reach before the others: they take the pad token after it, and the loop ends
+    with the step at which the last row stops (transformers' length), whatever the round size."""
+    model = tiny_model("hybrid", seed=3)
+    ids, mask = left_padded()
+    free = generate(model, ids, mask, 0, max_new_tokens=12)
+    eos = int(free[1, ids.shape[1] + 2])  # a token row 1 produces at its third step
+    want = generate(model, ids, mask, 0, max_new_tokens=12, eos_token_id=eos)
+    got = generate(model, ids, mask, steps, max_new_tokens=12, eos_token_id=eos)
+    assert torch.equal(got, want)
+    assert rounds  # lazoo's loop ran
+    assert (want[1, ids.shape[1] + 3:] == 0).all() or want.shape[1] == ids.shape[1] + 3
+
+
+def test_one_new_token_needs_no_round(rounds):
+    model = tiny_model("gated_delta_net", seed=1)
+    ids, mask = left_padded()
+    assert torch.equal(generate(model, ids, mask, 8, max_new_tokens=1), generate(model, ids, mask, 0, max_new_tokens=1))
+    assert rounds == []
+
+
+def test_refusals_keep_transformers_loop_and_say_why(rounds, caplog):
+    model = tiny_model("gated_delta_net", seed=1)
+    ids, mask = left_padded()
+    graph_decode._REFUSALS_LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="lazoo.models.graph_decode"):
+        torch.manual_seed(0)
+        sampled = generate(model, ids, mask, 4, max_new_tokens=4, do_sample=True)
+        generate(model, ids, mask, 4, max_new_tokens=4, do_sample=True)  # said once
+        penalised = generate(model, ids, mask, 4, max_new_tokens=4, repetition_penalty=1.3)
+        dynamic = generate(model, ids, mask, 4, max_new_tokens=4, cache_implementation="dynamic")
+    assert rounds == [] and sampled.shape == penalised.shape == dynamic.shape
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("only greedy decoding" in m for m in said) == 1
+    assert any("logits processors (RepetitionPenaltyLogitsProcessor)" in m for m in said)
+    assert any("static lazoo cache" in m for m in said)
+    with pytest.raises(ValueError, match="decode_steps_per_graph must be a whole number"):
+        generate(model, ids, mask, -1, max_new_tokens=2)
+
+
+def generate_kwarg(model, ids, mask):
+    """The field passes through `generate` like the config's others (it is in the model's generation config)."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=5, do_sample=False,
+                              cache_implementation="static", decode_steps_per_graph=2)
+
+
+def test_the_field_is_a_generate_argument(rounds):
+    model = tiny_model("gated_delta_net", seed=1)
+    ids, mask = left_padded()
+    assert torch.equal(generate_kwarg(model, ids, mask), generate(model, ids, mask, 0, max_new_tokens=5))
+    assert rounds == [True, False]
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_gpu_captured_rounds_give_the_tokens_of_transformers_loop(name, rounds):
+    model = tiny_model(name, seed=1).cuda()
+    ids, mask = (t.cuda() for t in left_padded())
+    want = generate(model, ids, mask, 0, max_new_tokens=20)
+    got = generate(model, ids, mask, 4, max_new_tokens=20)
+    assert torch.equal(got, want), name
+    assert rounds[0] is True and rounds[1:] == [False] * (len(rounds) - 1) and len(rounds) == 5
