@@ -13,7 +13,7 @@ MODEL_SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12
                    vocab_size=32000)
 #: `lazoo.bench.generate.DTYPES`' names (tests/bench/test_bench_package.py checks it)
 GENERATE_DTYPES = ("bfloat16", "float16", "float32")
-GENERATE_MODES = ("default", "eager", "static", "compile")
+GENERATE_MODES = ("default", "eager", "static", "compile", "graph")
 
 
 class Benchmark(NamedTuple):
@@ -123,6 +123,8 @@ def add_generate_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-sizes", default="1,64", help="batch sizes (comma-separated)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per timed run (at least 2)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed first generate (0: none)")
+    ap.add_argument("--graph-steps", type=int, default=16,
+                    help="the graph mode's decode steps per captured round (decode_steps_per_graph)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each kind; the median is reported")
     ap.add_argument("--other-prompt-offset", type=int, default=37,
                     help="one more generate with a prompt this much longer counts the recompiles it causes (0: none)")

@@ -71,7 +71,7 @@ def test_failures_are_recorded_in_rows(tmp_path, monkeypatch, capsys, single_thr
     errors in their rows; the other settings still run and the table is printed."""
     real_generate_once = bench.generate_once
 
-    def out_of_memory_at_batch_2(model, ids, mode, new_tokens, cache_length=None):
+    def out_of_memory_at_batch_2(model, ids, mode, new_tokens, cache_length=None, graph_steps=16):
         if ids.shape[0] == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
         return real_generate_once(model, ids, mode, new_tokens, cache_length)
@@ -184,3 +184,14 @@ def test_a_broken_fla_site_is_recorded_in_the_fla_rows(tmp_path, isolated_fla, s
     fla_row, lazoo_row = rows
     assert "--fla-site" in fla_row["error"] and "this fla needs a GPU" in fla_row["error"]
     assert lazoo_row["error"] is None and lazoo_row["prefill_ms"] > 0
+
+
+def test_the_graph_mode(tmp_path, single_thread):
+    """lazoo's rounds of decode steps (uncaptured on the CPU) make the N tokens; llama's generate refuses the field."""
+    _, rows = run(tmp_path, "--models", "gated_delta_net,llama", "--modes", "graph", "--prompts", "16",
+                  "--batch-sizes", "2", "--new-tokens", "6", "--repeats", "1", "--graph-steps", "4")
+    settings = by_setting(rows)
+    lazoo_row, llama_row = settings["gated_delta_net", "graph", 2, 16], settings["llama", "graph", 2, 16]
+    assert lazoo_row["error"] is None and lazoo_row["cache"] == "LazooCache(static), graph rounds"
+    assert lazoo_row["total_ms"] > lazoo_row["prefill_ms"] > 0
+    assert "decode_steps_per_graph" in llama_row["error"]

@@ -32,7 +32,7 @@ def rounds(monkeypatch):
     """Counts the rounds of lazoo's loop (it did run, not transformers' loop)."""
     calls = []
     real = graph_decode.GraphLoop.run
-    monkeypatch.setattr(graph_decode.GraphLoop, "run", lambda self, eager: calls.append(eager) or real(self, eager))
+    monkeypatch.setattr(graph_decode.GraphLoop, "run", lambda self: calls.append(self.graph) or real(self))
     return calls
 
 
@@ -43,7 +43,23 @@ def test_the_tokens_of_transformers_loop(name, rounds):
     want = generate(model, ids, mask, 0, max_new_tokens=10)
     got = generate(model, ids, mask, 4, max_new_tokens=10)  # 1 token from the prompt, then rounds of 4, 4, 1 of 4
     assert torch.equal(got, want), name
-    assert rounds == [True, False, False]
+    assert len(rounds) == 3
+
+
+def test_a_later_generate_reuses_the_loop_and_a_new_model_state_does_not(rounds):
+    """The second generate of the same shapes refills the kept loop's buffers (a replay of the same graph on CUDA)
+    and gives transformers' tokens for its own prompt; weights moved to new tensors make a new loop."""
+    model = tiny_model("hybrid", seed=1)
+    ids, mask = left_padded()
+    generate(model, ids, mask, 4, max_new_tokens=9)
+    loop = model._lazoo_graph_loop
+    other = torch.flip(ids, [1]) * mask  # another prompt, the same shapes
+    assert torch.equal(generate(model, other, mask, 4, max_new_tokens=9),
+                       generate(model, other, mask, 0, max_new_tokens=9))
+    assert model._lazoo_graph_loop is loop
+    model.double().float()  # every weight a new tensor
+    assert torch.equal(generate(model, ids, mask, 4, max_new_tokens=9), generate(model, ids, mask, 0, max_new_tokens=9))
+    assert model._lazoo_graph_loop is not loop
 
 
 @pytest.mark.parametrize("steps", [1, 3, 16])
@@ -98,7 +114,7 @@ def test_the_field_is_a_generate_argument(rounds):
     model = tiny_model("gated_delta_net", seed=1)
     ids, mask = left_padded()
     assert torch.equal(generate_kwarg(model, ids, mask), generate(model, ids, mask, 0, max_new_tokens=5))
-    assert rounds == [True, False]
+    assert len(rounds) == 2
 
 
 @needs_cuda
@@ -110,4 +126,10 @@ def test_gpu_captured_rounds_give_the_tokens_of_transformers_loop(name, rounds):
     want = generate(model, ids, mask, 0, max_new_tokens=20)
     got = generate(model, ids, mask, 4, max_new_tokens=20)
     assert torch.equal(got, want), name
-    assert rounds[0] is True and rounds[1:] == [False] * (len(rounds) - 1) and len(rounds) == 5
+    assert rounds[0] is False and len(rounds) == 5  # an eager round, then captured ones
+    assert isinstance(model._lazoo_graph_loop.graph, torch.cuda.CUDAGraph)
+    other = torch.flip(ids, [1]) * mask  # a second generate replays the same graph
+    graph = model._lazoo_graph_loop.graph
+    assert torch.equal(generate(model, other, mask, 4, max_new_tokens=20),
+                       generate(model, other, mask, 0, max_new_tokens=20))
+    assert model._lazoo_graph_loop.graph is graph

@@ -21,7 +21,11 @@ prompt ids (seeded, equal for every model):
   * ``static``: the same with ``cache_implementation="static"`` (transformers' static cache for llama, lazoo's
     static ``LazooCache``; on CUDA generate compiles the decode step for both). A model whose generate ignores it
     gets an ``error`` row rather than eager's timings under the wrong name;
-  * ``compile``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, then eager generate.
+  * ``compile``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, then eager generate;
+  * ``graph`` (lazoo models): the static cache and lazoo's greedy loop of ``--graph-steps`` decode steps per captured
+    CUDA graph (``decode_steps_per_graph``, lazoo.models.graph_decode), without an end token (so that it makes N
+    tokens without ``min_new_tokens``, whose logits processor that loop does not run) and returning the sequences
+    only (a returned cache keeps transformers' loop).
 
 A short generate of ``--warmup-tokens`` (default 8) runs first in every setting, so compilation and Triton
 autotuning stay out of the timings; its time is the row's ``first_call_s``. After the timed runs one more generate
@@ -146,12 +150,16 @@ def prompt_ids(batch, prompt, vocab, seed):
     return torch.randint(0, vocab, (batch, prompt), generator=gen)
 
 
-def generate_kwargs(mode, new_tokens, cache_length=None):
+def generate_kwargs(mode, new_tokens, cache_length=None, graph_steps=16):
     """``cache_length``: the static cache's size for every call of a setting (prompt + N). Without it transformers
     sizes each call's cache to that call, so the warm-up's and the prefill's shorter caches would be new caches to
     compile for, inside the timed runs."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True)
+    if mode == "graph":
+        del kwargs["min_new_tokens"]
+        kwargs.update(return_dict_in_generate=False, eos_token_id=None, cache_implementation="static",
+                      decode_steps_per_graph=graph_steps)
     if mode == "eager":
         kwargs["cache_implementation"] = "dynamic"
     if mode == "static":
@@ -177,10 +185,10 @@ def output_cache(out):
     return None
 
 
-def generate_once(model, ids, mode, new_tokens, cache_length=None):
+def generate_once(model, ids, mode, new_tokens, cache_length=None, graph_steps=16):
     """One generate call: (seconds, output). Synchronised on CUDA so the time covers the device work."""
     mask = torch.ones_like(ids)
-    kwargs = generate_kwargs(mode, new_tokens, cache_length)
+    kwargs = generate_kwargs(mode, new_tokens, cache_length, graph_steps)
     sync(ids.device.type)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, **kwargs)
@@ -191,9 +199,12 @@ def generate_once(model, ids, mode, new_tokens, cache_length=None):
 def check_output(out, mode, prompt, new_tokens):
     """The cache's class name; fails when generate made another number of tokens, or ignored
     ``cache_implementation="static"``."""
-    made = out.sequences.shape[1] - prompt
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    made = sequences.shape[1] - prompt
     if made != new_tokens:
         raise RuntimeError(f"generate made {made} new tokens, not {new_tokens}")
+    if mode == "graph":  # only the sequences come back
+        return "LazooCache(static), graph rounds"
     cache_object = output_cache(out)
     cache = type(cache_object).__name__
     if getattr(cache_object, "static", False):  # lazoo's cache in its static form
@@ -204,9 +215,9 @@ def check_output(out, mode, prompt, new_tokens):
     return cache
 
 
-def timed_generate(model, ids, mode, new_tokens, cache_length=None):
+def timed_generate(model, ids, mode, new_tokens, cache_length=None, graph_steps=16):
     """(seconds, the cache class generate used) of one checked generate call."""
-    seconds, out = generate_once(model, ids, mode, new_tokens, cache_length)
+    seconds, out = generate_once(model, ids, mode, new_tokens, cache_length, graph_steps)
     return seconds, check_output(out, mode, ids.shape[1], new_tokens)
 
 
@@ -216,9 +227,10 @@ def measure_setting(model, ids, args, mode):
     N = args.new_tokens
     length = prompt + N
     fixed = None if mode == "default" else length  # the default sizes its own cache (in buckets)
-    first = timed_generate(model, ids, mode, args.warmup_tokens, fixed)[0] if args.warmup_tokens else None
-    prefill = [timed_generate(model, ids, mode, 1, fixed)[0] for _ in range(args.repeats)]
-    runs = [timed_generate(model, ids, mode, N, fixed) for _ in range(args.repeats)]
+    steps = getattr(args, "graph_steps", 16)
+    first = timed_generate(model, ids, mode, args.warmup_tokens, fixed, steps)[0] if args.warmup_tokens else None
+    prefill = [timed_generate(model, ids, mode, 1, fixed, steps)[0] for _ in range(args.repeats)]
+    runs = [timed_generate(model, ids, mode, N, fixed, steps) for _ in range(args.repeats)]
     total = [seconds for seconds, _ in runs]
     t_prefill, t_total = statistics.median(prefill), statistics.median(total)
     decode = t_total - t_prefill
@@ -228,7 +240,8 @@ def measure_setting(model, ids, args, mode):
     if getattr(args, "other_prompt_offset", 0):  # (the decode profiler passes none)
         longer = torch.cat([ids, ids[:, :args.other_prompt_offset]], dim=1)
         graphs = compiled_graphs()
-        result["other_prompt_s"] = timed_generate(model, longer, mode, N, fixed and fixed + args.other_prompt_offset)[0]
+        result["other_prompt_s"] = timed_generate(model, longer, mode, N, fixed and fixed + args.other_prompt_offset,
+                                                  steps)[0]
         result["recompiles_other_prompt"] = compiled_graphs() - graphs
     if decode > 0:
         result.update(ms_per_token=decode * 1e3 / (N - 1), tokens_per_s=batch * (N - 1) / decode)

@@ -29,6 +29,7 @@ import logging
 import torch
 
 from .cache import LazooCache
+from .compat import CACHE_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +84,61 @@ def _stop_after_first_token(prompt_length: int):
     return StopAfterFirstToken()
 
 
-class GraphLoop:
-    """The state of lazoo's greedy loop after the first token: static input buffers, the end-of-sequence flags, a
-    ring of the `steps` tokens a replay produces, and the captured graph (CUDA) or None (the CPU: uncaptured)."""
+def _addresses(*objects) -> tuple:
+    """The data pointers of every tensor in ``objects`` (nested dicts, lists and tuples): what a captured graph
+    reads and writes, which must still be where it was for a replay."""
+    found = []
 
-    def __init__(self, model, inputs: dict, unfinished: torch.Tensor, pad, eos, steps: int):
-        self.model, self.steps = model, steps
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            found.append((x.data_ptr(), tuple(x.shape), x.dtype))
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    for obj in objects:
+        walk(obj)
+    return tuple(found)
+
+
+def _fingerprint(model, cache: LazooCache, inputs: dict, eos) -> tuple:
+    """What a captured round depends on: the weights', the cache's and the inputs' addresses and shapes, and the
+    end tokens' shape. Equal fingerprints: the same graph replays correctly."""
+    weights = _addresses(list(model.parameters()), list(model.buffers()))
+    state = _addresses(cache.states, cache.lobe_states, cache._seen, cache.real_tokens)
+    shapes = tuple((n, tuple(v.shape), v.dtype) for n, v in inputs.items() if isinstance(v, torch.Tensor))
+    return weights, state, shapes, None if eos is None else tuple(eos.shape), id(cache)
+
+
+class GraphLoop:
+    """lazoo's greedy loop after the first token: static input buffers, the end-of-sequence flags, a ring of the
+    `steps` tokens a round produces, and the captured graph (CUDA) or None (the CPU: uncaptured). A model keeps its
+    last loop, and a later `generate` whose fingerprint is the same refills its buffers and replays its graph."""
+
+    def __init__(self, model, inputs: dict, unfinished: torch.Tensor, pad, eos, steps: int, fingerprint):
+        self.model, self.steps, self.fingerprint = model, steps, fingerprint
         self.inputs = inputs
-        self.unfinished = unfinished  # [B] long, 1 for a row still generating
-        self.pad, self.eos = pad, eos
+        self.unfinished = unfinished.clone()  # [B] long, 1 for a row still generating
+        self.pad = pad.clone() if pad is not None else torch.zeros((), dtype=torch.long, device=unfinished.device)
+        self.eos = None if eos is None else eos.clone()
         B = unfinished.shape[0]
         self.ring = torch.empty(B, steps, dtype=torch.long, device=unfinished.device)
         self.alive = torch.empty(steps, dtype=torch.bool, device=unfinished.device)  # any row left after step i
         self.graph = None
+
+    def refill(self, inputs: dict, unfinished, pad, eos) -> None:
+        """This `generate`'s values into the buffers the graph reads (same fingerprint)."""
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor):
+                self.inputs[name].copy_(value)
+        self.unfinished.copy_(unfinished)
+        if pad is not None:
+            self.pad.copy_(pad)
+        if eos is not None:
+            self.eos.copy_(eos)
 
     def body(self) -> None:
         """`steps` decode steps, device work only (capturable)."""
@@ -113,17 +156,21 @@ class GraphLoop:
             for counter in counters:
                 counter.add_(1)
 
-    def run(self, eager: bool) -> tuple[torch.Tensor, list[bool]]:
-        """One round of `steps` steps: eagerly, else by replaying the graph (captured at the first such call).
-        Returns (the tokens [B, steps], whether any row was left after each step)."""
-        if eager or self.ring.device.type != "cuda":
+    def run(self) -> tuple[torch.Tensor, list[bool]]:
+        """One round of `steps` steps: on CUDA the graph's replay (the first round of a new loop runs eagerly, which
+        warms the kernels up; the second captures the graph), elsewhere eagerly. Returns (the tokens [B, steps],
+        whether any row was left after each step)."""
+        if self.ring.device.type != "cuda" or self.graph is False:
             self.body()
+            if self.ring.device.type == "cuda":
+                self.graph = None  # warmed up: capture at the next round
         else:
             if self.graph is None:
                 torch.cuda.synchronize()
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
                     self.body()
+                self.graph = graph
             self.graph.replay()
         return self.ring.clone(), self.alive.tolist()  # one read back a round
 
@@ -177,11 +224,18 @@ def greedy(model, input_ids, logits_processor, stopping_criteria, generation_con
         say_once(inputs)
         return sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                       **{**model_kwargs, "attention_mask": mask})
-    loop = GraphLoop(model, inputs, unfinished, generation_config._pad_token_tensor, eos, steps)
-    pieces, length, rounds = [input_ids], input_ids.shape[1], 0
+    pad = generation_config._pad_token_tensor
+    loop = getattr(model, "_lazoo_graph_loop", None)
+    fingerprint = _fingerprint(model, model_kwargs[CACHE_FIELD], inputs, eos)
+    if loop is not None and loop.steps == steps and loop.fingerprint == fingerprint:
+        loop.refill(inputs, unfinished, pad, eos)
+    else:
+        loop = GraphLoop(model, inputs, unfinished, pad, eos, steps, fingerprint)
+        loop.graph = False  # a new loop's first round runs eagerly
+        model._lazoo_graph_loop = loop
+    pieces, length = [input_ids], input_ids.shape[1]
     while length < max_length:
-        tokens, alive = loop.run(eager=rounds == 0)
-        rounds += 1
+        tokens, alive = loop.run()
         take = min(steps, max_length - length)
         if False in alive[:take]:
             take = alive.index(False) + 1  # every row has finished at this step
