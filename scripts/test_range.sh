@@ -16,6 +16,7 @@ ENDS="${1:-both}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TESTS=(tests/models/test_compat.py tests/models/test_models.py tests/models/test_seqcls.py
        tests/models/test_static_cache.py tests/models/test_cache_layers.py tests/models/test_transformers_mixins.py
+       tests/models/test_graph_decode.py
        tests/integration/test_export.py tests/integration/test_peft.py
        tests/integration/test_trainer.py tests/integration/test_export_vision.py tests/eval/test_eval.py
        tests/vision/test_vision_models.py tests/test_optional_deps.py)
