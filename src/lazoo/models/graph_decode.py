@@ -66,10 +66,10 @@ def refusal(generation_config, logits_processor, stopping_criteria, streamer, sy
     return None
 
 
-def say_once(reason: str) -> None:
+def say_once(reason: str, instead: str = "decoding with transformers' loop") -> None:
     if reason not in _REFUSALS_LOGGED:
         _REFUSALS_LOGGED.add(reason)
-        logger.warning("%s is set, but %s; decoding with transformers' loop.", STEPS_FIELD, reason)
+        logger.warning("%s is set, but %s; %s.", STEPS_FIELD, reason, instead)
 
 
 def _stop_after_first_token(prompt_length: int):
@@ -120,6 +120,8 @@ class GraphLoop:
 
     def __init__(self, model, inputs: dict, unfinished: torch.Tensor, pad, eos, steps: int, fingerprint):
         self.model, self.steps, self.fingerprint = model, steps, fingerprint
+        # the graph: False before the first round (which runs eagerly), None once warmed up (capture next), then the
+        # CUDA graph or "uncaptured"; always False on the CPU
         self.inputs = inputs
         self.unfinished = unfinished.clone()  # [B] long, 1 for a row still generating
         self.pad = pad.clone() if pad is not None else torch.zeros((), dtype=torch.long, device=unfinished.device)
@@ -156,22 +158,32 @@ class GraphLoop:
             for counter in counters:
                 counter.add_(1)
 
+    def _capture(self):
+        """The rounds' CUDA graph, or "uncaptured" where capturing fails (the rounds then run eagerly, saying why
+        once; a capture runs no kernel, so the cache is as it was)."""
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.body()
+        except Exception as err:  # noqa: BLE001 - any op that cannot be captured: run the steps eagerly
+            say_once(f"capturing its decode steps failed ({type(err).__name__}: {str(err)[:200]})",
+                     "its rounds run eagerly")
+            return "uncaptured"
+        return graph
+
     def run(self) -> tuple[torch.Tensor, list[bool]]:
         """One round of `steps` steps: on CUDA the graph's replay (the first round of a new loop runs eagerly, which
         warms the kernels up; the second captures the graph), elsewhere eagerly. Returns (the tokens [B, steps],
         whether any row was left after each step)."""
-        if self.ring.device.type != "cuda" or self.graph is False:
-            self.body()
-            if self.ring.device.type == "cuda":
-                self.graph = None  # warmed up: capture at the next round
-        else:
-            if self.graph is None:
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.body()
-                self.graph = graph
+        if self.graph is None and self.ring.device.type == "cuda":
+            self.graph = self._capture()
+        if isinstance(self.graph, torch.cuda.CUDAGraph):
             self.graph.replay()
+        else:
+            self.body()
+            if self.graph is False and self.ring.device.type == "cuda":
+                self.graph = None  # warmed up: capture at the next round
         return self.ring.clone(), self.alive.tolist()  # one read back a round
 
 
