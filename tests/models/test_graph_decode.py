@@ -133,3 +133,25 @@ def test_gpu_captured_rounds_give_the_tokens_of_transformers_loop(name, rounds):
     assert torch.equal(generate(model, other, mask, 4, max_new_tokens=20),
                        generate(model, other, mask, 0, max_new_tokens=20))
     assert model._lazoo_graph_loop.graph is graph
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_a_decode_step_keeps_every_cache_tensor_where_it_was(name):
+    """What a captured round needs of the static cache: a decode step writes its states into the tensors that hold
+    them (a replay reads and writes those addresses) and counts the position on the device."""
+    from lazoo.models.compat import CACHE_FIELD
+
+    model = tiny_model(name, seed=1)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, do_sample=False,
+                             cache_implementation="static", return_dict_in_generate=True)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    where = graph_decode._addresses(cache.states, cache.lobe_states, cache._seen, cache.real_tokens)
+    seen = cache.seen_positions
+    full = torch.cat([mask, mask.new_ones(mask.shape[0], 3)], dim=1)
+    inputs = graph_decode.decode_inputs(model, out.sequences, full, {CACHE_FIELD: cache, "use_cache": True})
+    with torch.no_grad():
+        model(**inputs)
+    assert graph_decode._addresses(cache.states, cache.lobe_states, cache._seen, cache.real_tokens) == where, name
+    assert cache.seen_positions == seen + 1
