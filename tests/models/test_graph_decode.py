@@ -5,6 +5,7 @@ On a GPU (``-m gpu``) the steps are captured and replayed."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -52,14 +53,16 @@ def test_a_later_generate_reuses_the_loop_and_a_new_model_state_does_not(rounds)
     model = tiny_model("hybrid", seed=1)
     ids, mask = left_padded()
     generate(model, ids, mask, 4, max_new_tokens=9)
-    loop = model._lazoo_graph_loop
+    loop = graph_decode.LOOPS[model]
     other = torch.flip(ids, [1]) * mask  # another prompt, the same shapes
     assert torch.equal(generate(model, other, mask, 4, max_new_tokens=9),
                        generate(model, other, mask, 0, max_new_tokens=9))
-    assert model._lazoo_graph_loop is loop
+    assert graph_decode.LOOPS[model] is loop
+    copied = copy.deepcopy(model)  # a model with a loop copies (the loop is kept beside it)
+    assert copied not in graph_decode.LOOPS
     model.double().float()  # every weight a new tensor
     assert torch.equal(generate(model, ids, mask, 4, max_new_tokens=9), generate(model, ids, mask, 0, max_new_tokens=9))
-    assert model._lazoo_graph_loop is not loop
+    assert graph_decode.LOOPS[model] is not loop
 
 
 @pytest.mark.parametrize("steps", [1, 3, 16])
@@ -127,12 +130,12 @@ def test_gpu_captured_rounds_give_the_tokens_of_transformers_loop(name, rounds):
     got = generate(model, ids, mask, 4, max_new_tokens=20)
     assert torch.equal(got, want), name
     assert rounds[0] is False and len(rounds) == 5  # an eager round, then captured ones
-    assert isinstance(model._lazoo_graph_loop.graph, torch.cuda.CUDAGraph)
+    assert isinstance(graph_decode.LOOPS[model].graph, torch.cuda.CUDAGraph)
     other = torch.flip(ids, [1]) * mask  # a second generate replays the same graph
-    graph = model._lazoo_graph_loop.graph
+    graph = graph_decode.LOOPS[model].graph
     assert torch.equal(generate(model, other, mask, 4, max_new_tokens=20),
                        generate(model, other, mask, 0, max_new_tokens=20))
-    assert model._lazoo_graph_loop.graph is graph
+    assert graph_decode.LOOPS[model].graph is graph
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 
 import torch
 
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 #: the generation config's field: decode steps per captured graph (0 or None: transformers' loop)
 STEPS_FIELD = "decode_steps_per_graph"
 _REFUSALS_LOGGED: set[str] = set()
+#: each model's last loop (kept beside the model, not on it: a module holding a CUDA graph could not be copied)
+LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def requested_steps(generation_config) -> int:
@@ -119,7 +122,8 @@ class GraphLoop:
     last loop, and a later `generate` whose fingerprint is the same refills its buffers and replays its graph."""
 
     def __init__(self, model, inputs: dict, unfinished: torch.Tensor, pad, eos, steps: int, fingerprint):
-        self.model, self.steps, self.fingerprint = model, steps, fingerprint
+        self.model = weakref.proxy(model)  # LOOPS keeps a loop while its model lives
+        self.steps, self.fingerprint = steps, fingerprint
         # the graph: False before the first round (which runs eagerly), None once warmed up (capture next), then the
         # CUDA graph or "uncaptured"; always False on the CPU
         self.inputs = inputs
@@ -237,14 +241,14 @@ def greedy(model, input_ids, logits_processor, stopping_criteria, generation_con
         return sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                       **{**model_kwargs, "attention_mask": mask})
     pad = generation_config._pad_token_tensor
-    loop = getattr(model, "_lazoo_graph_loop", None)
+    loop = LOOPS.get(model)
     fingerprint = _fingerprint(model, model_kwargs[CACHE_FIELD], inputs, eos)
     if loop is not None and loop.steps == steps and loop.fingerprint == fingerprint:
         loop.refill(inputs, unfinished, pad, eos)
     else:
         loop = GraphLoop(model, inputs, unfinished, pad, eos, steps, fingerprint)
         loop.graph = False  # a new loop's first round runs eagerly
-        model._lazoo_graph_loop = loop
+        LOOPS[model] = loop
     pieces, length = [input_ids], input_ids.shape[1]
     while length < max_length:
         tokens, alive = loop.run()
