@@ -29,9 +29,9 @@ def by_setting(rows):
 
 def test_a_row_per_setting_with_consistent_timings(tmp_path, capsys, single_thread):
     env, rows = run(tmp_path, "--models", "gated_delta_net,llama", "--modes", "default,eager,static", "--prompts", "16",
-                    "--batch-sizes", "1,2", "--new-tokens", "5", "--repeats", "3")
+                    "--batch-sizes", "1,2", "--new-tokens", "12", "--repeats", "3")  # 11 steps: above timer noise
     assert env["device"] == "cpu" and env["gpu"] is None and env["torch"] and env["transformers"]
-    assert env["arguments"]["new_tokens"] == 5 and env["fla"] is None
+    assert env["arguments"]["new_tokens"] == 12 and env["fla"] is None
     assert env["sizes"] == dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                 vocab_size=101)
     settings = by_setting(rows)
@@ -42,12 +42,12 @@ def test_a_row_per_setting_with_consistent_timings(tmp_path, capsys, single_thre
         model, mode, batch, _ = key
         assert r["error"] is None, (key, r["error"])
         assert r["impl"] == ("transformers" if model == "llama" else "lazoo")
-        assert r["params"] > 0 and r["peak_mem_GiB"] is None and r["new_tokens"] == 5
+        assert r["params"] > 0 and r["peak_mem_GiB"] is None and r["new_tokens"] == 12
         assert r["prefill_ms"] > 0 and r["total_ms"] > r["prefill_ms"] and r["ms_per_token"] > 0, key
         assert len(r["prefill_ms_all"]) == len(r["total_ms_all"]) == 3
         decode_s = (r["total_ms"] - r["prefill_ms"]) / 1e3
-        assert r["ms_per_token"] == pytest.approx(decode_s * 1e3 / 4)
-        assert r["tokens_per_s"] == pytest.approx(batch * 4 / decode_s)
+        assert r["ms_per_token"] == pytest.approx(decode_s * 1e3 / 11)
+        assert r["tokens_per_s"] == pytest.approx(batch * 11 / decode_s)
         assert r["tokens_per_s"] == pytest.approx(batch * 1e3 / r["ms_per_token"])
         static = "StaticCache" if model == "llama" else "LazooCache(static)"
         assert (r["cache"] == static) == (mode == "static"), (key, r["cache"])  # the CPU's default is dynamic

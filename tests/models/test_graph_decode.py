@@ -87,20 +87,33 @@ def test_one_new_token_needs_no_round(rounds):
     assert rounds == []
 
 
+@pytest.mark.parametrize("warpers", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8}, {"min_p": 0.1}])
+def test_sampling_draws_the_tokens_of_transformers_loop(warpers, rounds):
+    """From the same random state, the same draws in the same order: the tokens of transformers' loop, with the
+    sampling warpers run inside the rounds."""
+    model = tiny_model("hybrid", seed=2)
+    ids, mask = left_padded()
+    torch.manual_seed(7)
+    want = generate(model, ids, mask, 0, max_new_tokens=9, do_sample=True, **warpers)
+    torch.manual_seed(7)
+    got = generate(model, ids, mask, 4, max_new_tokens=9, do_sample=True, **warpers)
+    assert torch.equal(got, want)
+    assert len(rounds) == 2
+
+
 def test_refusals_keep_transformers_loop_and_say_why(rounds, caplog):
     model = tiny_model("gated_delta_net", seed=1)
     ids, mask = left_padded()
     graph_decode._REFUSALS_LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="lazoo.models.graph_decode"):
-        torch.manual_seed(0)
-        sampled = generate(model, ids, mask, 4, max_new_tokens=4, do_sample=True)
-        generate(model, ids, mask, 4, max_new_tokens=4, do_sample=True)  # said once
+        beams = generate(model, ids, mask, 4, max_new_tokens=4, num_beams=2)  # transformers' beam search, as ever
         penalised = generate(model, ids, mask, 4, max_new_tokens=4, repetition_penalty=1.3)
+        generate(model, ids, mask, 4, max_new_tokens=4, repetition_penalty=1.3)  # said once
         dynamic = generate(model, ids, mask, 4, max_new_tokens=4, cache_implementation="dynamic")
-    assert rounds == [] and sampled.shape == penalised.shape == dynamic.shape
+    assert rounds == [] and beams.shape == penalised.shape == dynamic.shape
     said = [r.getMessage() for r in caplog.records]
-    assert sum("only greedy decoding" in m for m in said) == 1
-    assert any("logits processors (RepetitionPenaltyLogitsProcessor)" in m for m in said)
+    assert sum("logits processors other than temperature" in m and "RepetitionPenaltyLogitsProcessor" in m
+               for m in said) == 1
     assert any("static lazoo cache" in m for m in said)
     with pytest.raises(ValueError, match="decode_steps_per_graph must be a whole number"):
         generate(model, ids, mask, -1, max_new_tokens=2)
@@ -158,3 +171,16 @@ def test_a_decode_step_keeps_every_cache_tensor_where_it_was(name):
         model(**inputs)
     assert graph_decode._addresses(cache.states, cache.lobe_states, cache._seen, cache.real_tokens) == where, name
     assert cache.seen_positions == seen + 1
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_sampling_in_captured_rounds(rounds):
+    """Sampling with top-k = 1 is a draw that can only give the argmax: captured rounds of it give greedy's tokens;
+    and a plain sampled run makes its tokens."""
+    model = tiny_model("hybrid", seed=2).cuda()
+    ids, mask = (t.cuda() for t in left_padded())
+    want = generate(model, ids, mask, 0, max_new_tokens=20)
+    assert torch.equal(generate(model, ids, mask, 4, max_new_tokens=20, do_sample=True, top_k=1), want)
+    sampled = generate(model, ids, mask, 4, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9)
+    assert sampled.shape == want.shape and len(rounds) == 10

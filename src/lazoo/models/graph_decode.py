@@ -1,23 +1,25 @@
-"""Greedy decoding several tokens per host step: the decode steps captured once as one CUDA graph, then replayed.
+"""Decoding several tokens per host step: the decode steps captured once as one CUDA graph, then replayed.
 
 transformers' decoding loop does a step's host work (preparing the inputs, the logits processors, the stopping
 check, growing `input_ids`) in Python for every token. A compiled step leaves little GPU time (about 0.5 ms at
 batch 1 for a ~145M Gated DeltaNet on an H200), so that host work, not the GPU, sets the time per token. Here, for
-plain greedy decoding into a static lazoo cache that `generate` made and drops, the loop is lazoo's own: every
-`steps` decode steps (the model's forward on the last token, argmax, the end-of-sequence bookkeeping, the next
-input written in place) are captured once as a CUDA graph and replayed, and the host looks at the result once per
-replay. A step keeps no Python number that changes: the static cache counts positions on the device, the attention
-mask of a generated token is a one, position ids and cache positions (where they are passed) advance by one on the
-device.
+greedy decoding and sampling into a static lazoo cache that `generate` made and drops, the loop is lazoo's own:
+every `steps` decode steps (the model's forward on the last token, the sampling warpers, argmax or a draw from the
+softmax, the end-of-sequence bookkeeping, the next input written in place) are captured once as a CUDA graph and
+replayed, and the host looks at the result once per replay. A step keeps no Python number that changes: the static
+cache counts positions on the device, the attention mask of a generated token is a one, position ids and cache
+positions (where they are passed) advance by one on the device.
 
 The order of the work is transformers' own (its `_sample`) for the prompt and the first token, which it computes
 with its own loop (its compile switched off: these steps run eagerly); then the first `steps` decode steps run
 eagerly (they also warm the kernels up), and the rest as graph replays. The tokens are the same as transformers'
-loop gives: `tests/models/test_graph_decode.py` compares them on the CPU, where the same steps run uncaptured.
+loop gives (sampled ones from the same random state, drawn in the same order): `tests/models/test_graph_decode.py`
+compares them on the CPU, where the same steps run uncaptured. The last round may run past the length asked for;
+its extra draws advance the random state further than transformers' loop would.
 
-`model.generation_config.decode_steps_per_graph = 16` (or `generate(..., decode_steps_per_graph=16)` where the
-generation config has the field) asks for it; 0 or None (the default) keeps transformers' loop. Sampling, beam
-search, logits processors, other stopping criteria, streamers, returned scores or caches, and dynamic caches keep
+`model.generation_config.decode_steps_per_graph = 16` (or `generate(..., decode_steps_per_graph=16)`) asks for it;
+0 or None (the default) keeps transformers' loop. Beam search, logits processors other than temperature, top-k,
+top-p and min-p, other stopping criteria, streamers, returned scores or caches, and dynamic caches keep
 transformers' loop, and a model that asked says once why.
 """
 
@@ -52,21 +54,30 @@ def refusal(generation_config, logits_processor, stopping_criteria, streamer, sy
     """Why this `generate` keeps transformers' loop (None: lazoo's graph loop computes it exactly)."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-    if generation_config.do_sample or (generation_config.num_beams or 1) > 1:
-        return "only greedy decoding runs in captured graphs (do_sample=False, num_beams=1)"
+    if (generation_config.num_beams or 1) > 1:
+        return "beam search keeps a host step per token"
     if getattr(generation_config, "is_assistant", False) or synced_gpus or streamer is not None:
         return "assisted decoding, synced GPUs and streamers need a host step per token"
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate asks for what the graph loop does not keep (scores, the cache)"
-    if logits_processor is not None and len(logits_processor) > 0:
-        names = ", ".join(type(p).__name__ for p in logits_processor)
-        return f"logits processors ({names}) run on the host between steps"
+    others = [type(p).__name__ for p in logits_processor or () if not isinstance(p, _capturable_processors())]
+    if others:
+        return (f"logits processors other than temperature, top-k, top-p and min-p ({', '.join(others)}) read the "
+                "growing sequence or the host between steps")
     others = [type(c).__name__ for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     if others:
         return f"stopping criteria other than the length and end-of-sequence ones ({', '.join(others)})"
     if not isinstance(cache, LazooCache) or not cache.static or getattr(cache, "_is_user_defined", False):
         return "it needs the static lazoo cache that generate makes (cache_implementation='static' or the CUDA default)"
     return None
+
+
+def _capturable_processors() -> tuple:
+    """transformers' logits processors that are device work on the scores alone (the sampling warpers)."""
+    from transformers.generation import logits_process as lp
+
+    return tuple(getattr(lp, name) for name in ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+                                                "MinPLogitsWarper") if hasattr(lp, name))
 
 
 def say_once(reason: str, instead: str = "decoding with transformers' loop") -> None:
@@ -117,13 +128,15 @@ def _fingerprint(model, cache: LazooCache, inputs: dict, eos) -> tuple:
 
 
 class GraphLoop:
-    """lazoo's greedy loop after the first token: static input buffers, the end-of-sequence flags, a ring of the
+    """lazoo's decoding loop after the first token: static input buffers, the end-of-sequence flags, a ring of the
     `steps` tokens a round produces, and the captured graph (CUDA) or None (the CPU: uncaptured). A model keeps its
     last loop, and a later `generate` whose fingerprint is the same refills its buffers and replays its graph."""
 
-    def __init__(self, model, inputs: dict, unfinished: torch.Tensor, pad, eos, steps: int, fingerprint):
+    def __init__(self, model, inputs: dict, unfinished: torch.Tensor, pad, eos, steps: int, fingerprint,
+                 processors=None, sample: bool = False):
         self.model = weakref.proxy(model)  # LOOPS keeps a loop while its model lives
         self.steps, self.fingerprint = steps, fingerprint
+        self.processors, self.sample = processors, sample
         # the graph: False before the first round (which runs eagerly), None once warmed up (capture next), then the
         # CUDA graph or "uncaptured"; always False on the CPU
         self.inputs = inputs
@@ -151,8 +164,13 @@ class GraphLoop:
         tok = self.inputs["input_ids"]
         counters = [self.inputs[n] for n in ("position_ids", "cache_position") if self.inputs.get(n) is not None]
         for i in range(self.steps):
-            logits = self.model(**self.inputs, return_dict=True).logits[:, -1].float()
-            nxt = logits.argmax(-1)
+            scores = self.model(**self.inputs, return_dict=True).logits[:, -1].float()
+            if self.processors:
+                scores = self.processors(tok, scores)  # the warpers read the scores only
+            if self.sample:  # as transformers samples: one draw a row from the softmax
+                nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                nxt = scores.argmax(-1)
             if self.eos is not None:  # transformers: finished rows take the pad token; an end token finishes a row
                 nxt = torch.where(self.unfinished.bool(), nxt, self.pad)
                 self.unfinished.mul_((~torch.isin(nxt, self.eos)).long())
@@ -211,10 +229,11 @@ def decode_inputs(model, input_ids, attention_mask, model_kwargs) -> dict | str:
     return inputs
 
 
-def greedy(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
            model_kwargs, sample) -> torch.Tensor:
-    """lazoo's greedy loop (module docstring): transformers' `_sample` (`sample`, with these arguments) for the prompt
-    and its first token, then `steps` decode steps per graph replay. Returns the sequences, as `_sample` does."""
+    """lazoo's decoding loop (module docstring): transformers' `_sample` (`sample`, with these arguments) for the
+    prompt and its first token, then `steps` decode steps per graph replay. Returns the sequences, as `_sample`
+    does."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteriaList
 
     steps = requested_steps(generation_config)
@@ -243,10 +262,13 @@ def greedy(model, input_ids, logits_processor, stopping_criteria, generation_con
     pad = generation_config._pad_token_tensor
     loop = LOOPS.get(model)
     fingerprint = _fingerprint(model, model_kwargs[CACHE_FIELD], inputs, eos)
+    processors, sample_tokens = logits_processor or None, bool(generation_config.do_sample)
+    settings = tuple((type(p).__name__, sorted((k, repr(v)) for k, v in vars(p).items())) for p in processors or ())
+    fingerprint = (*fingerprint, sample_tokens, settings)  # the warpers' values are captured as constants
     if loop is not None and loop.steps == steps and loop.fingerprint == fingerprint:
         loop.refill(inputs, unfinished, pad, eos)
     else:
-        loop = GraphLoop(model, inputs, unfinished, pad, eos, steps, fingerprint)
+        loop = GraphLoop(model, inputs, unfinished, pad, eos, steps, fingerprint, processors, sample_tokens)
         loop.graph = False  # a new loop's first round runs eagerly
         LOOPS[model] = loop
     pieces, length = [input_ids], input_ids.shape[1]

@@ -603,8 +603,8 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
     def _sample(self, *args, **kwargs):
         """transformers' decoding loop, its stopping check read one step late for a lazoo cache on CUDA that
         `generate` drops (`lazoo.models.stop_check`): the host queues the next step while the device runs this one.
-        With `generation_config.decode_steps_per_graph` set, greedy decoding runs lazoo's loop of captured decode
-        steps instead where it computes the same tokens (`lazoo.models.graph_decode`)."""
+        With `generation_config.decode_steps_per_graph` set, greedy decoding and sampling run lazoo's loop of
+        captured decode steps instead where it computes the same tokens (`lazoo.models.graph_decode`)."""
         bound = inspect.signature(super()._sample).bind(*args, **kwargs).arguments
         config = bound["generation_config"]
         if graph_decode.requested_steps(config):
@@ -613,7 +613,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
                                           bound.get("streamer"), bound.get("synced_gpus", False),
                                           model_kwargs.get(CACHE_FIELD))
             if reason is None:
-                return graph_decode.greedy(self, bound["input_ids"], bound.get("logits_processor"),
+                return graph_decode.decode(self, bound["input_ids"], bound.get("logits_processor"),
                                            bound["stopping_criteria"], config, bound.get("synced_gpus", False),
                                            bound.get("streamer"), model_kwargs, super()._sample)
             graph_decode.say_once(reason)
