@@ -184,3 +184,13 @@ def test_gpu_sampling_in_captured_rounds(rounds):
     assert torch.equal(generate(model, ids, mask, 4, max_new_tokens=20, do_sample=True, top_k=1), want)
     sampled = generate(model, ids, mask, 4, max_new_tokens=20, do_sample=True, temperature=0.8, top_p=0.9)
     assert sampled.shape == want.shape and len(rounds) == 10
+
+
+def test_the_draw_is_multinomials_and_refuses_bad_probabilities():
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), -1)
+    torch.manual_seed(3)
+    want = torch.multinomial(probs, 1).squeeze(1)
+    torch.manual_seed(3)
+    assert torch.equal(graph_decode._draw(probs), want)
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        graph_decode._draw(torch.tensor([[float("nan"), 1.0]]))

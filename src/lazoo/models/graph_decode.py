@@ -98,6 +98,15 @@ def _stop_after_first_token(prompt_length: int):
     return StopAfterFirstToken()
 
 
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One draw a row from ``probs`` [B, V]: `torch.multinomial(probs, 1)`'s own arithmetic (argmax of probs / q, q
+    exponential), so the same random state gives the same tokens, with its check that the probabilities are finite
+    and not negative made on the device (a host read would stop a capture)."""
+    torch._assert_async((probs.max() < float("inf")) & (probs.min() >= 0),
+                        "probability tensor contains either `inf`, `nan` or element < 0")
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
 def _addresses(*objects) -> tuple:
     """The data pointers of every tensor in ``objects`` (nested dicts, lists and tuples): what a captured graph
     reads and writes, which must still be where it was for a replay."""
@@ -167,8 +176,8 @@ class GraphLoop:
             scores = self.model(**self.inputs, return_dict=True).logits[:, -1].float()
             if self.processors:
                 scores = self.processors(tok, scores)  # the warpers read the scores only
-            if self.sample:  # as transformers samples: one draw a row from the softmax
-                nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            if self.sample:
+                nxt = _draw(torch.softmax(scores, dim=-1))
             else:
                 nxt = scores.argmax(-1)
             if self.eos is not None:  # transformers: finished rows take the pad token; an end token finishes a row
