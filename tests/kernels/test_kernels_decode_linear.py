@@ -105,15 +105,15 @@ def test_interp_project_together_in_one_launch():
     x, _ = make(3, 32, [], F64)
     linears = [torch.nn.Linear(32, n, bias=False, dtype=F64) for n in (16, 5, 20)]
     calls = []
-    real = decode_linear.linear_many
-    decode_linear.linear_many = lambda *a: calls.append(1) or real(*a)
+    real = decode_linear.launch_many
+    decode_linear.launch_many = lambda *a: calls.append(1) or real(*a)
     try:
         got = project_together(x, linears, one_launch=True)
         want = project_together(x, linears)
         linears[1].bias = torch.nn.Parameter(torch.ones(5, dtype=F64))
         with_bias = project_together(x, linears, one_launch=True)
     finally:
-        decode_linear.linear_many = real
+        decode_linear.launch_many = real
     assert len(calls) == 1
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -132,8 +132,8 @@ def test_interp_gated_mlp_decode_equals_the_unfused_module(act):
     with torch.no_grad():
         want = mlp(x)  # the switch's default: off on the CPU
     calls = []
-    real = decode_linear.gated_linear_unit
-    decode_linear.gated_linear_unit = lambda *a: calls.append(1) or real(*a)
+    real = decode_linear.launch_gated_unit
+    decode_linear.launch_gated_unit = lambda *a: calls.append(1) or real(*a)
     GatedMLP.fused_decode = True
     try:
         with torch.no_grad():
@@ -149,7 +149,7 @@ def test_interp_gated_mlp_decode_equals_the_unfused_module(act):
         assert len(calls) == 1
     finally:
         GatedMLP.fused_decode = None
-        decode_linear.gated_linear_unit = real
+        decode_linear.launch_gated_unit = real
 
 
 @needs_cuda

@@ -172,6 +172,11 @@ def linear_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tens
     reason = check_supported(x, weights)
     if reason is not None:
         raise ValueError(reason)
+    return launch_many(x, weights)
+
+
+def launch_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``linear_many`` for inputs that ``check_supported`` has passed (a decode step's caller checks once)."""
     widths = [w.shape[0] for w in weights]
     x2, sx = _rows(x)
     M, K = x2.shape
@@ -196,6 +201,12 @@ def gated_linear_unit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         reason = f"{OP}: the gate and up weights must have one shape, got {tuple(w_gate.shape)} and {tuple(w_up.shape)}"
     if reason is not None:
         raise ValueError(reason)
+    return launch_gated_unit(x, w_gate, w_up, act)
+
+
+def launch_gated_unit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str) -> torch.Tensor:
+    """``gated_linear_unit`` for inputs that ``check_supported`` has passed, the weights of one shape and ``act`` a
+    known activation (a gated MLP's own)."""
     N = w_gate.shape[0]
     x2, sx = _rows(x)
     M, K = x2.shape

@@ -99,7 +99,7 @@ class GatedMLP(nn.Module):
 
         if decode_linear.check_supported(x, weights) is not None:
             return None
-        return decode_linear.gated_linear_unit(x, *weights, self.act)
+        return decode_linear.launch_gated_unit(x, *weights, self.act)
 
     def extra_repr(self) -> str:
         return "" if self.act == "silu" else f"act={self.act!r}"

@@ -7,11 +7,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _plain(m: nn.Module) -> bool:
+    """A plain `nn.Linear` without forward hooks: its product is F.linear of its weight and bias (not an adapter
+    such as LoRA, a quantized weight or a hooked module, which must run as themselves)."""
+    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
+
+
 def plain_weights(linears: list[nn.Module]) -> list[torch.Tensor] | None:
-    """The weights of ``linears`` where every one is a plain `nn.Linear` without a bias or forward hooks (what a
-    one-launch product may read in their place), else None (an adapter such as LoRA, a quantized weight, a hook)."""
-    if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks)
-           for m in linears):
+    """The weights of ``linears`` where every one is plain (``_plain``) and has no bias (what a one-launch product may
+    read in their place), else None."""
+    if all(_plain(m) and m.bias is None for m in linears):
         return [m.weight for m in linears]
     return None
 
@@ -31,8 +36,8 @@ def project_together(x: torch.Tensor, linears: list[nn.Module], one_launch: bool
         from ..kernels import decode_linear  # lazy: importing defines the kernels
 
         if decode_linear.check_supported(x, weights) is None:
-            return decode_linear.linear_many(x, weights)
-    if not all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears):
+            return decode_linear.launch_many(x, weights)
+    if not all(_plain(m) for m in linears):
         return [m(x) for m in linears]  # an adapter, a quantized weight or a hook: each module as it is
     weight = torch.cat([m.weight for m in linears])
     bias = None
