@@ -50,12 +50,17 @@ def assert_all_equal(results, tol=1e-10):
 
 def assert_close_on_gpu(run):
     """`run(dtype, tokens)` -> `fused_and_unfused_generate`'s results: in float32 every run's tokens equal the
-    unfused dynamic-cache run's and its logits are within 1e-4 of their largest; in bf16 within 5e-2."""
+    unfused dynamic-cache run's and its logits are within 1e-4 of their largest; in bf16 within 5e-2 up to the first
+    step whose token differs, if one does (a near tie that rounding flips; later steps read other tokens)."""
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 5e-2)):
         results = run(dtype, 12)
         ids, logits = results[False, "dynamic"]
         for key, (other_ids, other_logits) in results.items():
-            scale = logits.float().abs().max()
-            assert (other_logits.float() - logits.float()).abs().max() <= tol * scale, (key, dtype)
             if dtype == torch.float32:
                 assert torch.equal(other_ids, ids), key
+            steps = logits.shape[0]
+            differ = (other_ids[:, -steps:] != ids[:, -steps:]).any(0).nonzero()
+            same_inputs = steps if len(differ) == 0 else int(differ[0]) + 1  # logits of step i read tokens < i
+            scale = logits.float().abs().max()
+            gap = (other_logits[:same_inputs].float() - logits[:same_inputs].float()).abs().max()
+            assert gap <= tol * scale, (key, dtype, float(gap / scale))

@@ -192,6 +192,6 @@ def test_the_graph_mode(tmp_path, single_thread):
                   "--batch-sizes", "2", "--new-tokens", "6", "--repeats", "1", "--graph-steps", "4")
     settings = by_setting(rows)
     lazoo_row, llama_row = settings["gated_delta_net", "graph", 2, 16], settings["llama", "graph", 2, 16]
-    assert lazoo_row["error"] is None and lazoo_row["cache"] == "LazooCache(static), graph rounds"
+    assert lazoo_row["error"] is None and lazoo_row["cache"] == "LazooCache(static), rounds of 4 (uncaptured)"
     assert lazoo_row["total_ms"] > lazoo_row["prefill_ms"] > 0
     assert "decode_steps_per_graph" in llama_row["error"]

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import lazoo
 import lazoo.presets
+from lazoo.models import graph_decode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,18 +64,22 @@ def fresh_dynamo():
 def test_compiled_generate_equals_eager(name):
     model = make_model(name).eval()
     ids, mask = left_padded()
-    with torch.no_grad():
+    with torch.no_grad():  # 40 tokens: the first, an eager round of 16 steps, then captured ones
         for kwargs in (dict(do_sample=False), dict(do_sample=True, top_k=50)):
             torch.manual_seed(5)
-            eager = model.generate(ids, attention_mask=mask, max_new_tokens=16, cache_implementation="dynamic",
+            eager = model.generate(ids, attention_mask=mask, max_new_tokens=40, cache_implementation="dynamic",
                                    **kwargs)
             torch.manual_seed(5)
-            compiled = model.generate(ids, attention_mask=mask, max_new_tokens=16, cache_implementation="static",
-                                      **kwargs)
+            compiled = model.generate(ids, attention_mask=mask, max_new_tokens=40, cache_implementation="static",
+                                      decode_steps_per_graph=0, **kwargs)  # transformers' loop, compiled
             assert torch.equal(eager, compiled), kwargs
             torch.manual_seed(5)
-            default = model.generate(ids, attention_mask=mask, max_new_tokens=16, return_dict_in_generate=True,
-                                     **kwargs)  # on CUDA: the static cache, compiled
+            rounds = model.generate(ids, attention_mask=mask, max_new_tokens=40, **kwargs)  # the default
+            assert torch.equal(eager, rounds), kwargs
+            assert isinstance(graph_decode.LOOPS[model].graph, torch.cuda.CUDAGraph), kwargs
+            torch.manual_seed(5)
+            default = model.generate(ids, attention_mask=mask, max_new_tokens=40, return_dict_in_generate=True,
+                                     **kwargs)  # a returned cache: transformers' loop on the static cache, compiled
             assert torch.equal(eager, default.sequences), kwargs
             cache = getattr(default, "cache", None) or default.past_key_values  # its name from transformers 5.24
             assert cache.static, kwargs

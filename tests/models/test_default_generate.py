@@ -4,12 +4,16 @@ one cache (and so one compiled decode step). The CUDA default is tested here by 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import ALL_MODELS, left_padded, tiny_model
+from transformers import GenerationConfig
 
-from lazoo.models import modeling_lazoo
+from lazoo.models import graph_decode, modeling_lazoo
 from lazoo.models.cache import LazooCache
+from lazoo.models.compat import CACHE_FIELD
 from lazoo.models.modeling_lazoo import cache_length_bucket, default_cache_implementation
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -23,13 +27,36 @@ def generate(model, ids, mask, **kwargs):
 
 @pytest.fixture
 def cuda_default(monkeypatch):
-    """The CPU takes the default generate takes on CUDA."""
+    """The CPU takes the default generate takes on CUDA: the static cache, and rounds of decode steps (uncaptured
+    here; 4 a round, so that the tests' few tokens span several)."""
     monkeypatch.setattr(modeling_lazoo, "default_cache_implementation", lambda device: "static")
+    monkeypatch.setattr(graph_decode, "default_steps", lambda device: 4)
 
 
-def test_the_default_is_static_on_cuda_only():
-    assert default_cache_implementation(torch.device("cuda", 0)) == "static"
-    assert default_cache_implementation(torch.device("cpu")) == "dynamic"
+@pytest.fixture
+def rounds(monkeypatch):
+    """The caches of the `generate` calls that took lazoo's rounds (graph_decode.decode)."""
+    caches, decode = [], graph_decode.decode
+
+    def recording(model, *args):
+        caches.append(args[6][CACHE_FIELD])  # model_kwargs
+        return decode(model, *args)
+
+    monkeypatch.setattr(graph_decode, "decode", recording)
+    return caches
+
+
+def test_the_default_is_static_with_graph_rounds_on_cuda_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert default_cache_implementation(cuda) == "static"
+    assert default_cache_implementation(cpu) == "dynamic"
+    config = GenerationConfig()
+    assert graph_decode.requested_steps(config, cuda) == graph_decode.DEFAULT_STEPS_ON_CUDA == 16
+    assert graph_decode.requested_steps(config, cpu) == 0 and not graph_decode.asked_for(config)
+    config.decode_steps_per_graph = 0  # the opt-out
+    assert graph_decode.requested_steps(config, cuda) == 0 and graph_decode.asked_for(config)
+    config.decode_steps_per_graph = 3
+    assert graph_decode.requested_steps(config, cpu) == 3
 
 
 def test_the_default_on_the_cpu_is_the_dynamic_cache():
@@ -40,16 +67,40 @@ def test_the_default_on_the_cpu_is_the_dynamic_cache():
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)
-def test_default_generate_equals_the_static_and_the_dynamic_cache(name, cuda_default):
+def test_default_generate_equals_the_static_and_the_dynamic_cache(name, cuda_default, rounds):
+    """No argument: lazoo's rounds on the static cache; the same tokens as transformers' loop on the static cache
+    (rounds opted out) and on the dynamic cache."""
     model = tiny_model(name, seed=1)
     ids, mask = left_padded()
-    default = generate(model, ids, mask, max_new_tokens=8)
-    assert default.past_key_values.static, name
-    static = generate(model, ids, mask, max_new_tokens=8, cache_implementation="static")
-    dynamic = generate(model, ids, mask, max_new_tokens=8, cache_implementation="dynamic")
-    assert not dynamic.past_key_values.static
-    assert torch.equal(default.sequences, static.sequences), name
-    assert torch.equal(default.sequences, dynamic.sequences), name
+    with torch.no_grad():
+        default = model.generate(ids, attention_mask=mask, pad_token_id=0, do_sample=False, max_new_tokens=10)
+    assert len(rounds) == 1 and rounds[0].static, name
+    static = generate(model, ids, mask, max_new_tokens=10, cache_implementation="static", decode_steps_per_graph=0)
+    dynamic = generate(model, ids, mask, max_new_tokens=10, cache_implementation="dynamic")
+    assert len(rounds) == 1  # neither took the rounds
+    assert static.past_key_values.static and not dynamic.past_key_values.static
+    assert torch.equal(default, static.sequences), name
+    assert torch.equal(default, dynamic.sequences), name
+
+
+def test_the_rounds_opt_out_and_their_fallbacks(cuda_default, rounds, caplog, monkeypatch):
+    """`decode_steps_per_graph=0` (argument or generation config) keeps transformers' loop; a case the rounds do not
+    compute (a repetition penalty) takes transformers' loop under the default, saying so at info level, once."""
+    model = tiny_model("gated_delta_net", seed=1)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, decode_steps_per_graph=0)
+        model.generation_config.decode_steps_per_graph = 0
+        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3)
+        model.generation_config.decode_steps_per_graph = None
+        assert rounds == []
+        monkeypatch.setattr(graph_decode, "_REFUSALS_LOGGED", set())
+        with caplog.at_level(logging.INFO, logger="lazoo.models.graph_decode"):
+            for _ in range(2):
+                model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, repetition_penalty=1.2)
+        assert rounds == []
+    said = [r for r in caplog.records if "RepetitionPenalty" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
 
 
 def test_the_opt_out_in_the_generation_config(cuda_default):

@@ -15,11 +15,14 @@ tied input/output embeddings, random weights from ``--seed``):
 For every model, mode (``--modes``), batch (``--batch-sizes``) and prompt length (``--prompts``), on the same random
 prompt ids (seeded, equal for every model):
 
-  * ``default``: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``, no cache argument
-    (for lazoo on CUDA: the static cache and the compiled decode step; for llama and fla: their dynamic cache);
-  * ``eager``: the same with ``cache_implementation="dynamic"`` (a growing cache, no compile);
+  * ``default``: ``model.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=None)``, no cache argument,
+    the sequences returned (for lazoo on CUDA: the static cache and rounds of 16 decode steps replayed as one CUDA
+    graph, lazoo.models.graph_decode; for llama and fla: their dynamic cache);
+  * ``eager``: ``max_new_tokens=N, min_new_tokens=N, return_dict_in_generate=True`` and
+    ``cache_implementation="dynamic"`` (a growing cache, no compile);
   * ``static``: the same with ``cache_implementation="static"`` (transformers' static cache for llama, lazoo's
-    static ``LazooCache``; on CUDA generate compiles the decode step for both). A model whose generate ignores it
+    static ``LazooCache``; on CUDA generate compiles the decode step for both and runs it in transformers' loop: the
+    returned cache and ``min_new_tokens``'s logits processor keep lazoo's rounds out). A model whose generate ignores it
     gets an ``error`` row rather than eager's timings under the wrong name;
   * ``compile``: ``model.forward = torch.compile(model.forward, mode="reduce-overhead")``, then eager generate;
   * ``graph`` (lazoo models): the static cache and lazoo's greedy loop of ``--graph-steps`` decode steps per captured
@@ -156,6 +159,8 @@ def generate_kwargs(mode, new_tokens, cache_length=None, graph_steps=16):
     compile for, inside the timed runs."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True)
+    if mode == "default":  # what a user writes: the sequences back; no end token, so N tokens without min_new_tokens
+        kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
     if mode == "graph":
         del kwargs["min_new_tokens"]
         kwargs.update(return_dict_in_generate=False, eos_token_id=None, cache_implementation="static",
@@ -203,8 +208,8 @@ def check_output(out, mode, prompt, new_tokens):
     made = sequences.shape[1] - prompt
     if made != new_tokens:
         raise RuntimeError(f"generate made {made} new tokens, not {new_tokens}")
-    if mode == "graph":  # only the sequences come back
-        return "LazooCache(static), graph rounds"
+    if isinstance(out, torch.Tensor):  # only the sequences come back
+        return "sequences"
     cache_object = output_cache(out)
     cache = type(cache_object).__name__
     if getattr(cache_object, "static", False):  # lazoo's cache in its static form
@@ -217,8 +222,28 @@ def check_output(out, mode, prompt, new_tokens):
 
 def timed_generate(model, ids, mode, new_tokens, cache_length=None, graph_steps=16):
     """(seconds, the cache class generate used) of one checked generate call."""
+    before = rounds_run(model)
     seconds, out = generate_once(model, ids, mode, new_tokens, cache_length, graph_steps)
-    return seconds, check_output(out, mode, ids.shape[1], new_tokens)
+    found = check_output(out, mode, ids.shape[1], new_tokens)
+    return seconds, rounds_taken(model, before) if found == "sequences" else found
+
+
+def rounds_run(model) -> tuple:
+    """(the model's last loop of lazoo's rounds, the rounds it has run) (`lazoo.models.graph_decode` keeps it)."""
+    from lazoo.models import graph_decode
+
+    loop = graph_decode.LOOPS.get(model)
+    return loop, loop.rounds if loop is not None else 0
+
+
+def rounds_taken(model, before: tuple) -> str:
+    """How a generate that returned only its sequences decoded: lazoo's rounds of decode steps (captured as a CUDA
+    graph or not), if it ran any since `before` (`rounds_run`), else transformers' loop."""
+    loop, rounds = rounds_run(model)
+    if loop is None or (loop, rounds) == before:
+        return "transformers' loop"
+    captured = isinstance(loop.graph, torch.cuda.CUDAGraph)
+    return f"LazooCache(static), rounds of {loop.steps}{' (CUDA graph)' if captured else ' (uncaptured)'}"
 
 
 def measure_setting(model, ids, args, mode):

@@ -3,14 +3,18 @@
 For one lazoo model (a mechanism or hybrid preset; the sizes of ``lazoo.bench.generate``), one
 batch and one prompt length, after the prompt has filled a static cache, prints and writes (``--out``, JSON lines):
 
-  * ``generate``: ms per new token of ``model.generate(..., cache_implementation="static")`` (as bench_generate);
+  * ``generate``: ms per new token of ``model.generate(..., cache_implementation="static")`` in transformers' loop
+    (bench_generate's ``static`` mode), the compiled step;
   * ``loop_synced``: a bare greedy loop over the decode step compiled the way generate compiles it
     (``torch.compile(mode="reduce-overhead")``, CUDA graphs), argmax, the host waiting for each token as generate
     does (its stopping check reads the device every step);
   * ``loop_queued``: the same loop, the host never waiting: the steps queue, so the time is the larger of the
     host's and the GPU's per step;
   * ``gpu_kernels``: the sum of the GPU kernel times of one step (torch.profiler over ``--steps`` steps), and the
-    kernels launched per step, for the eager step and the compiled step.
+    kernels launched per step, for the eager step and the compiled step;
+  * ``rounds`` (CUDA): ``generate``'s default there, lazoo's rounds of decode steps replayed as one CUDA graph
+    (lazoo.models.graph_decode): ms per new token, kernels and kernel ms per step, the host's ms per step
+    (``rounds_profile``).
 
 ``generate - loop_synced`` is generate's own per-token work (logits processors, stopping criteria, input
 preparation); ``loop_synced - gpu_kernels`` is the launch and host time a step pays while the GPU waits.
@@ -96,6 +100,41 @@ def kernel_profile(stepper, steps, device):
             "top_kernels_us_per_step": [(name[:80], round(us / steps, 2)) for name, us in top]}
 
 
+def rounds_profile(model, ids, args):
+    """The default path on CUDA (lazoo's rounds of decode steps replayed as one CUDA graph,
+    lazoo.models.graph_decode): its ms per new token as bench_generate measures it, and the kernels of its steps:
+    a profile of ``generate`` over 1 + 4 rounds of new tokens less one of the same prompt's first token alone,
+    per step. ``host_ms_per_step``: the host's time to launch one replay (no wait), per step, where replaying past
+    the generated length is safe (no layer keeps a key-value cache of every position)."""
+    from lazoo.models import graph_decode
+
+    result = {"generate_ms": bench_generate.measure_setting(model, ids, args, "default").get("ms_per_token")}
+    loop = graph_decode.LOOPS.get(model)
+    if loop is None or not isinstance(loop.graph, torch.cuda.CUDAGraph):
+        return {**result, "note": "generate did not replay a captured round"}
+    steps = loop.steps
+
+    def kernels(new_tokens):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            bench_generate.generate_once(model, ids, "default", new_tokens)
+        found = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(found), sum(e.device_time for e in found)
+
+    (n_all, us_all), (n_first, us_first) = kernels(1 + 4 * steps), kernels(1)
+    result.update(steps_per_round=steps, kernels_per_step=(n_all - n_first) / (4 * steps),
+                  kernel_ms_per_step=(us_all - us_first) / 1e3 / (4 * steps))
+    if not model._keeps_every_position():
+        launches = []
+        for _ in range(5):
+            sync(args.device)
+            start = time.perf_counter()
+            loop.graph.replay()
+            launches.append(time.perf_counter() - start)
+        sync(args.device)
+        result["host_ms_per_step"] = statistics.median(launches) * 1e3 / steps
+    return result
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lazoo.bench.profile_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gated_delta_net")
@@ -140,6 +179,8 @@ def main(argv=None):
     result["loop_synced_ms"] = loop_ms(compiled, args.steps, args.device, wait_each=True)
     result["loop_queued_ms"] = loop_ms(compiled, args.steps, args.device, wait_each=False)
     result["gpu_kernels_compiled"] = kernel_profile(compiled, 8, args.device)
+    if on_cuda:
+        result["rounds"] = rounds_profile(model, ids, args)
     print(json.dumps(result, indent=1))
     if args.out:
         with args.out.open("a") as f:

@@ -17,10 +17,11 @@ loop gives (sampled ones from the same random state, drawn in the same order): `
 compares them on the CPU, where the same steps run uncaptured. The last round may run past the length asked for;
 its extra draws advance the random state further than transformers' loop would.
 
-`model.generation_config.decode_steps_per_graph = 16` (or `generate(..., decode_steps_per_graph=16)`) asks for it;
-0 or None (the default) keeps transformers' loop. Beam search, logits processors other than temperature, top-k,
-top-p and min-p, other stopping criteria, streamers, returned scores or caches, and dynamic caches keep
-transformers' loop, and a model that asked says once why.
+On CUDA it is `generate`'s default, 16 steps a round (`DEFAULT_STEPS_ON_CUDA`); `model.generation_config.
+decode_steps_per_graph` (or `generate(..., decode_steps_per_graph=N)`) sets the steps, and 0 keeps transformers' loop
+(the opt-out; the CPU's default, where the rounds would run uncaptured). Beam search, logits processors other than
+temperature, top-k, top-p and min-p, other stopping criteria, streamers, returned scores or caches, and dynamic caches
+keep transformers' loop, and say once why (a warning where the user set the field, an info line under the default).
 """
 
 from __future__ import annotations
@@ -43,11 +44,30 @@ _REFUSALS_LOGGED: set[str] = set()
 LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def requested_steps(generation_config) -> int:
-    steps = getattr(generation_config, STEPS_FIELD, None) or 0
+#: decode steps a round when the generation config leaves the field unset (None), on CUDA; elsewhere the rounds
+#: would run uncaptured, no faster than transformers' loop, so the CPU's default is 0
+DEFAULT_STEPS_ON_CUDA = 16
+
+
+def default_steps(device: torch.device | None) -> int:
+    return DEFAULT_STEPS_ON_CUDA if device is not None and device.type == "cuda" else 0
+
+
+def requested_steps(generation_config, device: torch.device | None = None) -> int:
+    """The decode steps a round for a model on `device`: the generation config's value, or where it is unset the
+    default (`default_steps`: 16 on CUDA, 0 elsewhere). 0 keeps transformers' loop (the opt-out)."""
+    steps = getattr(generation_config, STEPS_FIELD, None)
+    if steps is None:
+        return default_steps(device)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"generation_config.{STEPS_FIELD} must be a whole number of decode steps >= 0, got {steps!r}")
     return steps
+
+
+def asked_for(generation_config) -> bool:
+    """Whether the user set the field (then a refusal is worth a warning), or the rounds are the default (then a
+    case they do not compute takes transformers' loop, as it would without them, and says so at info level)."""
+    return getattr(generation_config, STEPS_FIELD, None) is not None
 
 
 def refusal(generation_config, logits_processor, stopping_criteria, streamer, synced_gpus, cache) -> str | None:
@@ -80,10 +100,16 @@ def _capturable_processors() -> tuple:
                                                 "MinPLogitsWarper") if hasattr(lp, name))
 
 
-def say_once(reason: str, instead: str = "decoding with transformers' loop") -> None:
-    if reason not in _REFUSALS_LOGGED:
-        _REFUSALS_LOGGED.add(reason)
-        logger.warning("%s is set, but %s; %s.", STEPS_FIELD, reason, instead)
+def say_once(reason: str, instead: str = "decoding with transformers' loop", asked: bool = True) -> None:
+    """Why the rounds do not run (or run uncaptured), once per reason: a warning where the user asked for them,
+    an info line where they are the CUDA default."""
+    if (reason, asked) not in _REFUSALS_LOGGED:
+        _REFUSALS_LOGGED.add((reason, asked))
+        if asked:
+            logger.warning("%s is set, but %s; %s.", STEPS_FIELD, reason, instead)
+        else:
+            logger.info("generate's default rounds of captured decode steps (%s) do not apply: %s; %s.", STEPS_FIELD,
+                        reason, instead)
 
 
 def _stop_after_first_token(prompt_length: int):
@@ -156,6 +182,8 @@ class GraphLoop:
         self.ring = torch.empty(B, steps, dtype=torch.long, device=unfinished.device)
         self.alive = torch.empty(steps, dtype=torch.bool, device=unfinished.device)  # any row left after step i
         self.graph = None
+        self.asked = True  # whether the user asked for the rounds (`asked_for`): how a failed capture is reported
+        self.rounds = 0  # rounds run, over every generate that used this loop
 
     def refill(self, inputs: dict, unfinished, pad, eos) -> None:
         """This `generate`'s values into the buffers the graph reads (same fingerprint)."""
@@ -199,7 +227,7 @@ class GraphLoop:
                 self.body()
         except Exception as err:  # noqa: BLE001 - any op that cannot be captured: run the steps eagerly
             say_once(f"capturing its decode steps failed ({type(err).__name__}: {str(err)[:200]})",
-                     "its rounds run eagerly")
+                     "its rounds run eagerly", asked=self.asked)
             return "uncaptured"
         return graph
 
@@ -207,6 +235,7 @@ class GraphLoop:
         """One round of `steps` steps: on CUDA the graph's replay (the first round of a new loop runs eagerly, which
         warms the kernels up; the second captures the graph), elsewhere eagerly. Returns (the tokens [B, steps],
         whether any row was left after each step)."""
+        self.rounds += 1
         if self.graph is None and self.ring.device.type == "cuda":
             self.graph = self._capture()
         if isinstance(self.graph, torch.cuda.CUDAGraph):
@@ -245,7 +274,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
     does."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteriaList
 
-    steps = requested_steps(generation_config)
+    steps, asked = requested_steps(generation_config, model.device), asked_for(generation_config)
     prompt_length = input_ids.shape[1]
     first_only = StoppingCriteriaList([*stopping_criteria, _stop_after_first_token(prompt_length)])
     eager_config = copy.copy(generation_config)  # the first token runs eagerly, uncompiled
@@ -265,7 +294,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], generated.shape[1])], dim=1)
     inputs = decode_inputs(model, input_ids, mask, model_kwargs)
     if isinstance(inputs, str):
-        say_once(inputs)
+        say_once(inputs, asked=asked)
         return sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
                       **{**model_kwargs, "attention_mask": mask})
     pad = generation_config._pad_token_tensor
@@ -280,6 +309,7 @@ def decode(model, input_ids, logits_processor, stopping_criteria, generation_con
         loop = GraphLoop(model, inputs, unfinished, pad, eos, steps, fingerprint, processors, sample_tokens)
         loop.graph = False  # a new loop's first round runs eagerly
         LOOPS[model] = loop
+    loop.asked = asked
     pieces, length = [input_ids], input_ids.shape[1]
     while length < max_length:
         tokens, alive = loop.run()

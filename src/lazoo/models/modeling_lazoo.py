@@ -587,7 +587,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         max_length = max(bound["max_cache_length"] or 0, getattr(generation_config, "max_cache_len", None) or 0) or None
         batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         if max_length:  # room for the steps a graph round runs past the last token kept (lazoo.models.graph_decode)
-            max_length += graph_decode.requested_steps(generation_config)
+            max_length += graph_decode.requested_steps(generation_config, self.device)
         length = cache_length_bucket(max_length) if self._keeps_every_position() and max_length else None
         model_kwargs[CACHE_FIELD] = self._static_cache(batch_size, length)
 
@@ -603,11 +603,12 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
     def _sample(self, *args, **kwargs):
         """transformers' decoding loop, its stopping check read one step late for a lazoo cache on CUDA that
         `generate` drops (`lazoo.models.stop_check`): the host queues the next step while the device runs this one.
-        With `generation_config.decode_steps_per_graph` set, greedy decoding and sampling run lazoo's loop of
-        captured decode steps instead where it computes the same tokens (`lazoo.models.graph_decode`)."""
+        On CUDA (or wherever `generation_config.decode_steps_per_graph` is set above 0), greedy decoding and sampling
+        run lazoo's loop of captured decode steps instead where it computes the same tokens
+        (`lazoo.models.graph_decode`; `decode_steps_per_graph=0` opts out)."""
         bound = inspect.signature(super()._sample).bind(*args, **kwargs).arguments
         config = bound["generation_config"]
-        if graph_decode.requested_steps(config):
+        if graph_decode.requested_steps(config, self.device):
             model_kwargs = bound.get("model_kwargs", {})
             reason = graph_decode.refusal(config, bound.get("logits_processor"), bound["stopping_criteria"],
                                           bound.get("streamer"), bound.get("synced_gpus", False),
@@ -616,7 +617,7 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
                 return graph_decode.decode(self, bound["input_ids"], bound.get("logits_processor"),
                                            bound["stopping_criteria"], config, bound.get("synced_gpus", False),
                                            bound.get("streamer"), model_kwargs, super()._sample)
-            graph_decode.say_once(reason)
+            graph_decode.say_once(reason, asked=graph_decode.asked_for(config))
         with deferred_stop_for_lazoo_caches():
             return super()._sample(*args, **kwargs)
 

@@ -321,7 +321,7 @@ def _causal_exp(q, k, v, eps, chunk_size, state, output_final_state, mask, backe
                      mask=mask, backend=backend, cu_seqlens=cu_seqlens, check_g=False)
     # φ̃(q_i)·C̃_i = Σ_d exp(q_id + m_id - M_i) exp(lse_id - m_id), C̃_i = Σ_{j≤i} exp(k_j - m_i) (+ the state's)
     den = (q + lse - M).exp().sum(-1, keepdim=True)
-    floor = torch.exp(torch.log(torch.tensor(eps, dtype=q.dtype, device=q.device)) - M)
+    floor = torch.exp(torch.log(torch.full((), eps, dtype=q.dtype, device=q.device)) - M)
     o = num.to(q.dtype) / torch.maximum(den, floor)  # max(true denominator, eps), in the scaled units
     final = None
     if output_final_state:
@@ -416,7 +416,7 @@ def _bidirectional(q, k, v, kernel, eps, mask, backend, cdt):
             m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             M = (q + m).amax(-1, keepdim=True)  # [B, T, H, 1]
         fq, fk = (q + m - M).exp(), (k - m).exp()
-        floor = torch.exp(torch.log(torch.tensor(eps, dtype=cdt, device=q.device)) - M)
+        floor = torch.exp(torch.log(torch.full((), eps, dtype=cdt, device=q.device)) - M)
     else:
         fq, fk = ela_features(kernel, q, k)
         floor = eps
