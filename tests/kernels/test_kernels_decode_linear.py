@@ -45,12 +45,19 @@ def test_interp_linear_many_equals_the_products(rows, K, dtype, tol):
     from lazoo.kernels.decode_linear import linear_many
 
     x, weights = make(rows, K, WIDTHS, dtype)
-    outs = linear_many(x, weights)
-    assert [o.shape for o in outs] == [(rows, 1, n) for n in WIDTHS]
-    assert len({o.untyped_storage().data_ptr() for o in outs}) == 1  # views of one output
-    for o, w in zip(outs, weights):
-        assert o.dtype == dtype
-        assert rel_err(o, F.linear(x.to(F64), w.to(F64))) < tol
+    for biases in (None, bias_every_other(weights)):
+        outs = linear_many(x, weights, biases)
+        assert [o.shape for o in outs] == [(rows, 1, n) for n in WIDTHS]
+        assert len({o.untyped_storage().data_ptr() for o in outs}) == 1  # views of one output
+        for o, w, b in zip(outs, weights, biases or [None] * len(weights)):
+            assert o.dtype == dtype
+            assert rel_err(o, F.linear(x.to(F64), w.to(F64), None if b is None else b.to(F64))) < tol
+
+
+def bias_every_other(weights, seed=3):
+    """A bias for weights 1, 3, ... (None for the others), as a mixer whose β projection alone has one."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(w.shape[0], generator=gen).to(w) if i % 2 else None for i, w in enumerate(weights)]
 
 
 @needs_interp
@@ -62,6 +69,9 @@ def test_interp_linear_many_takes_one_to_eight_weights(count):
     x, weights = make(3, 24, widths, F64, seed=count)
     for o, w in zip(linear_many(x, weights), weights):
         torch.testing.assert_close(o, F.linear(x, w), rtol=1e-12, atol=1e-12)
+    biases = [None] * (count - 1) + [torch.randn(widths[count - 1], dtype=F64)]  # the last weight's (bit count - 1)
+    for o, w, b in zip(linear_many(x, weights, biases), weights, biases):
+        torch.testing.assert_close(o, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
 
 
 @needs_interp
@@ -90,6 +100,10 @@ def test_the_refusals_name_the_problem():
     assert "contiguous [N, 16]" in check_supported(x, [weights[0].double()])
     assert "contiguous [N, 16]" in check_supported(x, [torch.zeros(16, 8).T])
     assert "float16/bfloat16/float32" in check_supported(x.to(torch.int32), weights)
+    assert check_supported(x, weights, [None, torch.zeros(8)]) is None
+    assert "2 biases for 1 weights" in check_supported(x, weights[:1], [None, None])
+    assert "contiguous [8] vector" in check_supported(x, weights, [torch.zeros(9), None])
+    assert "contiguous [8] vector" in check_supported(x, weights, [None, torch.zeros(8, dtype=torch.float64)])
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         gated_linear_unit(x, *weights, "swish")
     with pytest.raises(ValueError, match="one shape"):
@@ -98,8 +112,9 @@ def test_the_refusals_name_the_problem():
 
 @needs_interp
 def test_interp_project_together_in_one_launch():
-    """The fused steps' projections: one launch = the stacked product (float64); a module that is not a plain
-    Linear without bias (here a bias) keeps the stacked product."""
+    """The fused steps' projections: one launch = the stacked product (float64), with a bias on some projections
+    too (a mixer's β); a module that is not a plain Linear (here one with a forward hook, an adapter's way) runs as
+    itself."""
     from lazoo.kernels import decode_linear
 
     x, _ = make(3, 32, [], F64)
@@ -112,12 +127,17 @@ def test_interp_project_together_in_one_launch():
         want = project_together(x, linears)
         linears[1].bias = torch.nn.Parameter(torch.ones(5, dtype=F64))
         with_bias = project_together(x, linears, one_launch=True)
+        handle = linears[2].register_forward_hook(lambda *a: None)
+        hooked = project_together(x, linears, one_launch=True)
+        handle.remove()
     finally:
         decode_linear.launch_many = real
-    assert len(calls) == 1
+    assert len(calls) == 2
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(with_bias[1], want[1] + 1)
+    torch.testing.assert_close(with_bias[1], want[1] + 1, rtol=1e-12, atol=1e-12)
+    for a, b in zip(hooked, with_bias):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @needs_interp
@@ -163,6 +183,9 @@ def test_gpu_decode_products_equal_cublas(rows, dtype, tol):
     x, weights = make(rows, 768, widths, dtype, device="cuda")
     for o, w in zip(linear_many(x, weights), weights):
         assert rel_err(o.cpu(), F.linear(x, w).cpu().to(F64)) < tol
+    biases = bias_every_other(weights)
+    for o, w, b in zip(linear_many(x, weights, biases), weights, biases):
+        assert rel_err(o.cpu(), F.linear(x, w, b).cpu().to(F64)) < tol
     mlp = GatedMLP(768, 3072).to("cuda", dtype)
     with torch.no_grad():
         fused = gated_linear_unit(x, mlp.gate_proj.weight, mlp.up_proj.weight)

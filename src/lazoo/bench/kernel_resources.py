@@ -122,7 +122,8 @@ def ssd_io_report(dtype: str = "bf16", head_dim: int = 64, heads: int = 128) -> 
 def decode_linear_report(dtype: str = "bf16", hidden: int = 768, rows: int = 1) -> dict:
     """A decode step's input products (``lazoo.kernels.decode_linear``) at the tiles their launchers pick for
     ``rows`` rows of ``hidden`` inputs: a Gated DeltaNet mixer's six projections (q, k, v and the output gate of
-    ``hidden`` each, β and the decay's input of 12 heads: the ~145M model's) and a SwiGLU of width 4 × hidden."""
+    ``hidden`` each, β (with its bias) and the decay's input of 12 heads: the ~145M model's) and a SwiGLU of width
+    4 × hidden."""
     import torch
 
     from lazoo.kernels import decode_linear as dl
@@ -136,13 +137,15 @@ def decode_linear_report(dtype: str = "bf16", hidden: int = 768, rows: int = 1) 
     sizes = {f"N{i}": (widths[i] if i < len(widths) else 0) for i in range(dl.MAX_WEIGHTS)}
     tiles = ("BM", "BN", "BK", "CT", "PREC")
     sig_many = {"x": p, **{n: ints[n] for n in ("sx",)}, "out": p, "so": "i32", "M": "i32", "K": "i32",
-                **{f"w{i}": p for i in range(dl.MAX_WEIGHTS)}, **dict.fromkeys(sizes, "constexpr"), "NW": "constexpr",
+                **{f"w{i}": p for i in range(dl.MAX_WEIGHTS)}, **{f"b{i}": p for i in range(dl.MAX_WEIGHTS)},
+                **dict.fromkeys(sizes, "constexpr"), "NW": "constexpr", "HB": "constexpr",
                 **dict.fromkeys(tiles, "constexpr")}
     sig_unit = {"x": p, "sx": "i32", "wg": p, "wu": p, "out": p, "so": "i32", "M": "i32", "K": "i32", "N": "i32",
                 "ACT": "constexpr", **dict.fromkeys(tiles, "constexpr")}
     return {
         f"six projections (BN {many['BN']})": measure(
-            dl._linear_many_kernel, sig_many, {**sizes, "NW": len(widths), **{k: many[k] for k in tiles}}),
+            dl._linear_many_kernel, sig_many, {**sizes, "NW": len(widths), "HB": 1 << 3,  # β's bias
+                                               **{k: many[k] for k in tiles}}),
         f"SwiGLU's gate and up (BN {unit['BN']})": measure(
             dl._gated_unit_kernel, sig_unit, {"ACT": 0, **{k: unit[k] for k in tiles}}),
     }

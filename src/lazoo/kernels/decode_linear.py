@@ -6,13 +6,15 @@ all; stacking the weights into one matrix for one cuBLAS product copies them eve
 between steps), and keeping a stacked copy doubles their memory. Here the programs of one launch split the output
 columns of every weight among them, each reading its own weight's rows in place:
 
-    linear_many(x, [W_1, ..., W_n])        -> [x W_1ᵀ, ..., x W_nᵀ]    (views of one [M, Σ N_i] output)
+    linear_many(x, [W_1, ..., W_n], [b_1, ..., b_n])  -> [x W_1ᵀ + b_1, ..., x W_nᵀ + b_n]
+                                                         (views of one [M, Σ N_i] output; any b_i may be None)
     gated_linear_unit(x, W_g, W_u, act)    -> act(x W_gᵀ) · (x W_uᵀ)   (a gated MLP before its down projection)
 
-Each product accumulates in float32 (float64 for float64 inputs, the interpreter's tests) and is rounded to the
-input dtype, as cuBLAS rounds ``F.linear``'s output; the gated unit rounds its two products, the activation and the
-result to the input dtype where the unfused module stores them, so both agree up to the order of the sums. Meant
-for the few rows of a decode step (``MAX_ROWS``); larger inputs keep cuBLAS.
+Each product accumulates in float32 (float64 for float64 inputs, the interpreter's tests), adds its bias there and
+is rounded to the input dtype once, as cuBLAS rounds ``F.linear``'s output (its bias added in the epilogue); the
+gated unit rounds its two products, the activation and the result to the input dtype where the unfused module stores
+them, so both agree up to the order of the sums. Meant for the few rows of a decode step (``MAX_ROWS``); larger
+inputs keep cuBLAS.
 """
 
 from __future__ import annotations
@@ -54,40 +56,50 @@ def _product_tile(x, sx, w, M, K, N, i_m, i_n, BM: tl.constexpr, BN: tl.constexp
 
 
 @triton.jit
-def _pick(here, w, n, col, first, w_i, n_i, col_i, first_i):
-    """The weight, width, first column and first column block of weight i where ``here``, else those given."""
-    return (tl.where(here, w_i, w), tl.where(here, n_i, n), tl.where(here, col_i, col),
-            tl.where(here, first_i, first))
+def _pick(here, w, b, hb, n, col, first, w_i, b_i, hb_i, n_i, col_i, first_i):
+    """The weight, bias, has-a-bias flag, width, first column and first column block of weight i where ``here``,
+    else those given."""
+    return (tl.where(here, w_i, w), tl.where(here, b_i, b), tl.where(here, hb_i, hb), tl.where(here, n_i, n),
+            tl.where(here, col_i, col), tl.where(here, first_i, first))
 
 
 @triton.jit
 def _linear_many_kernel(
     x, sx, out, so, M, K,
     w0, w1, w2, w3, w4, w5, w6, w7,
+    b0, b1, b2, b3, b4, b5, b6, b7,
     N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
     N4: tl.constexpr, N5: tl.constexpr, N6: tl.constexpr, N7: tl.constexpr,
-    NW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr,
+    NW: tl.constexpr, HB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Grid (column blocks of all NW weights, row blocks): program (j, i) computes one [BM, BN] tile of the weight
     whose column blocks j falls in (weight i's blocks follow weight i − 1's), into its columns of ``out``. The
-    weight, its width and its first column are picked by comparisons, so the product is compiled once."""
+    weight, its bias, its width and its first column are picked by comparisons, so the product is compiled once.
+    Bit i of HB: weight i has a bias (b_i; otherwise b_i points to at least N_i values, read and not used)."""
     j = tl.program_id(0)
     i_m = tl.program_id(1)
-    w, n, col, first = w0, j * 0 + N0, j * 0, j * 0
+    w, b, hb, n, col, first = w0, b0, j * 0 + (HB & 1), j * 0 + N0, j * 0, j * 0
     start = (N0 + BN - 1) // BN  # weight i's first column block
     offset = N0  # and its first output column
     for i in tl.static_range(1, NW):  # unrolled: i is known when the weight and its width are picked
         w_i = w1 if i == 1 else w2 if i == 2 else w3 if i == 3 else w4 if i == 4 else w5 if i == 5 else w6 if i == 6 \
             else w7
+        b_i = b1 if i == 1 else b2 if i == 2 else b3 if i == 3 else b4 if i == 4 else b5 if i == 5 else b6 if i == 6 \
+            else b7
         n_i = N1 if i == 1 else N2 if i == 2 else N3 if i == 3 else N4 if i == 4 else N5 if i == 5 else N6 if i == 6 \
             else N7
-        w, n, col, first = _pick(j >= start, w, n, col, first, w_i, n_i, offset, start)
+        w, b, hb, n, col, first = _pick(j >= start, w, b, hb, n, col, first, w_i, b_i, (HB >> i) & 1, n_i, offset,
+                                        start)
         start = start + (n_i + BN - 1) // BN
         offset = offset + n_i
     i_n = j - first
     acc = _product_tile(x, sx, w, M, K, n, i_m, i_n, BM, BN, BK, CT, PREC)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
+    if HB != 0:  # the bias added before the one rounding (a weight without one reads its own first row, unused)
+        bias = tl.load(b + o_n, mask=o_n < n, other=0).to(CT)
+        acc += tl.where(hb != 0, bias, 0.0)[None, :]
     m = (o_m < M)[:, None] & (o_n < n)[None, :]
     tl.store(out + o_m[:, None].to(tl.int64) * so + col + o_n[None, :], acc.to(out.dtype.element_ty), mask=m)
 
@@ -127,9 +139,9 @@ def _gated_unit_kernel(x, sx, wg, wu, out, so, M, K, N, ACT: tl.constexpr, BM: t
 
 
 # ============================================================================ launchers
-def check_supported(x: torch.Tensor, weights: list[torch.Tensor]) -> str | None:
+def check_supported(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> str | None:
     """None when these kernels compute x's products with ``weights`` (a decode step's few rows, weights read in
-    place), else why not."""
+    place) and ``biases`` (None, or one per weight, each None or ``[N_i]``), else why not."""
     if x.dtype not in _DTYPES:
         return f"{OP}: takes float16/bfloat16/float32 inputs (float64 in the interpreter), not {x.dtype}"
     if not 1 <= len(weights) <= MAX_WEIGHTS:
@@ -142,6 +154,14 @@ def check_supported(x: torch.Tensor, weights: list[torch.Tensor]) -> str | None:
         if w.dim() != 2 or w.shape[1] != K or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
             return (f"{OP}: every weight must be a contiguous [N, {K}] matrix of x's dtype and device, got "
                     f"{w.dtype} {tuple(w.shape)} on {w.device}")
+    if biases is not None:
+        if len(biases) != len(weights):
+            return f"{OP}: {len(biases)} biases for {len(weights)} weights"
+        for w, b in zip(weights, biases):
+            if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype or b.device != x.device
+                                  or not b.is_contiguous()):
+                return (f"{OP}: a bias must be a contiguous [{w.shape[0]}] vector of x's dtype and device, got "
+                        f"{b.dtype} {tuple(b.shape)} on {b.device}")
     return None
 
 
@@ -166,27 +186,34 @@ def _tiles(x: torch.Tensor, blocks_wanted: int, columns: int) -> dict:
                 PREC="ieee" if x.dtype in (torch.float32, torch.float64) else "tf32")
 
 
-def linear_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``[F.linear(x, w) for w in weights]`` in one launch (module docstring): views of one ``[..., Σ N]`` tensor.
-    x ``[..., K]`` with at most ``MAX_ROWS`` rows; weights ``[N_i, K]`` contiguous, of x's dtype and device."""
-    reason = check_supported(x, weights)
+def linear_many(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:
+    """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` in one launch (module docstring): views of one
+    ``[..., Σ N]`` tensor. x ``[..., K]`` with at most ``MAX_ROWS`` rows; weights ``[N_i, K]`` contiguous, of x's
+    dtype and device; ``biases`` None or one per weight, each None or ``[N_i]``."""
+    reason = check_supported(x, weights, biases)
     if reason is not None:
         raise ValueError(reason)
-    return launch_many(x, weights)
+    return launch_many(x, weights, biases)
 
 
-def launch_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def launch_many(x: torch.Tensor, weights: list[torch.Tensor], biases: list | None = None) -> list[torch.Tensor]:
     """``linear_many`` for inputs that ``check_supported`` has passed (a decode step's caller checks once)."""
     widths = [w.shape[0] for w in weights]
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    has_bias = sum(1 << i for i, b in enumerate(biases) if b is not None)
     x2, sx = _rows(x)
     M, K = x2.shape
     out = torch.empty(M, sum(widths), device=x.device, dtype=x.dtype)
     cfg = _tiles(x2, PROGRAMS_WANTED, sum(widths))
     blocks = sum(triton.cdiv(n, cfg["BN"]) for n in widths)
     padded = list(weights) + [weights[0]] * (MAX_WEIGHTS - len(weights))
+    # a weight without a bias passes itself (its first row: as many values as a bias, never used)
+    bias_args = [b if b is not None else w for w, b in zip(weights, biases)]
+    bias_args += [weights[0]] * (MAX_WEIGHTS - len(weights))
     sizes = {f"N{i}": (widths[i] if i < len(widths) else 0) for i in range(MAX_WEIGHTS)}
     _linear_many_kernel[(blocks, triton.cdiv(M, cfg["BM"]))](
-        x2, sx, out, out.stride(0), M, K, *padded, **sizes, NW=len(weights), **cfg, num_warps=4)
+        x2, sx, out, out.stride(0), M, K, *padded, *bias_args, **sizes, NW=len(weights), HB=has_bias, **cfg,
+        num_warps=4)
     return list(out.view(*x.shape[:-1], -1).split(widths, dim=-1))
 
 

@@ -461,7 +461,9 @@ class LazooModel(LazooPreTrainedModel):
         if cache is not None and cache.real_tokens is not None and cache.real_tokens.shape[0] != B:
             raise ValueError(f"the cache holds {cache.real_tokens.shape[0]} sequences but the input has {B}: a cache "
                              "keeps its batch (start a new cache, or select its rows with reorder_cache)")
-        new_mask = _new_token_mask(attention_mask, B, T, _cached_positions(cache))
+        # a mask of the new tokens alone needs no count of the cached ones (for a static cache, a host read)
+        wider = attention_mask is not None and attention_mask.shape[1] != T
+        new_mask = _new_token_mask(attention_mask, B, T, _cached_positions(cache) if wider else 0)
         real = new_mask.long() if new_mask is not None else inputs_embeds.new_ones(B, T, dtype=torch.long)
         offset = cache.real_tokens if cache is not None and cache.real_tokens is not None else real.new_zeros(B)
         if position_ids is None:
