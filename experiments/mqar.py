@@ -49,8 +49,23 @@ except ImportError:  # `lazoo.data` imports `datasets`/`tokenizers`; the task it
 
 MODEL = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
              intermediate_size=256, tie_word_embeddings=True)
+def _slow_decay(model) -> None:
+    """Gated DeltaNet's decay started near 1 in every head (log α ≈ −1e-3 a token at a = 0: a memory of about a
+    thousand tokens), where its default start (A in [1, 16], dt in [1e-3, 1e-1]) gives most heads α ≤ 0.9."""
+    for module in model.modules():
+        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+            with torch.no_grad():
+                module.A_log.zero_()  # A = 1
+                module.dt_bias.fill_(1e-3 + math.log(-math.expm1(-1e-3)))  # softplus(dt_bias) = 1e-3
+
+
+#: changes made to a variant's model after it is built (its parameters' starting values)
+VARIANT_INITS = {"gated_delta_net_slow_decay": _slow_decay}
+
 #: named variants of a mechanism: name -> (mechanism, config overrides); any other name is a mechanism as it is
 VARIANTS = {
+    # Gated DeltaNet with its decay started near 1 (`_slow_decay`): whether its start is what fails at long T
+    "gated_delta_net_slow_decay": ("gated_delta_net", {}),
     # the VLA paper's Algorithm 1 as written: ELU+1 features, the z-normalised read-out, no normalisation before
     "vla_paper": ("vla", dict(feature_map="elu1", readout="normalized", qk_prenorm=False, output_norm=False,
                               penalty_norm="algorithm1")),
@@ -155,6 +170,8 @@ def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
     base, variant = VARIANTS.get(mechanism, (mechanism, {}))
     config = build_config(base, **overrides, **variant)
     model = AutoModelForCausalLM.from_config(config).to(args.device, torch.float32).train()
+    if mechanism in VARIANT_INITS:
+        VARIANT_INITS[mechanism](model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * args.steps), args.steps)
