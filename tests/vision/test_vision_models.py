@@ -444,3 +444,24 @@ def test_detector_trains_on_cuda_bf16(variant):
         opt.step()
         losses.append(out.loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("variant", ["conv", "lat"])
+def test_detector_inference_makes_no_tensor_from_host_data(variant):
+    """An inference forward builds no tensor from Python data (`aten.lift_fresh`, what `torch.tensor` and
+    `new_tensor` dispatch to): on CUDA that is a host-to-device copy, which a CUDA graph cannot capture
+    (lazoo.bench.yolo_lat replays the forward from one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = YoloLatForObjectDetection(YoloLatConfig(variant=variant, num_labels=3, image_size=64)).eval()
+    with torch.inference_mode(), Ops() as ops:
+        out = model(pixel_values=torch.randn(1, 3, 64, 64))
+    assert out.pred_boxes.shape[-1] == 4 and ops.seen
+    assert not [op for op in ops.seen if "lift_fresh" in op]

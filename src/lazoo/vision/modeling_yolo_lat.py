@@ -374,8 +374,9 @@ class YoloLatForObjectDetection(YoloLatPreTrainedModel):
         features = self.neck(*hidden_states[2:])
         logits, dists, anchors, _ = self.head(features)
         boxes_xyxy = torch.cat([anchors - dists[..., :2], anchors + dists[..., 2:]], -1)  # pixels
-        scale = boxes_xyxy.new_tensor([W, H, W, H])
-        pred_boxes = xyxy_to_cxcywh(boxes_xyxy / scale)
+        # x by the width, y by the height, as Python numbers: no host-to-device copy (a CUDA graph can capture it)
+        corners = boxes_xyxy.unflatten(-1, (2, 2))
+        pred_boxes = xyxy_to_cxcywh(torch.stack([corners[..., 0] / W, corners[..., 1] / H], -1).flatten(-2))
 
         loss = loss_dict = None
         if labels is not None:
