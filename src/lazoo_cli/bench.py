@@ -246,6 +246,9 @@ def add_delta_frontier_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default=None,
                     help="comma-separated T:B:H:HV (default 1024:32:16:16,8192:4:16:16,32768:1:16:16,8192:4:16:32); "
                          "delta_rule takes those with HV = H")
+    ap.add_argument("--decode", default=None,
+                    help="comma-separated B:H:HV of the one-token decode rows (default 32:16:32, Qwen3-Next's layer "
+                         "at batch 32; '' for none)")
 
 
 #: `lazoo bench NAME` -> lazoo.bench.NAME

@@ -56,3 +56,33 @@ def test_rows_are_written_as_they_are_measured(monkeypatch, tmp_path):
         frontier.main(["--out", str(out), "--ops", "gated_delta_rule", "--shapes", "64:1:2:2,128:1:2:2"])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["env"]["gpu"] == "test" and [r["T"] for r in lines[1:]] == [64]
+
+
+def test_the_decode_reference_is_one_step_of_the_gated_delta_rule():
+    """reference_step against the update written out in float64: S' = αS + β(v − αS k̂)k̂ᵀ, o = S' q̂ (q̂, k̂
+    L2-normalised, q̂ scaled), value head j reading key head j // 2 (two value heads a key head)."""
+    B, H, HV, D = 2, 2, 4, frontier.D
+    x = frontier.make_inputs(1, B, H, HV, torch.float32, "cpu", seed=4)
+    x["S"] = torch.randn(B, HV, D, D, generator=torch.Generator().manual_seed(5)) * 0.1
+    got = frontier.reference_step(x)
+    x64 = {n: t.double() for n, t in x.items()}
+    def l2norm(t):  # lazoo's: t / sqrt(|t|² + 1e-6)
+        return t / ((t * t).sum(-1, keepdim=True) + 1e-6).sqrt()
+
+    q = l2norm(x64["q"][:, 0]) * D ** -0.5
+    k = l2norm(x64["k"][:, 0])
+    want = torch.empty(B, 1, HV, D, dtype=torch.float64)
+    for b in range(B):
+        for j in range(HV):
+            S, kk, qq = x64["S"][b, j], k[b, j // 2], q[b, j // 2]
+            alpha, beta = x64["g"][b, 0, j].exp(), x64["beta"][b, 0, j]
+            S1 = alpha * S + beta * torch.outer(x64["v"][b, 0, j] - alpha * S @ kk, kk)
+            want[b, 0, j] = S1 @ qq
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert frontier.relative_error(got.float(), want) < 1e-6
+
+
+def test_decode_shapes_parse():
+    assert frontier.decode_shapes(None) == frontier.DECODE_SHAPES == [(32, 16, 32)]
+    assert frontier.decode_shapes("") == []
+    assert frontier.decode_shapes("8:16:16,32:16:32") == [(8, 16, 16), (32, 16, 32)]

@@ -13,6 +13,12 @@ the same inputs (max |o − o₆₄| / max |o₆₄|, at the row's shape), the r
 
     python -m lazoo.bench.delta_frontier --out frontier.jsonl
 
+Then one decode step per ``--decode`` shape B:H:HV (default 32:16:32, Qwen3-Next's layer at batch 32): lazoo's op
+on one token against a float32 state beside fla's ``fused_recurrent_gated_delta_rule``, µs a step replayed from a
+CUDA graph, with the share of the copy bandwidth that reading and writing the state takes. (vLLM publishes 13.6 µs
+for its kernel at these shapes on an H200, with its state in the model's dtype: half these bytes.) The decode rows
+alone: ``--ops '' --decode 32:16:32``.
+
 FlashQLA and fla are optional: a missing one gives rows with its import error. Neither is a dependency of lazoo.
 FlashQLA's TileLang kernels compile at the first call of each shape (about 2.5 minutes for its forward and backward
 on an H200 with 16 cores) and are cached on the machine: ``--shapes`` runs a few at a time.
@@ -135,6 +141,74 @@ def bench_shape(op, gated, impls, T, B, H, HV, dtype, device, ceilings) -> list[
     return rows
 
 
+#: (B, H, HV) of the decode rows: Qwen3-Next's layer (16 key heads, 32 value heads of 128) at batch 32
+DECODE_SHAPES = [(32, 16, 32)]
+
+
+def decode_shapes(text: str | None) -> list[tuple[int, int, int]]:
+    """``--decode``: None -> DECODE_SHAPES, "" -> none, else comma-separated B:H:HV."""
+    if text is None:
+        return DECODE_SHAPES
+    return [tuple(int(n) for n in item.split(":")) for item in text.split(",") if item.strip()]
+
+
+def decode_implementations() -> dict:
+    """impl name -> (callable of the one-token inputs and state returning (o, new state)), or its import error."""
+    from lazoo import ops
+
+    scale = D ** -0.5
+    impls = {"lazoo": lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
+                                                     initial_state=x["S"], output_final_state=True,
+                                                     backend="triton")}
+    try:
+        fn = importlib.import_module("fla.ops.gated_delta_rule").fused_recurrent_gated_delta_rule
+        # fla's state is [B, HV, dk, dv], lazoo's [B, HV, dv, dk]: the same values, transposed
+        impls["fla"] = lambda x: fn(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
+                                    initial_state=x["S"].transpose(-1, -2).contiguous(), output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True)
+    except Exception as e:  # noqa: BLE001
+        impls["fla"] = error_text(e)
+    return impls
+
+
+def bench_decode(impls, B, H, HV, dtype, device, ceilings) -> list[dict]:
+    """One token against a float32 state per (sample, value head) of D × D: µs per step replayed from a CUDA graph,
+    the output's error against float64, and the share of the copy bandwidth that reading and writing the state
+    takes (the step's floor: the state is most of its bytes)."""
+    from .timing import cuda_graph_ms
+
+    x = make_inputs(1, B, H, HV, dtype, device, seed=1)
+    x["S"] = torch.randn(B, HV, D, D, device=device, generator=torch.Generator(device=device).manual_seed(2)) * 0.1
+    ref = reference_step(x)
+    state_bytes = 2 * x["S"].numel() * 4
+    rows = []
+    for impl, fn in impls.items():
+        row = {"op": "gated_delta_rule decode", "impl": impl, "T": 1, "B": B, "H": H, "HV": HV, "D": D}
+        if isinstance(fn, str):
+            rows.append({**row, "error": fn})
+            continue
+        try:
+            with torch.no_grad():
+                row["max_rel_err_vs_f64"] = relative_error(fn(x)[0], ref)
+                row["step_us"] = cuda_graph_ms(lambda: fn(x)) * 1e3
+        except Exception as e:  # noqa: BLE001
+            rows.append({**row, "error": error_text(e)})
+            continue
+        row["state_GBps"] = state_bytes / row["step_us"] / 1e3
+        row["state_share_of_copy_bandwidth"] = row["state_GBps"] / ceilings["copy_GBps"]
+        rows.append(row)
+    return rows
+
+
+def reference_step(x: dict) -> torch.Tensor:
+    """The one-token output in float64 (lazoo's per-token PyTorch form)."""
+    from lazoo import ops
+
+    x64 = {n: t.double() for n, t in x.items()}
+    return ops.gated_delta_rule(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], scale=D ** -0.5,
+                                initial_state=x64["S"], backend="recurrent")[0]
+
+
 def print_table(rows: list[dict]) -> None:
     def cell(value, fmt):
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
@@ -160,7 +234,7 @@ def main(argv=None) -> None:
            "command": command_line("delta_frontier", argv), "ceilings": card_ceilings(device)}
     with JsonRows(args.out) as rows:
         rows.record({"env": env})
-        for op in args.ops.split(","):
+        for op in [o for o in args.ops.split(",") if o.strip()]:  # --ops '': the decode rows alone
             gated = op == "gated_delta_rule"
             impls = implementations(gated)
             for T, B, H, HV in shapes:
@@ -168,7 +242,18 @@ def main(argv=None) -> None:
                     continue
                 for row in bench_shape(op, gated, impls, T, B, H, HV, dtype, device, env["ceilings"]):
                     rows.record(row)
-    print_table(rows[1:])
+        decode = decode_shapes(args.decode)
+        impls = decode_implementations() if decode else {}
+        for B, H, HV in decode:
+            for row in bench_decode(impls, B, H, HV, dtype, device, env["ceilings"]):
+                rows.record(row)
+    print_table([r for r in rows[1:] if r["T"] > 1])
+    for r in rows[1:]:
+        if r["T"] == 1:
+            print(f"decode B={r['B']} H/HV={r['H']}/{r['HV']} {r['impl']:6s} "
+                  + (f"{r['step_us']:.2f} µs a step, error {r['max_rel_err_vs_f64']:.2e}, state at "
+                     f"{r['state_share_of_copy_bandwidth']:.0%} of the copy bandwidth" if r.get("step_us")
+                     else str(r.get("error"))[:120]))
 
 
 if __name__ == "__main__":
