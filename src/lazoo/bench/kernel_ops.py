@@ -7,6 +7,7 @@ The shapes: B·T = 32k tokens, H = 16, D = 128 at T = 1k, 8k and 32k, and D = 64
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .delta_ops import delta_flops
 from .inputs import with_head_decay
 
 TOKENS = 32 * 1024
@@ -34,6 +36,19 @@ qkv_g = with_head_decay(qkv)
 def qkv_gk(B, T, H, D, dtype, device, gen):
     x = qkv(B, T, H, D, dtype, device, gen)
     x["g"] = (F.logsigmoid(torch.randn(B, T, H, D, device=device, generator=gen)) / 16).to(dtype)
+    return x
+
+
+def kda_inputs(B, T, H, D, dtype, device, gen):
+    """Kimi Delta Attention's: unit-norm q, k (the op's l2norm left out), β in (0, 1), and Kimi Linear's gate per key
+    channel, −A·softplus(x + dt_bias) with A in [1, 16] a head and dt in [1e-3, 1e-1] log-uniform a channel, fp32."""
+    x = qkv(B, T, H, D, torch.float32, device, gen)
+    x = {"q": F.normalize(x["q"], dim=-1).to(dtype), "k": F.normalize(x["k"], dim=-1).to(dtype), "v": x["v"].to(dtype)}
+    A = torch.empty(H, device=device).uniform_(1, 16, generator=gen)
+    dt = torch.exp(torch.empty(H, D, device=device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    x["g"] = -A[:, None] * F.softplus(torch.randn(B, T, H, D, device=device, generator=gen) + dt_bias)
+    x["beta"] = torch.rand(B, T, H, device=device, generator=gen).to(dtype)
     return x
 
 
@@ -166,6 +181,14 @@ def kernel_ops() -> dict[str, Op]:
                 torch.ones(x["q"].shape[:3], device=x["q"].device), x["lam"])[0],
             flops=recurrent_flops,
         ),
+        "kda": Op(  # the gated delta rule with a decay per key channel (lazoo.kernels.kda; fla's chunk_kda)
+            make=kda_inputs,
+            ours=lambda x: ops.kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm=False,
+                                   backend="triton")[0],
+            fla=lambda fla, x: fla.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                             scale=x["q"].shape[-1] ** -0.5)[0],
+            flops=delta_flops, io=(5, 9), grads=("q", "k", "v", "g", "beta"),
+        ),
         "gla": Op(  # a gate per key dim: the op's Triton backend runs lazoo.kernels.gla.chunk_gla here
             make=qkv_gk,
             ours=lambda x: ops.gla(x["q"], x["k"], x["v"], x["g"], scale=1.0, backend="triton")[0],
@@ -188,11 +211,17 @@ def load_fla():
     from .delta_ops import add_fla_delta
 
     ns = argparse.Namespace(chunk_linear_attn=chunk_linear_attn, chunk_simple_gla=chunk_simple_gla,
-                            chunk_gla=chunk_gla, chunk_mesa_net=None)
+                            chunk_gla=chunk_gla, chunk_mesa_net=None, chunk_kda=None)
     try:
         from fla.ops.mesa_net import chunk_mesa_net
 
         ns.chunk_mesa_net = chunk_mesa_net
     except Exception:  # older fla: no MesaNet
+        pass
+    try:
+        from fla.ops.kda import chunk_kda
+
+        ns.chunk_kda = chunk_kda
+    except Exception:  # older fla: no KDA
         pass
     return add_fla_delta(ns), getattr(sys.modules["fla"], "__version__", "?")
