@@ -156,6 +156,48 @@ def test_interp_grouped_value_heads(op):
 
 
 @needs_interp
+def test_interp_grouped_value_heads_without_l2norm():
+    # the group sums of dq and dk without the norm's backward (the finishing launch's other form)
+    B, T, H, dk, dv = 1, 37, 2, 16, 12
+    x = inputs(B, T, H, dk, dv, seed=33, value_heads=2 * H)
+    x["k"] = F.normalize(x["k"], dim=-1) * 0.9
+    S0 = torch.randn(B, 2 * H, dv, dk, dtype=F64)
+    check_against_reference("gated", x, S0, 1e-4, 1e-4, use_qk_l2norm=False, scale=0.37, chunk_size=16)
+
+
+@needs_interp
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("norm", [True, False])
+def test_interp_qk_grads_sum_the_groups_and_undo_the_norm(groups, norm):
+    """`qk_grads` against float64: each key head's m value-head partials summed, then (with the norm) dx = (dy −
+    y (y·dy)) / sqrt(|x|² + 1e-6); q and k in one launch, and q alone."""
+    from lazoo.kernels.delta import l2norm_fwd, qk_grads
+
+    gen = torch.Generator().manual_seed(groups)
+    TT, HK, D = 23, 2, 24  # D below the 32-wide row block: masked columns
+    xq, xk = (torch.randn(TT, HK, D, generator=gen, dtype=torch.float32) for _ in range(2))
+    dq, dk = (torch.randn(TT, HK * groups, D, generator=gen, dtype=torch.float32) for _ in range(2))
+    yq, rq, yk, rk = l2norm_fwd(xq, xk)
+
+    def want(x, d):
+        s = d.double().view(TT, HK, groups, D).sum(2)
+        if not norm:
+            return s
+        x = x.double()
+        r = ((x * x).sum(-1, keepdim=True) + 1e-6).rsqrt()
+        y = x * r
+        return r * (s - y * (y * s).sum(-1, keepdim=True))
+
+    norms = ((yq, rq), (yk, rk)) if norm else (None, None)
+    got_q, got_k = qk_grads(dq, dk, groups, *norms)
+    assert got_q.shape == got_k.shape == (TT, HK, D)
+    torch.testing.assert_close(got_q.double(), want(xq, dq), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k.double(), want(xk, dk), rtol=1e-5, atol=1e-5)
+    alone = qk_grads(dq, None, groups, norms[0])
+    torch.testing.assert_close(alone, got_q, rtol=0, atol=0)
+
+
+@needs_interp
 def test_interp_grouped_value_heads_packed_and_decode():
     H, dk, dv = 1, 16, 16
     cu = torch.tensor([0, 17, 47, 52])

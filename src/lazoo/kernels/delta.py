@@ -805,16 +805,22 @@ def _l2norm_rows_fwd(x, y, rstd, blk, NR, D: tl.constexpr, BD: tl.constexpr, BR:
 
 
 @triton.jit
-def _l2norm_rows_bwd(y, rstd, dy, dx, blk, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _l2norm_rows_bwd(y, rstd, dy, dx, blk, NR, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                     G: tl.constexpr, NORM: tl.constexpr):
+    """dx of rows ``blk``: dy summed over its G partials (row r's at ``dy[r, 0..G)``, ``[NR, G, D]``; G = 1: dy
+    itself) in float32, then with NORM back through the L2 norm (y, rstd its output and 1/sqrt(.)), else the sum."""
     r = blk * BR + tl.arange(0, BR)
     c = tl.arange(0, BD)
     m = (r < NR)[:, None] & (c < D)[None, :]
     p = r.to(tl.int64)[:, None] * D + c[None, :]
-    b_y = tl.load(y + p, mask=m, other=0).to(tl.float32)
-    b_dy = tl.load(dy + p, mask=m, other=0).to(tl.float32)
-    b_r = tl.load(rstd + r, mask=r < NR, other=0)
-    b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
-    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+    b_dy = tl.zeros([BR, BD], dtype=tl.float32)
+    for i in tl.static_range(G):
+        b_dy += tl.load(dy + (r.to(tl.int64)[:, None] * G + i) * D + c[None, :], mask=m, other=0).to(tl.float32)
+    if NORM:
+        b_y = tl.load(y + p, mask=m, other=0).to(tl.float32)
+        b_r = tl.load(rstd + r, mask=r < NR, other=0)
+        b_dy = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
+    tl.store(dx + p, b_dy.to(dx.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -832,14 +838,15 @@ def _l2norm_fwd_kernel(x, y, rstd, NR, x2, y2, rstd2, NR2, D: tl.constexpr, BD: 
 
 @triton.jit
 def _l2norm_bwd_kernel(y, rstd, dy, dx, NR, y2, rstd2, dy2, dx2, NR2, D: tl.constexpr, BD: tl.constexpr,
-                       BR: tl.constexpr, PAIR: tl.constexpr):
-    """dx = (dy - y (y . dy)) / sqrt(|x|^2 + 1e-6) (and the same for the second tensor with ``PAIR``)."""
+                       BR: tl.constexpr, PAIR: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr):
+    """dx = (dy - y (y . dy)) / sqrt(|x|^2 + 1e-6) (and the same for the second tensor with ``PAIR``), dy first
+    summed over its G partials (grouped value heads); without NORM the sums alone."""
     blk = tl.program_id(0)
     nb = tl.cdiv(NR, BR)
     if PAIR and blk >= nb:
-        _l2norm_rows_bwd(y2, rstd2, dy2, dx2, blk - nb, NR2, D, BD, BR)
+        _l2norm_rows_bwd(y2, rstd2, dy2, dx2, blk - nb, NR2, D, BD, BR, G, NORM)
     else:
-        _l2norm_rows_bwd(y, rstd, dy, dx, blk, NR, D, BD, BR)
+        _l2norm_rows_bwd(y, rstd, dy, dx, blk, NR, D, BD, BR, G, NORM)
 
 
 # ============================================================================ host side
@@ -1022,8 +1029,9 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
 
 
 def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool, w=None):
-    """Gradients ``(dq, dk, dv, dbeta, dg, ds0)``; with write keys w, ``dbeta`` is dw ``[TT, H, dk]``. With grouped
-    value heads the kernels give dq and dk per value head, summed here over each key head's group."""
+    """Gradients ``(dq, dk, dv, dbeta, dg, ds0)``; with write keys w, ``dbeta`` is dw ``[TT, H, dk]``. dq and dk are
+    per value head ``[TT, H, dk]``: with grouped value heads the caller sums each key head's group (``qk_grads``, with
+    the L2 norms' backward in the same launch)."""
     TT, HK, K = q.shape
     H, V = v.shape[1:]
     dev = q.device
@@ -1052,9 +1060,8 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         STORE_DS0=need_ds0, DT=DT, PREC=PREC, **_opts("dhu", interp, FP32))
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     NK = triton.cdiv(K, BKq)
-    grouped = H != HK
-    # per value head in q's dtype (a group's partials summed below in float32, as fla does): half the bytes of
-    # float32 partials, H200 8k HV = 2H fwd + bwd 7.92 against 8.03 ms, the same error against float64
+    # per value head in q's dtype (a group's partials summed by the caller in float32, as fla does): half the bytes
+    # of float32 partials, H200 8k HV = 2H fwd + bwd 7.92 against 8.03 ms, the same error against float64
     dq = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
@@ -1071,8 +1078,6 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu,
         TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("wy", interp, FP32))
-    if grouped:  # each key head's gradient: the sum over the value heads it serves
-        dq, dk = (x.view(TT, HK, H // HK, K).sum(2, dtype=f32).to(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
 
 
@@ -1097,17 +1102,40 @@ def l2norm_fwd(x: torch.Tensor, x2: torch.Tensor | None = None):
 
 def l2norm_bwd(y, rstd, dy, y2=None, rstd2=None, dy2=None):
     """dx of ``l2norm_fwd``'s outputs ``y`` (and dx2 of ``y2``, in the same launch)."""
-    D = y.shape[-1]
-    BD, BR = _l2norm_blocks(D)
     pair = y2 is not None
-    dy = dy.contiguous()
-    dy2 = dy2.contiguous() if pair else dy
-    dx, dx2 = torch.empty_like(y), (torch.empty_like(y2) if pair else None)
-    NR, NR2 = y.numel() // D, (y2.numel() // D if pair else 0)
+    return qk_grads(dy, dy2 if pair else None, 1, (y, rstd), (y2, rstd2) if pair else None)
+
+
+def qk_grads(dq, dk, groups: int, norm_q=None, norm_k=None):
+    """The gradients of q and k ``[TT, HK, D]`` from the kernels' per-value-head partials ``dq``, ``dk``
+    ``[TT, HK·groups, D]`` (``groups`` value heads a key head): each group summed in float32 and, where the norm's
+    ``(y, rstd)`` is given (``l2norm_fwd``'s), taken back through the L2 norm, in one launch for both (dk may be None:
+    dq alone). Rounded once, to the partials' dtype."""
+    D = dq.shape[-1]
+    BD, BR = _l2norm_blocks(D)
+    pair = dk is not None
+    NORM = norm_q is not None
+    if pair and (norm_k is not None) != NORM:
+        raise ValueError("qk_grads: normalise both q and k or neither")
+    dq = dq.contiguous()
+    dk = dk.contiguous() if pair else dq
+    NR, NR2 = dq.numel() // (D * groups), (dk.numel() // (D * groups) if pair else 0)
+    dxq = torch.empty(NR, D, device=dq.device, dtype=dq.dtype)
+    dxk = torch.empty(NR2, D, device=dq.device, dtype=dq.dtype) if pair else dxq
+    yq, rq = norm_q if NORM else (dq, dq)  # without the norm: never read
+    yk, rk = (norm_k if NORM else (dk, dk)) if pair else (yq, rq)
     grid = (triton.cdiv(NR, BR) + triton.cdiv(NR2, BR),)
-    _l2norm_bwd_kernel[grid](y, rstd, dy, dx, NR, *((y2, rstd2, dy2, dx2) if pair else (y, rstd, dy, dx)), NR2,
-                             D=D, BD=BD, BR=BR, PAIR=pair, **_opts("l2norm", y.device.type == "cpu"))
-    return dx if not pair else (dx, dx2)
+    _l2norm_bwd_kernel[grid](yq, rq, dq, dxq, NR, yk, rk, dk, dxk, NR2, D=D, BD=BD, BR=BR, PAIR=pair, G=groups,
+                             NORM=NORM, **_opts("l2norm", dq.device.type == "cpu"))
+    out_q = dxq.view(_summed_shape(dq, groups))
+    return out_q if not pair else (out_q, dxk.view(_summed_shape(dk, groups)))
+
+
+def _summed_shape(partials: torch.Tensor, groups: int) -> tuple:
+    """``[..., H, D]`` partials -> ``[..., H / groups, D]`` (any shape ``[..., D]`` when groups = 1)."""
+    if groups == 1:
+        return tuple(partials.shape)
+    return (*partials.shape[:-2], partials.shape[-2] // groups, partials.shape[-1])
 
 
 class L2NormFunction(torch.autograd.Function):
@@ -1177,8 +1205,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         need_ds0 = S0 is not None and ctx.needs_input_grad[6]
         dq, dk, dv, db, dg, ds0 = chunk_bwd(qf, kf, vf, bf, gf, S0, ctx.scale, ctx.seqs, ctx.C,
                                             (Gc, A, wt, vnew, h), do, dsT, need_ds0, w=wf)
-        if rq is not None:  # back through the L2 norms of q and k
-            dq, dk = l2norm_bwd(qf, rq, dq, kf, rk, dk)
+        if rq is not None or H != HK:  # each group's partials summed, back through the L2 norms of q and k
+            norms = ((qf, rq), (kf, rk)) if rq is not None else (None, None)
+            dq, dk = qk_grads(dq, dk, H // HK, *norms)
         b_dt, g_dt, s_dt = ctx.dtypes
         dbeta = None if wf is not None else db.view(B, T, H).to(b_dt)
         dw = None if wf is None else db.view(B, T, H, K)
