@@ -47,6 +47,41 @@ def test_the_tokens_of_transformers_loop(name, rounds):
     assert len(rounds) == 3
 
 
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_every_step_sees_the_inputs_and_gives_the_logits_of_transformers_loop(name, rounds):
+    """Not only the tokens: each forward's position ids and logits equal those of transformers' loop (a position one
+    behind changes a rotary model's logits a little, seldom its greedy tokens), for each copy of a prompt generate
+    expands (num_return_sequences)."""
+    model = tiny_model(name, seed=1)
+    ids, mask = left_padded()
+    seen = []
+
+    def inputs(module, args, kwargs):  # a copy: the rounds advance their position buffer in place
+        position_ids = kwargs.get("position_ids")
+        seen.append(("in", None if position_ids is None else position_ids.clone()))
+
+    hooks = [model.register_forward_pre_hook(inputs, with_kwargs=True),
+             model.register_forward_hook(lambda m, a, out: seen.append(("out", out.logits[:, -1].clone())))]
+    try:
+        runs = []
+        for steps in (0, 4):
+            seen.clear()
+            torch.manual_seed(0)  # the same draws
+            out = generate(model, ids, mask, steps, max_new_tokens=7, num_return_sequences=2, do_sample=True, top_k=5)
+            runs.append((out, list(seen)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    (want, want_seen), (got, got_seen) = runs
+    assert len(rounds) == 2 and len(want_seen) == 2 * 7 and len(got_seen) == 2 * 9, name  # the last round runs past
+    for (kind, a), (_, b) in zip(got_seen, want_seen):
+        if a is None or b is None:
+            assert a is None and b is None, (name, kind)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{name} {kind}")
+    assert torch.equal(got, want), name
+
+
 def test_a_later_generate_reuses_the_loop_and_a_new_model_state_does_not(rounds):
     """The second generate of the same shapes refills the kept loop's buffers (a replay of the same graph on CUDA)
     and gives transformers' tokens for its own prompt; weights moved to new tensors make a new loop."""

@@ -259,8 +259,17 @@ def decode_inputs(model, input_ids, attention_mask, model_kwargs) -> dict | str:
             value = input_ids[:, -1:].clone(memory_format=torch.contiguous_format)
         elif name == "attention_mask" and value is not None:
             value = torch.ones(input_ids.shape[0], 1, dtype=value.dtype, device=value.device)
-        elif name in ("position_ids", "cache_position") and value is not None:  # advanced by one a step
-            value = value[..., -1:].clone(memory_format=torch.contiguous_format)
+        elif name == "position_ids" and value is not None:  # advanced by one a step
+            # the last token's position from the whole mask (real tokens counted from 0, transformers' rule), not
+            # the template's: transformers 5.24 slices it from generate's own position ids, which `_sample` advanced
+            # in its copy of the model kwargs only (one token behind here)
+            if attention_mask is not None:
+                value = (attention_mask.long().cumsum(-1) - 1)[:, -1:].to(value.dtype)
+            else:
+                value = torch.full_like(value[..., -1:], input_ids.shape[1] - 1)
+            value = value.clone(memory_format=torch.contiguous_format)
+        elif name == "cache_position" and value is not None:  # the last token's slot, pads included
+            value = torch.full_like(value[..., -1:], input_ids.shape[1] - 1)
         elif isinstance(value, torch.Tensor):
             return f"the decode step takes {name!r}, which the graph loop does not advance"
         inputs[name] = value
