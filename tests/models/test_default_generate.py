@@ -192,3 +192,22 @@ def test_a_generated_decode_step_does_not_wait_for_the_device():
                   position_ids=mask.sum(1, keepdim=True), _generated_step=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_after_a_failed_capture_the_default_takes_transformers_loop(cuda_default, rounds, caplog, monkeypatch):
+    """Eager rounds are slower than the compiled step: once capturing a model's steps has failed, its later default
+    generate calls take transformers' loop (said once), the same tokens; asking for the rounds still runs them."""
+    model = tiny_model("gated_delta_net", seed=1)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        first = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=9)
+        assert len(rounds) == 1
+        graph_decode.LOOPS[model].graph = "uncaptured"  # what a failed capture leaves (CUDA only)
+        assert graph_decode.capture_failed(model)
+        monkeypatch.setattr(graph_decode, "_REFUSALS_LOGGED", set())
+        with caplog.at_level(logging.INFO, logger="lazoo.models.graph_decode"):
+            again = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=9)
+        assert len(rounds) == 1 and torch.equal(again, first)
+        assert any("earlier capture" in r.getMessage() for r in caplog.records)
+        model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=9, decode_steps_per_graph=4)
+        assert len(rounds) == 2

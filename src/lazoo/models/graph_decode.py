@@ -112,6 +112,13 @@ def say_once(reason: str, instead: str = "decoding with transformers' loop", ask
                         reason, instead)
 
 
+def capture_failed(model) -> bool:
+    """Whether capturing this model's rounds failed (its kept loop is uncaptured on CUDA): under the default its later
+    `generate` calls take transformers' loop over the compiled step, faster than eager rounds."""
+    loop = LOOPS.get(model)
+    return loop is not None and isinstance(loop.graph, str)
+
+
 def _stop_after_first_token(prompt_length: int):
     """A stopping criterion that ends transformers' loop once it has produced the prompt's first token."""
     from transformers.generation.stopping_criteria import StoppingCriteria
@@ -226,8 +233,10 @@ class GraphLoop:
             with torch.cuda.graph(graph):
                 self.body()
         except Exception as err:  # noqa: BLE001 - any op that cannot be captured: run the steps eagerly
-            say_once(f"capturing its decode steps failed ({type(err).__name__}: {str(err)[:200]})",
-                     "its rounds run eagerly", asked=self.asked)
+            # a warning either way: eager rounds are slower than the compiled step; under the default, later
+            # generate calls of this model take transformers' loop over it (`capture_failed`)
+            instead = "its rounds run eagerly" + ("" if self.asked else "; later calls decode with transformers' loop")
+            say_once(f"capturing its decode steps failed ({type(err).__name__}: {str(err)[:200]})", instead)
             return "uncaptured"
         return graph
 

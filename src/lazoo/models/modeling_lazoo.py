@@ -612,14 +612,17 @@ class LazooForCausalLM(LazooPreTrainedModel, GenerationMixin):
         config = bound["generation_config"]
         if graph_decode.requested_steps(config, self.device):
             model_kwargs = bound.get("model_kwargs", {})
+            asked = graph_decode.asked_for(config)
             reason = graph_decode.refusal(config, bound.get("logits_processor"), bound["stopping_criteria"],
                                           bound.get("streamer"), bound.get("synced_gpus", False),
                                           model_kwargs.get(CACHE_FIELD))
+            if reason is None and not asked and graph_decode.capture_failed(self):
+                reason = "an earlier capture of this model's decode steps failed"
             if reason is None:
                 return graph_decode.decode(self, bound["input_ids"], bound.get("logits_processor"),
                                            bound["stopping_criteria"], config, bound.get("synced_gpus", False),
                                            bound.get("streamer"), model_kwargs, super()._sample)
-            graph_decode.say_once(reason, asked=graph_decode.asked_for(config))
+            graph_decode.say_once(reason, asked=asked)
         with deferred_stop_for_lazoo_caches():
             return super()._sample(*args, **kwargs)
 
