@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 #: the generation config's field: decode steps per captured graph (0 or None: transformers' loop)
 STEPS_FIELD = "decode_steps_per_graph"
-_REFUSALS_LOGGED: set[str] = set()
+_REFUSALS_LOGGED: set[tuple[str, bool]] = set()  # (reason, asked) already said
 #: each model's last loop (kept beside the model, not on it: a module holding a CUDA graph could not be copied)
 LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -270,8 +270,8 @@ def decode_inputs(model, input_ids, attention_mask, model_kwargs) -> dict | str:
             value = torch.ones(input_ids.shape[0], 1, dtype=value.dtype, device=value.device)
         elif name == "position_ids" and value is not None:  # advanced by one a step
             # the last token's position from the whole mask (real tokens counted from 0, transformers' rule), not
-            # the template's: transformers 5.24 slices it from generate's own position ids, which `_sample` advanced
-            # in its copy of the model kwargs only (one token behind here)
+            # the template's: transformers (5.17 and 5.24) slices it from generate's own position ids, which
+            # `_sample` advanced in its copy of the model kwargs only (one token behind here)
             if attention_mask is not None:
                 value = (attention_mask.long().cumsum(-1) - 1)[:, -1:].to(value.dtype)
             else:
