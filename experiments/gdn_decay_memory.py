@@ -23,19 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mqar import MODEL, VARIANT_INITS, VARIANTS, mqar_batch
-from transformers import AutoModelForCausalLM
-
-from lazoo.presets import build_config
-
-
-def build(mechanism: str, seed: int):
-    torch.manual_seed(seed)
-    base, variant = VARIANTS.get(mechanism, (mechanism, {}))
-    model = AutoModelForCausalLM.from_config(build_config(base, **MODEL, **variant)).float()
-    if mechanism in VARIANT_INITS:
-        VARIANT_INITS[mechanism](model)
-    return model
+from mqar import MODEL, build_model, mqar_batch
 
 
 def retained(model, batch, distance: int) -> list[float]:
@@ -80,7 +68,7 @@ def main(argv=None):
     rows = []
     for mechanism in args.mechanisms.split(","):
         for seed in map(int, args.seeds.split(",")):
-            model = build(mechanism, seed)
+            model = build_model(mechanism, seed)
             gen = torch.Generator().manual_seed(seed)
             batch = mqar_batch(args.n_pairs, args.batch_size, MODEL["vocab_size"], generator=gen,
                                seq_len=args.seq_len)

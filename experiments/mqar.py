@@ -162,16 +162,23 @@ def evaluate(model, n_pairs, args, seed, seq_len=None):
             "eval_loss": loss_sum / args.eval_batches, "eval_queries": queries}
 
 
-def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
+def build_model(mechanism: str, seed: int, **overrides):
+    """The float32 model of ``mechanism`` (or a named variant: its config changes and starting values), the weights
+    drawn from ``seed``; ``overrides`` change MODEL's fields."""
     torch.manual_seed(seed)
-    overrides = {**MODEL, "vocab_size": args.vocab_size}
-    if args.short_conv != "default":
-        overrides["use_short_conv"] = args.short_conv == "on"
     base, variant = VARIANTS.get(mechanism, (mechanism, {}))
-    config = build_config(base, **overrides, **variant)
-    model = AutoModelForCausalLM.from_config(config).to(args.device, torch.float32).train()
+    model = AutoModelForCausalLM.from_config(build_config(base, **{**MODEL, **overrides}, **variant)).float()
     if mechanism in VARIANT_INITS:
         VARIANT_INITS[mechanism](model)
+    return model
+
+
+def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
+    overrides = {"vocab_size": args.vocab_size}
+    if args.short_conv != "default":
+        overrides["use_short_conv"] = args.short_conv == "on"
+    model = build_model(mechanism, seed, **overrides).to(args.device).train()
+    base, variant = VARIANTS.get(mechanism, (mechanism, {}))  # recorded in the result
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * args.steps), args.steps)

@@ -25,7 +25,7 @@ def gdn_mixers(model):
 def test_retained_is_the_product_of_the_decays(gdm, mechanism):
     """With the decay's input projection zeroed, log α = −exp(A_log)·softplus(dt_bias) at every token: the share
     left after `distance` tokens is its exp(distance ·), head by head (float64)."""
-    model = gdm.build(mechanism, seed=3).double()
+    model = gdm.build_model(mechanism, seed=3).double()
     mixers = gdn_mixers(model)
     assert len(mixers) == 2
     for m in mixers:
@@ -41,7 +41,7 @@ def test_retained_is_the_product_of_the_decays(gdm, mechanism):
 
 
 def test_grad_ratio_is_finite_and_positive(gdm):
-    model = gdm.build("delta_net", seed=1)
+    model = gdm.build_model("delta_net", seed=1)
     mqar = load_experiment("mqar")
     batch = mqar.mqar_batch(2, 2, 128, generator=torch.Generator().manual_seed(1), seq_len=32)
     ratio = gdm.grad_ratio(model, batch, 2)
