@@ -32,7 +32,11 @@ kernels never transpose a value that came out of a dot: every transposed operand
 memory (or computed elementwise from loads), and a transposed product that is needed (``dP^T``, ``dA^T``)
 is computed directly as its own dot of loaded tiles (a store and a transposed load back through memory, tried
 instead, was slower: H200, bf16, T = 8k, the two kernels 1.69 against 1.51 ms). The sequential kernels hold
-the state transposed (``S^T [dk, dv]``) for the same reason.
+the state transposed (``S^T [dk, dv]``) for the same reason. One program per chunk for all of ``_bwd_dqkw`` and
+``_bwd_wy`` (through X = V - Γ K S^T: dA = dU X^T, dv = A^T dU, the write key's gradient built as ``[dk, C]``) was
+correct but slower: H200, bf16, fwd + bwd at T = 1k (B = 32, H = 16) 4.7-6.8 ms against 3.68, at T = 8k with 32
+value heads 9.6-12.9 against 7.18 (it spills at 255 registers with three ``[64, 128]`` accumulators live, at 4 or 8
+warps, whole or halved dk blocks).
 
 Precision: matrix products take 16-bit operands for 16-bit inputs (fp32 accumulation; the state and
 the per-chunk states enter their products in the 16-bit type, as in fla); the triangular algebra (A,
