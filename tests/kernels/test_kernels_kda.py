@@ -71,6 +71,63 @@ def test_interp_kda_chunk_packed_grouped_values(chunk_launches):
     assert chunk_launches
 
 
+def chunk_intermediates_f64(x, cu):
+    """Aqk, Mkk and A = (I + diag(β) Mkk)^{-1} of every chunk of 64 rows of every sequence, float64, in the kernels'
+    layout ``[TT, HV, 64]`` (zeros outside each chunk's lower triangle), from the chunk form's formulas."""
+    q, k, g, beta = (x[n][0] for n in ("q", "k", "g", "beta"))
+    TT, HV = g.shape[:2]
+    m = HV // q.shape[1]
+    out = [torch.zeros(TT, HV, 64, dtype=torch.float64) for _ in range(3)]
+    for bos, eos in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for s in range(bos, eos, 64):
+            e = min(s + 64, eos)
+            n = e - s
+            for h in range(HV):
+                G = g[s:e, h].cumsum(0)
+                D = (G[:, None] - G[None, :]).masked_fill(~torch.ones(n, n).tril().bool()[..., None], -torch.inf)
+                qh, kh = q[s:e, h // m], k[s:e, h // m]
+                aqk = torch.einsum("td,id,tid->ti", qh, kh, D.exp())
+                mkk = torch.einsum("td,id,tid->ti", kh, kh, D.exp()).tril(-1)
+                a = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + beta[s:e, h, None] * mkk)
+                for dst, val in zip(out, (aqk, mkk, a)):
+                    dst[s:e, h, :n] = val
+    return out
+
+
+@needs_interp
+def test_interp_kda_chunk_intermediates_packed():
+    """Aqk, Mkk and A as the forward stores them (fp32 inputs, strong decays, grouped value heads) against float64,
+    with packed sequences of 37 (its end cuts a sub-chunk after 5 rows), 0, 1 and 82 tokens (a last chunk of 18:
+    a sub-chunk of 2 rows, two sub-chunks past the end)."""
+    from lazoo.kernels import kda as kk
+
+    cu = torch.tensor([0, 37, 37, 38, 120])
+    x = kda_inputs(1, 120, 2, 16, 16, HV=4, seed=7, strong=True)
+    f = {n: x[n][0].float().contiguous() for n in NAMES}
+    seqs = kk._Seqs(1, 120, cu, torch.device("cpu"))
+    _, _, saved = kk.chunk_fwd(f["q"], f["k"], f["v"], f["g"], f["beta"], None, 1.0, seqs, False)
+    Aqk, Mkk, A = saved[1:4]
+    ref = chunk_intermediates_f64(x, cu)
+    for name, got, want, rtol in zip(("Aqk", "Mkk", "A"), (Aqk, Mkk, A), ref, (1e-6, 1e-6, 1e-5)):
+        assert got.dtype == torch.float32, name
+        assert_close(got, want, rtol, name)
+
+
+@needs_interp
+def test_interp_kda_no_future_token_reaches_an_output():
+    """Decays 30 stronger at the 5 tokens after t (inside t's sub-chunk, at a chunk's end, across a chunk's
+    boundary) leave the outputs up to t bitwise as they were: no pair, reference row or product lets a later row
+    into an earlier one."""
+    T = 70
+    x = {n: t.float() for n, t in kda_inputs(1, T, 1, 16, 16, HV=2, seed=8, strong=True).items()}
+    run = lambda g: ops.kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["S0"], backend="triton")[0]  # noqa: E731
+    o = run(x["g"])
+    for t in (0, 20, 33, 47, 61, 64):
+        g = x["g"].clone()
+        g[:, t + 1:t + 6] -= 30
+        assert torch.equal(run(g)[:, :t + 1], o[:, :t + 1]), t
+
+
 @needs_interp
 def test_interp_kda_prefill_then_decode_equals_one_pass():
     """The chunk kernel over a prompt, then the fused recurrent kernel (no autograd) a few tokens at a time, with
