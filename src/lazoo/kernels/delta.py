@@ -146,6 +146,15 @@ def _chunk_info(chunks, cu, i_c):
 
 
 @triton.jit
+def _parallel_ids(NB: tl.constexpr, H: tl.constexpr):
+    """(chunk, block, head) of a program of the chunk-parallel kernels' one-axis grid of NT·NB·H programs. The head
+    varies fastest: the programs of one chunk run together, so they read one contiguous stretch of every ``[TT, H,
+    d]`` tensor, and the value heads of one key head (grouped value heads) find its q and k rows in L2."""
+    pid = tl.program_id(0)
+    return pid // (NB * H), (pid // H) % NB, pid % H
+
+
+@triton.jit
 def _gate(Gc, i_h, t0, eos, H: tl.constexpr, C: tl.constexpr):
     """(G of the chunk's rows, G of its last valid row). Rows past the end of the sequence take the
     last valid row's G (as if their g were 0): with a fast decay G reaches -100s inside one chunk, and
@@ -167,6 +176,23 @@ def _inv_unit_lower16(L):
         y = y + tl.sum(y[:, None] * Y, 0)  # + sum_j (-L[i, j]) X[j, :] over finished rows j < i
         Y = tl.where(o[:, None] == i, y[None, :], Y)
     return Y + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _inv_unit_lower16x4(L0, L1, L2, L3):
+    """``_inv_unit_lower16`` of four tiles at once, row i of all four in one step: a serial chain of 14 steps where
+    the four one after another take 56."""
+    o = tl.arange(0, 16)
+    Y = -tl.join(tl.join(L0, L1), tl.join(L2, L3))  # [16, 16, 2, 2]
+    for i in tl.static_range(2, 16):
+        y = tl.sum(tl.where(o[:, None, None, None] == i, Y, 0.0), 0)  # rows i [16, 2, 2]
+        y = y + tl.sum(y[:, None, :, :] * Y, 0)
+        Y = tl.where(o[:, None, None, None] == i, y[None, :, :, :], Y)
+    Y = Y + (o[:, None] == o[None, :]).to(tl.float32)[:, :, None, None]
+    Y01, Y23 = tl.split(Y)
+    N0, N1 = tl.split(Y01)
+    N2, N3 = tl.split(Y23)
+    return N0, N1, N2, N3
 
 
 @triton.jit
@@ -197,8 +223,7 @@ def _fwd_solve_kernel(
     """Per chunk: G (within-chunk cumsum of g) and A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
     given write keys). The inverse is built from 16x16 diagonal blocks (forward substitution, row by row: one
     warp does it fastest) merged by block products in tf32 (tf32x3 for fp32 inputs)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, _, i_h = _parallel_ids(1, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     NB: tl.constexpr = C // 16
     k += (i_h // (H // HK)) * K  # the key head of value head i_h (HK == H without grouped value heads)
@@ -289,17 +314,19 @@ def _fwd_solve_kernel(
             L33 = tl.where(strict, L33 * b3, 0.0)
 
     A += i_h * C
-    N00 = _inv_unit_lower16(L00)
+    if NB >= 4:
+        N00, N11, N22, N33 = _inv_unit_lower16x4(L00, L11, L22, L33)
+    else:
+        N00 = _inv_unit_lower16(L00)
+        if NB >= 2:
+            N11 = _inv_unit_lower16(L11)
     _store_a16(A, N00, t0, eos, H, C, 0, 0)
     if NB >= 2:
-        N11 = _inv_unit_lower16(L11)
         N10 = -_dotf(N11, _dotf(L10, N00, PREC), PREC)
         _store_a16(A, N10, t0, eos, H, C, 1, 0)
         _store_a16(A, N11, t0, eos, H, C, 1, 1)
         _store_a16(A, Z, t0, eos, H, C, 0, 1)
     if NB >= 4:
-        N22 = _inv_unit_lower16(L22)
-        N33 = _inv_unit_lower16(L33)
         N21 = -_dotf(N22, _dotf(L21, N11, PREC), PREC)
         N32 = -_dotf(N33, _dotf(L32, N22, PREC), PREC)
         N20 = -_dotf(N22, _dotf(L20, N00, PREC) + _dotf(L21, N10, PREC), PREC)
@@ -328,8 +355,7 @@ def _fwd_wu_kernel(
     """W~ = A Γ K and U~ = A V of one chunk from the stored A, as whole-chunk products (formed from A's 16x16
     tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused kernel
     against 0.20 + 0.29 for the two)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, _, i_h = _parallel_ids(1, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
     if HAS_G:
@@ -414,9 +440,7 @@ def _fwd_o_kernel(
     the given write keys in ``kw``)."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_v = tl.program_id(0) % NV
-    i_c = tl.program_id(0) // NV
-    i_h = tl.program_id(1)
+    i_c, i_v, i_h = _parallel_ids(NV, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
     b_o = tl.zeros([C, BV], dtype=tl.float32)
@@ -451,8 +475,7 @@ def _fwd_mix_kernel(
     M = tril(E ⊙ Q W^T) A (outputs O = diag(γ) Q S^T + M X) and Y = A^T diag(D) W (S' = γ_C S + Y^T X), where
     X = V - Γ K S^T is what the walk computes from the state (W = β K: ``kw`` is k, β applied here; else the
     given write keys)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, _, i_h = _parallel_ids(1, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     i_hk = i_h // (H // HK)
     o_c = tl.arange(0, C)
@@ -527,9 +550,7 @@ def _bwd_dv_local_kernel(
     product (never as the transpose of one)."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_v = tl.program_id(0) % NV
-    i_c = tl.program_id(0) // NV
-    i_h = tl.program_id(1)
+    i_c, i_v, i_h = _parallel_ids(NV, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
     b_pt = tl.zeros([C, C], dtype=tl.float32)
@@ -604,9 +625,7 @@ def _bwd_dqkw_kernel(
     dW~ = -dU S; and this block's share of dG (written to dgp[i_k])."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NK: tl.constexpr = (K + BK - 1) // BK
-    i_k = tl.program_id(0) % NK
-    i_c = tl.program_id(0) // NK
-    i_h = tl.program_id(1)
+    i_c, i_k, i_h = _parallel_ids(NK, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     kb = i_k * BK
     o_c = tl.arange(0, C)
@@ -679,8 +698,7 @@ def _bwd_wy_kernel(
     """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ (or, for given write keys,
     the full dW into ``dbeta``) and (gated) dg. dA and dA^T are each accumulated as their own products
     of loaded tiles."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, _, i_h = _parallel_ids(1, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
     b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)  # [t, i]
@@ -949,7 +967,8 @@ def _walk_bv(V: int, parallel: int, device, interpret: bool, fp32: bool) -> int:
 #: fp32 inputs take ``FP32_CONFIGS`` over these: _bwd_dhu at 8 warps gave fp32 dk 74 % off on an H100 (Triton 3.6;
 #: 16-bit inputs pass the same tests there).
 #: "solve" at 1 warp: its row-by-row substitutions reduce across the tile, and fewer warps sync less (H200, bf16,
-#: gated, fwd at T = 8k: 1.19 ms at 1 warp, 1.28 at 2, 1.51 at 4).
+#: gated, fwd at T = 8k: 1.19 ms at 1 warp, 1.28 at 2, 1.51 at 4; with the four diagonal blocks in one substitution,
+#: fwd at T = 1k 0.96 ms at 1 warp, 1.17 at 2, 1.53 at 4).
 CONFIGS = {
     "solve": {"num_warps": 1},
     "wu": {"num_warps": 4, "num_stages": 2},
@@ -997,7 +1016,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     A = torch.empty(TT, H, C, device=dev, dtype=f32)
     NT, N = seqs.NT, seqs.N
-    _fwd_solve_kernel[(NT, H)](
+    _fwd_solve_kernel[(NT * H,)](
         k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
         H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
@@ -1006,7 +1025,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     if not save and BKF <= WALK_MAX_HEAD_DIM:  # a forward without autograd (a prefill): nothing stored
         M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
         Y = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
-        _fwd_mix_kernel[(NT, H)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
+        _fwd_mix_kernel[(NT * H,)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
                                  HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("mix", interp, FP32))
         BVw = _walk_bv(V, N * H, dev, interp, FP32)
         _fwd_walk_kernel[(N, H, triton.cdiv(V, BVw))](
@@ -1016,7 +1035,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         return o, (sT if output_final_state else None), None
     wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    _fwd_wu_kernel[(NT, H)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
+    _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, PREC=PREC, **_opts("wu", interp, FP32))
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
@@ -1025,7 +1044,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         kw, beta, Gc, wt, ut, h, vnew, S0, sT, seqs.cu, seqs.coff,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=use_s0,
         STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
-    _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
+    _fwd_o_kernel[(NT * triton.cdiv(V, BV) * H,)](
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
         H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("o", interp, FP32))
@@ -1051,7 +1070,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    _bwd_dv_local_kernel[(NT * triton.cdiv(V, BV), H)](
+    _bwd_dv_local_kernel[(NT * triton.cdiv(V, BV) * H,)](
         q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
         H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("dv_local", interp, FP32))
@@ -1070,7 +1089,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
-    _bwd_dqkw_kernel[(NT * NK, H)](
+    _bwd_dqkw_kernel[(NT * NK * H,)](
         q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
         H=H, HK=HK, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("dqkw", interp, FP32))
@@ -1078,7 +1097,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(w) if HAS_W else torch.empty(TT, H, device=dev, dtype=f32)
     dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
-    _bwd_wy_kernel[(NT, H)](
+    _bwd_wy_kernel[(NT * H,)](
         k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu,
         TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("wy", interp, FP32))
