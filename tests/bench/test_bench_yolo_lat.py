@@ -19,6 +19,10 @@ def test_rows_table_and_json(tmp_path, capsys):
     assert [(r["variant"], r["batch"]) for r in rows] == [("conv", 1), ("lat_all", 1), ("conv", 2), ("lat_all", 2)]
     params = {r["variant"]: r["parameters"] for r in rows}
     assert params["lat_all"] < params["conv"]  # the separable convolutions are the point
+    by_variant = {r["variant"]: r for r in rows if r["batch"] == 1}
+    # fewer multiply-adds, more (smaller) operations: what the GPU's launch-bound times follow
+    assert 0 < by_variant["lat_all"]["gflops_per_image"] < by_variant["conv"]["gflops_per_image"]
+    assert by_variant["lat_all"]["operations_per_forward"] > by_variant["conv"]["operations_per_forward"] > 0
     assert all(r["eager_ms"] > 0 and "cuda_graph_ms" not in r and "error" not in r for r in rows)
     assert json.loads(out.read_text())["env"]["device"] == "cpu"
     assert "lazoo.bench.yolo_lat" in result["env"]["command"]

@@ -2,10 +2,12 @@
 
 The three detectors of docs/yolo_lat.md (``conv``: dense 3×3 bottlenecks; ``lat``: depthwise-separable bottlenecks
 with linear-attention branches at strides 16 and 32; ``lat_all``: every 3×3 convolution after the stem separable
-too), random weights, 80 classes, 320 × 320 inputs, in inference mode. Per model and batch size: the parameters and
-the median wall time of one forward pass (``--repeats`` after warm-up, synchronised); on a CUDA GPU also the median
-of the same forward replayed from a CUDA graph, which takes the kernels' launches out and leaves their work (the
-ELA paper's 4.3 × GPU speed-up is a claim about that work, or about launches, and the two columns tell which).
+too), random weights, 80 classes, 320 × 320 inputs, in inference mode. Per model and batch size: the parameters,
+the floating-point operations of one image and the operations (ATen, views excluded) of one forward, both counted
+on the CPU, and the median wall time of one forward pass (``--repeats`` after warm-up, synchronised); on a CUDA GPU
+also the median of the same forward replayed from a CUDA graph, which takes the kernels' launches out and leaves
+their work (the ELA paper's 4.3 × GPU speed-up is a claim about that work, or about launches, and the two columns
+tell which).
 
     python -m lazoo.bench.yolo_lat --device cuda --out bench_yolo_lat.json
     python -m lazoo.bench.yolo_lat --device cpu --batch-sizes 1 --out bench_yolo_lat_cpu.json
@@ -17,6 +19,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazoo_cli.bench import bench_parser
 
@@ -38,6 +41,34 @@ def build_detector(variant: str, num_labels: int, image_size: int, **config_kwar
 
 def count_parameters(model: torch.nn.Module) -> int:
     return int(sum(p.numel() for p in model.parameters()))
+
+
+class _OperationCount(TorchDispatchMode):
+    """Counts the ATen operations that compute (views excluded) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def work_per_image(variant: str, num_labels: int, image_size: int) -> tuple[int, int]:
+    """(floating-point operations, ATen operations other than views) of one image's forward, counted on the CPU,
+    where every layer is PyTorch operations (a Triton kernel is opaque to the counters). FLOPs by
+    ``torch.utils.flop_counter``: convolutions and matrix products, two per multiply-add."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_detector(variant, num_labels, image_size).eval()
+    x = torch.zeros(1, 3, image_size, image_size)
+    with FlopCounterMode(display=False) as flops:
+        model(pixel_values=x)
+    with _OperationCount() as ops:
+        model(pixel_values=x)
+    return int(flops.get_total_flops()), ops.count
 
 
 def wall_ms(fn, device: str, repeats: int, warmup: int = 5) -> float:
@@ -76,6 +107,8 @@ def measure(variant: str, batch: int, args) -> dict:
     row = {"variant": variant, "batch": batch, "image_size": args.image_size, "num_labels": args.num_labels}
     model = build_detector(variant, args.num_labels, args.image_size).eval().to(args.device)
     row["parameters"] = count_parameters(model)
+    flops, operations = work_per_image(variant, args.num_labels, args.image_size)
+    row["gflops_per_image"], row["operations_per_forward"] = flops / 1e9, operations
     x = torch.randn(batch, 3, args.image_size, args.image_size, device=args.device)
     cuda = args.device.startswith("cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and args.dtype == "bf16" else None
@@ -97,8 +130,8 @@ def measure(variant: str, batch: int, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     """Markdown: per batch size, each variant's parameters and times, and conv's over each variant's."""
-    lines = ["| batch | variant | parameters | eager ms | CUDA graph ms | conv / variant, eager "
-             "| conv / variant, graph |", "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | variant | parameters | GFLOP an image | operations | eager ms | CUDA graph ms "
+             "| conv / variant, eager | conv / variant, graph |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     conv = {r["batch"]: r for r in rows if r["variant"] == "conv"}
 
     def ratio(key, r):
@@ -108,7 +141,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         graph = f"{r['cuda_graph_ms']:.3f}" if r.get("cuda_graph_ms") else "-"
         eager = f"{r['eager_ms']:.3f}" if r.get("eager_ms") else r.get("error", "-")
-        lines.append(f"| {r['batch']} | {r['variant']} | {r['parameters']:,} | {eager} | {graph} | "
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['parameters']:,} | {r['gflops_per_image']:.2f} | "
+                     f"{r['operations_per_forward']} | {eager} | {graph} | "
                      f"{ratio('eager_ms', r)} | {ratio('cuda_graph_ms', r)} |")
     return "\n".join(lines)
 
