@@ -202,3 +202,15 @@ def test_check_g_false_skips_the_log_decay_check_only():
         gated_delta_rule(q, k, v, bad, beta, backend="chunk")
     o_bad, _ = gated_delta_rule(q, k, v, bad, beta, backend="chunk", check_g=False)
     assert o_bad.shape == o.shape and not torch.equal(o_bad, o)
+
+
+def test_fp32_backward_head_dim_limit_is_named():
+    """float32 training with dk > 128 has a reason on a GPU (its backward's state walk does not fit a block's shared
+    memory): auto takes the chunk form, a forced 'triton' raises with it. 16-bit inputs and dk <= 128 have none."""
+    from lazoo.ops.delta import backward_unsupported
+
+    reason = backward_unsupported(torch.float32, 256)
+    assert reason and "dk=256" in reason and "bfloat16" in reason
+    assert backward_unsupported(torch.float32, 128) is None
+    assert backward_unsupported(torch.bfloat16, 256) is None
+    assert backward_unsupported(torch.float16, 256) is None

@@ -1077,10 +1077,13 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
     BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
+    dhu_opts = _opts("dhu", interp, FP32)
+    if BKF > 128 and "num_stages" in dhu_opts:  # dk = 256: 3 stages take 336 904 bytes of shared memory, 2 229 892
+        dhu_opts["num_stages"] = min(dhu_opts["num_stages"], 2)
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
         q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
-        STORE_DS0=need_ds0, DT=DT, PREC=PREC, **_opts("dhu", interp, FP32))
+        STORE_DS0=need_ds0, DT=DT, PREC=PREC, **dhu_opts)
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     NK = triton.cdiv(K, BKq)
     # per value head in q's dtype (a group's partials summed by the caller in float32, as fla does): half the bytes

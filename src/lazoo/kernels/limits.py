@@ -14,6 +14,10 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DELTA_MAX_HEAD_DIM = 256
 #: the chunk sizes the kernels are built for
 DELTA_CHUNK_SIZES = (16, 32, 64)
+#: largest dk of the backward on a GPU for float32 inputs: its reverse state walk holds a chunk's q, k and W~ rows
+#: whole, and at dk = 256 that takes 238 340 bytes of shared memory at its smallest blocks (sm_90, Triton 3.6), over
+#: a block's 232 448
+DELTA_FP32_BACKWARD_MAX_HEAD_DIM = 128
 
 # ---- lazoo.kernels.delta_step: a (Gated) DeltaNet layer's decode step in one kernel
 #: largest head dim (dk and dv: a value head's whole state [dv, dk] is held in registers)

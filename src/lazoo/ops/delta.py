@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.limits import DELTA_CHUNK_SIZES, DELTA_MAX_HEAD_DIM, KERNEL_DTYPES
+from ..kernels.limits import DELTA_CHUNK_SIZES, DELTA_FP32_BACKWARD_MAX_HEAD_DIM, DELTA_MAX_HEAD_DIM, KERNEL_DTYPES
 from .backend import resolve_backend, triton_unsupported
 from .boundary import op_result, prepare_inputs, zero_masked
 from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
@@ -73,7 +73,9 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_positive_int(op, "chunk_size", chunk_size)
-    backend = resolve_backend(op, backend, q.device, delta_kernel_unsupported(q, v, chunk_size))
+    backward = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, scale))
+    backend = resolve_backend(op, backend, q.device, delta_kernel_unsupported(q, v, chunk_size, backward))
     # the value check (a host sync) after the cheap ones, read back once the kernels are launched
     report_g = queue_log_decay_check(op, "g", g) if check_g else no_check
     cdt = compute_dtype(q.dtype)
@@ -113,11 +115,25 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
 _DECODE_MAX_T = 64  # fused recurrent kernel up to this many tokens per sequence (no autograd)
 
 
-def delta_kernel_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> str | None:
-    """None when lazoo.kernels.delta runs this case, else why not (imports no kernel; VLA's S update runs it too)."""
+def delta_kernel_unsupported(q: torch.Tensor, v: torch.Tensor, chunk_size: int, backward: bool = False) -> str | None:
+    """None when lazoo.kernels.delta runs this case (``backward``: with its gradients), else why not (imports no
+    kernel; VLA's S update runs it too)."""
     if chunk_size not in DELTA_CHUNK_SIZES:
         return f"the Triton kernel takes chunk_size in {DELTA_CHUNK_SIZES}, got {chunk_size}"
+    if backward and q.device.type == "cuda":
+        reason = backward_unsupported(q.dtype, q.shape[-1])
+        if reason:
+            return reason
     return triton_unsupported(q, v, DELTA_MAX_HEAD_DIM, KERNEL_DTYPES)
+
+
+def backward_unsupported(dtype: torch.dtype, dk: int) -> str | None:
+    """Why the GPU backward cannot run inputs of ``dtype`` with key head dim ``dk``, or None."""
+    if dtype == torch.float32 and dk > DELTA_FP32_BACKWARD_MAX_HEAD_DIM:
+        return (f"its backward takes float32 inputs with dk up to {DELTA_FP32_BACKWARD_MAX_HEAD_DIM} on a GPU (at dk = "
+                f"{dk} the reverse state walk needs more shared memory than a block has), got dk={dk}; train in "
+                "bfloat16 or float16")
+    return None
 
 
 def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state, mask,
