@@ -84,7 +84,7 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
         S0 = None if initial_state is None else matrix_initial_state(op, initial_state, N, H, dk, dv,
                                                                      q.device, cdt)
         return reported(report_g, _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0,
-                                                output_final_state, mask, cu_seqlens))
+                                                output_final_state, mask, cu_seqlens, backward))
     report_g()
     S0 = matrix_initial_state(op, initial_state, N, H, dk, dv, q.device, cdt)
     if cu_seqlens is not None:
@@ -137,12 +137,11 @@ def backward_unsupported(dtype: torch.dtype, dk: int) -> str | None:
 
 
 def _delta_triton(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size, S0, output_final_state, mask,
-                  cu_seqlens):
+                  cu_seqlens, grad: bool):
+    """``grad``: autograd records the call (the caller's ``backward``)."""
     from ..kernels import delta as kd  # lazy: importing defines the kernels
 
     B, T = q.shape[:2]
-    grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, S0, scale))
     if cu_seqlens is None:
         longest = T
     else:
