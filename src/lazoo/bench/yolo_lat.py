@@ -15,6 +15,7 @@ tell which).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -55,6 +56,7 @@ class _OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@functools.cache  # the same for every batch size and device
 @torch.inference_mode()
 def work_per_image(variant: str, num_labels: int, image_size: int) -> tuple[int, int]:
     """(floating-point operations, ATen operations other than views) of one image's forward, counted on the CPU,

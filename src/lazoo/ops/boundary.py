@@ -66,6 +66,12 @@ def zero_masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.where(time_mask(mask, x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def records_graph(*inputs) -> bool:
+    """Whether autograd records an op called on ``inputs``: grad mode is on and one of them (None and non-tensors
+    skipped) wants a gradient. Ops pick their kernels by it (a decode kernel, a forward that saves nothing)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+
+
 def zero_pads(mask: torch.Tensor | None, *xs: torch.Tensor | None) -> tuple:
     """Every ``[B, T, ...]`` input with its pads set to 0 (None passes through): done once at an op's boundary,
     so that a NaN or Inf at a pad never meets a real token (0 * NaN is NaN) in any backend or kernel, and the

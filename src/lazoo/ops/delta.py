@@ -24,7 +24,7 @@ import torch
 
 from ..kernels.limits import DELTA_CHUNK_SIZES, DELTA_FP32_BACKWARD_MAX_HEAD_DIM, DELTA_MAX_HEAD_DIM, KERNEL_DTYPES
 from .backend import resolve_backend, triton_unsupported
-from .boundary import op_result, prepare_inputs, zero_masked
+from .boundary import op_result, prepare_inputs, records_graph, zero_masked
 from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
 from .chunks import merge_chunks, pad_time, split_chunks
 from .dtypes import compute_dtype, without_autocast
@@ -73,8 +73,7 @@ def delta_rule_as(op: str, q, k, v, g, beta, *, scale, use_qk_l2norm, chunk_size
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     scale = check_scale(op, scale, dk)
     chunk_size = check_positive_int(op, "chunk_size", chunk_size)
-    backward = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, scale))
+    backward = records_graph(q, k, v, g, beta, initial_state, scale)
     backend = resolve_backend(op, backend, q.device, delta_kernel_unsupported(q, v, chunk_size, backward))
     # the value check (a host sync) after the cheap ones, read back once the kernels are launched
     report_g = queue_log_decay_check(op, "g", g) if check_g else no_check

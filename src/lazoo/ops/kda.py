@@ -35,7 +35,7 @@ import torch
 
 from ..kernels.limits import KDA_MAX_HEAD_DIM, KERNEL_DTYPES
 from .backend import resolve_backend, triton_unsupported
-from .boundary import op_result, prepare_inputs, zero_masked, zero_pads
+from .boundary import op_result, prepare_inputs, records_graph, zero_masked, zero_pads
 from .checks import check_float, check_positive_int, check_same_device, check_scale, queue_log_decay_check, reported
 from .chunks import merge_chunks, pad_time, split_chunks
 from .dtypes import compute_dtype, without_autocast
@@ -125,8 +125,7 @@ def kda_kernel_unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
 def _kda_triton(q, k, v, g, beta, scale, use_qk_l2norm, S0, output_final_state, mask, cu_seqlens):
     from ..kernels import kda as kk  # lazy: importing defines the kernels
 
-    grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, S0, scale))
+    grad = records_graph(q, k, v, g, beta, S0, scale)
     T = q.shape[1]
     longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     if use_qk_l2norm:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels.limits import KERNEL_DTYPES, LINEAR_MAX_HEAD_DIM
 from .backend import resolve_backend, triton_unsupported
-from .boundary import op_result, prepare_inputs, zero_masked
+from .boundary import op_result, prepare_inputs, records_graph, zero_masked
 from .checks import check_positive_int, check_scale, no_check, queue_log_decay_check, reported
 from .chunks import merge_chunks, pad_time, split_chunks
 from .dtypes import compute_dtype, without_autocast
@@ -253,7 +253,7 @@ def decoding(T, cu_seqlens, *tensors) -> bool:
     """Few tokens, no packed batch and no autograd: the fused recurrent kernel."""
     if T > 16 or cu_seqlens is not None:
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    return not records_graph(*tensors)
 
 
 def _linear_triton(op, q, k, v, phi, normalize, eps, chunk_size, initial_state, output_final_state,

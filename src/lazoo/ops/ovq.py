@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from ..kernels.limits import KERNEL_DTYPES, OVQ_ASSIGN_MAX_CHUNK, OVQ_ASSIGN_MAX_HEAD_DIM, OVQ_MAX_HEAD_DIM
 from .backend import host_sync_allowed, resolve_backend, triton_unsupported
-from .boundary import empty_batch_result, op_result, prepare_inputs
+from .boundary import empty_batch_result, op_result, prepare_inputs, records_graph
 from .checks import check_choice, check_positive_int, check_same_device, check_same_dtype
 from .dtypes import compute_dtype, without_autocast
 from .states import check_state_dict, check_state_tensor
@@ -162,7 +162,7 @@ def ovq_attention(
     if B == 0:
         return empty_batch_result(q, v, state, output_final_state)
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qs, kc, vc, state["Dk"], state["Dv"]))
+    needs_grad = records_graph(qs, kc, vc, state["Dk"], state["Dv"])
     if backend == "triton" and not sync:
         # compiled or captured: the Triton form sizes its launches from the dictionaries (host reads); the chunk
         # form has static bounds, and the compiler fuses its elementwise work

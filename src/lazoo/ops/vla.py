@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..kernels.limits import VLA_MAX_HEAD_DIM
 from .backend import host_sync_allowed, resolve_backend
-from .boundary import empty_batch_result, op_result, prepare_inputs, zero_masked
+from .boundary import empty_batch_result, op_result, prepare_inputs, records_graph, zero_masked
 from .checks import check_choice, check_positive_int, check_positive_number
 from .chunks import pad_time
 from .delta import chunk_generalized_delta, delta_kernel_unsupported
@@ -253,8 +253,7 @@ def _triton_vla(q, k, u, v, real, mask, state, chunk_size, triton_scan, *, elu, 
     alpha_hat, A = scan(k_hat, zero_masked(u_hat, mask), flags, state["A"], eta=refresh_eta, eps=eps)
     w = zero_masked(alpha_hat, mask)  # a pad writes nothing
     args = (q_d, k_d, v, w.to(dt))  # the kernels read S with q_f or q̂ alike
-    decoding = q.shape[1] <= _DECODE_MAX_T and not (torch.is_grad_enabled() and any(
-        x.requires_grad for x in (*args, state["S"])))
+    decoding = q.shape[1] <= _DECODE_MAX_T and not records_graph(*args, state["S"])
     if decoding:  # one or a few tokens against the cache: token by token, no chunk machinery
         num, S = kd.fused_recurrent_generalized_delta_rule(*args, initial_state=state["S"].contiguous(),
                                                            output_final_state=True)
