@@ -28,6 +28,21 @@ needs_interp = pytest.mark.skipif(
 F64 = torch.float64
 
 
+
+def test_state_walk_takes_two_stages_once_its_programs_outnumber_the_sms(monkeypatch):
+    """_fwd_h keeps its three pipeline stages while its programs fit one wave and takes two past it (two programs
+    then share an SM: faster on an H200 at T = 1k, slower at T = 32k with one sequence); fp32 never takes three; the
+    interpreter gets no options."""
+    from lazoo.kernels import delta
+
+    monkeypatch.setattr(delta, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert delta.CONFIGS["h"]["num_stages"] == 3
+    assert delta._h_opts(132, cpu, interpret=False, fp32=False)["num_stages"] == 3
+    assert delta._h_opts(133, cpu, interpret=False, fp32=False)["num_stages"] == delta.H_STAGES_MANY_PROGRAMS == 2
+    assert delta._h_opts(16, cpu, interpret=False, fp32=True)["num_stages"] == 2
+    assert delta._h_opts(1024, cpu, interpret=True, fp32=False) == {}
+
 def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0, value_heads=None):
     """float64 q, k, v, g (log decay), beta on the CPU; v, g and beta with ``value_heads`` heads when given
     (grouped value heads)."""

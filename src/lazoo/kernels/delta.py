@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ._launch import dot_types, fill_device
 from ._tiles import dot
-from ._utils import next_pow2
+from ._utils import next_pow2, num_sms
 from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES
 from .limits import DELTA_MAX_HEAD_DIM as MAX_HEAD_DIM
 from .limits import KERNEL_DTYPES
@@ -984,6 +984,11 @@ CONFIGS = {
     "l2norm": {"num_warps": 4},
 }
 FP32_CONFIGS = {"dhu": {"num_warps": 4, "num_stages": 2}}
+#: stages of ``_fwd_h`` when its programs outnumber the SMs: at 2 stages its shared memory lets two programs share an
+#: SM, which pays once there is a second wave; with one wave the deeper pipeline wins (H200, bf16, gated, fwd + bwd,
+#: 3 -> 2 stages: T = 1k B = 32 (1024 programs) 3.57 -> 3.50 ms, 8k HV = 2H (256) 6.80 -> 6.59; but 8k HV = H (128)
+#: 3.55 -> 3.60 and 32k B = 1 4.46 -> 4.75)
+H_STAGES_MANY_PROGRAMS = 2
 
 
 def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
@@ -993,6 +998,14 @@ def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
             if key != "BV"}
     if fp32:  # fp32 tiles take twice the shared memory: at most 2 stages
         opts["num_stages"] = min(opts.get("num_stages", 3), 2)
+    return opts
+
+
+def _h_opts(programs: int, device, interpret: bool, fp32: bool) -> dict:
+    """``_fwd_h``'s launch options for a grid of ``programs``: fewer stages once they outnumber the SMs."""
+    opts = _opts("h", interpret, fp32)
+    if not interpret and programs > num_sms(device):
+        opts["num_stages"] = min(opts.get("num_stages", 3), H_STAGES_MANY_PROGRAMS)
     return opts
 
 
@@ -1043,7 +1056,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
         kw, beta, Gc, wt, ut, h, vnew, S0, sT, seqs.cu, seqs.coff,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=use_s0,
-        STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("h", interp, FP32))
+        STORE_S=output_final_state, DT=DT, PREC=PREC, **_h_opts(N * H * triton.cdiv(V, BVh), dev, interp, FP32))
     _fwd_o_kernel[(NT * triton.cdiv(V, BV) * H,)](
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
         H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,

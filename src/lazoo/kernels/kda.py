@@ -619,7 +619,8 @@ class _Seqs:
 #: launch options of each kernel on a GPU for 16-bit inputs (lazoo.bench.kernel_resources compiles every kernel with
 #: them for Hopper at the blocks ``_blocks`` gives, and a test holds each within a Hopper block's shared memory; the
 #: interpreter ignores them). 8 warps where a program holds several [64, dk] fp32 tiles (at 4 they spill at dk = 128);
-#: two pipeline stages at most (three asked for 295 424 bytes of shared memory in _bwd_dhu for fp32 inputs).
+#: two pipeline stages but in _fwd_h (three asked for 295 424 bytes of shared memory in _bwd_dhu for fp32 inputs and
+#: 246 784 for bf16; in _fwd_h they fit and took the H200 forward from 3.13 to 3.06 ms at T = 1k, 3.12 to 3.03 at 8k).
 #: _bwd_inter runs unpipelined: with two stages Triton (3.6 to 3.9) leaves its dk and dW products (wgmma) in flight
 #: while it copies the next value block of S, dS' and dU into the single buffers they read. That race fits the bf16
 #: errors measured on an H200, dk, dg and dβ against float64 six times dq's and dv's (only the dq product was sure to
@@ -630,7 +631,7 @@ LAUNCH = {
     "fwd_intra": dict(num_warps=4, num_stages=1),
     "fwd_solve": dict(num_warps=1, num_stages=1),
     "fwd_wu": dict(num_warps=4, num_stages=2),
-    "fwd_h": dict(num_warps=8, num_stages=2),
+    "fwd_h": dict(num_warps=8, num_stages=3),
     "fwd_o": dict(num_warps=4, num_stages=2),
     "bwd_du_local": dict(num_warps=4, num_stages=2),
     "bwd_dhu": dict(num_warps=8, num_stages=2),
