@@ -86,6 +86,10 @@ def add_yolo_lat_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=30, help="timed forwards per row (after 5 warm-up)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parameters-only", action="store_true",
+                    help="count each detector's parameters by kind of layer instead of timing (no GPU needed)")
+    ap.add_argument("--width-scales", type=float, nargs="+", default=[1.0],
+                    help="with --parameters-only: the channel widths times each of these")
 
 
 def add_training_options(ap: argparse.ArgumentParser) -> None:

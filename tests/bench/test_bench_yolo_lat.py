@@ -36,3 +36,22 @@ def test_refusals():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device"):
             yolo_lat.main(["--device", "cuda"])
+
+
+def test_parameters_by_kind_add_up_and_follow_the_variant(tmp_path, capsys):
+    """--parameters-only: the kinds sum to the total; conv has no depthwise convolutions, lat_all no dense k×k but
+    the stem's; halving the widths takes conv's parameters below half (most are c²)."""
+    out = tmp_path / "params.json"
+    result = yolo_lat.main(["--parameters-only", "--variants", "conv,lat_all", "--width-scales", "1", "0.5",
+                            "--num-labels", "2", "--out", str(out)])
+    rows = {(r["variant"], r["width_scale"]): r for r in result["rows"]}
+    for r in rows.values():
+        assert r["dense_kxk"] + r["depthwise_kxk"] + r["pointwise_1x1"] + r["other"] == r["parameters"]
+    conv, lat_all = rows[("conv", 1.0)], rows[("lat_all", 1.0)]
+    assert conv["depthwise_kxk"] == 0 and conv["dense_kxk"] > conv["pointwise_1x1"]
+    stem = 3 * 3 * 3 * lat_all["widths"][0]
+    assert lat_all["dense_kxk"] == stem and lat_all["pointwise_1x1"] > 0.9 * lat_all["parameters"]
+    assert rows[("conv", 0.5)]["widths"] == [8, 16, 32, 64, 128]
+    assert rows[("conv", 0.5)]["parameters"] < conv["parameters"] / 2
+    assert json.loads(out.read_text())["rows"] == result["rows"]
+    assert "| 0.5 | lat_all |" in capsys.readouterr().out

@@ -11,6 +11,11 @@ tell which).
 
     python -m lazoo.bench.yolo_lat --device cuda --out bench_yolo_lat.json
     python -m lazoo.bench.yolo_lat --device cpu --batch-sizes 1 --out bench_yolo_lat_cpu.json
+    python -m lazoo.bench.yolo_lat --parameters-only --width-scales 1 0.75 0.5 --out yolo_lat_parameters.json
+
+``--parameters-only`` counts where each detector's parameters sit instead (dense k×k convolutions, depthwise ones,
+1×1 channel mixing, the rest), at the default widths times each ``--width-scales``: what a parameter ratio between
+the detectors is made of.
 """
 
 from __future__ import annotations
@@ -42,6 +47,49 @@ def build_detector(variant: str, num_labels: int, image_size: int, **config_kwar
 
 def count_parameters(model: torch.nn.Module) -> int:
     return int(sum(p.numel() for p in model.parameters()))
+
+
+def parameters_by_kind(model: torch.nn.Module) -> dict:
+    """Parameters (weights and biases) of the k×k convolutions with k > 1, dense and depthwise, of the 1×1 ones (channel
+    mixing: pointwise convolutions and the attention projections), and of everything else (norms, stem aside)."""
+    kinds = {"dense_kxk": 0, "depthwise_kxk": 0, "pointwise_1x1": 0}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Conv2d):
+            size = sum(p.numel() for p in module.parameters(recurse=False))
+            if max(module.kernel_size) == 1:
+                kinds["pointwise_1x1"] += size
+            elif module.groups > 1 and module.groups == module.in_channels:
+                kinds["depthwise_kxk"] += size
+            else:
+                kinds["dense_kxk"] += size
+    kinds["other"] = count_parameters(model) - sum(kinds.values())
+    return kinds
+
+
+def parameter_rows(variants, num_labels: int, image_size: int, scales) -> list[dict]:
+    """Per width scale and variant: the widths, the parameters and ``parameters_by_kind``."""
+    from lazoo.vision import YoloLatConfig
+
+    rows = []
+    for scale in scales:
+        widths = [max(2, round(w * scale)) for w in YoloLatConfig().widths]
+        for variant in variants:
+            model = build_detector(variant, num_labels, image_size, widths=widths)
+            rows.append({"variant": variant, "width_scale": scale, "widths": widths,
+                         "parameters": count_parameters(model), **parameters_by_kind(model)})
+    return rows
+
+
+def parameter_table(rows: list[dict]) -> str:
+    """Markdown: each detector's parameters by kind, and full-width conv's parameters over its own."""
+    base = next((r["parameters"] for r in rows if r["variant"] == "conv" and r["width_scale"] == 1.0), None)
+    lines = ["| widths × | variant | parameters | dense k×k | depthwise k×k | 1×1 | other | conv (× 1) / this |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{base / r['parameters']:.2f}" if base else "-"
+        lines.append(f"| {r['width_scale']:g} | {r['variant']} | {r['parameters']:,} | {r['dense_kxk']:,} | "
+                     f"{r['depthwise_kxk']:,} | {r['pointwise_1x1']:,} | {r['other']:,} | {ratio} |")
+    return "\n".join(lines)
 
 
 class _OperationCount(TorchDispatchMode):
@@ -151,7 +199,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None):
     args = bench_parser("yolo_lat").parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not args.parameters_only and not torch.cuda.is_available():
         raise SystemExit("lazoo.bench.yolo_lat --device cuda: torch sees no CUDA device here; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,6 +208,15 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     torch.manual_seed(args.seed)
+    if args.parameters_only:
+        rows = parameter_rows(variants, args.num_labels, args.image_size, args.width_scales)
+        result = {"env": {"device": "cpu", "torch": torch.__version__, "command": command_line("yolo_lat", argv)},
+                  "rows": rows}
+        print(parameter_table(rows))
+        if args.out:
+            write_json(args.out, result)
+            print(f"wrote {args.out}")
+        return result
     rows = [measure(v, b, args) for b in args.batch_sizes for v in variants]
     env = gpu_environment() if args.device.startswith("cuda") else {"device": "cpu", "torch": torch.__version__,
                                                                      "threads": torch.get_num_threads()}
