@@ -1,6 +1,7 @@
-"""Device functions the chunked kernels share (lazoo.kernels.linear, .gla, .normalized): which sequence, chunk and
-state tile a program owns, its state tiles' loads and stores, ``tl.dot`` on operands of one type, and a float32 value
-rounded to a pointer's element type the same way in the interpreter and on a GPU (the element-wise kernels).
+"""Device functions the chunked kernels share (lazoo.kernels.linear, .gla, .normalized, .delta, .kda): which sequence,
+chunk and state tile a program owns, its state tiles' loads and stores, ``tl.dot`` on operands of one type, the exact
+inverse of unit lower-triangular 16 × 16 tiles (the delta rules' WY solves), and a float32 value rounded to a
+pointer's element type the same way in the interpreter and on a GPU (the element-wise kernels).
 
 Chunked kernels split every sequence into chunks of ``BT`` tokens that never straddle a packed sequence. Without
 ``cu_seqlens`` a row is a sample (B rows of T tokens); with it, B = 1 and row i_n is the packed sequence
@@ -98,6 +99,35 @@ def chunk_bounds(cu_seqlens, chunk_indices, i_t, i_bh, T, H: tl.constexpr, BT: t
 def dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
     """``a @ b`` with operands cast to DT (a no-op for tiles loaded raw) and fp32 (fp64) accumulation."""
     return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def inv_unit_lower16(L):
+    """``(I + L)^{-1}`` of a strictly lower-triangular 16x16 fp32 tile, by forward substitution."""
+    o = tl.arange(0, 16)
+    Y = -L
+    for i in tl.static_range(2, 16):
+        y = tl.sum(tl.where(o[:, None] == i, Y, 0.0), 0)  # row i (still -L[i, :])
+        y = y + tl.sum(y[:, None] * Y, 0)  # + sum_j (-L[i, j]) X[j, :] over finished rows j < i
+        Y = tl.where(o[:, None] == i, y[None, :], Y)
+    return Y + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def inv_unit_lower16x4(L0, L1, L2, L3):
+    """``inv_unit_lower16`` of four tiles at once, row i of all four in one step: a serial chain of 14 steps where
+    the four one after another take 56."""
+    o = tl.arange(0, 16)
+    Y = -tl.join(tl.join(L0, L1), tl.join(L2, L3))  # [16, 16, 2, 2]
+    for i in tl.static_range(2, 16):
+        y = tl.sum(tl.where(o[:, None, None, None] == i, Y, 0.0), 0)  # rows i [16, 2, 2]
+        y = y + tl.sum(y[:, None, :, :] * Y, 0)
+        Y = tl.where(o[:, None, None, None] == i, y[None, :, :, :], Y)
+    Y = Y + (o[:, None] == o[None, :]).to(tl.float32)[:, :, None, None]
+    Y01, Y23 = tl.split(Y)
+    N0, N1 = tl.split(Y01)
+    N2, N3 = tl.split(Y23)
+    return N0, N1, N2, N3
 
 
 @triton.jit

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ._launch import dot_types, fill_device
-from ._tiles import dot
+from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
 from ._utils import next_pow2, num_sms
 from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES
 from .limits import DELTA_MAX_HEAD_DIM as MAX_HEAD_DIM
@@ -164,35 +164,6 @@ def _gate(Gc, i_h, t0, eos, H: tl.constexpr, C: tl.constexpr):
     g_last = tl.load(Gc + last * H + i_h).to(tl.float32)
     b_G = tl.load(Gc + i_h + t0 * H + r * H, mask=r < eos - t0, other=0).to(tl.float32)
     return tl.where(r < eos - t0, b_G, g_last), g_last
-
-
-@triton.jit
-def _inv_unit_lower16(L):
-    """``(I + L)^{-1}`` of a strictly lower-triangular 16x16 fp32 tile, by forward substitution."""
-    o = tl.arange(0, 16)
-    Y = -L
-    for i in tl.static_range(2, 16):
-        y = tl.sum(tl.where(o[:, None] == i, Y, 0.0), 0)  # row i (still -L[i, :])
-        y = y + tl.sum(y[:, None] * Y, 0)  # + sum_j (-L[i, j]) X[j, :] over finished rows j < i
-        Y = tl.where(o[:, None] == i, y[None, :], Y)
-    return Y + (o[:, None] == o[None, :]).to(tl.float32)
-
-
-@triton.jit
-def _inv_unit_lower16x4(L0, L1, L2, L3):
-    """``_inv_unit_lower16`` of four tiles at once, row i of all four in one step: a serial chain of 14 steps where
-    the four one after another take 56."""
-    o = tl.arange(0, 16)
-    Y = -tl.join(tl.join(L0, L1), tl.join(L2, L3))  # [16, 16, 2, 2]
-    for i in tl.static_range(2, 16):
-        y = tl.sum(tl.where(o[:, None, None, None] == i, Y, 0.0), 0)  # rows i [16, 2, 2]
-        y = y + tl.sum(y[:, None, :, :] * Y, 0)
-        Y = tl.where(o[:, None, None, None] == i, y[None, :, :, :], Y)
-    Y = Y + (o[:, None] == o[None, :]).to(tl.float32)[:, :, None, None]
-    Y01, Y23 = tl.split(Y)
-    N0, N1 = tl.split(Y01)
-    N2, N3 = tl.split(Y23)
-    return N0, N1, N2, N3
 
 
 @triton.jit
@@ -315,11 +286,11 @@ def _fwd_solve_kernel(
 
     A += i_h * C
     if NB >= 4:
-        N00, N11, N22, N33 = _inv_unit_lower16x4(L00, L11, L22, L33)
+        N00, N11, N22, N33 = inv_unit_lower16x4(L00, L11, L22, L33)
     else:
-        N00 = _inv_unit_lower16(L00)
+        N00 = inv_unit_lower16(L00)
         if NB >= 2:
-            N11 = _inv_unit_lower16(L11)
+            N11 = inv_unit_lower16(L11)
     _store_a16(A, N00, t0, eos, H, C, 0, 0)
     if NB >= 2:
         N10 = -_dotf(N11, _dotf(L10, N00, PREC), PREC)

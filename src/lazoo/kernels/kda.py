@@ -60,6 +60,7 @@ import triton.language as tl
 
 from ._chunk_layout import prepare_varlen
 from ._launch import chunk_state_dtype, dot_types
+from ._tiles import inv_unit_lower16
 from ._utils import next_pow2
 from .limits import KDA_MAX_HEAD_DIM as MAX_HEAD_DIM
 from .limits import KERNEL_DTYPES
@@ -123,18 +124,6 @@ def _chunk(chunks, cu, i_c, CHUNK: tl.constexpr):
     i_n = tl.load(chunks + i_c * 2).to(tl.int64)
     c = tl.load(chunks + i_c * 2 + 1).to(tl.int64)
     return tl.load(cu + i_n).to(tl.int64) + c * CHUNK, tl.load(cu + i_n + 1).to(tl.int64)
-
-
-@triton.jit
-def _inv16(L):
-    """``(I + L)^{-1}`` of a strictly lower-triangular 16x16 fp32 tile, row by row."""
-    o = tl.arange(0, 16)
-    Y = -L
-    for i in tl.static_range(2, 16):
-        y = tl.sum(tl.where(o[:, None] == i, Y, 0.0), 0)
-        y = y + tl.sum(y[:, None] * Y, 0)
-        Y = tl.where(o[:, None] == i, y[None, :], Y)
-    return Y + (o[:, None] == o[None, :]).to(tl.float32)
 
 
 # ============================================================================ forward
@@ -222,10 +211,10 @@ def _fwd_solve_kernel(Mkk, beta, A, chunks, cu, H: tl.constexpr, PREC: tl.conste
     b1 = _vec(beta + i_h, t0 + 16, eos, H, 16)[:, None]
     b2 = _vec(beta + i_h, t0 + 32, eos, H, 16)[:, None]
     b3 = _vec(beta + i_h, t0 + 48, eos, H, 16)[:, None]
-    N00 = _inv16(_blk(Mkk, t0, eos, i_h, H, 0, 0) * b0)
-    N11 = _inv16(_blk(Mkk, t0, eos, i_h, H, 1, 1) * b1)
-    N22 = _inv16(_blk(Mkk, t0, eos, i_h, H, 2, 2) * b2)
-    N33 = _inv16(_blk(Mkk, t0, eos, i_h, H, 3, 3) * b3)
+    N00 = inv_unit_lower16(_blk(Mkk, t0, eos, i_h, H, 0, 0) * b0)
+    N11 = inv_unit_lower16(_blk(Mkk, t0, eos, i_h, H, 1, 1) * b1)
+    N22 = inv_unit_lower16(_blk(Mkk, t0, eos, i_h, H, 2, 2) * b2)
+    N33 = inv_unit_lower16(_blk(Mkk, t0, eos, i_h, H, 3, 3) * b3)
     L10 = _blk(Mkk, t0, eos, i_h, H, 1, 0) * b1
     L20 = _blk(Mkk, t0, eos, i_h, H, 2, 0) * b2
     L21 = _blk(Mkk, t0, eos, i_h, H, 2, 1) * b2
