@@ -2,6 +2,7 @@
 
     python experiments/launch_options.py sweep gdn --budget-s 290 > sweep_gdn.jsonl
     python experiments/launch_options.py sweep kda --budget-s 120 > sweep_kda.jsonl
+    python experiments/launch_options.py sweep gdn --kernels dqkw,wy    # only these kernels' options
     python experiments/launch_options.py check > check.jsonl
 
 ``sweep`` changes one kernel's options at a time (the others at their defaults) and times the op's forward without
@@ -62,7 +63,8 @@ def op_spec(name):
         staged = [c for c in WIDE if c["num_stages"] > 1]
         cands = {"solve": [dict(num_warps=w) for w in (2, 4)], "wu": WIDE, "h": staged, "o": WIDE,
                  "dv_local": WIDE, "dhu": [c for c in staged if c["num_warps"] > 2],
-                 "dqkw": [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (4, 3)]],
+                 "dqkw": [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (4, 3)]]
+                 + [dict(num_warps=w, BK=64) for w in (4, 8)],  # dk in two programs of 64
                  "wy": NARROW, "mix": WIDE, "walk": staged}
         return delta.CONFIGS, gdn_inputs, gdn_call, [(1024, 32, 16, 16), (8192, 4, 16, 32)], cands, {"mix", "walk"}
     from lazoo.kernels import kda
@@ -119,9 +121,14 @@ def emit(**record):
     print(json.dumps(record), flush=True)
 
 
-def sweep(name, budget_s):
+def sweep(name, budget_s, kernels=None):
     t0 = time.time()
     table, inputs, call, shapes, cands, prefill_only = op_spec(name)
+    if kernels:
+        unknown = sorted(set(kernels) - set(cands))
+        if unknown:
+            raise SystemExit(f"--kernels: {', '.join(unknown)} not among {', '.join(cands)}")
+        cands = {k: cands[k] for k in kernels}
     rep = 100 if name == "gdn" else 200  # ms of timed runs: KDA's step is ~3x longer
     HV = shapes[-1][3]
     emit(op=name, check_default=float64_errors(inputs, call, HV))
@@ -179,11 +186,12 @@ def main(argv=None):
     p.add_argument("what", choices=["sweep", "check"])
     p.add_argument("op", nargs="?", choices=["gdn", "kda"], default="gdn")
     p.add_argument("--budget-s", type=float, default=250, help="stop starting new options after this many seconds")
+    p.add_argument("--kernels", default="", help="sweep: only these kernels (comma-separated names of the table)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"launch_options.py times Triton kernels on a CUDA GPU; torch {torch.__version__} sees none")
     if args.what == "sweep":
-        sweep(args.op, args.budget_s)
+        sweep(args.op, args.budget_s, [k for k in args.kernels.split(",") if k])
     else:  # the options the check ran against (the defaults before the change it measured)
         check({("gdn", "h"): dict(num_warps=4, num_stages=3), ("kda", "fwd_h"): dict(num_warps=8, num_stages=2)})
 

@@ -28,7 +28,8 @@ def test_options_put_the_default_back(lo):
 def test_candidates_name_real_kernels(lo, name):
     table, _, _, shapes, cands, prefill_only = lo.op_spec(name)
     assert set(cands) <= set(table) and prefill_only <= set(cands)
-    assert all(set(cfg) <= {"num_warps", "num_stages"} for configs in cands.values() for cfg in configs)
+    assert all(set(cfg) <= {"num_warps", "num_stages", "BK"} for configs in cands.values() for cfg in configs)
+    assert all("BK" not in cfg for k, configs in cands.items() if k != "dqkw" for cfg in configs)
     assert all(len(s) == 4 for s in shapes)
 
 
@@ -36,3 +37,8 @@ def test_candidates_name_real_kernels(lo, name):
 def test_without_a_gpu_it_says_so(lo):
     with pytest.raises(SystemExit, match="CUDA GPU"):
         lo.main(["check"])
+
+
+def test_sweep_names_unknown_kernels(lo):
+    with pytest.raises(SystemExit, match="--kernels: nope not among"):
+        lo.sweep("gdn", 1, ["dqkw", "nope"])

@@ -930,7 +930,8 @@ def _walk_bv(V: int, parallel: int, device, interpret: bool, fp32: bool) -> int:
 
 
 #: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the
-#: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic.
+#: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic, "BK" for
+#: "dqkw" the dk block (default: all of dk up to 128 in one program).
 #: Measured on an H100 with Triton 3.6 (T = 32k, one sequence): num_stages=3 is the fastest for the
 #: sequential kernels; num_stages=1 made ``_bwd_dhu_kernel`` fault (illegal address): never use 1.
 #: Each kernel alone on an H200 (bf16, D = 128, T = 8k, B = 4; "dhu" at 8 warps, "o" and "dv_local" at 2
@@ -966,7 +967,7 @@ def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
     if interpret:
         return {}
     opts = {key: val for key, val in (FP32_CONFIGS if fp32 else CONFIGS).get(name, CONFIGS[name]).items()
-            if key != "BV"}
+            if key not in ("BV", "BK")}
     if fp32:  # fp32 tiles take twice the shared memory: at most 2 stages
         opts["num_stages"] = min(opts.get("num_stages", 3), 2)
     return opts
@@ -1069,6 +1070,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
         STORE_DS0=need_ds0, DT=DT, PREC=PREC, **dhu_opts)
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
+    BKq = CONFIGS["dqkw"].get("BK") or BKq if not interp else BKq
     NK = triton.cdiv(K, BKq)
     # per value head in q's dtype (a group's partials summed by the caller in float32, as fla does): half the bytes
     # of float32 partials, H200 8k HV = 2H fwd + bwd 7.92 against 8.03 ms, the same error against float64
