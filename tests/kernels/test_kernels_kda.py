@@ -51,6 +51,26 @@ def chunk_launches(monkeypatch):
     return record_launches(monkeypatch, kk, "_fwd_h_kernel", "_bwd_intra_kernel")
 
 
+def test_kda_uniform_chunk_tables_are_built_once():
+    """One chunk table per uniform (B, T, device), the same as a fresh one; packed batches build theirs each call;
+    the cache keeps at most 64 shapes."""
+    from lazoo.kernels import _chunk_layout
+    from lazoo.kernels import kda as kk
+
+    cpu = torch.device("cpu")
+    a = kk.seqs_for(2, 70, None, cpu)
+    assert kk.seqs_for(2, 70, None, cpu) is a and kk.seqs_for(2, 71, None, cpu) is not a
+    fresh = kk._Seqs(2, 70, None, cpu)
+    assert a.NT == fresh.NT == 4
+    assert all(torch.equal(getattr(a, n), getattr(fresh, n)) for n in ("cu", "coff", "chunks"))
+    cu = torch.tensor([0, 30, 70])
+    assert kk.seqs_for(1, 70, cu, cpu) is not kk.seqs_for(1, 70, cu, cpu)
+    cache, built = {}, []
+    for i in range(65):
+        _chunk_layout.cached_uniform(cache, (i,), cpu, lambda: built.append(1))
+    assert len(built) == 65 and len(cache) == 1
+
+
 # ============================================================================ CPU: the interpreter
 @needs_interp
 def test_interp_kda_chunk_ragged_padded_strong(chunk_launches):

@@ -21,6 +21,21 @@ def prepare_varlen(cu_seqlens: torch.Tensor, BT: int):
     return chunk_offsets, chunk_indices, NT
 
 
+def cached_uniform(cache: dict, key: tuple, device, build):
+    """``build()``'s chunk table for a uniform batch, built once per ``key``: every layer of a training step or a
+    prefill needs the same one, and building it is a handful of small tensor ops whose host time counts where the
+    host sets the pace. Not cached while torch.compile traces or a CUDA graph is captured (a table made there belongs
+    to that graph). Bounded: a run over many shapes keeps the newest 64."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return build()
+    table = cache.get(key)
+    if table is None:
+        if len(cache) >= 64:
+            cache.clear()
+        table = cache[key] = build()
+    return table
+
+
 class ChunkLayout:
     """Shapes and chunk maps of one call of a chunked kernel (q ``[B, T, H, K]``, v ``[B, T, H, V]``, chunks of
     ``BT`` tokens): N sequences, NT chunks in all, and with ``cu_seqlens`` the maps ``prepare_varlen`` builds

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._chunk_layout import cached_uniform
 from ._launch import dot_types, fill_device
 from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
 from ._utils import next_pow2, num_sms
@@ -869,24 +870,15 @@ class _Seqs:
         self.chunks = torch.stack([seq, start], 1).to(torch.int32).contiguous()
 
 
-#: chunk tables of uniform batches by (B, T, C, device): every layer of a training step or a prefill needs the same
-#: one, and building it is a handful of small tensor ops whose host time counts where the host sets the pace
+#: chunk tables of uniform batches by (B, T, C, device) (``cached_uniform``)
 _UNIFORM_SEQS: dict = {}
 
 
 def seqs_for(B: int, T: int, cu_seqlens, C: int, device) -> _Seqs:
-    """The chunk table of this batch: built once per uniform shape (not while torch.compile traces or a CUDA graph
-    is captured: a table made there belongs to that graph); packed batches build theirs each call."""
-    if cu_seqlens is not None or torch.compiler.is_compiling() or (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    """The chunk table of this batch: built once per uniform shape; packed batches build theirs each call."""
+    if cu_seqlens is not None:
         return _Seqs(B, T, cu_seqlens, C, device)
-    key = (B, T, C, device)
-    seqs = _UNIFORM_SEQS.get(key)
-    if seqs is None:
-        if len(_UNIFORM_SEQS) >= 64:  # bounded: a run over many lengths keeps the newest
-            _UNIFORM_SEQS.clear()
-        seqs = _UNIFORM_SEQS[key] = _Seqs(B, T, None, C, device)
-    return seqs
+    return cached_uniform(_UNIFORM_SEQS, (B, T, C, device), device, lambda: _Seqs(B, T, None, C, device))
 
 
 def _blocks(K: int, V: int, interpret: bool):

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._chunk_layout import prepare_varlen
+from ._chunk_layout import cached_uniform, prepare_varlen
 from ._launch import chunk_state_dtype, dot_types
 from ._tiles import inv_unit_lower16
 from ._utils import next_pow2
@@ -605,6 +605,17 @@ class _Seqs:
         self.chunks = self.chunks.contiguous()
 
 
+#: chunk tables of uniform batches by (B, T, device) (``cached_uniform``)
+_UNIFORM_SEQS: dict = {}
+
+
+def seqs_for(B: int, T: int, cu_seqlens, device) -> _Seqs:
+    """The chunk table of this batch: built once per uniform shape; packed batches build theirs each call."""
+    if cu_seqlens is not None:
+        return _Seqs(B, T, cu_seqlens, device)
+    return cached_uniform(_UNIFORM_SEQS, (B, T, device), device, lambda: _Seqs(B, T, None, device))
+
+
 #: launch options of each kernel on a GPU for 16-bit inputs (lazoo.bench.kernel_resources compiles every kernel with
 #: them for Hopper at the blocks ``_blocks`` gives, and a test holds each within a Hopper block's shared memory; the
 #: interpreter ignores them). 8 warps where a program holds several [64, dk] fp32 tiles (at 4 they spill at dk = 128);
@@ -736,7 +747,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state):
         B, T, HK, K = q.shape
         H, V = v.shape[2:]
-        seqs = _Seqs(B, T, cu_seqlens, q.device)
+        seqs = seqs_for(B, T, cu_seqlens, q.device)
         qf, kf = (x.reshape(B * T, HK, K).contiguous() for x in (q, k))
         vf = v.reshape(B * T, H, V).contiguous()
         gf = g.reshape(B * T, H, K).contiguous()
