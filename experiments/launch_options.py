@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lazoo import ops
-from lazoo.bench.timing import call_ms
+from lazoo.bench.timing import time_fwd_bwd
 
 D = 128
 GRADS = ("q", "k", "v", "beta", "g")
@@ -91,14 +91,8 @@ def measure(inputs, call, shapes, rep):
     """"T:HV" -> [fwd ms, fwd + bwd ms], or the error's text where the launch fails (shared memory)."""
     out = {}
     for s in shapes:
-        x = inputs(*s)
-        leaves = {n: t.detach().requires_grad_(n in GRADS) for n, t in x.items()}
-        try:
-            fwd = call_ms(lambda: call(x), rep=rep)
-            both = call_ms(lambda: call(leaves), backward=True, leaves=[leaves[n] for n in GRADS], rep=rep)
-            out[f"{s[0]}:{s[3]}"] = [round(fwd, 4), round(both, 4)]
-        except Exception as e:  # noqa: BLE001 - an option that does not fit is a result
-            out[f"{s[0]}:{s[3]}"] = repr(e)[:200]
+        fwd, both, err = time_fwd_bwd(call, inputs(*s), GRADS, rep=rep)
+        out[f"{s[0]}:{s[3]}"] = err or [round(fwd, 4), round(both, 4)]
     return out
 
 

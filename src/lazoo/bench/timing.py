@@ -57,14 +57,15 @@ def call_ms(fn, backward: bool = False, leaves=(), warmup: int = 25, rep: int = 
     return median_ms(step, warmup, rep)
 
 
-def time_fwd_bwd(fn, x: dict, grads) -> tuple:
+def time_fwd_bwd(fn, x: dict, grads, rep: int = 100) -> tuple:
     """(forward ms, forward+backward ms, error or None) of ``fn(x)``, ``x`` a dict of input tensors of which the
-    names in ``grads`` get gradients; a failure is printed and returned as its error string."""
+    names in ``grads`` get gradients, each timed over ``rep`` ms; a failure is printed and returned as its error
+    string."""
     fwd = None
     try:
-        fwd = call_ms(lambda: fn(x))
+        fwd = call_ms(lambda: fn(x), rep=rep)
         leaves = {n: t.detach().requires_grad_(n in grads) for n, t in x.items()}
-        both = call_ms(lambda: fn(leaves), backward=True, leaves=[leaves[n] for n in grads])
+        both = call_ms(lambda: fn(leaves), backward=True, leaves=[leaves[n] for n in grads], rep=rep)
         return fwd, both, None
     except Exception as e:  # noqa: BLE001 - one failing op must not stop the table
         traceback.print_exc(limit=2)

@@ -1062,7 +1062,8 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
         STORE_DS0=need_ds0, DT=DT, PREC=PREC, **dhu_opts)
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
-    BKq = CONFIGS["dqkw"].get("BK") or BKq if not interp else BKq
+    if not interp and CONFIGS["dqkw"].get("BK"):
+        BKq = CONFIGS["dqkw"]["BK"]
     NK = triton.cdiv(K, BKq)
     # per value head in q's dtype (a group's partials summed by the caller in float32, as fla does): half the bytes
     # of float32 partials, H200 8k HV = 2H fwd + bwd 7.92 against 8.03 ms, the same error against float64
