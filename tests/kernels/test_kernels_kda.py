@@ -115,6 +115,19 @@ def chunk_intermediates_f64(x, cu):
 
 
 @needs_interp
+def test_interp_kda_backward_channel_slices(chunk_launches):
+    """dk = 48: the intra-chunk backward runs two channel slices of 32, the second with 16 real channels; every
+    gradient against float64, packed sequences (a chunk of 64 and a ragged one)."""
+    from lazoo.kernels import kda as kk
+
+    assert kk.INTRA_BWD_CHANNELS == 32
+    x = kda_inputs(1, 90, 1, 48, 16, seed=4, strong=True)
+    x["S0"] = torch.randn(2, 1, 16, 48, dtype=torch.float64)
+    check(x, torch.float32, 1e-5, cu_seqlens=torch.tensor([0, 70, 90]))
+    assert (3 * 2, 1) in chunk_launches  # 3 chunks, 2 channel slices, 1 head
+
+
+@needs_interp
 def test_interp_kda_chunk_intermediates_packed():
     """Aqk, Mkk and A as the forward stores them (fp32 inputs, strong decays, grouped value heads) against float64,
     with packed sequences of 37 (its end cuts a sub-chunk after 5 rows), 0, 1 and 82 tokens (a last chunk of 18:

@@ -473,36 +473,41 @@ def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks,
 
 @triton.jit
 def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, chunks, cu,
-                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NKS: tl.constexpr,
                       PREC: tl.constexpr):
-    """Grid (NT, H): the sub-chunk sums through Aqk and Mkk, added to the state and W terms; dq, dk (per value
-    head, fp32) and dg, the reverse cumulative sum of dG over the chunk (sub-chunks from the last)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """Grid (NT * NKS, H), the channel slice fastest: BK channels from ch0 (nothing here mixes channels, so the
+    NKS programs of a chunk share only its dAqk and dMkk rows, through L2). The sub-chunk sums through Aqk and Mkk,
+    added to the state and W terms; dq, dk (per value head, fp32) and dg, the reverse cumulative sum of dG over the
+    chunk (sub-chunks from the last)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_c = i_p // NKS
+    ch0 = (i_p % NKS) * BK
+    nk = K - ch0  # channels of this slice below K: the columns the loads and stores keep
     t0, eos = _chunk(chunks, cu, i_c, 64)
-    qh = q + (i_h // (H // HK)) * K
-    kh = k + (i_h // (H // HK)) * K
-    gh = Gc + i_h * K
+    qh = q + (i_h // (H // HK)) * K + ch0
+    kh = k + (i_h // (H // HK)) * K + ch0
+    gh = Gc + i_h * K + ch0
     o = tl.arange(0, 16)
     ck = tl.arange(0, BK)
-    carry = tl.load(later + (i_c.to(tl.int64) * H + i_h) * K + ck, mask=ck < K, other=0)
+    carry = tl.load(later + (i_c.to(tl.int64) * H + i_h) * K + ch0 + ck, mask=ck < nk, other=0)
     for i_i in tl.static_range(3, -1, -1):  # a constexpr: the bounds of the static loops over J below
         r0 = t0 + i_i * 16
         if r0 < eos:  # a sub-chunk past the sequence adds nothing (its decays would read rows of no token)
-            m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
-            b_q = _rows(qh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
-            b_k = _rows(kh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
-            b_G = _rows(gh, r0, eos, H * K, K, 16, BK)
+            m_i = (o < eos - r0)[:, None] & (ck < nk)[None, :]
+            b_q = _rows(qh, r0, eos, HK * K, nk, 16, BK).to(tl.float32)
+            b_k = _rows(kh, r0, eos, HK * K, nk, 16, BK).to(tl.float32)
+            b_G = _rows(gh, r0, eos, H * K, nk, 16, BK)
             r_ok = ck * 0 + r0 < eos
-            b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=(ck < K) & r_ok, other=0)
+            b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=(ck < nk) & r_ok, other=0)
             n = tl.minimum(r0 + 15, eos - 1)
-            b_Gn = tl.load(gh + n * (H * K) + ck, mask=(ck < K) & r_ok, other=0)
+            b_Gn = tl.load(gh + n * (H * K) + ck, mask=(ck < nk) & r_ok, other=0)
             # sub-chunks J < I, through the first row r of I
             b_dq = tl.zeros([16, BK], dtype=tl.float32)
             b_dkr = tl.zeros([16, BK], dtype=tl.float32)
             for i_j in tl.static_range(0, i_i):
                 c0 = t0 + i_j * 16
-                b_kc = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32) \
-                    * tl.exp2(b_Gr[None, :] - _rows(gh, c0, eos, H * K, K, 16, BK))
+                b_kc = _rows(kh, c0, eos, HK * K, nk, 16, BK).to(tl.float32) \
+                    * tl.exp2(b_Gr[None, :] - _rows(gh, c0, eos, H * K, nk, 16, BK))
                 b_dq += _dotf(_rows(dAqk + i_h * 64 + i_j * 16, r0, eos, H * 64, 16, 16, 16), b_kc, PREC)
                 b_dkr += _dotf(_rows(dMkk + i_h * 64 + i_j * 16, r0, eos, H * 64, 16, 16, 16), b_kc, PREC)
             e_r = tl.exp2(tl.where(m_i, b_G - b_Gr[None, :], float("-inf")))
@@ -512,10 +517,10 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
             b_dkc = tl.zeros([16, BK], dtype=tl.float32)
             for i_j in tl.static_range(i_i + 1, 4):
                 c0 = t0 + i_j * 16
-                m_j = (o < eos - c0)[:, None] & (ck < K)[None, :]
-                e_n = tl.exp2(tl.where(m_j, _rows(gh, c0, eos, H * K, K, 16, BK) - b_Gn[None, :], float("-inf")))
-                b_qn = _rows(qh, c0, eos, HK * K, K, 16, BK).to(tl.float32) * e_n
-                b_kn = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32) * e_n
+                m_j = (o < eos - c0)[:, None] & (ck < nk)[None, :]
+                e_n = tl.exp2(tl.where(m_j, _rows(gh, c0, eos, H * K, nk, 16, BK) - b_Gn[None, :], float("-inf")))
+                b_qn = _rows(qh, c0, eos, HK * K, nk, 16, BK).to(tl.float32) * e_n
+                b_kn = _rows(kh, c0, eos, HK * K, nk, 16, BK).to(tl.float32) * e_n
                 b_dkc += _dotf(_rows_t(dAqk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_qn, PREC)
                 b_dkc += _dotf(_rows_t(dMkk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_kn, PREC)
             b_dkc = b_dkc * tl.exp2(tl.where(m_i, b_Gn[None, :] - b_G, float("-inf")))
@@ -523,9 +528,9 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
             for j in range(0, 16):
                 t = r0 + j
                 t_ok = ck * 0 + t < eos
-                b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < K) & t_ok, other=0).to(tl.float32)
-                b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < K) & t_ok, other=0).to(tl.float32)
-                b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < K) & t_ok, other=0)
+                b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
+                b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
+                b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < nk) & t_ok, other=0)
                 o_ok = o * 0 + t < eos
                 p_c = i_h * 64 + (r0 + o) * (H * 64) + i_i * 16 + j  # column t, rows of I: [i, t]
                 p_r = i_h * 64 + t * (H * 64) + i_i * 16 + o  # row t, columns of I: [t, i]
@@ -540,13 +545,14 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
                 b_dq += b_ac[:, None] * b_kt[None, :] * e
                 b_dkr += b_mc[:, None] * b_kt[None, :] * e
                 b_dkc += (b_ar[:, None] * b_qt[None, :] + b_mr[:, None] * b_kt[None, :]) * e
-            b_dqt = _rows(dq + i_h * K, r0, eos, H * K, K, 16, BK) + b_dq
-            b_neg = _rows(dkn + i_h * K, r0, eos, H * K, K, 16, BK) + b_dkc
-            b_pos = _rows(dkp + i_h * K, r0, eos, H * K, K, 16, BK) + b_dkr
-            _put(dq_out + i_h * K, b_dqt, r0, eos, H * K, K, 16, BK)
-            _put(dk_out + i_h * K, b_neg + b_pos, r0, eos, H * K, K, 16, BK)
+            b_dqt = _rows(dq + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dq
+            b_neg = _rows(dkn + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dkc
+            b_pos = _rows(dkp + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dkr
+            _put(dq_out + i_h * K + ch0, b_dqt, r0, eos, H * K, nk, 16, BK)
+            _put(dk_out + i_h * K + ch0, b_neg + b_pos, r0, eos, H * K, nk, 16, BK)
             b_dG = b_q * b_dqt + b_k * (b_pos - b_neg)
-            _put(dg + i_h * K, tl.cumsum(b_dG, axis=0, reverse=True) + carry[None, :], r0, eos, H * K, K, 16, BK)
+            _put(dg + i_h * K + ch0, tl.cumsum(b_dG, axis=0, reverse=True) + carry[None, :], r0, eos, H * K, nk,
+                 16, BK)
             carry += tl.sum(b_dG, 0)
 
 
@@ -644,6 +650,8 @@ LAUNCH = {
 #: (_bwd_dhu, _bwd_inter) or buy nothing, more warps for the tiles
 LAUNCH_FP32 = {**LAUNCH, **{name: dict(num_warps=8, num_stages=1) for name in (
     "fwd_intra", "fwd_wu", "fwd_h", "bwd_du_local", "bwd_dhu", "bwd_inter", "bwd_wy")}}
+#: channels a program of _bwd_intra takes (the interpreter too, so that its tests cover the slices)
+INTRA_BWD_CHANNELS = 32
 #: value block of the decode kernel on a GPU
 DECODE_BV = 32
 
@@ -733,8 +741,10 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     dq_out = dq if grouped or q.dtype == f32 else torch.empty_like(q)
     dk_out = dkn if grouped or k.dtype == f32 else torch.empty_like(k)
     dg = torch.empty(TT, H, K, device=dev, dtype=g.dtype)
-    _bwd_intra_kernel[(NT, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks, seqs.cu,
-                               H=H, HK=HK, K=K, BK=BK, PREC=PREC, **opts["bwd_intra"])
+    BKi = min(BK, INTRA_BWD_CHANNELS)  # channel slices: more, smaller programs
+    NKS = triton.cdiv(K, BKi)
+    _bwd_intra_kernel[(NT * NKS, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks,
+                                     seqs.cu, H=H, HK=HK, K=K, BK=BKi, NKS=NKS, PREC=PREC, **opts["bwd_intra"])
     if grouped:  # each key head's gradient: the sum over the value heads it serves
         dq_out, dk_out = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq_out, dk_out))
     return dq_out, dk_out, dv, dg, dbeta.to(beta.dtype), (ds0 if need_ds0 else None)
