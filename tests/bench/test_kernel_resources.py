@@ -123,8 +123,8 @@ def test_linear_kernels_fit_hopper_matrix(single_thread, dk, dv, dtype, group, p
     check_linear(kernel_resources.linear_report(dk, dv, dtype, heads=16, group=group, heads_per_program=per_program))
 
 
-KDA_KERNELS = {"cumsum", "fwd_intra", "fwd_solve", "fwd_wu", "fwd_h", "fwd_o", "bwd_du_local", "bwd_dhu", "bwd_inter",
-               "bwd_wy", "bwd_intra", "fused_recurrent"}
+KDA_KERNELS = {"cumsum", "fwd_intra", "fwd_diag", "fwd_solve", "fwd_wu", "fwd_h", "fwd_o", "bwd_du_local", "bwd_dhu",
+               "bwd_inter", "bwd_wy", "bwd_intra", "fused_recurrent"}
 
 
 def check_kda(report, no_spills=False):

@@ -424,6 +424,8 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
         "cumsum": (kk._cumsum_kernel, dict(g=gt, Gc=f32, **seq), dict(H=H, K=dk, BK=BK)),
         "fwd_intra": (kk._fwd_intra_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),
                       dict(c_k, DT=DT, PREC=PREC)),
+        "fwd_diag": (kk._fwd_diag_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),
+                     dict(H=H, HK=HK, K=dk, BKP=min(kk.DIAG_CHANNELS, BK))),
         "fwd_solve": (kk._fwd_solve_kernel, dict(Mkk=f32, beta=gt, A=f32, **seq), dict(H=H, PREC=PREC)),
         "fwd_wu": (kk._fwd_wu_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, w=x, ut=x, **seq),
                    dict(c_kv, PREC=PREC)),

@@ -29,7 +29,8 @@ dG_t and each in which it meets exp(-G_i) subtracts it; the chunk's last row als
 ``exp(G_C) ⊙ Σ_dv S ⊙ dS' + Σ_t k_t ⊙ (its part of dk through the end-of-chunk decay)``, and dg is the reverse
 cumulative sum of dG inside the chunk.
 
-Kernels: ``_cumsum`` (G), ``_fwd_intra`` (Aqk, Mkk), ``_fwd_solve`` (A), ``_fwd_wu`` (W, U~), ``_fwd_h`` (the only
+Kernels: ``_cumsum`` (G), ``_fwd_intra`` (Aqk, Mkk left of the diagonal blocks), ``_fwd_diag`` (their diagonal
+blocks, as 128 gathered pairs a block), ``_fwd_solve`` (A), ``_fwd_wu`` (W, U~), ``_fwd_h`` (the only
 sequential forward pass: start states and U), ``_fwd_o``; ``_bwd_du_local`` (dAqk and scale Aqkᵀ dO), ``_bwd_dhu``
 (sequential, reverse: dS' and dU), ``_bwd_inter`` (the state terms of dq, dk, dW and the last row's dG),
 ``_bwd_wy`` (back through A: dv, dβ, dMkk and the W term of dk), ``_bwd_intra`` (the sub-chunk sums, totals, dg).
@@ -126,6 +127,15 @@ def _chunk(chunks, cu, i_c, CHUNK: tl.constexpr):
     return tl.load(cu + i_n).to(tl.int64) + c * CHUNK, tl.load(cu + i_n + 1).to(tl.int64)
 
 
+@triton.jit
+def _sub_chunk(chunks, cu, i_p):
+    """(first token of the chunk, first token of the sub-chunk, end of the sequence, the sub-chunk's index) of
+    program ``i_p`` of a grid over the chunks' four 16-row sub-chunks."""
+    i_i = i_p % 4
+    t0, eos = _chunk(chunks, cu, i_p // 4, 64)
+    return t0, t0 + i_i * 16, eos, i_i
+
+
 # ============================================================================ forward
 @triton.jit
 def _cumsum_kernel(g, Gc, chunks, cu, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
@@ -140,11 +150,11 @@ def _cumsum_kernel(g, Gc, chunks, cu, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       DT: tl.constexpr, PREC: tl.constexpr):
-    """Grid (NT * 4, H): rows of sub-chunk I of Aqk and Mkk (float32 ``[TT, H, 64]``; zeros above the diagonal)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    i_c, i_i = i_p // 4, i_p % 4
-    t0, eos = _chunk(chunks, cu, i_c, 64)
-    r0 = t0 + i_i * 16
+    """Grid (NT * 4, H): rows of sub-chunk I of Aqk and Mkk (float32 ``[TT, H, 64]``): the blocks left of the
+    diagonal block (tensor-core products through the sub-chunk's first row) and zeros right of it. The diagonal
+    block is ``_fwd_diag_kernel``'s."""
+    t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
+    i_h = tl.program_id(1)
     if r0 >= eos:
         return
     qh = q + (i_h // (H // HK)) * K
@@ -171,24 +181,62 @@ def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
         p = o[:, None] * (H * 64) + i_j * 16 + o[None, :]
         tl.store(pa + p, _dot(b_qr, b_kc, DT, PREC), mask=m_row)
         tl.store(pm + p, _dot(b_kr, b_kc, DT, PREC), mask=m_row)
-    b_a = tl.zeros([16, 16], dtype=tl.float32)
-    b_m = tl.zeros([16, 16], dtype=tl.float32)
-    for j in range(0, 16):  # the diagonal block, pair by pair
-        t_ok = r0 + j + ck * 0 < eos
-        b_kt = tl.load(kh + (r0 + j) * (HK * K) + ck, mask=(ck < K) & t_ok, other=0).to(tl.float32)
-        b_Gt = tl.load(gh + (r0 + j) * (H * K) + ck, mask=(ck < K) & t_ok, other=0)
-        e = tl.exp2(tl.where(m_i & (o >= j)[:, None], b_G - b_Gt[None, :], float("-inf")))
-        col = (o[None, :] == j)
-        b_a += tl.where(col, tl.sum(b_q * b_kt[None, :] * e, 1)[:, None], 0.0)
-        b_m += tl.where(col & (o > j)[:, None], tl.sum(b_k * b_kt[None, :] * e, 1)[:, None], 0.0)
-    p = o[:, None] * (H * 64) + i_i * 16 + o[None, :]
-    tl.store(pa + p, b_a, mask=m_row)
-    tl.store(pm + p, b_m, mask=m_row)
     zero = tl.zeros([16, 16], dtype=tl.float32)
     for i_j in range(i_i + 1, 4):  # above the diagonal: zeros, so readers load whole rows
         p = o[:, None] * (H * 64) + i_j * 16 + o[None, :]
         tl.store(pa + p, zero, mask=m_row)
         tl.store(pm + p, zero, mask=m_row)
+
+
+@triton.jit
+def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr):
+    """Grid (NT * 4, H): the diagonal 16x16 block of sub-chunk I of Aqk and Mkk, pair by pair, exp(G_t - G_i) for
+    i < t only (never a positive exponent, whatever the decay): the 120 pairs of the block as 128 pairs
+    (a, a + d mod 16), d = 1 ... 8 (d = 8 meets each of its pairs twice: half of those are off), BKP channels at
+    a time; Aqk[t, t] = q_t . k_t; zeros above the diagonal (and on Mkk's)."""
+    t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
+    i_h = tl.program_id(1)
+    if r0 >= eos:
+        return
+    SQ: tl.constexpr = HK * K
+    SG: tl.constexpr = H * K
+    qh = q + (i_h // (H // HK)) * K + r0 * SQ
+    kh = k + (i_h // (H // HK)) * K + r0 * SQ
+    gh = Gc + i_h * K + r0 * SG
+    p = tl.arange(0, 128)
+    pa = p // 8
+    pb = (pa + p % 8 + 1) % 16
+    pt = tl.maximum(pa, pb)
+    pi = tl.minimum(pa, pb)
+    m_p = ((p % 8 < 7) | (pa < 8)) & (pt < eos - r0)
+    o = tl.arange(0, 16)
+    c = tl.arange(0, BKP)
+    b_a = tl.zeros([128], dtype=tl.float32)
+    b_m = tl.zeros([128], dtype=tl.float32)
+    b_d = tl.zeros([16], dtype=tl.float32)
+    for c0 in range(0, K, BKP):
+        m = m_p[:, None] & (c < K - c0)[None, :]
+        b_kt = tl.load(kh + c0 + (pt[:, None] * SQ + c[None, :]), mask=m, other=0).to(tl.float32)
+        b_ki = tl.load(kh + c0 + (pi[:, None] * SQ + c[None, :]), mask=m, other=0).to(tl.float32)
+        b_qt = tl.load(qh + c0 + (pt[:, None] * SQ + c[None, :]), mask=m, other=0).to(tl.float32)
+        e = tl.exp2(tl.where(m, tl.load(gh + c0 + (pt[:, None] * SG + c[None, :]), mask=m, other=0)
+                             - tl.load(gh + c0 + (pi[:, None] * SG + c[None, :]), mask=m, other=0), float("-inf")))
+        b_kie = b_ki * e
+        b_a += tl.sum(b_qt * b_kie, 1)
+        b_m += tl.sum(b_kt * b_kie, 1)
+        md = (o < eos - r0)[:, None] & (c < K - c0)[None, :]
+        p_d = o[:, None] * SQ + c0 + c[None, :]
+        b_d += tl.sum(tl.load(qh + p_d, mask=md, other=0).to(tl.float32)
+                      * tl.load(kh + p_d, mask=md, other=0).to(tl.float32), 1)
+    d0 = i_h * 64 + r0 * (H * 64) + i_i * 16  # row r0, first column of the diagonal block
+    p_pair = pt * (H * 64) + pi
+    tl.store(Aqk + d0 + p_pair, b_a, mask=m_p)
+    tl.store(Mkk + d0 + p_pair, b_m, mask=m_p)
+    p_up = o[:, None] * (H * 64) + o[None, :]
+    m_up = (o < eos - r0)[:, None] & (o[None, :] >= o[:, None])  # on and above the diagonal: no pair writes there
+    tl.store(Aqk + d0 + p_up, tl.where(o[None, :] == o[:, None], b_d[:, None], 0.0), mask=m_up)
+    tl.store(Mkk + d0 + p_up, tl.zeros([16, 16], dtype=tl.float32), mask=m_up)
 
 
 @triton.jit
@@ -635,6 +683,7 @@ def seqs_for(B: int, T: int, cu_seqlens, device) -> _Seqs:
 LAUNCH = {
     "cumsum": dict(num_warps=4, num_stages=1),
     "fwd_intra": dict(num_warps=4, num_stages=1),
+    "fwd_diag": dict(num_warps=4, num_stages=1),
     "fwd_solve": dict(num_warps=1, num_stages=1),
     "fwd_wu": dict(num_warps=4, num_stages=2),
     "fwd_h": dict(num_warps=8, num_stages=3),
@@ -650,6 +699,8 @@ LAUNCH = {
 #: (_bwd_dhu, _bwd_inter) or buy nothing, more warps for the tiles
 LAUNCH_FP32 = {**LAUNCH, **{name: dict(num_warps=8, num_stages=1) for name in (
     "fwd_intra", "fwd_wu", "fwd_h", "bwd_du_local", "bwd_dhu", "bwd_inter", "bwd_wy")}}
+#: channels of _fwd_diag's gathered [128, BKP] pair tiles
+DIAG_CHANNELS = 16
 #: channels a program of _bwd_intra takes (the interpreter too, so that its tests cover the slices)
 INTRA_BWD_CHANNELS = 32
 #: value block of the decode kernel on a GPU
@@ -684,6 +735,8 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
                                     PREC=PREC, **opts["fwd_intra"])
+    _fwd_diag_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K,
+                                   BKP=min(DIAG_CHANNELS, BK), **opts["fwd_diag"])
     A = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, **opts["fwd_solve"])
     w = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
