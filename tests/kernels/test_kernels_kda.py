@@ -162,6 +162,27 @@ def test_interp_kda_no_future_token_reaches_an_output():
 
 
 @needs_interp
+@pytest.mark.parametrize("route", ["chunk", "decode"])
+def test_interp_kda_positive_gate_is_named_on_both_routes(route):
+    """A log decay g > 0 at a real token is refused with its value, whether the chunk kernels' first kernel compares
+    (with autograd, or a long prompt) or the op does (the decode kernel); the same g > 0 at a pad passes."""
+    T = 70 if route == "chunk" else 5
+    x = {n: t.float() for n, t in kda_inputs(1, T, 1, 16, 16, HV=2, seed=9).items()}
+    g = x["g"].clone()
+    g[0, T - 3, 1, 7] = 0.25
+    with pytest.raises(ValueError, match=r"g must lie in \[-inf, 0\] at real tokens.*got 0\.25"):
+        ops.kda(x["q"], x["k"], x["v"], g, x["beta"], backend="triton")
+    mask = torch.ones(1, T, dtype=torch.bool)
+    mask[0, T - 3] = False
+    o = ops.kda(x["q"], x["k"], x["v"], g, x["beta"], mask=mask, backend="triton")[0]
+    assert torch.isfinite(o).all()
+    if route == "chunk":  # with autograd too (the chunk kernels whatever T)
+        q = x["q"][:, :5].clone().requires_grad_()
+        with pytest.raises(ValueError, match="g must lie in"):
+            ops.kda(q, x["k"][:, :5], x["v"][:, :5], g[:, T - 5:], x["beta"][:, :5], backend="triton")
+
+
+@needs_interp
 def test_interp_kda_prefill_then_decode_equals_one_pass():
     """The chunk kernel over a prompt, then the fused recurrent kernel (no autograd) a few tokens at a time, with
     grouped value heads: outputs and state equal the float64 pass over the whole sequence."""

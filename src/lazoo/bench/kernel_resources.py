@@ -421,7 +421,7 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
     c_state = dict(c_k, V=dv, BV=BVs)
     cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
     kernels = {
-        "cumsum": (kk._cumsum_kernel, dict(g=gt, Gc=f32, **seq), dict(H=H, K=dk, BK=BK)),
+        "cumsum": (kk._cumsum_kernel, dict(g=gt, Gc=f32, positive="*i32", **seq), dict(H=H, K=dk, BK=BK, CHECK=True)),
         "fwd_intra": (kk._fwd_intra_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),
                       dict(c_k, DT=DT, PREC=PREC)),
         "fwd_diag": (kk._fwd_diag_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),

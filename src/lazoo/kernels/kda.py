@@ -138,12 +138,17 @@ def _sub_chunk(chunks, cu, i_p):
 
 # ============================================================================ forward
 @triton.jit
-def _cumsum_kernel(g, Gc, chunks, cu, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Grid (NT, H): G = cumulative sum of g inside the chunk, times log2(e), float32."""
+def _cumsum_kernel(g, Gc, positive, chunks, cu, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   CHECK: tl.constexpr):
+    """Grid (NT, H): G = cumulative sum of g inside the chunk, times log2(e), float32; with CHECK, positive[0] = 1
+    where a g > 0 is met (the caller's range check: no pass of its own over g)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = _chunk(chunks, cu, i_c, 64)
     b_g = _rows(g + i_h * K, t0, eos, H * K, K, 64, BK).to(tl.float32)
     _put(Gc + i_h * K, tl.cumsum(b_g, axis=0) * 1.4426950408889634, t0, eos, H * K, K, 64, BK)
+    if CHECK:
+        if tl.sum((b_g > 0).to(tl.int32)) > 0:  # NaN passes, as in the PyTorch check
+            tl.store(positive, 1)
 
 
 @triton.jit
@@ -718,8 +723,10 @@ def _blocks(K: int, V: int, interp: bool):
     return BK, min(64, next_pow2(V)), (next_pow2(V) if interp else min(64, next_pow2(V)))
 
 
-def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_state: bool):
-    """Forward on flattened inputs (module docstring): ``(o, final state or None, saved)``."""
+def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_state: bool, gate_check=None):
+    """Forward on flattened inputs (module docstring): ``(o, final state or None, saved)``. ``gate_check``: None or
+    an object with ``flag`` (int32 ``[1]``, zeros), set to 1 by the first kernel where a g > 0 is met, and
+    ``queued()``, called right after that kernel's launch (``lazoo.ops.checks.KernelRangeCheck``)."""
     TT, HK, K = q.shape
     H, V = v.shape[1:]
     dev = q.device
@@ -730,7 +737,10 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     Gc = torch.empty(TT, H, K, device=dev, dtype=f32)
-    _cumsum_kernel[(NT, H)](g, Gc, seqs.chunks, seqs.cu, H=H, K=K, BK=BK, **opts["cumsum"])
+    _cumsum_kernel[(NT, H)](g, Gc, Gc if gate_check is None else gate_check.flag, seqs.chunks, seqs.cu, H=H, K=K,
+                            BK=BK, CHECK=gate_check is not None, **opts["cumsum"])
+    if gate_check is not None:
+        gate_check.queued()
     Aqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
@@ -807,7 +817,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     """KDA, chunk-parallel, with a hand-written backward (see ``chunk_kda``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state):
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state, gate_check):
         B, T, HK, K = q.shape
         H, V = v.shape[2:]
         seqs = seqs_for(B, T, cu_seqlens, q.device)
@@ -816,7 +826,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         gf = g.reshape(B * T, H, K).contiguous()
         bf = beta.reshape(B * T, H).contiguous()
         S0 = None if initial_state is None else initial_state.contiguous()
-        o, sT, saved = chunk_fwd(qf, kf, vf, gf, bf, S0, float(scale), seqs, output_final_state)
+        o, sT, saved = chunk_fwd(qf, kf, vf, gf, bf, S0, float(scale), seqs, output_final_state, gate_check)
         ctx.save_for_backward(qf, kf, vf, gf, bf, S0, *saved)
         ctx.seqs, ctx.scale, ctx.shapes = seqs, float(scale), (B, T, HK, H, K, V)
         ctx.s0_dtype = None if initial_state is None else initial_state.dtype
@@ -831,7 +841,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         need_ds0 = S0 is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dg, db, ds0 = chunk_bwd(qf, kf, vf, gf, bf, S0, ctx.scale, ctx.seqs, saved, do, dsT, need_ds0)
         return (dq.view(B, T, HK, K), dk.view(B, T, HK, K), dv.view(B, T, H, V), dg.view(B, T, H, K),
-                db.view(B, T, H), None if ds0 is None else ds0.to(ctx.s0_dtype), None, None, None)
+                db.view(B, T, H), None if ds0 is None else ds0.to(ctx.s0_dtype), None, None, None, None)
 
 
 def _check(op: str, q, k, v, g, beta, cu_seqlens) -> None:
@@ -855,15 +865,17 @@ def _check(op: str, q, k, v, g, beta, cu_seqlens) -> None:
 
 
 def chunk_kda(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state: bool = False,
-              cu_seqlens=None):
+              cu_seqlens=None, gate_check=None):
     """KDA, chunk-parallel and differentiable in q, k, v, g, β and the initial state: ``(o [B, T, HV, dv] in v's
     dtype, final state [N, HV, dv, dk] float32 or None)``.
 
     q, k ``[B, T, H, dk]`` (normalised by the caller), v ``[B, T, HV, dv]`` (HV = m·H), g ``[B, T, HV, dk]`` log
     decays (float32 or q's dtype), beta ``[B, T, HV]``, initial_state ``[N, HV, dv, dk]``, ``cu_seqlens`` ``[N + 1]``
-    (B = 1) or None. Head dims 16 to ``KDA_MAX_HEAD_DIM``."""
+    (B = 1) or None. Head dims 16 to ``KDA_MAX_HEAD_DIM``. ``gate_check``: the caller's check that g <= 0, made by
+    the first kernel (``chunk_fwd``)."""
     _check("chunk_kda", q, k, v, g, beta, cu_seqlens)
-    return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), cu_seqlens, bool(output_final_state))
+    return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), cu_seqlens, bool(output_final_state),
+                                  gate_check)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state: bool = False,

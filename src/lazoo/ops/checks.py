@@ -172,10 +172,44 @@ def queue_range_check(op: str, name: str, x: torch.Tensor | None, low: float | N
 
     def report() -> None:
         if bool(found()):
-            bad = x[_outside(x, low, high)].flatten()[0].item()
-            lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
-            raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
+            _refuse_outside(op, name, x, low, high, hint)
     return report
+
+
+def _refuse_outside(op: str, name: str, x: torch.Tensor, low: float | None, high: float | None, hint: str):
+    bad = x[_outside(x, low, high)].flatten()[0].item()
+    lo, hi = ("-inf" if low is None else f"{low:g}"), ("inf" if high is None else f"{high:g}")
+    raise ValueError(f"{op}: {name} must lie in [{lo}, {hi}] at real tokens{hint}, got {bad!r}")
+
+
+class KernelRangeCheck:
+    """``queue_range_check`` with the comparison made by a kernel that reads x anyway (no extra pass over x): the
+    kernel sets ``flag`` (int32 ``[1]``, zeros) to 1 where it meets a value outside the range; call ``queued()``
+    right after that kernel's launch (the read-back then waits for it only), then the object itself, which raises as
+    the queued check does. A check never queued falls back to comparing x itself."""
+
+    def __init__(self, op: str, name: str, x: torch.Tensor, low: float | None = None, high: float | None = None,
+                 hint: str = ""):
+        self.args = (op, name, x, low, high, hint)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        self.found = None
+
+    def queued(self) -> None:
+        self.found = queue_readback(self.flag)
+
+    def __call__(self) -> None:
+        if self.found is None:
+            queue_range_check(*self.args)()
+        elif bool(self.found()[0]):
+            _refuse_outside(*self.args)
+
+
+def kernel_range_check(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
+                       high: float | None = None, hint: str = "") -> KernelRangeCheck | None:
+    """A ``KernelRangeCheck``, or None where no check is made (no x; under torch.compile or CUDA-graph capture)."""
+    if x is None or not host_sync_allowed():
+        return None
+    return KernelRangeCheck(op, name, x, low, high, hint)
 
 
 def queue_readback(x: torch.Tensor):
@@ -214,7 +248,16 @@ def reported(report, result):
     return result
 
 
+#: what a log decay's range check adds to its message
+LOG_DECAY_HINT = " (a log decay: the state is multiplied by exp(g) <= 1)"
+
+
 def queue_log_decay_check(op: str, name: str, g: torch.Tensor | None):
     """A log decay (pads zeroed) must be <= 0: g > 0 would grow the state by exp(g) and overflow. Queued
     (``queue_range_check``): call the result to read it back and raise."""
-    return queue_range_check(op, name, g, high=0.0, hint=" (a log decay: the state is multiplied by exp(g) <= 1)")
+    return queue_range_check(op, name, g, high=0.0, hint=LOG_DECAY_HINT)
+
+
+def kernel_log_decay_check(op: str, name: str, g: torch.Tensor | None) -> KernelRangeCheck | None:
+    """``queue_log_decay_check`` made by the kernel that first reads g (``KernelRangeCheck``)."""
+    return kernel_range_check(op, name, g, high=0.0, hint=LOG_DECAY_HINT)

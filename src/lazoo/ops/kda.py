@@ -36,7 +36,15 @@ import torch
 from ..kernels.limits import KDA_MAX_HEAD_DIM, KERNEL_DTYPES
 from .backend import resolve_backend, triton_unsupported
 from .boundary import op_result, prepare_inputs, records_graph, zero_masked, zero_pads
-from .checks import check_float, check_positive_int, check_same_device, check_scale, queue_log_decay_check, reported
+from .checks import (
+    check_float,
+    check_positive_int,
+    check_same_device,
+    check_scale,
+    kernel_log_decay_check,
+    no_check,
+    queue_log_decay_check,
+)
 from .chunks import merge_chunks, pad_time, split_chunks
 from .dtypes import compute_dtype, without_autocast
 from .norms import l2norm
@@ -68,15 +76,13 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     scale = check_scale(_OP, scale, dk)
     chunk_size = check_positive_int(_OP, "chunk_size", chunk_size)
     backend = resolve_backend(_OP, backend, q.device, kda_kernel_unsupported(q, v))
-    report_g = queue_log_decay_check(_OP, "g", g)  # read back once the kernels are launched
     cdt = compute_dtype(q.dtype)
 
     if backend == "triton":
         S0 = None if initial_state is None else matrix_initial_state(_OP, initial_state, N, HV, dk, dv,
                                                                      q.device, torch.float32)
-        return reported(report_g, _kda_triton(q, k, v, g, beta, scale, use_qk_l2norm, S0, output_final_state, mask,
-                                              cu_seqlens))
-    report_g()
+        return _kda_triton(q, k, v, g, beta, scale, use_qk_l2norm, S0, output_final_state, mask, cu_seqlens)
+    queue_log_decay_check(_OP, "g", g)()
     S0 = matrix_initial_state(_OP, initial_state, N, HV, dk, dv, q.device, cdt)
     if cu_seqlens is not None:
         return run_per_sequence(
@@ -133,11 +139,15 @@ def _kda_triton(q, k, v, g, beta, scale, use_qk_l2norm, S0, output_final_state, 
     if isinstance(scale, torch.Tensor):  # a learned scale: kept in autograd
         q, scale = (q * scale).to(q.dtype), 1.0
     if not grad and longest <= _DECODE_MAX_T:
+        report_g = queue_log_decay_check(_OP, "g", g)  # read back once the kernel is launched
         o, S = kk.fused_recurrent_kda(q, k, v, g, beta, scale=float(scale), initial_state=S0,
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    else:
+    else:  # the forward's first kernel, which reads g anyway, compares it
+        report_g = kernel_log_decay_check(_OP, "g", g) or no_check
         o, S = kk.chunk_kda(q, k, v, g, beta, scale=float(scale), initial_state=S0,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                            gate_check=None if report_g is no_check else report_g)
+    report_g()
     return zero_masked(o, mask), (S if output_final_state else None)
 
 
