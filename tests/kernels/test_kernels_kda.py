@@ -161,18 +161,16 @@ def test_interp_kda_no_future_token_reaches_an_output():
         assert torch.equal(run(g)[:, :t + 1], o[:, :t + 1]), t
 
 
-@needs_interp
-@pytest.mark.parametrize("route", ["chunk", "decode"])
-def test_interp_kda_positive_gate_is_named_on_both_routes(route):
+def positive_gate_is_named(route, device):
     """A log decay g > 0 at a real token is refused with its value, whether the chunk kernels' first kernel compares
     (with autograd, or a long prompt) or the op does (the decode kernel); the same g > 0 at a pad passes."""
     T = 70 if route == "chunk" else 5
-    x = {n: t.float() for n, t in kda_inputs(1, T, 1, 16, 16, HV=2, seed=9).items()}
+    x = {n: t.float().to(device) for n, t in kda_inputs(1, T, 1, 16, 16, HV=2, seed=9).items()}
     g = x["g"].clone()
     g[0, T - 3, 1, 7] = 0.25
     with pytest.raises(ValueError, match=r"g must lie in \[-inf, 0\] at real tokens.*got 0\.25"):
         ops.kda(x["q"], x["k"], x["v"], g, x["beta"], backend="triton")
-    mask = torch.ones(1, T, dtype=torch.bool)
+    mask = torch.ones(1, T, dtype=torch.bool, device=device)
     mask[0, T - 3] = False
     o = ops.kda(x["q"], x["k"], x["v"], g, x["beta"], mask=mask, backend="triton")[0]
     assert torch.isfinite(o).all()
@@ -180,6 +178,12 @@ def test_interp_kda_positive_gate_is_named_on_both_routes(route):
         q = x["q"][:, :5].clone().requires_grad_()
         with pytest.raises(ValueError, match="g must lie in"):
             ops.kda(q, x["k"][:, :5], x["v"][:, :5], g[:, T - 5:], x["beta"][:, :5], backend="triton")
+
+
+@needs_interp
+@pytest.mark.parametrize("route", ["chunk", "decode"])
+def test_interp_kda_positive_gate_is_named_on_both_routes(route):
+    positive_gate_is_named(route, "cpu")
 
 
 @needs_interp
@@ -276,6 +280,13 @@ def test_cuda_kda_kernels_match_float64(dtype, rtol, grad_rtol, HV):
     T = 1000
     x = kda_inputs(2, T, 4, 128, 128, HV=HV, seed=11, strong=True)
     check(x, dtype, rtol, grad_rtol, device="cuda", mask=left_pad_mask([T, T - 77], T))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("route", ["chunk", "decode"])
+def test_cuda_kda_positive_gate_is_named_on_both_routes(route):
+    positive_gate_is_named(route, "cuda")
 
 
 @pytest.mark.gpu
