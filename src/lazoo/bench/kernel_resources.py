@@ -422,9 +422,9 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
     cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
     kernels = {
         "cumsum": (kk._cumsum_kernel, dict(g=gt, Gc=f32, positive="*i32", **seq), dict(H=H, K=dk, BK=BK, CHECK=True)),
-        "fwd_intra": (kk._fwd_intra_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),
+        "fwd_intra": (kk._fwd_intra_kernel, dict(q=x, k=x, Gc=f32, Aqk=x, Mkk=f32, **seq),
                       dict(c_k, DT=DT, PREC=PREC)),
-        "fwd_diag": (kk._fwd_diag_kernel, dict(q=x, k=x, Gc=f32, Aqk=f32, Mkk=f32, **seq),
+        "fwd_diag": (kk._fwd_diag_kernel, dict(q=x, k=x, Gc=f32, Aqk=x, Mkk=f32, **seq),
                      dict(H=H, HK=HK, K=dk, BKP=min(kk.DIAG_CHANNELS, BK))),
         "fwd_solve": (kk._fwd_solve_kernel, dict(Mkk=f32, beta=gt, A=f32, **seq), dict(H=H, PREC=PREC)),
         "fwd_wu": (kk._fwd_wu_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, w=x, ut=x, **seq),
@@ -432,9 +432,9 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
         "fwd_h": (kk._fwd_h_kernel, dict(k=x, Gc=f32, w=x, ut=x, h=f"*{hd}", vnew=x, s0=f32, sT=f32, cu=i64,
                                          coff=i64),
                   dict(c_state, USE_S0=True, STORE_S=True, DT=DT, PREC=PREC)),
-        "fwd_o": (kk._fwd_o_kernel, dict(q=x, Gc=f32, h=f"*{hd}", Aqk=f32, vnew=x, o=x, **seq, scale="fp32"),
+        "fwd_o": (kk._fwd_o_kernel, dict(q=x, Gc=f32, h=f"*{hd}", Aqk=x, vnew=x, o=x, **seq, scale="fp32"),
                   dict(c_kv, DT=DT, PREC=PREC)),
-        "bwd_du_local": (kk._bwd_du_local_kernel, dict(Aqk=f32, vnew=x, do=x, dAqk=f32, du=f32, **seq,
+        "bwd_du_local": (kk._bwd_du_local_kernel, dict(Aqk=x, vnew=x, do=x, dAqk=f32, du=f32, **seq,
                                                        scale="fp32"),
                          dict(H=H, V=dv, BV=BV, DT=DT, PREC=PREC)),
         "bwd_dhu": (kk._bwd_dhu_kernel, dict(q=x, k=x, Gc=f32, w=x, do=x, du=f32, dh=f"*{hd}", dsT=f32, ds0=f32,

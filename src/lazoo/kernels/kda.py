@@ -49,8 +49,9 @@ elementwise from loads.
 
 Precision: products of the inputs with the states and with decayed tiles take 16-bit operands for 16-bit inputs
 (fp32 accumulation); the triangular algebra (A, W, U~ and their gradients) and the sub-chunk gradient sums take
-fp32 operands (tf32 products for 16-bit inputs; tf32x3, about fp32, for fp32 inputs); G, A, Aqk, Mkk, their
-gradients, the state between chunks and the decode recurrence are fp32.
+fp32 operands (tf32 products for 16-bit inputs; tf32x3, about fp32, for fp32 inputs); G, A, Mkk, the gradients of
+those and of Aqk, the state between chunks and the decode recurrence are fp32. Aqk is stored in q's dtype: both its
+readers take it as a product operand in that dtype, so the rounding is the one they made before.
 """
 
 from __future__ import annotations
@@ -155,9 +156,9 @@ def _cumsum_kernel(g, Gc, positive, chunks, cu, H: tl.constexpr, K: tl.constexpr
 def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                       DT: tl.constexpr, PREC: tl.constexpr):
-    """Grid (NT * 4, H): rows of sub-chunk I of Aqk and Mkk (float32 ``[TT, H, 64]``): the blocks left of the
-    diagonal block (tensor-core products through the sub-chunk's first row) and zeros right of it. The diagonal
-    block is ``_fwd_diag_kernel``'s."""
+    """Grid (NT * 4, H): rows of sub-chunk I of Aqk (q's dtype) and Mkk (float32), ``[TT, H, 64]``: the blocks
+    left of the diagonal block (tensor-core products through the sub-chunk's first row) and zeros right of it. The
+    diagonal block is ``_fwd_diag_kernel``'s."""
     t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
     i_h = tl.program_id(1)
     if r0 >= eos:
@@ -741,7 +742,7 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
                             BK=BK, CHECK=gate_check is not None, **opts["cumsum"])
     if gate_check is not None:
         gate_check.queued()
-    Aqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    Aqk = torch.empty(TT, H, BT, device=dev, dtype=q.dtype)  # its readers take it in q's dtype (_dot)
     Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
                                     PREC=PREC, **opts["fwd_intra"])
