@@ -61,14 +61,15 @@ def op_spec(name):
     if name == "gdn":
         from lazoo.kernels import delta
         staged = [c for c in WIDE if c["num_stages"] > 1]
-        cands = {"solve": [dict(num_warps=w) for w in (2, 4)], "wu": WIDE, "h": staged, "o": WIDE,
-                 "dv_local": WIDE, "dhu": [c for c in staged if c["num_warps"] > 2],
+        wide_dv = [dict(num_warps=8, num_stages=s, BV=128) for s in (2, 3)]  # half the programs (HV = 2H: one wave)
+        cands = {"solve": [dict(num_warps=w) for w in (2, 4)], "wu": WIDE, "h": staged + wide_dv, "o": WIDE,
+                 "dv_local": WIDE, "dhu": [c for c in staged if c["num_warps"] > 2] + wide_dv,
                  "dqkw": [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (4, 3)]]
                  + [dict(num_warps=w, BK=64) for w in (4, 8)],  # dk in two programs of 64
                  "wy": NARROW, "mix": WIDE, "walk": staged}
         return delta.CONFIGS, gdn_inputs, gdn_call, [(1024, 32, 16, 16), (8192, 4, 16, 32)], cands, {"mix", "walk"}
     from lazoo.kernels import kda
-    cands = {n: NARROW for n in ("fwd_intra", "fwd_o", "bwd_intra", "bwd_du_local", "fwd_wu")}
+    cands = {n: NARROW for n in ("fwd_intra", "fwd_diag", "fwd_o", "bwd_intra", "bwd_du_local", "fwd_wu")}
     deep = [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 3), (4, 3)]]
     cands.update({"fwd_solve": [dict(num_warps=w, num_stages=1) for w in (2, 4)], "fwd_h": deep, "bwd_dhu": deep,
                   "bwd_inter": [dict(num_warps=4, num_stages=1)],  # unpipelined: two stages race (kernels.kda)

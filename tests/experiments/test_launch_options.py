@@ -28,8 +28,9 @@ def test_options_put_the_default_back(lo):
 def test_candidates_name_real_kernels(lo, name):
     table, _, _, shapes, cands, prefill_only = lo.op_spec(name)
     assert set(cands) <= set(table) and prefill_only <= set(cands)
-    assert all(set(cfg) <= {"num_warps", "num_stages", "BK"} for configs in cands.values() for cfg in configs)
+    assert all(set(cfg) <= {"num_warps", "num_stages", "BK", "BV"} for configs in cands.values() for cfg in configs)
     assert all("BK" not in cfg for k, configs in cands.items() if k != "dqkw" for cfg in configs)
+    assert all("BV" not in cfg for k, configs in cands.items() if k not in ("h", "dhu") for cfg in configs)
     assert all(len(s) == 4 for s in shapes)
 
 
