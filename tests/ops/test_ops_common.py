@@ -176,3 +176,22 @@ def test_time_cumsum_equals_cumsum_over_dim_1():
     (g,) = torch.autograd.grad((got * torch.arange(5.0, dtype=torch.float64)).sum(), x)
     (ref,) = torch.autograd.grad((x.cumsum(1) * torch.arange(5.0, dtype=torch.float64)).sum(), x)
     torch.testing.assert_close(g, ref, rtol=0, atol=1e-12)
+
+
+def test_kernel_range_check_reads_the_kernels_flag_or_compares_itself():
+    """``KernelRangeCheck``: once queued, the flag a kernel set decides (and the message names the bad value);
+    never queued (no kernel ran), it compares x itself."""
+    from lazoo.ops.checks import kernel_log_decay_check
+
+    g = torch.full((1, 4, 2), -0.5)
+    check = kernel_log_decay_check("op", "g", g)
+    check.queued()
+    check()  # the flag is 0
+    g[0, 2, 1] = 0.75
+    check.flag.fill_(1)  # as the kernel leaves it
+    with pytest.raises(ValueError, match=r"op: g must lie in \[-inf, 0\] at real tokens.*got 0\.75"):
+        check()
+    unqueued = kernel_log_decay_check("op", "g", g)
+    with pytest.raises(ValueError, match="got 0.75"):
+        unqueued()
+    assert kernel_log_decay_check("op", "g", None) is None
