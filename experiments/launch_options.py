@@ -69,9 +69,13 @@ def op_spec(name):
                  "wy": NARROW, "mix": WIDE, "walk": staged}
         return delta.CONFIGS, gdn_inputs, gdn_call, [(1024, 32, 16, 16), (8192, 4, 16, 32)], cands, {"mix", "walk"}
     from lazoo.kernels import kda
-    cands = {n: NARROW for n in ("fwd_intra", "fwd_diag", "fwd_o", "bwd_intra", "bwd_du_local", "fwd_wu")}
+    cands = {n: NARROW for n in ("fwd_intra", "fwd_diag", "bwd_intra")}
+    whole_dv = [dict(num_warps=8, num_stages=2, BV=128)]  # one value block a chunk: q, G and A read once
+    cands.update({n: NARROW + whole_dv for n in ("fwd_o", "bwd_du_local", "fwd_wu")})
     deep = [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 3), (4, 3)]]
-    cands.update({"fwd_solve": [dict(num_warps=w, num_stages=1) for w in (2, 4)], "fwd_h": deep, "bwd_dhu": deep,
+    narrow_dv = [dict(num_warps=w, num_stages=s, BV=32) for w, s in [(8, 3), (4, 3), (8, 2)]]  # twice the programs
+    cands.update({"fwd_solve": [dict(num_warps=w, num_stages=1) for w in (2, 4)], "fwd_h": deep + narrow_dv,
+                  "bwd_dhu": deep + narrow_dv,
                   "bwd_inter": [dict(num_warps=4, num_stages=1)],  # unpipelined: two stages race (kernels.kda)
                   "bwd_wy": [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (4, 1), (8, 3)]]})
     return kda.LAUNCH, kda_inputs, kda_call, [(8192, 4, 16, 16)], cands, set()

@@ -71,6 +71,20 @@ def test_kda_uniform_chunk_tables_are_built_once():
     assert len(built) == 65 and len(cache) == 1
 
 
+def test_kda_value_block_set_in_the_option_table():
+    """A "BV" in a kernel's launch entry sets its value block on a GPU (capped at dv's power of two) and never
+    reaches the launch options; the interpreter keeps the default block; the shipped table sets none."""
+    from lazoo.kernels import kda as kk
+
+    table = {"fwd_o": {"num_warps": 8, "num_stages": 2, "BV": 128}, "fwd_h": {"num_warps": 8}}
+    assert kk._with_bv(table, "fwd_o", 64, 128, interp=False) == (128, {"num_warps": 8, "num_stages": 2})
+    assert kk._with_bv(table, "fwd_o", 64, 48, interp=False)[0] == 64
+    assert kk._with_bv(table, "fwd_o", 128, 128, interp=True)[0] == 128
+    assert kk._with_bv(table, "fwd_h", 64, 128, interp=False) == (64, {"num_warps": 8})
+    assert table["fwd_o"]["BV"] == 128  # the table is left as it was
+    assert not any("BV" in cfg for t in (kk.LAUNCH, kk.LAUNCH_FP32) for cfg in t.values())
+
+
 # ============================================================================ CPU: the interpreter
 @needs_interp
 def test_interp_kda_chunk_ragged_padded_strong(chunk_launches):

@@ -456,8 +456,13 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
                             dict(c_k, V=dv, BV=min(kk.DECODE_BV, BVs), USE_S0=True, STORE_S=True)),
     }
     launch = kk.launch_options(torch.float32 if dtype == "fp32" else torch.float16) if launch is None else launch
-    return {name: measure(fn, dict(sig, **cx(c)), c, **launch[name]) for name, (fn, sig, c) in kernels.items()
-            if name in launch}
+    out = {}
+    for name, (fn, sig, c) in kernels.items():
+        if name in launch:
+            bv, opts = kk._with_bv(launch, name, c.get("BV"), dv, interp=False)  # a value block set in the table
+            c = dict(c, BV=bv) if "BV" in c else c
+            out[name] = measure(fn, dict(sig, **cx(c)), c, **opts)
+    return out
 
 
 def delta_prefill_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chunk: int = 64) -> dict:

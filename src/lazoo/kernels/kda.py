@@ -724,6 +724,14 @@ def _blocks(K: int, V: int, interp: bool):
     return BK, min(64, next_pow2(V)), (next_pow2(V) if interp else min(64, next_pow2(V)))
 
 
+def _with_bv(opts: dict, name: str, BV: int, V: int, interp: bool) -> tuple[int, dict]:
+    """(value block, launch options) of kernel ``name``: a "BV" in its entry of the option table overrides the
+    block from ``_blocks`` on a GPU (what ``experiments/launch_options.py`` sweeps); the interpreter keeps it."""
+    cfg = dict(opts[name])
+    bv = cfg.pop("BV", None)
+    return (BV if bv is None or interp else min(bv, next_pow2(V))), cfg
+
+
 def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_state: bool, gate_check=None):
     """Forward on flattened inputs (module docstring): ``(o, final state or None, saved)``. ``gate_check``: None or
     an object with ``flag`` (int32 ``[1]``, zeros), set to 1 by the first kernel where a g > 0 is met, and
@@ -752,18 +760,21 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, **opts["fwd_solve"])
     w = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    _fwd_wu_kernel[(NT, H)](k, v, beta, Gc, A, w, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV,
-                            PREC=PREC, **opts["fwd_wu"])
+    bv, cfg = _with_bv(opts, "fwd_wu", BV, V, interp)
+    _fwd_wu_kernel[(NT, H)](k, v, beta, Gc, A, w, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, BK=BK, BV=bv,
+                            PREC=PREC, **cfg)
     h = torch.empty(NT, H, K, V, device=dev, dtype=chunk_state_dtype(q.dtype))
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
-    _fwd_h_kernel[(N, H, triton.cdiv(V, BVs))](
+    bv, cfg = _with_bv(opts, "fwd_h", BVs, V, interp)
+    _fwd_h_kernel[(N, H, triton.cdiv(V, bv))](
         k, Gc, w, ut, h, vnew, S0 if S0 is not None else A, sT, seqs.cu, seqs.coff, H=H, HK=HK, K=K, V=V, BK=BK,
-        BV=BVs, USE_S0=S0 is not None, STORE_S=output_final_state, DT=DT, PREC=PREC, **opts["fwd_h"])
+        BV=bv, USE_S0=S0 is not None, STORE_S=output_final_state, DT=DT, PREC=PREC, **cfg)
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
-    _fwd_o_kernel[(NT * triton.cdiv(V, BV), H)](
-        q, Gc, h, Aqk, vnew, o, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC,
-        **opts["fwd_o"])
+    bv, cfg = _with_bv(opts, "fwd_o", BV, V, interp)
+    _fwd_o_kernel[(NT * triton.cdiv(V, bv), H)](
+        q, Gc, h, Aqk, vnew, o, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, BK=BK, BV=bv, DT=DT, PREC=PREC,
+        **cfg)
     return o, (sT if output_final_state else None), (Gc, Aqk, Mkk, A, w, vnew, h)
 
 
@@ -781,26 +792,29 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     Gc, Aqk, Mkk, A, w, vnew, h = saved
     dAqk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     du = torch.empty(TT, H, V, device=dev, dtype=f32)
-    _bwd_du_local_kernel[(NT, H)](Aqk, vnew, do, dAqk, du, seqs.chunks, seqs.cu, scale, H=H, V=V, BV=BV, DT=DT,
-                                  PREC=PREC, **opts["bwd_du_local"])
+    bv, cfg = _with_bv(opts, "bwd_du_local", BV, V, interp)
+    _bwd_du_local_kernel[(NT, H)](Aqk, vnew, do, dAqk, du, seqs.chunks, seqs.cu, scale, H=H, V=V, BV=bv, DT=DT,
+                                  PREC=PREC, **cfg)
     dh = torch.empty(NT, H, K, V, device=dev, dtype=h.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
-    _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVs))](
+    bv, cfg = _with_bv(opts, "bwd_dhu", BVs, V, interp)
+    _bwd_dhu_kernel[(N, H, triton.cdiv(V, bv))](
         q, k, Gc, w, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale, H=H, HK=HK, K=K,
-        V=V, BK=BK, BV=BVs, USE_DST=dsT is not None, STORE_DS0=need_ds0, DT=DT, PREC=PREC,
-        **opts["bwd_dhu"])
+        V=V, BK=BK, BV=bv, USE_DST=dsT is not None, STORE_DS0=need_ds0, DT=DT, PREC=PREC, **cfg)
     dq = torch.empty(TT, H, K, device=dev, dtype=f32)
     dkn = torch.empty(TT, H, K, device=dev, dtype=f32)
     dw = torch.empty(TT, H, K, device=dev, dtype=f32)
     later = torch.empty(NT, H, K, device=dev, dtype=f32)
+    bv, cfg = _with_bv(opts, "bwd_inter", BV, V, interp)
     _bwd_inter_kernel[(NT, H)](k, Gc, h, dh, vnew, do, du, dq, dkn, dw, later, seqs.chunks, seqs.cu, scale, H=H,
-                               HK=HK, K=K, V=V, BK=BK, BV=BV, DT=DT, PREC=PREC, **opts["bwd_inter"])
+                               HK=HK, K=K, V=V, BK=BK, BV=bv, DT=DT, PREC=PREC, **cfg)
     dkp = torch.empty(TT, H, K, device=dev, dtype=f32)
     dv = torch.empty_like(v)
     dbeta = torch.empty(TT, H, device=dev, dtype=f32)
     dMkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
+    bv, cfg = _with_bv(opts, "bwd_wy", BV, V, interp)
     _bwd_wy_kernel[(NT, H)](k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, seqs.chunks, seqs.cu, H=H, HK=HK,
-                            K=K, V=V, BK=BK, BV=BV, PREC=PREC, **opts["bwd_wy"])
+                            K=K, V=V, BK=BK, BV=bv, PREC=PREC, **cfg)
     grouped = H != HK
     dq_out = dq if grouped or q.dtype == f32 else torch.empty_like(q)
     dk_out = dkn if grouped or k.dtype == f32 else torch.empty_like(k)
