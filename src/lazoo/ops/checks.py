@@ -204,14 +204,6 @@ class KernelRangeCheck:
             _refuse_outside(*self.args)
 
 
-def kernel_range_check(op: str, name: str, x: torch.Tensor | None, low: float | None = None,
-                       high: float | None = None, hint: str = "") -> KernelRangeCheck | None:
-    """A ``KernelRangeCheck``, or None where no check is made (no x; under torch.compile or CUDA-graph capture)."""
-    if x is None or not host_sync_allowed():
-        return None
-    return KernelRangeCheck(op, name, x, low, high, hint)
-
-
 def queue_readback(x: torch.Tensor):
     """Start copying a small tensor to the host now; the callable returned gives that copy (a CPU tensor). On a GPU
     it waits for the work queued before this call only: a plain read-back (``bool(x)``, ``.item()``) after an op's
@@ -259,5 +251,8 @@ def queue_log_decay_check(op: str, name: str, g: torch.Tensor | None):
 
 
 def kernel_log_decay_check(op: str, name: str, g: torch.Tensor | None) -> KernelRangeCheck | None:
-    """``queue_log_decay_check`` made by the kernel that first reads g (``KernelRangeCheck``)."""
-    return kernel_range_check(op, name, g, high=0.0, hint=LOG_DECAY_HINT)
+    """``queue_log_decay_check`` made by the kernel that first reads g (``KernelRangeCheck``), or None where no check
+    is made (no g; under torch.compile or CUDA-graph capture)."""
+    if g is None or not host_sync_allowed():
+        return None
+    return KernelRangeCheck(op, name, g, high=0.0, hint=LOG_DECAY_HINT)

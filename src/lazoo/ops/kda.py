@@ -143,10 +143,10 @@ def _kda_triton(q, k, v, g, beta, scale, use_qk_l2norm, S0, output_final_state, 
         o, S = kk.fused_recurrent_kda(q, k, v, g, beta, scale=float(scale), initial_state=S0,
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     else:  # the forward's first kernel, which reads g anyway, compares it
-        report_g = kernel_log_decay_check(_OP, "g", g) or no_check
+        gate_check = kernel_log_decay_check(_OP, "g", g)
         o, S = kk.chunk_kda(q, k, v, g, beta, scale=float(scale), initial_state=S0,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                            gate_check=None if report_g is no_check else report_g)
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, gate_check=gate_check)
+        report_g = gate_check or no_check
     report_g()
     return zero_masked(o, mask), (S if output_final_state else None)
 
