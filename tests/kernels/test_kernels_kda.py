@@ -160,6 +160,58 @@ def test_interp_kda_chunk_intermediates_packed():
         assert_close(got, want, rtol, name)
 
 
+def mixed_decay_inputs():
+    """Packed sequences of 70 and 50 tokens, dk = 48 (two channel slices in the backward), two value heads a key
+    head, mild decays except key dim 5 of value head 0 at tokens 54-63 (-70 a step, to the first chunk's end: no
+    later row of the chunk carries a large G, whose float32 rounding would cost both paths alike): that sub-chunk's
+    diagonal block is beyond DIAG_PRODUCT_RANGE in the forward and in the backward's first channel slice, and within
+    it in the second slice; every other block is within."""
+    x = kda_inputs(1, 120, 1, 48, 16, HV=2, seed=13)
+    x["g"][0, 54:64, 0, 5] = -70.0
+    x["S0"] = torch.randn(2, 2, 16, 48, dtype=torch.float64)
+    return x, torch.tensor([0, 70, 120])
+
+
+@needs_interp
+@pytest.mark.parametrize("product_range", [None, -1.0, 1e30], ids=["default", "pairs_only", "products_where_finite"])
+def test_interp_kda_diagonal_blocks_by_product_or_pairs(monkeypatch, product_range):
+    """The diagonal 16x16 blocks, as products through the middle row where the decays allow and pair by pair
+    otherwise (per block in the forward, per block and channel slice in the backward), against float64: outputs,
+    states, every gradient. pairs_only takes the pair path everywhere; products_where_finite (mild decays only) the
+    product path everywhere."""
+    from lazoo.kernels import kda as kk
+
+    x, cu = mixed_decay_inputs()
+    if product_range is not None:
+        monkeypatch.setattr(kk, "DIAG_PRODUCT_RANGE", product_range)
+    if product_range == 1e30:
+        x["g"][0, 54:64, 0, 5] = -0.1
+    check(x, torch.float32, 1e-5, cu_seqlens=cu)
+
+
+@needs_interp
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the kernels after it read the block left unwritten
+def test_interp_kda_forward_products_make_the_blocks_within_range(monkeypatch):
+    """With the pair kernel switched off, every diagonal block within DIAG_PRODUCT_RANGE still equals float64 (the
+    product path made it), the one beyond it is not written, and the blocks left of the diagonal are unchanged."""
+    import collections
+
+    from lazoo.kernels import kda as kk
+
+    x, cu = mixed_decay_inputs()
+    f = {n: x[n][0].float().contiguous() for n in NAMES}
+    seqs = kk._Seqs(1, 120, cu, torch.device("cpu"))
+    monkeypatch.setattr(kk, "_fwd_diag_kernel", collections.defaultdict(lambda: lambda *a, **kw: None))
+    Aqk, Mkk = kk.chunk_fwd(f["q"], f["k"], f["v"], f["g"], f["beta"], None, 1.0, seqs, False)[2][1:3]
+    ref_aqk, ref_mkk = chunk_intermediates_f64(x, cu)[:2]
+    beyond = (slice(48, 64), 0, slice(48, 64))  # sequence 0, chunk 0, sub-chunk 3, value head 0
+    for got, want, name in ((Aqk, ref_aqk, "Aqk"), (Mkk, ref_mkk, "Mkk")):
+        assert not torch.allclose(got[beyond].double(), want[beyond], rtol=1e-3), f"{name}: a pair block was written"
+        got, want = got.double().clone(), want.clone()
+        got[beyond] = want[beyond] = 0
+        assert_close(got, want, 1e-6, name)
+
+
 @needs_interp
 def test_interp_kda_no_future_token_reaches_an_output():
     """Decays 30 stronger at the 5 tokens after t (inside t's sub-chunk, at a chunk's end, across a chunk's

@@ -137,6 +137,17 @@ def _sub_chunk(chunks, cu, i_p):
     return t0, t0 + i_i * 16, eos, i_i
 
 
+@triton.jit
+def _mid_exponents(b_G, gh, r0, eos, stride, ncols, m_i, BK: tl.constexpr, RANGE: tl.constexpr):
+    """(x, ok) of a 16-row sub-chunk from row r0: x = G - G_m (base 2, zeros outside m_i) through its middle row m,
+    and whether every |x| <= RANGE (NaN counts as out of range), the condition for its diagonal block as a
+    product. Every kernel deciding on one block computes this the same way, so they agree."""
+    ck = tl.arange(0, BK)
+    rm = r0 + tl.minimum(7, eos - r0 - 1)
+    x = tl.where(m_i, b_G - tl.load(gh + rm * stride + ck, mask=ck < ncols, other=0)[None, :], 0.0)
+    return x, tl.max(tl.where(x == x, tl.abs(x), float("inf"))) <= RANGE
+
+
 # ============================================================================ forward
 @triton.jit
 def _cumsum_kernel(g, Gc, positive, chunks, cu, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -155,10 +166,11 @@ def _cumsum_kernel(g, Gc, positive, chunks, cu, H: tl.constexpr, K: tl.constexpr
 @triton.jit
 def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      DT: tl.constexpr, PREC: tl.constexpr):
+                      DT: tl.constexpr, PREC: tl.constexpr, RANGE: tl.constexpr):
     """Grid (NT * 4, H): rows of sub-chunk I of Aqk (q's dtype) and Mkk (float32), ``[TT, H, 64]``: the blocks
-    left of the diagonal block (tensor-core products through the sub-chunk's first row) and zeros right of it. The
-    diagonal block is ``_fwd_diag_kernel``'s."""
+    left of the diagonal block (tensor-core products through the sub-chunk's first row), zeros right of it, and
+    the diagonal block as a product through the sub-chunk's middle row when every decay exponent that takes is
+    within RANGE (fp32 products: the block is summed once; otherwise ``_fwd_diag_kernel`` makes it pair by pair)."""
     t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
     i_h = tl.program_id(1)
     if r0 >= eos:
@@ -172,13 +184,20 @@ def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
     b_q = _rows(qh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
     b_k = _rows(kh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
     b_G = _rows(gh, r0, eos, H * K, K, 16, BK)
+    pa = Aqk + i_h * 64 + r0 * (H * 64)
+    pm = Mkk + i_h * 64 + r0 * (H * 64)
+    m_row = (o < eos - r0)[:, None]
+    x, in_range = _mid_exponents(b_G, gh, r0, eos, H * K, K, m_i, BK, RANGE)
+    if in_range:  # (X_I ⊙ exp(G - G_m)) (K_I ⊙ exp(G_m - G))ᵀ: one factor >= 1, both within 2^RANGE
+        b_kd = tl.trans(b_k * tl.exp2(tl.where(m_i, -x, float("-inf"))))
+        e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
+        p = o[:, None] * (H * 64) + i_i * 16 + o[None, :]
+        tl.store(pa + p, tl.where(o[None, :] <= o[:, None], _dotf(b_q * e_up, b_kd, PREC), 0.0), mask=m_row)
+        tl.store(pm + p, tl.where(o[None, :] < o[:, None], _dotf(b_k * e_up, b_kd, PREC), 0.0), mask=m_row)
     b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=ck < K, other=0)
     e_r = tl.exp2(tl.where(m_i, b_G - b_Gr[None, :], float("-inf")))
     b_qr = b_q * e_r
     b_kr = b_k * e_r
-    pa = Aqk + i_h * 64 + r0 * (H * 64)
-    pm = Mkk + i_h * 64 + r0 * (H * 64)
-    m_row = (o < eos - r0)[:, None]
     for i_j in range(0, i_i):  # blocks below the diagonal, through row r
         c0 = t0 + i_j * 16
         b_kj = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32)
@@ -196,17 +215,26 @@ def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
 
 @triton.jit
 def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
-                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr):
-    """Grid (NT * 4, H): the diagonal 16x16 block of sub-chunk I of Aqk and Mkk, pair by pair, exp(G_t - G_i) for
-    i < t only (never a positive exponent, whatever the decay): the 120 pairs of the block as 128 pairs
-    (a, a + d mod 16), d = 1 ... 8 (d = 8 meets each of its pairs twice: half of those are off), BKP channels at
-    a time; Aqk[t, t] = q_t . k_t; zeros above the diagonal (and on Mkk's)."""
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr,
+                     RANGE: tl.constexpr):
+    """Grid (NT * 4, H): the diagonal 16x16 block of sub-chunk I of Aqk and Mkk where ``_fwd_intra_kernel`` did not
+    make it (a decay too strong for the product), pair by pair, exp(G_t - G_i) for i < t only (never a positive
+    exponent): the 120 pairs of the block as 128 pairs (a, a + d mod 16), d = 1 ... 8 (d = 8 meets each of its pairs
+    twice: half of those are off), BKP channels at a time; Aqk[t, t] = q_t . k_t; zeros above the diagonal (and on
+    Mkk's)."""
     t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
     i_h = tl.program_id(1)
     if r0 >= eos:
         return
     SQ: tl.constexpr = HK * K
     SG: tl.constexpr = H * K
+    o = tl.arange(0, 16)
+    ck = tl.arange(0, BK)
+    m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
+    _, in_range = _mid_exponents(_rows(Gc + i_h * K, r0, eos, SG, K, 16, BK), Gc + i_h * K, r0, eos, SG, K, m_i,
+                                 BK, RANGE)
+    if in_range:
+        return
     qh = q + (i_h // (H // HK)) * K + r0 * SQ
     kh = k + (i_h // (H // HK)) * K + r0 * SQ
     gh = Gc + i_h * K + r0 * SG
@@ -216,7 +244,6 @@ def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
     pt = tl.maximum(pa, pb)
     pi = tl.minimum(pa, pb)
     m_p = ((p % 8 < 7) | (pa < 8)) & (pt < eos - r0)
-    o = tl.arange(0, 16)
     c = tl.arange(0, BKP)
     b_a = tl.zeros([128], dtype=tl.float32)
     b_m = tl.zeros([128], dtype=tl.float32)
@@ -528,7 +555,7 @@ def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks,
 @triton.jit
 def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, chunks, cu,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NKS: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, RANGE: tl.constexpr):
     """Grid (NT * NKS, H), the channel slice fastest: BK channels from ch0 (nothing here mixes channels, so the
     NKS programs of a chunk share only its dAqk and dMkk rows, through L2). The sub-chunk sums through Aqk and Mkk,
     added to the state and W terms; dq, dk (per value head, fp32) and dg, the reverse cumulative sum of dG over the
@@ -578,27 +605,41 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
                 b_dkc += _dotf(_rows_t(dAqk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_qn, PREC)
                 b_dkc += _dotf(_rows_t(dMkk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_kn, PREC)
             b_dkc = b_dkc * tl.exp2(tl.where(m_i, b_Gn[None, :] - b_G, float("-inf")))
-            # the diagonal block, pair by pair: row t = r0 + j; one exponent <= 0 a pair serves both directions
-            for j in range(0, 16):
-                t = r0 + j
-                t_ok = ck * 0 + t < eos
-                b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
-                b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
-                b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < nk) & t_ok, other=0)
-                o_ok = o * 0 + t < eos
-                p_c = i_h * 64 + (r0 + o) * (H * 64) + i_i * 16 + j  # column t, rows of I: [i, t]
-                p_r = i_h * 64 + t * (H * 64) + i_i * 16 + o  # row t, columns of I: [t, i]
-                c_ok = (o < eos - r0) & (o >= j)
-                r_ok2 = (o <= j) & o_ok
-                b_ac = tl.load(dAqk + p_c, mask=c_ok, other=0)
-                b_ar = tl.load(dAqk + p_r, mask=r_ok2, other=0)
-                b_mc = tl.load(dMkk + p_c, mask=c_ok, other=0)
-                b_mr = tl.load(dMkk + p_r, mask=r_ok2, other=0)
-                x = tl.where((o >= j)[:, None], b_G - b_Gt[None, :], b_Gt[None, :] - b_G)
-                e = tl.exp2(tl.where(m_i & o_ok[:, None], x, float("-inf")))
-                b_dq += b_ac[:, None] * b_kt[None, :] * e
-                b_dkr += b_mc[:, None] * b_kt[None, :] * e
-                b_dkc += (b_ar[:, None] * b_qt[None, :] + b_mr[:, None] * b_kt[None, :]) * e
+            x, in_range = _mid_exponents(b_G, gh, r0, eos, H * K, nk, m_i, BK, RANGE)
+            if in_range:  # the diagonal block as products through the middle row (as _fwd_intra made it)
+                e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
+                e_dn = tl.exp2(tl.where(m_i, -x, float("-inf")))
+                low = o[:, None] >= o[None, :]  # [t, i]: i <= t
+                up = o[:, None] <= o[None, :]  # [i, t] of the transposed loads
+                p_d = dAqk + i_h * 64 + i_i * 16
+                p_m = dMkk + i_h * 64 + i_i * 16
+                b_kd = b_k * e_dn
+                b_dq += e_up * _dotf(tl.where(low, _rows(p_d, r0, eos, H * 64, 16, 16, 16), 0.0), b_kd, PREC)
+                b_dkr += e_up * _dotf(tl.where(low & ~up, _rows(p_m, r0, eos, H * 64, 16, 16, 16), 0.0), b_kd, PREC)
+                b_dkc += e_dn * (
+                    _dotf(tl.where(up, _rows_t(p_d, r0, eos, H * 64, 16, 16, 16), 0.0), b_q * e_up, PREC)
+                    + _dotf(tl.where(up & ~low, _rows_t(p_m, r0, eos, H * 64, 16, 16, 16), 0.0), b_k * e_up, PREC))
+            else:  # pair by pair: row t = r0 + j; one exponent <= 0 a pair serves both directions
+                for j in tl.range(0, 16, loop_unroll_factor=2):
+                    t = r0 + j
+                    t_ok = ck * 0 + t < eos
+                    b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
+                    b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
+                    b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < nk) & t_ok, other=0)
+                    o_ok = o * 0 + t < eos
+                    p_c = i_h * 64 + (r0 + o) * (H * 64) + i_i * 16 + j  # column t, rows of I: [i, t]
+                    p_r = i_h * 64 + t * (H * 64) + i_i * 16 + o  # row t, columns of I: [t, i]
+                    c_ok = (o < eos - r0) & (o >= j)
+                    r_ok2 = (o <= j) & o_ok
+                    b_ac = tl.load(dAqk + p_c, mask=c_ok, other=0)
+                    b_ar = tl.load(dAqk + p_r, mask=r_ok2, other=0)
+                    b_mc = tl.load(dMkk + p_c, mask=c_ok, other=0)
+                    b_mr = tl.load(dMkk + p_r, mask=r_ok2, other=0)
+                    d = tl.where((o >= j)[:, None], b_G - b_Gt[None, :], b_Gt[None, :] - b_G)
+                    e = tl.exp2(tl.where(m_i & o_ok[:, None], d, float("-inf")))
+                    b_dq += b_ac[:, None] * b_kt[None, :] * e
+                    b_dkr += b_mc[:, None] * b_kt[None, :] * e
+                    b_dkc += (b_ar[:, None] * b_qt[None, :] + b_mr[:, None] * b_kt[None, :]) * e
             b_dqt = _rows(dq + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dq
             b_neg = _rows(dkn + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dkc
             b_pos = _rows(dkp + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dkr
@@ -707,6 +748,10 @@ LAUNCH_FP32 = {**LAUNCH, **{name: dict(num_warps=8, num_stages=1) for name in (
     "fwd_intra", "fwd_wu", "fwd_h", "bwd_du_local", "bwd_dhu", "bwd_inter", "bwd_wy")}}
 #: channels of _fwd_diag's gathered [128, BKP] pair tiles
 DIAG_CHANNELS = 16
+#: the largest |G_t - G_m| (base 2) over a 16-row sub-chunk and its middle row m with which its diagonal block is
+#: a product of decayed tiles: factors up to 2^96 leave 2^31 of fp32's range to q, k and the gradients, and keep
+#: 2^-96 k in the normal range for |k| > 2^-30. Stronger decays take the pair-by-pair path (exact at any strength).
+DIAG_PRODUCT_RANGE = 96.0
 #: channels a program of _bwd_intra takes (the interpreter too, so that its tests cover the slices)
 INTRA_BWD_CHANNELS = 32
 #: value block of the decode kernel on a GPU
@@ -753,9 +798,9 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     Aqk = torch.empty(TT, H, BT, device=dev, dtype=q.dtype)  # its readers take it in q's dtype (_dot)
     Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
-                                    PREC=PREC, **opts["fwd_intra"])
-    _fwd_diag_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K,
-                                   BKP=min(DIAG_CHANNELS, BK), **opts["fwd_diag"])
+                                    PREC=PREC, RANGE=DIAG_PRODUCT_RANGE, **opts["fwd_intra"])
+    _fwd_diag_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK,
+                                   BKP=min(DIAG_CHANNELS, BK), RANGE=DIAG_PRODUCT_RANGE, **opts["fwd_diag"])
     A = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, **opts["fwd_solve"])
     w = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
@@ -822,7 +867,8 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     BKi = min(BK, INTRA_BWD_CHANNELS)  # channel slices: more, smaller programs
     NKS = triton.cdiv(K, BKi)
     _bwd_intra_kernel[(NT * NKS, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks,
-                                     seqs.cu, H=H, HK=HK, K=K, BK=BKi, NKS=NKS, PREC=PREC, **opts["bwd_intra"])
+                                     seqs.cu, H=H, HK=HK, K=K, BK=BKi, NKS=NKS, PREC=PREC, RANGE=DIAG_PRODUCT_RANGE,
+                                     **opts["bwd_intra"])
     if grouped:  # each key head's gradient: the sum over the value heads it serves
         dq_out, dk_out = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq_out, dk_out))
     return dq_out, dk_out, dv, dg, dbeta.to(beta.dtype), (ds0 if need_ds0 else None)
