@@ -124,7 +124,7 @@ def test_linear_kernels_fit_hopper_matrix(single_thread, dk, dv, dtype, group, p
 
 
 KDA_KERNELS = {"cumsum", "fwd_intra", "fwd_diag", "fwd_solve", "fwd_wu", "fwd_h", "fwd_o", "bwd_du_local", "bwd_dhu",
-               "bwd_inter", "bwd_wy", "bwd_intra", "fused_recurrent"}
+               "bwd_inter", "bwd_wy", "bwd_intra", "bwd_intra_pairs", "fused_recurrent"}
 
 
 def check_kda(report, no_spills=False):

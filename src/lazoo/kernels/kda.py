@@ -553,13 +553,65 @@ def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks,
 
 
 @triton.jit
+def _bwd_diag_products(p_d, p_m, r0, eos, b_q, b_k, x, m_i, H: tl.constexpr, PREC: tl.constexpr):
+    """(dq, dk as a row of Mkk, dk as a column) of the diagonal block of the sub-chunk from row r0 through its
+    middle row (x = G - G_m, within range): the gradients of _fwd_intra's products. p_d, p_m: dAqk and dMkk at the
+    block's first column."""
+    o = tl.arange(0, 16)
+    e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
+    e_dn = tl.exp2(tl.where(m_i, -x, float("-inf")))
+    low = o[:, None] >= o[None, :]  # [t, i]: i <= t
+    up = o[:, None] <= o[None, :]  # [i, t] of the transposed loads
+    b_kd = b_k * e_dn
+    a_q = e_up * _dotf(tl.where(low, _rows(p_d, r0, eos, H * 64, 16, 16, 16), 0.0), b_kd, PREC)
+    a_r = e_up * _dotf(tl.where(low & ~up, _rows(p_m, r0, eos, H * 64, 16, 16, 16), 0.0), b_kd, PREC)
+    a_c = e_dn * (_dotf(tl.where(up, _rows_t(p_d, r0, eos, H * 64, 16, 16, 16), 0.0), b_q * e_up, PREC)
+                  + _dotf(tl.where(up & ~low, _rows_t(p_m, r0, eos, H * 64, 16, 16, 16), 0.0), b_k * e_up, PREC))
+    return a_q, a_r, a_c
+
+
+@triton.jit
+def _bwd_diag_pairs(p_d, p_m, qh, kh, gh, r0, eos, nk, b_G, m_i, H: tl.constexpr, HK: tl.constexpr,
+                    K: tl.constexpr, BK: tl.constexpr):
+    """The same pair by pair, at any decay: row t = r0 + j; one exponent <= 0 a pair serves both directions."""
+    o = tl.arange(0, 16)
+    ck = tl.arange(0, BK)
+    a_q = tl.zeros([16, BK], dtype=tl.float32)
+    a_r = tl.zeros([16, BK], dtype=tl.float32)
+    a_c = tl.zeros([16, BK], dtype=tl.float32)
+    for j in tl.range(0, 16, loop_unroll_factor=2):
+        t = r0 + j
+        t_ok = ck * 0 + t < eos
+        b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
+        b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
+        b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < nk) & t_ok, other=0)
+        o_ok = o * 0 + t < eos
+        p_c = (r0 + o) * (H * 64) + j  # column t, rows of I: [i, t]
+        p_r = t * (H * 64) + o  # row t, columns of I: [t, i]
+        c_ok = (o < eos - r0) & (o >= j)
+        r_ok = (o <= j) & o_ok
+        b_ac = tl.load(p_d + p_c, mask=c_ok, other=0)
+        b_ar = tl.load(p_d + p_r, mask=r_ok, other=0)
+        b_mc = tl.load(p_m + p_c, mask=c_ok, other=0)
+        b_mr = tl.load(p_m + p_r, mask=r_ok, other=0)
+        d = tl.where((o >= j)[:, None], b_G - b_Gt[None, :], b_Gt[None, :] - b_G)
+        e = tl.exp2(tl.where(m_i & o_ok[:, None], d, float("-inf")))
+        a_q += b_ac[:, None] * b_kt[None, :] * e
+        a_r += b_mc[:, None] * b_kt[None, :] * e
+        a_c += (b_ar[:, None] * b_qt[None, :] + b_mr[:, None] * b_kt[None, :]) * e
+    return a_q, a_r, a_c
+
+
+@triton.jit
 def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, chunks, cu,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NKS: tl.constexpr,
-                      PREC: tl.constexpr, RANGE: tl.constexpr):
+                      PREC: tl.constexpr, RANGE: tl.constexpr, PAIRS: tl.constexpr):
     """Grid (NT * NKS, H), the channel slice fastest: BK channels from ch0 (nothing here mixes channels, so the
     NKS programs of a chunk share only its dAqk and dMkk rows, through L2). The sub-chunk sums through Aqk and Mkk,
     added to the state and W terms; dq, dk (per value head, fp32) and dg, the reverse cumulative sum of dG over the
-    chunk (sub-chunks from the last)."""
+    chunk (sub-chunks from the last). Launched twice: without PAIRS it takes the chunk slices whose diagonal blocks
+    are all within RANGE (products only: no pair loop holding registers), with PAIRS the others (products where a
+    block allows, pairs where not)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     i_c = i_p // NKS
     ch0 = (i_p % NKS) * BK
@@ -570,6 +622,15 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
     gh = Gc + i_h * K + ch0
     o = tl.arange(0, 16)
     ck = tl.arange(0, BK)
+    all_in = t0 >= 0  # (True)
+    for i_i in tl.static_range(0, 4):
+        r0 = t0 + i_i * 16
+        if r0 < eos:
+            m_i = (o < eos - r0)[:, None] & (ck < nk)[None, :]
+            all_in = all_in & _mid_exponents(_rows(gh, r0, eos, H * K, nk, 16, BK), gh, r0, eos, H * K, nk, m_i,
+                                             BK, RANGE)[1]
+    if all_in == PAIRS:  # the other launch's
+        return
     carry = tl.load(later + (i_c.to(tl.int64) * H + i_h) * K + ch0 + ck, mask=ck < nk, other=0)
     for i_i in tl.static_range(3, -1, -1):  # a constexpr: the bounds of the static loops over J below
         r0 = t0 + i_i * 16
@@ -606,40 +667,18 @@ def _bwd_intra_kernel(q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out,
                 b_dkc += _dotf(_rows_t(dMkk + i_h * 64 + i_i * 16, c0, eos, H * 64, 16, 16, 16), b_kn, PREC)
             b_dkc = b_dkc * tl.exp2(tl.where(m_i, b_Gn[None, :] - b_G, float("-inf")))
             x, in_range = _mid_exponents(b_G, gh, r0, eos, H * K, nk, m_i, BK, RANGE)
-            if in_range:  # the diagonal block as products through the middle row (as _fwd_intra made it)
-                e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
-                e_dn = tl.exp2(tl.where(m_i, -x, float("-inf")))
-                low = o[:, None] >= o[None, :]  # [t, i]: i <= t
-                up = o[:, None] <= o[None, :]  # [i, t] of the transposed loads
-                p_d = dAqk + i_h * 64 + i_i * 16
-                p_m = dMkk + i_h * 64 + i_i * 16
-                b_kd = b_k * e_dn
-                b_dq += e_up * _dotf(tl.where(low, _rows(p_d, r0, eos, H * 64, 16, 16, 16), 0.0), b_kd, PREC)
-                b_dkr += e_up * _dotf(tl.where(low & ~up, _rows(p_m, r0, eos, H * 64, 16, 16, 16), 0.0), b_kd, PREC)
-                b_dkc += e_dn * (
-                    _dotf(tl.where(up, _rows_t(p_d, r0, eos, H * 64, 16, 16, 16), 0.0), b_q * e_up, PREC)
-                    + _dotf(tl.where(up & ~low, _rows_t(p_m, r0, eos, H * 64, 16, 16, 16), 0.0), b_k * e_up, PREC))
-            else:  # pair by pair: row t = r0 + j; one exponent <= 0 a pair serves both directions
-                for j in tl.range(0, 16, loop_unroll_factor=2):
-                    t = r0 + j
-                    t_ok = ck * 0 + t < eos
-                    b_qt = tl.load(qh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
-                    b_kt = tl.load(kh + t * (HK * K) + ck, mask=(ck < nk) & t_ok, other=0).to(tl.float32)
-                    b_Gt = tl.load(gh + t * (H * K) + ck, mask=(ck < nk) & t_ok, other=0)
-                    o_ok = o * 0 + t < eos
-                    p_c = i_h * 64 + (r0 + o) * (H * 64) + i_i * 16 + j  # column t, rows of I: [i, t]
-                    p_r = i_h * 64 + t * (H * 64) + i_i * 16 + o  # row t, columns of I: [t, i]
-                    c_ok = (o < eos - r0) & (o >= j)
-                    r_ok2 = (o <= j) & o_ok
-                    b_ac = tl.load(dAqk + p_c, mask=c_ok, other=0)
-                    b_ar = tl.load(dAqk + p_r, mask=r_ok2, other=0)
-                    b_mc = tl.load(dMkk + p_c, mask=c_ok, other=0)
-                    b_mr = tl.load(dMkk + p_r, mask=r_ok2, other=0)
-                    d = tl.where((o >= j)[:, None], b_G - b_Gt[None, :], b_Gt[None, :] - b_G)
-                    e = tl.exp2(tl.where(m_i & o_ok[:, None], d, float("-inf")))
-                    b_dq += b_ac[:, None] * b_kt[None, :] * e
-                    b_dkr += b_mc[:, None] * b_kt[None, :] * e
-                    b_dkc += (b_ar[:, None] * b_qt[None, :] + b_mr[:, None] * b_kt[None, :]) * e
+            p_d = dAqk + i_h * 64 + i_i * 16  # the diagonal block's columns
+            p_m = dMkk + i_h * 64 + i_i * 16
+            if PAIRS:
+                if in_range:
+                    a_q, a_r, a_c = _bwd_diag_products(p_d, p_m, r0, eos, b_q, b_k, x, m_i, H, PREC)
+                else:
+                    a_q, a_r, a_c = _bwd_diag_pairs(p_d, p_m, qh, kh, gh, r0, eos, nk, b_G, m_i, H, HK, K, BK)
+            else:
+                a_q, a_r, a_c = _bwd_diag_products(p_d, p_m, r0, eos, b_q, b_k, x, m_i, H, PREC)
+            b_dq += a_q
+            b_dkr += a_r
+            b_dkc += a_c
             b_dqt = _rows(dq + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dq
             b_neg = _rows(dkn + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dkc
             b_pos = _rows(dkp + i_h * K + ch0, r0, eos, H * K, nk, 16, BK) + b_dkr
@@ -866,9 +905,10 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     dg = torch.empty(TT, H, K, device=dev, dtype=g.dtype)
     BKi = min(BK, INTRA_BWD_CHANNELS)  # channel slices: more, smaller programs
     NKS = triton.cdiv(K, BKi)
-    _bwd_intra_kernel[(NT * NKS, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks,
-                                     seqs.cu, H=H, HK=HK, K=K, BK=BKi, NKS=NKS, PREC=PREC, RANGE=DIAG_PRODUCT_RANGE,
-                                     **opts["bwd_intra"])
+    for pairs in (False, True):
+        _bwd_intra_kernel[(NT * NKS, H)](q, k, Gc, dAqk, dMkk, dq, dkn, dkp, later, dq_out, dk_out, dg, seqs.chunks,
+                                         seqs.cu, H=H, HK=HK, K=K, BK=BKi, NKS=NKS, PREC=PREC,
+                                         RANGE=DIAG_PRODUCT_RANGE, PAIRS=pairs, **opts["bwd_intra"])
     if grouped:  # each key head's gradient: the sum over the value heads it serves
         dq_out, dk_out = (x.view(TT, HK, H // HK, K).sum(2).to(q.dtype) for x in (dq_out, dk_out))
     return dq_out, dk_out, dv, dg, dbeta.to(beta.dtype), (ds0 if need_ds0 else None)
