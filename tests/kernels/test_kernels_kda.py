@@ -190,26 +190,29 @@ def test_interp_kda_diagonal_blocks_by_product_or_pairs(monkeypatch, product_ran
 
 
 @needs_interp
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the kernels after it read the block left unwritten
-def test_interp_kda_forward_products_make_the_blocks_within_range(monkeypatch):
-    """With the pair kernel switched off, every diagonal block within DIAG_PRODUCT_RANGE still equals float64 (the
-    product path made it), the one beyond it is not written, and the blocks left of the diagonal are unchanged."""
-    import collections
-
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the unguarded product overflows, as it should here
+def test_interp_kda_range_guard_routes_strong_decays_to_pairs(monkeypatch):
+    """With the range guard lifted, the one diagonal block beyond DIAG_PRODUCT_RANGE comes out wrong (the product
+    overflows: so the product path makes the blocks the guard lets through) and every other entry of Aqk and Mkk
+    still equals float64; with the guard in place that block is exact too (the pair path)."""
     from lazoo.kernels import kda as kk
 
     x, cu = mixed_decay_inputs()
     f = {n: x[n][0].float().contiguous() for n in NAMES}
     seqs = kk._Seqs(1, 120, cu, torch.device("cpu"))
-    monkeypatch.setattr(kk, "_fwd_diag_kernel", collections.defaultdict(lambda: lambda *a, **kw: None))
-    Aqk, Mkk = kk.chunk_fwd(f["q"], f["k"], f["v"], f["g"], f["beta"], None, 1.0, seqs, False)[2][1:3]
     ref_aqk, ref_mkk = chunk_intermediates_f64(x, cu)[:2]
     beyond = (slice(48, 64), 0, slice(48, 64))  # sequence 0, chunk 0, sub-chunk 3, value head 0
-    for got, want, name in ((Aqk, ref_aqk, "Aqk"), (Mkk, ref_mkk, "Mkk")):
-        assert not torch.allclose(got[beyond].double(), want[beyond], rtol=1e-3), f"{name}: a pair block was written"
-        got, want = got.double().clone(), want.clone()
-        got[beyond] = want[beyond] = 0
-        assert_close(got, want, 1e-6, name)
+    for product_range in (1e30, kk.DIAG_PRODUCT_RANGE):
+        monkeypatch.setattr(kk, "DIAG_PRODUCT_RANGE", product_range)
+        Aqk, Mkk = kk.chunk_fwd(f["q"], f["k"], f["v"], f["g"], f["beta"], None, 1.0, seqs, False)[2][1:3]
+        for got, want, name in ((Aqk, ref_aqk, "Aqk"), (Mkk, ref_mkk, "Mkk")):
+            got = got.double().clone()
+            err = float((got[beyond] - want[beyond]).norm() / want[beyond].norm())  # NaN where it overflowed
+            ok = err <= 1e-6
+            assert ok == (product_range < 1e30), (name, product_range, err)
+            if not ok:
+                got[beyond] = want[beyond]
+            assert_close(got, want, 1e-6, name)
 
 
 @needs_interp

@@ -423,9 +423,10 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
     kernels = {
         "cumsum": (kk._cumsum_kernel, dict(g=gt, Gc=f32, positive="*i32", **seq), dict(H=H, K=dk, BK=BK, CHECK=True)),
         "fwd_intra": (kk._fwd_intra_kernel, dict(q=x, k=x, Gc=f32, Aqk=x, Mkk=f32, **seq),
-                      dict(c_k, DT=DT, PREC=PREC, RANGE=kk.DIAG_PRODUCT_RANGE)),
+                      dict(c_k, DT=DT, PREC=PREC)),
         "fwd_diag": (kk._fwd_diag_kernel, dict(q=x, k=x, Gc=f32, Aqk=x, Mkk=f32, **seq),
-                     dict(H=H, HK=HK, K=dk, BK=BK, BKP=min(kk.DIAG_CHANNELS, BK), RANGE=kk.DIAG_PRODUCT_RANGE)),
+                     dict(H=H, HK=HK, K=dk, BK=BK, BKP=min(kk.DIAG_CHANNELS, BK), RANGE=kk.DIAG_PRODUCT_RANGE,
+                          PREC=PREC)),
         "fwd_solve": (kk._fwd_solve_kernel, dict(Mkk=f32, beta=gt, A=f32, **seq), dict(H=H, PREC=PREC)),
         "fwd_wu": (kk._fwd_wu_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, w=x, ut=x, **seq),
                    dict(c_kv, PREC=PREC)),

@@ -15,8 +15,10 @@ write base e), ``S`` the chunk's start state:
 
 Aqk and Mkk are built from 16-row sub-chunks (as lazoo.kernels.gla builds GLA's A): a block below the diagonal
 (rows I, columns J < I) through the first row r of I, ``(X_I ⊙ exp(G_I - G_r)) (K_J ⊙ exp(G_r - G_J))ᵀ`` (both
-exponents <= 0); a diagonal block pair by pair, ``exp(G_t - G_i)`` for i <= t only. No exponent in these kernels is
-positive: any gate strength is stable.
+exponents <= 0); a diagonal block through its middle row m, ``(X_I ⊙ exp(G_I - G_m)) (K_I ⊙ exp(G_m - G_I))ᵀ``,
+when every |G_t - G_m| of the block is within ``DIAG_PRODUCT_RANGE`` (2^96: no factor overflows, and each product
+is the exact term up to rounding), and pair by pair, ``exp(G_t - G_i)`` for i <= t only, where a decay is stronger
+(the backward decides the same way per block and channel slice). Any gate strength is stable.
 
 Backward (``dS'`` the gradient of a chunk's end state, ``dU`` of its pseudo-values):
 
@@ -30,10 +32,11 @@ dG_t and each in which it meets exp(-G_i) subtracts it; the chunk's last row als
 cumulative sum of dG inside the chunk.
 
 Kernels: ``_cumsum`` (G), ``_fwd_intra`` (Aqk, Mkk left of the diagonal blocks), ``_fwd_diag`` (their diagonal
-blocks, as 128 gathered pairs a block), ``_fwd_solve`` (A), ``_fwd_wu`` (W, U~), ``_fwd_h`` (the only
+blocks, as a product or as 128 gathered pairs a block), ``_fwd_solve`` (A), ``_fwd_wu`` (W, U~), ``_fwd_h`` (the only
 sequential forward pass: start states and U), ``_fwd_o``; ``_bwd_du_local`` (dAqk and scale Aqkᵀ dO), ``_bwd_dhu``
 (sequential, reverse: dS' and dU), ``_bwd_inter`` (the state terms of dq, dk, dW and the last row's dG),
-``_bwd_wy`` (back through A: dv, dβ, dMkk and the W term of dk), ``_bwd_intra`` (the sub-chunk sums, totals, dg).
+``_bwd_wy`` (back through A: dv, dβ, dMkk and the W term of dk), ``_bwd_intra`` (the sub-chunk sums, totals, dg; launched
+for the chunk slices whose diagonal blocks are all products, then for the others).
 One program per chunk for ``_fwd_intra`` and ``_fwd_solve`` (the diagonal blocks as 128 gathered pairs a 16-row block,
 the four diagonal inverses in one substitution, 128 registers at 4 warps) was correct but slower: H200, bf16, T = 8k,
 B = 4, H = 16, forward 3.43 ms against 3.10 (fwd + bwd 10.96 against 10.67).
@@ -166,11 +169,10 @@ def _cumsum_kernel(g, Gc, positive, chunks, cu, H: tl.constexpr, K: tl.constexpr
 @triton.jit
 def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      DT: tl.constexpr, PREC: tl.constexpr, RANGE: tl.constexpr):
+                      DT: tl.constexpr, PREC: tl.constexpr):
     """Grid (NT * 4, H): rows of sub-chunk I of Aqk (q's dtype) and Mkk (float32), ``[TT, H, 64]``: the blocks
-    left of the diagonal block (tensor-core products through the sub-chunk's first row), zeros right of it, and
-    the diagonal block as a product through the sub-chunk's middle row when every decay exponent that takes is
-    within RANGE (fp32 products: the block is summed once; otherwise ``_fwd_diag_kernel`` makes it pair by pair)."""
+    left of the diagonal block (tensor-core products through the sub-chunk's first row) and zeros right of it. The
+    diagonal block is ``_fwd_diag_kernel``'s."""
     t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
     i_h = tl.program_id(1)
     if r0 >= eos:
@@ -187,13 +189,6 @@ def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
     pa = Aqk + i_h * 64 + r0 * (H * 64)
     pm = Mkk + i_h * 64 + r0 * (H * 64)
     m_row = (o < eos - r0)[:, None]
-    x, in_range = _mid_exponents(b_G, gh, r0, eos, H * K, K, m_i, BK, RANGE)
-    if in_range:  # (X_I ⊙ exp(G - G_m)) (K_I ⊙ exp(G_m - G))ᵀ: one factor >= 1, both within 2^RANGE
-        b_kd = tl.trans(b_k * tl.exp2(tl.where(m_i, -x, float("-inf"))))
-        e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
-        p = o[:, None] * (H * 64) + i_i * 16 + o[None, :]
-        tl.store(pa + p, tl.where(o[None, :] <= o[:, None], _dotf(b_q * e_up, b_kd, PREC), 0.0), mask=m_row)
-        tl.store(pm + p, tl.where(o[None, :] < o[:, None], _dotf(b_k * e_up, b_kd, PREC), 0.0), mask=m_row)
     b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=ck < K, other=0)
     e_r = tl.exp2(tl.where(m_i, b_G - b_Gr[None, :], float("-inf")))
     b_qr = b_q * e_r
@@ -216,12 +211,12 @@ def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
 @triton.jit
 def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr,
-                     RANGE: tl.constexpr):
-    """Grid (NT * 4, H): the diagonal 16x16 block of sub-chunk I of Aqk and Mkk where ``_fwd_intra_kernel`` did not
-    make it (a decay too strong for the product), pair by pair, exp(G_t - G_i) for i < t only (never a positive
-    exponent): the 120 pairs of the block as 128 pairs (a, a + d mod 16), d = 1 ... 8 (d = 8 meets each of its pairs
-    twice: half of those are off), BKP channels at a time; Aqk[t, t] = q_t . k_t; zeros above the diagonal (and on
-    Mkk's)."""
+                     RANGE: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT * 4, H): the diagonal 16x16 block of sub-chunk I of Aqk and Mkk, zeros above its diagonal (and on
+    Mkk's). Where every |G_t - G_m| is within RANGE, as one product through the middle row m (fp32 operands); where
+    not, pair by pair, exp(G_t - G_i) for i < t only (never a positive exponent): the 120 pairs of the block as 128
+    pairs (a, a + d mod 16), d = 1 ... 8 (d = 8 meets each of its pairs twice: half of those are off), BKP channels
+    at a time; Aqk[t, t] = q_t . k_t."""
     t0, r0, eos, i_i = _sub_chunk(chunks, cu, tl.program_id(0))
     i_h = tl.program_id(1)
     if r0 >= eos:
@@ -231,9 +226,17 @@ def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
     o = tl.arange(0, 16)
     ck = tl.arange(0, BK)
     m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
-    _, in_range = _mid_exponents(_rows(Gc + i_h * K, r0, eos, SG, K, 16, BK), Gc + i_h * K, r0, eos, SG, K, m_i,
+    x, in_range = _mid_exponents(_rows(Gc + i_h * K, r0, eos, SG, K, 16, BK), Gc + i_h * K, r0, eos, SG, K, m_i,
                                  BK, RANGE)
-    if in_range:
+    if in_range:  # (X_I ⊙ exp(G - G_m)) (K_I ⊙ exp(G_m - G))ᵀ: one factor >= 1, both within 2^RANGE
+        b_q = _rows(q + (i_h // (H // HK)) * K, r0, eos, SQ, K, 16, BK).to(tl.float32)
+        b_k = _rows(k + (i_h // (H // HK)) * K, r0, eos, SQ, K, 16, BK).to(tl.float32)
+        b_kd = tl.trans(b_k * tl.exp2(tl.where(m_i, -x, float("-inf"))))
+        e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
+        p = i_h * 64 + r0 * (H * 64) + o[:, None] * (H * 64) + i_i * 16 + o[None, :]
+        m_row = (o < eos - r0)[:, None]
+        tl.store(Aqk + p, tl.where(o[None, :] <= o[:, None], _dotf(b_q * e_up, b_kd, PREC), 0.0), mask=m_row)
+        tl.store(Mkk + p, tl.where(o[None, :] < o[:, None], _dotf(b_k * e_up, b_kd, PREC), 0.0), mask=m_row)
         return
     qh = q + (i_h // (H // HK)) * K + r0 * SQ
     kh = k + (i_h // (H // HK)) * K + r0 * SQ
@@ -837,9 +840,9 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     Aqk = torch.empty(TT, H, BT, device=dev, dtype=q.dtype)  # its readers take it in q's dtype (_dot)
     Mkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_intra_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK, DT=DT,
-                                    PREC=PREC, RANGE=DIAG_PRODUCT_RANGE, **opts["fwd_intra"])
+                                    PREC=PREC, **opts["fwd_intra"])
     _fwd_diag_kernel[(NT * NC, H)](q, k, Gc, Aqk, Mkk, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, BK=BK,
-                                   BKP=min(DIAG_CHANNELS, BK), RANGE=DIAG_PRODUCT_RANGE, **opts["fwd_diag"])
+                                   BKP=min(DIAG_CHANNELS, BK), RANGE=DIAG_PRODUCT_RANGE, PREC=PREC, **opts["fwd_diag"])
     A = torch.empty(TT, H, BT, device=dev, dtype=f32)
     _fwd_solve_kernel[(NT, H)](Mkk, beta, A, seqs.chunks, seqs.cu, H=H, PREC=PREC, **opts["fwd_solve"])
     w = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
