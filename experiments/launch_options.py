@@ -4,13 +4,16 @@
     python experiments/launch_options.py sweep kda --budget-s 120 > sweep_kda.jsonl
     python experiments/launch_options.py sweep gdn --kernels dqkw,wy    # only these kernels' options
     python experiments/launch_options.py check > check.jsonl
+    python experiments/launch_options.py time kda --tag NAME >> versions.jsonl    # the tree as it is
 
 ``sweep`` changes one kernel's options at a time (the others at their defaults) and times the op's forward without
 autograd and its forward + backward (``triton.testing.do_bench`` medians, bf16, H = 16, D = 128, 32k tokens a batch:
 T = 1k with HV = H and T = 8k with HV = 2H for the gated delta rule, T = 8k for KDA). Options that make both shapes
 1.5 % faster on average are then timed together against the defaults, with a float64 check (T = 1000) of the output
-and every gradient. ``check`` times one candidate per op against its default at T = 1k, 8k and 32k. Each line printed
-is one JSON record. The option tables are ``lazoo.kernels.delta.CONFIGS`` and ``lazoo.kernels.kda.LAUNCH``.
+and every gradient. ``check`` times one candidate per op against its default at T = 1k, 8k and 32k; ``time`` times
+the op as the tree has it at those lengths (HV = H) with the float64 check, to compare versions of the kernels, each
+run in its own process. Each line printed is one JSON record. The option tables are ``lazoo.kernels.delta.CONFIGS``
+and ``lazoo.kernels.kda.LAUNCH``.
 """
 from __future__ import annotations
 
@@ -182,15 +185,21 @@ def check(base_options):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["sweep", "check"])
+    p.add_argument("what", choices=["sweep", "check", "time"])
     p.add_argument("op", nargs="?", choices=["gdn", "kda"], default="gdn")
     p.add_argument("--budget-s", type=float, default=250, help="stop starting new options after this many seconds")
     p.add_argument("--kernels", default="", help="sweep: only these kernels (comma-separated names of the table)")
+    p.add_argument("--tag", default="", help="time: a name for the version timed, copied into its records")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"launch_options.py times Triton kernels on a CUDA GPU; torch {torch.__version__} sees none")
     if args.what == "sweep":
         sweep(args.op, args.budget_s, [k for k in args.kernels.split(",") if k])
+    elif args.what == "time":
+        _, inputs, call, *_ = op_spec(args.op)
+        emit(op=args.op, tag=args.tag, check=float64_errors(inputs, call, 16))
+        emit(op=args.op, tag=args.tag, t=measure(inputs, call, [(1024, 32, 16, 16), (8192, 4, 16, 16),
+                                                                 (32768, 1, 16, 16)], 200))
     else:  # the options the check ran against (the defaults before the change it measured)
         check({("gdn", "h"): dict(num_warps=4, num_stages=3), ("kda", "fwd_h"): dict(num_warps=8, num_stages=2)})
 
