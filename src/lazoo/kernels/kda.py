@@ -186,13 +186,13 @@ def _fwd_intra_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
     b_q = _rows(qh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
     b_k = _rows(kh, r0, eos, HK * K, K, 16, BK).to(tl.float32)
     b_G = _rows(gh, r0, eos, H * K, K, 16, BK)
-    pa = Aqk + i_h * 64 + r0 * (H * 64)
-    pm = Mkk + i_h * 64 + r0 * (H * 64)
-    m_row = (o < eos - r0)[:, None]
     b_Gr = tl.load(gh + r0 * (H * K) + ck, mask=ck < K, other=0)
     e_r = tl.exp2(tl.where(m_i, b_G - b_Gr[None, :], float("-inf")))
     b_qr = b_q * e_r
     b_kr = b_k * e_r
+    pa = Aqk + i_h * 64 + r0 * (H * 64)
+    pm = Mkk + i_h * 64 + r0 * (H * 64)
+    m_row = (o < eos - r0)[:, None]
     for i_j in range(0, i_i):  # blocks below the diagonal, through row r
         c0 = t0 + i_j * 16
         b_kj = _rows(kh, c0, eos, HK * K, K, 16, BK).to(tl.float32)
@@ -558,7 +558,7 @@ def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks,
 @triton.jit
 def _bwd_diag_products(p_d, p_m, r0, eos, b_q, b_k, x, m_i, H: tl.constexpr, PREC: tl.constexpr):
     """(dq, dk as a row of Mkk, dk as a column) of the diagonal block of the sub-chunk from row r0 through its
-    middle row (x = G - G_m, within range): the gradients of _fwd_intra's products. p_d, p_m: dAqk and dMkk at the
+    middle row (x = G - G_m, within range): the gradients of _fwd_diag's products. p_d, p_m: dAqk and dMkk at the
     block's first column."""
     o = tl.arange(0, 16)
     e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
