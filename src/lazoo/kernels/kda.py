@@ -35,8 +35,8 @@ Kernels: ``_cumsum`` (G), ``_fwd_intra`` (Aqk, Mkk left of the diagonal blocks),
 blocks, as a product or as 128 gathered pairs a block), ``_fwd_solve`` (A), ``_fwd_wu`` (W, U~), ``_fwd_h`` (the only
 sequential forward pass: start states and U), ``_fwd_o``; ``_bwd_du_local`` (dAqk and scale Aqkᵀ dO), ``_bwd_dhu``
 (sequential, reverse: dS' and dU), ``_bwd_inter`` (the state terms of dq, dk, dW and the last row's dG),
-``_bwd_wy`` (back through A: dv, dβ, dMkk and the W term of dk), ``_bwd_intra`` (the sub-chunk sums, totals, dg; launched
-for the chunk slices whose diagonal blocks are all products, then for the others).
+``_bwd_wy`` (back through A: dv, dβ, dMkk and the W term of dk), ``_bwd_intra`` (the sub-chunk sums, totals, dg;
+launched for the chunk slices whose diagonal blocks are all products, then for the others).
 One program per chunk for ``_fwd_intra`` and ``_fwd_solve`` (the diagonal blocks as 128 gathered pairs a 16-row block,
 the four diagonal inverses in one substitution, 128 registers at 4 warps) was correct but slower: H200, bf16, T = 8k,
 B = 4, H = 16, forward 3.43 ms against 3.10 (fwd + bwd 10.96 against 10.67).
