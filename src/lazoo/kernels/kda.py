@@ -223,30 +223,32 @@ def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
         return
     SQ: tl.constexpr = HK * K
     SG: tl.constexpr = H * K
-    o = tl.arange(0, 16)
-    ck = tl.arange(0, BK)
-    m_i = (o < eos - r0)[:, None] & (ck < K)[None, :]
-    x, in_range = _mid_exponents(_rows(Gc + i_h * K, r0, eos, SG, K, 16, BK), Gc + i_h * K, r0, eos, SG, K, m_i,
-                                 BK, RANGE)
-    if in_range:  # (X_I ⊙ exp(G - G_m)) (K_I ⊙ exp(G_m - G))ᵀ: one factor >= 1, both within 2^RANGE
-        b_q = _rows(q + (i_h // (H // HK)) * K, r0, eos, SQ, K, 16, BK).to(tl.float32)
-        b_k = _rows(k + (i_h // (H // HK)) * K, r0, eos, SQ, K, 16, BK).to(tl.float32)
-        b_kd = tl.trans(b_k * tl.exp2(tl.where(m_i, -x, float("-inf"))))
-        e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
-        p = i_h * 64 + r0 * (H * 64) + o[:, None] * (H * 64) + i_i * 16 + o[None, :]
-        m_row = (o < eos - r0)[:, None]
-        tl.store(Aqk + p, tl.where(o[None, :] <= o[:, None], _dotf(b_q * e_up, b_kd, PREC), 0.0), mask=m_row)
-        tl.store(Mkk + p, tl.where(o[None, :] < o[:, None], _dotf(b_k * e_up, b_kd, PREC), 0.0), mask=m_row)
-        return
-    qh = q + (i_h // (H // HK)) * K + r0 * SQ
+    qh = q + (i_h // (H // HK)) * K + r0 * SQ  # row r0 of the head: rows below count from 0, up to n = eos - r0
     kh = k + (i_h // (H // HK)) * K + r0 * SQ
     gh = Gc + i_h * K + r0 * SG
+    n = eos - r0
+    d0 = i_h * 64 + r0 * (H * 64) + i_i * 16  # row r0, first column of the diagonal block
+    o = tl.arange(0, 16)
+    ck = tl.arange(0, BK)
+    p_blk = o[:, None] * (H * 64) + o[None, :]
+    m_i = (o < n)[:, None] & (ck < K)[None, :]
+    x, in_range = _mid_exponents(_rows(gh, 0, n, SG, K, 16, BK), gh, 0, n, SG, K, m_i, BK, RANGE)
+    if in_range:  # (X_I ⊙ exp(G - G_m)) (K_I ⊙ exp(G_m - G))ᵀ: one factor >= 1, both within 2^RANGE
+        b_k = _rows(kh, 0, n, SQ, K, 16, BK).to(tl.float32)
+        b_kd = tl.trans(b_k * tl.exp2(tl.where(m_i, -x, float("-inf"))))
+        e_up = tl.exp2(tl.where(m_i, x, float("-inf")))
+        b_aqk = _dotf(_rows(qh, 0, n, SQ, K, 16, BK).to(tl.float32) * e_up, b_kd, PREC)
+        m_row = (o < n)[:, None]
+        tl.store(Aqk + d0 + p_blk, tl.where(o[None, :] <= o[:, None], b_aqk, 0.0), mask=m_row)
+        tl.store(Mkk + d0 + p_blk, tl.where(o[None, :] < o[:, None], _dotf(b_k * e_up, b_kd, PREC), 0.0),
+                 mask=m_row)
+        return
     p = tl.arange(0, 128)
     pa = p // 8
     pb = (pa + p % 8 + 1) % 16
     pt = tl.maximum(pa, pb)
     pi = tl.minimum(pa, pb)
-    m_p = ((p % 8 < 7) | (pa < 8)) & (pt < eos - r0)
+    m_p = ((p % 8 < 7) | (pa < 8)) & (pt < n)
     c = tl.arange(0, BKP)
     b_a = tl.zeros([128], dtype=tl.float32)
     b_m = tl.zeros([128], dtype=tl.float32)
@@ -261,18 +263,16 @@ def _fwd_diag_kernel(q, k, Gc, Aqk, Mkk, chunks, cu,
         b_kie = b_ki * e
         b_a += tl.sum(b_qt * b_kie, 1)
         b_m += tl.sum(b_kt * b_kie, 1)
-        md = (o < eos - r0)[:, None] & (c < K - c0)[None, :]
+        md = (o < n)[:, None] & (c < K - c0)[None, :]
         p_d = o[:, None] * SQ + c0 + c[None, :]
         b_d += tl.sum(tl.load(qh + p_d, mask=md, other=0).to(tl.float32)
                       * tl.load(kh + p_d, mask=md, other=0).to(tl.float32), 1)
-    d0 = i_h * 64 + r0 * (H * 64) + i_i * 16  # row r0, first column of the diagonal block
     p_pair = pt * (H * 64) + pi
     tl.store(Aqk + d0 + p_pair, b_a, mask=m_p)
     tl.store(Mkk + d0 + p_pair, b_m, mask=m_p)
-    p_up = o[:, None] * (H * 64) + o[None, :]
-    m_up = (o < eos - r0)[:, None] & (o[None, :] >= o[:, None])  # on and above the diagonal: no pair writes there
-    tl.store(Aqk + d0 + p_up, tl.where(o[None, :] == o[:, None], b_d[:, None], 0.0), mask=m_up)
-    tl.store(Mkk + d0 + p_up, tl.zeros([16, 16], dtype=tl.float32), mask=m_up)
+    m_up = (o < n)[:, None] & (o[None, :] >= o[:, None])  # on and above the diagonal: no pair writes there
+    tl.store(Aqk + d0 + p_blk, tl.where(o[None, :] == o[:, None], b_d[:, None], 0.0), mask=m_up)
+    tl.store(Mkk + d0 + p_blk, tl.zeros([16, 16], dtype=tl.float32), mask=m_up)
 
 
 @triton.jit
