@@ -19,8 +19,13 @@ options differ. Two held-out losses are reported:
     python experiments/ela_gpt.py --device cuda --layers 4 --hidden-size 256 --heads 4 --experts 4 \
         --expert-size 256 --vocab-size 6400 --seq-len 129 --batch-size 20 --chapters 480 --steps 1750 \
         --leak-steps 0 --eval-every 175
+    # a machine without `datasets` (a GPU box): build the blocks elsewhere once, carry the folder, and split the
+    # variants over processes sharing one GPU, then merge their reports
+    python experiments/ela_gpt.py --chapters 480 --vocab-size 6400 --seq-len 129 --data-cache blocks --prepare-only
+    python experiments/ela_gpt.py ... --data-cache blocks --only softmax,softmax-hl,softmax-hl-lobe --json a.json
+    python experiments/ela_gpt.py --merge a.json b.json c.json --json all.json --figure all.png
 
-Writes docs/results/ela_gpt.json and docs/figures/ela_gpt_loss.png.
+Writes docs/results/ela_gpt.json and docs/figures/ela_gpt_loss.png (the report is rewritten after every variant).
 """
 
 from __future__ import annotations
@@ -77,11 +82,36 @@ def parse_args(argv=None):
     p.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
     p.add_argument("--json", default=str(ROOT / "docs/results/ela_gpt.json"))
     p.add_argument("--figure", default=str(ROOT / "docs/figures/ela_gpt_loss.png"))
+    p.add_argument("--data-cache", default=None,
+                   help="folder holding the tokenizer and blocks: read if it exists, else built and written there")
+    p.add_argument("--prepare-only", action="store_true", help="write --data-cache and stop")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="combine reports of variant subsets into --json and --figure (nothing is trained)")
     return p.parse_args(argv)
 
 
 def load_data(args):
-    """Tokenizer (byte-level BPE trained on the training chapters) and `[N, seq_len]` train/held-out blocks."""
+    """Tokenizer (byte-level BPE trained on the training chapters) and `[N, seq_len]` train/held-out blocks,
+    from `--data-cache` when it holds them (built with the same settings, which it records)."""
+    cache = Path(args.data_cache) if args.data_cache else None
+    settings = {"chapters": args.chapters, "seq_len": args.seq_len, "vocab_size": args.vocab_size,
+                "seed": args.seed, "eval_blocks": args.eval_blocks}
+    if cache is not None and (cache / "blocks.pt").exists():
+        from transformers import AutoTokenizer
+
+        saved = torch.load(cache / "blocks.pt")
+        if saved["settings"] != settings:
+            raise SystemExit(f"--data-cache {cache} was built with {saved['settings']}, not {settings}")
+        return AutoTokenizer.from_pretrained(cache), saved["train"], saved["held_out"]
+    tokenizer, train, held_out = build_data(args)
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(cache)
+        torch.save({"settings": settings, "train": train, "held_out": held_out}, cache / "blocks.pt")
+    return tokenizer, train, held_out
+
+
+def build_data(args):
     from datasets import Dataset
 
     import lazoo.data
@@ -223,18 +253,17 @@ def main(argv=None):
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
+    if args.merge:
+        return merge(args)
     start = time.time()
     tokenizer, train, held_out = load_data(args)
+    if args.prepare_only:
+        print(f"wrote {args.data_cache}: {len(train)} training and {len(held_out)} held-out blocks")
+        return
     print(f"{len(train)} training blocks, {len(held_out)} held-out blocks of {args.seq_len} tokens; "
           f"{args.steps} steps x {args.batch_size} blocks = {args.steps * args.batch_size * args.seq_len:,d} "
           f"training tokens per run; torch threads {torch.get_num_threads()}", flush=True)
-    results = {name: train_one(args, name, VARIANTS[name], tokenizer, train, held_out, args.steps, args.eval_every)
-               for name in names}
-    leak = {}
-    if args.leak_steps:
-        print(f"leak experiment: {args.leak_steps} steps", flush=True)
-        leak = {name: train_one(args, name, spec, tokenizer, train, held_out, args.leak_steps, args.leak_eval_every)
-                for name, spec in LEAK_VARIANTS.items()}
+    results, leak = {}, {}
     report = {
         "setup": {
             "corpus": f"first {args.chapters} KJV chapters (lazoo.data.load_default_corpus), 5% of them held out",
@@ -256,11 +285,39 @@ def main(argv=None):
         "results": results,
         "leak_experiment": leak,
     }
-    report["setup"]["wall_seconds"] = round(time.time() - start, 1)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    for name in names:  # the report is rewritten after each run, so a stopped job keeps what it finished
+        results[name] = train_one(args, name, VARIANTS[name], tokenizer, train, held_out, args.steps, args.eval_every)
+        write_report(report, start, args.json)
+    if args.leak_steps:
+        print(f"leak experiment: {args.leak_steps} steps", flush=True)
+        for name, spec in LEAK_VARIANTS.items():
+            leak[name] = train_one(args, name, spec, tokenizer, train, held_out, args.leak_steps, args.leak_eval_every)
+            write_report(report, start, args.json)
     plot(results, leak, args.figure)
     print(f"wrote {args.json} and {args.figure} ({report['setup']['wall_seconds']:.0f} s)")
+
+
+def write_report(report, start, path):
+    report["setup"]["wall_seconds"] = round(time.time() - start, 1)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def merge(args):
+    """One report from reports of variant subsets run with the same settings (their setups must agree except
+    for the wall time, which becomes each part's)."""
+    parts = [json.loads(Path(p).read_text()) for p in args.merge]
+    setups = [{k: v for k, v in part["setup"].items() if k != "wall_seconds"} for part in parts]
+    if any(s != setups[0] for s in setups[1:]):
+        raise SystemExit("--merge: the reports were made with different settings")
+    report = {"setup": {**setups[0], "wall_seconds": [part["setup"]["wall_seconds"] for part in parts]},
+              "results": {}, "leak_experiment": {}}
+    for part in parts:
+        report["results"].update(part["results"])
+        report["leak_experiment"].update(part["leak_experiment"])
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    plot(report["results"], report["leak_experiment"], args.figure)
+    print(f"wrote {args.json} and {args.figure}")
 
 
 if __name__ == "__main__":
