@@ -43,6 +43,26 @@ def test_state_walk_takes_two_stages_once_its_programs_outnumber_the_sms(monkeyp
     assert delta._h_opts(16, cpu, interpret=False, fp32=True)["num_stages"] == 2
     assert delta._h_opts(1024, cpu, interpret=True, fp32=False) == {}
 
+
+def test_state_gradient_walk_takes_whole_dv_blocks_once_its_programs_outnumber_the_sms(monkeypatch):
+    """_bwd_dhu runs 128-wide dv blocks at 8 warps and 2 stages once 64-wide ones would need more programs than
+    the SMs, for the (gated) delta rule's 16-bit inputs with dk <= 128; otherwise the dv block heuristic and the
+    table's options."""
+    from lazoo.kernels import delta
+
+    monkeypatch.setattr(delta, "num_sms", lambda device: 132)
+    monkeypatch.setattr(delta, "_seq_bv", lambda K, V, parallel, device, interpret, fp32=False: 64)
+    cpu = torch.device("cpu")
+    wide = {k: v for k, v in delta.DHU_WIDE_DV.items() if k != "BV"}
+    assert delta._dhu_launch(128, 128, 512, cpu, False, False) == (128, wide)  # T = 1k, B = 32, H = 16
+    assert delta._dhu_launch(128, 128, 128, cpu, False, False) == (128, wide)  # T = 8k, B = 4, HV = 32
+    assert delta._dhu_launch(128, 128, 64, cpu, False, False) == (64, delta.CONFIGS["dhu"])  # 128 programs
+    assert delta._dhu_launch(128, 128, 512, cpu, False, True)[0] == 64  # fp32 tiles
+    assert delta._dhu_launch(128, 128, 512, cpu, False, False, has_w=True)[0] == 64  # given write keys
+    BV, opts = delta._dhu_launch(256, 128, 512, cpu, False, False)  # dk = 256
+    assert BV == 64 and opts["num_stages"] == 2
+    assert delta._dhu_launch(128, 128, 512, cpu, True, False) == (128, {})
+
 def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0, value_heads=None):
     """float64 q, k, v, g (log decay), beta on the CPU; v, g and beta with ``value_heads`` heads when given
     (grouped value heads)."""
@@ -411,6 +431,23 @@ def test_gpu_cu_seqlens_and_mask(op):
     check_against_reference(op, x, torch.randn(2, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
                             device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
                             mask=mask)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_gpu_state_gradient_walk_with_whole_dv_blocks(monkeypatch, op):
+    """_bwd_dhu's 128-wide dv blocks (8 warps, 2 stages), taken where its programs outnumber the SMs: forced here at a
+    small shape by reporting one SM; packed sequences with a carried state."""
+    from lazoo.kernels import delta
+
+    monkeypatch.setattr(delta, "num_sms", lambda device: 1)
+    assert delta._dhu_launch(128, 128, 2, torch.device("cuda"), False, False)[0] == 128
+    H, D = 4, 128
+    x = inputs(1, 1000, H, D, D, seed=29)
+    check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
+                            cu_seqlens=torch.tensor([0, 1, 400, 1000]))
 
 
 @pytest.mark.gpu

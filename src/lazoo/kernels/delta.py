@@ -953,6 +953,11 @@ FP32_CONFIGS = {"dhu": {"num_warps": 4, "num_stages": 2}}
 #: 3 -> 2 stages: T = 1k B = 32 (1024 programs) 3.57 -> 3.50 ms, 8k HV = 2H (256) 6.80 -> 6.59; but 8k HV = H (128)
 #: 3.55 -> 3.60 and 32k B = 1 4.46 -> 4.75)
 H_STAGES_MANY_PROGRAMS = 2
+#: ``_bwd_dhu``'s launch once 64-wide dv blocks would outnumber the SMs (16-bit inputs, dk <= 128): one 128-wide block
+#: at 8 warps and 2 stages (3 ask 279 560 bytes of shared memory). H200, bf16, gated, fwd + bwd, each option alone
+#: against the defaults in one process: T = 1k B = 32 (1,024 -> 512 programs) 3.46 -> 3.39 ms, 8k HV = 2H (256 ->
+#: 128) 6.49 -> 6.36. None: the dv block heuristic alone
+DHU_WIDE_DV = {"BV": 128, "num_warps": 8, "num_stages": 2}
 
 
 def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
@@ -971,6 +976,26 @@ def _h_opts(programs: int, device, interpret: bool, fp32: bool) -> dict:
     if not interpret and programs > num_sms(device):
         opts["num_stages"] = min(opts.get("num_stages", 3), H_STAGES_MANY_PROGRAMS)
     return opts
+
+
+def _dhu_launch(K: int, V: int, parallel: int, device, interpret: bool, fp32: bool,
+                has_w: bool = False) -> tuple[int, dict]:
+    """dv block and launch options of ``_bwd_dhu``: whole 128-wide dv blocks at 2 stages once 64-wide ones would
+    outnumber the SMs (half the programs, each reading a chunk's keys once for all of dv). Measured for the (gated)
+    delta rule only: given write keys (``has_w``) keep the heuristic."""
+    if interpret:
+        return next_pow2(V), {}
+    opts = _opts("dhu", interpret, fp32)
+    if CONFIGS["dhu"].get("BV"):
+        return CONFIGS["dhu"]["BV"], opts
+    BKF = next_pow2(K)
+    if BKF > 128 and "num_stages" in opts:  # dk = 256: 3 stages take 336 904 bytes of shared memory, 2 229 892
+        opts["num_stages"] = min(opts["num_stages"], 2)
+    wide = DHU_WIDE_DV
+    if wide and not (fp32 or has_w) and BKF <= 128 and next_pow2(V) >= wide["BV"] \
+            and parallel * triton.cdiv(V, 64) > num_sms(device):
+        return wide["BV"], {k: val for k, val in wide.items() if k != "BV"}
+    return _seq_bv(K, V, parallel, device, interpret, fp32), opts
 
 
 def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool, w=None,
@@ -1053,10 +1078,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
         **_opts("dv_local", interp, FP32))
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
-    BVh = CONFIGS["dhu"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
-    dhu_opts = _opts("dhu", interp, FP32)
-    if BKF > 128 and "num_stages" in dhu_opts:  # dk = 256: 3 stages take 336 904 bytes of shared memory, 2 229 892
-        dhu_opts["num_stages"] = min(dhu_opts["num_stages"], 2)
+    BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
         q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
