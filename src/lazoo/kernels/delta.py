@@ -31,7 +31,9 @@ flash-linear-attention's guards on its gated ``chunk_bwd_dqkwg`` and its ``prepa
 kernels never transpose a value that came out of a dot: every transposed operand is a tile loaded from
 memory (or computed elementwise from loads), and a transposed product that is needed (``dP^T``, ``dA^T``)
 is computed directly as its own dot of loaded tiles (a store and a transposed load back through memory, tried
-instead, was slower: H200, bf16, T = 8k, the two kernels 1.69 against 1.51 ms). The sequential kernels hold
+instead, was slower: H200, bf16, T = 8k, the two kernels 1.69 against 1.51 ms; so was forming the write-key side
+transposed, Kᵀ(E ⊙ dL) and Qᵀ M, and turning it with an elementwise ``tl.trans`` that feeds no dot: correct for the
+(gated) rule on an H200, fwd + bwd 3.53 against 3.41 ms at T = 1k). The sequential kernels hold
 the state transposed (``S^T [dk, dv]``) for the same reason. One program per chunk for all of ``_bwd_dqkw`` and
 ``_bwd_wy`` (through X = V - Γ K S^T: dA = dU X^T, dv = A^T dU, the write key's gradient built as ``[dk, C]``) was
 correct but slower: H200, bf16, fwd + bwd at T = 1k (B = 32, H = 16) 4.7-6.8 ms against 3.68, at T = 8k with 32
