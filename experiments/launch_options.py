@@ -65,8 +65,9 @@ def op_spec(name):
         from lazoo.kernels import delta
         staged = [c for c in WIDE if c["num_stages"] > 1]
         wide_dv = [dict(num_warps=8, num_stages=s, BV=128) for s in (2, 3)]  # half the programs (HV = 2H: one wave)
-        cands = {"solve": [dict(num_warps=w) for w in (2, 4)], "wu": WIDE, "h": staged + wide_dv, "o": WIDE,
-                 "dv_local": WIDE, "dhu": [dict(c, BV=64) for c in staged if c["num_warps"] > 2] + wide_dv,
+        whole_dv = [dict(num_warps=w, num_stages=2, BV=128) for w in (4, 8)]  # Q K^T once a chunk, not per block
+        cands = {"solve": [dict(num_warps=w) for w in (2, 4)], "wu": WIDE, "h": staged + wide_dv, "o": WIDE + whole_dv,
+                 "dv_local": WIDE + whole_dv, "dhu": [dict(c, BV=64) for c in staged if c["num_warps"] > 2] + wide_dv,
                  "dqkw": [dict(num_warps=w, num_stages=s) for w, s in [(4, 2), (8, 1), (8, 2), (4, 3)]]
                  + [dict(num_warps=w, BK=64) for w in (4, 8)],  # dk in two programs of 64
                  "wy": NARROW, "mix": WIDE, "walk": staged}

@@ -63,6 +63,16 @@ def test_state_gradient_walk_takes_whole_dv_blocks_once_its_programs_outnumber_t
     assert BV == 64 and opts["num_stages"] == 2
     assert delta._dhu_launch(128, 128, 512, cpu, True, False) == (128, {})
 
+
+def test_chunk_parallel_dv_block_comes_from_the_table(monkeypatch):
+    """_fwd_o and _bwd_dv_local take the table's "BV" where it sets one (never in the interpreter)."""
+    from lazoo.kernels import delta
+
+    assert delta._table_bv("o", 64, interpret=False) == 64 and "BV" not in delta._opts("o", False)
+    monkeypatch.setitem(delta.CONFIGS, "o", dict(delta.CONFIGS["o"], BV=128))
+    assert delta._table_bv("o", 64, interpret=False) == 128 and "BV" not in delta._opts("o", False)
+    assert delta._table_bv("o", 64, interpret=True) == 64
+
 def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0, value_heads=None):
     """float64 q, k, v, g (log decay), beta on the CPU; v, g and beta with ``value_heads`` heads when given
     (grouped value heads)."""

@@ -924,8 +924,8 @@ def _walk_bv(V: int, parallel: int, device, interpret: bool, fp32: bool) -> int:
 
 
 #: launch options per kernel on the GPU (fixed, no autotuning: device time is scarce and the
-#: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic, "BK" for
-#: "dqkw" the dk block (default: all of dk up to 128 in one program).
+#: interpreter cannot autotune). "BV" for the sequential kernels overrides the dv block heuristic, for "o" and
+#: "dv_local" the dv block (default 64), "BK" for "dqkw" the dk block (default: all of dk up to 128 in one program).
 #: Measured on an H100 with Triton 3.6 (T = 32k, one sequence): num_stages=3 is the fastest for the
 #: sequential kernels; num_stages=1 made ``_bwd_dhu_kernel`` fault (illegal address): never use 1.
 #: Each kernel alone on an H200 (bf16, D = 128, T = 8k, B = 4; "dhu" at 8 warps, "o" and "dv_local" at 2
@@ -970,6 +970,12 @@ def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
     if fp32:  # fp32 tiles take twice the shared memory: at most 2 stages
         opts["num_stages"] = min(opts.get("num_stages", 3), 2)
     return opts
+
+
+def _table_bv(name: str, BV: int, interpret: bool) -> int:
+    """The dv block of a chunk-parallel kernel: ``CONFIGS[name]["BV"]`` where the table sets one (a wider block
+    recomputes the chunk's Q K^T for fewer dv blocks), else ``BV``."""
+    return BV if interpret else CONFIGS[name].get("BV", BV)
 
 
 def _h_opts(programs: int, device, interpret: bool, fp32: bool) -> dict:
@@ -1048,9 +1054,10 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         kw, beta, Gc, wt, ut, h, vnew, S0, sT, seqs.cu, seqs.coff,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=use_s0,
         STORE_S=output_final_state, DT=DT, PREC=PREC, **_h_opts(N * H * triton.cdiv(V, BVh), dev, interp, FP32))
-    _fwd_o_kernel[(NT * triton.cdiv(V, BV) * H,)](
+    BVo = _table_bv("o", BV, interp)
+    _fwd_o_kernel[(NT * triton.cdiv(V, BVo) * H,)](
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
-        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVo, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("o", interp, FP32))
     return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
 
@@ -1074,9 +1081,10 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    _bwd_dv_local_kernel[(NT * triton.cdiv(V, BV) * H,)](
+    BVd = _table_bv("dv_local", BV, interp)
+    _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
         q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
-        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVd, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("dv_local", interp, FP32))
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
