@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: name -> (mechanism, ELA kernel or None, hyper_link, memory_lobe)
+#: name -> (mechanism, ELA kernel or None, hyper_link, memory_lobe); hyper_link "stream": Hyper-Link whose
+#: feed-forward reads the normalised stream (`hyper_link_ffn_input="stream"`), not the mixer's output
 VARIANTS = {
     "softmax": ("softmax", None, False, None),
     "softmax-hl": ("softmax", None, True, None),
@@ -52,6 +53,9 @@ VARIANTS = {
     "ela-sse": ("ela", "sum_sq_euclid", False, None),
     "ela-sse-hl": ("ela", "sum_sq_euclid", True, None),
     "ela-sse-hl-lobe": ("ela", "sum_sq_euclid", True, "causal"),
+    "softmax-hls": ("softmax", None, "stream", None),
+    "ela-hexp-hls": ("ela", "hadamard_exp", "stream", None),
+    "ela-sse-hls": ("ela", "sum_sq_euclid", "stream", None),
 }
 #: the leak experiment: the paper's bidirectional lobe inside a causal LM (it reads the tokens it predicts)
 LEAK_VARIANTS = {
@@ -132,7 +136,8 @@ def build_model(args, tokenizer, mechanism, kernel, hyper_link, lobe):
 
     fields = dict(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                   num_attention_heads=args.heads, intermediate_size=2 * args.expert_size,
-                  hyper_link=hyper_link, memory_lobe=lobe, moe_num_experts=args.experts, moe_top_k=2,
+                  hyper_link=bool(hyper_link), hyper_link_ffn_input="stream" if hyper_link == "stream" else "mixer",
+                  memory_lobe=lobe, moe_num_experts=args.experts, moe_top_k=2,
                   moe_intermediate_size=args.expert_size, moe_bias="eq14", router_aux_loss_coef=0.01,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if kernel is not None:
@@ -219,13 +224,14 @@ def plot(results, leak, path):
     colors = {"softmax": "tab:blue", "ela-hexp": "tab:orange", "ela-sse": "tab:green"}
     for name, r in results.items():
         base = next(k for k in ("ela-hexp", "ela-sse", "softmax") if name.startswith(k))
-        ls = "-" if name.endswith("lobe") else ("--" if name.endswith("-hl") else ":")
+        ls = "-" if name.endswith("lobe") else {"-hl": "--", "hls": "-."}.get(name[-3:], ":")
         axes[0].plot(range(1, len(r["train_curve"]) + 1), _smooth(r["train_curve"]), ls, color=colors[base],
                      lw=1.3, label=name)
         steps, losses = zip(*r["eval_curve"])
         axes[1].plot(steps, losses, ls, marker="o", ms=3, color=colors[base], label=name)
     axes[0].set(title="training loss (LM part, 9-step moving mean)", xlabel="step", ylabel="cross-entropy (nats)")
-    axes[1].set(title="held-out loss (: residual, -- Hyper-Link, - Hyper-Link + causal lobe)", xlabel="step")
+    axes[1].set(title="held-out loss (: residual, -- Hyper-Link, -. reading the stream, - + causal lobe)",
+                xlabel="step")
     axes[1].legend(fontsize=7, ncol=2)
     if leak:
         ax = axes[2]

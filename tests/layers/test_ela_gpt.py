@@ -37,6 +37,7 @@ def assert_close(actual, expected, atol, what):
 # ----------------------------------------------------------------------------- config
 @pytest.mark.parametrize("field, value, message", [
     ("memory_lobe", "future", "memory_lobe must be one of"),
+    ("hyper_link_ffn_input", "norm", "hyper_link_ffn_input must be one of"),
     ("memory_lobe_feature_map", "identity", "positive feature map"),
     ("moe_num_experts", -1, "moe_num_experts must be an int >= 0"),
     ("moe_top_k", 5, r"moe_top_k must be an int in \[1, moe_num_experts=4\]"),
@@ -80,6 +81,28 @@ def test_decoder_layer_formula(hyper_link, lobe, experts):
         expected = x + flow + (layer.memory_lobe(flow) if lobe else 0)
     assert out.shape == (2, 7, 32)
     assert_close(out, expected, 1e-5, "decoder layer output")
+
+
+@pytest.mark.parametrize("lobe", [None, "causal"])
+@pytest.mark.parametrize("experts", [0, 3])
+def test_hyper_link_reading_the_stream(lobe, experts):
+    """`hyper_link_ffn_input="stream"`: out = x + f (+ lobe(f)), f = mlp(norm2(x + mixer(norm(x)))); still no mixer
+    residual. It needs hyper_link=True, and a config saved without the field keeps the paper's reading."""
+    model = tiny_model("softmax", hyper_link=True, hyper_link_ffn_input="stream", memory_lobe=lobe,
+                       moe_num_experts=experts, moe_top_k=min(2, max(experts, 1)))
+    layer = model.model.layers[0]
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        out = layer(x, position_ids=torch.arange(7).expand(2, 7))
+        mixed = layer.mixer(layer.input_norm(x), position_ids=torch.arange(7).expand(2, 7))
+        flow = layer.mlp(layer.post_mixer_norm(x + mixed))
+        expected = x + flow + (layer.memory_lobe(flow) if lobe else 0)
+    assert_close(out, expected, 1e-5, "decoder layer output")
+    with pytest.raises(ValueError, match="needs hyper_link=True"):
+        tiny_config("softmax", hyper_link_ffn_input="stream")
+    saved = tiny_config("softmax", hyper_link=True).to_dict()
+    del saved["hyper_link_ffn_input"]
+    assert type(tiny_config("softmax")).from_dict(saved).hyper_link_ffn_input == "mixer"
 
 
 # ----------------------------------------------------------------------------- Memory Lobe vs float64 quadratic

@@ -33,6 +33,8 @@ DEFAULT_HYBRID_PATTERN = ("sliding_window", "vla")
 
 
 MEMORY_LOBE_MODES = (None, "causal", "bidirectional")
+#: what Hyper-Link's feed-forward reads: the mixer's output (the paper's pseudocode) or the normalised stream x + mixer
+HYPER_LINK_FFN_INPUTS = ("mixer", "stream")
 MOE_BIAS_MODES = (None, "eq14", "eq15")
 #: RoutedMoE's routing options -> the config fields that set them (named so in errors)
 MOE_ROUTING_FIELDS = {"top_k": "moe_top_k", "score": "moe_router_score",
@@ -119,6 +121,12 @@ def check_decoder_options(config) -> None:
     """Clear errors for the ELA-GPT decoder options (Hyper-Link, Memory Lobe, routed MoE)."""
     from ..ops.linear import FEATURE_MAPS
 
+    ffn_input = getattr(config, "hyper_link_ffn_input", "mixer")
+    if ffn_input not in HYPER_LINK_FFN_INPUTS:
+        raise ValueError(f"hyper_link_ffn_input must be one of {HYPER_LINK_FFN_INPUTS}, got {ffn_input!r}")
+    if ffn_input != "mixer" and not config.hyper_link:
+        raise ValueError(f"hyper_link_ffn_input={ffn_input!r} chooses what Hyper-Link's feed-forward reads: it needs "
+                         "hyper_link=True (without it the feed-forward reads the normalised stream already)")
     if config.memory_lobe not in MEMORY_LOBE_MODES:
         raise ValueError(f"memory_lobe must be one of {MEMORY_LOBE_MODES}, got {config.memory_lobe!r}")
     if config.memory_lobe_feature_map not in FEATURE_MAPS or config.memory_lobe_feature_map == "identity":
@@ -324,6 +332,7 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         hyper_link: bool = False,
+        hyper_link_ffn_input: str = "mixer",
         memory_lobe: str | None = None,
         memory_lobe_feature_map: str = "elu1",
         moe_num_experts: int = 0,
@@ -397,6 +406,7 @@ class LazooConfig(ExportsCode, PreTrainedConfig):
         self._use_cache_given = use_cache
         # decoder options of ELA-GPT (the ELA paper, §V), usable with any mechanism: see lazoo.layers.moe/memory_lobe
         self.hyper_link = bool(hyper_link)
+        self.hyper_link_ffn_input = hyper_link_ffn_input
         self.memory_lobe = memory_lobe
         self.memory_lobe_feature_map = memory_lobe_feature_map
         self.moe_num_experts = moe_num_experts

@@ -98,9 +98,10 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
     `mixer`); with no feed-forward (not in `config.mlp_layers`) `out = h` (no `post_mixer_norm`, no `mlp`).
 
     ELA-GPT options (the ELA paper, §V; any mechanism): `hyper_link` drops the mixer's residual and its norm,
-    `f = mlp(mixer(norm(x)))`, `out = x + f`; `memory_lobe` adds linear attention over the layer's flow
-    `ΔX` (f with Hyper-Link, `mixer + mlp` otherwise): `out = x + ΔX + lobe(ΔX)`; the MLP may be a routed
-    MoE (`moe_num_experts`), whose load-balancing loss is left in `mlp.aux_loss`."""
+    `f = mlp(mixer(norm(x)))`, `out = x + f` (with `hyper_link_ffn_input="stream"` the feed-forward reads the
+    normalised stream instead, `f = mlp(norm2(x + mixer(norm(x))))`); `memory_lobe` adds linear attention over
+    the layer's flow `ΔX` (f with Hyper-Link, `mixer + mlp` otherwise): `out = x + ΔX + lobe(ΔX)`; the MLP may be a
+    routed MoE (`moe_num_experts`), whose load-balancing loss is left in `mlp.aux_loss`."""
 
     def __init__(self, config: LazooConfig, layer_idx: int):
         super().__init__()
@@ -112,7 +113,7 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             self.input_norm = decoder_norm(config)
             self.mixer = mixer_class(name)(config, layer_idx, config.mixer_options(name))
         if has_feed_forward(config, layer_idx):
-            if not self.hyper_link:
+            if not self.hyper_link or getattr(config, "hyper_link_ffn_input", "mixer") == "stream":
                 self.post_mixer_norm = decoder_norm(config)
             self.mlp = _feed_forward(config, layer_idx)
         lobe = getattr(config, "memory_lobe", None)
@@ -143,7 +144,9 @@ class LazooDecoderLayer(GradientCheckpointingLayer):
             mixed = self.mixer.forward_packed(x, position_ids=position_ids, cu_seqlens=cu_seqlens)
         moe = isinstance(self.mlp, RoutedMoE)
         if self.hyper_link:  # the whole layer is one transformation: no residual around the mixer
-            flow = self.mlp(mixed, mask) if moe else self.mlp(mixed)
+            # the feed-forward reads the mixer's output, or (a post-mixer norm made for it) the normalised stream
+            ffn_in = mixed if self.post_mixer_norm is None else self.post_mixer_norm(hidden_states + mixed)
+            flow = self.mlp(ffn_in, mask) if moe else self.mlp(ffn_in)
             out = hidden_states + self._scaled(flow)
         else:
             h = hidden_states + self._scaled(mixed)
