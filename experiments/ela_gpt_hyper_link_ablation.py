@@ -322,9 +322,20 @@ def main(argv=None):
                 report["results"][name] = r
                 report["setup"]["wall_seconds"] = round(time.time() - start, 1)
                 out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(report, indent=1) + "\n")
+                out.write_text(json.dumps(_rounded(report), separators=(",", ":")) + "\n")
     print_table(report)
     print(f"wrote {out} ({report['setup']['wall_seconds']:.0f} s)")
+
+
+def _rounded(x, digits=5):
+    """``x`` with every float to ``digits`` significant digits (the per-step curves make the report large)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v, digits) for v in x]
+    return x
 
 
 def _as_list(x):

@@ -994,11 +994,11 @@ def _dhu_launch(K: int, V: int, parallel: int, device, interpret: bool, fp32: bo
     if interpret:
         return next_pow2(V), {}
     opts = _opts("dhu", interpret, fp32)
-    if CONFIGS["dhu"].get("BV"):
-        return CONFIGS["dhu"]["BV"], opts
     BKF = next_pow2(K)
     if BKF > 128 and "num_stages" in opts:  # dk = 256: 3 stages take 336 904 bytes of shared memory, 2 229 892
         opts["num_stages"] = min(opts["num_stages"], 2)
+    if CONFIGS["dhu"].get("BV"):
+        return CONFIGS["dhu"]["BV"], opts
     wide = DHU_WIDE_DV
     if wide and not (fp32 or has_w) and BKF <= 128 and next_pow2(V) >= wide["BV"] \
             and parallel * triton.cdiv(V, 64) > num_sms(device):
