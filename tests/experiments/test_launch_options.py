@@ -30,7 +30,7 @@ def test_candidates_name_real_kernels(lo, name):
     assert set(cands) <= set(table) and prefill_only <= set(cands)
     assert all(set(cfg) <= {"num_warps", "num_stages", "BK", "BV"} for configs in cands.values() for cfg in configs)
     assert all("BK" not in cfg for k, configs in cands.items() if k != "dqkw" for cfg in configs)
-    takes_bv = {"gdn": {"h", "dhu"},  # delta.CONFIGS' "BV" of the sequential kernels
+    takes_bv = {"gdn": {"h", "dhu", "o", "dv_local"},  # delta.CONFIGS' "BV" (sequential kernels, _table_bv)
                 "kda": {"fwd_wu", "fwd_h", "fwd_o", "bwd_du_local", "bwd_dhu", "bwd_inter", "bwd_wy"}}[name]  # _with_bv
     assert all("BV" not in cfg for k, configs in cands.items() if k not in takes_bv for cfg in configs)
     assert all(len(s) == 4 for s in shapes)
