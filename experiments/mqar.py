@@ -74,6 +74,9 @@ VARIANTS = {
     # the defaults before config format 3: Algorithm 1's penalty directions u / ‖u‖ / √d_h (a key adds 1/d_h to A⁻¹
     # against the prior λ₀ = 0.1; today's default is the paper's eq. (8), unit u)
     "vla_algorithm1_u": ("vla", dict(penalty_norm="algorithm1")),
+    # today's unit directions with the prior worth one key (λ₀ = 1, not 0.1): A no longer fills within one short
+    # sequence (experiments/vla_capacity_stall.py)
+    "vla_prior_one": ("vla", dict(lambda0=1.0)),
     # other read-outs of the VLA state
     "vla_signed": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False, output_norm=False)),
     "vla_signed_norm": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False,
