@@ -16,7 +16,7 @@ changes; `residual` and `hyper-link` are the shipped forwards):
     hl+norm+mixres        out = x + M(n(x)) + F(n2(M(n(x))))   (a and b fixed; F still sees M only)
     hl+gain               out = x + F(g * M(n(x)))             (a, scale only: scalar g = 1/RMS(M) at init)
     parallel              out = x + M(n(x)) + F(n2(x))         (two branches, one stage; F never sees M)
-    hl+stream             out = x + F(n2(x + M(n(x))))         (one branch, no mixer residual, F reads the stream)
+    hl+stream             out = x + F(n2(x + M(n(x))))         (hyper_link_ffn_input="stream": F reads the stream)
     hl+stream-raw         out = x + F(x + M(n(x)))             (the same without n2)
     hyper-link-2xlayers   hyper-link with twice the layers     (c: as many residual branches as residual)
     residual-half-layers  residual with half the layers        (c: as many residual branches as hyper-link)
@@ -73,7 +73,7 @@ VARIANTS = {
     "hl+norm+mixres": (True, "hl_norm_mixres", 1.0),
     "hl+gain": (True, "hl_gain", 1.0),
     "parallel": (False, "parallel", 1.0),
-    "hl+stream": (True, "hl_stream", 1.0),
+    "hl+stream": ("stream", None, 1.0),  # the shipped option hyper_link_ffn_input="stream"
     "hl+stream-raw": (True, "hl_stream_raw", 1.0),
     "hyper-link-2xlayers": (True, None, 2.0),
     "residual-half-layers": (False, None, 0.5),
@@ -106,7 +106,6 @@ FORWARDS = {
     "hl_norm_mixres": _checked(lambda s, x, m, mask: x + m + _ffn(s, s.ablation_norm(m), mask)),
     "hl_gain": _checked(lambda s, x, m, mask: x + _ffn(s, s.ablation_gain * m, mask)),
     "parallel": _checked(lambda s, x, m, mask: x + m + _ffn(s, s.post_mixer_norm(x), mask)),
-    "hl_stream": _checked(lambda s, x, m, mask: x + _ffn(s, s.ablation_norm(x + m), mask)),
     "hl_stream_raw": _checked(lambda s, x, m, mask: x + _ffn(s, x + m, mask)),
 }
 
@@ -114,7 +113,7 @@ FORWARDS = {
 def patch(model, kind, probe):
     """Give every decoder layer of `model` the forward `kind` (adding the parameters it needs)."""
     for layer in model.model.layers:
-        if kind in ("hl_norm", "hl_norm_mixres", "hl_stream"):
+        if kind in ("hl_norm", "hl_norm_mixres"):
             layer.ablation_norm = decoder_norm(model.config)  # fresh, like post_mixer_norm (weight 1)
         if kind == "hl_gain":  # a learned scalar, set so that g*M has RMS 1 at init (probe: RMS of M per layer)
             layer.ablation_gain = torch.nn.Parameter(torch.tensor(1.0 / probe[layer]))

@@ -131,6 +131,13 @@ def masked_loss_and_hits(model, batch):
     return loss, hits, mask
 
 
+def make_optimizer(model, args, steps: int):
+    """AdamW (``args.lr``, ``args.weight_decay``) and the cosine schedule with ``args.warmup`` of ``steps`` warmup."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=args.weight_decay)
+    return opt, get_cosine_schedule_with_warmup(opt, int(args.warmup * steps), steps)
+
+
 def optimizer_step(model, opt, sched, loss, clip: float) -> bool:
     """Backward, gradient clipping and an AdamW step, skipped for a non-finite loss (the schedule advances
     either way); returns whether the step was taken."""
@@ -182,9 +189,7 @@ def run_one(mechanism, n_pairs, seed, args, bar=None, seq_len=None):
         overrides["use_short_conv"] = args.short_conv == "on"
     model = build_model(mechanism, seed, **overrides).to(args.device).train()
     base, variant = VARIANTS.get(mechanism, (mechanism, {}))  # recorded in the result
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=args.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * args.steps), args.steps)
+    opt, sched = make_optimizer(model, args, args.steps)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     curve, nonfinite = [], 0

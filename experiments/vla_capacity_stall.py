@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import get_cosine_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mqar  # noqa: E402  (experiments/mqar.py: data, model, loss, evaluation)
@@ -149,9 +148,7 @@ def run(args):
     margs = mqar.parse_args(["--device", "cpu", "--steps", str(args.schedule_steps)])
     margs.eval_batches = args.eval_batches
     model = mqar.build_model(name, args.seed, vocab_size=margs.vocab_size, use_short_conv=False).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=margs.lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=margs.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, int(margs.warmup * args.schedule_steps), args.schedule_steps)
+    opt, sched = mqar.make_optimizer(model, margs, args.schedule_steps)
     gen = torch.Generator().manual_seed(args.seed)
     _RECORD["samples"] = args.diag_samples
     log, diags = [], []
