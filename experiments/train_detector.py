@@ -527,7 +527,8 @@ def parse_args(argv=None):
     p.add_argument("--data", choices=["trees", "shapes"], default="trees",
                    help="detection data: deepforest tree tiles (default) or procedural shapes")
     p.add_argument("--variants", nargs="+", default=["conv", "lat"], choices=list(VARIANTS),
-                   help="lat_all: lat with lat_scope='all' (down-sampling and head convolutions separable too)")
+                   help="lat_all: lat with lat_scope='all' (down-sampling and head convolutions separable too); "
+                        "lat_local: lat without the attention branch; lat_attn8: lat with it from stride 8")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (training and mAP inference)")
     p.add_argument("--steps", type=int, default=500, help="optimizer steps (ignored when --epochs is given)")
     p.add_argument("--epochs", type=float, default=None)

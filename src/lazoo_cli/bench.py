@@ -77,7 +77,8 @@ def add_ttt_options(ap: argparse.ArgumentParser) -> None:
 
 def add_yolo_lat_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--variants", default="conv,lat,lat_all", help="comma-separated, of conv, lat and lat_all")
+    ap.add_argument("--variants", default="conv,lat,lat_all",
+                    help="comma-separated, of conv, lat, lat_all, lat_local and lat_attn8")
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--image-size", type=int, default=320)

@@ -55,3 +55,20 @@ def test_parameters_by_kind_add_up_and_follow_the_variant(tmp_path, capsys):
     assert rows[("conv", 0.5)]["parameters"] < conv["parameters"] / 2
     assert json.loads(out.read_text())["rows"] == result["rows"]
     assert "| 0.5 | lat_all |" in capsys.readouterr().out
+
+
+def test_ablation_variants_change_only_where_the_attention_branch_sits():
+    """lat_local: lat's separable bottlenecks with no attention branch; lat_attn8: the branch from stride 8 as well
+    as 16 and 32. Their other weights are lat's, so lat_local < lat < lat_attn8 in parameters."""
+    from lazoo.vision.modeling_yolo_lat import GlobalAttention2d, LatBottleneck
+
+    def attention_blocks(model):
+        return sum(isinstance(m, GlobalAttention2d) for m in model.modules())
+
+    models = {v: yolo_lat.build_detector(v, 1, 64) for v in ("lat", "lat_local", "lat_attn8")}
+    counts = {v: attention_blocks(m) for v, m in models.items()}
+    assert counts["lat_local"] == 0 < counts["lat"] < counts["lat_attn8"]
+    separable = {v: sum(isinstance(m, LatBottleneck) for m in model.modules()) for v, model in models.items()}
+    assert len(set(separable.values())) == 1  # the same bottlenecks, with or without the branch
+    params = {v: yolo_lat.count_parameters(m) for v, m in models.items()}
+    assert params["lat_local"] < params["lat"] < params["lat_attn8"]

@@ -32,9 +32,13 @@ from lazoo_cli.bench import bench_parser
 from .report import command_line, error_text, gpu_environment, write_json
 
 #: the compared detectors: name -> YoloLatConfig fields ("lat_all" also makes the down-sampling and head
-#: convolutions depthwise-separable, the closest to "every deep convolution reformulated")
+#: convolutions depthwise-separable, the closest to "every deep convolution reformulated"). Two ablations of
+#: "lat": "lat_local" keeps its depthwise-separable bottlenecks but no attention branch (the deepest stride is 32,
+#: so a minimum stride of 64 leaves none), "lat_attn8" adds the branch from stride 8 instead of 16.
 VARIANTS = {"conv": {"variant": "conv"}, "lat": {"variant": "lat"},
-            "lat_all": {"variant": "lat", "lat_scope": "all"}}
+            "lat_all": {"variant": "lat", "lat_scope": "all"},
+            "lat_local": {"variant": "lat", "attention_min_stride": 64},
+            "lat_attn8": {"variant": "lat", "attention_min_stride": 8}}
 
 
 def build_detector(variant: str, num_labels: int, image_size: int, **config_kwargs):

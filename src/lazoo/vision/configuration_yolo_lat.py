@@ -8,7 +8,7 @@ at strides 8/16/32.
 ``variant="conv"``: every bottleneck is two dense 3×3 convolutions (the YOLOv8 bottleneck).
 ``variant="lat"``: every bottleneck replaces them by depthwise-separable local mixing (depthwise 3×3
 + pointwise 1×1), and the bottlenecks working at stride >= ``attention_min_stride`` (default 16:
-backbone stages 3-4 and the neck blocks at strides 16 and 32) add non-causal global mixing over the
+backbone stages 3-4 and the neck blocks at strides 16 and 32; above 32: none) add non-causal global mixing over the
 H×W positions with the mechanism ``attention`` ("linear": elu+1, normalised; "ela"; "softmax"), as a
 residual branch. With ``lat_scope="blocks"`` (default) the stride-2 down-sampling convolutions, SPPF
 and the head are the same in both variants, so the comparison isolates the blocks; ``lat_scope="all"``
