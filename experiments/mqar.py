@@ -75,7 +75,7 @@ VARIANTS = {
     # against the prior λ₀ = 0.1; today's default is the paper's eq. (8), unit u)
     "vla_algorithm1_u": ("vla", dict(penalty_norm="algorithm1")),
     # today's unit directions with the prior worth one key (λ₀ = 1, not 0.1): A no longer fills within one short
-    # sequence (experiments/vla_capacity_stall.py)
+    # sequence (experiments/vla_capacity_stall.py); every capacity run learns, but T = 512 recall is lost (docs/vla.md)
     "vla_prior_one": ("vla", dict(lambda0=1.0)),
     # other read-outs of the VLA state
     "vla_signed": ("vla", dict(feature_map="identity", readout="unit_query", qk_prenorm=False, output_norm=False)),
