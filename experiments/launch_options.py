@@ -5,6 +5,7 @@
     python experiments/launch_options.py sweep gdn --kernels dqkw,wy    # only these kernels' options
     python experiments/launch_options.py check > check.jsonl
     python experiments/launch_options.py time kda --tag NAME >> versions.jsonl    # the tree as it is
+    python experiments/launch_options.py variants gdn --set tf32:lazoo.kernels.delta.TRIANGULAR_16BIT=False
 
 ``sweep`` changes one kernel's options at a time (the others at their defaults) and times the op's forward without
 autograd and its forward + backward (``triton.testing.do_bench`` medians, bf16, H = 16, D = 128, 32k tokens a batch:
@@ -12,8 +13,9 @@ T = 1k with HV = H and T = 8k with HV = 2H for the gated delta rule, T = 8k for 
 1.5 % faster on average are then timed together against the defaults, with a float64 check (T = 1000) of the output
 and every gradient. ``check`` times one candidate per op against its default at T = 1k, 8k and 32k; ``time`` times
 the op as the tree has it at those lengths (HV = H) with the float64 check, to compare versions of the kernels, each
-run in its own process. Each line printed is one JSON record. The option tables are ``lazoo.kernels.delta.CONFIGS``
-and ``lazoo.kernels.kda.LAUNCH``.
+run in its own process; ``variants`` times the tree and each ``--set`` of module attributes in turns, two rounds,
+at T = 1k, 8k and 32k and at 8k with HV = 2H, each with its float64 check. Each line printed is one JSON record. The
+option tables are ``lazoo.kernels.delta.CONFIGS`` and ``lazoo.kernels.kda.LAUNCH``.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from lazoo import ops
 from lazoo.bench.timing import time_fwd_bwd
+from lazoo.bench.variants import parse_variant, variant_settings
 
 D = 128
 GRADS = ("q", "k", "v", "beta", "g")
@@ -184,18 +187,37 @@ def check(base_options):
         delta.H_STAGES_MANY_PROGRAMS = rule
 
 
+def variants(name, settings, rounds=2):
+    """The tree's defaults and each setting in turns, ``rounds`` times, at the frontier's four shapes."""
+    _, inputs, call, *_ = op_spec(name)
+    shapes = [(1024, 32, 16, 16), (8192, 4, 16, 16), (32768, 1, 16, 16), (8192, 4, 16, 32)]
+    runs = [("default", [])] + [parse_variant(s) for s in settings]
+    for tag, setting in runs:
+        with variant_settings(setting):
+            emit(op=name, variant=tag, check_hv16=float64_errors(inputs, call, 16),
+                 check_hv32=float64_errors(inputs, call, 32))
+    for r in range(rounds):
+        for tag, setting in runs:
+            with variant_settings(setting):
+                emit(op=name, variant=tag, round=r, t=measure(inputs, call, shapes, 200))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["sweep", "check", "time"])
+    p.add_argument("what", choices=["sweep", "check", "time", "variants"])
     p.add_argument("op", nargs="?", choices=["gdn", "kda"], default="gdn")
     p.add_argument("--budget-s", type=float, default=250, help="stop starting new options after this many seconds")
     p.add_argument("--kernels", default="", help="sweep: only these kernels (comma-separated names of the table)")
     p.add_argument("--tag", default="", help="time: a name for the version timed, copied into its records")
+    p.add_argument("--set", action="append", default=[], metavar="LABEL:module.ATTR=value[,...]",
+                   help="variants: module attributes to set for one variant (repeat for more variants)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"launch_options.py times Triton kernels on a CUDA GPU; torch {torch.__version__} sees none")
     if args.what == "sweep":
         sweep(args.op, args.budget_s, [k for k in args.kernels.split(",") if k])
+    elif args.what == "variants":
+        variants(args.op, args.set)
     elif args.what == "time":
         _, inputs, call, *_ = op_spec(args.op)
         emit(op=args.op, tag=args.tag, check=float64_errors(inputs, call, 16))

@@ -41,13 +41,13 @@ value heads 9.6-12.9 against 7.18 (it spills at 255 registers with three ``[64, 
 warps, whole or halved dk blocks).
 
 Precision: matrix products take 16-bit operands for 16-bit inputs (fp32 accumulation; the state and
-the per-chunk states enter their products in the 16-bit type, as in fla); the triangular algebra (A,
-W~, U~ and their gradients) uses tf32 products for 16-bit inputs; fp32 inputs use tf32x3 (about fp32
-accuracy) for every product; the 16x16 diagonal blocks of A are inverted in exact fp32 and merged in tf32
-(tf32x3); elementwise work, the state between chunks and all recurrences are fp32. Measured against float64
-on an H100: bf16 <= 7e-3, fp16 <= 8e-4, fp32 <= 5e-6 (max relative error of outputs, states and gradients,
-T = 1000); on an H200 the relative error of the bf16 gated rule's outputs and gradients (T = 1000) is 3.4e-3 to
-4.9e-3 with the tf32 merges, as with the exact ones.
+the per-chunk states enter their products in the 16-bit type, as in fla), the triangular algebra's too (A is kept
+in fp32 and rounded as it enters a product: ``TRIANGULAR_16BIT``); fp32 inputs use tf32x3 (about fp32 accuracy)
+for every product; the 16x16 diagonal blocks of A are inverted in exact fp32 and merged in tf32 (tf32x3);
+elementwise work, the state between chunks and all recurrences are fp32. Measured against float64 on an H100 with
+tf32 triangular products: bf16 <= 7e-3, fp16 <= 8e-4, fp32 <= 5e-6 (max relative error of outputs, states and
+gradients, T = 1000); on an H200 with 16-bit ones the bf16 gated rule's output and gradients (T = 1000, B = 2,
+H = 16, HV = 16 and 32) are 4.7e-3 to 9.7e-3 off, against 4.8e-3 to 7.5e-3 with tf32 on the same inputs.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def _fwd_solve_kernel(
 def _fwd_wu_kernel(
     k, v, Gc, A, wt, ut, chunks, cu,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, HAS_G: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr,
 ):
     """W~ = A Γ K and U~ = A V of one chunk from the stored A, as whole-chunk products (formed from A's 16x16
     tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused kernel
@@ -339,10 +339,10 @@ def _fwd_wu_kernel(
         x = _load_tile(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         if HAS_G:
             x = x * e
-        _store_tile(wt + i_h * K, _dotf(b_A, x, PREC), t0, eos, H * K, kb, K, C, BK)
+        _store_tile(wt + i_h * K, dot(b_A, x, TDT, PREC), t0, eos, H * K, kb, K, C, BK)
     for vb in range(0, V, BV):
         y = _load_tile(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        _store_tile(ut + i_h * V, _dotf(b_A, y, PREC), t0, eos, H * V, vb, V, C, BV)
+        _store_tile(ut + i_h * V, dot(b_A, y, TDT, PREC), t0, eos, H * V, vb, V, C, BV)
 
 
 @triton.jit
@@ -443,7 +443,7 @@ def _fwd_o_kernel(
 def _fwd_mix_kernel(
     q, kw, beta, Gc, A, M, Y, chunks, cu,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr,
 ):
     """What ``_fwd_walk`` needs of a chunk beside its start state, all of it parallel over chunks:
     M = tril(E ⊙ Q W^T) A (outputs O = diag(γ) Q S^T + M X) and Y = A^T diag(D) W (S' = γ_C S + Y^T X), where
@@ -468,11 +468,11 @@ def _fwd_mix_kernel(
         b_p = tl.where(tril, b_p, 0.0)
         b_d = b_f
     b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
-    _store_tile(M + i_h * C, _dotf(b_p * b_f[None, :], b_A, PREC), t0, eos, H * C, 0, C, C, C)
+    _store_tile(M + i_h * C, dot(b_p * b_f[None, :], b_A, TDT, PREC), t0, eos, H * C, 0, C, C, C)
     b_At = tl.trans(b_A) * b_d[None, :]  # A^T diag(D β), a loaded tile's transpose
     for kb in range(0, K, BK):
         b_kw = _load_tile(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
-        _store_tile(Y + i_h * K, _dotf(b_At, b_kw, PREC), t0, eos, H * K, kb, K, C, BK)
+        _store_tile(Y + i_h * K, dot(b_At, b_kw, TDT, PREC), t0, eos, H * K, kb, K, C, BK)
 
 
 @triton.jit
@@ -667,7 +667,8 @@ def _bwd_wy_kernel(
     k, w, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, TDT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ (or, for given write keys,
     the full dW into ``dbeta``) and (gated) dg. dA and dA^T are each accumulated as their own products
@@ -698,12 +699,12 @@ def _bwd_wy_kernel(
         b_v = _load_raw(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
         b_da = _dot_acc(b_du, tl.trans(b_v), b_da, DT, PREC)
         b_dat = _dot_acc(b_v, tl.trans(b_du), b_dat, DT, PREC)
-        _store_tile(dv + i_h * V, _dotf(b_At, b_du, PREC), t0, eos, H * V, vb, V, C, BV)
+        _store_tile(dv + i_h * V, dot(b_At, b_du, TDT, PREC), t0, eos, H * V, vb, V, C, BV)
     b_da = tl.where(strict_l, b_da, 0.0)
     b_dat = tl.where(strict_u, b_dat, 0.0)
     # dL = -A^T dA A^T (strictly lower); its transpose -A dA^T A computed on its own
-    b_dl = tl.where(strict_l, -_dotf(b_At, _dotf(b_da, b_At, PREC), PREC), 0.0)
-    b_dlt = tl.where(strict_u, -_dotf(b_A, _dotf(b_dat, b_A, PREC), PREC), 0.0)
+    b_dl = tl.where(strict_l, -dot(b_At, dot(b_da, b_At, TDT, PREC), TDT, PREC), 0.0)
+    b_dlt = tl.where(strict_u, -dot(b_A, dot(b_dat, b_A, TDT, PREC), TDT, PREC), 0.0)
     if HAS_G:
         b_dl = b_dl * tl.exp(tl.where(strict_l, b_G[:, None] - b_G[None, :], 0.0))
         b_dlt = b_dlt * tl.exp(tl.where(strict_u, b_G[None, :] - b_G[:, None], 0.0))
@@ -717,7 +718,7 @@ def _bwd_wy_kernel(
         b_k = _load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_kf = b_k.to(tl.float32)
         b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_dkg = _dotf(b_At, b_dwt, PREC)  # γ ⊙ (A^T dW~)
+        b_dkg = dot(b_At, b_dwt, TDT, PREC)  # γ ⊙ (A^T dW~)
         b_dwl = dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
         b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
         # β in b_dl and b_b
@@ -962,6 +963,18 @@ H_STAGES_MANY_PROGRAMS = 2
 DHU_WIDE_DV = {"BV": 128, "num_warps": 8, "num_stages": 2}
 
 
+#: the triangular algebra's products (W~ = A Γ K, U~ = A V, the prefill's M and Y, the WY backward) take operands
+#: of the inputs' 16-bit type, as fla's and FlashQLA's do, where tf32 was used before: H200, bf16, fwd + bwd 3.39 ->
+#: 3.09 ms at T = 1k, 3.53 -> 3.22 at 8k, 4.45 -> 4.14 at 32k, 6.38 -> 5.82 at 8k with HV = 2H (forward 0.96 -> 0.86
+#: at 1k). A itself stays float32 (stored in bf16 as well: the forward 4 % slower, fwd + bwd within 0.5 %)
+TRIANGULAR_16BIT = True
+
+
+def _triangular_type(q: torch.Tensor, DT):
+    """Operand type of the triangular products for inputs like q (fp32 inputs keep fp32, at tf32x3)."""
+    return DT if TRIANGULAR_16BIT and q.dtype != torch.float32 else tl.float32
+
+
 def _opts(name: str, interpret: bool, fp32: bool = False) -> dict:
     if interpret:
         return {}
@@ -1023,6 +1036,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     beta = w if HAS_W else beta  # a placeholder pointer when unused
     kw = w if HAS_W else k  # the write key (β applied in the kernels when it is k)
     f32 = torch.float32
+    TDT = _triangular_type(q, DT)
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     A = torch.empty(TT, H, C, device=dev, dtype=f32)
     NT, N = seqs.NT, seqs.N
@@ -1036,7 +1050,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
         Y = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
         _fwd_mix_kernel[(NT * H,)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
-                                 HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("mix", interp, FP32))
+                                 HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, TDT=TDT, PREC=PREC, **_opts("mix", interp, FP32))
         BVw = _walk_bv(V, N * H, dev, interp, FP32)
         _fwd_walk_kernel[(N, H, triton.cdiv(V, BVw))](
             q, k, v, Gc, M, Y, o, S0, sT, seqs.cu, seqs.coff, scale,
@@ -1046,7 +1060,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
-                            HAS_G=HAS_G, PREC=PREC, **_opts("wu", interp, FP32))
+                            HAS_G=HAS_G, TDT=TDT, PREC=PREC, **_opts("wu", interp, FP32))
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
@@ -1113,8 +1127,8 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
     _bwd_wy_kernel[(NT * H,)](
         k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu,
-        TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
-        **_opts("wy", interp, FP32))
+        TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT,
+        TDT=_triangular_type(q, DT), PREC=PREC, **_opts("wy", interp, FP32))
     return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
 
 
