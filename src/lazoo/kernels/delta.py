@@ -41,13 +41,15 @@ value heads 9.6-12.9 against 7.18 (it spills at 255 registers with three ``[64, 
 warps, whole or halved dk blocks).
 
 Precision: matrix products take 16-bit operands for 16-bit inputs (fp32 accumulation; the state and
-the per-chunk states enter their products in the 16-bit type, as in fla), the triangular algebra's too (A is kept
-in fp32 and rounded as it enters a product: ``TRIANGULAR_16BIT``); fp32 inputs use tf32x3 (about fp32 accuracy)
+the per-chunk states enter their products in the 16-bit type, as in fla), the training kernels' triangular products
+too (W~, U~ and the WY backward; A is kept in fp32 and rounded as it enters a product: ``TRIANGULAR_16BIT``), while
+the prefill's M and Y and given write keys take tf32 products; fp32 inputs use tf32x3 (about fp32 accuracy)
 for every product; the 16x16 diagonal blocks of A are inverted in exact fp32 and merged in tf32 (tf32x3);
 elementwise work, the state between chunks and all recurrences are fp32. Measured against float64 on an H100 with
 tf32 triangular products: bf16 <= 7e-3, fp16 <= 8e-4, fp32 <= 5e-6 (max relative error of outputs, states and
 gradients, T = 1000); on an H200 with 16-bit ones the bf16 gated rule's output and gradients (T = 1000, B = 2,
-H = 16, HV = 16 and 32) are 4.7e-3 to 9.7e-3 off, against 4.8e-3 to 7.5e-3 with tf32 on the same inputs.
+H = 16, HV = 16 and 32, two draws each) are 4.7e-3 to 9.7e-3 off, against 4.3e-3 to 8.2e-3 with tf32, and fp16
+stays within the GPU tests' 3e-3.
 """
 
 from __future__ import annotations
