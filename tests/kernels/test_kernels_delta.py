@@ -73,6 +73,23 @@ def test_chunk_parallel_dv_block_comes_from_the_table(monkeypatch):
     assert delta._table_bv("o", 64, interpret=False) == 128 and "BV" not in delta._opts("o", False)
     assert delta._table_bv("o", 64, interpret=True) == 64
 
+
+def test_triangular_products_take_16_bit_operands_only_where_measured(monkeypatch):
+    """The training kernels' triangular products take the inputs' 16-bit type (W = β k); given write keys and fp32
+    inputs keep fp32 operands (tf32 / tf32x3), as does everything with the switch off."""
+    import triton.language as tl
+
+    from lazoo.kernels import delta
+
+    bf16, fp16, fp32 = (torch.empty(1, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32))
+    assert delta._triangular_type(bf16, tl.bfloat16, given_write_keys=False) == tl.bfloat16
+    assert delta._triangular_type(fp16, tl.float16, given_write_keys=False) == tl.float16
+    assert delta._triangular_type(bf16, tl.bfloat16, given_write_keys=True) == tl.float32
+    assert delta._triangular_type(fp32, tl.float32, given_write_keys=False) == tl.float32
+    monkeypatch.setattr(delta, "TRIANGULAR_16BIT", False)
+    assert delta._triangular_type(bf16, tl.bfloat16, given_write_keys=False) == tl.float32
+
+
 def inputs(B, T, H, dk, dv, seed=0, g_bias=2.0, value_heads=None):
     """float64 q, k, v, g (log decay), beta on the CPU; v, g and beta with ``value_heads`` heads when given
     (grouped value heads)."""
