@@ -965,18 +965,18 @@ H_STAGES_MANY_PROGRAMS = 2
 DHU_WIDE_DV = {"BV": 128, "num_warps": 8, "num_stages": 2}
 
 
-#: the training kernels' triangular products (W~ = A Γ K, U~ = A V and the WY backward) take operands
-#: of the inputs' 16-bit type, as fla's and FlashQLA's do, where tf32 was used before: H200, bf16, fwd + bwd 3.39 ->
-#: 3.09 ms at T = 1k, 3.53 -> 3.22 at 8k, 4.45 -> 4.14 at 32k, 6.38 -> 5.82 at 8k with HV = 2H (forward 0.96 -> 0.86
-#: at 1k). A itself stays float32 (stored in bf16 as well: the forward 4 % slower, fwd + bwd within 0.5 %)
+#: the training kernels' triangular products (W~ = A Γ K, U~ = A V and the WY backward) take operands of the inputs'
+#: 16-bit type, as fla's and FlashQLA's do, where tf32 was used before: H200, bf16, fwd + bwd 3.40 -> 3.09 ms at
+#: T = 1k, 3.53 -> 3.23 at 8k, 4.46 -> 4.16 at 32k, 6.40 -> 5.84 at 8k with HV = 2H. A itself stays float32 (stored
+#: in bf16 as well: fwd + bwd within 0.5 %, the forward 4 % slower)
 TRIANGULAR_16BIT = True
 
 
 def _triangular_type(q: torch.Tensor, DT, given_write_keys: bool):
-    """Operand type of the training kernels' triangular products for inputs like q: fp32 (tf32, tf32x3 for fp32
-    inputs) for given write keys, whose 16-bit prefill gave non-finite outputs on an H200 (the generalised rule's
-    GPU test), and for the prefill's M and Y (the gated rule's output error rose above FlashQLA's at HV = 2H, 6.1e-3
-    against 5.9e-3)."""
+    """Operand type of ``_fwd_wu``'s and ``_bwd_wy``'s triangular products for inputs like q: the 16-bit type, but
+    fp32 (tf32; tf32x3 for fp32 inputs) for given write keys, whose 16-bit prefill gave non-finite outputs on an H200
+    (the generalised rule's GPU test). The prefill's ``_fwd_mix`` (M and Y) keeps fp32 operands always: in 16 bits
+    the gated rule's output error rose above FlashQLA's at HV = 2H (6.1e-3 against 5.9e-3)."""
     return DT if TRIANGULAR_16BIT and q.dtype != torch.float32 and not given_write_keys else tl.float32
 
 
