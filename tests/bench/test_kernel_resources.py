@@ -191,3 +191,18 @@ def test_delta_prefill_kernels_fit_hopper(single_thread, dtype):
         assert r["inflight_refills"] == 0, (name, r)
         if dtype == "bf16":
             assert r["spill_stores"] <= 64, (name, r)
+
+
+@pytest.mark.slow  # about half a minute of offline compiles on 2 cores
+def test_delta_training_kernels_fit_hopper(single_thread):
+    """The gated delta rule's training kernels compile for sm_90 at their launch settings (dk = dv = 128, bf16, the
+    triangular products on bf16 operands) and fit a Hopper block, with no shared tile refilled under products in
+    flight; the register-bound ones (the WY backward, the state-gradient walk at whole dv blocks) may spill a few
+    bytes (88 and 92 with Triton 3.6)."""
+    report = kernel_resources.delta_training_report()
+    assert {"solve", "wu", "o", "dv_local", "dqkw", "wy"} <= set(report), report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        assert r["inflight_refills"] == 0, (name, r)
+        assert r["spill_stores"] <= 256, (name, r)

@@ -7,8 +7,8 @@ a GPU machine will do, run with the same Triton as it has (e.g. ``pip install --
 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``); that reproduced a launch failure of the OVQ assignment kernel
 (262 656 bytes asked) to the byte, and the 295 424 bytes a Kimi Delta Attention backward kernel asked for fp32
 inputs. The report covers the short-convolution kernels at their launch settings; ``measure`` takes any kernel;
-OVQ's, VLA's, GLA's, the (gated and normalised) linear-attention and the Kimi Delta Attention kernels are reported
-too.
+OVQ's, VLA's, GLA's, the (gated and normalised) linear-attention, the (gated) delta rule's (prefill and training)
+and the Kimi Delta Attention kernels are reported too.
 
 ``measure`` also counts, in the compiled TTGIR, the asynchronous copies into a single-buffered shared tile issued
 while Hopper matrix products (wgmma) may still be reading shared memory (``inflight_refills``): Triton's software
@@ -482,7 +482,7 @@ def delta_prefill_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chun
     BKF, BK, _ = kd._blocks(dk, dv, interpret=False)
     cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
     out = {}
-    c = dict(H=16, HK=16, K=dk, C=chunk, BK=BK, HAS_G=True, HAS_W=False, DT=DT, PREC=PREC)
+    c = dict(H=16, HK=16, K=dk, C=chunk, BK=BK, HAS_G=True, HAS_W=False, DT=DT, TDT=tl.float32, PREC=PREC)
     out["mix"] = measure(kd._fwd_mix_kernel, dict(q=x, kw=x, beta=f32, Gc=f32, A=f32, M=x, Y=x, chunks=i32, cu=i32,
                                                  **cx(c)), c, **kd._opts("mix", False, fp32))
     for bv in sorted({min(32 if fp32 else 64, dv), 32, 16}, reverse=True):
@@ -492,6 +492,65 @@ def delta_prefill_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chun
             q=x, k=x, v=x, Gc=f32, M=x, Y=x, o=x, s0=f32, sT=f32, cu=i32, coff=i32, scale="fp32", **cx(c)), c,
             **kd._opts("walk", False, fp32))
     return out
+
+
+def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chunk: int = 64) -> dict:
+    """The gated delta rule's training kernels (``lazoo.kernels.delta``: the forward with autograd and the backward)
+    at their GPU launch settings for q, k, v in ``dtype``, β in q's dtype and g in float32, dk = dv = 128 by default:
+    the table's options (``CONFIGS``), the state walks also as they launch once their programs outnumber the SMs
+    (``_fwd_h`` at ``H_STAGES_MANY_PROGRAMS``, ``_bwd_dhu`` with ``DHU_WIDE_DV``), the triangular products on the
+    operand type ``_triangular_type`` gives."""
+    import torch
+    import triton.language as tl
+
+    from lazoo.kernels import delta as kd
+
+    x, f32, i32 = f"*{dtype}", "*fp32", "*i32"
+    DT, PREC = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (tl.float32, "tf32x3")}[dtype]
+    fp32 = dtype == "fp32"
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    TDT = kd._triangular_type(torch.empty(0, dtype=torch_dtype), DT, given_write_keys=False)
+    BKF, BK, BV = kd._blocks(dk, dv, interpret=False)
+    BVs = min(32 if fp32 else 64, dv)  # the sequential kernels' dv block with programs to spare (``_seq_bv``)
+    # every pointer argument of these kernels: 16-bit tensors of the inputs' type, else float32 or int32
+    ptr = {**dict.fromkeys(["q", "k", "kw", "w", "v", "beta", "wt", "ut", "h", "vnew", "o", "do", "du", "dh", "dq",
+                            "dw", "dwt", "dk", "dv"], x),
+           **dict.fromkeys(["g", "Gc", "A", "s0", "sT", "dsT", "ds0", "dgp", "dbeta", "dg"], f32),
+           "chunks": i32, "cu": i32, "coff": i32}
+    base = dict(H=16, HK=16, K=dk, V=dv, C=chunk, BK=BK, BKF=BKF, BV=BV, NK=1, HAS_G=True, HAS_W=False,
+                USE_S0=True, STORE_S=True, USE_DST=True, STORE_DS0=True, DT=DT, TDT=TDT, PREC=PREC)
+
+    def compile_one(fn, opts, **over):
+        sig, c = {}, {}
+        for name in fn.arg_names:
+            if name in ptr:
+                sig[name] = ptr[name]
+            elif name == "scale":
+                sig[name] = "fp32"
+            elif name == "TT":
+                sig[name] = "i32"
+            else:
+                sig[name], c[name] = "constexpr", over.get(name, base[name])
+        return measure(fn, sig, c, **{k: v for k, v in opts.items() if k in ("num_warps", "num_stages")})
+
+    opts = lambda name: kd._opts(name, False, fp32)  # noqa: E731
+    wide = {k: v for k, v in kd.DHU_WIDE_DV.items() if k != "BV"}
+    return {
+        "solve": compile_one(kd._fwd_solve_kernel, opts("solve")),
+        "wu": compile_one(kd._fwd_wu_kernel, opts("wu")),
+        f"h, dv blocks of {BVs}": compile_one(kd._fwd_h_kernel, opts("h"), BV=BVs),
+        f"h, dv blocks of {BVs}, {kd.H_STAGES_MANY_PROGRAMS} stages": compile_one(
+            kd._fwd_h_kernel, dict(opts("h"), num_stages=kd.H_STAGES_MANY_PROGRAMS), BV=BVs),
+        "o": compile_one(kd._fwd_o_kernel, opts("o")),
+        "dv_local": compile_one(kd._bwd_dv_local_kernel, opts("dv_local")),
+        f"dhu, dv blocks of {BVs}": compile_one(kd._bwd_dhu_kernel, opts("dhu"), BV=BVs),
+        **({f"dhu, dv blocks of {kd.DHU_WIDE_DV['BV']}": compile_one(kd._bwd_dhu_kernel, wide,
+                                                                      BV=kd.DHU_WIDE_DV["BV"])}
+           if not fp32 and dv >= kd.DHU_WIDE_DV["BV"] else {}),
+        "dqkw": compile_one(kd._bwd_dqkw_kernel, opts("dqkw"), BK=BKF if BKF <= 128 and not fp32 else 64,
+                            NK=1 if BKF <= 128 and not fp32 else BKF // 64),
+        "wy": compile_one(kd._bwd_wy_kernel, opts("wy"), NK=1 if BKF <= 128 and not fp32 else BKF // 64),
+    }
 
 
 class _FakeDevice:
@@ -531,6 +590,7 @@ def main() -> None:
     _print("GLA (d = 128, bf16):", gla_report())
     for dtype in ("bf16", "fp32"):
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))
+    _print("Gated delta rule's training kernels (dk = dv = 128, bf16):", delta_training_report())
     for dtype in ("bf16", "fp32"):
         _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 
