@@ -21,7 +21,8 @@ alone: ``--ops '' --decode 32:16:32``.
 
 FlashQLA and fla are optional: a missing one gives rows with its import error. Neither is a dependency of lazoo.
 FlashQLA's TileLang kernels compile at the first call of each shape (about 2.5 minutes for its forward and backward
-on an H200 with 16 cores) and are cached on the machine: ``--shapes`` runs a few at a time.
+on an H200 with 16 cores) and are cached on the machine: ``--shapes`` runs a few at a time; ``--triton-cache DIR``
+keeps fla's autotuning (and Triton's kernels) in DIR for the next run on the same machine.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .delta_ops import delta_flops
+from .kernels import use_triton_cache
 from .report import JsonRows, command_line, error_text, gpu_environment, installed_versions
 from .roofline import add_rates, card_ceilings, roofline
 from .timing import require_cuda, time_fwd_bwd
@@ -230,8 +232,10 @@ def main(argv=None) -> None:
     require_cuda("delta_frontier")
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     device, dtype = torch.device("cuda"), torch.bfloat16
+    triton_cache = use_triton_cache(args.triton_cache) if args.triton_cache else None
     env = {**gpu_environment(), **installed_versions("flash-qla", "flash-linear-attention", "fla-core", "tilelang"),
-           "command": command_line("delta_frontier", argv), "ceilings": card_ceilings(device)}
+           "command": command_line("delta_frontier", argv), "triton_cache": triton_cache,
+           "ceilings": card_ceilings(device)}
     with JsonRows(args.out) as rows:
         rows.record({"env": env})
         for op in [o for o in args.ops.split(",") if o.strip()]:  # --ops '': the decode rows alone
