@@ -547,8 +547,7 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
         **({f"dhu, dv blocks of {kd.DHU_WIDE_DV['BV']}": compile_one(kd._bwd_dhu_kernel, wide,
                                                                       BV=kd.DHU_WIDE_DV["BV"])}
            if not fp32 and dv >= kd.DHU_WIDE_DV["BV"] else {}),
-        "dqkw": compile_one(kd._bwd_dqkw_kernel, opts("dqkw"), BK=BKF if BKF <= 128 and not fp32 else 64,
-                            NK=1 if BKF <= 128 and not fp32 else BKF // 64),
+        "dqkw": compile_one(kd._bwd_dqkw_kernel, opts("dqkw"), BK=BKF if BKF <= 128 and not fp32 else 64),
         "wy": compile_one(kd._bwd_wy_kernel, opts("wy"), NK=1 if BKF <= 128 and not fp32 else BKF // 64),
     }
 
