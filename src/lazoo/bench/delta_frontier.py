@@ -34,10 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from .delta_ops import delta_flops
-from .kernels import use_triton_cache
 from .report import JsonRows, command_line, error_text, gpu_environment, installed_versions
 from .roofline import add_rates, card_ceilings, roofline
-from .timing import require_cuda, time_fwd_bwd
+from .timing import require_cuda, time_fwd_bwd, use_triton_cache
 
 D = 128
 #: (T, B, H, HV): B·T = 32k tokens

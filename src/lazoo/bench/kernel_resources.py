@@ -482,7 +482,7 @@ def delta_prefill_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chun
     BKF, BK, _ = kd._blocks(dk, dv, interpret=False)
     cx = lambda c: dict.fromkeys(c, "constexpr")  # noqa: E731
     out = {}
-    c = dict(H=16, HK=16, K=dk, C=chunk, BK=BK, HAS_G=True, HAS_W=False, DT=DT, TDT=tl.float32, PREC=PREC)
+    c = dict(H=16, HK=16, K=dk, C=chunk, BK=BK, HAS_G=True, HAS_W=False, DT=DT, PREC=PREC)
     out["mix"] = measure(kd._fwd_mix_kernel, dict(q=x, kw=x, beta=f32, Gc=f32, A=f32, M=x, Y=x, chunks=i32, cu=i32,
                                                  **cx(c)), c, **kd._opts("mix", False, fp32))
     for bv in sorted({min(32 if fp32 else 64, dv), 32, 16}, reverse=True):
@@ -501,15 +501,15 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
     (``_fwd_h`` at ``H_STAGES_MANY_PROGRAMS``, ``_bwd_dhu`` with ``DHU_WIDE_DV``), the triangular products on the
     operand type ``_triangular_type`` gives."""
     import torch
-    import triton.language as tl
 
     from lazoo.kernels import delta as kd
+    from lazoo.kernels._launch import dot_types
 
     x, f32, i32 = f"*{dtype}", "*fp32", "*i32"
-    DT, PREC = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (tl.float32, "tf32x3")}[dtype]
+    like = torch.empty(0, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
+    DT, PREC = dot_types(like)
     fp32 = dtype == "fp32"
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    TDT = kd._triangular_type(torch.empty(0, dtype=torch_dtype), DT, given_write_keys=False)
+    TDT = kd._triangular_type(like, DT, given_write_keys=False)
     BKF, BK, BV = kd._blocks(dk, dv, interpret=False)
     BVs = min(32 if fp32 else 64, dv)  # the sequential kernels' dv block with programs to spare (``_seq_bv``)
     # every pointer argument of these kernels: 16-bit tensors of the inputs' type, else float32 or int32

@@ -23,10 +23,8 @@ module settings changed, in the same run, as rows of impl ``lazoo:LABEL``.
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +35,7 @@ from .inputs import causal_sdpa, head_decay
 from .kernel_ops import CHUNK, SHAPES, TOKENS, H, io_bytes, kernel_ops, load_fla, qkv, qkv_g
 from .report import command_line, fmt, gpu_environment, write_json
 from .roofline import add_rates, card_ceilings, mark_targets, roofline
-from .timing import OutOfTime, cuda_graph_ms, median_ms, require_cuda, time_budget, time_fwd_bwd
+from .timing import OutOfTime, cuda_graph_ms, median_ms, require_cuda, time_budget, time_fwd_bwd, use_triton_cache
 from .variants import parse_variant, variant_settings
 
 DECODE_B, DECODE_CONTEXTS = 8, [1024, 8192, 32768, 65536]
@@ -120,16 +118,6 @@ def breakdown(device, dtype, T, D=128):
 
 
 # ----------------------------------------------------------------------------- fla
-def use_triton_cache(path) -> dict:
-    """Keep Triton's kernels and autotuning choices in ``path`` (created if missing) from here on; says how many
-    files it held already (0: a cold cache, fla will autotune)."""
-    folder = Path(path).expanduser().resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TRITON_CACHE_DIR"] = str(folder)
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
-    return {"dir": str(folder), "files_at_start": sum(1 for p in folder.rglob("*") if p.is_file())}
-
-
 def warm_fla(fla, ops_table, shapes, device, dtype) -> float:
     """Run every fla op forward and backward once at every shape (its autotuning happens here, not in the timed
     runs); the seconds it took."""

@@ -4,9 +4,11 @@ device synchronisation, and a wall-clock budget for runs that may autotune for m
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -94,3 +96,13 @@ def time_budget(seconds):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def use_triton_cache(path) -> dict:
+    """Keep Triton's kernels and autotuning choices in ``path`` (created if missing) from here on; says how many
+    files it held already (0: a cold cache, fla will autotune)."""
+    folder = Path(path).expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(folder)
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    return {"dir": str(folder), "files_at_start": sum(1 for p in folder.rglob("*") if p.is_file())}

@@ -445,7 +445,7 @@ def _fwd_o_kernel(
 def _fwd_mix_kernel(
     q, kw, beta, Gc, A, M, Y, chunks, cu,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """What ``_fwd_walk`` needs of a chunk beside its start state, all of it parallel over chunks:
     M = tril(E ⊙ Q W^T) A (outputs O = diag(γ) Q S^T + M X) and Y = A^T diag(D) W (S' = γ_C S + Y^T X), where
@@ -470,11 +470,11 @@ def _fwd_mix_kernel(
         b_p = tl.where(tril, b_p, 0.0)
         b_d = b_f
     b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
-    _store_tile(M + i_h * C, dot(b_p * b_f[None, :], b_A, TDT, PREC), t0, eos, H * C, 0, C, C, C)
+    _store_tile(M + i_h * C, _dotf(b_p * b_f[None, :], b_A, PREC), t0, eos, H * C, 0, C, C, C)
     b_At = tl.trans(b_A) * b_d[None, :]  # A^T diag(D β), a loaded tile's transpose
     for kb in range(0, K, BK):
         b_kw = _load_tile(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
-        _store_tile(Y + i_h * K, dot(b_At, b_kw, TDT, PREC), t0, eos, H * K, kb, K, C, BK)
+        _store_tile(Y + i_h * K, _dotf(b_At, b_kw, PREC), t0, eos, H * K, kb, K, C, BK)
 
 
 @triton.jit
@@ -1055,8 +1055,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
         Y = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
         _fwd_mix_kernel[(NT * H,)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
-                                 HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, TDT=tl.float32, PREC=PREC,
-                                 **_opts("mix", interp, FP32))
+                                 HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("mix", interp, FP32))
         BVw = _walk_bv(V, N * H, dev, interp, FP32)
         _fwd_walk_kernel[(N, H, triton.cdiv(V, BVw))](
             q, k, v, Gc, M, Y, o, S0, sT, seqs.cu, seqs.coff, scale,
