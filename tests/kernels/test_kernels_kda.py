@@ -71,21 +71,6 @@ def test_kda_uniform_chunk_tables_are_built_once():
     assert len(built) == 65 and len(cache) == 1
 
 
-def test_kda_triangular_products_take_bf16_operands_for_bf16_inputs_only(monkeypatch):
-    """W, U~ and the WY backward take bf16 operands for bf16 inputs; fp16 (whose range would clip the float32
-    gradients those products read) and fp32 keep fp32 operands, as does everything with the switch off."""
-    import triton.language as tl
-
-    from lazoo.kernels import kda
-
-    bf16, fp16, fp32 = (torch.empty(1, dtype=d) for d in (torch.bfloat16, torch.float16, torch.float32))
-    assert kda.triangular_type(bf16) == tl.bfloat16
-    assert kda.triangular_type(fp16) == tl.float32
-    assert kda.triangular_type(fp32) == tl.float32
-    monkeypatch.setattr(kda, "TRIANGULAR_16BIT", False)
-    assert kda.triangular_type(bf16) == tl.float32
-
-
 def test_kda_value_block_set_in_the_option_table():
     """A "BV" in a kernel's launch entry sets its value block on a GPU (capped at dv's power of two) and never
     reaches the launch options; the interpreter keeps the default block; the shipped table sets none."""

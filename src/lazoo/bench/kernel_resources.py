@@ -413,8 +413,6 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
     x, f32, i64, gt = f"*{dtype}", "*fp32", "*i64", f"*{gate}"
     DT, PREC = {"bf16": (tl.bfloat16, "tf32"), "fp16": (tl.float16, "tf32"), "fp32": (tl.float32, "tf32x3")}[dtype]
     hd = "bf16" if dtype == "bf16" else "fp32"  # the per-chunk states (kda's chunk_state_dtype)
-    TDT = kk.triangular_type(torch.empty(0, dtype={"bf16": torch.bfloat16, "fp16": torch.float16,
-                                                   "fp32": torch.float32}[dtype]))
     BK, BV, BVs = kk._blocks(dk, dv, interp=False)
     H, HK = heads, heads // group
     seq = dict(chunks=i64, cu=i64)
@@ -431,7 +429,7 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
                           PREC=PREC)),
         "fwd_solve": (kk._fwd_solve_kernel, dict(Mkk=f32, beta=gt, A=f32, **seq), dict(H=H, PREC=PREC)),
         "fwd_wu": (kk._fwd_wu_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, w=x, ut=x, **seq),
-                   dict(c_kv, TDT=TDT, PREC=PREC)),
+                   dict(c_kv, PREC=PREC)),
         "fwd_h": (kk._fwd_h_kernel, dict(k=x, Gc=f32, w=x, ut=x, h=f"*{hd}", vnew=x, s0=f32, sT=f32, cu=i64,
                                          coff=i64),
                   dict(c_state, USE_S0=True, STORE_S=True, DT=DT, PREC=PREC)),
@@ -448,7 +446,7 @@ def kda_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", gate: str = "f
                       dict(c_kv, DT=DT, PREC=PREC)),
         "bwd_wy": (kk._bwd_wy_kernel, dict(k=x, v=x, beta=gt, Gc=f32, A=f32, Mkk=f32, dw=f32, du=f32, dkp=f32,
                                            dv=x, dbeta=f32, dMkk=f32, **seq),
-                   dict(c_kv, TDT=TDT, PREC=PREC)),
+                   dict(c_kv, PREC=PREC)),
         "bwd_intra": (kk._bwd_intra_kernel, dict(q=x, k=x, Gc=f32, dAqk=f32, dMkk=f32, dq=f32, dkn=f32, dkp=f32,
                                                  later=f32, dq_out=x if group == 1 else f32,
                                                  dk_out=x if group == 1 else f32, dg=gt, **seq),

@@ -333,8 +333,8 @@ def _fwd_solve_kernel(Mkk, beta, A, chunks, cu, H: tl.constexpr, PREC: tl.conste
 @triton.jit
 def _fwd_wu_kernel(k, v, beta, Gc, A, w, ut, chunks, cu,
                    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr):
-    """Grid (NT, H): W = A (β ⊙ K ⊙ exp(G)) and U~ = A (β ⊙ V), products on ``TDT`` operands."""
+                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """Grid (NT, H): W = A (β ⊙ K ⊙ exp(G)) and U~ = A (β ⊙ V)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = _chunk(chunks, cu, i_c, 64)
     b_A = _rows(A + i_h * 64, t0, eos, H * 64, 64, 64, 64)
@@ -344,10 +344,10 @@ def _fwd_wu_kernel(k, v, beta, Gc, A, w, ut, chunks, cu,
     b_G = _rows(Gc + i_h * K, t0, eos, H * K, K, 64, BK)
     b_k = _rows(k + (i_h // (H // HK)) * K, t0, eos, HK * K, K, 64, BK).to(tl.float32)
     b_kg = b_k * tl.exp2(tl.where(m, b_G, float("-inf"))) * b_b
-    _put(w + i_h * K, _dot(b_A, b_kg, TDT, PREC), t0, eos, H * K, K, 64, BK)
+    _put(w + i_h * K, _dotf(b_A, b_kg, PREC), t0, eos, H * K, K, 64, BK)
     for vb in range(0, V, BV):
         b_v = _rows(v + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV).to(tl.float32) * b_b
-        _put(ut + i_h * V + vb, _dot(b_A, b_v, TDT, PREC), t0, eos, H * V, V - vb, 64, BV)
+        _put(ut + i_h * V + vb, _dotf(b_A, b_v, PREC), t0, eos, H * V, V - vb, 64, BV)
 
 
 @triton.jit
@@ -520,9 +520,9 @@ def _bwd_inter_kernel(k, Gc, h, dh, vnew, do, du, dq, dkn, dw, later, chunks, cu
 @triton.jit
 def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks, cu,
                    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr):
+                   BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Grid (NT, H): back through W = A (β K ⊙ exp(G)), U~ = A (β V) and A = (I + diag(β) Mkk)^{-1}: dv, dβ, the W
-    term of dk (into dkp) and dMkk, products on ``TDT`` operands."""
+    term of dk (into dkp) and dMkk."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = _chunk(chunks, cu, i_c, 64)
     o = tl.arange(0, 64)
@@ -534,21 +534,21 @@ def _bwd_wy_kernel(k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, chunks,
     b_kg = _rows(k + (i_h // (H // HK)) * K, t0, eos, HK * K, K, 64, BK).to(tl.float32) \
         * tl.exp2(tl.where(m, b_G, float("-inf")))
     b_dw = _rows(dw + i_h * K, t0, eos, H * K, K, 64, BK)
-    b_da = _dot(b_dw, tl.trans(b_kg * b_b[:, None]), TDT, PREC)
-    b_dkgb = _dot(b_at, b_dw, TDT, PREC)  # d(β K ⊙ exp(G))
+    b_da = _dotf(b_dw, tl.trans(b_kg * b_b[:, None]), PREC)
+    b_dkgb = _dotf(b_at, b_dw, PREC)  # d(β K ⊙ exp(G))
     b_db = tl.sum(b_dkgb * b_kg, 1)
     _put(dkp + i_h * K, b_dkgb * b_b[:, None] * tl.exp2(tl.where(m, b_G, float("-inf"))), t0, eos, H * K, K,
          64, BK)
     for vb in range(0, V, BV):
         b_du = _rows(du + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV)
         b_v = _rows(v + i_h * V + vb, t0, eos, H * V, V - vb, 64, BV).to(tl.float32)
-        b_da += _dot(b_du, tl.trans(b_v * b_b[:, None]), TDT, PREC)
-        b_dvb = _dot(b_at, b_du, TDT, PREC)  # d(β V)
+        b_da += _dotf(b_du, tl.trans(b_v * b_b[:, None]), PREC)
+        b_dvb = _dotf(b_at, b_du, PREC)  # d(β V)
         b_db += tl.sum(b_dvb * b_v, 1)
         _put(dv + i_h * V + vb, b_dvb * b_b[:, None], t0, eos, H * V, V - vb, 64, BV)
     strict = o[:, None] > o[None, :]
     b_da = tl.where(strict, b_da, 0.0)
-    b_dl = tl.where(strict, -_dot(b_at, _dot(b_da, b_at, TDT, PREC), TDT, PREC), 0.0)
+    b_dl = tl.where(strict, -_dotf(b_at, _dotf(b_da, b_at, PREC), PREC), 0.0)
     b_m = _rows(Mkk + i_h * 64, t0, eos, H * 64, 64, 64, 64)
     b_db += tl.sum(b_dl * b_m, 1)
     _put(dMkk + i_h * 64, b_dl * b_b[:, None], t0, eos, H * 64, 64, 64, 64)
@@ -800,19 +800,6 @@ INTRA_BWD_CHANNELS = 32
 DECODE_BV = 32
 
 
-#: ``_fwd_wu``'s and ``_bwd_wy``'s products (the triangular algebra: W, U~ and their way back through A) take bf16
-#: operands for bf16 inputs, as the delta rule's training kernels do, where they took tf32; A, Mkk and the gradients
-#: stay float32 in memory and are rounded as they enter a product
-TRIANGULAR_16BIT = True
-
-
-def triangular_type(q: torch.Tensor):
-    """Operand type of ``_fwd_wu``'s and ``_bwd_wy``'s products for inputs like q: bf16 for bf16 inputs, else fp32
-    (tf32; tf32x3 for fp32 inputs). Not fp16: its range would clip the float32 gradients dW and dU these kernels
-    read (the delta rule's already come in q's dtype)."""
-    return tl.bfloat16 if TRIANGULAR_16BIT and q.dtype == torch.bfloat16 else tl.float32
-
-
 def launch_options(dtype: torch.dtype) -> dict:
     """``LAUNCH`` or, for fp32 inputs, ``LAUNCH_FP32``."""
     return LAUNCH_FP32 if dtype == torch.float32 else LAUNCH
@@ -862,7 +849,7 @@ def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_stat
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     bv, cfg = _with_bv(opts, "fwd_wu", BV, V, interp)
     _fwd_wu_kernel[(NT, H)](k, v, beta, Gc, A, w, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, BK=BK, BV=bv,
-                            TDT=triangular_type(q), PREC=PREC, **cfg)
+                            PREC=PREC, **cfg)
     h = torch.empty(NT, H, K, V, device=dev, dtype=chunk_state_dtype(q.dtype))
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
@@ -914,7 +901,7 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     dMkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
     bv, cfg = _with_bv(opts, "bwd_wy", BV, V, interp)
     _bwd_wy_kernel[(NT, H)](k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, seqs.chunks, seqs.cu, H=H, HK=HK,
-                            K=K, V=V, BK=BK, BV=bv, TDT=triangular_type(q), PREC=PREC, **cfg)
+                            K=K, V=V, BK=BK, BV=bv, PREC=PREC, **cfg)
     grouped = H != HK
     dq_out = dq if grouped or q.dtype == f32 else torch.empty_like(q)
     dk_out = dkn if grouped or k.dtype == f32 else torch.empty_like(k)
