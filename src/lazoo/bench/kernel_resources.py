@@ -518,7 +518,7 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
            **dict.fromkeys(["g", "Gc", "A", "s0", "sT", "dsT", "ds0", "dgp", "dbeta", "dg"], f32),
            "chunks": i32, "cu": i32, "coff": i32}
     base = dict(H=16, HK=16, K=dk, V=dv, C=chunk, BK=BK, BKF=BKF, BV=BV, NK=1, HAS_G=True, HAS_W=False,
-                USE_S0=True, STORE_S=True, USE_DST=True, STORE_DS0=True, DT=DT, TDT=TDT, PREC=PREC, PRODUCTS=False)
+                USE_S0=True, STORE_S=True, USE_DST=True, STORE_DS0=True, DT=DT, TDT=TDT, PREC=PREC)
 
     def compile_one(fn, opts, **over):
         sig, c = {}, {}

@@ -114,22 +114,6 @@ def inv_unit_lower16(L):
 
 
 @triton.jit
-def inv_unit_lower16_by_products(L):
-    """``(I + L)^{-1}`` of a strictly lower-triangular 16x16 fp32 tile as (I - L)(I + L²)(I + L⁴)(I + L⁸) (L¹⁶ = 0):
-    six fp32 products (FMA, ``input_precision="ieee"``) four deep, where the substitution is 14 dependent steps of
-    sums across the tile."""
-    o = tl.arange(0, 16)
-    N = -L
-    N2 = tl.dot(N, N, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
-    R = N + (o[:, None] == o[None, :]).to(tl.float32)
-    R = R + tl.dot(R, N2, input_precision="ieee")
-    R = R + tl.dot(R, N4, input_precision="ieee")
-    return R + tl.dot(R, N8, input_precision="ieee")
-
-
-@triton.jit
 def inv_unit_lower16x4(L0, L1, L2, L3):
     """``inv_unit_lower16`` of four tiles at once, row i of all four in one step: a serial chain of 14 steps where
     the four one after another take 56."""

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from ._chunk_layout import cached_uniform
 from ._launch import dot_types, fill_device
-from ._tiles import dot, inv_unit_lower16, inv_unit_lower16_by_products, inv_unit_lower16x4
+from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
 from ._utils import next_pow2, num_sms
 from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES
 from .limits import DELTA_MAX_HEAD_DIM as MAX_HEAD_DIM
@@ -194,12 +194,11 @@ def _store_a16(A, x, t0, eos, H: tl.constexpr, C: tl.constexpr, bi: tl.constexpr
 def _fwd_solve_kernel(
     k, w, beta, g, Gc, A, chunks, cu,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, PRODUCTS: tl.constexpr = False,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk: G (within-chunk cumsum of g) and A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
     given write keys). The inverse is built from 16x16 diagonal blocks (forward substitution, row by row: one
-    warp does it fastest; with ``PRODUCTS`` as a product of powers instead) merged by block products in tf32
-    (tf32x3 for fp32 inputs)."""
+    warp does it fastest) merged by block products in tf32 (tf32x3 for fp32 inputs)."""
     i_c, _, i_h = _parallel_ids(1, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     NB: tl.constexpr = C // 16
@@ -291,12 +290,7 @@ def _fwd_solve_kernel(
             L33 = tl.where(strict, L33 * b3, 0.0)
 
     A += i_h * C
-    if NB >= 4 and PRODUCTS:
-        N00 = inv_unit_lower16_by_products(L00)
-        N11 = inv_unit_lower16_by_products(L11)
-        N22 = inv_unit_lower16_by_products(L22)
-        N33 = inv_unit_lower16_by_products(L33)
-    elif NB >= 4:
+    if NB >= 4:
         N00, N11, N22, N33 = inv_unit_lower16x4(L00, L11, L22, L33)
     else:
         N00 = inv_unit_lower16(L00)
@@ -971,11 +965,6 @@ H_STAGES_MANY_PROGRAMS = 2
 DHU_WIDE_DV = {"BV": 128, "num_warps": 8, "num_stages": 2}
 
 
-#: A's four diagonal 16 x 16 inverses as products of powers (``inv_unit_lower16_by_products``) instead of one row-by-row
-#: substitution of all four
-SOLVE_BY_PRODUCTS = False
-
-
 #: the training kernels' triangular products (W~ = A Γ K, U~ = A V and the WY backward) take operands of the inputs'
 #: 16-bit type, as fla's and FlashQLA's do, where tf32 was used before: H200, bf16, fwd + bwd 3.40 -> 3.09 ms at
 #: T = 1k, 3.53 -> 3.23 at 8k, 4.46 -> 4.16 at 32k, 6.40 -> 5.84 at 8k with HV = 2H. A itself stays float32 (stored
@@ -1058,8 +1047,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     NT, N = seqs.NT, seqs.N
     _fwd_solve_kernel[(NT * H,)](
         k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
-        H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, PRODUCTS=SOLVE_BY_PRODUCTS,
-        **_opts("solve", interp, FP32))
+        H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
