@@ -167,7 +167,9 @@ def test_fla_models_come_from_fla_site(tmp_path, isolated_fla, single_thread):
     assert env["fla"] == "0.0.fake" and env["fla_error"] is None
     fake, missing = rows
     assert fake["model"] == "fla:fake_fla_delta" and fake["impl"] == "fla"
-    assert fake["error"] is None and fake["tokens_per_s"] > 0, fake
+    # measured (a tiny CPU model's decode can fall inside the timer's noise: then no rate, and the row says so)
+    assert fake["error"] is None and fake["params"] > 0 and fake["total_ms"] > 0, fake
+    assert (fake["tokens_per_s"] or 0) > 0 or fake.get("note") == "decode time not above the prefill time", fake
     assert "fla registers no model type 'no_such_type'" in missing["error"]
     # the sizes reach fla's config under fla's field name for the heads (the fake's own default is 1 head)
     model = bench.build_fla("fake_fla_delta", bench.parse_args(TINY_ARGS).sizes, max_len=16)
