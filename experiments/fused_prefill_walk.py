@@ -18,9 +18,9 @@ on a CUDA GPU prints (and writes) JSON lines: the forward's max relative error a
 (T = 2048, B = 2, HV = H and 2H) of lazoo's op and of each walk launch, then forward medians at the frontier's shapes
 (``lazoo.bench.delta_frontier.SHAPES``) for the gated and the plain rule, all timed in turns, two rounds. Compiled
 offline for sm_90 by Triton 3.6 (``lazoo.bench.kernel_resources.measure``) the walk takes 255 registers a thread at
-every launch and spills 140-548 bytes at dv blocks of 64 (4 or 8 warps, 2 or 3 stages: its state, U, P, O and the
-chunk's q and k tiles live at once), 4-28 at blocks of 32 and 3 stages. ``fused_prefill`` is the op (the CPU tests
-run it under the Triton interpreter against the float64 recurrence).
+every launch and spills 44-324 bytes at dv blocks of 64 (4 or 8 warps, 2 or 3 stages: its state, U, P, O and the
+chunk's q and k tiles live at once; 44 at 8 warps and 3 stages with fp32 A operands), 4-68 at blocks of 32.
+``fused_prefill`` is the op (the CPU tests run it under the Triton interpreter against the float64 recurrence).
 """
 from __future__ import annotations
 
@@ -68,6 +68,12 @@ def _walk_from_a_kernel(
             b_ks = b_ks * e_G
         b_x = _load_tile(v + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ks
         b_u = dot(_load_raw(A + i_h * C, t0, eos, H * C, 0, C, C, C), b_x, ADT, PREC)  # U = A X
+        if HAS_G:
+            b_d = b_b * tl.exp(g_last - b_G)
+        else:
+            b_d = b_b
+        b_ud = (b_u * b_d[:, None]).to(DT)  # both of U's uses take it in DT: half the registers from here
+        b_u = b_u.to(DT)
         b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
         b_p = dot(b_q, tl.trans(b_k), DT, PREC)
         if HAS_G:
@@ -77,14 +83,11 @@ def _walk_from_a_kernel(
         b_o = dot(b_q, b_s, DT, PREC)
         if HAS_G:
             b_o = b_o * e_G
-        b_o = _dot_acc(b_p * b_b[None, :], b_u, b_o, DT, PREC) * scale
+        b_o = _dot_acc((b_p * b_b[None, :]).to(DT), b_u, b_o, DT, PREC) * scale
         _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
         if HAS_G:
-            b_d = b_b * tl.exp(g_last - b_G)
             b_s = b_s * tl.exp(g_last)
-        else:
-            b_d = b_b
-        b_s = _dot_acc(tl.trans(b_k), b_u * b_d[:, None], b_s, DT, PREC)
+        b_s = _dot_acc(tl.trans(b_k), b_ud, b_s, DT, PREC)
     if STORE_S:
         tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
 
