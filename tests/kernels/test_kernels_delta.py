@@ -64,6 +64,34 @@ def test_state_gradient_walk_takes_whole_dv_blocks_once_its_programs_outnumber_t
     assert delta._dhu_launch(128, 128, 512, cpu, True, False) == (128, {})
 
 
+def test_state_gradient_walk_forms_local_du_only_with_whole_dv_blocks_and_programs_to_spare(monkeypatch):
+    """_bwd_dhu forms P^T dO itself where each head's P^T is formed once (one dv block) and its programs fill at
+    least half the SMs (T = 1k, B = 32; 8k with HV = 2H), not at 8k with HV = H (two 64-wide blocks a head) or at
+    32k with one sequence; the interpreter always takes it, and the module setting forces either."""
+    from lazoo.kernels import delta
+
+    monkeypatch.setattr(delta, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert delta._local_du_in_walk(512, 128, 128, cpu, False)
+    assert delta._local_du_in_walk(128, 128, 128, cpu, False)
+    assert not delta._local_du_in_walk(128, 64, 128, cpu, False)
+    assert not delta._local_du_in_walk(32, 128, 128, cpu, False)
+    assert delta._local_du_in_walk(1, 64, 128, cpu, True)
+    monkeypatch.setattr(delta, "LOCAL_DU_IN_WALK", False)
+    assert not delta._local_du_in_walk(512, 128, 128, cpu, False)
+
+
+def test_norms_backward_in_the_kernels_only_with_one_value_head_a_key_head(monkeypatch):
+    from lazoo.kernels import delta
+
+    q = torch.empty(10, 4, 128, dtype=torch.bfloat16)
+    assert delta.norms_in_backward(q, 4, given_write_keys=False)
+    assert not delta.norms_in_backward(q, 8, given_write_keys=False)  # grouped value heads: the group sum first
+    assert not delta.norms_in_backward(q, 4, given_write_keys=True)
+    monkeypatch.setattr(delta, "NORM_BACKWARD_IN_KERNELS", False)
+    assert not delta.norms_in_backward(q, 4, given_write_keys=False)
+
+
 def test_chunk_parallel_dv_block_comes_from_the_table(monkeypatch):
     """_fwd_o and _bwd_dv_local take the table's "BV" where it sets one (never in the interpreter)."""
     from lazoo.kernels import delta
@@ -164,6 +192,23 @@ def test_interp_delta_matches_reference(op, T, chunk):
     S0 = torch.randn(B, H, dv, dk, dtype=F64)
     mask = left_pad_mask([T, T - 7], T, holes=[(0, 20)])
     check_against_reference(op, x, S0, 1e-4, 1e-4, mask=mask, chunk_size=chunk)
+
+
+@needs_interp
+@pytest.mark.parametrize("local_du", [True, False], ids=["local_du_in_walk", "dv_local_kernel"])
+@pytest.mark.parametrize("norms_inside", [True, False], ids=["norms_in_kernels", "norm_pass"])
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_backward_variants_match_reference(monkeypatch, op, local_du, norms_inside):
+    """Both ways the state-gradient walk gets P^T dO (formed itself, or read from _bwd_dv_local) and both ways dq and
+    dk go back through the L2 norms (in _bwd_dqkw and _bwd_wy, or a pass of their own), against float64: packed
+    ragged sequences, a carried state, one sequence of a single token."""
+    from lazoo.kernels import delta
+
+    monkeypatch.setattr(delta, "LOCAL_DU_IN_WALK", local_du)
+    monkeypatch.setattr(delta, "NORM_BACKWARD_IN_KERNELS", norms_inside)
+    x = inputs(1, 90, 2, 12, 10, seed=31)
+    check_against_reference(op, x, torch.randn(3, 2, 10, 12, dtype=F64), 1e-4, 1e-4, chunk_size=16,
+                            cu_seqlens=torch.tensor([0, 1, 40, 90]))
 
 
 @needs_interp
@@ -473,6 +518,24 @@ def test_gpu_state_gradient_walk_with_whole_dv_blocks(monkeypatch, op):
     H, D = 4, 128
     x = inputs(1, 1000, H, D, D, seed=29)
     check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
+                            cu_seqlens=torch.tensor([0, 1, 400, 1000]))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("local_du", [True, False], ids=["local_du_in_walk", "dv_local_kernel"])
+@pytest.mark.parametrize("norms_inside", [True, False], ids=["norms_in_kernels", "norm_pass"])
+def test_gpu_backward_variants(monkeypatch, local_du, norms_inside):
+    """The state-gradient walk forming P^T dO itself or reading it, and the L2 norms' backward in the kernels or in
+    a pass of its own, each forced, against float64 (gated, bf16, packed sequences with a carried state)."""
+    from lazoo.kernels import delta
+
+    monkeypatch.setattr(delta, "LOCAL_DU_IN_WALK", local_du)
+    monkeypatch.setattr(delta, "NORM_BACKWARD_IN_KERNELS", norms_inside)
+    H, D = 4, 128
+    x = inputs(1, 1000, H, D, D, seed=32)
+    check_against_reference("gated", x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
                             device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
                             cu_seqlens=torch.tensor([0, 1, 400, 1000]))
 

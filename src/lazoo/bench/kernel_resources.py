@@ -515,10 +515,12 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
     # every pointer argument of these kernels: 16-bit tensors of the inputs' type, else float32 or int32
     ptr = {**dict.fromkeys(["q", "k", "kw", "w", "v", "beta", "wt", "ut", "h", "vnew", "o", "do", "du", "dh", "dq",
                             "dw", "dwt", "dk", "dv"], x),
-           **dict.fromkeys(["g", "Gc", "A", "s0", "sT", "dsT", "ds0", "dgp", "dbeta", "dg"], f32),
+           **dict.fromkeys(["g", "Gc", "A", "s0", "sT", "dsT", "ds0", "dgp", "dbeta", "dg", "rq", "rk"], f32),
            "chunks": i32, "cu": i32, "coff": i32}
+    norms = kd.NORM_BACKWARD_IN_KERNELS and BKF <= 128 and not fp32
     base = dict(H=16, HK=16, K=dk, V=dv, C=chunk, BK=BK, BKF=BKF, BV=BV, NK=1, HAS_G=True, HAS_W=False,
-                USE_S0=True, STORE_S=True, USE_DST=True, STORE_DS0=True, DT=DT, TDT=TDT, PREC=PREC)
+                USE_S0=True, STORE_S=True, USE_DST=True, STORE_DS0=True, LOCAL_DU=False, NORM_Q=norms,
+                NORM_K=norms, DT=DT, TDT=TDT, PREC=PREC)
 
     def compile_one(fn, opts, **over):
         sig, c = {}, {}
@@ -544,9 +546,10 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
         "o": compile_one(kd._fwd_o_kernel, opts("o")),
         "dv_local": compile_one(kd._bwd_dv_local_kernel, opts("dv_local")),
         f"dhu, dv blocks of {BVs}": compile_one(kd._bwd_dhu_kernel, opts("dhu"), BV=BVs),
-        **({f"dhu, dv blocks of {kd.DHU_WIDE_DV['BV']}": compile_one(kd._bwd_dhu_kernel, wide,
-                                                                      BV=kd.DHU_WIDE_DV["BV"])}
-           if not fp32 and dv >= kd.DHU_WIDE_DV["BV"] else {}),
+        f"dhu, dv blocks of {BVs}, local dU": compile_one(kd._bwd_dhu_kernel, opts("dhu"), BV=BVs, LOCAL_DU=True),
+        **({f"dhu, dv blocks of {kd.DHU_WIDE_DV['BV']}{local}": compile_one(
+            kd._bwd_dhu_kernel, wide, BV=kd.DHU_WIDE_DV["BV"], LOCAL_DU=bool(local))
+            for local in ("", ", local dU")} if not fp32 and dv >= kd.DHU_WIDE_DV["BV"] else {}),
         "dqkw": compile_one(kd._bwd_dqkw_kernel, opts("dqkw"), BK=BKF if BKF <= 128 and not fp32 else 64),
         "wy": compile_one(kd._bwd_wy_kernel, opts("wy"), NK=1 if BKF <= 128 and not fp32 else BKF // 64),
     }

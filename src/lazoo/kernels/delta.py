@@ -551,10 +551,12 @@ def _bwd_dhu_kernel(
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BKF: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, HAS_W: tl.constexpr, USE_DST: tl.constexpr, STORE_DS0: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    LOCAL_DU: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse over a sequence's chunks: stores each chunk's end-state gradient dS' (transposed) and
-    dU = P^T dO + diag(D) W dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T."""
+    dU = P^T dO + diag(D) W dS'^T; dS = γ_C dS' + scale dO^T diag(γ) Q - dU^T W~. Held as dS^T. P^T dO is read from
+    ``du`` (``_bwd_dv_local``'s), or with LOCAL_DU formed here from the chunk's k, q and dO tiles the walk loads
+    anyway (two more products a chunk, one kernel and a round trip of dU less)."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     i_nh, i_h, i_v, bos, eos, c0, NTn, m_s, p_end, p_h = _state_program(cu, coff, H, K, V, C, BKF, BV)
     FULL: tl.constexpr = K == BKF and V % BV == 0  # tiles need no mask
@@ -562,6 +564,8 @@ def _bwd_dhu_kernel(
     if USE_DST:
         b_ds += tl.load(dsT + i_nh * V * K + p_end, mask=m_s, other=0).to(tl.float32)
     dhb = dh + (c0 * H + i_h) * K * V
+    o_c = tl.arange(0, C)
+    triu = o_c[:, None] <= o_c[None, :]
     for jj in range(0, NTn):
         j = NTn - 1 - jj
         t0 = bos + j * C
@@ -569,18 +573,33 @@ def _bwd_dhu_kernel(
             tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty))
         else:
             tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty), mask=m_s)
-        b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_f = b_b
         b_fq = tl.full([C], 1.0, tl.float32) * scale
         if HAS_G:
             b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_fq = b_fq * tl.exp(b_G)
         b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
-        b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
-            + dot(b_k, b_ds, DT, PREC) * b_f[:, None]
-        _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
-        b_do = _load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
-        b_qT = tl.trans(_load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
+        if LOCAL_DU:  # P^T dO, P^T[i, t] = scale [i <= t] E[t, i] β_i (k_i . q_t), as ``_bwd_dv_local``
+            b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+            b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
+            if HAS_G:
+                b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+            else:
+                b_pt = tl.where(triu, b_pt, 0.0)
+            # the local part first: this order spills 212 bytes on sm_90 at 128-wide dv blocks, the other 520
+            b_du = dot(b_pt * (b_b * scale)[:, None], b_do, DT, PREC) + dot(b_k, b_ds, DT, PREC) * b_f[:, None]
+            _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
+            b_do = b_do.to(tl.float32) * b_fq[:, None]
+            b_qT = tl.trans(b_q)
+        else:
+            b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
+                + dot(b_k, b_ds, DT, PREC) * b_f[:, None]
+            _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
+            b_do = _load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
+            b_qT = tl.trans(_load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
         b_wtT = tl.trans(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF))
         if HAS_G:
             b_ds = b_ds * tl.exp(g_last)
@@ -592,13 +611,15 @@ def _bwd_dhu_kernel(
 
 @triton.jit
 def _bwd_dqkw_kernel(
-    q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, chunks, cu, scale, TT,
+    q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, rq, chunks, cu, scale, TT,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_W: tl.constexpr, NORM_Q: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """For one chunk and one block of dk: dq; the part of dW from the output and the state update;
-    dW~ = -dU S; and this block's share of dG (written to dgp[i_k])."""
+    dW~ = -dU S; and this block's share of dG (written to dgp[i_k]). With NORM_Q (all of dk in the block, one value
+    head a key head) q is the L2-normalised query and ``rq`` its rows' 1/sqrt(|x|² + 1e-6): dq is taken back through
+    the norm here, dq_x = rstd (dq - q (q · dq)), rounded once."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NK: tl.constexpr = (K + BK - 1) // BK
     i_c, i_k, i_h = _parallel_ids(NK, H)
@@ -659,22 +680,26 @@ def _bwd_dqkw_kernel(
         b_mt = tl.where(triu, b_dpt, 0.0) * scale
         b_dq = _dot_acc(b_m * b_b[None, :], b_k, b_dos * scale, DT, PREC)
         b_dw = _dot_acc(b_mt, b_q, b_uds, DT, PREC)
-    _store_tile(dq + i_h * K, b_dq, t0, eos, H * K, kb, K, C, BK)
     _store_tile(dw + i_h * K, b_dw, t0, eos, H * K, kb, K, C, BK)
     _store_tile(dwt + i_h * K, -b_dwt, t0, eos, H * K, kb, K, C, BK)
+    if NORM_Q:  # last, with fewer tiles live; q read again (from L2): kept from above it spilled 96 bytes on sm_90
+        b_qn = _load_tile(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dq = (b_dq - b_qn * tl.sum(b_qn * b_dq, 1)[:, None]) * _load_vec(rq + i_h, t0, eos, H, C)[:, None]
+    _store_tile(dq + i_h * K, b_dq, t0, eos, H * K, kb, K, C, BK)
 
 
 @triton.jit
 def _bwd_wy_kernel(
-    k, w, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, chunks, cu, TT,
+    k, w, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg, rk, chunks, cu, TT,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, TDT: tl.constexpr,
-    PREC: tl.constexpr,
+    NK: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, NORM_K: tl.constexpr, DT: tl.constexpr,
+    TDT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Back through W~ = A Γ K, U~ = A V and A = (I + L)^{-1}: dv, dk, dβ (or, for given write keys,
     the full dW into ``dbeta``) and (gated) dg. dA and dA^T are each accumulated as their own products
-    of loaded tiles."""
+    of loaded tiles. With NORM_K (one value head a key head) k is the L2-normalised key and ``rk`` its rows'
+    1/sqrt(|x|² + 1e-6): dk is taken back through the norm here, in a second pass over the blocks it stored."""
     i_c, _, i_h = _parallel_ids(1, H)
     t0, eos = _chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
@@ -716,6 +741,7 @@ def _bwd_wy_kernel(
         b_At = b_At * gam[:, None]  # d(Γ K) = A^T dW~, then Γ: diag(γ) A^T
     b_dl = b_dl * b_b[None, :]
     b_db = tl.zeros([C], dtype=tl.float32)
+    b_kdk = tl.zeros([C], dtype=tl.float32)  # k · dk, for the norm's backward
     for kb in range(0, K, BK):
         b_k = _load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_kf = b_k.to(tl.float32)
@@ -735,7 +761,16 @@ def _bwd_wy_kernel(
         else:
             b_dk = b_dkl + b_dw * b_b[:, None] + b_dkg
             b_db += tl.sum(b_dw * b_kf, 1)
+        if NORM_K:
+            b_kdk += tl.sum(b_kf * b_dk, 1)
         _store_tile(dk + i_h * K, b_dk, t0, eos, H * K, kb, K, C, BK)
+    if NORM_K:  # dk_x = rstd (dk - k (k · dk)), over the blocks just stored (visible to the block after a barrier)
+        tl.debug_barrier()
+        b_rk = _load_vec(rk + i_h, t0, eos, H, C)
+        for kb in range(0, K, BK):
+            b_kf = _load_tile(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+            b_dk = _load_tile(dk + i_h * K, t0, eos, H * K, kb, K, C, BK)
+            _store_tile(dk + i_h * K, (b_dk - b_kf * b_kdk[:, None]) * b_rk[:, None], t0, eos, H * K, kb, K, C, BK)
     if not HAS_W:
         tl.store(dbeta + (t0 + o_c) * H + i_h, b_db, mask=o_c < eos - t0)
     if HAS_G:
@@ -971,6 +1006,28 @@ DHU_WIDE_DV = {"BV": 128, "num_warps": 8, "num_stages": 2}
 #: in bf16 as well: fwd + bwd within 0.5 %, the forward 4 % slower)
 TRIANGULAR_16BIT = True
 
+#: dq and dk taken back through q's and k's L2 norms by ``_bwd_dqkw`` and ``_bwd_wy`` (one value head a key head)
+#: instead of a pass of their own over both gradients (``qk_grads``). H200, bf16, gated, fwd + bwd with it against
+#: without: T = 1k 3.086 -> 2.994 ms, 8k 3.221 -> 3.132, 32k 4.117 -> 4.030; each gradient rounded once (errors
+#: against float64 the same or lower)
+NORM_BACKWARD_IN_KERNELS = True
+
+
+#: ``_bwd_dhu`` forms the local part of dU (P^T dO) itself instead of reading ``_bwd_dv_local``'s: True, False, or
+#: None for where it paid: one dv block a head (P^T formed once) and at least LOCAL_DU_MIN_PROGRAMS_PER_SM programs a
+#: multiprocessor. H200, bf16, gated, fwd + bwd, forced on against off (norms' backward in the kernels both times):
+#: T = 1k B = 32 (512 programs of 128-wide blocks) 2.994 -> 2.967 ms, 8k HV = 2H (128 such) 5.798 -> 5.692; but with
+#: 64-wide blocks, 8k HV = H (128 programs, P^T formed twice a head) 3.133 -> 3.198 and 32k B = 1 (32) 4.030 -> 4.966:
+#: the walk is the backward's sequential part, and with few programs its added products are not hidden
+LOCAL_DU_IN_WALK: bool | None = None
+LOCAL_DU_MIN_PROGRAMS_PER_SM = 0.5
+
+
+def _local_du_in_walk(programs: int, BV: int, V: int, device, interpret: bool) -> bool:
+    if LOCAL_DU_IN_WALK is not None:
+        return LOCAL_DU_IN_WALK
+    return interpret or (BV >= V and programs >= LOCAL_DU_MIN_PROGRAMS_PER_SM * num_sms(device))
+
 
 def _triangular_type(q: torch.Tensor, DT, given_write_keys: bool):
     """Operand type of ``_fwd_wu``'s and ``_bwd_wy``'s triangular products for inputs like q: the 16-bit type, but
@@ -1081,10 +1138,21 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
 
 
-def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool, w=None):
+def norms_in_backward(q: torch.Tensor, H: int, given_write_keys: bool) -> bool:
+    """Whether ``chunk_bwd`` takes dq and dk back through q's and k's L2 norms itself (``NORM_BACKWARD_IN_KERNELS``,
+    one value head a key head, all of dk in one dq program), sparing the caller's ``qk_grads`` pass."""
+    K = q.shape[-1]
+    return (NORM_BACKWARD_IN_KERNELS and q.shape[1] == H and not given_write_keys
+            and (q.device.type == "cpu" or (next_pow2(K) <= 128 and q.dtype != torch.float32
+                                              and not CONFIGS["dqkw"].get("BK"))))
+
+
+def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, need_ds0: bool, w=None,
+              norms=None):
     """Gradients ``(dq, dk, dv, dbeta, dg, ds0)``; with write keys w, ``dbeta`` is dw ``[TT, H, dk]``. dq and dk are
     per value head ``[TT, H, dk]``: with grouped value heads the caller sums each key head's group (``qk_grads``, with
-    the L2 norms' backward in the same launch)."""
+    the L2 norms' backward in the same launch). ``norms``: ``(rstd_q, rstd_k)`` of ``l2norm_fwd`` where q and k are
+    normalised and ``norms_in_backward`` holds: dq and dk come back through the norms."""
     TT, HK, K = q.shape
     H, V = v.shape[1:]
     dev = q.device
@@ -1100,18 +1168,20 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
     du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    BVd = _table_bv("dv_local", BV, interp)
-    _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
-        q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
-        H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVd, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
-        **_opts("dv_local", interp, FP32))
+    BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
+    local_du = _local_du_in_walk(N * H * triton.cdiv(V, BVh), BVh, V, dev, interp)
+    if not local_du:
+        BVd = _table_bv("dv_local", BV, interp)
+        _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
+            q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
+            H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVd, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+            **_opts("dv_local", interp, FP32))
     dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
-    BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
     _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
         q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
-        STORE_DS0=need_ds0, DT=DT, PREC=PREC, **dhu_opts)
+        STORE_DS0=need_ds0, LOCAL_DU=local_du, DT=DT, PREC=PREC, **dhu_opts)
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     if not interp and CONFIGS["dqkw"].get("BK"):
         BKq = CONFIGS["dqkw"]["BK"]
@@ -1122,17 +1192,21 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
+    NORM = norms is not None
+    if NORM and (NK != 1 or HK != H or HAS_W):
+        raise ValueError("chunk_bwd: the norms' backward in the kernels needs one value head a key head and dk whole")
+    rq, rk = norms if NORM else (A, A)
     _bwd_dqkw_kernel[(NT * NK * H,)](
-        q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, seqs.chunks, seqs.cu, scale, TT,
-        H=H, HK=HK, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, rq, seqs.chunks, seqs.cu, scale, TT,
+        H=H, HK=HK, K=K, V=V, C=C, BK=BKq, BV=BV, HAS_G=HAS_G, HAS_W=HAS_W, NORM_Q=NORM, DT=DT, PREC=PREC,
         **_opts("dqkw", interp, FP32))
     dk = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(w) if HAS_W else torch.empty(TT, H, device=dev, dtype=f32)
     dg = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
     _bwd_wy_kernel[(NT * H,)](
-        k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, seqs.chunks, seqs.cu,
-        TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT,
+        k, kw, v, beta, Gc, A, du, dw, dwt, dgp, dk, dv, dbeta, dg if HAS_G else dbeta, rk, seqs.chunks, seqs.cu,
+        TT, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV, NK=NK, HAS_G=HAS_G, HAS_W=HAS_W, NORM_K=NORM, DT=DT,
         TDT=_triangular_type(q, DT, HAS_W), PREC=PREC, **_opts("wy", interp, FP32))
     return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
 
@@ -1259,9 +1333,11 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         do = do.reshape(B * T, H, V).contiguous()
         dsT = None if dsT is None else dsT.contiguous().float()
         need_ds0 = S0 is not None and ctx.needs_input_grad[6]
+        inside = rq is not None and norms_in_backward(qf, H, wf is not None)
         dq, dk, dv, db, dg, ds0 = chunk_bwd(qf, kf, vf, bf, gf, S0, ctx.scale, ctx.seqs, ctx.C,
-                                            (Gc, A, wt, vnew, h), do, dsT, need_ds0, w=wf)
-        if rq is not None or H != HK:  # each group's partials summed, back through the L2 norms of q and k
+                                            (Gc, A, wt, vnew, h), do, dsT, need_ds0, w=wf,
+                                            norms=(rq, rk) if inside else None)
+        if (rq is not None and not inside) or H != HK:  # each group's partials summed, back through the L2 norms
             norms = ((qf, rq), (kf, rk)) if rq is not None else (None, None)
             dq, dk = qk_grads(dq, dk, H // HK, *norms)
         b_dt, g_dt, s_dt = ctx.dtypes
