@@ -1,0 +1,61 @@
+"""Where the gated delta rule's forward + backward time goes, kernel by kernel, at the frontier's inputs.
+
+    PYTHONPATH=src python experiments/gdn_kernel_profile.py [--out F]
+
+On a CUDA GPU: for T = 1k (B = 32), 8k (B = 4, HV = 2H) and 32k (B = 1), H = 16, D = 128, bf16
+(``lazoo.bench.delta_frontier.make_inputs``: raw q and k, normalised inside the op), five warm-up steps of
+``gated_delta_rule(...).backward(do)``, then torch.profiler over ten: each GPU kernel's time a step (ms) and their sum,
+one JSON line a shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lazoo import ops
+from lazoo.bench.delta_frontier import make_inputs
+
+SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
+
+
+def kernel_times(T, B, H, HV, steps=10) -> dict:
+    x = make_inputs(T, B, H, HV, torch.bfloat16, "cuda", seed=0)
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "beta", "g")]
+    do = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o = ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=128 ** -0.5, backend="triton")[0]
+        o.backward(do)
+        for t in leaves:
+            t.grad = None
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = {e.key: round(e.device_time_total / steps / 1000, 4) for e in prof.key_averages()
+            if e.device_time_total > 0 and "Function" not in e.key}  # kernels, not the autograd nodes around them
+    rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+    return dict(T=T, B=B, HV=HV, kernels_ms=rows, total=round(sum(rows.values()), 4))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gdn_kernel_profile: needs a CUDA GPU")
+    with open(args.out, "a") if args.out else open("/dev/null", "w") as out:
+        for shape in SHAPES:
+            line = json.dumps(kernel_times(*shape))
+            print(line, flush=True)
+            out.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
