@@ -1008,7 +1008,7 @@ TRIANGULAR_16BIT = True
 
 #: dq and dk taken back through q's and k's L2 norms by ``_bwd_dqkw`` and ``_bwd_wy`` (one value head a key head)
 #: instead of a pass of their own over both gradients (``qk_grads``). H200, bf16, gated, fwd + bwd with it against
-#: without: T = 1k 3.086 -> 2.994 ms, 8k 3.221 -> 3.132, 32k 4.117 -> 4.030; each gradient rounded once (errors
+#: without: T = 1k 3.086 -> 2.994 ms, 8k 3.221 -> 3.132, 32k 4.117 -> 4.030; dq rounded once instead of twice (errors
 #: against float64 the same or lower)
 NORM_BACKWARD_IN_KERNELS = True
 
@@ -1016,8 +1016,8 @@ NORM_BACKWARD_IN_KERNELS = True
 #: ``_bwd_dhu`` forms the local part of dU (P^T dO) itself instead of reading ``_bwd_dv_local``'s: True, False, or
 #: None for where it paid: one dv block a head (P^T formed once) and at least LOCAL_DU_MIN_PROGRAMS_PER_SM programs a
 #: multiprocessor. H200, bf16, gated, fwd + bwd, forced on against off (norms' backward in the kernels both times):
-#: T = 1k B = 32 (512 programs of 128-wide blocks) 2.994 -> 2.967 ms, 8k HV = 2H (128 such) 5.798 -> 5.692; but with
-#: 64-wide blocks, 8k HV = H (128 programs, P^T formed twice a head) 3.133 -> 3.198 and 32k B = 1 (32) 4.030 -> 4.966:
+#: T = 1k B = 32 (512 programs of 128-wide blocks) 2.994 -> 2.967 ms, 8k HV = 2H (128 such) 5.798 -> 5.698; but with
+#: 64-wide blocks, 8k HV = H (128 programs, P^T formed twice a head) 3.132 -> 3.202 and 32k B = 1 (32) 4.030 -> 4.971:
 #: the walk is the backward's sequential part, and with few programs its added products are not hidden
 LOCAL_DU_IN_WALK: bool | None = None
 LOCAL_DU_MIN_PROGRAMS_PER_SM = 0.5
