@@ -67,7 +67,8 @@ def test_state_gradient_walk_takes_whole_dv_blocks_once_its_programs_outnumber_t
 def test_state_gradient_walk_forms_local_du_only_with_whole_dv_blocks_and_programs_to_spare(monkeypatch):
     """_bwd_dhu forms P^T dO itself where each head's P^T is formed once (one dv block) and its programs fill at
     least half the SMs (T = 1k, B = 32; 8k with HV = 2H), not at 8k with HV = H (two 64-wide blocks a head) or at
-    32k with one sequence; the interpreter always takes it, and the module setting forces either."""
+    32k with one sequence, nor for given write keys; the interpreter takes it for the (gated) delta rule, and the
+    module setting forces either."""
     from lazoo.kernels import delta
 
     monkeypatch.setattr(delta, "num_sms", lambda device: 132)
@@ -77,6 +78,7 @@ def test_state_gradient_walk_forms_local_du_only_with_whole_dv_blocks_and_progra
     assert not delta._local_du_in_walk(128, 64, 128, cpu, False)
     assert not delta._local_du_in_walk(32, 128, 128, cpu, False)
     assert delta._local_du_in_walk(1, 64, 128, cpu, True)
+    assert not delta._local_du_in_walk(512, 128, 128, cpu, False, has_w=True)  # given write keys: not measured
     monkeypatch.setattr(delta, "LOCAL_DU_IN_WALK", False)
     assert not delta._local_du_in_walk(512, 128, 128, cpu, False)
 

@@ -1018,14 +1018,17 @@ NORM_BACKWARD_IN_KERNELS = True
 #: multiprocessor. H200, bf16, gated, fwd + bwd, forced on against off (norms' backward in the kernels both times):
 #: T = 1k B = 32 (512 programs of 128-wide blocks) 2.994 -> 2.967 ms, 8k HV = 2H (128 such) 5.798 -> 5.698; but with
 #: 64-wide blocks, 8k HV = H (128 programs, P^T formed twice a head) 3.132 -> 3.202 and 32k B = 1 (32) 4.030 -> 4.971:
-#: the walk is the backward's sequential part, and with few programs its added products are not hidden
+#: the walk is the backward's sequential part, and with few programs its added products are not hidden. Measured for
+#: the (gated) delta rule only: given write keys keep ``_bwd_dv_local``
 LOCAL_DU_IN_WALK: bool | None = None
 LOCAL_DU_MIN_PROGRAMS_PER_SM = 0.5
 
 
-def _local_du_in_walk(programs: int, BV: int, V: int, device, interpret: bool) -> bool:
+def _local_du_in_walk(programs: int, BV: int, V: int, device, interpret: bool, has_w: bool = False) -> bool:
     if LOCAL_DU_IN_WALK is not None:
         return LOCAL_DU_IN_WALK
+    if has_w:
+        return False
     return interpret or (BV >= V and programs >= LOCAL_DU_MIN_PROGRAMS_PER_SM * num_sms(device))
 
 
@@ -1169,7 +1172,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     NT, N = seqs.NT, seqs.N
     du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
-    local_du = _local_du_in_walk(N * H * triton.cdiv(V, BVh), BVh, V, dev, interp)
+    local_du = _local_du_in_walk(N * H * triton.cdiv(V, BVh), BVh, V, dev, interp, HAS_W)
     if not local_du:
         BVd = _table_bv("dv_local", BV, interp)
         _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
