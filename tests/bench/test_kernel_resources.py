@@ -40,6 +40,22 @@ def test_decode_linear_kernels_fit_hopper(single_thread, rows):
         assert r["spill_stores"] == 0, (name, r)
 
 
+def test_delta_gluon_kernels_fit_hopper(single_thread):
+    """The gated delta rule's state walk in Triton's Gluon dialect compiles for sm_90 with this Triton (for training,
+    gated and not, without autograd, and in narrow dv blocks), fits a Hopper block and does not spill."""
+    from lazoo.kernels import delta_gluon
+
+    if delta_gluon.GLUON_ERROR is not None:
+        pytest.skip(f"this Triton has no Gluon: {delta_gluon.GLUON_ERROR}")
+    report = kernel_resources.delta_gluon_report()
+    assert set(report) == {"training walk", "training walk, ungated", "walk without autograd",
+                           "training walk, dv blocks of 32"}, report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
+
+
 @pytest.mark.slow  # shows once that the check can fail; the default run keeps the checks themselves
 def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
     """A matrix product over 256 × 256 fp32 tiles in 3 pipeline stages needs far more than a Hopper block has."""

@@ -104,6 +104,37 @@ def test_chunk_parallel_dv_block_comes_from_the_table(monkeypatch):
     assert delta._table_bv("o", 64, interpret=True) == 64
 
 
+def test_gluon_walk_only_where_asked_and_supported(monkeypatch):
+    """The Gluon training walk is off by default; asked for where it cannot run (no Hopper GPU here), it says why once
+    and the Triton kernels run; the interpreter never takes it."""
+    import warnings
+
+    from lazoo.kernels import delta
+
+    q = torch.empty(10, 4, 128, dtype=torch.bfloat16, device="meta")
+    assert delta.gluon_walk(q, 128, 128, 64, False, seq_heads=10_000) == 0
+    monkeypatch.setattr(delta, "USE_GLUON_WALK", True)
+    monkeypatch.setattr(delta, "_GLUON_WALK_REFUSALS", set())
+    assert delta.gluon_walk(torch.empty(1, 4, 128), 128, 128, 64, False, seq_heads=10_000) == 0  # CPU
+    with pytest.warns(UserWarning, match="Gluon state walk was asked for but"):
+        assert delta.gluon_walk(q, 128, 128, 64, False, seq_heads=10_000) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert delta.gluon_walk(q, 128, 128, 64, False, seq_heads=10_000) == 0  # said once
+
+
+def test_gluon_walk_takes_narrow_dv_blocks_for_few_sequences_and_heads(monkeypatch):
+    """The Gluon walk's dv block: 64 wide while that gives every multiprocessor a program, else 32."""
+    from lazoo.kernels import delta_gluon
+
+    monkeypatch.setattr(delta_gluon, "num_sms", lambda device: 132)
+    assert delta_gluon.walk_block(512, 128, "cuda") == 64  # T = 1k, B = 32, 16 heads
+    assert delta_gluon.walk_block(64, 128, "cuda") == 32  # T = 8k, B = 4: 128 programs of 64 for 132 SMs
+    assert delta_gluon.walk_block(128, 128, "cuda") == 64  # T = 8k, B = 4, 32 value heads
+    assert delta_gluon.walk_block(16, 128, "cuda") == 32  # one sequence of 16 heads
+    assert delta_gluon.walk_block(512, 96, "cuda") == 32  # dv no multiple of 64
+
+
 def test_triangular_products_take_16_bit_operands_only_where_measured(monkeypatch):
     """The training kernels' triangular products take the inputs' 16-bit type (W = β k); given write keys and fp32
     inputs keep fp32 operands (tf32 / tf32x3), as does everything with the switch off."""
@@ -540,6 +571,76 @@ def test_gpu_backward_variants(monkeypatch, local_du, norms_inside):
     check_against_reference("gated", x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
                             device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
                             cu_seqlens=torch.tensor([0, 1, 400, 1000]))
+
+
+def _needs_gluon_walk():
+    from lazoo.kernels import delta_gluon
+
+    why = delta_gluon.walk_supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128, 128, 64, False)
+    if why is not None:
+        pytest.skip(f"the Gluon walk does not run here: {why}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bv", [64, 32], ids=["dv_blocks_64", "dv_blocks_32"])
+def test_gpu_gluon_walk_matches_the_triton_kernels(monkeypatch, op, dtype, bv):
+    """The training forward's state walk and outputs as one Gluon kernel against ``_fwd_h`` and ``_fwd_o`` on the same
+    inputs (packed sequences of ragged lengths, one shorter than a chunk, a carried state, two value heads a key head
+    with fp32 β and g): outputs, final state and what the backward reads (chunk states and pseudo-values); and the
+    forward without autograd through the same kernel."""
+    from lazoo.kernels import delta, delta_gluon
+
+    _needs_gluon_walk()
+    monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    T, HK, H, D = 1000, 2, 4, 128
+    cu = torch.tensor([0, 1, 63, 400, 1000], device="cuda")
+    q, k = (F.normalize(torch.randn(T, HK, D, device="cuda", generator=gen), dim=-1).to(dtype) for _ in range(2))
+    v = torch.randn(T, H, D, device="cuda", generator=gen).to(dtype)
+    beta = torch.rand(T, H, device="cuda", generator=gen)
+    g = F.logsigmoid(torch.randn(T, H, device="cuda", generator=gen) + 2) if op == "gated" else None
+    S0 = torch.randn(4, H, D, D, device="cuda", generator=gen) * 0.5
+    seqs = delta.seqs_for(1, T, cu, 64, q.device)
+    runs = {}
+    for gluon in (False, True):
+        monkeypatch.setattr(delta, "USE_GLUON_WALK", gluon)
+        o, sT, saved = delta.chunk_fwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, True)
+        runs[gluon] = (o, sT, saved[3], saved[4])
+    o, sT, saved = delta.chunk_fwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, True, save=False)  # no autograd
+    assert saved is None
+    names = ["output", "final state", "pseudo-values", "chunk states", "output without autograd",
+             "final state without autograd"]
+    for name, ref, got in zip(names, runs[False] + runs[False][:2], runs[True] + (o, sT)):
+        err = rel_err(got.double(), ref.double())
+        print(f"{op} {dtype} {name}: {err:.1e}")
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert err < (2e-3 if "final state" in name else 1e-2), (name, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("bv", [64, 32], ids=["dv_blocks_64", "dv_blocks_32"])
+def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv):
+    """Forward and backward with the Gluon walk forced, against float64: packed sequences with a carried state, and
+    grouped value heads with fp32 β and g."""
+    from lazoo.kernels import delta, delta_gluon
+
+    _needs_gluon_walk()
+    monkeypatch.setattr(delta, "USE_GLUON_WALK", True)
+    monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
+    H, D = 4, 128
+    x = inputs(1, 1000, H, D, D, seed=43)
+    check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
+                            cu_seqlens=torch.tensor([0, 1, 400, 1000]))
+    x = inputs(2, 1000, 2, D, D, seed=44, value_heads=4)
+    check_against_reference(op, x, torch.randn(2, 4, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, scalar_dtype=torch.float32, ref_backend="chunk",
+                            ref_device="cuda")
 
 
 @pytest.mark.gpu

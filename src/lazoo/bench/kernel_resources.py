@@ -32,15 +32,17 @@ SHARED_LIMIT = 232448
 
 def measure(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
             maxnreg: int | None = None) -> dict:
-    """``{"shared", "regs", "spill_stores"}`` of ``fn`` compiled for sm_90 (pointers 16-byte aligned, as
-    PyTorch allocations are). ``signature`` maps every argument to a Triton type ("*bf16", "i32", ...) or
-    "constexpr"; ``constexprs`` gives the constexpr values."""
+    """``{"shared", "regs", "spill_stores"}`` of ``fn`` (a ``@triton.jit`` or a Gluon ``@gluon.jit`` kernel) compiled
+    for sm_90 (pointers 16-byte aligned, as PyTorch allocations are). ``signature`` maps every argument to a Triton
+    type ("*bf16", "i32", ...) or "constexpr"; ``constexprs`` gives the constexpr values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages,
@@ -555,6 +557,30 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
     }
 
 
+def delta_gluon_report(dk: int = 128, dv: int = 128, dtype: str = "bf16") -> dict:
+    """The gated delta rule's Hopper kernels in Triton's Gluon dialect (``lazoo.kernels.delta_gluon``) at their launch
+    settings, gated and not, for q, k, v in ``dtype`` (β in q's dtype, G float32); empty where this Triton has no
+    Gluon."""
+    from lazoo.kernels import delta_gluon as kg
+
+    if kg.GLUON_ERROR is not None:
+        return {}
+    x = f"*{dtype}"
+    ptr = {**dict.fromkeys(["q", "k", "beta", "wt", "ut", "h", "vnew", "o"], x),
+           **dict.fromkeys(["Gc", "s0", "sT"], "*fp32"), "cu": "*i32", "coff": "*i32"}
+    fn = kg._fwd_walk_train_kernel
+    report = {}
+    for gated in (True, False):
+        c = dict(H=16, HK=16, K=dk, V=dv, C=kg.CHUNK, BV=kg.WALK_BV, HAS_G=gated, USE_S0=True, STORE_S=True,
+                 SAVE=True, num_warps=kg.WALK_WARPS)
+        sig = {n: ptr.get(n, "fp32" if n == "scale" else "constexpr") for n in fn.arg_names}
+        report["training walk" + ("" if gated else ", ungated")] = measure(fn, sig, c, num_warps=kg.WALK_WARPS)
+    report["walk without autograd"] = measure(fn, sig, dict(c, HAS_G=True, SAVE=False), num_warps=kg.WALK_WARPS)
+    narrow = dict(c, BV=kg.WALK_NARROW_BV, HAS_G=True)
+    report[f"training walk, dv blocks of {kg.WALK_NARROW_BV}"] = measure(fn, sig, narrow, num_warps=kg.WALK_WARPS)
+    return report
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -593,6 +619,7 @@ def main() -> None:
     for dtype in ("bf16", "fp32"):
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))
     _print("Gated delta rule's training kernels (dk = dv = 128, bf16):", delta_training_report())
+    _print("Gated delta rule's Gluon kernels (dk = dv = 128, bf16):", delta_gluon_report())
     for dtype in ("bf16", "fp32"):
         _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 

@@ -54,10 +54,13 @@ stays within the GPU tests' 3e-3.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 
+from . import delta_gluon
 from ._chunk_layout import cached_uniform
 from ._launch import dot_types, fill_device
 from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
@@ -1032,6 +1035,35 @@ def _local_du_in_walk(programs: int, BV: int, V: int, device, interpret: bool, h
     return interpret or (BV >= V and programs >= LOCAL_DU_MIN_PROGRAMS_PER_SM * num_sms(device))
 
 
+#: the training forward's state walk and outputs as one Hopper kernel (``delta_gluon``, Triton's Gluon dialect) in
+#: place of ``_fwd_h`` and ``_fwd_o``: True, False, or None for where it is supported and the walk has at least
+#: GLUON_WALK_MIN_PROGRAMS_PER_SM programs (sequence, head, dv block) a multiprocessor (with few, the outputs' products
+#: would lengthen the one sequential chain). False until it has been checked and timed on a Hopper GPU
+USE_GLUON_WALK: bool | None = False
+GLUON_WALK_MIN_PROGRAMS_PER_SM = 0.75
+#: where the Gluon walk runs, it also serves the forward without autograd (after ``_fwd_wu``, storing neither chunk
+#: states nor pseudo-values) in place of ``_fwd_mix`` and ``_fwd_walk``
+GLUON_WALK_IN_PREFILL = True
+_GLUON_WALK_REFUSALS: set = set()
+
+
+def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, seq_heads: int) -> int:
+    """The dv block ``delta_gluon``'s walk runs for these inputs in ``chunk_fwd`` (``USE_GLUON_WALK``), or 0 for the
+    Triton kernels; where it was asked for and cannot run, says why once."""
+    if USE_GLUON_WALK is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
+        return 0
+    why = delta_gluon.walk_supported(q, K, V, C, given_write_keys)
+    if why is not None:
+        if USE_GLUON_WALK and why not in _GLUON_WALK_REFUSALS:
+            _GLUON_WALK_REFUSALS.add(why)
+            warnings.warn(f"lazoo: the Gluon state walk was asked for but {why}: the Triton kernels run instead",
+                          stacklevel=3)
+        return 0
+    BV = delta_gluon.walk_block(seq_heads, V, q.device)
+    programs = seq_heads * triton.cdiv(V, BV)
+    return BV if USE_GLUON_WALK or programs >= GLUON_WALK_MIN_PROGRAMS_PER_SM * num_sms(q.device) else 0
+
+
 def _triangular_type(q: torch.Tensor, DT, given_write_keys: bool):
     """Operand type of ``_fwd_wu``'s and ``_bwd_wy``'s triangular products for inputs like q: the 16-bit type, but
     fp32 (tf32; tf32x3 for fp32 inputs) for given write keys, whose 16-bit prefill gave non-finite outputs on an H200
@@ -1111,7 +1143,9 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
-    if not save and BKF <= WALK_MAX_HEAD_DIM:  # a forward without autograd (a prefill): nothing stored
+    BVg = gluon_walk(q, K, V, C, HAS_W, N * H) if save or GLUON_WALK_IN_PREFILL else 0  # 0: the Triton kernels
+    gluon = BVg > 0
+    if not save and BKF <= WALK_MAX_HEAD_DIM and not gluon:  # a forward without autograd (a prefill): nothing stored
         M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
         Y = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
         _fwd_mix_kernel[(NT * H,)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
@@ -1126,6 +1160,10 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, TDT=TDT, PREC=PREC, **_opts("wu", interp, FP32))
+    if gluon:
+        h, vnew, o = delta_gluon.fwd_walk_train(q, k, beta, Gc if HAS_G else None, wt, ut, S0 if use_s0 else None, sT,
+                                                seqs, scale, output_final_state, save, BVg)
+        return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h) if save else None)
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)

@@ -1,0 +1,279 @@
+"""Hopper (sm_90) kernels for the (gated) delta rule in Triton's Gluon dialect: explicit shared-memory tiles,
+asynchronous copies and warpgroup matrix products, where ``lazoo.kernels.delta``'s Triton kernels leave those choices
+to the compiler.
+
+``_fwd_walk_train``: the training forward's state walk with its outputs. Per sequence, head and dv block it runs
+over the chunks (C = 64 rows) holding Sᵀ ``[dk, BV]`` in fp32 registers and, per chunk,
+
+    U  = U~ - W~ Sᵀ                         (the pseudo-values, stored for the backward)
+    O  = scale (diag(γ) Q Sᵀ + P U),   P = tril(E ⊙ Q Kᵀ) diag(β)
+    Sᵀ' = γ_C Sᵀ + Kᵀ diag(β D) U        (each chunk's start state stored for the backward)
+
+which ``lazoo.kernels.delta`` splits into ``_fwd_h`` and ``_fwd_o`` (the fused form in plain Triton spilled on
+sm_90). Here the chunk's q, k, W~ and U~ tiles arrive by ``cp.async`` into two shared-memory buffers (the next
+chunk's copies in flight while this one computes), the start state enters its products from a bf16 copy in shared
+memory, and the transposed operands (Kᵀ in P and in the state update) are views of the loaded tiles: no product
+result is ever transposed.
+
+These kernels run only on Hopper GPUs (Gluon has no interpreter): the Triton kernels they stand in for stay the
+reference, on the CPU through the interpreter and on the GPU beside them (``tests/kernels/test_kernels_delta.py``).
+``chunk_fwd`` takes them only where ``USE_GLUON_WALK`` is set (see its comment) and ``walk_supported`` holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._utils import num_sms
+
+try:  # Gluon is part of Triton from 3.4 on, as an experimental dialect: its absence only removes these kernels
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    # the masked global-to-shared copy: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # a barrier of the program's threads: ``thread_barrier`` up to Triton 3.6, ``barrier`` after
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    GLUON_ERROR = None
+except Exception as e:  # noqa: BLE001 - an older or reorganised Triton
+    gluon = gl = cp = _async_load = _barrier = None
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+#: chunk rows, the dv blocks of the walk and its warps (two warpgroups: at one, sm_90 spills 68-168 bytes at dk = 128;
+#: at two, 250 registers and no spill with Triton 3.6 at 64-wide dv blocks, 195 at 32-wide; 128-wide ones spill).
+#: The narrow block where the wide one would leave multiprocessors without a program (one sequence of 16 heads)
+CHUNK = 64
+WALK_BV = 64
+WALK_NARROW_BV = 32
+WALK_WARPS = 8
+
+
+def walk_block(seq_heads: int, V: int, device) -> int:
+    """The walk's dv block for ``seq_heads`` sequences × value heads: ``WALK_BV``, or ``WALK_NARROW_BV`` where that
+    gives the GPU's multiprocessors fewer programs than it has (or dv is no multiple of it)."""
+    if V % WALK_BV == 0 and seq_heads * (V // WALK_BV) >= num_sms(device):
+        return WALK_BV
+    return WALK_NARROW_BV
+
+
+def walk_supported(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -> str | None:
+    """None where ``fwd_walk_train`` runs these inputs, else why not."""
+    if GLUON_ERROR is not None:
+        return f"Triton's Gluon dialect is not importable ({GLUON_ERROR})"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "needs a Hopper GPU (sm_90)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"needs 16-bit inputs, not {q.dtype}"
+    if given_write_keys:
+        return "takes β k write keys, not given ones"
+    if C != CHUNK or K not in (64, 128) or V % WALK_NARROW_BV:
+        return f"needs chunks of {CHUNK}, dk of 64 or 128 and dv a multiple of {WALK_NARROW_BV} (got {C}, {K}, {V})"
+    return None
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _load_layout(cols, num_warps):
+        """Rows of ``cols`` 16-bit values copied 16 bytes a thread, a warp's threads along a row first."""
+        across = min(32, cols // 8)
+        return gl.BlockedLayout([1, 8], [32 // across, across], [num_warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _mma_layout(rows, cols, num_warps):
+        """Accumulator layout of a ``[rows, cols]`` warpgroup product (``rows`` >= 64) over ``num_warps`` warps."""
+        warps = [4, 1]
+        while warps[0] * warps[1] != num_warps:
+            if rows > 16 * warps[0]:
+                warps[0] *= 2
+            else:
+                warps[1] *= 2
+        n = min(256, cols // warps[1])
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
+
+    @gluon.jit
+    def _copy_rows(smem, ptr, row0, eos, stride, col0, R: gl.constexpr, BC: gl.constexpr, LAYOUT: gl.constexpr):
+        """Issue the copy of rows ``row0 + [0, R)`` (those ``< eos``; zeros past it), columns ``col0 + [0, BC)``, of a
+        row-major tensor into ``smem`` (the caller commits the group)."""
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, LAYOUT))
+        c = gl.arange(0, BC, layout=gl.SliceLayout(0, LAYOUT))
+        offs = r[:, None] * stride + (col0 + c)[None, :]
+        _async_load(smem, ptr + row0 * stride + offs, mask=(r < eos - row0)[:, None])
+
+    @gluon.jit
+    def _rows(x, t0, eos, i_h, H: gl.constexpr, C: gl.constexpr, LAYOUT: gl.constexpr, pad):
+        """Column ``i_h`` of ``[TT, H]`` ``x`` at rows ``t0 + [0, C)`` as fp32, in ``LAYOUT``; ``pad`` past ``eos``."""
+        r = gl.arange(0, C, layout=LAYOUT)
+        return gl.where(r < eos - t0, gl.load(x + (t0 + r) * H + i_h, mask=r < eos - t0, other=0).to(gl.float32), pad)
+
+    @gluon.jit
+    def _gates(beta, Gc, t0, eos, i_h, H: gl.constexpr, C: gl.constexpr, HAS_G: gl.constexpr,
+               ROW: gl.constexpr, P_ROW: gl.constexpr, P_COL: gl.constexpr):
+        """A chunk's β by rows and by P's columns, and (gated) G by rows, by P's rows and columns, and at its last
+        row (rows past the sequence take that G, as if their g were 0, and β = 0)."""
+        beta_r = _rows(beta, t0, eos, i_h, H, C, ROW, 0.0)
+        beta_c = _rows(beta, t0, eos, i_h, H, C, P_COL, 0.0)
+        if HAS_G:
+            g_last = gl.load(Gc + gl.maximum(gl.minimum(t0 + C, eos) - 1, 0) * H + i_h)  # row 0 for an empty sequence
+            G_r = _rows(Gc, t0, eos, i_h, H, C, ROW, g_last)
+            G_pr = _rows(Gc, t0, eos, i_h, H, C, P_ROW, g_last)
+            G_pc = _rows(Gc, t0, eos, i_h, H, C, P_COL, g_last)
+        else:
+            g_last = 0.0
+            G_r = beta_r
+            G_pr = beta_c
+            G_pc = beta_c
+        return beta_r, beta_c, G_r, G_pr, G_pc, g_last
+
+    @gluon.jit
+    def _fwd_walk_train_kernel(
+        q, k, beta, Gc, wt, ut, h, vnew, o, s0, sT, cu, coff, scale,
+        H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BV: gl.constexpr,
+        HAS_G: gl.constexpr, USE_S0: gl.constexpr, STORE_S: gl.constexpr, SAVE: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """One program a (sequence, value head, dv block) of grid (N, H, V / BV): see the module docstring. q, k
+        ``[TT, HK, K]``, W~ ``[TT, H, K]``, U~ ``[TT, H, V]`` (the 16-bit type DT), β and G (the chunk-local cumulative
+        log decay) ``[TT, H]``; writes the chunk start states Sᵀ ``h [NT, H, K, V]`` (DT), U ``vnew [TT, H, V]`` and
+        O ``o [TT, H, V]`` (DT), and the final state ``sT [N, H, V, K]`` (fp32) where STORE_S; without SAVE (a forward
+        without autograd) neither h nor U."""
+        DT: gl.constexpr = q.dtype.element_ty
+        f32: gl.constexpr = gl.float32
+        scale = scale.to(f32)
+        i_n = gl.program_id(0)
+        i_h = gl.program_id(1)
+        i_v = gl.program_id(2)
+        i_k = i_h // (H // HK)  # the key head of this value head
+        bos = gl.load(cu + i_n).to(gl.int64)
+        eos = gl.load(cu + i_n + 1).to(gl.int64)
+        c0 = gl.load(coff + i_n).to(gl.int64)
+        n_chunks = ((eos - bos + C - 1) // C).to(gl.int32)
+        v0 = i_v * BV
+
+        LD_K: gl.constexpr = _load_layout(K, num_warps)  # [C, K] tiles from memory
+        LD_V: gl.constexpr = _load_layout(BV, num_warps)  # [C, BV] and [K, BV] tiles to and from memory
+        ACC_CV: gl.constexpr = _mma_layout(C, BV, num_warps)  # [C, BV]: U, Q Sᵀ, O
+        ACC_CC: gl.constexpr = _mma_layout(C, C, num_warps)  # [C, C]: P
+        ACC_KV: gl.constexpr = _mma_layout(K, BV, num_warps)  # [K, BV]: Sᵀ
+        ROW: gl.constexpr = gl.SliceLayout(1, ACC_CV)
+        P_ROW: gl.constexpr = gl.SliceLayout(1, ACC_CC)
+        P_COL: gl.constexpr = gl.SliceLayout(0, ACC_CC)
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_CV, k_width=2)
+        SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], DT)
+        SH_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], DT)
+        SH_S: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BV], DT)
+
+        # two buffers of a chunk's input tiles: chunk j's in buffer j % 2
+        q_s = gl.allocate_shared_memory(DT, [2, C, K], SH_K)
+        k_s = gl.allocate_shared_memory(DT, [2, C, K], SH_K)
+        w_s = gl.allocate_shared_memory(DT, [2, C, K], SH_K)
+        u_s = gl.allocate_shared_memory(DT, [2, C, BV], SH_V)
+        s_s = gl.allocate_shared_memory(DT, [K, BV], SH_S)  # the chunk's start state, the products' operand
+        x_s = gl.allocate_shared_memory(DT, [C, BV], SH_V)  # U
+        xf_s = gl.allocate_shared_memory(DT, [C, BV], SH_V)  # diag(β D) U
+
+        # the state in the accumulator's layout; the stores' offsets in the copies' layout
+        kr = gl.arange(0, K, layout=gl.SliceLayout(1, ACC_KV))
+        kc = gl.arange(0, BV, layout=gl.SliceLayout(0, ACC_KV))
+        p_state = (v0 + kc)[None, :] * K + kr[:, None]  # Sᵀ[k, v] in an [V, K] state
+        i_nh = (i_n * H + i_h).to(gl.int64)
+        S = gl.zeros([K, BV], f32, ACC_KV)
+        if USE_S0:
+            S += gl.load(s0 + i_nh * V * K + p_state)
+        sr = gl.arange(0, K, layout=gl.SliceLayout(1, LD_V))
+        sc = gl.arange(0, BV, layout=gl.SliceLayout(0, LD_V))
+        p_h = sr[:, None] * V + (v0 + sc)[None, :]
+        hb = h + (c0 * H + i_h) * K * V
+        orow = gl.arange(0, C, layout=gl.SliceLayout(1, LD_V))
+        ocol = gl.arange(0, BV, layout=gl.SliceLayout(0, LD_V))
+        p_cv = orow[:, None] * (H * V) + (v0 + ocol)[None, :]
+
+        # chunk 0's copies and gates
+        qk_base = i_k * K
+        _copy_rows(q_s.index(0), q + qk_base, bos, eos, HK * K, 0, C, K, LD_K)
+        _copy_rows(k_s.index(0), k + qk_base, bos, eos, HK * K, 0, C, K, LD_K)
+        _copy_rows(w_s.index(0), wt + i_h * K, bos, eos, H * K, 0, C, K, LD_K)
+        _copy_rows(u_s.index(0), ut + i_h * V, bos, eos, H * V, v0, C, BV, LD_V)
+        cp.commit_group()
+        gates = _gates(beta, Gc, bos, eos, i_h, H, C, HAS_G, ROW, P_ROW, P_COL)
+        for j in range(0, n_chunks):
+            buf = j % 2
+            t0 = bos + j * C
+            t1 = t0 + C
+            beta_r, beta_c, G_r, G_pr, G_pc, g_last = gates
+            # every warp is past the last chunk's products: their tiles may be overwritten
+            _barrier()
+            # the next chunk's copies into the other buffer; past the last chunk they copy nothing (t1 >= eos masks
+            # every row) and keep one group a chunk. Its gates, into registers
+            _copy_rows(q_s.index(1 - buf), q + qk_base, t1, eos, HK * K, 0, C, K, LD_K)
+            _copy_rows(k_s.index(1 - buf), k + qk_base, t1, eos, HK * K, 0, C, K, LD_K)
+            _copy_rows(w_s.index(1 - buf), wt + i_h * K, t1, eos, H * K, 0, C, K, LD_K)
+            _copy_rows(u_s.index(1 - buf), ut + i_h * V, t1, eos, H * V, v0, C, BV, LD_V)
+            cp.commit_group()
+            gates = _gates(beta, Gc, gl.minimum(t1, eos - 1), eos, i_h, H, C, HAS_G, ROW, P_ROW, P_COL)
+
+            # the start state to shared memory, the products' operand
+            s_s.store(S.to(DT))
+            cp.wait_group(1)  # this chunk's tiles have landed (the next chunk's may still be in flight)
+            fence_async_shared()  # each thread's stores and copies ordered before the products' reads...
+            _barrier()  # ...and every thread's done
+
+            # W~ Sᵀ, Q Kᵀ and Q Sᵀ from shared memory, together; the start state to h for the backward meanwhile
+            wS = warpgroup_mma(w_s.index(buf), s_s, gl.zeros([C, BV], f32, ACC_CV), use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_s.index(buf), k_s.index(buf).permute((1, 0)), gl.zeros([C, C], f32, ACC_CC),
+                               use_acc=False, is_async=True)
+            qS = warpgroup_mma(q_s.index(buf), s_s, gl.zeros([C, BV], f32, ACC_CV), use_acc=False, is_async=True)
+            if SAVE:
+                gl.store(hb + j.to(gl.int64) * (H * K * V) + p_h, s_s.load(LD_V))
+            wS, qk, qS = warpgroup_mma_wait(0, deps=(wS, qk, qS))
+
+            # U = U~ - W~ Sᵀ; P = tril(E ⊙ Q Kᵀ) diag(β) scale
+            X = u_s.index(buf).load(ACC_CV).to(f32) - wS
+            x_s.store(X.to(DT))
+            if HAS_G:
+                f = beta_r * gl.exp(g_last - G_r)
+                keep = (gl.arange(0, C, layout=P_ROW)[:, None] >= gl.arange(0, C, layout=P_COL)[None, :])
+                P = gl.where(keep, qk * gl.exp(gl.where(keep, G_pr[:, None] - G_pc[None, :], 0.0)), 0.0)
+                qS = qS * (gl.exp(G_r) * scale)[:, None]
+                S = S * gl.exp(g_last)
+            else:
+                f = beta_r
+                P = gl.where(gl.arange(0, C, layout=P_ROW)[:, None] >= gl.arange(0, C, layout=P_COL)[None, :], qk, 0.0)
+                qS = qS * scale
+            xf_s.store((X * f[:, None]).to(DT))
+            P16 = gl.convert_layout((P * (beta_c * scale)[None, :]).to(DT), P_OP)
+            fence_async_shared()
+            _barrier()  # U and diag(β D) U whole in shared memory (each warp wrote part of them)
+
+            # O = diag(γ) scale Q Sᵀ + P U and the state update, together; U to vnew for the backward meanwhile
+            out = warpgroup_mma(P16, x_s, qS, is_async=True)
+            S = warpgroup_mma(k_s.index(buf).permute((1, 0)), xf_s, S, is_async=True)
+            rows_ok = (orow < eos - t0)[:, None]
+            if SAVE:
+                gl.store(vnew + t0 * (H * V) + i_h * V + p_cv, x_s.load(LD_V), mask=rows_ok)
+            out, S = warpgroup_mma_wait(0, deps=(out, S))
+            gl.store(o + t0 * (H * V) + i_h * V + p_cv, gl.convert_layout(out.to(DT), LD_V), mask=rows_ok)
+        cp.wait_group(0)
+        if STORE_S:
+            gl.store(sT + i_nh * V * K + p_state, S)
+
+
+def fwd_walk_train(q, k, beta, Gc, wt, ut, S0, sT, seqs, scale: float, output_final_state: bool, save: bool = True,
+                   BV: int = WALK_BV):
+    """``(h, vnew, o)`` of the forward from ``_fwd_solve``'s G and ``_fwd_wu``'s W~ and U~ (flattened ``[TT, heads, d]``
+    inputs as ``lazoo.kernels.delta.chunk_fwd`` holds them), in dv blocks of ``BV`` (``walk_block``); the final state
+    goes to ``sT`` where ``output_final_state``. ``Gc`` None for the ungated rule. Without ``save`` h and vnew are None
+    (not computed)."""
+    TT, HK, K = q.shape
+    H, V = ut.shape[1:]
+    h = torch.empty(seqs.NT, H, K, V, device=q.device, dtype=q.dtype) if save else ut
+    vnew = torch.empty(TT, H, V, device=q.device, dtype=q.dtype) if save else ut
+    o = torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
+    has_g = Gc is not None
+    _fwd_walk_train_kernel[(seqs.N, H, triton.cdiv(V, BV))](
+        q, k, beta, Gc if has_g else beta, wt, ut, h, vnew, o, S0 if S0 is not None else sT, sT, seqs.cu, seqs.coff,
+        scale, H=H, HK=HK, K=K, V=V, C=CHUNK, BV=BV, HAS_G=has_g, USE_S0=S0 is not None,
+        STORE_S=output_final_state, SAVE=save, num_warps=WALK_WARPS)
+    return (h, vnew, o) if save else (None, None, o)
