@@ -1,11 +1,12 @@
 """Where the gated delta rule's forward + backward time goes, kernel by kernel, at the frontier's inputs.
 
-    PYTHONPATH=src python experiments/gdn_kernel_profile.py [--out F]
+    PYTHONPATH=src python experiments/gdn_kernel_profile.py [--out F] [--set LABEL:module.ATTR=value,...] [--no-grad]
 
 On a CUDA GPU: for T = 1k (B = 32), 8k (B = 4, HV = 2H) and 32k (B = 1), H = 16, D = 128, bf16
 (``lazoo.bench.delta_frontier.make_inputs``: raw q and k, normalised inside the op), five warm-up steps of
-``gated_delta_rule(...).backward(do)``, then torch.profiler over ten: each GPU kernel's time a step (ms) and their sum,
-one JSON line a shape.
+``gated_delta_rule(...).backward(do)`` (``--no-grad``: of the forward without autograd), then torch.profiler over
+ten: each GPU kernel's time a step (ms) and their sum, one JSON line a shape, for the tree as it is and for each
+``--set`` of module settings (``lazoo.bench.variants``, e.g. ``gluon:lazoo.kernels.delta.USE_GLUON_WALK=True``).
 """
 from __future__ import annotations
 
@@ -17,20 +18,22 @@ from torch.profiler import ProfilerActivity, profile
 
 from lazoo import ops
 from lazoo.bench.delta_frontier import make_inputs
+from lazoo.bench.variants import parse_variant, variant_settings
 
 SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
 
 
-def kernel_times(T, B, H, HV, steps=10) -> dict:
+def kernel_times(T, B, H, HV, steps=10, grad=True) -> dict:
     x = make_inputs(T, B, H, HV, torch.bfloat16, "cuda", seed=0)
-    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "beta", "g")]
+    leaves = [x[n].requires_grad_(grad) for n in ("q", "k", "v", "beta", "g")]
     do = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
 
     def step():
         o = ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=128 ** -0.5, backend="triton")[0]
-        o.backward(do)
-        for t in leaves:
-            t.grad = None
+        if grad:
+            o.backward(do)
+            for t in leaves:
+                t.grad = None
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -47,14 +50,21 @@ def kernel_times(T, B, H, HV, steps=10) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="")
+    p.add_argument("--set", action="append", default=[], metavar="LABEL:module.ATTR=value[,...]",
+                   help="a variant of module settings to profile too (repeat for more)")
+    p.add_argument("--no-grad", action="store_true", help="profile the forward without autograd")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gdn_kernel_profile: needs a CUDA GPU")
+    runs = [("default", [])] + [parse_variant(s) for s in args.set]
     with open(args.out, "a") if args.out else open("/dev/null", "w") as out:
-        for shape in SHAPES:
-            line = json.dumps(kernel_times(*shape))
-            print(line, flush=True)
-            out.write(line + "\n")
+        for label, settings in runs:
+            with variant_settings(settings):
+                for shape in SHAPES:
+                    line = json.dumps(dict(variant=label, grad=not args.no_grad,
+                                           **kernel_times(*shape, grad=not args.no_grad)))
+                    print(line, flush=True)
+                    out.write(line + "\n")
 
 
 if __name__ == "__main__":
