@@ -42,8 +42,9 @@ except Exception as e:  # noqa: BLE001 - an older or reorganised Triton
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
 #: chunk rows, the dv blocks of the walk and its warps (two warpgroups: at one, sm_90 spills 68-168 bytes at dk = 128;
-#: at two, 250 registers and no spill with Triton 3.6 at 64-wide dv blocks, 195 at 32-wide; 128-wide ones spill).
-#: The narrow block where the wide one would leave multiprocessors without a program (one sequence of 16 heads)
+#: at two, 254 registers and no spill with Triton 3.6 and 3.9 at 64-wide dv blocks, 196-209 at 32-wide; 128-wide
+#: ones spill). The narrow block where the wide one would leave multiprocessors without a program (one sequence of
+#: 16 heads)
 CHUNK = 64
 WALK_BV = 64
 WALK_NARROW_BV = 32
@@ -134,7 +135,7 @@ if gluon is not None:
         HAS_G: gl.constexpr, USE_S0: gl.constexpr, STORE_S: gl.constexpr, SAVE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """One program a (sequence, value head, dv block) of grid (N, H, V / BV): see the module docstring. q, k
+        """One program a (dv block, sequence, value head) of grid (V / BV, N, H): see the module docstring. q, k
         ``[TT, HK, K]``, W~ ``[TT, H, K]``, U~ ``[TT, H, V]`` (the 16-bit type DT), β and G (the chunk-local cumulative
         log decay) ``[TT, H]``; writes the chunk start states Sᵀ ``h [NT, H, K, V]`` (DT), U ``vnew [TT, H, V]`` and
         O ``o [TT, H, V]`` (DT), and the final state ``sT [N, H, V, K]`` (fp32) where STORE_S; without SAVE (a forward
@@ -142,9 +143,9 @@ if gluon is not None:
         DT: gl.constexpr = q.dtype.element_ty
         f32: gl.constexpr = gl.float32
         scale = scale.to(f32)
-        i_n = gl.program_id(0)
-        i_h = gl.program_id(1)
-        i_v = gl.program_id(2)
+        i_v = gl.program_id(0)  # fastest: a head's dv blocks run side by side and share its q, k and W~ rows in L2
+        i_n = gl.program_id(1)
+        i_h = gl.program_id(2)
         i_k = i_h // (H // HK)  # the key head of this value head
         bos = gl.load(cu + i_n).to(gl.int64)
         eos = gl.load(cu + i_n + 1).to(gl.int64)
@@ -272,7 +273,7 @@ def fwd_walk_train(q, k, beta, Gc, wt, ut, S0, sT, seqs, scale: float, output_fi
     vnew = torch.empty(TT, H, V, device=q.device, dtype=q.dtype) if save else ut
     o = torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     has_g = Gc is not None
-    _fwd_walk_train_kernel[(seqs.N, H, triton.cdiv(V, BV))](
+    _fwd_walk_train_kernel[(triton.cdiv(V, BV), seqs.N, H)](
         q, k, beta, Gc if has_g else beta, wt, ut, h, vnew, o, S0 if S0 is not None else sT, sT, seqs.cu, seqs.coff,
         scale, H=H, HK=HK, K=K, V=V, C=CHUNK, BV=BV, HAS_G=has_g, USE_S0=S0 is not None,
         STORE_S=output_final_state, SAVE=save, num_warps=WALK_WARPS)
