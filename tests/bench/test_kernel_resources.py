@@ -41,15 +41,17 @@ def test_decode_linear_kernels_fit_hopper(single_thread, rows):
 
 
 def test_delta_gluon_kernels_fit_hopper(single_thread):
-    """The gated delta rule's state walk in Triton's Gluon dialect compiles for sm_90 with this Triton (for training,
-    gated and not, without autograd, and in narrow dv blocks), fits a Hopper block and does not spill."""
+    """The gated delta rule's state walks in Triton's Gluon dialect compile for sm_90 with this Triton (the forward's
+    for training, gated and not, without autograd and in narrow dv blocks; the backward's, gated and not and in narrow
+    dv blocks), fit a Hopper block and do not spill."""
     from lazoo.kernels import delta_gluon
 
     if delta_gluon.GLUON_ERROR is not None:
         pytest.skip(f"this Triton has no Gluon: {delta_gluon.GLUON_ERROR}")
     report = kernel_resources.delta_gluon_report()
     assert set(report) == {"training walk", "training walk, ungated", "walk without autograd",
-                           "training walk, dv blocks of 32"}, report
+                           "training walk, dv blocks of 32", "backward walk", "backward walk, ungated",
+                           "backward walk, dv blocks of 32"}, report
     for name, r in report.items():
         assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)

@@ -105,22 +105,23 @@ def test_chunk_parallel_dv_block_comes_from_the_table(monkeypatch):
 
 
 def test_gluon_walk_only_where_asked_and_supported(monkeypatch):
-    """The Gluon training walk is off by default; asked for where it cannot run (no Hopper GPU here), it says why once
-    and the Triton kernels run; the interpreter never takes it."""
+    """The Gluon walks are off by default; asked for where they cannot run (no Hopper GPU here), they say why once and
+    the Triton kernels run; the interpreter never takes them."""
     import warnings
 
     from lazoo.kernels import delta
 
+    assert delta.USE_GLUON_WALK is False and delta.USE_GLUON_BWD_WALK is False
     q = torch.empty(10, 4, 128, dtype=torch.bfloat16, device="meta")
-    assert delta.gluon_walk(q, 128, 128, 64, False, seq_heads=10_000) == 0
-    monkeypatch.setattr(delta, "USE_GLUON_WALK", True)
+    assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=False) == 0
     monkeypatch.setattr(delta, "_GLUON_WALK_REFUSALS", set())
-    assert delta.gluon_walk(torch.empty(1, 4, 128), 128, 128, 64, False, seq_heads=10_000) == 0  # CPU
+    assert delta.gluon_walk(torch.empty(1, 4, 128), 128, 128, 64, False, 10_000, switch=True) == 0  # CPU
     with pytest.warns(UserWarning, match="Gluon state walk was asked for but"):
-        assert delta.gluon_walk(q, 128, 128, 64, False, seq_heads=10_000) == 0
+        assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=True) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert delta.gluon_walk(q, 128, 128, 64, False, seq_heads=10_000) == 0  # said once
+        assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=True) == 0  # said once
+        assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=None) == 0  # not asked: nothing said
 
 
 def test_gluon_walk_takes_narrow_dv_blocks_for_few_sequences_and_heads(monkeypatch):
@@ -624,13 +625,52 @@ def test_gpu_gluon_walk_matches_the_triton_kernels(monkeypatch, op, dtype, bv):
 @needs_cuda
 @pytest.mark.parametrize("op", ["delta", "gated"])
 @pytest.mark.parametrize("bv", [64, 32], ids=["dv_blocks_64", "dv_blocks_32"])
-def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv):
-    """Forward and backward with the Gluon walk forced, against float64: packed sequences with a carried state, and
-    grouped value heads with fp32 β and g."""
+def test_gpu_gluon_backward_walk_matches_the_triton_kernels(monkeypatch, op, bv):
+    """The backward with its reverse walk as one Gluon kernel against the backward with ``_bwd_dv_local`` +
+    ``_bwd_dhu`` on the same inputs and saved forward (packed ragged sequences, one shorter than a chunk, a carried
+    state and a final-state gradient, two value heads a key head): every gradient."""
     from lazoo.kernels import delta, delta_gluon
 
     _needs_gluon_walk()
-    monkeypatch.setattr(delta, "USE_GLUON_WALK", True)
+    monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
+    gen = torch.Generator(device="cuda").manual_seed(45)
+    T, HK, H, D = 1000, 2, 4, 128
+    cu = torch.tensor([0, 1, 63, 400, 1000], device="cuda")
+    q, k = (F.normalize(torch.randn(T, HK, D, device="cuda", generator=gen), dim=-1).to(torch.bfloat16)
+            for _ in range(2))
+    v, do = (torch.randn(T, H, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    beta = torch.rand(T, H, device="cuda", generator=gen)
+    g = F.logsigmoid(torch.randn(T, H, device="cuda", generator=gen) + 2) if op == "gated" else None
+    S0, dsT = (torch.randn(4, H, D, D, device="cuda", generator=gen) * 0.5 for _ in range(2))
+    seqs = delta.seqs_for(1, T, cu, 64, q.device)
+    _, _, saved = delta.chunk_fwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, False)
+    runs = {}
+    for gluon in (False, True):
+        monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", gluon)
+        runs[gluon] = delta.chunk_bwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, saved, do, dsT, True)
+    for name, ref, got in zip(["dq", "dk", "dv", "dbeta", "dg", "ds0"], runs[False], runs[True]):
+        if ref is None:
+            assert got is None, name
+            continue
+        err = rel_err(got.double(), ref.double())
+        print(f"{op} dv blocks of {bv} {name}: {err:.1e}")
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert err < 1e-2, (name, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("bv", [64, 32], ids=["dv_blocks_64", "dv_blocks_32"])
+@pytest.mark.parametrize("walks", ["forward", "backward", "both"])
+def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
+    """Forward and backward with the Gluon walks forced (the forward's, the backward's or both), against float64:
+    packed sequences with a carried state, and grouped value heads with fp32 β and g."""
+    from lazoo.kernels import delta, delta_gluon
+
+    _needs_gluon_walk()
+    monkeypatch.setattr(delta, "USE_GLUON_WALK", walks in ("forward", "both"))
+    monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", walks in ("backward", "both"))
     monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
     H, D = 4, 128
     x = inputs(1, 1000, H, D, D, seed=43)

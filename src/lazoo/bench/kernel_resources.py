@@ -558,13 +558,16 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
 
 
 def delta_gluon_report(dk: int = 128, dv: int = 128, dtype: str = "bf16") -> dict:
-    """The gated delta rule's Hopper kernels in Triton's Gluon dialect (``lazoo.kernels.delta_gluon``) at their launch
-    settings, gated and not, for q, k, v in ``dtype`` (β in q's dtype, G float32); empty where this Triton has no
-    Gluon."""
+    """The gated delta rule's Hopper kernels in Triton's Gluon dialect (``lazoo.kernels.delta_gluon``: the forward's
+    and the backward's state walks) at their launch settings, gated and not, for q, k, v in ``dtype`` (β in q's dtype,
+    G float32); empty where this Triton has no Gluon."""
+    import torch
+
     from lazoo.kernels import delta_gluon as kg
 
     if kg.GLUON_ERROR is not None:
         return {}
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     x = f"*{dtype}"
     ptr = {**dict.fromkeys(["q", "k", "beta", "wt", "ut", "h", "vnew", "o"], x),
            **dict.fromkeys(["Gc", "s0", "sT"], "*fp32"), "cu": "*i32", "coff": "*i32"}
@@ -572,12 +575,20 @@ def delta_gluon_report(dk: int = 128, dv: int = 128, dtype: str = "bf16") -> dic
     report = {}
     for gated in (True, False):
         c = dict(H=16, HK=16, K=dk, V=dv, C=kg.CHUNK, BV=kg.WALK_BV, HAS_G=gated, USE_S0=True, STORE_S=True,
-                 SAVE=True, num_warps=kg.WALK_WARPS)
+                 SAVE=True, num_warps=kg.WALK_WARPS, **kg.walk_layouts(dk, kg.WALK_BV, torch_dtype))
         sig = {n: ptr.get(n, "fp32" if n == "scale" else "constexpr") for n in fn.arg_names}
         report["training walk" + ("" if gated else ", ungated")] = measure(fn, sig, c, num_warps=kg.WALK_WARPS)
     report["walk without autograd"] = measure(fn, sig, dict(c, HAS_G=True, SAVE=False), num_warps=kg.WALK_WARPS)
-    narrow = dict(c, BV=kg.WALK_NARROW_BV, HAS_G=True)
+    narrow = dict(c, BV=kg.WALK_NARROW_BV, HAS_G=True, **kg.walk_layouts(dk, kg.WALK_NARROW_BV, torch_dtype))
     report[f"training walk, dv blocks of {kg.WALK_NARROW_BV}"] = measure(fn, sig, narrow, num_warps=kg.WALK_WARPS)
+    fn = kg._bwd_walk_kernel
+    ptr.update({"do": x, "du": x, "dh": x, "dsT": "*fp32", "ds0": "*fp32"})
+    sig = {n: ptr.get(n, "fp32" if n == "scale" else "constexpr") for n in fn.arg_names}
+    for gated, bv in ((True, kg.WALK_BV), (False, kg.WALK_BV), (True, kg.WALK_NARROW_BV)):
+        c = dict(H=16, HK=16, K=dk, V=dv, C=kg.CHUNK, BV=bv, HAS_G=gated, USE_DST=True, STORE_DS0=True,
+                 num_warps=kg.WALK_WARPS, **kg.walk_layouts(dk, bv, torch_dtype))
+        name = "backward walk" + ("" if gated else ", ungated") + ("" if bv == kg.WALK_BV else f", dv blocks of {bv}")
+        report[name] = measure(fn, sig, c, num_warps=kg.WALK_WARPS)
     return report
 
 

@@ -1044,24 +1044,29 @@ GLUON_WALK_MIN_PROGRAMS_PER_SM = 0.75
 #: where the Gluon walk runs, it also serves the forward without autograd (after ``_fwd_wu``, storing neither chunk
 #: states nor pseudo-values) in place of ``_fwd_mix`` and ``_fwd_walk``
 GLUON_WALK_IN_PREFILL = True
+#: the backward's reverse walk as one Hopper kernel (``delta_gluon._bwd_walk_kernel``, forming Pᵀ dO itself) in place
+#: of ``_bwd_dv_local`` and ``_bwd_dhu``: as USE_GLUON_WALK, on its own switch
+USE_GLUON_BWD_WALK: bool | None = False
 _GLUON_WALK_REFUSALS: set = set()
 
 
-def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, seq_heads: int) -> int:
-    """The dv block ``delta_gluon``'s walk runs for these inputs in ``chunk_fwd`` (``USE_GLUON_WALK``), or 0 for the
-    Triton kernels; where it was asked for and cannot run, says why once."""
-    if USE_GLUON_WALK is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
+def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, seq_heads: int,
+               switch: bool | None) -> int:
+    """The dv block a ``delta_gluon`` walk runs for these inputs, or 0 for the Triton kernels, by ``switch``
+    (``USE_GLUON_WALK`` or ``USE_GLUON_BWD_WALK``: True, False, or None for where it pays); where it was asked for and
+    cannot run, says why once."""
+    if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
         return 0
     why = delta_gluon.walk_supported(q, K, V, C, given_write_keys)
     if why is not None:
-        if USE_GLUON_WALK and why not in _GLUON_WALK_REFUSALS:
+        if switch and why not in _GLUON_WALK_REFUSALS:
             _GLUON_WALK_REFUSALS.add(why)
             warnings.warn(f"lazoo: the Gluon state walk was asked for but {why}: the Triton kernels run instead",
                           stacklevel=3)
         return 0
     BV = delta_gluon.walk_block(seq_heads, V, q.device)
     programs = seq_heads * triton.cdiv(V, BV)
-    return BV if USE_GLUON_WALK or programs >= GLUON_WALK_MIN_PROGRAMS_PER_SM * num_sms(q.device) else 0
+    return BV if switch or programs >= GLUON_WALK_MIN_PROGRAMS_PER_SM * num_sms(q.device) else 0
 
 
 def _triangular_type(q: torch.Tensor, DT, given_write_keys: bool):
@@ -1143,7 +1148,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
-    BVg = gluon_walk(q, K, V, C, HAS_W, N * H) if save or GLUON_WALK_IN_PREFILL else 0  # 0: the Triton kernels
+    BVg = gluon_walk(q, K, V, C, HAS_W, N * H, USE_GLUON_WALK) if save or GLUON_WALK_IN_PREFILL else 0  # 0: Triton
     gluon = BVg > 0
     if not save and BKF <= WALK_MAX_HEAD_DIM and not gluon:  # a forward without autograd (a prefill): nothing stored
         M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
@@ -1208,21 +1213,25 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     Gc = Gc if HAS_G else beta
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
-    du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
-    local_du = _local_du_in_walk(N * H * triton.cdiv(V, BVh), BVh, V, dev, interp, HAS_W)
-    if not local_du:
-        BVd = _table_bv("dv_local", BV, interp)
-        _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
-            q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
-            H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVd, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
-            **_opts("dv_local", interp, FP32))
-    dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
-    ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
-    _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
-        q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
-        H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
-        STORE_DS0=need_ds0, LOCAL_DU=local_du, DT=DT, PREC=PREC, **dhu_opts)
+    BVg = gluon_walk(q, K, V, C, HAS_W, N * H, USE_GLUON_BWD_WALK)
+    if BVg:  # the reverse walk as one Hopper kernel, Pᵀ dO formed in it
+        du, dh, ds0 = delta_gluon.bwd_walk(q, k, beta, Gc if HAS_G else None, wt, do, dsT, seqs, scale, need_ds0, BVg)
+    else:  # Triton: _bwd_dhu, after _bwd_dv_local where it does not form Pᵀ dO itself
+        du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
+        BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
+        local_du = _local_du_in_walk(N * H * triton.cdiv(V, BVh), BVh, V, dev, interp, HAS_W)
+        if not local_du:
+            BVd = _table_bv("dv_local", BV, interp)
+            _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
+                q, kw, beta, Gc, do, du, seqs.chunks, seqs.cu, scale,
+                H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVd, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+                **_opts("dv_local", interp, FP32))
+        dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
+        ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
+        _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
+            q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
+            H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
+            STORE_DS0=need_ds0, LOCAL_DU=local_du, DT=DT, PREC=PREC, **dhu_opts)
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     if not interp and CONFIGS["dqkw"].get("BK"):
         BKq = CONFIGS["dqkw"]["BK"]
