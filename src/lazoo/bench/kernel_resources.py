@@ -571,7 +571,7 @@ def delta_gluon_report(dk: int = 128, dv: int = 128, dtype: str = "bf16") -> dic
     x = f"*{dtype}"
     ptr = {**dict.fromkeys(["q", "k", "beta", "wt", "ut", "h", "vnew", "o"], x),
            **dict.fromkeys(["Gc", "s0", "sT"], "*fp32"), "cu": "*i32", "coff": "*i32"}
-    fn = kg._fwd_walk_train_kernel
+    fn = kg._fwd_walk_out_kernel
     report = {}
     for gated in (True, False):
         c = dict(H=16, HK=16, K=dk, V=dv, C=kg.CHUNK, BV=kg.WALK_BV, HAS_G=gated, USE_S0=True, STORE_S=True,

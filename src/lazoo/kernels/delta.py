@@ -60,7 +60,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import delta_gluon
 from ._chunk_layout import cached_uniform
 from ._launch import dot_types, fill_device
 from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
@@ -1057,6 +1056,8 @@ def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, 
     cannot run, says why once."""
     if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
         return 0
+    from . import delta_gluon  # here, not at import: Gluon's modules load only where a walk was asked for
+
     why = delta_gluon.walk_supported(q, K, V, C, given_write_keys)
     if why is not None:
         if switch and why not in _GLUON_WALK_REFUSALS:
@@ -1166,7 +1167,9 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, TDT=TDT, PREC=PREC, **_opts("wu", interp, FP32))
     if gluon:
-        h, vnew, o = delta_gluon.fwd_walk_train(q, k, beta, Gc if HAS_G else None, wt, ut, S0 if use_s0 else None, sT,
+        from . import delta_gluon
+
+        h, vnew, o = delta_gluon.fwd_walk(q, k, beta, Gc if HAS_G else None, wt, ut, S0 if use_s0 else None, sT,
                                                 seqs, scale, output_final_state, save, BVg)
         return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h) if save else None)
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
@@ -1215,6 +1218,8 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     NT, N = seqs.NT, seqs.N
     BVg = gluon_walk(q, K, V, C, HAS_W, N * H, USE_GLUON_BWD_WALK)
     if BVg:  # the reverse walk as one Hopper kernel, Pᵀ dO formed in it
+        from . import delta_gluon
+
         du, dh, ds0 = delta_gluon.bwd_walk(q, k, beta, Gc if HAS_G else None, wt, do, dsT, seqs, scale, need_ds0, BVg)
     else:  # Triton: _bwd_dhu, after _bwd_dv_local where it does not form Pᵀ dO itself
         du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)

@@ -2,7 +2,7 @@
 asynchronous copies and warpgroup matrix products, where ``lazoo.kernels.delta``'s Triton kernels leave those choices
 to the compiler.
 
-``_fwd_walk_train``: the forward's state walk with its outputs. Per sequence, head and dv block it runs
+``_fwd_walk_out``: the forward's state walk with its outputs. Per sequence, head and dv block it runs
 over the chunks (C = 64 rows) holding Sᵀ ``[dk, BV]`` in fp32 registers and, per chunk,
 
     U  = U~ - W~ Sᵀ                         (the pseudo-values, stored for the backward)
@@ -66,7 +66,7 @@ def walk_block(seq_heads: int, V: int, device) -> int:
 
 
 def walk_supported(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -> str | None:
-    """None where ``fwd_walk_train`` runs these inputs, else why not."""
+    """None where the walks (``fwd_walk``, ``bwd_walk``) run these inputs, else why not."""
     if GLUON_ERROR is not None:
         return f"Triton's Gluon dialect is not importable ({GLUON_ERROR})"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -197,7 +197,7 @@ if gluon is not None:
         return beta_r, beta_p, G_r, G_pr, G_pc, g_last
 
     @gluon.jit
-    def _fwd_walk_train_kernel(
+    def _fwd_walk_out_kernel(
         q, k, beta, Gc, wt, ut, h, vnew, o, s0, sT, cu, coff, scale,
         H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BV: gl.constexpr,
         HAS_G: gl.constexpr, USE_S0: gl.constexpr, STORE_S: gl.constexpr, SAVE: gl.constexpr,
@@ -394,7 +394,7 @@ def walk_layouts(K: int, BV: int, dtype: torch.dtype) -> dict:
                 SH_S=gl.NVMMASharedLayout.get_default_for([K, BV], DT))
 
 
-def fwd_walk_train(q, k, beta, Gc, wt, ut, S0, sT, seqs, scale: float, output_final_state: bool, save: bool = True,
+def fwd_walk(q, k, beta, Gc, wt, ut, S0, sT, seqs, scale: float, output_final_state: bool, save: bool = True,
                    BV: int = WALK_BV):
     """``(h, vnew, o)`` of the forward from ``_fwd_solve``'s G and ``_fwd_wu``'s W~ and U~ (flattened ``[TT, heads, d]``
     inputs as ``lazoo.kernels.delta.chunk_fwd`` holds them), in dv blocks of ``BV`` (``walk_block``); the final state
@@ -406,7 +406,7 @@ def fwd_walk_train(q, k, beta, Gc, wt, ut, S0, sT, seqs, scale: float, output_fi
     vnew = torch.empty(TT, H, V, device=q.device, dtype=q.dtype) if save else ut
     o = torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     has_g = Gc is not None
-    _fwd_walk_train_kernel[(triton.cdiv(V, BV), seqs.N, H)](
+    _fwd_walk_out_kernel[(triton.cdiv(V, BV), seqs.N, H)](
         q, k, beta, Gc if has_g else beta, wt, ut, h, vnew, o, S0 if S0 is not None else sT, sT, seqs.cu, seqs.coff,
         scale, H=H, HK=HK, K=K, V=V, C=CHUNK, BV=BV, HAS_G=has_g, USE_S0=S0 is not None,
         STORE_S=output_final_state, SAVE=save, **walk_layouts(K, BV, q.dtype), num_warps=WALK_WARPS)
