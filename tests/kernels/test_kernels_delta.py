@@ -105,13 +105,15 @@ def test_chunk_parallel_dv_block_comes_from_the_table(monkeypatch):
 
 
 def test_gluon_walk_only_where_asked_and_supported(monkeypatch):
-    """The Gluon walks are off by default; asked for where they cannot run (no Hopper GPU here), they say why once and
-    the Triton kernels run; the interpreter never takes them."""
+    """The Gluon walks run by default where they pay (enough programs), never in the interpreter or while
+    torch.compile traces; asked for where they cannot run (no Hopper GPU here), they say why once and the Triton
+    kernels run; where they were not asked for, nothing is said."""
     import warnings
 
     from lazoo.kernels import delta
 
-    assert delta.USE_GLUON_WALK is False and delta.USE_GLUON_BWD_WALK is False
+    assert delta.USE_GLUON_WALK is None and delta.USE_GLUON_BWD_WALK is None
+    assert delta.GLUON_WALK_IN_PREFILL is False
     q = torch.empty(10, 4, 128, dtype=torch.bfloat16, device="meta")
     assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=False) == 0
     monkeypatch.setattr(delta, "_GLUON_WALK_REFUSALS", set())
@@ -124,16 +126,22 @@ def test_gluon_walk_only_where_asked_and_supported(monkeypatch):
         assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=None) == 0  # not asked: nothing said
 
 
-def test_gluon_walk_takes_narrow_dv_blocks_for_few_sequences_and_heads(monkeypatch):
-    """The Gluon walk's dv block: 64 wide while that gives every multiprocessor a program, else 32."""
-    from lazoo.kernels import delta_gluon
+def test_gluon_walk_by_default_where_it_has_programs_for_the_gpu(monkeypatch):
+    """Where the walk runs (stood in for here: no Hopper GPU), the default takes it from 0.75 programs of 64-wide dv
+    blocks a multiprocessor, a switch set to True at any count, and torch.compile's tracing never."""
+    from lazoo.kernels import delta, delta_gluon
 
-    monkeypatch.setattr(delta_gluon, "num_sms", lambda device: 132)
-    assert delta_gluon.walk_block(512, 128, "cuda") == 64  # T = 1k, B = 32, 16 heads
-    assert delta_gluon.walk_block(64, 128, "cuda") == 32  # T = 8k, B = 4: 128 programs of 64 for 132 SMs
-    assert delta_gluon.walk_block(128, 128, "cuda") == 64  # T = 8k, B = 4, 32 value heads
-    assert delta_gluon.walk_block(16, 128, "cuda") == 32  # one sequence of 16 heads
-    assert delta_gluon.walk_block(512, 96, "cuda") == 32  # dv no multiple of 64
+    monkeypatch.setattr(delta_gluon, "walk_supported", lambda *a: None)
+    monkeypatch.setattr(delta, "num_sms", lambda device: 132)
+    q = torch.empty(10, 4, 128, dtype=torch.bfloat16, device="meta")
+    assert delta.gluon_walk(q, 128, 128, 64, False, 512, switch=None) == 64  # T = 1k, B = 32, 16 heads
+    assert delta.gluon_walk(q, 128, 128, 64, False, 64, switch=None) == 64  # T = 8k, B = 4: 128 programs
+    assert delta.gluon_walk(q, 128, 128, 64, False, 16, switch=None) == 0  # one sequence of 16 heads: 32
+    assert delta.gluon_walk(q, 128, 128, 64, False, 16, switch=True) == 64
+    assert delta.gluon_walk(q, 128, 96, 64, False, 512, switch=None) == 32  # dv no multiple of 64
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert delta.gluon_walk(q, 128, 128, 64, False, 512, switch=None) == 0
+    assert delta.gluon_walk(q, 128, 128, 64, False, 512, switch=True) == 0
 
 
 def test_triangular_products_take_16_bit_operands_only_where_measured(monkeypatch):
@@ -595,7 +603,8 @@ def test_gpu_gluon_walk_matches_the_triton_kernels(monkeypatch, op, dtype, bv):
     from lazoo.kernels import delta, delta_gluon
 
     _needs_gluon_walk()
-    monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
+    monkeypatch.setattr(delta_gluon, "walk_block", lambda V: bv)
+    monkeypatch.setattr(delta, "GLUON_WALK_IN_PREFILL", True)  # off by default; kept working
     gen = torch.Generator(device="cuda").manual_seed(41)
     T, HK, H, D = 1000, 2, 4, 128
     cu = torch.tensor([0, 1, 63, 400, 1000], device="cuda")
@@ -632,7 +641,7 @@ def test_gpu_gluon_backward_walk_matches_the_triton_kernels(monkeypatch, op, bv)
     from lazoo.kernels import delta, delta_gluon
 
     _needs_gluon_walk()
-    monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
+    monkeypatch.setattr(delta_gluon, "walk_block", lambda V: bv)
     gen = torch.Generator(device="cuda").manual_seed(45)
     T, HK, H, D = 1000, 2, 4, 128
     cu = torch.tensor([0, 1, 63, 400, 1000], device="cuda")
@@ -671,7 +680,7 @@ def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
     _needs_gluon_walk()
     monkeypatch.setattr(delta, "USE_GLUON_WALK", walks in ("forward", "both"))
     monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", walks in ("backward", "both"))
-    monkeypatch.setattr(delta_gluon, "walk_block", lambda seq_heads, V, device: bv)
+    monkeypatch.setattr(delta_gluon, "walk_block", lambda V: bv)
     H, D = 4, 128
     x = inputs(1, 1000, H, D, D, seed=43)
     check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],

@@ -1035,17 +1035,24 @@ def _local_du_in_walk(programs: int, BV: int, V: int, device, interpret: bool, h
 
 
 #: the training forward's state walk and outputs as one Hopper kernel (``delta_gluon``, Triton's Gluon dialect) in
-#: place of ``_fwd_h`` and ``_fwd_o``: True, False, or None for where it is supported and the walk has at least
-#: GLUON_WALK_MIN_PROGRAMS_PER_SM programs (sequence, head, dv block) a multiprocessor (with few, the outputs' products
-#: would lengthen the one sequential chain). False until it has been checked and timed on a Hopper GPU
-USE_GLUON_WALK: bool | None = False
+#: place of ``_fwd_h`` and ``_fwd_o``: True, False, or None (the default) for where it is supported and the walk has at
+#: least GLUON_WALK_MIN_PROGRAMS_PER_SM programs (sequence, value head, dv block of 64) a multiprocessor. With fewer, a
+#: program's chunk step, which forms the outputs too, is the one sequential chain and the two Triton kernels are
+#: faster. H200, bf16, gated, fwd + bwd, Triton walk -> Gluon walk: T = 1k B = 32 (1,024 programs) 2.98 -> 2.82 ms,
+#: 8k B = 4 (128) 3.16 -> 2.97, 8k HV = 2H (256) 5.75 -> 5.65; 32k B = 1 (32) 4.08 -> 4.71
+USE_GLUON_WALK: bool | None = None
 GLUON_WALK_MIN_PROGRAMS_PER_SM = 0.75
-#: where the Gluon walk runs, it also serves the forward without autograd (after ``_fwd_wu``, storing neither chunk
-#: states nor pseudo-values) in place of ``_fwd_mix`` and ``_fwd_walk``
-GLUON_WALK_IN_PREFILL = True
+#: whether the Gluon walk also serves the forward without autograd (after ``_fwd_wu``, storing neither chunk states
+#: nor pseudo-values) in place of ``_fwd_mix`` and ``_fwd_walk``: off, as it was slower at every shape measured (H200,
+#: bf16, gated: T = 1k B = 32 0.96 -> 1.05 ms, 8k B = 4 0.91 -> 1.63 at 32-wide dv blocks)
+GLUON_WALK_IN_PREFILL = False
 #: the backward's reverse walk as one Hopper kernel (``delta_gluon._bwd_walk_kernel``, forming Pᵀ dO itself) in place
-#: of ``_bwd_dv_local`` and ``_bwd_dhu``: as USE_GLUON_WALK, on its own switch
-USE_GLUON_BWD_WALK: bool | None = False
+#: of ``_bwd_dv_local`` and ``_bwd_dhu``: as USE_GLUON_WALK, on its own switch. H200, bf16, gated, fwd + bwd: T = 1k
+#: B = 32 2.98 -> 2.88 ms, 8k B = 4 3.16 -> 2.91, 8k HV = 2H 5.75 -> 5.57; 32k B = 1 4.08 -> 4.41
+USE_GLUON_BWD_WALK: bool | None = None
+#: whether the walks run while torch.compile traces: off, since Dynamo does not trace a Gluon kernel (torch 2.11:
+#: a graph break, "triton kernel unsupported feature"); a compiled model runs the Triton kernels
+GLUON_WALK_UNDER_COMPILE = False
 _GLUON_WALK_REFUSALS: set = set()
 
 
@@ -1056,6 +1063,8 @@ def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, 
     cannot run, says why once."""
     if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
         return 0
+    if torch.compiler.is_compiling() and not GLUON_WALK_UNDER_COMPILE:
+        return 0
     from . import delta_gluon  # here, not at import: Gluon's modules load only where a walk was asked for
 
     why = delta_gluon.walk_supported(q, K, V, C, given_write_keys)
@@ -1065,7 +1074,7 @@ def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, 
             warnings.warn(f"lazoo: the Gluon state walk was asked for but {why}: the Triton kernels run instead",
                           stacklevel=3)
         return 0
-    BV = delta_gluon.walk_block(seq_heads, V, q.device)
+    BV = delta_gluon.walk_block(V)
     programs = seq_heads * triton.cdiv(V, BV)
     return BV if switch or programs >= GLUON_WALK_MIN_PROGRAMS_PER_SM * num_sms(q.device) else 0
 

@@ -31,8 +31,6 @@ import functools
 import torch
 import triton
 
-from ._utils import num_sms
-
 try:  # Gluon is part of Triton from 3.4 on, as an experimental dialect: its absence only removes these kernels
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -49,20 +47,19 @@ except Exception as e:  # noqa: BLE001 - an older or reorganised Triton
 
 #: chunk rows, the dv blocks of the walk and its warps (two warpgroups: at one, sm_90 spills 68-168 bytes at dk = 128;
 #: at two, 254 registers and no spill with Triton 3.6 and 3.9 at 64-wide dv blocks, 196-209 at 32-wide; 128-wide
-#: ones spill). The narrow block where the wide one would leave multiprocessors without a program (one sequence of
-#: 16 heads)
+#: ones spill). 64-wide blocks wherever dv allows: narrower ones for more programs did not pay (H200, bf16, gated,
+#: fwd + bwd with the forward walk, 32 against 64: T = 8k B = 4 (64 against 128 programs) 3.74 against 2.97 ms, 32k
+#: B = 1 5.32 against 4.71; the backward walk 3.03 against 2.91 and 4.41 at 32k), since a program's chunk step is
+#: bound by its chain of dependent products, not by its width
 CHUNK = 64
 WALK_BV = 64
 WALK_NARROW_BV = 32
 WALK_WARPS = 8
 
 
-def walk_block(seq_heads: int, V: int, device) -> int:
-    """The walk's dv block for ``seq_heads`` sequences × value heads: ``WALK_BV``, or ``WALK_NARROW_BV`` where that
-    gives the GPU's multiprocessors fewer programs than it has (or dv is no multiple of it)."""
-    if V % WALK_BV == 0 and seq_heads * (V // WALK_BV) >= num_sms(device):
-        return WALK_BV
-    return WALK_NARROW_BV
+def walk_block(V: int) -> int:
+    """The walk's dv block: ``WALK_BV``, or ``WALK_NARROW_BV`` where dv is no multiple of it."""
+    return WALK_BV if V % WALK_BV == 0 else WALK_NARROW_BV
 
 
 def walk_supported(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -> str | None:
