@@ -20,8 +20,8 @@ initial state's), standing in for ``_bwd_dv_local`` and ``_bwd_dhu``.
 
 These kernels run only on Hopper GPUs (Gluon has no interpreter): the Triton kernels they stand in for stay the
 reference, on the CPU through the interpreter and on the GPU beside them (``tests/kernels/test_kernels_delta.py``).
-``chunk_fwd`` and ``chunk_bwd`` take them only where ``USE_GLUON_WALK`` / ``USE_GLUON_BWD_WALK`` ask (see their
-comments) and ``walk_supported`` holds.
+``chunk_fwd`` and ``chunk_bwd`` take them where ``walk_supported`` holds and ``USE_GLUON_WALK`` /
+``USE_GLUON_BWD_WALK`` let them: by default where the walk has programs enough for the GPU (see their comments).
 """
 
 from __future__ import annotations
