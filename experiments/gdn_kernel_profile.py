@@ -1,8 +1,9 @@
 """Where the gated delta rule's forward + backward time goes, kernel by kernel, at the frontier's inputs.
 
     PYTHONPATH=src python experiments/gdn_kernel_profile.py [--out F] [--set LABEL:module.ATTR=value,...] [--no-grad]
+        [--shapes T:B:H:HV,...]
 
-On a CUDA GPU: for T = 1k (B = 32), 8k (B = 4, HV = 2H) and 32k (B = 1), H = 16, D = 128, bf16
+On a CUDA GPU: for the frontier's shapes (T = 1k B = 32, 8k B = 4 with HV = H and 2H, 32k B = 1; H = 16), D = 128, bf16
 (``lazoo.bench.delta_frontier.make_inputs``: raw q and k, normalised inside the op), five warm-up steps of
 ``gated_delta_rule(...).backward(do)`` (``--no-grad``: of the forward without autograd), then torch.profiler over
 ten: each GPU kernel's time a step (ms) and their sum, one JSON line a shape, for the tree as it is and for each
@@ -20,7 +21,7 @@ from lazoo import ops
 from lazoo.bench.delta_frontier import make_inputs
 from lazoo.bench.variants import parse_variant, variant_settings
 
-SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
+SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
 
 
 def kernel_times(T, B, H, HV, steps=10, grad=True) -> dict:
@@ -53,14 +54,21 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="LABEL:module.ATTR=value[,...]",
                    help="a variant of module settings to profile too (repeat for more)")
     p.add_argument("--no-grad", action="store_true", help="profile the forward without autograd")
+    p.add_argument("--shapes", default="", help="T:B:H:HV,... in place of the frontier's four")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gdn_kernel_profile: needs a CUDA GPU")
     runs = [("default", [])] + [parse_variant(s) for s in args.set]
+    try:
+        shapes = [tuple(int(n) for n in s.split(":")) for s in args.shapes.split(",") if s] or SHAPES
+    except ValueError:
+        shapes = [()]
+    if any(len(s) != 4 for s in shapes):
+        raise SystemExit(f"--shapes {args.shapes!r}: expected integers T:B:H:HV[,T:B:H:HV...]")
     with open(args.out, "a") if args.out else open("/dev/null", "w") as out:
         for label, settings in runs:
             with variant_settings(settings):
-                for shape in SHAPES:
+                for shape in shapes:
                     line = json.dumps(dict(variant=label, grad=not args.no_grad,
                                            **kernel_times(*shape, grad=not args.no_grad)))
                     print(line, flush=True)
