@@ -1179,7 +1179,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         from . import delta_gluon
 
         h, vnew, o = delta_gluon.fwd_walk(q, k, beta, Gc if HAS_G else None, wt, ut, S0 if use_s0 else None, sT,
-                                                seqs, scale, output_final_state, save, BVg)
+                                          seqs, scale, output_final_state, save, BVg)
         return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h) if save else None)
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)

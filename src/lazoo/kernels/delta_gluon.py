@@ -392,7 +392,7 @@ def walk_layouts(K: int, BV: int, dtype: torch.dtype) -> dict:
 
 
 def fwd_walk(q, k, beta, Gc, wt, ut, S0, sT, seqs, scale: float, output_final_state: bool, save: bool = True,
-                   BV: int = WALK_BV):
+             BV: int = WALK_BV):
     """``(h, vnew, o)`` of the forward from ``_fwd_solve``'s G and ``_fwd_wu``'s W~ and U~ (flattened ``[TT, heads, d]``
     inputs as ``lazoo.kernels.delta.chunk_fwd`` holds them), in dv blocks of ``BV`` (``walk_block``); the final state
     goes to ``sT`` where ``output_final_state``. ``Gc`` None for the ungated rule. Without ``save`` h and vnew are None
