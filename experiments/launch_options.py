@@ -187,10 +187,13 @@ def check(base_options):
         delta.H_STAGES_MANY_PROGRAMS = rule
 
 
-def variants(name, settings, rounds=2):
-    """The tree's defaults and each setting in turns, ``rounds`` times, at the frontier's four shapes."""
+FRONTIER = [(1024, 32, 16, 16), (8192, 4, 16, 16), (32768, 1, 16, 16), (8192, 4, 16, 32)]
+
+
+def variants(name, settings, rounds=2, shapes=None):
+    """The tree's defaults and each setting in turns, ``rounds`` times, at ``shapes`` (the frontier's four)."""
     _, inputs, call, *_ = op_spec(name)
-    shapes = [(1024, 32, 16, 16), (8192, 4, 16, 16), (32768, 1, 16, 16), (8192, 4, 16, 32)]
+    shapes = shapes or FRONTIER
     runs = [("default", [])] + [parse_variant(s) for s in settings]
     for tag, setting in runs:
         with variant_settings(setting):
@@ -211,13 +214,14 @@ def main(argv=None):
     p.add_argument("--tag", default="", help="time: a name for the version timed, copied into its records")
     p.add_argument("--set", action="append", default=[], metavar="LABEL:module.ATTR=value[,...]",
                    help="variants: module attributes to set for one variant (repeat for more variants)")
+    p.add_argument("--shapes", default="", help="variants: T:B:H:HV,... in place of the frontier's four")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"launch_options.py times Triton kernels on a CUDA GPU; torch {torch.__version__} sees none")
     if args.what == "sweep":
         sweep(args.op, args.budget_s, [k for k in args.kernels.split(",") if k])
     elif args.what == "variants":
-        variants(args.op, args.set)
+        variants(args.op, args.set, shapes=[tuple(int(n) for n in s.split(":")) for s in args.shapes.split(",") if s])
     elif args.what == "time":
         _, inputs, call, *_ = op_spec(args.op)
         emit(op=args.op, tag=args.tag, check=float64_errors(inputs, call, 16))

@@ -433,6 +433,106 @@ def test_interp_forward_without_autograd_matches_reference(op):
     assert_close(s, sg.detach(), 1e-5, f"{op} state with and without autograd")
 
 
+def _split_everything(monkeypatch, min_chunks=1):
+    """Split every sequence into segments of ``min_chunks`` chunks (the interpreter runs the split only where asked)."""
+    from lazoo.kernels import delta_split
+
+    monkeypatch.setattr(delta_split, "SPLIT_LONG_SEQUENCES", True)
+    monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", min_chunks)
+    monkeypatch.setattr(delta_split, "SPLIT_PROGRAMS_PER_SM", 10_000.0)
+
+
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("min_chunks", [1, 2], ids=["segments_of_1_chunk", "segments_of_2_chunks"])
+def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks):
+    """Long sequences split into segments whose start states are chained (forward) and whose end-state gradients
+    are chained back (backward), against float64: packed sequences of ragged lengths (one of a single token, one
+    ending mid-chunk), a carried state, grouped value heads with fp16 inputs and fp32 β and g."""
+    from lazoo.kernels import delta, delta_split
+
+    _split_everything(monkeypatch, min_chunks)
+    cu = torch.tensor([0, 1, 40, 90])
+    segs = delta_split.plan(delta.seqs_for(1, 90, cu, 16, torch.device("cpu")), 2, 10, torch.device("cpu"), 16)
+    assert segs.soff.tolist() == ([0, 1, 4, 8] if min_chunks == 1 else [0, 1, 3, 5])
+    x = inputs(1, 90, 2, 12, 10, seed=33)
+    check_against_reference(op, x, torch.randn(3, 2, 10, 12, dtype=F64), 1e-4, 1e-4, chunk_size=16,
+                            cu_seqlens=cu)
+    x = inputs(2, 45, 2, 16, 12, seed=34, value_heads=4)
+    mask = left_pad_mask([45, 36], 45, holes=[(0, 20)])
+    check_against_reference(op, x, torch.randn(2, 4, 12, 16, dtype=F64), 3e-3, 6e-3, dtype=torch.float16,
+                            scalar_dtype=torch.float32, chunk_size=16, mask=mask)
+
+
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_split_sequences_without_autograd(monkeypatch, op):
+    """The prefill's walk over segments (the prefill form of the segment pass) against float64 and against the
+    unsplit kernels, with and without a carried state."""
+    _split_everything(monkeypatch)
+    cu = torch.tensor([0, 70, 71, 150])
+    x = inputs(1, 150, 2, 16, 12, seed=42, value_heads=4)
+    xf = {n: t.float() for n, t in x.items()}
+    for S0 in (torch.randn(3, 4, 12, 16, dtype=F64), None):
+        S0f = None if S0 is None else S0.float()
+        with torch.no_grad():
+            ro, rs = call(op, x, initial_state=S0, output_final_state=True, cu_seqlens=cu, backend="recurrent")
+            o, s = call(op, xf, initial_state=S0f, output_final_state=True, cu_seqlens=cu, backend="triton",
+                        chunk_size=16)
+        assert_close(o, ro, 1e-4, f"{op} split prefill output")
+        assert_close(s, rs, 1e-4, f"{op} split prefill state")
+
+
+@needs_interp
+@pytest.mark.parametrize("op", ["delta", "gated"])
+def test_interp_split_sequences_without_states(monkeypatch, op):
+    """With neither an initial nor a final state the segment passes skip the walks the chaining does not use (the
+    first segment's identity block, the last segment): outputs and every gradient as without the split."""
+    from lazoo.kernels import delta_split
+
+    cu = torch.tensor([0, 70, 71, 150])
+    x = {n: t.float() for n, t in inputs(1, 150, 2, 16, 12, seed=47, value_heads=4).items()}
+    runs = []
+    for split in (False, True):
+        monkeypatch.setattr(delta_split, "SPLIT_LONG_SEQUENCES", split)
+        monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", 1)
+        monkeypatch.setattr(delta_split, "SPLIT_PROGRAMS_PER_SM", 10_000.0)
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+        o, _ = call(op, leaves, cu_seqlens=cu, backend="triton", chunk_size=16)
+        o.backward(torch.cos(torch.arange(o.numel(), dtype=o.dtype)).view_as(o))
+        with torch.no_grad():
+            o_prefill, _ = call(op, x, cu_seqlens=cu, backend="triton", chunk_size=16)
+        runs.append((o.detach(), o_prefill, {n: t.grad for n, t in leaves.items() if t.grad is not None}))
+    (o0, p0, g0), (o1, p1, g1) = runs
+    assert_close(o1, o0, 1e-5, f"{op} split output")
+    assert_close(p1, p0, 1e-5, f"{op} split prefill output")
+    assert g1.keys() == g0.keys() and len(g0) == (5 if op == "gated" else 4)
+    for n in g0:
+        assert_close(g1[n], g0[n], 1e-5, f"{op} split grad {n}")
+
+
+def test_split_plan_only_where_the_walks_lack_programs(monkeypatch):
+    """The default plan: no split with programs to spare or on the CPU; few long sequences split into segments of
+    whole chunks that tile each sequence, enough for SPLIT_PROGRAMS_PER_SM walk programs a multiprocessor."""
+    from lazoo.kernels import delta, delta_split
+
+    cpu = torch.device("cpu")
+    q = torch.empty(1, 1, 128)
+    assert delta.split_segments(delta._Seqs(1, 32768, None, 64, cpu), 16, 128, q, 64) is None  # the interpreter
+    monkeypatch.setattr(delta_split, "num_sms", lambda device: 132)
+    seqs = delta._Seqs(1, 32768, None, 64, cpu)  # 512 chunks, 16 heads x 2 dv blocks = 32 programs
+    segs = delta_split.plan(seqs, 16, 128, cpu, 64, switch=None)
+    assert segs is not None and segs.N == 4 and segs.L == 128  # 132 / 32 -> 4 segments of 128 chunks
+    assert segs.cu.tolist() == list(range(0, 32768 + 1, 8192)) and segs.coff.tolist() == list(range(0, 513, 128))
+    assert delta_split.plan(delta._Seqs(32, 1024, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None
+    assert delta_split.plan(delta._Seqs(1, 512, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None  # short
+    ragged = delta._Seqs(1, 5000, torch.tensor([0, 4000, 4100, 5000]), 64, cpu)
+    segs = delta_split.plan(ragged, 4, 128, cpu, 64, switch=None)
+    assert segs.cu[0] == 0 and segs.cu[-1] == 5000 and segs.soff[-1] == segs.N
+    cu = segs.cu.tolist()
+    assert all((b - a) % 64 == 0 or b in (4000, 4100, 5000) for a, b in zip(cu[:-1], cu[1:]))
+
+
 def generalized_reference(q, k, v, w, g, S0, scale, cu=None):
     """Step-by-step generalised gated delta rule (float64), one sequence at a time when packed."""
     B, T, H, _ = q.shape
@@ -690,6 +790,45 @@ def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
     check_against_reference(op, x, torch.randn(2, 4, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
                             device="cuda", dtype=torch.bfloat16, scalar_dtype=torch.float32, ref_backend="chunk",
                             ref_device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("walks", ["triton", "gluon"])
+@pytest.mark.parametrize("min_chunks", [4, 16], ids=["segments_of_4_chunks", "segments_of_16_chunks"])
+def test_gpu_split_sequences_match_float64(monkeypatch, op, walks, min_chunks):
+    """Few long sequences split into segments (the default below 0.75 walk programs a multiprocessor), each walk
+    kind, against float64: packed ragged sequences with a carried state, grouped value heads with fp32 β and g, and
+    the forward without autograd."""
+    from lazoo.kernels import delta, delta_split
+
+    if walks == "gluon":
+        _needs_gluon_walk()
+    monkeypatch.setattr(delta, "USE_GLUON_WALK", walks == "gluon")
+    monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", walks == "gluon")
+    monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", min_chunks)
+    H, D = 4, 128
+    cu = torch.tensor([0, 1, 700, 2000])
+    seqs = delta.seqs_for(1, 2000, cu.cuda(), 64, torch.device("cuda"))
+    assert delta.split_segments(seqs, H, D, torch.empty(1, device="cuda"), 64) is not None
+    x = inputs(1, 2000, H, D, D, seed=45)
+    check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
+                            cu_seqlens=cu)
+    x = inputs(1, 3000, 2, D, D, seed=46, value_heads=4)
+    check_against_reference(op, x, torch.randn(1, 4, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, scalar_dtype=torch.float32, ref_backend="chunk",
+                            ref_device="cuda")
+    xb = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    S0 = torch.randn(1, 4, D, D) * 0.5
+    with torch.no_grad():
+        ro, rs = call(op, {n: t.to(F64).cuda() for n, t in xb.items()}, initial_state=S0.to(F64).cuda(),
+                      output_final_state=True, backend="chunk")
+        o, s = call(op, {n: t.cuda() for n, t in xb.items()}, initial_state=S0.cuda(), output_final_state=True,
+                    backend="triton")
+    assert_close(o.cpu(), ro.cpu(), GPU_RTOL[torch.bfloat16][0], f"{op} split prefill output")
+    assert_state_close(s.cpu(), rs.cpu(), GPU_RTOL[torch.bfloat16][0], f"{op} split prefill state")
 
 
 @pytest.mark.gpu

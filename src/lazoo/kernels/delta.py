@@ -1158,42 +1158,74 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
-    BVg = gluon_walk(q, K, V, C, HAS_W, N * H, USE_GLUON_WALK) if save or GLUON_WALK_IN_PREFILL else 0  # 0: Triton
-    gluon = BVg > 0
+    segs = split_segments(seqs, H, V, q, C)
+    walk = segs or seqs  # the sequences the state walk runs over (segments of them, their starts chained first)
+    BVg = gluon_walk(q, K, V, C, HAS_W, walk.N * H, USE_GLUON_WALK) if save or GLUON_WALK_IN_PREFILL else 0
+    gluon = BVg > 0  # 0: the Triton kernels
     if not save and BKF <= WALK_MAX_HEAD_DIM and not gluon:  # a forward without autograd (a prefill): nothing stored
         M = torch.empty(TT, H, C, device=dev, dtype=q.dtype)
         Y = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
         _fwd_mix_kernel[(NT * H,)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
                                  HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("mix", interp, FP32))
-        BVw = _walk_bv(V, N * H, dev, interp, FP32)
-        _fwd_walk_kernel[(N, H, triton.cdiv(V, BVw))](
-            q, k, v, Gc, M, Y, o, S0, sT, seqs.cu, seqs.coff, scale,
+        if segs:
+            S0, sT = _chain_segments(seqs, segs, S0 if use_s0 else None, output_final_state, q, C, DT, PREC, HAS_W,
+                                     bk=Y, beta=beta, Gc=Gc if HAS_G else None, cm=k, r=v, prefill=True)
+            use_s0 = True
+        BVw = _walk_bv(V, walk.N * H, dev, interp, FP32)
+        _fwd_walk_kernel[(walk.N, H, triton.cdiv(V, BVw))](
+            q, k, v, Gc, M, Y, o, S0, sT if sT is not None else A, walk.cu, walk.coff, scale,
             H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVw, HAS_G=HAS_G, USE_S0=use_s0,
-            STORE_S=output_final_state, DT=DT, PREC=PREC, **_opts("walk", interp, FP32))
+            STORE_S=output_final_state and not segs, DT=DT, PREC=PREC, **_opts("walk", interp, FP32))
         return o, (sT if output_final_state else None), None
     wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, TDT=TDT, PREC=PREC, **_opts("wu", interp, FP32))
+    if segs:
+        S0, sT = _chain_segments(seqs, segs, S0 if use_s0 else None, output_final_state, q, C, DT, PREC, HAS_W,
+                                 bk=kw, beta=beta, Gc=Gc if HAS_G else None, cm=wt, r=ut, prefill=False)
+        use_s0, sT = True, (sT if output_final_state else A)
+    store_s = output_final_state and not segs
     if gluon:
         from . import delta_gluon
 
         h, vnew, o = delta_gluon.fwd_walk(q, k, beta, Gc if HAS_G else None, wt, ut, S0 if use_s0 else None, sT,
-                                          seqs, scale, output_final_state, save, BVg)
+                                          walk, scale, store_s, save, BVg)
         return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h) if save else None)
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-    BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, N * H, dev, interp, FP32) if not interp else next_pow2(V)
-    _fwd_h_kernel[(N, H, triton.cdiv(V, BVh))](
-        kw, beta, Gc, wt, ut, h, vnew, S0, sT, seqs.cu, seqs.coff,
+    BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, walk.N * H, dev, interp, FP32) if not interp else next_pow2(V)
+    _fwd_h_kernel[(walk.N, H, triton.cdiv(V, BVh))](
+        kw, beta, Gc, wt, ut, h, vnew, S0, sT, walk.cu, walk.coff,
         H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_S0=use_s0,
-        STORE_S=output_final_state, DT=DT, PREC=PREC, **_h_opts(N * H * triton.cdiv(V, BVh), dev, interp, FP32))
+        STORE_S=store_s, DT=DT, PREC=PREC, **_h_opts(walk.N * H * triton.cdiv(V, BVh), dev, interp, FP32))
     BVo = _table_bv("o", BV, interp)
     _fwd_o_kernel[(NT * triton.cdiv(V, BVo) * H,)](
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
         H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVo, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("o", interp, FP32))
     return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
+
+
+def delta_split():
+    """``lazoo.kernels.delta_split``, imported where it is used (it imports this module's helpers)."""
+    from . import delta_split as module
+
+    return module
+
+
+def split_segments(seqs: _Seqs, H: int, V: int, q: torch.Tensor, C: int):
+    """The segments the state walks run over where few long sequences would leave the GPU idle, else None
+    (``delta_split.plan``)."""
+    if q.device.type == "cpu" and delta_split().SPLIT_LONG_SEQUENCES is not True:
+        return None  # the interpreter: only where asked for (the tests)
+    return delta_split().plan(seqs, H, V, q.device, C)
+
+
+def _chain_segments(seqs, segs, S0, output_final_state: bool, q, C: int, DT, PREC, has_w: bool, **forms):
+    """(each segment's start state, the final states or None): one pass over the segments, then the chaining."""
+    return delta_split().segment_starts(seqs, segs, S0, output_final_state, HK=q.shape[1], C=C, DT=DT, PREC=PREC,
+                                        has_w=has_w, **forms)
 
 
 def norms_in_backward(q: torch.Tensor, H: int, given_write_keys: bool) -> bool:
@@ -1225,15 +1257,24 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     Gc = Gc if HAS_G else beta
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
-    BVg = gluon_walk(q, K, V, C, HAS_W, N * H, USE_GLUON_BWD_WALK)
+    segs = split_segments(seqs, H, V, q, C)
+    walk = segs or seqs
+    ds0 = None
+    if segs:  # the state gradient at each segment's end, chained from the last segment back
+        dsT, ds0 = delta_split().segment_end_grads(
+            seqs, segs, dsT, need_ds0, q=q, kw=kw, beta=beta, Gc=Gc if HAS_G else None, wt=wt, do=do, scale=scale,
+            C=C, DT=DT, PREC=PREC, has_w=HAS_W)
+    need_walk_ds0 = need_ds0 and not segs
+    BVg = gluon_walk(q, K, V, C, HAS_W, walk.N * H, USE_GLUON_BWD_WALK)
     if BVg:  # the reverse walk as one Hopper kernel, Pᵀ dO formed in it
         from . import delta_gluon
 
-        du, dh, ds0 = delta_gluon.bwd_walk(q, k, beta, Gc if HAS_G else None, wt, do, dsT, seqs, scale, need_ds0, BVg)
+        du, dh, walk_ds0 = delta_gluon.bwd_walk(q, k, beta, Gc if HAS_G else None, wt, do, dsT, walk, scale,
+                                                need_walk_ds0, BVg)
     else:  # Triton: _bwd_dhu, after _bwd_dv_local where it does not form Pᵀ dO itself
         du = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
-        BVh, dhu_opts = _dhu_launch(K, V, N * H, dev, interp, FP32, HAS_W)
-        local_du = _local_du_in_walk(N * H * triton.cdiv(V, BVh), BVh, V, dev, interp, HAS_W)
+        BVh, dhu_opts = _dhu_launch(K, V, walk.N * H, dev, interp, FP32, HAS_W)
+        local_du = _local_du_in_walk(walk.N * H * triton.cdiv(V, BVh), BVh, V, dev, interp, HAS_W)
         if not local_du:
             BVd = _table_bv("dv_local", BV, interp)
             _bwd_dv_local_kernel[(NT * triton.cdiv(V, BVd) * H,)](
@@ -1241,11 +1282,13 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
                 H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVd, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
                 **_opts("dv_local", interp, FP32))
         dh = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
-        ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_ds0 else A
-        _bwd_dhu_kernel[(N, H, triton.cdiv(V, BVh))](
-            q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, ds0, seqs.cu, seqs.coff, scale,
+        walk_ds0 = torch.empty(N, H, V, K, device=dev, dtype=f32) if need_walk_ds0 else A
+        _bwd_dhu_kernel[(walk.N, H, triton.cdiv(V, BVh))](
+            q, kw, beta, Gc, wt, do, du, dh, dsT if dsT is not None else A, walk_ds0, walk.cu, walk.coff, scale,
             H=H, HK=HK, K=K, V=V, C=C, BKF=BKF, BV=BVh, HAS_G=HAS_G, HAS_W=HAS_W, USE_DST=dsT is not None,
-            STORE_DS0=need_ds0, LOCAL_DU=local_du, DT=DT, PREC=PREC, **dhu_opts)
+            STORE_DS0=need_walk_ds0, LOCAL_DU=local_du, DT=DT, PREC=PREC, **dhu_opts)
+    if not segs:
+        ds0 = walk_ds0
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     if not interp and CONFIGS["dqkw"].get("BK"):
         BKq = CONFIGS["dqkw"]["BK"]

@@ -1,0 +1,319 @@
+"""Long sequences split over the card: the (gated) delta rule's state walks for few sequences x heads.
+
+A state walk is sequential over a sequence's chunks, so one 32k-token sequence of 16 heads gives the walks 16-32
+programs for 132 multiprocessors. Every chunk's update is affine in the state (Sᵀ as X ``[dk, dv]``):
+
+    X' = T X + B,   T = γ I − Bkᵀ Cm,   B = Bkᵀ R
+
+(the training form: Bk = diag(β e^(G_last − G)) K, Cm = W~, R = U~; the prefill's: Bk = Y, Cm = diag(e^G) K,
+R = V). Splitting each sequence into segments of whole chunks, one pass walks every segment from a zero state and
+from the identity at once (the state's dv columns beside dk more, with R = 0 there), giving the segment's end as
+``T_s X_start + E_s``; a short pass chains the segments (a dk x dk product each) into every segment's true start
+state; then the usual walk runs over the segments as if each were a sequence of its own, with those start states.
+The backward's reverse walk splits the same way with the transposed maps. Nothing is approximated: the chained
+starts are the walk's own arithmetic reordered. FlashQLA (Qwen team) also splits few long sequences over the card,
+truncating each segment's look-back once the decay has made it negligible; this split is exact, needs no decay,
+and serves the plain delta rule too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_pow2, num_sms
+from .delta import _dot_acc, _gate, _load_factor, _load_raw, _load_tile, dot
+
+#: split where the state walks would have fewer than this many programs (dv blocks of 64) a multiprocessor: True,
+#: False, or None for where that holds and a sequence is long enough to split. H200, bf16, gated, one sequence of 32k
+#: tokens, 16 heads (32 such programs), unsplit -> split: fwd + bwd 4.07 -> 3.75 ms, the forward without autograd
+#: 1.42 -> 1.18
+SPLIT_LONG_SEQUENCES: bool | None = None
+SPLIT_BELOW_PROGRAMS_PER_SM = 0.75
+#: segments enough for this many walk programs (dv blocks of 64) a multiprocessor. The same runs, 32k: at 1 (4
+#: segments of 128 chunks) 3.75 / 1.18 ms, at 2 3.99 / 1.23, at 4 4.21 / 1.31: each segment pass is a walk of its
+#: own over dv + dk columns, so more, shorter segments cost more than the shorter chain saves
+SPLIT_PROGRAMS_PER_SM = 1.0
+#: no segment shorter than this many chunks
+SPLIT_MIN_CHUNKS = 16
+#: the chaining pass's launch
+COMBINE_BV = 32
+COMBINE_WARPS = 8
+
+
+class Segments:
+    """A sequence table (the walks read ``N``, ``NT``, ``cu``, ``coff``, ``chunks``) whose sequences are segments of
+    whole chunks of the original ones, with ``soff[n]:soff[n + 1]`` the segments of original sequence n. Chunk
+    indices stay the original ones, so per-chunk tensors are laid out as before."""
+
+    def __init__(self, seqs, chunk_counts: list[int], L: int, C: int):
+        device = seqs.cu.device
+        starts, coffs, soff, pos = [], [], [0], []
+        coff = 0
+        for n, nts in enumerate(chunk_counts):
+            pieces = max(1, triton.cdiv(nts, L))
+            for s in range(pieces):
+                starts.append((n, s * L * C))
+                coffs.append(coff + s * L)
+                pos.append((s == 0) + 2 * (s == pieces - 1))
+            coff += nts
+            soff.append(soff[-1] + pieces)
+        cu_host = seqs.cu.tolist()
+        cu = [cu_host[n] + off for n, off in starts] + [cu_host[-1]]
+        self.N, self.NT, self.chunks = len(starts), seqs.NT, seqs.chunks
+        self.cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        self.coff = torch.tensor(coffs + [seqs.NT], dtype=torch.int32, device=device)
+        self.soff = torch.tensor(soff, dtype=torch.int32, device=device)
+        self.pos = torch.tensor(pos, dtype=torch.int32, device=device)  # 1: a sequence's first, 2: its last
+        self.L = L
+
+
+def _chunk_counts(seqs) -> list[int]:
+    return (seqs.coff[1:] - seqs.coff[:-1]).tolist()
+
+
+def plan(seqs, H: int, V: int, device, C: int, switch: bool | None = None):
+    """The segments the walks of this batch run over, or None to walk whole sequences. Cached on ``seqs`` (the
+    forward's table is the backward's)."""
+    switch = SPLIT_LONG_SEQUENCES if switch is None else switch
+    if switch is False or torch.compiler.is_compiling():
+        return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    key = (H, V, switch, SPLIT_BELOW_PROGRAMS_PER_SM, SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_CHUNKS)
+    cache = seqs.__dict__.setdefault("_segments", {})
+    if key in cache:
+        return cache[key]
+    programs = seqs.N * H * triton.cdiv(V, 64)
+    sms = num_sms(device) if device.type == "cuda" else 132
+    segments = None
+    if switch or programs < SPLIT_BELOW_PROGRAMS_PER_SM * sms:
+        counts = _chunk_counts(seqs)
+        pieces = max(1, round(SPLIT_PROGRAMS_PER_SM * sms / programs))
+        L = max(SPLIT_MIN_CHUNKS, triton.cdiv(max(counts), pieces))
+        if switch or max(counts) > L:
+            segments = Segments(seqs, counts, max(1, min(L, max(counts))), C)
+    cache[key] = segments
+    return segments
+
+
+# ============================================================================ kernels
+@triton.jit
+def _seg_columns(i_b, NVB: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, V: tl.constexpr,
+                 K: tl.constexpr):
+    """A segment program's block of the walked columns: dv columns first (a zero start), then dk columns of the
+    identity. Returns (is an identity block, the start tile, its columns in the ``[dk, dv + dk]`` end tensor, their
+    mask)."""
+    o_k = tl.arange(0, BKF)
+    ident = i_b >= NVB
+    col = tl.where(ident, (i_b - NVB) * BV, i_b * BV) + tl.arange(0, BV)
+    x = tl.where(ident & (o_k[:, None] == col[None, :]), 1.0, 0.0)
+    end_col = tl.where(ident, V + col, col)
+    m = (o_k < K)[:, None] & (col < tl.where(ident, K, V))[None, :]
+    return ident, x, end_col, m
+
+
+@triton.jit
+def _needed(pos, ident, FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, REVERSE: tl.constexpr):
+    """Whether a segment program's walk is used by the chaining: not the identity block of the segment the chain
+    starts from where it starts from zero (FREE_IDENT), nor any block of the segment it ends with where the sequence's
+    end is not asked for (FREE_LAST). ``pos``: 1 for a sequence's first segment, 2 for its last, 3 for both."""
+    if REVERSE:
+        start = (pos & 2) != 0
+        end = (pos & 1) != 0
+    else:
+        start = (pos & 1) != 0
+        end = (pos & 2) != 0
+    keep = pos >= 0
+    if FREE_IDENT:
+        keep = keep & ~(start & ident)
+    if FREE_LAST:
+        keep = keep & ~end
+    return keep
+
+
+@triton.jit
+def _seg_fwd_kernel(
+    bk, beta, Gc, cm, r, ends, cu, segpos,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, PREFILL: tl.constexpr,
+    FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """One segment's walk from zero (dv columns) and from the identity (dk columns): X' = γ X + Bkᵀ (R − Cm X),
+    only the end stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32). Training form: Bk = β e^(G_last − G) K (``bk`` the
+    keys, or the given write keys), Cm = W~, R = U~; PREFILL: Bk = Y, Cm = e^G K (``cm`` the keys), R = V."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    ident, b_x, end_col, m_end = _seg_columns(i_b, NVB, BKF, BV, V, K)
+    pos = tl.load(segpos + i_s)
+    i_hk = i_h // (H // HK)
+    r_col = tl.where(ident, V, i_b * BV)  # identity blocks read no R: their columns are masked out
+    for j in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, False), tl.cdiv(eos - bos, C), 0)):
+        t0 = bos + j * C
+        b_r = _load_tile(r + i_h * V, t0, tl.where(ident, t0, eos), H * V, r_col, V, C, BV)
+        if PREFILL:
+            b_cm = _load_raw(cm + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_bk = _load_raw(bk + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+            b_cx = dot(b_cm, b_x, DT, PREC)
+            if HAS_G:
+                b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+                b_cx = b_cx * tl.exp(b_G)[:, None]
+                b_x = b_x * tl.exp(g_last)
+            b_u = b_r - b_cx
+        else:
+            b_cm = _load_raw(cm + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+            b_bk = _load_raw(bk + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+            b_u = b_r - dot(b_cm, b_x, DT, PREC)
+            if HAS_G:
+                b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+                b_f = b_f * tl.exp(g_last - b_G)
+                b_x = b_x * tl.exp(g_last)
+            b_u = b_u * b_f[:, None]
+        b_x = _dot_acc(tl.trans(b_bk), b_u, b_x, DT, PREC)
+    o_k = tl.arange(0, BKF)
+    tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_x,
+             mask=m_end)
+
+
+@triton.jit
+def _seg_bwd_kernel(
+    q, kw, beta, Gc, wt, do, ends, cu, segpos, scale,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr,
+    FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """The reverse walk over one segment from a zero end gradient (dv columns, with dO's terms) and from the
+    identity (dk columns, without): dU = [Pᵀ dO] + diag(D) K dX, dX ← γ dX + [scale Qᵀ diag(e^G) dO] − W~ᵀ dU, as
+    ``delta._bwd_dhu``; the segment's start stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32)."""
+    scale = tl.cast(scale, tl.float32)
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    ident, b_ds, end_col, m_end = _seg_columns(i_b, NVB, BKF, BV, V, K)
+    pos = tl.load(segpos + i_s)
+    i_hk = i_h // (H // HK)
+    o_c = tl.arange(0, C)
+    triu = o_c[:, None] <= o_c[None, :]
+    NTn = tl.cdiv(eos - bos, C)
+    for jj in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, True), NTn, 0)):
+        t0 = bos + (NTn - 1 - jj) * C
+        b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_f = b_b
+        if HAS_G:
+            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_f = b_f * tl.exp(g_last - b_G)
+        b_k = _load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_du = dot(b_k, b_ds, DT, PREC) * b_f[:, None]
+        if HAS_G:
+            b_ds = b_ds * tl.exp(g_last)
+        if i_b < NVB:  # dO's terms: P^T dO in dU, scale Q^T diag(e^G) dO in dS
+            b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_b * BV, V, C, BV)
+            b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
+            b_fq = tl.full([C], 1.0, tl.float32) * scale
+            if HAS_G:
+                b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+                b_fq = b_fq * tl.exp(b_G)
+            else:
+                b_pt = tl.where(triu, b_pt, 0.0)
+            b_du += dot(b_pt * (b_b * scale)[:, None], b_do, DT, PREC)
+            b_ds = _dot_acc(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], b_ds, DT, PREC)
+        b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_ds = _dot_acc(tl.trans(b_wt), -b_du, b_ds, DT, PREC)
+    o_k = tl.arange(0, BKF)
+    tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_ds,
+             mask=m_end)
+
+
+@triton.jit
+def _seg_chain_kernel(
+    ends, x0, starts, xT, soff,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
+    USE_X0: tl.constexpr, STORE_XT: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """Chains one sequence's segments: X ← T_s X + E_s from its first segment to its last (the reverse walk's from
+    the last to the first), storing each segment's start in ``starts`` and the sequence's end in ``xT`` (states
+    ``[., H, dv, dk]`` fp32, as the walks' initial and final states)."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    s_lo = tl.load(soff + i_n)
+    s_hi = tl.load(soff + i_n + 1)
+    o_k = tl.arange(0, BKF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_x = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_x = o_v[None, :] * K + o_k[:, None]
+    b_x = tl.zeros([BKF, BV], dtype=tl.float32)
+    if USE_X0:
+        b_x += tl.load(x0 + (i_n * H + i_h).to(tl.int64) * V * K + p_x, mask=m_x, other=0)
+    m_t = (o_k < K)[:, None] & (o_k < K)[None, :]
+    for ii in range(0, s_hi - s_lo):
+        s = (s_hi - 1 - ii) if REVERSE else (s_lo + ii)
+        tl.store(starts + (s * H + i_h).to(tl.int64) * V * K + p_x, b_x, mask=m_x)
+        base = ends + (s * H + i_h).to(tl.int64) * K * (V + K)
+        b_t = tl.load(base + o_k[:, None] * (V + K) + V + o_k[None, :], mask=m_t, other=0)
+        b_e = tl.load(base + o_k[:, None] * (V + K) + o_v[None, :], mask=m_x, other=0)
+        b_x = tl.dot(b_t, b_x, b_e, input_precision="tf32x3")
+    if STORE_XT:
+        tl.store(xT + (i_n * H + i_h).to(tl.int64) * V * K + p_x, b_x, mask=m_x)
+
+
+# ============================================================================ host side
+def _pass_bv(V: int, interpret: bool) -> int:
+    return next_pow2(V) if interpret else min(64, next_pow2(V))
+
+
+def _chain(ends, x0, seqs, segs: Segments, H: int, K: int, V: int, store_end: bool, reverse: bool, interpret: bool):
+    """(each segment's start state ``[NS, H, V, K]``, the sequences' end ``[N, H, V, K]`` or None)."""
+    f32 = torch.float32
+    starts = torch.empty(segs.N, H, V, K, device=ends.device, dtype=f32)
+    xT = torch.empty(seqs.N, H, V, K, device=ends.device, dtype=f32) if store_end else starts
+    BV = next_pow2(V) if interpret else min(COMBINE_BV, next_pow2(V))
+    _seg_chain_kernel[(seqs.N, H, triton.cdiv(V, BV))](
+        ends, x0 if x0 is not None else starts, starts, xT, segs.soff, H=H, K=K, V=V, BKF=next_pow2(K), BV=BV,
+        USE_X0=x0 is not None, STORE_XT=store_end, REVERSE=reverse, **({} if interpret else
+                                                                         {"num_warps": COMBINE_WARPS}))
+    return starts, (xT if store_end else None)
+
+
+def segment_starts(seqs, segs: Segments, S0, store_end: bool, *, bk, beta, Gc, cm, r, prefill: bool, HK: int,
+                   C: int, DT, PREC, has_w: bool = False):
+    """The forward's start state of every segment ``[NS, H, V, K]`` and the sequences' final states (or None):
+    ``bk``, ``cm``, ``r`` as ``_seg_fwd_kernel`` takes them in the training form (k, W~, U~) or the prefill's
+    (Y, k, V)."""
+    H, V = r.shape[1:]
+    K = cm.shape[-1]
+    interp = r.device.type == "cpu"
+    BV = _pass_bv(V, interp)
+    ends = torch.empty(segs.N, H, K, V + K, device=r.device, dtype=torch.float32)
+    _seg_fwd_kernel[(segs.N, H, triton.cdiv(V, BV) + triton.cdiv(K, BV))](
+        bk, beta, Gc if Gc is not None else beta, cm, r, ends, segs.cu, segs.pos, H=H, HK=HK, K=K, V=V, C=C,
+        BKF=next_pow2(K), BV=BV, HAS_G=Gc is not None, HAS_W=has_w, PREFILL=prefill, FREE_IDENT=S0 is None,
+        FREE_LAST=not store_end, DT=DT, PREC=PREC, **({} if interp else {"num_warps": 4, "num_stages": 2}))
+    return _chain(ends, S0, seqs, segs, H, K, V, store_end, False, interp)
+
+
+def segment_end_grads(seqs, segs: Segments, dsT, need_ds0: bool, *, q, kw, beta, Gc, wt, do, scale: float, C: int,
+                      DT, PREC, has_w: bool = False):
+    """The backward's state gradient at every segment's end ``[NS, H, V, K]`` and the initial states' (or None)."""
+    H, V = do.shape[1:]
+    HK, K = q.shape[1:]
+    interp = do.device.type == "cpu"
+    BV = _pass_bv(V, interp)
+    ends = torch.empty(segs.N, H, K, V + K, device=do.device, dtype=torch.float32)
+    _seg_bwd_kernel[(segs.N, H, triton.cdiv(V, BV) + triton.cdiv(K, BV))](
+        q, kw, beta, Gc if Gc is not None else beta, wt, do, ends, segs.cu, segs.pos, scale, H=H, HK=HK, K=K,
+        V=V, C=C, BKF=next_pow2(K), BV=BV, HAS_G=Gc is not None, HAS_W=has_w, FREE_IDENT=dsT is None,
+        FREE_LAST=not need_ds0, DT=DT, PREC=PREC, **({} if interp else {"num_warps": 8, "num_stages": 2}))
+    return _chain(ends, dsT, seqs, segs, H, K, V, need_ds0, True, interp)
+
+
