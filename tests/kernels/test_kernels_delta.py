@@ -444,14 +444,17 @@ def _split_everything(monkeypatch, min_chunks=1):
 
 @needs_interp
 @pytest.mark.parametrize("op", ["delta", "gated"])
-@pytest.mark.parametrize("min_chunks", [1, 2], ids=["segments_of_1_chunk", "segments_of_2_chunks"])
-def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks):
+@pytest.mark.parametrize("min_chunks,local_first", [(1, False), (2, False), (2, True)],
+                         ids=["segments_of_1_chunk", "segments_of_2_chunks", "segments_of_2_chunks_local_terms_first"])
+def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks, local_first):
     """Long sequences split into segments whose start states are chained (forward) and whose end-state gradients
-    are chained back (backward), against float64: packed sequences of ragged lengths (one of a single token, one
-    ending mid-chunk), a carried state, grouped value heads with fp16 inputs and fp32 β and g."""
+    are chained back (backward; dO's terms formed in the segment pass or read from a chunk-parallel kernel), against
+    float64: packed sequences of ragged lengths (one of a single token, one ending mid-chunk), a carried state,
+    grouped value heads with fp16 inputs and fp32 β and g."""
     from lazoo.kernels import delta, delta_split
 
     _split_everything(monkeypatch, min_chunks)
+    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", local_first)
     cu = torch.tensor([0, 1, 40, 90])
     segs = delta_split.plan(delta.seqs_for(1, 90, cu, 16, torch.device("cpu")), 2, 10, torch.device("cpu"), 16)
     assert segs.soff.tolist() == ([0, 1, 4, 8] if min_chunks == 1 else [0, 1, 3, 5])
@@ -796,13 +799,16 @@ def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
 @needs_cuda
 @pytest.mark.parametrize("op", ["delta", "gated"])
 @pytest.mark.parametrize("walks", ["triton", "gluon"])
-@pytest.mark.parametrize("min_chunks", [4, 16], ids=["segments_of_4_chunks", "segments_of_16_chunks"])
-def test_gpu_split_sequences_match_float64(monkeypatch, op, walks, min_chunks):
+@pytest.mark.parametrize("min_chunks,local_first", [(4, False), (16, False), (4, True)],
+                         ids=["segments_of_4_chunks", "segments_of_16_chunks", "local_terms_first"])
+def test_gpu_split_sequences_match_float64(monkeypatch, op, walks, min_chunks, local_first):
     """Few long sequences split into segments (the default below 0.75 walk programs a multiprocessor), each walk
-    kind, against float64: packed ragged sequences with a carried state, grouped value heads with fp32 β and g, and
-    the forward without autograd."""
+    kind, dO's terms of the backward's segment pass formed in it or read from a chunk-parallel kernel, against
+    float64: packed ragged sequences with a carried state, grouped value heads with fp32 β and g, and the forward
+    without autograd."""
     from lazoo.kernels import delta, delta_split
 
+    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", local_first)
     if walks == "gluon":
         _needs_gluon_walk()
     monkeypatch.setattr(delta, "USE_GLUON_WALK", walks == "gluon")

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._utils import next_pow2, num_sms
-from .delta import _dot_acc, _gate, _load_factor, _load_raw, _load_tile, dot
+from .delta import _chunk_info, _dot_acc, _gate, _load_factor, _load_raw, _load_tile, _parallel_ids, dot
 
 #: split where the state walks would have fewer than this many programs (dv blocks of 64) a multiprocessor: True,
 #: False, or None for where that holds and a sequence is long enough to split. H200, bf16, gated, one sequence of 32k
@@ -37,6 +37,13 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 0.75
 SPLIT_PROGRAMS_PER_SM = 1.0
 #: no segment shorter than this many chunks
 SPLIT_MIN_CHUNKS = 16
+#: the segment passes' block of walked columns (dv, then dk): 64, as measured above (128 not timed yet)
+SEGMENT_BV = 64
+#: the backward's segment pass reads each chunk's dO terms (Z = scale Qᵀ diag(e^G) dO − W~ᵀ Pᵀ dO, in dO's dtype)
+#: from a chunk-parallel kernel (``_seg_local_kernel``) instead of forming them in its walk, leaving its dv columns
+#: two products a chunk as its dk columns have. Off: not timed on a GPU yet (at 32k the backward's segment pass is
+#: 0.71 of 3.73 ms, H200, ``experiments/gdn_kernel_profile.py``; the chunk-parallel kernel moves about 5 U)
+SEGMENT_LOCAL_TERMS_FIRST = False
 #: the chaining pass's launch
 COMBINE_BV = 32
 COMBINE_WARPS = 8
@@ -183,14 +190,15 @@ def _seg_fwd_kernel(
 
 @triton.jit
 def _seg_bwd_kernel(
-    q, kw, beta, Gc, wt, do, ends, cu, segpos, scale,
+    q, kw, beta, Gc, wt, do, z, ends, cu, coff, segpos, scale,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BKF: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr,
-    FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, READ_Z: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """The reverse walk over one segment from a zero end gradient (dv columns, with dO's terms) and from the
     identity (dk columns, without): dU = [Pᵀ dO] + diag(D) K dX, dX ← γ dX + [scale Qᵀ diag(e^G) dO] − W~ᵀ dU, as
-    ``delta._bwd_dhu``; the segment's start stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32)."""
+    ``delta._bwd_dhu``; the segment's start stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32). READ_Z: dO's terms
+    come as ``_seg_local_kernel``'s Z a chunk."""
     scale = tl.cast(scale, tl.float32)
     i_s = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -204,6 +212,9 @@ def _seg_bwd_kernel(
     o_c = tl.arange(0, C)
     triu = o_c[:, None] <= o_c[None, :]
     NTn = tl.cdiv(eos - bos, C)
+    o_k = tl.arange(0, BKF)
+    o_v = tl.arange(0, BV)
+    m_z = (o_k < K)[:, None] & (i_b * BV + o_v < V)[None, :]
     for jj in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, True), NTn, 0)):
         t0 = bos + (NTn - 1 - jj) * C
         b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
@@ -215,7 +226,12 @@ def _seg_bwd_kernel(
         b_du = dot(b_k, b_ds, DT, PREC) * b_f[:, None]
         if HAS_G:
             b_ds = b_ds * tl.exp(g_last)
-        if i_b < NVB:  # dO's terms: P^T dO in dU, scale Q^T diag(e^G) dO in dS
+        if READ_Z:
+            if i_b < NVB:
+                j = tl.load(coff + i_s).to(tl.int64) + NTn - 1 - jj
+                b_ds += tl.load(z + (j * H + i_h) * K * V + o_k[:, None] * V + i_b * BV + o_v[None, :],
+                                mask=m_z, other=0).to(tl.float32)
+        elif i_b < NVB:  # dO's terms: P^T dO in dU, scale Q^T diag(e^G) dO in dS
             b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
             b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_b * BV, V, C, BV)
             b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
@@ -229,9 +245,45 @@ def _seg_bwd_kernel(
             b_ds = _dot_acc(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], b_ds, DT, PREC)
         b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
         b_ds = _dot_acc(tl.trans(b_wt), -b_du, b_ds, DT, PREC)
-    o_k = tl.arange(0, BKF)
     tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_ds,
              mask=m_end)
+
+
+@triton.jit
+def _seg_local_kernel(
+    q, kw, beta, Gc, wt, do, z, chunks, cu, scale,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BKF: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """What one chunk's dO adds to the state gradient walking back, apart from the gradient itself:
+    Z = scale Qᵀ diag(e^G) dO − W~ᵀ Pᵀ dO (``z`` ``[NT, H, dk, dv]``), chunk-parallel."""
+    scale = tl.cast(scale, tl.float32)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_c, i_v, i_h = _parallel_ids(NV, H)
+    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_hk = i_h // (H // HK)
+    o_c = tl.arange(0, C)
+    triu = o_c[:, None] <= o_c[None, :]
+    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
+    b_fq = tl.full([C], 1.0, tl.float32) * scale
+    b_k = _load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+    b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+    b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
+    if HAS_G:
+        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+        b_fq = b_fq * tl.exp(b_G)
+    else:
+        b_pt = tl.where(triu, b_pt, 0.0)
+    b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+    b_dul = dot(b_pt * b_b[:, None], b_do, DT, PREC)
+    b_z = dot(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], DT, PREC)
+    b_z = _dot_acc(tl.trans(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)), -b_dul, b_z, DT, PREC)
+    o_k = tl.arange(0, BKF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    tl.store(z + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_z.to(z.dtype.element_ty),
+             mask=(o_k < K)[:, None] & (o_v < V)[None, :])
 
 
 @triton.jit
@@ -269,7 +321,7 @@ def _seg_chain_kernel(
 
 # ============================================================================ host side
 def _pass_bv(V: int, interpret: bool) -> int:
-    return next_pow2(V) if interpret else min(64, next_pow2(V))
+    return next_pow2(V) if interpret else min(SEGMENT_BV, next_pow2(V))
 
 
 def _chain(ends, x0, seqs, segs: Segments, H: int, K: int, V: int, store_end: bool, reverse: bool, interpret: bool):
@@ -310,10 +362,20 @@ def segment_end_grads(seqs, segs: Segments, dsT, need_ds0: bool, *, q, kw, beta,
     interp = do.device.type == "cpu"
     BV = _pass_bv(V, interp)
     ends = torch.empty(segs.N, H, K, V + K, device=do.device, dtype=torch.float32)
+    gates = Gc if Gc is not None else beta
+    z = ends
+    if SEGMENT_LOCAL_TERMS_FIRST:
+        z = torch.empty(seqs.NT, H, K, V, device=do.device, dtype=do.dtype)
+        BVz = next_pow2(V) if interp else min(64, next_pow2(V))
+        _seg_local_kernel[(seqs.NT * triton.cdiv(V, BVz) * H,)](
+            q, kw, beta, gates, wt, do, z, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, C=C,
+            BKF=next_pow2(K), BV=BVz, HAS_G=Gc is not None, HAS_W=has_w, DT=DT, PREC=PREC,
+            **({} if interp else {"num_warps": 8, "num_stages": 1}))
     _seg_bwd_kernel[(segs.N, H, triton.cdiv(V, BV) + triton.cdiv(K, BV))](
-        q, kw, beta, Gc if Gc is not None else beta, wt, do, ends, segs.cu, segs.pos, scale, H=H, HK=HK, K=K,
+        q, kw, beta, gates, wt, do, z, ends, segs.cu, segs.coff, segs.pos, scale, H=H, HK=HK, K=K,
         V=V, C=C, BKF=next_pow2(K), BV=BV, HAS_G=Gc is not None, HAS_W=has_w, FREE_IDENT=dsT is None,
-        FREE_LAST=not need_ds0, DT=DT, PREC=PREC, **({} if interp else {"num_warps": 8, "num_stages": 2}))
+        FREE_LAST=not need_ds0, READ_Z=SEGMENT_LOCAL_TERMS_FIRST, DT=DT, PREC=PREC,
+        **({} if interp else {"num_warps": 8, "num_stages": 2}))
     return _chain(ends, dsT, seqs, segs, H, K, V, need_ds0, True, interp)
 
 
