@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from lazoo.kernels import delta as kd
+from lazoo.kernels._delta_tiles import dot_acc, gate, load_raw, load_tile, load_vec
 from lazoo.kernels._launch import dot_types
 from lazoo.kernels._tiles import dot
-from lazoo.kernels.delta import _dot_acc, _gate, _load_raw, _load_tile, _load_vec, _state_program, _store_tile
+from lazoo.kernels.delta import _state_program, _store_tile
 
 C = 64  # rows a chunk
 
@@ -59,22 +60,22 @@ def _walk_from_a_kernel(
         t0 = bos + j * C
         # in the order that keeps the fewest [C, BV] and [C, C] tiles live beside the state (registers: module
         # docstring): U first, then P, then O
-        b_k = _load_raw(k + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-        b_b = _load_vec(beta + i_h, t0, eos, H, C)
+        b_k = load_raw(k + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_b = load_vec(beta + i_h, t0, eos, H, C)
         b_ks = dot(b_k, b_s, DT, PREC)
         if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
             e_G = tl.exp(b_G)[:, None]
             b_ks = b_ks * e_G
-        b_x = _load_tile(v + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ks
-        b_u = dot(_load_raw(A + i_h * C, t0, eos, H * C, 0, C, C, C), b_x, ADT, PREC)  # U = A X
+        b_x = load_tile(v + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ks
+        b_u = dot(load_raw(A + i_h * C, t0, eos, H * C, 0, C, C, C), b_x, ADT, PREC)  # U = A X
         if HAS_G:
             b_d = b_b * tl.exp(g_last - b_G)
         else:
             b_d = b_b
         b_ud = (b_u * b_d[:, None]).to(DT)  # both of U's uses take it in DT: half the registers from here
         b_u = b_u.to(DT)
-        b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_q = load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
         b_p = dot(b_q, tl.trans(b_k), DT, PREC)
         if HAS_G:
             b_p = tl.where(tril, b_p * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
@@ -83,11 +84,11 @@ def _walk_from_a_kernel(
         b_o = dot(b_q, b_s, DT, PREC)
         if HAS_G:
             b_o = b_o * e_G
-        b_o = _dot_acc((b_p * b_b[None, :]).to(DT), b_u, b_o, DT, PREC) * scale
+        b_o = dot_acc((b_p * b_b[None, :]).to(DT), b_u, b_o, DT, PREC) * scale
         _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
         if HAS_G:
             b_s = b_s * tl.exp(g_last)
-        b_s = _dot_acc(tl.trans(b_k), b_ud, b_s, DT, PREC)
+        b_s = dot_acc(tl.trans(b_k), b_ud, b_s, DT, PREC)
     if STORE_S:
         tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
 

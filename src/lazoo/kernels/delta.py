@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from ._chunk_layout import cached_uniform
+from ._delta_tiles import chunk_info, dot_acc, gate, load_factor, load_raw, load_tile, load_vec, parallel_ids
 from ._launch import dot_types, fill_device
 from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
 from ._utils import next_pow2, num_sms
@@ -71,35 +72,9 @@ from .limits import KERNEL_DTYPES
 
 # ============================================================================ small jit helpers
 @triton.jit
-def _dot_acc(a, b, acc, DT: tl.constexpr, PREC: tl.constexpr):
-    """``acc + a @ b`` accumulated in place."""
-    return tl.dot(a.to(DT), b.to(DT), acc, input_precision=PREC)
-
-
-@triton.jit
 def _dotf(a, b, PREC: tl.constexpr):
     """``a @ b`` with fp32 operands (tf32 for 16-bit inputs, exact fp32 for fp32 inputs)."""
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-
-
-@triton.jit
-def _load_raw(ptr, row0, eos, stride, col0, ncols, R: tl.constexpr, BC: tl.constexpr):
-    """Rows ``row0 + [0, R)`` (masked to ``< eos``), columns ``col0 + [0, BC)`` (masked to ``< ncols``)
-    of a row-major tensor with row stride ``stride``, in its storage dtype (zeros outside): only for
-    dot operands. The (int64) row offset goes into the scalar base pointer; tile offsets stay int32."""
-    r = tl.arange(0, R)
-    c = col0 + tl.arange(0, BC)
-    if ncols % BC == 0:  # no column mask: keeps the mask constant along rows, so loads vectorise
-        m = (r < eos - row0)[:, None]
-    else:
-        m = (r < eos - row0)[:, None] & (c < ncols)[None, :]
-    return tl.load(ptr + row0 * stride + (r[:, None] * stride + c[None, :]), mask=m, other=0)
-
-
-@triton.jit
-def _load_tile(ptr, row0, eos, stride, col0, ncols, R: tl.constexpr, BC: tl.constexpr):
-    """``_load_raw`` cast to fp32 (for elementwise arithmetic)."""
-    return _load_raw(ptr, row0, eos, stride, col0, ncols, R, BC).to(tl.float32)
 
 
 @triton.jit
@@ -114,12 +89,6 @@ def _store_tile(ptr, x, row0, eos, stride, col0, ncols, R: tl.constexpr, BC: tl.
 
 
 @triton.jit
-def _load_vec(ptr, row0, eos, stride, R: tl.constexpr):
-    r = tl.arange(0, R)
-    return tl.load(ptr + row0 * stride + r * stride, mask=r < eos - row0, other=0).to(tl.float32)
-
-
-@triton.jit
 def _store_vec(ptr, x, row0, eos, stride, R: tl.constexpr):
     r = tl.arange(0, R)
     tl.store(ptr + row0 * stride + r * stride, x, mask=r < eos - row0)
@@ -131,46 +100,7 @@ def _load_beta(beta, row0, eos, H: tl.constexpr, HAS_W: tl.constexpr):
     if HAS_W:
         return tl.full([1, 16], 1.0, tl.float32)
     else:
-        return _load_vec(beta, row0, eos, H, 16)[None, :]
-
-
-@triton.jit
-def _load_factor(beta, row0, eos, H: tl.constexpr, R: tl.constexpr, HAS_W: tl.constexpr):
-    """β of R rows (ones when the write keys are given)."""
-    if HAS_W:
-        return tl.full([R], 1.0, tl.float32)
-    else:
-        return _load_vec(beta, row0, eos, H, R)
-
-
-@triton.jit
-def _chunk_info(chunks, cu, i_c):
-    """(start token, end of its sequence) of global chunk ``i_c``."""
-    i_n = tl.load(chunks + i_c * 2).to(tl.int64)
-    t0 = tl.load(chunks + i_c * 2 + 1).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    return t0, eos
-
-
-@triton.jit
-def _parallel_ids(NB: tl.constexpr, H: tl.constexpr):
-    """(chunk, block, head) of a program of the chunk-parallel kernels' one-axis grid of NT·NB·H programs. The head
-    varies fastest: the programs of one chunk run together, so they read one contiguous stretch of every ``[TT, H,
-    d]`` tensor, and the value heads of one key head (grouped value heads) find its q and k rows in L2."""
-    pid = tl.program_id(0)
-    return pid // (NB * H), (pid // H) % NB, pid % H
-
-
-@triton.jit
-def _gate(Gc, i_h, t0, eos, H: tl.constexpr, C: tl.constexpr):
-    """(G of the chunk's rows, G of its last valid row). Rows past the end of the sequence take the
-    last valid row's G (as if their g were 0): with a fast decay G reaches -100s inside one chunk, and
-    a pad row with G = 0 would make exp(G_pad - G_i) overflow (inf * 0 = NaN in the products)."""
-    r = tl.arange(0, C)
-    last = tl.minimum(t0 + C, eos) - 1
-    g_last = tl.load(Gc + last * H + i_h).to(tl.float32)
-    b_G = tl.load(Gc + i_h + t0 * H + r * H, mask=r < eos - t0, other=0).to(tl.float32)
-    return tl.where(r < eos - t0, b_G, g_last), g_last
+        return load_vec(beta, row0, eos, H, 16)[None, :]
 
 
 @triton.jit
@@ -201,8 +131,8 @@ def _fwd_solve_kernel(
     """Per chunk: G (within-chunk cumsum of g) and A = (I + strict_tril(E ⊙ K W^T))^{-1} (W = β K, or the
     given write keys). The inverse is built from 16x16 diagonal blocks (forward substitution, row by row: one
     warp does it fastest) merged by block products in tf32 (tf32x3 for fp32 inputs)."""
-    i_c, _, i_h = _parallel_ids(1, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, _, i_h = parallel_ids(1, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     NB: tl.constexpr = C // 16
     k += (i_h // (H // HK)) * K  # the key head of value head i_h (HK == H without grouped value heads)
     w += (i_h // (H // HK)) * K
@@ -219,26 +149,26 @@ def _fwd_solve_kernel(
     L32 = Z
     L33 = Z
     for kb in range(0, K, BK):  # K W^T blocks (for W = β K: K K^T, β applied to the columns below)
-        k0 = _load_raw(k, t0, eos, HK * K, kb, K, 16, BK)
-        c0 = _load_raw(w, t0, eos, HK * K, kb, K, 16, BK) if HAS_W else k0
-        L00 = _dot_acc(k0, tl.trans(c0), L00, DT, PREC)
+        k0 = load_raw(k, t0, eos, HK * K, kb, K, 16, BK)
+        c0 = load_raw(w, t0, eos, HK * K, kb, K, 16, BK) if HAS_W else k0
+        L00 = dot_acc(k0, tl.trans(c0), L00, DT, PREC)
         if NB >= 2:
-            k1 = _load_raw(k, t0 + 16, eos, HK * K, kb, K, 16, BK)
-            c1 = _load_raw(w, t0 + 16, eos, HK * K, kb, K, 16, BK) if HAS_W else k1
-            L10 = _dot_acc(k1, tl.trans(c0), L10, DT, PREC)
-            L11 = _dot_acc(k1, tl.trans(c1), L11, DT, PREC)
+            k1 = load_raw(k, t0 + 16, eos, HK * K, kb, K, 16, BK)
+            c1 = load_raw(w, t0 + 16, eos, HK * K, kb, K, 16, BK) if HAS_W else k1
+            L10 = dot_acc(k1, tl.trans(c0), L10, DT, PREC)
+            L11 = dot_acc(k1, tl.trans(c1), L11, DT, PREC)
         if NB >= 4:
-            k2 = _load_raw(k, t0 + 32, eos, HK * K, kb, K, 16, BK)
-            k3 = _load_raw(k, t0 + 48, eos, HK * K, kb, K, 16, BK)
-            c2 = _load_raw(w, t0 + 32, eos, HK * K, kb, K, 16, BK) if HAS_W else k2
-            c3 = _load_raw(w, t0 + 48, eos, HK * K, kb, K, 16, BK) if HAS_W else k3
-            L20 = _dot_acc(k2, tl.trans(c0), L20, DT, PREC)
-            L21 = _dot_acc(k2, tl.trans(c1), L21, DT, PREC)
-            L22 = _dot_acc(k2, tl.trans(c2), L22, DT, PREC)
-            L30 = _dot_acc(k3, tl.trans(c0), L30, DT, PREC)
-            L31 = _dot_acc(k3, tl.trans(c1), L31, DT, PREC)
-            L32 = _dot_acc(k3, tl.trans(c2), L32, DT, PREC)
-            L33 = _dot_acc(k3, tl.trans(c3), L33, DT, PREC)
+            k2 = load_raw(k, t0 + 32, eos, HK * K, kb, K, 16, BK)
+            k3 = load_raw(k, t0 + 48, eos, HK * K, kb, K, 16, BK)
+            c2 = load_raw(w, t0 + 32, eos, HK * K, kb, K, 16, BK) if HAS_W else k2
+            c3 = load_raw(w, t0 + 48, eos, HK * K, kb, K, 16, BK) if HAS_W else k3
+            L20 = dot_acc(k2, tl.trans(c0), L20, DT, PREC)
+            L21 = dot_acc(k2, tl.trans(c1), L21, DT, PREC)
+            L22 = dot_acc(k2, tl.trans(c2), L22, DT, PREC)
+            L30 = dot_acc(k3, tl.trans(c0), L30, DT, PREC)
+            L31 = dot_acc(k3, tl.trans(c1), L31, DT, PREC)
+            L32 = dot_acc(k3, tl.trans(c2), L32, DT, PREC)
+            L33 = dot_acc(k3, tl.trans(c3), L33, DT, PREC)
     b0 = _load_beta(beta, t0, eos, H, HAS_W)
     if NB >= 2:
         b1 = _load_beta(beta, t0 + 16, eos, H, HAS_W)
@@ -249,21 +179,21 @@ def _fwd_solve_kernel(
     strict = o16[:, None] > o16[None, :]
     if HAS_G:  # G = within-chunk cumsum of g, one 16-row block at a time
         g += i_h
-        b_gb = _load_vec(g, t0, eos, H, 16)
+        b_gb = load_vec(g, t0, eos, H, 16)
         G0 = tl.cumsum(b_gb, 0)
         tot = tl.sum(b_gb, 0)
         _store_vec(Gc + i_h, G0, t0, eos, H, 16)
         if NB >= 2:
-            b_gb = _load_vec(g, t0 + 16, eos, H, 16)
+            b_gb = load_vec(g, t0 + 16, eos, H, 16)
             G1 = tl.cumsum(b_gb, 0) + tot
             tot += tl.sum(b_gb, 0)
             _store_vec(Gc + i_h, G1, t0 + 16, eos, H, 16)
         if NB >= 4:
-            b_gb = _load_vec(g, t0 + 32, eos, H, 16)
+            b_gb = load_vec(g, t0 + 32, eos, H, 16)
             G2 = tl.cumsum(b_gb, 0) + tot
             tot += tl.sum(b_gb, 0)
             _store_vec(Gc + i_h, G2, t0 + 32, eos, H, 16)
-            G3 = tl.cumsum(_load_vec(g, t0 + 48, eos, H, 16), 0) + tot
+            G3 = tl.cumsum(load_vec(g, t0 + 48, eos, H, 16), 0) + tot
             _store_vec(Gc + i_h, G3, t0 + 48, eos, H, 16)
         L00 *= _decay_tile(G0, G0, True) * b0
         if NB >= 2:
@@ -333,19 +263,19 @@ def _fwd_wu_kernel(
     """W~ = A Γ K and U~ = A V of one chunk from the stored A, as whole-chunk products (formed from A's 16x16
     tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused kernel
     against 0.20 + 0.29 for the two)."""
-    i_c, _, i_h = _parallel_ids(1, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
-    b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
+    i_c, _, i_h = parallel_ids(1, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
+    b_A = load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
     if HAS_G:
-        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, _ = gate(Gc, i_h, t0, eos, H, C)
         e = tl.exp(b_G)[:, None]
     for kb in range(0, K, BK):
-        x = _load_tile(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        x = load_tile(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         if HAS_G:
             x = x * e
         _store_tile(wt + i_h * K, dot(b_A, x, TDT, PREC), t0, eos, H * K, kb, K, C, BK)
     for vb in range(0, V, BV):
-        y = _load_tile(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        y = load_tile(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
         _store_tile(ut + i_h * V, dot(b_A, y, TDT, PREC), t0, eos, H * V, vb, V, C, BV)
 
 
@@ -393,16 +323,16 @@ def _fwd_h_kernel(
             tl.store(hb + j * (H * K * V) + p_h, b_s.to(h.dtype.element_ty))
         else:
             tl.store(hb + j * (H * K * V) + p_h, b_s.to(h.dtype.element_ty), mask=m_s)
-        b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
-        b_u = _load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - dot(b_wt, b_s, DT, PREC)
+        b_wt = load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_u = load_tile(ut + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - dot(b_wt, b_s, DT, PREC)
         _store_tile(vnew + i_h * V, b_u, t0, eos, H * V, i_v * BV, V, C, BV)
-        b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_f = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_s = b_s * tl.exp(g_last)
-        b_kT = tl.trans(_load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
-        b_s = _dot_acc(b_kT, b_u * b_f[:, None], b_s, DT, PREC)
+        b_kT = tl.trans(load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
+        b_s = dot_acc(b_kT, b_u * b_f[:, None], b_s, DT, PREC)
     if STORE_S:
         tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
 
@@ -418,28 +348,28 @@ def _fwd_o_kernel(
     the given write keys in ``kw``)."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_c, i_v, i_h = _parallel_ids(NV, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, i_v, i_h = parallel_ids(NV, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
     b_o = tl.zeros([C, BV], dtype=tl.float32)
     b_p = tl.zeros([C, C], dtype=tl.float32)
     hb = h + (i_c.to(tl.int64) * H + i_h) * K * V
     for kb in range(0, K, BK):
-        b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
-        b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
-        b_h = _load_raw(hb + kb * V, 0, K - kb, V, i_v * BV, V, BK, BV)
-        b_o = _dot_acc(b_q, b_h, b_o, DT, PREC)
-        b_p = _dot_acc(b_q, tl.trans(b_k), b_p, DT, PREC)
+        b_q = load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_k = load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_h = load_raw(hb + kb * V, 0, K - kb, V, i_v * BV, V, BK, BV)
+        b_o = dot_acc(b_q, b_h, b_o, DT, PREC)
+        b_p = dot_acc(b_q, tl.trans(b_k), b_p, DT, PREC)
     tril = o_c[:, None] >= o_c[None, :]
-    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+    b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     if HAS_G:
-        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, _ = gate(Gc, i_h, t0, eos, H, C)
         b_o = b_o * tl.exp(b_G)[:, None]
         b_p = tl.where(tril, b_p * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     else:
         b_p = tl.where(tril, b_p, 0.0)
-    b_u = _load_raw(vnew + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
-    b_o = _dot_acc(b_p * b_b[None, :], b_u, b_o, DT, PREC) * scale
+    b_u = load_raw(vnew + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+    b_o = dot_acc(b_p * b_b[None, :], b_u, b_o, DT, PREC) * scale
     _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
 
 
@@ -453,29 +383,29 @@ def _fwd_mix_kernel(
     M = tril(E ⊙ Q W^T) A (outputs O = diag(γ) Q S^T + M X) and Y = A^T diag(D) W (S' = γ_C S + Y^T X), where
     X = V - Γ K S^T is what the walk computes from the state (W = β K: ``kw`` is k, β applied here; else the
     given write keys)."""
-    i_c, _, i_h = _parallel_ids(1, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, _, i_h = parallel_ids(1, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     i_hk = i_h // (H // HK)
     o_c = tl.arange(0, C)
     tril = o_c[:, None] >= o_c[None, :]
     b_p = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
-        b_kw = _load_raw(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
-        b_p = _dot_acc(b_q, tl.trans(b_kw), b_p, DT, PREC)
-    b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_q = load_raw(q + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
+        b_kw = load_raw(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
+        b_p = dot_acc(b_q, tl.trans(b_kw), b_p, DT, PREC)
+    b_f = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     if HAS_G:
-        b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
         b_p = tl.where(tril, b_p * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
         b_d = b_f * tl.exp(g_last - b_G)
     else:
         b_p = tl.where(tril, b_p, 0.0)
         b_d = b_f
-    b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
+    b_A = load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
     _store_tile(M + i_h * C, _dotf(b_p * b_f[None, :], b_A, PREC), t0, eos, H * C, 0, C, C, C)
     b_At = tl.trans(b_A) * b_d[None, :]  # A^T diag(D β), a loaded tile's transpose
     for kb in range(0, K, BK):
-        b_kw = _load_tile(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
+        b_kw = load_tile(kw + i_hk * K, t0, eos, HK * K, kb, K, C, BK)
         _store_tile(Y + i_h * K, _dotf(b_At, b_kw, PREC), t0, eos, H * K, kb, K, C, BK)
 
 
@@ -496,22 +426,22 @@ def _fwd_walk_kernel(
         b_s += tl.load(s0 + i_nh * V * K + p_end, mask=m_s, other=0).to(tl.float32)
     for j in range(0, NTn):
         t0 = bos + j * C
-        b_k = _load_raw(k + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-        b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_k = load_raw(k + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_q = load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
         b_ks = dot(b_k, b_s, DT, PREC)
         b_o = dot(b_q, b_s, DT, PREC)
         if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
             e_G = tl.exp(b_G)[:, None]
             b_ks = b_ks * e_G
             b_o = b_o * e_G
             b_s = b_s * tl.exp(g_last)
-        b_x = (_load_tile(v + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ks).to(DT)
-        b_m = _load_raw(M + i_h * C, t0, eos, H * C, 0, C, C, C)
-        b_o = _dot_acc(b_m, b_x, b_o, DT, PREC) * scale
+        b_x = (load_tile(v + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) - b_ks).to(DT)
+        b_m = load_raw(M + i_h * C, t0, eos, H * C, 0, C, C, C)
+        b_o = dot_acc(b_m, b_x, b_o, DT, PREC) * scale
         _store_tile(o + i_h * V, b_o, t0, eos, H * V, i_v * BV, V, C, BV)
-        b_yT = tl.trans(_load_raw(Y + i_h * K, t0, eos, H * K, 0, K, C, BKF))
-        b_s = _dot_acc(b_yT, b_x, b_s, DT, PREC)
+        b_yT = tl.trans(load_raw(Y + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+        b_s = dot_acc(b_yT, b_x, b_s, DT, PREC)
     if STORE_S:
         tl.store(sT + i_nh * V * K + p_end, b_s, mask=m_s)
 
@@ -528,22 +458,22 @@ def _bwd_dv_local_kernel(
     product (never as the transpose of one)."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_c, i_v, i_h = _parallel_ids(NV, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, i_v, i_h = parallel_ids(NV, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
     b_pt = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
-        b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
-        b_pt = _dot_acc(b_k, tl.trans(b_q), b_pt, DT, PREC)
+        b_k = load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_q = load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_pt = dot_acc(b_k, tl.trans(b_q), b_pt, DT, PREC)
     triu = o_c[:, None] <= o_c[None, :]
-    b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
+    b_f = load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
     if HAS_G:
-        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, _ = gate(Gc, i_h, t0, eos, H, C)
         b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
     else:
         b_pt = tl.where(triu, b_pt, 0.0)
-    b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+    b_do = load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
     _store_tile(du + i_h * V, dot(b_pt * b_f[:, None], b_do, DT, PREC), t0, eos, H * V, i_v * BV, V, C, BV)
 
 
@@ -575,17 +505,17 @@ def _bwd_dhu_kernel(
             tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty))
         else:
             tl.store(dhb + j * (H * K * V) + p_h, b_ds.to(dh.dtype.element_ty), mask=m_s)
-        b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         b_f = b_b
         b_fq = tl.full([C], 1.0, tl.float32) * scale
         if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
             b_fq = b_fq * tl.exp(b_G)
-        b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_k = load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
         if LOCAL_DU:  # P^T dO, P^T[i, t] = scale [i <= t] E[t, i] β_i (k_i . q_t), as ``_bwd_dv_local``
-            b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
-            b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+            b_q = load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_do = load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
             b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
             if HAS_G:
                 b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
@@ -597,16 +527,16 @@ def _bwd_dhu_kernel(
             b_do = b_do.to(tl.float32) * b_fq[:, None]
             b_qT = tl.trans(b_q)
         else:
-            b_du = _load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
+            b_du = load_tile(du + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) \
                 + dot(b_k, b_ds, DT, PREC) * b_f[:, None]
             _store_tile(du + i_h * V, b_du, t0, eos, H * V, i_v * BV, V, C, BV)
-            b_do = _load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
-            b_qT = tl.trans(_load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
-        b_wtT = tl.trans(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF))
+            b_do = load_tile(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV) * b_fq[:, None]
+            b_qT = tl.trans(load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, 0, K, C, BKF))
+        b_wtT = tl.trans(load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF))
         if HAS_G:
             b_ds = b_ds * tl.exp(g_last)
-        b_ds = _dot_acc(b_qT, b_do, b_ds, DT, PREC)
-        b_ds = _dot_acc(b_wtT, -b_du, b_ds, DT, PREC)
+        b_ds = dot_acc(b_qT, b_do, b_ds, DT, PREC)
+        b_ds = dot_acc(b_wtT, -b_du, b_ds, DT, PREC)
     if STORE_DS0:
         tl.store(ds0 + i_nh * V * K + p_end, b_ds, mask=m_s)
 
@@ -624,8 +554,8 @@ def _bwd_dqkw_kernel(
     the norm here, dq_x = rstd (dq - q (q · dq)), rounded once."""
     scale = tl.cast(scale, tl.float32)  # fp64 (or a constant) when launched under torch.compile
     NK: tl.constexpr = (K + BK - 1) // BK
-    i_c, i_k, i_h = _parallel_ids(NK, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, i_k, i_h = parallel_ids(NK, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     kb = i_k * BK
     o_c = tl.arange(0, C)
     hb = h + (i_c.to(tl.int64) * H + i_h) * K * V + kb * V
@@ -637,25 +567,25 @@ def _bwd_dqkw_kernel(
     b_dwt = tl.zeros([C, BK], dtype=tl.float32)  # dU S (negated below)
     b_dgl = tl.zeros([BK], dtype=tl.float32)  # sum(S ⊙ dS') over this block's rows of S^T
     for vb in range(0, V, BV):
-        b_do = _load_raw(do + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        b_u = _load_raw(vnew + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        b_du = _load_raw(du + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        b_sT = _load_raw(hb, 0, K - kb, V, vb, V, BK, BV)  # S^T [BK, BV]
-        b_dsT = _load_raw(dhb, 0, K - kb, V, vb, V, BK, BV)
-        b_dp = _dot_acc(b_do, tl.trans(b_u), b_dp, DT, PREC)
-        b_dpt = _dot_acc(b_u, tl.trans(b_do), b_dpt, DT, PREC)
-        b_dos = _dot_acc(b_do, tl.trans(b_sT), b_dos, DT, PREC)
-        b_uds = _dot_acc(b_u, tl.trans(b_dsT), b_uds, DT, PREC)
-        b_dwt = _dot_acc(b_du, tl.trans(b_sT), b_dwt, DT, PREC)
+        b_do = load_raw(do + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_u = load_raw(vnew + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_du = load_raw(du + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_sT = load_raw(hb, 0, K - kb, V, vb, V, BK, BV)  # S^T [BK, BV]
+        b_dsT = load_raw(dhb, 0, K - kb, V, vb, V, BK, BV)
+        b_dp = dot_acc(b_do, tl.trans(b_u), b_dp, DT, PREC)
+        b_dpt = dot_acc(b_u, tl.trans(b_do), b_dpt, DT, PREC)
+        b_dos = dot_acc(b_do, tl.trans(b_sT), b_dos, DT, PREC)
+        b_uds = dot_acc(b_u, tl.trans(b_dsT), b_uds, DT, PREC)
+        b_dwt = dot_acc(b_du, tl.trans(b_sT), b_dwt, DT, PREC)
         if HAS_G:
             b_dgl += tl.sum(b_sT.to(tl.float32) * b_dsT.to(tl.float32), 1)
-    b_q = _load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
-    b_k = _load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)  # (β applied below) write key
-    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+    b_q = load_raw(q + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+    b_k = load_raw(kw + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)  # (β applied below) write key
+    b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     tril = o_c[:, None] >= o_c[None, :]
     triu = o_c[:, None] <= o_c[None, :]
     if HAS_G:
-        b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
         gam = tl.exp(b_G)
         last = tl.minimum(t0 + C, eos) - 1
         b_m = tl.where(tril, b_dp * tl.exp(tl.where(tril, b_G[:, None] - b_G[None, :], 0.0)), 0.0) * scale
@@ -680,13 +610,13 @@ def _bwd_dqkw_kernel(
     else:
         b_m = tl.where(tril, b_dp, 0.0) * scale
         b_mt = tl.where(triu, b_dpt, 0.0) * scale
-        b_dq = _dot_acc(b_m * b_b[None, :], b_k, b_dos * scale, DT, PREC)
-        b_dw = _dot_acc(b_mt, b_q, b_uds, DT, PREC)
+        b_dq = dot_acc(b_m * b_b[None, :], b_k, b_dos * scale, DT, PREC)
+        b_dw = dot_acc(b_mt, b_q, b_uds, DT, PREC)
     _store_tile(dw + i_h * K, b_dw, t0, eos, H * K, kb, K, C, BK)
     _store_tile(dwt + i_h * K, -b_dwt, t0, eos, H * K, kb, K, C, BK)
     if NORM_Q:  # last, with fewer tiles live; q read again (from L2): kept from above it spilled 96 bytes on sm_90
-        b_qn = _load_tile(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_dq = (b_dq - b_qn * tl.sum(b_qn * b_dq, 1)[:, None]) * _load_vec(rq + i_h, t0, eos, H, C)[:, None]
+        b_qn = load_tile(q + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dq = (b_dq - b_qn * tl.sum(b_qn * b_dq, 1)[:, None]) * load_vec(rq + i_h, t0, eos, H, C)[:, None]
     _store_tile(dq + i_h * K, b_dq, t0, eos, H * K, kb, K, C, BK)
 
 
@@ -702,32 +632,32 @@ def _bwd_wy_kernel(
     the full dW into ``dbeta``) and (gated) dg. dA and dA^T are each accumulated as their own products
     of loaded tiles. With NORM_K (one value head a key head) k is the L2-normalised key and ``rk`` its rows'
     1/sqrt(|x|² + 1e-6): dk is taken back through the norm here, in a second pass over the blocks it stored."""
-    i_c, _, i_h = _parallel_ids(1, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, _, i_h = parallel_ids(1, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     o_c = tl.arange(0, C)
-    b_A = _load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)  # [t, i]
+    b_A = load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)  # [t, i]
     b_At = tl.trans(b_A)  # a loaded tile
-    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+    b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
     # dA = dW~ (Γ K)^T + dU V^T and dA^T = (Γ K) dW~^T + V dU^T, each as its own products
     b_da = tl.zeros([C, C], dtype=tl.float32)
     b_dat = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        b_k = _load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
-        b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
-        b_da = _dot_acc(b_dwt, tl.trans(b_k), b_da, DT, PREC)
-        b_dat = _dot_acc(b_k, tl.trans(b_dwt), b_dat, DT, PREC)
+        b_k = load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_dwt = load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_da = dot_acc(b_dwt, tl.trans(b_k), b_da, DT, PREC)
+        b_dat = dot_acc(b_k, tl.trans(b_dwt), b_dat, DT, PREC)
     strict_l = o_c[:, None] > o_c[None, :]
     strict_u = o_c[:, None] < o_c[None, :]
     if HAS_G:
-        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, _ = gate(Gc, i_h, t0, eos, H, C)
         gam = tl.exp(b_G)
         b_da = b_da * gam[None, :]
         b_dat = b_dat * gam[:, None]
     for vb in range(0, V, BV):
-        b_du = _load_raw(du + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        b_v = _load_raw(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        b_da = _dot_acc(b_du, tl.trans(b_v), b_da, DT, PREC)
-        b_dat = _dot_acc(b_v, tl.trans(b_du), b_dat, DT, PREC)
+        b_du = load_raw(du + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_v = load_raw(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
+        b_da = dot_acc(b_du, tl.trans(b_v), b_da, DT, PREC)
+        b_dat = dot_acc(b_v, tl.trans(b_du), b_dat, DT, PREC)
         _store_tile(dv + i_h * V, dot(b_At, b_du, TDT, PREC), t0, eos, H * V, vb, V, C, BV)
     b_da = tl.where(strict_l, b_da, 0.0)
     b_dat = tl.where(strict_u, b_dat, 0.0)
@@ -739,20 +669,20 @@ def _bwd_wy_kernel(
         b_dlt = b_dlt * tl.exp(tl.where(strict_u, b_G[None, :] - b_G[:, None], 0.0))
         b_dg = tl.zeros([C], dtype=tl.float32)
         for i_k in range(0, NK):
-            b_dg += _load_vec(dgp + i_k * TT * H + i_h, t0, eos, H, C)
+            b_dg += load_vec(dgp + i_k * TT * H + i_h, t0, eos, H, C)
         b_At = b_At * gam[:, None]  # d(Γ K) = A^T dW~, then Γ: diag(γ) A^T
     b_dl = b_dl * b_b[None, :]
     b_db = tl.zeros([C], dtype=tl.float32)
     b_kdk = tl.zeros([C], dtype=tl.float32)  # k · dk, for the norm's backward
     for kb in range(0, K, BK):
-        b_k = _load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
+        b_k = load_raw(k + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK)
         b_kf = b_k.to(tl.float32)
-        b_dwt = _load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dwt = load_raw(dwt + i_h * K, t0, eos, H * K, kb, K, C, BK)
         b_dkg = dot(b_At, b_dwt, TDT, PREC)  # γ ⊙ (A^T dW~)
         b_dwl = dot(b_dlt, b_k, DT, PREC)  # (E ⊙ dL)^T K: through the write key of L
-        b_dw = b_dwl + _load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
+        b_dw = b_dwl + load_tile(dw + i_h * K, t0, eos, H * K, kb, K, C, BK)
         # β in b_dl and b_b
-        b_w = _load_raw(w + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK) if HAS_W else b_k
+        b_w = load_raw(w + (i_h // (H // HK)) * K, t0, eos, HK * K, kb, K, C, BK) if HAS_W else b_k
         b_dkl = dot(b_dl, b_w, DT, PREC)  # (E ⊙ dL) W: through the read key of L
         if HAS_G:
             # Γ K, and E in L: sum_i dL_ti L_ti = k_t . b_dkl_t,  sum_t dL_ti L_ti = w_i . b_dwl_i
@@ -768,10 +698,10 @@ def _bwd_wy_kernel(
         _store_tile(dk + i_h * K, b_dk, t0, eos, H * K, kb, K, C, BK)
     if NORM_K:  # dk_x = rstd (dk - k (k · dk)), over the blocks just stored (visible to the block after a barrier)
         tl.debug_barrier()
-        b_rk = _load_vec(rk + i_h, t0, eos, H, C)
+        b_rk = load_vec(rk + i_h, t0, eos, H, C)
         for kb in range(0, K, BK):
-            b_kf = _load_tile(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
-            b_dk = _load_tile(dk + i_h * K, t0, eos, H * K, kb, K, C, BK)
+            b_kf = load_tile(k + i_h * K, t0, eos, H * K, kb, K, C, BK)
+            b_dk = load_tile(dk + i_h * K, t0, eos, H * K, kb, K, C, BK)
             _store_tile(dk + i_h * K, (b_dk - b_kf * b_kdk[:, None]) * b_rk[:, None], t0, eos, H * K, kb, K, C, BK)
     if not HAS_W:
         tl.store(dbeta + (t0 + o_c) * H + i_h, b_db, mask=o_c < eos - t0)

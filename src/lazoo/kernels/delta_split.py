@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._delta_tiles import chunk_info, dot_acc, gate, load_factor, load_raw, load_tile, parallel_ids
+from ._tiles import dot
 from ._utils import next_pow2, num_sms
-from .delta import _chunk_info, _dot_acc, _gate, _load_factor, _load_raw, _load_tile, _parallel_ids, dot
 
 #: split where the state walks would have fewer than this many programs (dv blocks of 64) a multiprocessor: True,
 #: False, or None for where that holds and a sequence is long enough to split. H200, bf16, gated, one sequence of 32k
@@ -162,27 +163,27 @@ def _seg_fwd_kernel(
     r_col = tl.where(ident, V, i_b * BV)  # identity blocks read no R: their columns are masked out
     for j in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, False), tl.cdiv(eos - bos, C), 0)):
         t0 = bos + j * C
-        b_r = _load_tile(r + i_h * V, t0, tl.where(ident, t0, eos), H * V, r_col, V, C, BV)
+        b_r = load_tile(r + i_h * V, t0, tl.where(ident, t0, eos), H * V, r_col, V, C, BV)
         if PREFILL:
-            b_cm = _load_raw(cm + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-            b_bk = _load_raw(bk + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+            b_cm = load_raw(cm + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_bk = load_raw(bk + i_h * K, t0, eos, H * K, 0, K, C, BKF)
             b_cx = dot(b_cm, b_x, DT, PREC)
             if HAS_G:
-                b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+                b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
                 b_cx = b_cx * tl.exp(b_G)[:, None]
                 b_x = b_x * tl.exp(g_last)
             b_u = b_r - b_cx
         else:
-            b_cm = _load_raw(cm + i_h * K, t0, eos, H * K, 0, K, C, BKF)
-            b_bk = _load_raw(bk + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-            b_f = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+            b_cm = load_raw(cm + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+            b_bk = load_raw(bk + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_f = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
             b_u = b_r - dot(b_cm, b_x, DT, PREC)
             if HAS_G:
-                b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+                b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
                 b_f = b_f * tl.exp(g_last - b_G)
                 b_x = b_x * tl.exp(g_last)
             b_u = b_u * b_f[:, None]
-        b_x = _dot_acc(tl.trans(b_bk), b_u, b_x, DT, PREC)
+        b_x = dot_acc(tl.trans(b_bk), b_u, b_x, DT, PREC)
     o_k = tl.arange(0, BKF)
     tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_x,
              mask=m_end)
@@ -217,12 +218,12 @@ def _seg_bwd_kernel(
     m_z = (o_k < K)[:, None] & (i_b * BV + o_v < V)[None, :]
     for jj in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, True), NTn, 0)):
         t0 = bos + (NTn - 1 - jj) * C
-        b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W)
+        b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         b_f = b_b
         if HAS_G:
-            b_G, g_last = _gate(Gc, i_h, t0, eos, H, C)
+            b_G, g_last = gate(Gc, i_h, t0, eos, H, C)
             b_f = b_f * tl.exp(g_last - b_G)
-        b_k = _load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+        b_k = load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
         b_du = dot(b_k, b_ds, DT, PREC) * b_f[:, None]
         if HAS_G:
             b_ds = b_ds * tl.exp(g_last)
@@ -232,8 +233,8 @@ def _seg_bwd_kernel(
                 b_ds += tl.load(z + (j * H + i_h) * K * V + o_k[:, None] * V + i_b * BV + o_v[None, :],
                                 mask=m_z, other=0).to(tl.float32)
         elif i_b < NVB:  # dO's terms: P^T dO in dU, scale Q^T diag(e^G) dO in dS
-            b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-            b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_b * BV, V, C, BV)
+            b_q = load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+            b_do = load_raw(do + i_h * V, t0, eos, H * V, i_b * BV, V, C, BV)
             b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
             b_fq = tl.full([C], 1.0, tl.float32) * scale
             if HAS_G:
@@ -242,9 +243,9 @@ def _seg_bwd_kernel(
             else:
                 b_pt = tl.where(triu, b_pt, 0.0)
             b_du += dot(b_pt * (b_b * scale)[:, None], b_do, DT, PREC)
-            b_ds = _dot_acc(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], b_ds, DT, PREC)
-        b_wt = _load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
-        b_ds = _dot_acc(tl.trans(b_wt), -b_du, b_ds, DT, PREC)
+            b_ds = dot_acc(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], b_ds, DT, PREC)
+        b_wt = load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
+        b_ds = dot_acc(tl.trans(b_wt), -b_du, b_ds, DT, PREC)
     tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_ds,
              mask=m_end)
 
@@ -260,26 +261,26 @@ def _seg_local_kernel(
     Z = scale Qᵀ diag(e^G) dO − W~ᵀ Pᵀ dO (``z`` ``[NT, H, dk, dv]``), chunk-parallel."""
     scale = tl.cast(scale, tl.float32)
     NV: tl.constexpr = (V + BV - 1) // BV
-    i_c, i_v, i_h = _parallel_ids(NV, H)
-    t0, eos = _chunk_info(chunks, cu, i_c)
+    i_c, i_v, i_h = parallel_ids(NV, H)
+    t0, eos = chunk_info(chunks, cu, i_c)
     i_hk = i_h // (H // HK)
     o_c = tl.arange(0, C)
     triu = o_c[:, None] <= o_c[None, :]
-    b_b = _load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
+    b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
     b_fq = tl.full([C], 1.0, tl.float32) * scale
-    b_k = _load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-    b_q = _load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+    b_k = load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
+    b_q = load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
     b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
     if HAS_G:
-        b_G, _ = _gate(Gc, i_h, t0, eos, H, C)
+        b_G, _ = gate(Gc, i_h, t0, eos, H, C)
         b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
         b_fq = b_fq * tl.exp(b_G)
     else:
         b_pt = tl.where(triu, b_pt, 0.0)
-    b_do = _load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
+    b_do = load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
     b_dul = dot(b_pt * b_b[:, None], b_do, DT, PREC)
     b_z = dot(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], DT, PREC)
-    b_z = _dot_acc(tl.trans(_load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)), -b_dul, b_z, DT, PREC)
+    b_z = dot_acc(tl.trans(load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)), -b_dul, b_z, DT, PREC)
     o_k = tl.arange(0, BKF)
     o_v = i_v * BV + tl.arange(0, BV)
     tl.store(z + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_z.to(z.dtype.element_ty),

@@ -212,6 +212,8 @@ class DeltaProductMixer(RecurrentMixer):
         return ops.delta_product(q, k, v, beta, g=g, **self.op_kwargs(mask, state, want_state))
 
 
+#: the kernel modules the (gated) delta rule ops reach on the triton backend
+DELTA_KERNELS = ("lazoo.kernels.delta", "lazoo.kernels.delta_gluon", "lazoo.kernels.delta_split")
 DELTA_OPTION_DOCS = {
     **RECURRENT_OPTION_DOCS,
     "use_beta": "a learned write strength β = sigmoid(b_proj(x)) per head (False: β = 1, no b_proj)",
@@ -225,7 +227,7 @@ register(Mechanism(
     equation="S_t = S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, β_t = σ(w_β·x_t); o_t = S_t q_t",
     source="Schlag et al. 2021; Yang et al. 2024, Parallelizing Linear Transformers with the Delta Rule",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.delta", "lazoo.kernels.delta_gluon"), option_docs=DELTA_OPTION_DOCS,
+    kernels=DELTA_KERNELS, option_docs=DELTA_OPTION_DOCS,
 ))
 
 register(Mechanism(
@@ -233,7 +235,7 @@ register(Mechanism(
     equation="S_t = α_t S_{t−1}(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ; o_t = S_t q_t",
     source="Yang, Kautz, Hatamizadeh 2025, Gated Delta Networks: Improving Mamba2 with Delta Rule",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}', backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.delta", "lazoo.kernels.delta_gluon"), option_docs=DELTA_OPTION_DOCS,
+    kernels=DELTA_KERNELS, option_docs=DELTA_OPTION_DOCS,
 ))
 
 register(Mechanism(
@@ -244,5 +246,5 @@ register(Mechanism(
     ),
     source="Siems et al. 2025, DeltaProduct: Improving State-Tracking in Linear RNNs via Householder Products",
     state='{"op": S [B, H, dv, dk], "conv": short-conv tails}',
-    backends=("recurrent", "chunk", "triton"), kernels=("lazoo.kernels.delta", "lazoo.kernels.delta_gluon"),
+    backends=("recurrent", "chunk", "triton"), kernels=DELTA_KERNELS,
 ))
