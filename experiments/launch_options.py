@@ -6,6 +6,8 @@
     python experiments/launch_options.py check > check.jsonl
     python experiments/launch_options.py time kda --tag NAME >> versions.jsonl    # the tree as it is
     python experiments/launch_options.py variants gdn --set tf32:lazoo.kernels.delta.TRIANGULAR_16BIT=False
+    python experiments/launch_options.py variants gdn --shapes 32768:1:16:16 \
+        --set nosplit:lazoo.kernels.delta_split.SPLIT_LONG_SEQUENCES=False
 
 ``sweep`` changes one kernel's options at a time (the others at their defaults) and times the op's forward without
 autograd and its forward + backward (``triton.testing.do_bench`` medians, bf16, H = 16, D = 128, 32k tokens a batch:
@@ -14,8 +16,8 @@ T = 1k with HV = H and T = 8k with HV = 2H for the gated delta rule, T = 8k for 
 and every gradient. ``check`` times one candidate per op against its default at T = 1k, 8k and 32k; ``time`` times
 the op as the tree has it at those lengths (HV = H) with the float64 check, to compare versions of the kernels, each
 run in its own process; ``variants`` times the tree and each ``--set`` of module attributes in turns, two rounds,
-at T = 1k, 8k and 32k and at 8k with HV = 2H, each with its float64 check. Each line printed is one JSON record. The
-option tables are ``lazoo.kernels.delta.CONFIGS`` and ``lazoo.kernels.kda.LAUNCH``.
+at T = 1k, 8k and 32k and at 8k with HV = 2H (or ``--shapes``), each with its float64 check. Each line printed is
+one JSON record. The option tables are ``lazoo.kernels.delta.CONFIGS`` and ``lazoo.kernels.kda.LAUNCH``.
 """
 from __future__ import annotations
 
