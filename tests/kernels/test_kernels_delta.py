@@ -449,17 +449,17 @@ def _split_everything(monkeypatch, min_chunks=1):
 def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks, local_first):
     """Long sequences split into segments whose start states are chained (forward) and whose end-state gradients
     are chained back (backward; dO's terms formed in the segment pass or read from a chunk-parallel kernel), against
-    float64: packed sequences of ragged lengths (one of a single token, one ending mid-chunk), a carried state,
-    grouped value heads with fp16 inputs and fp32 β and g."""
+    float64: packed sequences of ragged lengths (one of a single token, an empty one, one ending mid-chunk), a
+    carried state, grouped value heads with fp16 inputs and fp32 β and g."""
     from lazoo.kernels import delta, delta_split
 
     _split_everything(monkeypatch, min_chunks)
     monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", local_first)
-    cu = torch.tensor([0, 1, 40, 90])
+    cu = torch.tensor([0, 1, 1, 40, 90])  # one token, none, three chunks (the last partial), four
     segs = delta_split.plan(delta.seqs_for(1, 90, cu, 16, torch.device("cpu")), 2, 10, torch.device("cpu"), 16)
-    assert segs.soff.tolist() == ([0, 1, 4, 8] if min_chunks == 1 else [0, 1, 3, 5])
+    assert segs.soff.tolist() == ([0, 1, 2, 5, 9] if min_chunks == 1 else [0, 1, 2, 4, 6])
     x = inputs(1, 90, 2, 12, 10, seed=33)
-    check_against_reference(op, x, torch.randn(3, 2, 10, 12, dtype=F64), 1e-4, 1e-4, chunk_size=16,
+    check_against_reference(op, x, torch.randn(4, 2, 10, 12, dtype=F64), 1e-4, 1e-4, chunk_size=16,
                             cu_seqlens=cu)
     x = inputs(2, 45, 2, 16, 12, seed=34, value_heads=4)
     mask = left_pad_mask([45, 36], 45, holes=[(0, 20)])

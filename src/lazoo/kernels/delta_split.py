@@ -7,7 +7,7 @@ programs for 132 multiprocessors. Every chunk's update is affine in the state (S
 
 (the training form: Bk = diag(β e^(G_last − G)) K, Cm = W~, R = U~; the prefill's: Bk = Y, Cm = diag(e^G) K,
 R = V). Splitting each sequence into segments of whole chunks, one pass walks every segment from a zero state and
-from the identity at once (the state's dv columns beside dk more, with R = 0 there), giving the segment's end as
+from the identity at once (dk more columns beside the state's dv ones, with R = 0 in them), giving its end as
 ``T_s X_start + E_s``; a short pass chains the segments (a dk x dk product each) into every segment's true start
 state; then the usual walk runs over the segments as if each were a sequence of its own, with those start states.
 The backward's reverse walk splits the same way with the transposed maps. Nothing is approximated: the chained
@@ -94,7 +94,7 @@ def plan(seqs, H: int, V: int, device, C: int, switch: bool | None = None):
     if key in cache:
         return cache[key]
     programs = seqs.N * H * triton.cdiv(V, 64)
-    sms = num_sms(device) if device.type == "cuda" else 132
+    sms = num_sms(device) if device.type == "cuda" else 132  # the interpreter (only where asked): an H100's or H200's
     segments = None
     if switch or programs < SPLIT_BELOW_PROGRAMS_PER_SM * sms:
         counts = _chunk_counts(seqs)
