@@ -444,17 +444,20 @@ def _split_everything(monkeypatch, min_chunks=1):
 
 @needs_interp
 @pytest.mark.parametrize("op", ["delta", "gated"])
-@pytest.mark.parametrize("min_chunks,local_first", [(1, False), (2, False), (2, True)],
-                         ids=["segments_of_1_chunk", "segments_of_2_chunks", "segments_of_2_chunks_local_terms_first"])
-def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks, local_first):
+@pytest.mark.parametrize("min_chunks,backward", [(1, "walked"), (2, "walked"), (2, "local_terms_first"),
+                                                  (2, "maps_from_forward")],
+                         ids=["segments_of_1_chunk", "segments_of_2_chunks", "local_terms_first", "maps_from_forward"])
+def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks, backward):
     """Long sequences split into segments whose start states are chained (forward) and whose end-state gradients
-    are chained back (backward; dO's terms formed in the segment pass or read from a chunk-parallel kernel), against
-    float64: packed sequences of ragged lengths (one of a single token, an empty one, one ending mid-chunk), a
-    carried state, grouped value heads with fp16 inputs and fp32 β and g."""
+    are chained back (backward: dO's terms formed in the segment pass or read from a chunk-parallel kernel; the
+    reverse maps walked or taken from the forward's), against float64: packed sequences of ragged lengths (one of a
+    single token, an empty one, one ending mid-chunk), a carried state, grouped value heads with fp16 inputs and fp32
+    β and g."""
     from lazoo.kernels import delta, delta_split
 
     _split_everything(monkeypatch, min_chunks)
-    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", local_first)
+    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", backward == "local_terms_first")
+    monkeypatch.setattr(delta_split, "SEGMENT_BWD_MAPS_FROM_FORWARD", backward == "maps_from_forward")
     cu = torch.tensor([0, 1, 1, 40, 90])  # one token, none, three chunks (the last partial), four
     segs = delta_split.plan(delta.seqs_for(1, 90, cu, 16, torch.device("cpu")), 2, 10, torch.device("cpu"), 16)
     assert segs.soff.tolist() == ([0, 1, 2, 5, 9] if min_chunks == 1 else [0, 1, 2, 4, 6])
@@ -488,10 +491,14 @@ def test_interp_split_sequences_without_autograd(monkeypatch, op):
 
 @needs_interp
 @pytest.mark.parametrize("op", ["delta", "gated"])
-def test_interp_split_sequences_without_states(monkeypatch, op):
+@pytest.mark.parametrize("maps_from_forward", [False, True], ids=["maps_walked", "maps_from_forward"])
+def test_interp_split_sequences_without_states(monkeypatch, op, maps_from_forward):
     """With neither an initial nor a final state the segment passes skip the walks the chaining does not use (the
-    first segment's identity block, the last segment): outputs and every gradient as without the split."""
+    first segment's identity block, the last segment), also where the backward takes the forward's maps: outputs and
+    every gradient as without the split."""
     from lazoo.kernels import delta_split
+
+    monkeypatch.setattr(delta_split, "SEGMENT_BWD_MAPS_FROM_FORWARD", maps_from_forward)
 
     cu = torch.tensor([0, 70, 71, 150])
     x = {n: t.float() for n, t in inputs(1, 150, 2, 16, 12, seed=47, value_heads=4).items()}
@@ -799,16 +806,18 @@ def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
 @needs_cuda
 @pytest.mark.parametrize("op", ["delta", "gated"])
 @pytest.mark.parametrize("walks", ["triton", "gluon"])
-@pytest.mark.parametrize("min_chunks,local_first", [(4, False), (16, False), (4, True)],
-                         ids=["segments_of_4_chunks", "segments_of_16_chunks", "local_terms_first"])
-def test_gpu_split_sequences_match_float64(monkeypatch, op, walks, min_chunks, local_first):
+@pytest.mark.parametrize("min_chunks,backward", [(4, "walked"), (16, "walked"), (4, "local_terms_first"),
+                                                  (4, "maps_from_forward")],
+                         ids=["segments_of_4", "segments_of_16", "local_terms_first", "maps_from_forward"])
+def test_gpu_split_sequences_match_float64(monkeypatch, op, walks, min_chunks, backward):
     """Few long sequences split into segments (the default below 0.75 walk programs a multiprocessor), each walk
-    kind, dO's terms of the backward's segment pass formed in it or read from a chunk-parallel kernel, against
-    float64: packed ragged sequences with a carried state, grouped value heads with fp32 β and g, and the forward
-    without autograd."""
+    kind, the backward's segment pass as by default, with dO's terms from a chunk-parallel kernel, or with the
+    forward's maps, against float64: packed ragged sequences with a carried state, grouped value heads with fp32 β
+    and g, and the forward without autograd."""
     from lazoo.kernels import delta, delta_split
 
-    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", local_first)
+    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", backward == "local_terms_first")
+    monkeypatch.setattr(delta_split, "SEGMENT_BWD_MAPS_FROM_FORWARD", backward == "maps_from_forward")
     if walks == "gluon":
         _needs_gluon_walk()
     monkeypatch.setattr(delta, "USE_GLUON_WALK", walks == "gluon")

@@ -1098,8 +1098,8 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         _fwd_mix_kernel[(NT * H,)](q, kw, beta, Gc, A, M, Y, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, C=C, BK=BK,
                                  HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("mix", interp, FP32))
         if segs:
-            S0, sT = _chain_segments(seqs, segs, S0 if use_s0 else None, output_final_state, q, C, DT, PREC, HAS_W,
-                                     bk=Y, beta=beta, Gc=Gc if HAS_G else None, cm=k, r=v, prefill=True)
+            S0, sT, _ = _chain_segments(seqs, segs, S0 if use_s0 else None, output_final_state, q, C, DT, PREC,
+                                        HAS_W, bk=Y, beta=beta, Gc=Gc if HAS_G else None, cm=k, r=v, prefill=True)
             use_s0 = True
         BVw = _walk_bv(V, walk.N * H, dev, interp, FP32)
         _fwd_walk_kernel[(walk.N, H, triton.cdiv(V, BVw))](
@@ -1111,17 +1111,21 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     ut = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, ut, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BV,
                             HAS_G=HAS_G, TDT=TDT, PREC=PREC, **_opts("wu", interp, FP32))
+    seg_maps = None  # the segments' maps, whose transposes the backward's chaining can take
     if segs:
-        S0, sT = _chain_segments(seqs, segs, S0 if use_s0 else None, output_final_state, q, C, DT, PREC, HAS_W,
-                                 bk=kw, beta=beta, Gc=Gc if HAS_G else None, cm=wt, r=ut, prefill=False)
+        S0, sT, seg_maps = _chain_segments(seqs, segs, S0 if use_s0 else None, output_final_state, q, C, DT, PREC,
+                                           HAS_W, bk=kw, beta=beta, Gc=Gc if HAS_G else None, cm=wt, r=ut,
+                                           prefill=False)
         use_s0, sT = True, (sT if output_final_state else A)
+        seg_maps = seg_maps if delta_split().SEGMENT_BWD_MAPS_FROM_FORWARD else None
     store_s = output_final_state and not segs
     if gluon:
         from . import delta_gluon
 
         h, vnew, o = delta_gluon.fwd_walk(q, k, beta, Gc if HAS_G else None, wt, ut, S0 if use_s0 else None, sT,
                                           walk, scale, store_s, save, BVg)
-        return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h) if save else None)
+        return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h, seg_maps)
+                                                          if save else None)
     h = torch.empty(NT, H, K, V, device=dev, dtype=q.dtype)
     vnew = torch.empty(TT, H, V, device=dev, dtype=q.dtype)
     BVh = CONFIGS["h"].get("BV") or _seq_bv(K, V, walk.N * H, dev, interp, FP32) if not interp else next_pow2(V)
@@ -1134,7 +1138,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         q, kw, beta, Gc, h, vnew, o, seqs.chunks, seqs.cu, scale,
         H=H, HK=HK, K=K, V=V, C=C, BK=BK, BV=BVo, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
         **_opts("o", interp, FP32))
-    return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h)
+    return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h, seg_maps)
 
 
 def delta_split():
@@ -1153,7 +1157,8 @@ def split_segments(seqs: _Seqs, H: int, V: int, q: torch.Tensor, C: int):
 
 
 def _chain_segments(seqs, segs, S0, output_final_state: bool, q, C: int, DT, PREC, has_w: bool, **forms):
-    """(each segment's start state, the final states or None): one pass over the segments, then the chaining."""
+    """(each segment's start state, the final states or None, the segments' maps): one pass over the segments, then
+    the chaining."""
     return delta_split().segment_starts(seqs, segs, S0, output_final_state, HK=q.shape[1], C=C, DT=DT, PREC=PREC,
                                         has_w=has_w, **forms)
 
@@ -1183,7 +1188,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     HAS_G, HAS_W = g is not None, w is not None
     beta = w if HAS_W else beta
     kw = w if HAS_W else k
-    Gc, A, wt, vnew, h = saved
+    Gc, A, wt, vnew, h, seg_maps = saved
     Gc = Gc if HAS_G else beta
     f32 = torch.float32
     NT, N = seqs.NT, seqs.N
@@ -1193,7 +1198,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     if segs:  # the state gradient at each segment's end, chained from the last segment back
         dsT, ds0 = delta_split().segment_end_grads(
             seqs, segs, dsT, need_ds0, q=q, kw=kw, beta=beta, Gc=Gc if HAS_G else None, wt=wt, do=do, scale=scale,
-            C=C, DT=DT, PREC=PREC, has_w=HAS_W)
+            C=C, DT=DT, PREC=PREC, has_w=HAS_W, forward_maps=seg_maps)
     need_walk_ds0 = need_ds0 and not segs
     BVg = gluon_walk(q, K, V, C, HAS_W, walk.N * H, USE_GLUON_BWD_WALK)
     if BVg:  # the reverse walk as one Hopper kernel, Pᵀ dO formed in it
@@ -1365,14 +1370,14 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dsT):
-        qf, kf, vf, bf, gf, wf, S0, rq, rk, Gc, A, wt, vnew, h = ctx.saved_tensors
+        qf, kf, vf, bf, gf, wf, S0, rq, rk, Gc, A, wt, vnew, h, seg_maps = ctx.saved_tensors
         B, T, HK, H, K, V = ctx.shapes
         do = do.reshape(B * T, H, V).contiguous()
         dsT = None if dsT is None else dsT.contiguous().float()
         need_ds0 = S0 is not None and ctx.needs_input_grad[6]
         inside = rq is not None and norms_in_backward(qf, H, wf is not None)
         dq, dk, dv, db, dg, ds0 = chunk_bwd(qf, kf, vf, bf, gf, S0, ctx.scale, ctx.seqs, ctx.C,
-                                            (Gc, A, wt, vnew, h), do, dsT, need_ds0, w=wf,
+                                            (Gc, A, wt, vnew, h, seg_maps), do, dsT, need_ds0, w=wf,
                                             norms=(rq, rk) if inside else None)
         if (rq is not None and not inside) or H != HK:  # each group's partials summed, back through the L2 norms
             norms = ((qf, rq), (kf, rk)) if rq is not None else (None, None)

@@ -45,6 +45,9 @@ SEGMENT_BV = 64
 #: two products a chunk as its dk columns have. Off: not timed on a GPU yet (at 32k the backward's segment pass is
 #: 0.71 of 3.73 ms, H200, ``experiments/gdn_kernel_profile.py``; the chunk-parallel kernel moves about 5 U)
 SEGMENT_LOCAL_TERMS_FIRST = False
+#: the backward's chaining takes each segment's map T_s from the forward (the reverse walk's is its transpose) instead
+#: of walking the dk columns again: ``_seg_bwd`` runs its dv columns only. Off: not timed on a GPU yet
+SEGMENT_BWD_MAPS_FROM_FORWARD = False
 #: the chaining pass's launch
 COMBINE_BV = 32
 COMBINE_WARPS = 8
@@ -289,13 +292,14 @@ def _seg_local_kernel(
 
 @triton.jit
 def _seg_chain_kernel(
-    ends, x0, starts, xT, soff,
+    ends, maps, x0, starts, xT, soff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr,
-    USE_X0: tl.constexpr, STORE_XT: tl.constexpr, REVERSE: tl.constexpr,
+    USE_X0: tl.constexpr, STORE_XT: tl.constexpr, REVERSE: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """Chains one sequence's segments: X ← T_s X + E_s from its first segment to its last (the reverse walk's from
     the last to the first), storing each segment's start in ``starts`` and the sequence's end in ``xT`` (states
-    ``[., H, dv, dk]`` fp32, as the walks' initial and final states)."""
+    ``[., H, dv, dk]`` fp32, as the walks' initial and final states). E_s is ``ends``' dv columns, T_s ``maps``' dk
+    columns (``[NS, H, dk, dv + dk]`` both), transposed where TRANSPOSE (the forward's maps for the reverse walk)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -312,9 +316,12 @@ def _seg_chain_kernel(
     for ii in range(0, s_hi - s_lo):
         s = (s_hi - 1 - ii) if REVERSE else (s_lo + ii)
         tl.store(starts + (s * H + i_h).to(tl.int64) * V * K + p_x, b_x, mask=m_x)
-        base = ends + (s * H + i_h).to(tl.int64) * K * (V + K)
-        b_t = tl.load(base + o_k[:, None] * (V + K) + V + o_k[None, :], mask=m_t, other=0)
-        b_e = tl.load(base + o_k[:, None] * (V + K) + o_v[None, :], mask=m_x, other=0)
+        off = (s * H + i_h).to(tl.int64) * K * (V + K)
+        if TRANSPOSE:
+            b_t = tl.load(maps + off + o_k[None, :] * (V + K) + V + o_k[:, None], mask=m_t, other=0)
+        else:
+            b_t = tl.load(maps + off + o_k[:, None] * (V + K) + V + o_k[None, :], mask=m_t, other=0)
+        b_e = tl.load(ends + off + o_k[:, None] * (V + K) + o_v[None, :], mask=m_x, other=0)
         b_x = tl.dot(b_t, b_x, b_e, input_precision="tf32x3")
     if STORE_XT:
         tl.store(xT + (i_n * H + i_h).to(tl.int64) * V * K + p_x, b_x, mask=m_x)
@@ -325,24 +332,26 @@ def _pass_bv(V: int, interpret: bool) -> int:
     return next_pow2(V) if interpret else min(SEGMENT_BV, next_pow2(V))
 
 
-def _chain(ends, x0, seqs, segs: Segments, H: int, K: int, V: int, store_end: bool, reverse: bool, interpret: bool):
-    """(each segment's start state ``[NS, H, V, K]``, the sequences' end ``[N, H, V, K]`` or None)."""
+def _chain(ends, x0, seqs, segs: Segments, H: int, K: int, V: int, store_end: bool, reverse: bool, interpret: bool,
+           maps=None):
+    """(each segment's start state ``[NS, H, V, K]``, the sequences' end ``[N, H, V, K]`` or None); the maps T_s
+    from ``ends``, or transposed from the forward's ``maps``."""
     f32 = torch.float32
     starts = torch.empty(segs.N, H, V, K, device=ends.device, dtype=f32)
     xT = torch.empty(seqs.N, H, V, K, device=ends.device, dtype=f32) if store_end else starts
     BV = next_pow2(V) if interpret else min(COMBINE_BV, next_pow2(V))
     _seg_chain_kernel[(seqs.N, H, triton.cdiv(V, BV))](
-        ends, x0 if x0 is not None else starts, starts, xT, segs.soff, H=H, K=K, V=V, BKF=next_pow2(K), BV=BV,
-        USE_X0=x0 is not None, STORE_XT=store_end, REVERSE=reverse, **({} if interpret else
-                                                                         {"num_warps": COMBINE_WARPS}))
+        ends, maps if maps is not None else ends, x0 if x0 is not None else starts, starts, xT, segs.soff, H=H, K=K,
+        V=V, BKF=next_pow2(K), BV=BV, USE_X0=x0 is not None, STORE_XT=store_end, REVERSE=reverse,
+        TRANSPOSE=maps is not None, **({} if interpret else {"num_warps": COMBINE_WARPS}))
     return starts, (xT if store_end else None)
 
 
 def segment_starts(seqs, segs: Segments, S0, store_end: bool, *, bk, beta, Gc, cm, r, prefill: bool, HK: int,
                    C: int, DT, PREC, has_w: bool = False):
-    """The forward's start state of every segment ``[NS, H, V, K]`` and the sequences' final states (or None):
-    ``bk``, ``cm``, ``r`` as ``_seg_fwd_kernel`` takes them in the training form (k, W~, U~) or the prefill's
-    (Y, k, V)."""
+    """The forward's start state of every segment ``[NS, H, V, K]``, the sequences' final states (or None) and the
+    segments' maps (``[NS, H, dk, dv + dk]``: E_s, T_s): ``bk``, ``cm``, ``r`` as ``_seg_fwd_kernel`` takes them in
+    the training form (k, W~, U~) or the prefill's (Y, k, V)."""
     H, V = r.shape[1:]
     K = cm.shape[-1]
     interp = r.device.type == "cpu"
@@ -352,12 +361,14 @@ def segment_starts(seqs, segs: Segments, S0, store_end: bool, *, bk, beta, Gc, c
         bk, beta, Gc if Gc is not None else beta, cm, r, ends, segs.cu, segs.pos, H=H, HK=HK, K=K, V=V, C=C,
         BKF=next_pow2(K), BV=BV, HAS_G=Gc is not None, HAS_W=has_w, PREFILL=prefill, FREE_IDENT=S0 is None,
         FREE_LAST=not store_end, DT=DT, PREC=PREC, **({} if interp else {"num_warps": 4, "num_stages": 2}))
-    return _chain(ends, S0, seqs, segs, H, K, V, store_end, False, interp)
+    return (*_chain(ends, S0, seqs, segs, H, K, V, store_end, False, interp), ends)
 
 
 def segment_end_grads(seqs, segs: Segments, dsT, need_ds0: bool, *, q, kw, beta, Gc, wt, do, scale: float, C: int,
-                      DT, PREC, has_w: bool = False):
-    """The backward's state gradient at every segment's end ``[NS, H, V, K]`` and the initial states' (or None)."""
+                      DT, PREC, has_w: bool = False, forward_maps=None):
+    """The backward's state gradient at every segment's end ``[NS, H, V, K]`` and the initial states' (or None).
+    With ``forward_maps`` (``segment_starts``' third result) the reverse maps are their transposes and only the dv
+    columns are walked."""
     H, V = do.shape[1:]
     HK, K = q.shape[1:]
     interp = do.device.type == "cpu"
@@ -372,11 +383,12 @@ def segment_end_grads(seqs, segs: Segments, dsT, need_ds0: bool, *, q, kw, beta,
             q, kw, beta, gates, wt, do, z, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, C=C,
             BKF=next_pow2(K), BV=BVz, HAS_G=Gc is not None, HAS_W=has_w, DT=DT, PREC=PREC,
             **({} if interp else {"num_warps": 8, "num_stages": 1}))
-    _seg_bwd_kernel[(segs.N, H, triton.cdiv(V, BV) + triton.cdiv(K, BV))](
+    blocks = triton.cdiv(V, BV) + (0 if forward_maps is not None else triton.cdiv(K, BV))
+    _seg_bwd_kernel[(segs.N, H, blocks)](
         q, kw, beta, gates, wt, do, z, ends, segs.cu, segs.coff, segs.pos, scale, H=H, HK=HK, K=K,
         V=V, C=C, BKF=next_pow2(K), BV=BV, HAS_G=Gc is not None, HAS_W=has_w, FREE_IDENT=dsT is None,
         FREE_LAST=not need_ds0, READ_Z=SEGMENT_LOCAL_TERMS_FIRST, DT=DT, PREC=PREC,
         **({} if interp else {"num_warps": 8, "num_stages": 2}))
-    return _chain(ends, dsT, seqs, segs, H, K, V, need_ds0, True, interp)
+    return _chain(ends, dsT, seqs, segs, H, K, V, need_ds0, True, interp, forward_maps)
 
 
