@@ -145,6 +145,32 @@ def _needed(pos, ident, FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, REVER
 
 
 @triton.jit
+def _segment_program(cu, segpos, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     C: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, FREE_IDENT: tl.constexpr,
+                     FREE_LAST: tl.constexpr, REVERSE: tl.constexpr):
+    """A segment program on grid (segments, heads, column blocks): (segment, head, block, its key head, the segment
+    [bos, eos), the chunks it walks (0 where the chaining does not read its result), ``_seg_columns``' four)."""
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    NVB: tl.constexpr = (V + BV - 1) // BV
+    bos = tl.load(cu + i_s).to(tl.int64)
+    eos = tl.load(cu + i_s + 1).to(tl.int64)
+    ident, x, end_col, m_end = _seg_columns(i_b, NVB, BKF, BV, V, K)
+    keep = _needed(tl.load(segpos + i_s), ident, FREE_IDENT, FREE_LAST, REVERSE)
+    walked = tl.where(keep, tl.cdiv(eos - bos, C), 0)
+    return i_s, i_h, i_b, i_h // (H // HK), bos, eos, walked, ident, x, end_col, m_end
+
+
+@triton.jit
+def _store_segment_end(ends, i_s, i_h, x, end_col, m_end, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BKF: tl.constexpr):
+    o_k = tl.arange(0, BKF)
+    tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], x,
+             mask=m_end)
+
+
+@triton.jit
 def _seg_fwd_kernel(
     bk, beta, Gc, cm, r, ends, cu, segpos,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -154,17 +180,10 @@ def _seg_fwd_kernel(
     """One segment's walk from zero (dv columns) and from the identity (dk columns): X' = γ X + Bkᵀ (R − Cm X),
     only the end stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32). Training form: Bk = β e^(G_last − G) K (``bk`` the
     keys, or the given write keys), Cm = W~, R = U~; PREFILL: Bk = Y, Cm = e^G K (``cm`` the keys), R = V."""
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
-    NVB: tl.constexpr = (V + BV - 1) // BV
-    bos = tl.load(cu + i_s).to(tl.int64)
-    eos = tl.load(cu + i_s + 1).to(tl.int64)
-    ident, b_x, end_col, m_end = _seg_columns(i_b, NVB, BKF, BV, V, K)
-    pos = tl.load(segpos + i_s)
-    i_hk = i_h // (H // HK)
+    i_s, i_h, i_b, i_hk, bos, eos, walked, ident, b_x, end_col, m_end = _segment_program(
+        cu, segpos, H, HK, K, V, C, BKF, BV, FREE_IDENT, FREE_LAST, False)
     r_col = tl.where(ident, V, i_b * BV)  # identity blocks read no R: their columns are masked out
-    for j in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, False), tl.cdiv(eos - bos, C), 0)):
+    for j in range(0, walked):
         t0 = bos + j * C
         b_r = load_tile(r + i_h * V, t0, tl.where(ident, t0, eos), H * V, r_col, V, C, BV)
         if PREFILL:
@@ -187,9 +206,7 @@ def _seg_fwd_kernel(
                 b_x = b_x * tl.exp(g_last)
             b_u = b_u * b_f[:, None]
         b_x = dot_acc(tl.trans(b_bk), b_u, b_x, DT, PREC)
-    o_k = tl.arange(0, BKF)
-    tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_x,
-             mask=m_end)
+    _store_segment_end(ends, i_s, i_h, b_x, end_col, m_end, H, K, V, BKF)
 
 
 @triton.jit
@@ -204,22 +221,15 @@ def _seg_bwd_kernel(
     ``delta._bwd_dhu``; the segment's start stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32). READ_Z: dO's terms
     come as ``_seg_local_kernel``'s Z a chunk."""
     scale = tl.cast(scale, tl.float32)
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_s, i_h, i_b, i_hk, bos, eos, NTn, ident, b_ds, end_col, m_end = _segment_program(
+        cu, segpos, H, HK, K, V, C, BKF, BV, FREE_IDENT, FREE_LAST, True)
     NVB: tl.constexpr = (V + BV - 1) // BV
-    bos = tl.load(cu + i_s).to(tl.int64)
-    eos = tl.load(cu + i_s + 1).to(tl.int64)
-    ident, b_ds, end_col, m_end = _seg_columns(i_b, NVB, BKF, BV, V, K)
-    pos = tl.load(segpos + i_s)
-    i_hk = i_h // (H // HK)
     o_c = tl.arange(0, C)
     triu = o_c[:, None] <= o_c[None, :]
-    NTn = tl.cdiv(eos - bos, C)
     o_k = tl.arange(0, BKF)
     o_v = tl.arange(0, BV)
     m_z = (o_k < K)[:, None] & (i_b * BV + o_v < V)[None, :]
-    for jj in range(0, tl.where(_needed(pos, ident, FREE_IDENT, FREE_LAST, True), NTn, 0)):
+    for jj in range(0, NTn):  # NTn: the chunks walked (0 where the chaining does not read the result)
         t0 = bos + (NTn - 1 - jj) * C
         b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
         b_f = b_b
@@ -249,8 +259,7 @@ def _seg_bwd_kernel(
             b_ds = dot_acc(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], b_ds, DT, PREC)
         b_wt = load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
         b_ds = dot_acc(tl.trans(b_wt), -b_du, b_ds, DT, PREC)
-    tl.store(ends + (i_s * H + i_h).to(tl.int64) * K * (V + K) + o_k[:, None] * (V + K) + end_col[None, :], b_ds,
-             mask=m_end)
+    _store_segment_end(ends, i_s, i_h, b_ds, end_col, m_end, H, K, V, BKF)
 
 
 @triton.jit
