@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import delta_split
 from ._chunk_layout import cached_uniform
 from ._delta_tiles import chunk_info, dot_acc, gate, load_factor, load_raw, load_tile, load_vec, parallel_ids
 from ._launch import dot_types, fill_device
@@ -1117,7 +1118,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
                                            HAS_W, bk=kw, beta=beta, Gc=Gc if HAS_G else None, cm=wt, r=ut,
                                            prefill=False)
         use_s0, sT = True, (sT if output_final_state else A)
-        seg_maps = seg_maps if delta_split().SEGMENT_BWD_MAPS_FROM_FORWARD else None
+        seg_maps = seg_maps if delta_split.SEGMENT_BWD_MAPS_FROM_FORWARD else None
     store_s = output_final_state and not segs
     if gluon:
         from . import delta_gluon
@@ -1141,25 +1142,18 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     return o, (sT if output_final_state else None), (Gc if HAS_G else None, A, wt, vnew, h, seg_maps)
 
 
-def delta_split():
-    """``lazoo.kernels.delta_split``, imported where it is used (it imports this module's helpers)."""
-    from . import delta_split as module
-
-    return module
-
-
 def split_segments(seqs: _Seqs, H: int, V: int, q: torch.Tensor, C: int):
     """The segments the state walks run over where few long sequences would leave the GPU idle, else None
     (``delta_split.plan``)."""
-    if q.device.type == "cpu" and delta_split().SPLIT_LONG_SEQUENCES is not True:
+    if q.device.type == "cpu" and delta_split.SPLIT_LONG_SEQUENCES is not True:
         return None  # the interpreter: only where asked for (the tests)
-    return delta_split().plan(seqs, H, V, q.device, C)
+    return delta_split.plan(seqs, H, V, q.device, C)
 
 
 def _chain_segments(seqs, segs, S0, output_final_state: bool, q, C: int, DT, PREC, has_w: bool, **forms):
     """(each segment's start state, the final states or None, the segments' maps): one pass over the segments, then
     the chaining."""
-    return delta_split().segment_starts(seqs, segs, S0, output_final_state, HK=q.shape[1], C=C, DT=DT, PREC=PREC,
+    return delta_split.segment_starts(seqs, segs, S0, output_final_state, HK=q.shape[1], C=C, DT=DT, PREC=PREC,
                                         has_w=has_w, **forms)
 
 
@@ -1196,7 +1190,7 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     walk = segs or seqs
     ds0 = None
     if segs:  # the state gradient at each segment's end, chained from the last segment back
-        dsT, ds0 = delta_split().segment_end_grads(
+        dsT, ds0 = delta_split.segment_end_grads(
             seqs, segs, dsT, need_ds0, q=q, kw=kw, beta=beta, Gc=Gc if HAS_G else None, wt=wt, do=do, scale=scale,
             C=C, DT=DT, PREC=PREC, has_w=HAS_W, forward_maps=seg_maps)
     need_walk_ds0 = need_ds0 and not segs
