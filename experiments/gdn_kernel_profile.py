@@ -15,10 +15,10 @@ import argparse
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from lazoo import ops
 from lazoo.bench.delta_frontier import make_inputs
+from lazoo.bench.timing import kernel_ms
 from lazoo.bench.variants import parse_variant, variant_settings
 
 SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
@@ -35,16 +35,7 @@ def kernel_times(T, B, H, HV, steps=10, grad=True) -> dict:
             o.backward(do)
             for t in leaves:
                 t.grad = None
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    rows = {e.key: round(e.device_time_total / steps / 1000, 4) for e in prof.key_averages()
-            if e.device_time_total > 0 and "Function" not in e.key}  # kernels, not the autograd nodes around them
-    rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+    rows = kernel_ms(step, steps)
     return dict(T=T, B=B, HV=HV, kernels_ms=rows, total=round(sum(rows.values()), 4))
 
 

@@ -439,24 +439,23 @@ def _split_everything(monkeypatch, min_chunks=1):
 
     monkeypatch.setattr(delta_split, "SPLIT_LONG_SEQUENCES", True)
     monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", min_chunks)
+    monkeypatch.setattr(delta_split, "SPLIT_MIN_PIECES", 2)
     monkeypatch.setattr(delta_split, "SPLIT_PROGRAMS_PER_SM", 10_000.0)
 
 
 @needs_interp
 @pytest.mark.parametrize("op", ["delta", "gated"])
-@pytest.mark.parametrize("min_chunks,backward", [(1, "walked"), (2, "walked"), (2, "local_terms_first"),
-                                                  (2, "maps_from_forward")],
-                         ids=["segments_of_1_chunk", "segments_of_2_chunks", "local_terms_first", "maps_from_forward"])
+@pytest.mark.parametrize("min_chunks,backward", [(1, "maps_from_forward"), (2, "maps_from_forward"), (2, "walked")],
+                         ids=["segments_of_1_chunk", "segments_of_2_chunks", "maps_walked"])
 def test_interp_split_sequences_match_reference(monkeypatch, op, min_chunks, backward):
     """Long sequences split into segments whose start states are chained (forward) and whose end-state gradients
-    are chained back (backward: dO's terms formed in the segment pass or read from a chunk-parallel kernel; the
-    reverse maps walked or taken from the forward's), against float64: packed sequences of ragged lengths (one of a
+    are chained back (backward: the reverse maps taken from the forward's, or walked where it left none), against
+    float64: packed sequences of ragged lengths (one of a
     single token, an empty one, one ending mid-chunk), a carried state, grouped value heads with fp16 inputs and fp32
     β and g."""
     from lazoo.kernels import delta, delta_split
 
     _split_everything(monkeypatch, min_chunks)
-    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", backward == "local_terms_first")
     monkeypatch.setattr(delta_split, "SEGMENT_BWD_MAPS_FROM_FORWARD", backward == "maps_from_forward")
     cu = torch.tensor([0, 1, 1, 40, 90])  # one token, none, three chunks (the last partial), four
     segs = delta_split.plan(delta.seqs_for(1, 90, cu, 16, torch.device("cpu")), 2, 10, torch.device("cpu"), 16)
@@ -521,9 +520,10 @@ def test_interp_split_sequences_without_states(monkeypatch, op, maps_from_forwar
         assert_close(g1[n], g0[n], 1e-5, f"{op} split grad {n}")
 
 
-def test_split_plan_only_where_the_walks_lack_programs(monkeypatch):
-    """The default plan: no split with programs to spare or on the CPU; few long sequences split into segments of
-    whole chunks that tile each sequence, enough for SPLIT_PROGRAMS_PER_SM walk programs a multiprocessor."""
+def test_split_plan_only_where_a_walk_outlasts_its_fair_share(monkeypatch):
+    """The default plan: no split with programs to spare or on the CPU; few long sequences, or one long document in
+    a packed batch of short ones, split into segments of whole chunks that tile each sequence, as many as the
+    longest walk's multiple of its fair share of the walk work, where that is three or more."""
     from lazoo.kernels import delta, delta_split
 
     cpu = torch.device("cpu")
@@ -535,12 +535,27 @@ def test_split_plan_only_where_the_walks_lack_programs(monkeypatch):
     assert segs is not None and segs.N == 4 and segs.L == 128  # 132 / 32 -> 4 segments of 128 chunks
     assert segs.cu.tolist() == list(range(0, 32768 + 1, 8192)) and segs.coff.tolist() == list(range(0, 513, 128))
     assert delta_split.plan(delta._Seqs(32, 1024, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None
-    assert delta_split.plan(delta._Seqs(1, 512, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None  # short
+    assert delta_split.plan(delta._Seqs(4, 8192, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None  # 128
+    assert delta_split.plan(delta._Seqs(3, 8192, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None  # 96: 1.4
+    assert delta_split.plan(delta._Seqs(2, 16384, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None  # 2.1
+    for T in (512, 4096, 8192):  # no 3 segments of SPLIT_MIN_CHUNKS (64)
+        assert delta_split.plan(delta._Seqs(1, T, None, 64, cpu), 16, 128, cpu, 64, switch=None) is None
+    assert delta_split.plan(delta._Seqs(1, 16384, None, 64, cpu), 16, 128, cpu, 64, switch=None).L == 64
+    monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", 16)
     ragged = delta._Seqs(1, 5000, torch.tensor([0, 4000, 4100, 5000]), 64, cpu)
     segs = delta_split.plan(ragged, 4, 128, cpu, 64, switch=None)
     assert segs.cu[0] == 0 and segs.cu[-1] == 5000 and segs.soff[-1] == segs.N
     cu = segs.cu.tolist()
     assert all((b - a) % 64 == 0 or b in (4000, 4100, 5000) for a, b in zip(cu[:-1], cu[1:]))
+    monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", 64)
+    # packed: 1056 walk programs, but a 24k document's walk (384 chunks) is 3.1 times its fair share (124 chunks):
+    # it alone is cut, into 3 segments of 128; the short documents stay whole
+    cu = torch.tensor([0, 24576] + [24576 + 512 * i for i in range(1, 17)])
+    segs = delta_split.plan(delta._Seqs(1, 32768, cu, 64, cpu), 16, 128, cpu, 64, switch=None)
+    assert segs is not None and segs.L == 128 and segs.soff.tolist()[:3] == [0, 3, 4] and segs.N == 3 + 16
+    for long in (16384, 12288, 8192):  # 2.1, 1.5, 1.03 shares: two segments do not pay
+        cu = torch.tensor([0, long] + [long + 512 * i for i in range(1, (32768 - long) // 512 + 1)])
+        assert delta_split.plan(delta._Seqs(1, 32768, cu, 64, cpu), 16, 128, cpu, 64, switch=None) is None
 
 
 def generalized_reference(q, k, v, w, g, S0, scale, cu=None):
@@ -806,23 +821,22 @@ def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
 @needs_cuda
 @pytest.mark.parametrize("op", ["delta", "gated"])
 @pytest.mark.parametrize("walks", ["triton", "gluon"])
-@pytest.mark.parametrize("min_chunks,backward", [(4, "walked"), (16, "walked"), (4, "local_terms_first"),
-                                                  (4, "maps_from_forward")],
-                         ids=["segments_of_4", "segments_of_16", "local_terms_first", "maps_from_forward"])
+@pytest.mark.parametrize("min_chunks,backward", [(4, "maps_from_forward"), (16, "maps_from_forward"), (4, "walked")],
+                         ids=["segments_of_4", "segments_of_16", "maps_walked"])
 def test_gpu_split_sequences_match_float64(monkeypatch, op, walks, min_chunks, backward):
-    """Few long sequences split into segments (the default below 0.75 walk programs a multiprocessor), each walk
-    kind, the backward's segment pass as by default, with dO's terms from a chunk-parallel kernel, or with the
-    forward's maps, against float64: packed ragged sequences with a carried state, grouped value heads with fp32 β
+    """Few long sequences split into segments (the default where a walk is 2.5 times its fair share), each walk
+    kind, the backward's chaining with the forward's maps (the default) or with maps of its own walking, against
+    float64: packed ragged sequences with a carried state, grouped value heads with fp32 β
     and g, and the forward without autograd."""
     from lazoo.kernels import delta, delta_split
 
-    monkeypatch.setattr(delta_split, "SEGMENT_LOCAL_TERMS_FIRST", backward == "local_terms_first")
     monkeypatch.setattr(delta_split, "SEGMENT_BWD_MAPS_FROM_FORWARD", backward == "maps_from_forward")
     if walks == "gluon":
         _needs_gluon_walk()
     monkeypatch.setattr(delta, "USE_GLUON_WALK", walks == "gluon")
     monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", walks == "gluon")
     monkeypatch.setattr(delta_split, "SPLIT_MIN_CHUNKS", min_chunks)
+    monkeypatch.setattr(delta_split, "SPLIT_MIN_PIECES", 2)
     H, D = 4, 128
     cu = torch.tensor([0, 1, 700, 2000])
     seqs = delta.seqs_for(1, 2000, cu.cuda(), 64, torch.device("cuda"))

@@ -27,6 +27,23 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def kernel_ms(step, steps: int = 10, warmup: int = 5) -> dict:
+    """Each GPU kernel's time a call of ``step`` (ms, largest first): torch.profiler over ``steps`` calls after
+    ``warmup``; kernels only, not the autograd nodes around them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = {e.key: round(e.device_time_total / steps / 1000, 4) for e in prof.key_averages()
+            if e.device_time_total > 0 and "Function" not in e.key}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
 def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median ms of ``fn()`` (``triton.testing.do_bench``)."""
     import triton.testing

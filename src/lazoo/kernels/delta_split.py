@@ -22,32 +22,38 @@ import torch
 import triton
 import triton.language as tl
 
-from ._delta_tiles import chunk_info, dot_acc, gate, load_factor, load_raw, load_tile, parallel_ids
+from ._delta_tiles import dot_acc, gate, load_factor, load_raw, load_tile
 from ._tiles import dot
 from ._utils import next_pow2, num_sms
 
-#: split where the state walks would have fewer than this many programs (dv blocks of 64) a multiprocessor: True,
-#: False, or None for where that holds and a sequence is long enough to split. H200, bf16, gated, one sequence of 32k
-#: tokens, 16 heads (32 such programs), unsplit -> split: fwd + bwd 4.07 -> 3.75 ms, the forward without autograd
-#: 1.42 -> 1.18
+#: None: split on a GPU where the longest sequence's walk is at least 2.5 times its fair share and makes 3 segments
+#: of SPLIT_MIN_CHUNKS (below); True: there under the interpreter too (the tests); False: never. The fair share is
+#: the chunks a walk program would take if the batch's walk work (chunks x heads x dv blocks of 64) were spread
+#: evenly over SPLIT_PROGRAMS_PER_SM programs a multiprocessor: for equal sequences the split is where the walks
+#: have at most 0.4 programs a multiprocessor; in a packed batch, where one long document outlasts the short ones.
 SPLIT_LONG_SEQUENCES: bool | None = None
-SPLIT_BELOW_PROGRAMS_PER_SM = 0.75
-#: segments enough for this many walk programs (dv blocks of 64) a multiprocessor. The same runs, 32k: at 1 (4
-#: segments of 128 chunks) 3.75 / 1.18 ms, at 2 3.99 / 1.23, at 4 4.21 / 1.31: each segment pass is a walk of its
-#: own over dv + dk columns, so more, shorter segments cost more than the shorter chain saves
+#: the longest sequence is cut into round(its length / its fair share) segments of SPLIT_MIN_CHUNKS or more, every
+#: sequence as long into segments as long, where that makes SPLIT_MIN_PIECES segments or more. H200, bf16, gated,
+#: H = 16, fwd + bwd, GPU time (``experiments/split_packed.py``): one sequence of 32k tokens, 4 segments,
+#: 4.31 -> 3.94 ms; a packed 24k document and 16 of 512 tokens, 3 segments, 4.64 -> 4.37; but in 2 segments two
+#: sequences of 16k 3.64 -> 3.93, a packed 16k document and 32 of 512 4.10 -> 4.68, 12k and 40 of 512
+#: 3.84 -> 4.43 (the segment pass walks the same chunks first, over dv + dk columns, so halving the walk does not
+#: pay for it). At 2 programs a multiprocessor (8 segments at 32k) 4.03 ms: more, shorter segments cost more than
+#: the shorter chain saves
 SPLIT_PROGRAMS_PER_SM = 1.0
-#: no segment shorter than this many chunks
-SPLIT_MIN_CHUNKS = 16
-#: the segment passes' block of walked columns (dv, then dk): 64, as measured above (128 not timed yet)
+SPLIT_MIN_PIECES = 3
+#: no segment shorter than this many chunks: a single sequence of 4k or 8k tokens is not split. There the op waits
+#: on the host (H200, fwd + bwd, 16 heads, wall 1.6-2.3 ms against 0.6-1.15 ms of GPU time), and four segments
+#: save 0.015 and 0.06 ms of GPU time (0.61 -> 0.60, 1.15 -> 1.09) for four more launches; at 16k 2.24 -> 2.06
+SPLIT_MIN_CHUNKS = 64
+#: the segment passes' block of walked columns (dv, then dk). H200, 32k, fwd + bwd / forward, wall (``experiments/
+#: launch_options.py variants``): 64 3.75 / 1.18 ms, 128 4.29 / 1.42
 SEGMENT_BV = 64
-#: the backward's segment pass reads each chunk's dO terms (Z = scale Qᵀ diag(e^G) dO − W~ᵀ Pᵀ dO, in dO's dtype)
-#: from a chunk-parallel kernel (``_seg_local_kernel``) instead of forming them in its walk, leaving its dv columns
-#: two products a chunk as its dk columns have. Off: not timed on a GPU yet (at 32k the backward's segment pass is
-#: 0.71 of 3.73 ms, H200, ``experiments/gdn_kernel_profile.py``; the chunk-parallel kernel moves about 5 U)
-SEGMENT_LOCAL_TERMS_FIRST = False
-#: the backward's chaining takes each segment's map T_s from the forward (the reverse walk's is its transpose) instead
-#: of walking the dk columns again: ``_seg_bwd`` runs its dv columns only. Off: not timed on a GPU yet
-SEGMENT_BWD_MAPS_FROM_FORWARD = False
+#: the backward's chaining takes each segment's map T_s from the forward (the reverse walk's is its transpose)
+#: instead of walking the dk columns again, so ``_seg_bwd`` runs its dv columns only: the same runs, fwd + bwd
+#: 3.75 -> 3.70 ms (the dv columns' five products a chunk are most of that pass). Where the forward left no maps (it
+#: ran under graph capture, the backward did not) the backward walks them itself
+SEGMENT_BWD_MAPS_FROM_FORWARD = True
 #: the chaining pass's launch
 COMBINE_BV = 32
 COMBINE_WARPS = 8
@@ -92,19 +98,17 @@ def plan(seqs, H: int, V: int, device, C: int, switch: bool | None = None):
         return None
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    key = (H, V, switch, SPLIT_BELOW_PROGRAMS_PER_SM, SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_CHUNKS)
+    key = (H, V, switch, SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_PIECES, SPLIT_MIN_CHUNKS)
     cache = seqs.__dict__.setdefault("_segments", {})
     if key in cache:
         return cache[key]
-    programs = seqs.N * H * triton.cdiv(V, 64)
+    counts = _chunk_counts(seqs)
+    longest = max(counts, default=0)
     sms = num_sms(device) if device.type == "cuda" else 132  # the interpreter (only where asked): an H100's or H200's
-    segments = None
-    if switch or programs < SPLIT_BELOW_PROGRAMS_PER_SM * sms:
-        counts = _chunk_counts(seqs)
-        pieces = max(1, round(SPLIT_PROGRAMS_PER_SM * sms / programs))
-        L = max(SPLIT_MIN_CHUNKS, triton.cdiv(max(counts), pieces))
-        if switch or max(counts) > L:
-            segments = Segments(seqs, counts, max(1, min(L, max(counts))), C)
+    fair_share = sum(counts) * H * triton.cdiv(V, 64) / (SPLIT_PROGRAMS_PER_SM * sms)
+    pieces = max(1, round(longest / fair_share)) if fair_share else 1
+    L = max(SPLIT_MIN_CHUNKS, triton.cdiv(longest, pieces))
+    segments = Segments(seqs, counts, L, C) if triton.cdiv(longest, L) >= SPLIT_MIN_PIECES else None
     cache[key] = segments
     return segments
 
@@ -211,24 +215,20 @@ def _seg_fwd_kernel(
 
 @triton.jit
 def _seg_bwd_kernel(
-    q, kw, beta, Gc, wt, do, z, ends, cu, coff, segpos, scale,
+    q, kw, beta, Gc, wt, do, ends, cu, segpos, scale,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
     BKF: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr,
-    FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, READ_Z: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    FREE_IDENT: tl.constexpr, FREE_LAST: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """The reverse walk over one segment from a zero end gradient (dv columns, with dO's terms) and from the
     identity (dk columns, without): dU = [Pᵀ dO] + diag(D) K dX, dX ← γ dX + [scale Qᵀ diag(e^G) dO] − W~ᵀ dU, as
-    ``delta._bwd_dhu``; the segment's start stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32). READ_Z: dO's terms
-    come as ``_seg_local_kernel``'s Z a chunk."""
+    ``delta._bwd_dhu``; the segment's start stored (``ends[s, h]`` ``[dk, dv + dk]`` fp32)."""
     scale = tl.cast(scale, tl.float32)
     i_s, i_h, i_b, i_hk, bos, eos, NTn, ident, b_ds, end_col, m_end = _segment_program(
         cu, segpos, H, HK, K, V, C, BKF, BV, FREE_IDENT, FREE_LAST, True)
     NVB: tl.constexpr = (V + BV - 1) // BV
     o_c = tl.arange(0, C)
     triu = o_c[:, None] <= o_c[None, :]
-    o_k = tl.arange(0, BKF)
-    o_v = tl.arange(0, BV)
-    m_z = (o_k < K)[:, None] & (i_b * BV + o_v < V)[None, :]
     for jj in range(0, NTn):  # NTn: the chunks walked (0 where the chaining does not read the result)
         t0 = bos + (NTn - 1 - jj) * C
         b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W)
@@ -240,12 +240,7 @@ def _seg_bwd_kernel(
         b_du = dot(b_k, b_ds, DT, PREC) * b_f[:, None]
         if HAS_G:
             b_ds = b_ds * tl.exp(g_last)
-        if READ_Z:
-            if i_b < NVB:
-                j = tl.load(coff + i_s).to(tl.int64) + NTn - 1 - jj
-                b_ds += tl.load(z + (j * H + i_h) * K * V + o_k[:, None] * V + i_b * BV + o_v[None, :],
-                                mask=m_z, other=0).to(tl.float32)
-        elif i_b < NVB:  # dO's terms: P^T dO in dU, scale Q^T diag(e^G) dO in dS
+        if i_b < NVB:  # dO's terms: P^T dO in dU, scale Q^T diag(e^G) dO in dS
             b_q = load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
             b_do = load_raw(do + i_h * V, t0, eos, H * V, i_b * BV, V, C, BV)
             b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
@@ -260,43 +255,6 @@ def _seg_bwd_kernel(
         b_wt = load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)
         b_ds = dot_acc(tl.trans(b_wt), -b_du, b_ds, DT, PREC)
     _store_segment_end(ends, i_s, i_h, b_ds, end_col, m_end, H, K, V, BKF)
-
-
-@triton.jit
-def _seg_local_kernel(
-    q, kw, beta, Gc, wt, do, z, chunks, cu, scale,
-    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BKF: tl.constexpr, BV: tl.constexpr, HAS_G: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """What one chunk's dO adds to the state gradient walking back, apart from the gradient itself:
-    Z = scale Qᵀ diag(e^G) dO − W~ᵀ Pᵀ dO (``z`` ``[NT, H, dk, dv]``), chunk-parallel."""
-    scale = tl.cast(scale, tl.float32)
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_c, i_v, i_h = parallel_ids(NV, H)
-    t0, eos = chunk_info(chunks, cu, i_c)
-    i_hk = i_h // (H // HK)
-    o_c = tl.arange(0, C)
-    triu = o_c[:, None] <= o_c[None, :]
-    b_b = load_factor(beta + i_h, t0, eos, H, C, HAS_W) * scale
-    b_fq = tl.full([C], 1.0, tl.float32) * scale
-    b_k = load_raw(kw + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-    b_q = load_raw(q + i_hk * K, t0, eos, HK * K, 0, K, C, BKF)
-    b_pt = dot(b_k, tl.trans(b_q), DT, PREC)
-    if HAS_G:
-        b_G, _ = gate(Gc, i_h, t0, eos, H, C)
-        b_pt = tl.where(triu, b_pt * tl.exp(tl.where(triu, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-        b_fq = b_fq * tl.exp(b_G)
-    else:
-        b_pt = tl.where(triu, b_pt, 0.0)
-    b_do = load_raw(do + i_h * V, t0, eos, H * V, i_v * BV, V, C, BV)
-    b_dul = dot(b_pt * b_b[:, None], b_do, DT, PREC)
-    b_z = dot(tl.trans(b_q), b_do.to(tl.float32) * b_fq[:, None], DT, PREC)
-    b_z = dot_acc(tl.trans(load_raw(wt + i_h * K, t0, eos, H * K, 0, K, C, BKF)), -b_dul, b_z, DT, PREC)
-    o_k = tl.arange(0, BKF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    tl.store(z + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_z.to(z.dtype.element_ty),
-             mask=(o_k < K)[:, None] & (o_v < V)[None, :])
 
 
 @triton.jit
@@ -383,21 +341,11 @@ def segment_end_grads(seqs, segs: Segments, dsT, need_ds0: bool, *, q, kw, beta,
     interp = do.device.type == "cpu"
     BV = _pass_bv(V, interp)
     ends = torch.empty(segs.N, H, K, V + K, device=do.device, dtype=torch.float32)
-    gates = Gc if Gc is not None else beta
-    z = ends
-    if SEGMENT_LOCAL_TERMS_FIRST:
-        z = torch.empty(seqs.NT, H, K, V, device=do.device, dtype=do.dtype)
-        BVz = next_pow2(V) if interp else min(64, next_pow2(V))
-        _seg_local_kernel[(seqs.NT * triton.cdiv(V, BVz) * H,)](
-            q, kw, beta, gates, wt, do, z, seqs.chunks, seqs.cu, scale, H=H, HK=HK, K=K, V=V, C=C,
-            BKF=next_pow2(K), BV=BVz, HAS_G=Gc is not None, HAS_W=has_w, DT=DT, PREC=PREC,
-            **({} if interp else {"num_warps": 8, "num_stages": 1}))
     blocks = triton.cdiv(V, BV) + (0 if forward_maps is not None else triton.cdiv(K, BV))
     _seg_bwd_kernel[(segs.N, H, blocks)](
-        q, kw, beta, gates, wt, do, z, ends, segs.cu, segs.coff, segs.pos, scale, H=H, HK=HK, K=K,
+        q, kw, beta, Gc if Gc is not None else beta, wt, do, ends, segs.cu, segs.pos, scale, H=H, HK=HK, K=K,
         V=V, C=C, BKF=next_pow2(K), BV=BV, HAS_G=Gc is not None, HAS_W=has_w, FREE_IDENT=dsT is None,
-        FREE_LAST=not need_ds0, READ_Z=SEGMENT_LOCAL_TERMS_FIRST, DT=DT, PREC=PREC,
-        **({} if interp else {"num_warps": 8, "num_stages": 2}))
+        FREE_LAST=not need_ds0, DT=DT, PREC=PREC, **({} if interp else {"num_warps": 8, "num_stages": 2}))
     return _chain(ends, dsT, seqs, segs, H, K, V, need_ds0, True, interp, forward_maps)
 
 
