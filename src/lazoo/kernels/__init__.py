@@ -8,5 +8,6 @@ for the layers around them (``short_conv``, ``rms_norm``, ``gates``: a Gated Del
 takes (head dims, chunk sizes, dtypes) is stated in ``limits``, which imports no Triton. What several of them use:
 ``_tiles`` (the chunked kernels' tile prologues, state tile loads and stores), ``_chunk_layout`` (the chunks of
 packed sequences), ``_launch`` (launch settings, block sizes, operand types), ``_segments`` (state walks in
-segments), ``_graphs`` (CUDA graphs) and ``_utils`` (the interpreter, the device, tile sizes; defines no kernel).
+segments), ``_graphs`` (CUDA graphs), ``_tensor_cache`` (tables kept on the ``cu_seqlens`` they come from) and
+``_utils`` (the interpreter, the device, tile sizes; defines no kernel).
 """

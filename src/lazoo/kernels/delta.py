@@ -64,6 +64,7 @@ from . import delta_split
 from ._chunk_layout import cached_uniform
 from ._delta_tiles import chunk_info, dot_acc, gate, load_factor, load_raw, load_tile, load_vec, parallel_ids
 from ._launch import dot_types, fill_device
+from ._tensor_cache import cached_on
 from ._tiles import dot, inv_unit_lower16, inv_unit_lower16x4
 from ._utils import next_pow2, num_sms
 from .limits import DELTA_CHUNK_SIZES as CHUNK_SIZES
@@ -848,9 +849,10 @@ _UNIFORM_SEQS: dict = {}
 
 
 def seqs_for(B: int, T: int, cu_seqlens, C: int, device) -> _Seqs:
-    """The chunk table of this batch: built once per uniform shape; packed batches build theirs each call."""
+    """The chunk table of this batch: built once per uniform shape, and once per ``cu_seqlens`` tensor (every layer
+    of a model is handed the same one; the split's plan is kept on the table)."""
     if cu_seqlens is not None:
-        return _Seqs(B, T, cu_seqlens, C, device)
+        return cached_on(cu_seqlens, ("delta_seqs", C, str(device)), lambda: _Seqs(B, T, cu_seqlens, C, device))
     return cached_uniform(_UNIFORM_SEQS, (B, T, C, device), device, lambda: _Seqs(B, T, None, C, device))
 
 

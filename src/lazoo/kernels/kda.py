@@ -65,6 +65,7 @@ import triton.language as tl
 
 from ._chunk_layout import cached_uniform, prepare_varlen
 from ._launch import chunk_state_dtype, dot_types
+from ._tensor_cache import cached_on
 from ._tiles import inv_unit_lower16
 from ._utils import next_pow2
 from .limits import KDA_MAX_HEAD_DIM as MAX_HEAD_DIM
@@ -753,9 +754,10 @@ _UNIFORM_SEQS: dict = {}
 
 
 def seqs_for(B: int, T: int, cu_seqlens, device) -> _Seqs:
-    """The chunk table of this batch: built once per uniform shape; packed batches build theirs each call."""
+    """The chunk table of this batch: built once per uniform shape, and once per ``cu_seqlens`` tensor (every layer
+    of a model is handed the same one)."""
     if cu_seqlens is not None:
-        return _Seqs(B, T, cu_seqlens, device)
+        return cached_on(cu_seqlens, ("kda_seqs", str(device)), lambda: _Seqs(B, T, cu_seqlens, device))
     return cached_uniform(_UNIFORM_SEQS, (B, T, device), device, lambda: _Seqs(B, T, None, device))
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels._tensor_cache import cached_on
+
 
 def check_cu_seqlens(op: str, cu_seqlens, B: int, T: int, device, mask=None):
     """Validate ``cu_seqlens`` (None passes): 1-D ints from 0 to T, non-decreasing, with B = 1.
@@ -23,11 +25,18 @@ def check_cu_seqlens(op: str, cu_seqlens, B: int, T: int, device, mask=None):
         raise ValueError(f"{op}: with cu_seqlens the sequences are packed along time, so B must be 1, got B={B}")
     if mask is not None:
         raise ValueError(f"{op}: pass either mask or cu_seqlens, not both")
-    bounds = cu_seqlens.detach().to("cpu", torch.int64)
+    cached_on(cu_seqlens, ("checked", T), lambda: _check_bounds(op, cu_seqlens, T))
+    if cu_seqlens.device == torch.device(device) and cu_seqlens.dtype == torch.int64:
+        return cu_seqlens
+    return cached_on(cu_seqlens, ("int64", str(device)), lambda: cu_seqlens.to(device=device, dtype=torch.int64))
+
+
+def _check_bounds(op: str, cu_seqlens: torch.Tensor, T: int) -> bool:
+    bounds = cu_seqlens.detach().to("cpu", torch.int64)  # a read-back: once for a tensor every layer is handed
     if bounds[0] != 0 or bounds[-1] != T or bool((bounds[1:] < bounds[:-1]).any()):
         raise ValueError(f"{op}: cu_seqlens must start at 0, end at T={T} and never decrease, "
                          f"got {bounds.tolist()}")
-    return cu_seqlens.to(device=device, dtype=torch.int64)
+    return True
 
 
 def run_per_sequence(run, cu_seqlens, initial_state, output_final_state: bool, q, v):
