@@ -1,6 +1,7 @@
 """Packed boundaries read back once: ``check_cu_seqlens`` validates a ``cu_seqlens`` tensor on the host once and the
-delta rule's and KDA's chunk tables are built once for it (a model hands every layer the same tensor), until the
-tensor is changed in place; inference-mode tensors (no version counter) are checked every call."""
+chunk tables (the delta rule's, KDA's, the other chunked kernels' ``ChunkLayout`` maps) are built once for it (a
+model hands every layer the same tensor), until the tensor is changed in place; inference-mode tensors (no version
+counter) are checked every call."""
 
 from __future__ import annotations
 
@@ -55,17 +56,25 @@ def test_inference_tensors_are_checked_every_call(reads):
     assert len(reads) == 2
 
 
-@pytest.mark.parametrize("family", ["delta", "kda"])
-def test_chunk_tables_are_built_once_per_tensor(family):
-    from lazoo.kernels import delta, kda
+def _tables(family):
+    from lazoo.kernels import _chunk_layout, delta, kda
 
     cpu = torch.device("cpu")
-    build = (lambda cu: delta.seqs_for(1, 300, cu, 64, cpu)) if family == "delta" else (
-        lambda cu: kda.seqs_for(1, 300, cu, cpu))
+    q = torch.empty(1, 300, 2, 16)
+    return {"delta": lambda cu: delta.seqs_for(1, 300, cu, 64, cpu),
+            "kda": lambda cu: kda.seqs_for(1, 300, cu, cpu),
+            "chunk_layout": lambda cu: _chunk_layout.ChunkLayout(q, q, cu, 64).chunk_indices}[family]
+
+
+@pytest.mark.parametrize("family", ["delta", "kda", "chunk_layout"])
+def test_chunk_tables_are_built_once_per_tensor(family):
+    build = _tables(family)
     cu = torch.tensor([0, 100, 300])
     first = build(cu)
     assert build(cu) is first
     assert build(torch.tensor([0, 100, 300])) is not first  # another tensor, its own table
     cu[1] = 200
     again = build(cu)
-    assert again is not first and again.cu.tolist() == [0, 200, 300]
+    assert again is not first
+    if family != "chunk_layout":
+        assert again.cu.tolist() == [0, 200, 300]

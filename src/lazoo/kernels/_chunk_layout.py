@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from ._tensor_cache import cached_on
+
 
 def prepare_varlen(cu_seqlens: torch.Tensor, BT: int):
     """(chunk_offsets [N+1], chunk_indices [NT, 2] of (sequence, chunk in sequence), NT)."""
@@ -39,7 +41,7 @@ def cached_uniform(cache: dict, key: tuple, device, build):
 class ChunkLayout:
     """Shapes and chunk maps of one call of a chunked kernel (q ``[B, T, H, K]``, v ``[B, T, H, V]``, chunks of
     ``BT`` tokens): N sequences, NT chunks in all, and with ``cu_seqlens`` the maps ``prepare_varlen`` builds
-    (else None)."""
+    (else None), once per ``cu_seqlens`` tensor (``_tensor_cache``)."""
 
     def __init__(self, q, v, cu_seqlens, BT: int):
         B, T, H, K = q.shape
@@ -48,7 +50,8 @@ class ChunkLayout:
         self.varlen = cu_seqlens is not None
         if self.varlen:
             self.N = len(cu_seqlens) - 1
-            self.chunk_offsets, self.chunk_indices, self.NT = prepare_varlen(cu_seqlens, BT)
+            self.chunk_offsets, self.chunk_indices, self.NT = cached_on(
+                cu_seqlens, ("chunk_maps", BT), lambda: prepare_varlen(cu_seqlens, BT))
             self.cu = cu_seqlens
         else:
             self.N = B
