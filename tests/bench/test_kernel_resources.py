@@ -11,7 +11,7 @@ from lazoo.bench import kernel_resources  # noqa: E402
 
 def test_short_conv_kernels_fit_hopper(single_thread):
     report = kernel_resources.short_conv_report()
-    assert set(report) == {"forward", "backward"}
+    assert set(report) == {"forward", "backward", "forward (packed)", "backward (packed)"}
     for name, r in report.items():
         assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)

@@ -52,8 +52,8 @@ def chunk_launches(monkeypatch):
 
 
 def test_kda_uniform_chunk_tables_are_built_once():
-    """One chunk table per uniform (B, T, device), the same as a fresh one; packed batches build theirs each call;
-    the cache keeps at most 64 shapes."""
+    """One chunk table per uniform (B, T, device), the same as a fresh one; packed batches build theirs once per
+    cu_seqlens tensor (tests/ops/test_ops_packing_tables.py); the cache keeps at most 64 shapes."""
     from lazoo.kernels import _chunk_layout
     from lazoo.kernels import kda as kk
 
@@ -64,7 +64,8 @@ def test_kda_uniform_chunk_tables_are_built_once():
     assert a.NT == fresh.NT == 4
     assert all(torch.equal(getattr(a, n), getattr(fresh, n)) for n in ("cu", "coff", "chunks"))
     cu = torch.tensor([0, 30, 70])
-    assert kk.seqs_for(1, 70, cu, cpu) is not kk.seqs_for(1, 70, cu, cpu)
+    assert kk.seqs_for(1, 70, cu, cpu) is kk.seqs_for(1, 70, cu, cpu)
+    assert kk.seqs_for(1, 70, cu.clone(), cpu) is not kk.seqs_for(1, 70, cu, cpu)
     cache, built = {}, []
     for i in range(65):
         _chunk_layout.cached_uniform(cache, (i,), cpu, lambda: built.append(1))

@@ -22,34 +22,39 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 F64 = torch.float64
 
 
-def loop_reference(x, w, silu):
-    """y_t = act(Σ_j w[:, j] x_{t−(K−1−j)}), one position at a time (float64)."""
+def loop_reference(x, w, silu, cu=None):
+    """y_t = act(Σ_j w[:, j] x_{t−(K−1−j)}), one position at a time (float64); with the packed boundaries ``cu``,
+    only the positions of t's own sequence."""
     B, T, C = x.shape
     K = w.shape[1]
     y = torch.zeros(B, T, C, dtype=F64)
+    first = [0] * T if cu is None else [max(b for b in cu if b <= t) for t in range(T)]
     for t in range(T):
         acc = torch.zeros(B, C, dtype=F64)
         for j in range(K):
             s = t - (K - 1 - j)
-            if s >= 0:
+            if s >= first[t]:
                 acc = acc + w[:, j] * x[:, s]
         y[:, t] = F.silu(acc) if silu else acc
     return y
 
 
-def check(B, T, C, K, silu, dtype, tol, device="cpu", seed=0):
+def check(B, T, C, K, silu, dtype, tol, device="cpu", seed=0, cu=None):
+    """The kernel against ``loop_reference``: output, dx and dw; ``cu``: packed boundaries (B = 1)."""
     from lazoo.kernels.short_conv import short_conv
+    from lazoo.ops.packing import packed_row_starts
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, C, generator=gen, dtype=F64)
     w = torch.randn(C, 1, K, generator=gen, dtype=F64) / K ** 0.5
     proj = torch.randn(B, T, C, generator=gen, dtype=F64)
     xr, wr = x.to(dtype).to(F64).requires_grad_(), w.float().to(F64).requires_grad_()
-    ref = loop_reference(xr, wr[:, 0], silu)
+    ref = loop_reference(xr, wr[:, 0], silu, cu)
     gx_ref, gw_ref = torch.autograd.grad((ref * proj).sum(), (xr, wr))
     xk = x.to(dtype).to(device).requires_grad_()
     wk = w.float().to(device).requires_grad_()
-    y = short_conv(xk, wk, "silu" if silu else None)
+    starts = None if cu is None else packed_row_starts(torch.tensor(cu, device=device), T, device)
+    y = short_conv(xk, wk, "silu" if silu else None, starts=starts)
     assert y.dtype == dtype and y.shape == (B, T, C)
     gx, gw = torch.autograd.grad((y.to(F64) * proj.to(device)).sum(), (xk, wk))
     for name, got, want in (("y", y, ref), ("dx", gx, gx_ref), ("dw", gw, gw_ref)):
@@ -156,6 +161,53 @@ def test_interp_backward_at_the_gpu_block_sizes(monkeypatch):
         check(2, 70, 300, 4, silu, torch.float32, 1e-6)
 
 
+@needs_interp
+@pytest.mark.parametrize("L,R,BC", [(7, 3, 16), (4, 8, 8), (1, 1, 16)])
+@pytest.mark.parametrize("silu", [True, False])
+def test_interp_packed_sequences_match_the_loop(L, R, BC, silu, monkeypatch):
+    """Packed sequences (B = 1): no position reads another sequence's inputs, forward or backward: ragged lengths
+    (one of a single token, an empty one, ones shorter than K, a start inside a run and inside a load group), K = 1
+    to 4 and 8, runs and load groups of several sizes, channel blocks that end past C."""
+    from lazoo.kernels import short_conv as ksc
+
+    monkeypatch.setattr(ksc, "_bwd_blocks", lambda B, T, C: (L, R, BC, 1))
+    for cu, C, K in (([0, 1, 1, 3, 11, 12, 29], 13, 4), ([0, 9, 10, 25], 6, 8), ([0, 5, 6, 20], 9, 1),
+                     ([0, 2, 4, 6, 17], 5, 2), ([0, 17], 7, 3)):
+        check(1, cu[-1], C, K, silu, torch.float32, 1e-6, cu=cu)
+
+
+@needs_interp
+def test_interp_packed_module_kernel_equals_its_pytorch_form(kernel_calls, monkeypatch):
+    """ShortConvolution on packed sequences: the kernel and the masked PyTorch form agree in output and
+    gradients."""
+    from lazoo.layers import short_conv as sc
+
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    monkeypatch.setattr(sc, "PACKED_KERNEL", True)
+    conv = sc.ShortConvolution(11, 4, "silu")
+    cu = torch.tensor([0, 3, 4, 19, 30])
+    x = torch.randn(1, 30, 11, requires_grad=True)
+    kernel_calls.clear()
+    y = conv(x, cu_seqlens=cu, backend="triton")[0]
+    assert kernel_calls
+    y_ref = conv._packed(x, cu)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, conv.weight), g)
+    want = torch.autograd.grad(y_ref, (x, conv.weight), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_starts_are_checked():
+    from lazoo.kernels.short_conv import short_conv
+
+    with pytest.raises(ValueError, match="starts"):
+        short_conv(torch.zeros(2, 5, 3), torch.zeros(3, 1, 4), starts=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="starts"):
+        short_conv(torch.zeros(1, 5, 3), torch.zeros(3, 1, 4), starts=torch.zeros(5, dtype=torch.int64))
+
+
 def test_backward_launch_rule(monkeypatch):
     """Enough programs for 132 multiprocessors at small B·T; few (about 1024 to 2048) at large B·T."""
     import triton
@@ -249,7 +301,8 @@ def test_interp_forced_triton_names_what_the_kernel_does_not_take():
 @needs_interp
 def test_interp_a_cached_state_runs_the_kernel_over_the_cached_inputs(kernel_calls, monkeypatch):
     """Decoding with forced "triton" (or LAZOO_BACKEND=triton): the kernel runs over the K − 1 cached inputs and
-    the new ones, exactly as conv1d does; packed sequences take the PyTorch form on every backend."""
+    the new ones, exactly as conv1d does; packed sequences take the PyTorch form, or with PACKED_KERNEL the
+    kernel's packed form, which agrees with it."""
     from lazoo.layers.short_conv import ShortConvolution
 
     monkeypatch.delenv("LAZOO_BACKEND", raising=False)
@@ -267,8 +320,15 @@ def test_interp_a_cached_state_runs_the_kernel_over_the_cached_inputs(kernel_cal
     torch.testing.assert_close(conv(x[:, -1:], state=state)[0], conv(x[:, -1:], state=state, backend="chunk")[0],
                                rtol=1e-5, atol=1e-6)
     cu = torch.tensor([0, 2, 5])
+    calls = len(kernel_calls)
     packed = conv(x[:1], cu_seqlens=cu, backend="triton")[0]
-    assert torch.equal(packed, conv(x[:1], cu_seqlens=cu, backend="chunk")[0])
+    assert len(kernel_calls) == calls  # the PyTorch form unless PACKED_KERNEL
+    from lazoo.layers import short_conv as sc
+
+    monkeypatch.setattr(sc, "PACKED_KERNEL", True)
+    torch.testing.assert_close(conv(x[:1], cu_seqlens=cu, backend="triton")[0], packed, rtol=1e-5, atol=1e-6)
+    assert len(kernel_calls) == calls + 1
+    torch.testing.assert_close(packed, conv(x[:1], cu_seqlens=cu, backend="chunk")[0], rtol=1e-5, atol=1e-6)
 
 
 def test_forced_triton_that_cannot_run_raises_with_the_reason(monkeypatch):
@@ -326,6 +386,15 @@ def test_gpu_bf16_matches_loop_and_conv1d(K, silu, kernel_calls, monkeypatch):
     ref = F.conv1d(F.pad(x.float().transpose(1, 2), (K - 1, 0)), conv.weight.float(), groups=768).transpose(1, 2)
     ref = F.silu(ref) if silu else ref
     assert (y.float() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("silu", [True, False])
+def test_gpu_packed_sequences_match_the_loop(silu):
+    cu = [0, 1, 5, 300, 301, 700, 1000]
+    check(1, 1000, 96, 4, silu, torch.bfloat16, 2e-2, device="cuda", cu=cu)
+    check(1, 1000, 96, 4, silu, torch.float32, 1e-5, device="cuda", cu=cu)
 
 
 @pytest.mark.gpu

@@ -81,23 +81,27 @@ def inflight_refills(ttgir: str) -> int:
 
 
 def short_conv_report(dtype: str = "bf16", kernel_size: int = 4, channels: int = 768) -> dict:
-    """The short-convolution kernels, forward and backward, at the block sizes their launchers pick for
-    ``channels`` (the backward's run length L is a runtime argument and changes nothing compiled)."""
+    """The short-convolution kernels, forward and backward, for batches and for packed sequences (each row's
+    sequence start read), at the block sizes their launchers pick for ``channels`` (the backward's run length L is
+    a runtime argument and changes nothing compiled)."""
     from lazoo.kernels import short_conv as ksc
 
     BT, BC, warps = ksc._blocks(channels)
     _, R, BCb, warps_b = ksc._bwd_blocks(1, 4096, channels)
     x = f"*{dtype}"
     ints = {"T": "i32", "C": "i32", "SXB": "i64", "SX": "i32"}
-    kernels = {
-        "forward": (ksc._fwd_kernel, {"x": x, "w": "*fp32", "y": x, **ints, "K": "constexpr", "SILU": "constexpr",
-                                      "BT": "constexpr", "BC": "constexpr"},
-                    {"K": kernel_size, "SILU": True, "BT": BT, "BC": BC}, warps),
-        "backward": (ksc._bwd_kernel, {"x": x, "w": "*fp32", "dy": x, "dx": x, "dw_part": "*fp32", **ints, "L": "i32",
-                                       "K": "constexpr", "SILU": "constexpr", "R": "constexpr", "BC": "constexpr"},
-                     {"K": kernel_size, "SILU": True, "R": R, "BC": BCb}, warps_b),
-    }
-    return {name: measure(fn, sig, ce, num_warps=w) for name, (fn, sig, ce, w) in kernels.items()}
+    out = {}
+    for packed in (False, True):
+        suffix = " (packed)" if packed else ""
+        fwd_sig = {"x": x, "w": "*fp32", "y": x, "starts": "*i32", **ints, "K": "constexpr", "SILU": "constexpr",
+                   "BT": "constexpr", "BC": "constexpr", "PACKED": "constexpr"}
+        bwd_sig = {"x": x, "w": "*fp32", "dy": x, "dx": x, "dw_part": "*fp32", "starts": "*i32", **ints, "L": "i32",
+                   "K": "constexpr", "SILU": "constexpr", "R": "constexpr", "BC": "constexpr", "PACKED": "constexpr"}
+        out["forward" + suffix] = measure(ksc._fwd_kernel, fwd_sig, {"K": kernel_size, "SILU": True, "BT": BT,
+                                                                     "BC": BC, "PACKED": packed}, num_warps=warps)
+        out["backward" + suffix] = measure(ksc._bwd_kernel, bwd_sig, {"K": kernel_size, "SILU": True, "R": R,
+                                                                      "BC": BCb, "PACKED": packed}, num_warps=warps_b)
+    return out
 
 
 def ssd_io_report(dtype: str = "bf16", head_dim: int = 64, heads: int = 128) -> dict:

@@ -2,10 +2,12 @@
 
     pre_t = Σ_{j<K} w_j ⊙ x_{t−(K−1−j)}  (x_s = 0 for s < 0),   y_t = act(pre_t),   act = SiLU or identity
 
-on ``x [B, T, C]`` with ``w [C, K]``. PyTorch's ``conv1d`` wants ``[B, C, T]``: in a Gated DeltaNet training step
-(three convolutions per layer; H200 profile in docs/changelog.md) its depthwise kernels took 12 of 106 ms and the
-layout copies around them up to 14 ms more. Here each program reads its time block and the K − 1 rows before it
-in place.
+on ``x [B, T, C]`` with ``w [C, K]``; for packed sequences (B = 1) x_s = 0 also for s before the start of row t's
+own sequence (``starts[t]``), as if each sequence ran alone.
+
+PyTorch's ``conv1d`` wants ``[B, C, T]``: in a Gated DeltaNet training step (three convolutions per layer; H200
+profile in docs/changelog.md) its depthwise kernels took 12 of 106 ms and the layout copies around them up to 14 ms
+more. Here each program reads its time block and the K − 1 rows before it in place.
 
 Backward, with dpre = dy ⊙ act'(pre) (pre recomputed from x):
     dx_s = Σ_j w_j ⊙ dpre_{s+(K−1−j)}  (dpre_t = 0 for t ≥ T),   dw_j = Σ_{b,t} dpre_t ⊙ x_{t−(K−1−j)}
@@ -27,13 +29,13 @@ from .limits import SHORT_CONV_MAX_KERNEL_SIZE as MAX_KERNEL_SIZE
 
 
 @triton.jit
-def _pre(x, w, t, c, C, SX, t_ok, c_ok, K: tl.constexpr):
+def _pre(x, w, t, c, C, SX, t_ok, c_ok, lo, K: tl.constexpr):
     """pre at rows ``t`` (``[BT]``) and channels ``c`` (``[BC]``) of one sample (``x`` points at its row 0, rows
-    ``SX`` apart), fp32 ``[BT, BC]``."""
+    ``SX`` apart), reading no row before ``lo`` (each row's first, ``[BT]``), fp32 ``[BT, BC]``."""
     acc = tl.zeros([t.shape[0], c.shape[0]], dtype=tl.float32)
     for j in tl.static_range(K):
         src = t - (K - 1 - j)
-        ok = (src >= 0) & t_ok
+        ok = (src >= lo) & t_ok
         xv = tl.load(x + src[:, None] * SX + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
         wj = tl.load(w + c * K + j, mask=c_ok, other=0.0).to(tl.float32)
         acc += xv.to(tl.float32) * wj[None, :]
@@ -41,7 +43,8 @@ def _pre(x, w, t, c, C, SX, t_ok, c_ok, K: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(x, w, y, T, C, SXB, SX, K: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _fwd_kernel(x, w, y, starts, T, C, SXB, SX, K: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, PACKED: tl.constexpr):
     i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     x += b * SXB  # this sample (x's rows may be SX > C apart: a slice of a wider projection)
     SX = tl.cast(SX, tl.int64)  # row offsets in 64 bits
@@ -49,7 +52,10 @@ def _fwd_kernel(x, w, y, T, C, SXB, SX, K: tl.constexpr, SILU: tl.constexpr, BT:
     t = i_t * BT + tl.arange(0, BT)
     c = i_c * BC + tl.arange(0, BC)
     t_ok, c_ok = t < T, c < C
-    pre = _pre(x, w, t, c, C, SX, t_ok, c_ok, K)
+    if PACKED:  # each row's window starts at its sequence's first row
+        pre = _pre(x, w, t, c, C, SX, t_ok, c_ok, tl.load(starts + t, mask=t_ok, other=0), K)
+    else:
+        pre = _pre(x, w, t, c, C, SX, t_ok, c_ok, 0, K)
     out = pre * tl.sigmoid(pre) if SILU else pre
     tl.store(y + t[:, None] * C + c[None, :], out.to(y.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
@@ -70,13 +76,14 @@ def _rows(p, t0, c, T, S, C, R: tl.constexpr):
 
 
 @triton.jit
-def _bwd_kernel(x, w, dy, dx, dw_part, T, C, SXB, SX, L, K: tl.constexpr, SILU: tl.constexpr, R: tl.constexpr,
-                BC: tl.constexpr):
+def _bwd_kernel(x, w, dy, dx, dw_part, starts, T, C, SXB, SX, L, K: tl.constexpr, SILU: tl.constexpr,
+                R: tl.constexpr, BC: tl.constexpr, PACKED: tl.constexpr):
     """dx and dw for the rows [r0, r0 + L) of one sample at ``BC`` channels, walking time in order with the last
     K − 1 rows of x and of dpre in registers: each row of x and dy is loaded once and pre, dpre formed once (a
     2D tile would recompute pre at K shifted rows, K² products an element, which made the kernel issue-bound).
     Rows are loaded R at a time to keep loads in flight. The run also reads the K − 1 rows of x before it, and
-    x and dy at the K − 1 rows after it (dx_s needs dpre_{s+K−1}); those feed dx only."""
+    x and dy at the K − 1 rows after it (dx_s needs dpre_{s+K−1}); those feed dx only. PACKED: a row's window
+    holds no row before its sequence's start, and dpre_t reaches dx_s only within one sequence."""
     i_r, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     x += b * SXB  # this sample (x's rows SX apart; dy's and dx's C apart)
     SX = tl.cast(SX, tl.int64)  # row offsets in 64 bits: x's rows may be several times C apart
@@ -92,10 +99,13 @@ def _bwd_kernel(x, w, dy, dx, dw_part, T, C, SXB, SX, L, K: tl.constexpr, SILU: 
     zero = tl.zeros([BC], dtype=tl.float32)
     xs = ()  # x_{t−(K−1)} … x_{t−1}
     gs = ()  # dpre_{t−(K−1)} … dpre_{t−1}
+    ls = ()  # the sequence starts of rows t−(K−1) … t−1 (PACKED; empty otherwise)
     for j in tl.static_range(K - 1):
         row = r0 - (K - 1) + j
         xs = xs + (tl.load(x + row * SX + c, mask=_cols(c, C, row >= 0), other=0.0).to(tl.float32),)
         gs = gs + (zero,)
+        if PACKED:
+            ls = ls + (r0 * 0,)
     dws = ()  # dw over this run, fp32
     for _ in tl.static_range(K):
         dws = dws + (zero,)
@@ -105,29 +115,44 @@ def _bwd_kernel(x, w, dy, dx, dw_part, T, C, SXB, SX, L, K: tl.constexpr, SILU: 
         for i in tl.static_range(R):
             t = t0 + i
             win = xs + (xr[i].to(tl.float32),)  # win[j] = x_{t−(K−1−j)}
+            pwin = win  # the window row t reads: zeros before its sequence's start
+            if PACKED:
+                lo = tl.load(starts + t, mask=t < T, other=0)  # the first row of row t's sequence
+                pwin = ()
+                for j in tl.static_range(K):
+                    pwin = pwin + (tl.where(t - (K - 1 - j) >= lo, win[j], 0.0),)
             g = gr[i].to(tl.float32)  # 0 past T
             if SILU:
-                pre = ws[0] * win[0]
+                pre = ws[0] * pwin[0]
                 for j in tl.static_range(1, K):
-                    pre += ws[j] * win[j]
+                    pre += ws[j] * pwin[j]
                 sg = tl.sigmoid(pre)
                 g = g * sg * (1 + pre * (1 - sg))
             gw = tl.where(t < r1, g, 0.0)  # rows past the run only feed dx
             nxt = ()
             for j in tl.static_range(K):
-                nxt = nxt + (dws[j] + gw * win[j],)
+                nxt = nxt + (dws[j] + gw * pwin[j],)
             dws = nxt
             gwin = gs + (g,)  # gwin[d] = dpre_{u+d}, u = t − (K − 1)
+            lwin = ls
+            if PACKED:
+                lwin = ls + (lo,)
+            u = t - (K - 1)
             acc = ws[K - 1] * gwin[0]
             for d in tl.static_range(1, K):
-                acc += ws[K - 1 - d] * gwin[d]
-            u = t - (K - 1)
+                if PACKED:  # dpre_{u+d} reaches x_u only where u is in row u + d's sequence
+                    acc += ws[K - 1 - d] * tl.where(u >= lwin[d], gwin[d], 0.0)
+                else:
+                    acc += ws[K - 1 - d] * gwin[d]
             tl.store(dx + u * C + c, acc.to(dx.dtype.element_ty), mask=_cols(c, C, (u >= r0) & (u < r1)))
             xs = ()
             gs = ()
+            ls = ()
             for j in tl.static_range(1, K):
                 xs = xs + (win[j],)
                 gs = gs + (gwin[j],)
+                if PACKED:
+                    ls = ls + (lwin[j],)
     row = (b * tl.num_programs(0) + i_r) * C  # one row of partial sums a program: dw_part [B, runs, C, K]
     for j in tl.static_range(K):
         tl.store(dw_part + (row + c) * K + j, dws[j], mask=c_ok)
@@ -162,29 +187,31 @@ def _grid(B, T, C, BT, BC):
 
 class _ShortConv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, silu):
+    def forward(ctx, x, w, silu, starts):
         B, T, C = x.shape
         K = w.shape[1]
         BT, BC, warps = _blocks(C)
         y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-        _fwd_kernel[_grid(B, T, C, BT, BC)](x, w, y, T, C, x.stride(0), x.stride(1), K=K, SILU=silu, BT=BT, BC=BC,
-                                            num_warps=warps)
-        ctx.save_for_backward(x, w)
+        packed = starts is not None
+        _fwd_kernel[_grid(B, T, C, BT, BC)](x, w, y, starts if packed else x, T, C, x.stride(0), x.stride(1), K=K,
+                                            SILU=silu, BT=BT, BC=BC, PACKED=packed, num_warps=warps)
+        ctx.save_for_backward(x, w, starts)
         ctx.silu = silu
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, w, starts = ctx.saved_tensors
         B, T, C = x.shape
         K = w.shape[1]
         L, R, BC, warps = _bwd_blocks(B, T, C)
         grid = (triton.cdiv(T, L), triton.cdiv(C, BC), B)
         dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
         dw_part = torch.empty(B, grid[0], C, K, dtype=torch.float32, device=x.device)
-        _bwd_kernel[grid](x, w, dy.contiguous(), dx, dw_part, T, C, x.stride(0), x.stride(1), L, K=K, SILU=ctx.silu,
-                          R=R, BC=BC, num_warps=warps)
-        return dx, dw_part.sum((0, 1)).to(w.dtype), None
+        packed = starts is not None
+        _bwd_kernel[grid](x, w, dy.contiguous(), dx, dw_part, starts if packed else x, T, C, x.stride(0), x.stride(1),
+                          L, K=K, SILU=ctx.silu, R=R, BC=BC, PACKED=packed, num_warps=warps)
+        return dx, dw_part.sum((0, 1)).to(w.dtype), None, None
 
 
 def check_supported(x: torch.Tensor, kernel_size: int, activation: str | None = "silu") -> str | None:
@@ -200,11 +227,17 @@ def check_supported(x: torch.Tensor, kernel_size: int, activation: str | None = 
     return None
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+def short_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None = "silu",
+               starts: torch.Tensor | None = None) -> torch.Tensor:
     """``act(causal depthwise conv(x))`` for ``x [B, T, C]`` from a zero state; ``weight [C, K]`` (conv1d's
     ``[C, 1, K]`` squeezed: tap j multiplies x_{t−(K−1−j)}), read in its own dtype (other than float16, bfloat16
-    or float32: cast to float32) with fp32 arithmetic. Differentiable in x and weight."""
+    or float32: cast to float32) with fp32 arithmetic. Differentiable in x and weight. ``starts``: packed sequences
+    (B = 1), ``[T]`` int32, the first row of each row's sequence (``lazoo.ops.packing.packed_row_starts``)."""
     why = check_supported(x, weight.shape[-1], activation)
+    if why is None and starts is not None and (x.dim() != 3 or x.shape[0] != 1 or starts.shape != (x.shape[1],)
+                                               or starts.dtype != torch.int32):
+        why = f"packed sequences take x [1, T, C] and starts [T] int32, got {tuple(x.shape)} and " \
+              f"{tuple(starts.shape)} {starts.dtype}"
     if why is not None:
         raise ValueError(f"short_conv: {why}")
     w = weight.reshape(weight.shape[0], -1).contiguous()  # read in its own dtype: no cast op a call
@@ -212,4 +245,4 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None = "
         w = w.float()
     if x.stride(-1) != 1:  # the kernels read rows of unit channel stride, any row and sample strides
         x = x.contiguous()
-    return _ShortConv.apply(x, w, activation == "silu")
+    return _ShortConv.apply(x, w, activation == "silu", starts)

@@ -7,7 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.backend import resolve_backend, triton_missing
-from ..ops.packing import packed_offsets
+from ..ops.packing import packed_offsets, packed_row_starts
+
+#: packed sequences take the kernel's packed form (where the Triton backend runs), else the masked PyTorch form.
+#: Off until it has run on a GPU: tested against the float64 loop under the Triton interpreter, compiled for sm_90
+#: by Triton 3.6 without spills (``lazoo.bench.kernel_resources``), its GPU test written. A packed Gated DeltaNet
+#: training step spends about a third of its GPU time in the PyTorch form's element-wise products (H200 profile,
+#: the ~125M model on 32 packed documents of 512 tokens)
+PACKED_KERNEL = False
 
 
 class ShortConvolution(nn.Conv1d):
@@ -18,8 +25,8 @@ class ShortConvolution(nn.Conv1d):
     left-padded sample sees the same zeros before its first token as it would unpadded. `state` holds the last K−1
     inputs `[B, K−1, C]`.
     Packed sequences (`cu_seqlens` `[N + 1]`, B = 1): a position sees only the inputs of its own sequence,
-    as if each sequence ran alone from a zero state (no state in or out); they run in PyTorch on every backend
-    (the kernel has no packed form).
+    as if each sequence ran alone from a zero state (no state in or out): the masked PyTorch form, or with
+    `PACKED_KERNEL` the kernel's packed form (it reads each position's sequence start).
 
     Backends (`backend=` of `forward`, resolved like every op's by `lazoo.ops.backend.resolve_backend`, so
     `LAZOO_BACKEND` reaches it): "triton" runs the kernel of `lazoo.kernels.short_conv` (CUDA, or the CPU
@@ -36,7 +43,14 @@ class ShortConvolution(nn.Conv1d):
         if cu_seqlens is not None:
             if state is not None or output_state or mask is not None:
                 raise ValueError("ShortConvolution: packed sequences (cu_seqlens) take no mask and no state")
-            return self._packed(x, cu_seqlens), None  # the kernel has no packed form: PyTorch, any backend
+            backend = resolve_backend("ShortConvolution", backend, x.device, self.triton_unsupported(x),
+                                      log_fallback=False)
+            if PACKED_KERNEL and backend == "triton" and x.shape[0] == 1:
+                from ..kernels.short_conv import short_conv
+
+                starts = packed_row_starts(cu_seqlens, x.shape[1], x.device)
+                return short_conv(x, self.weight, self.activation, starts=starts), None
+            return self._packed(x, cu_seqlens), None
         # conv1d is as good a path as the kernel wherever the kernel cannot run: nothing worth a warning
         backend = resolve_backend("ShortConvolution", backend, x.device, self.triton_unsupported(x),
                                   log_fallback=False)

@@ -73,8 +73,9 @@ ENTRY_MODULES = {**LANGUAGE_ENTRIES, **VISION_MODEL_ENTRIES, **VISION_PROCESSOR_
 #: the export and card writers themselves (a model loaded from the folder is re-saved by transformers' own
 #: `trust_remote_code` machinery, which copies these flat files)
 SKIPPED_PACKAGES = ("lazoo.kernels", "lazoo.models.export", "lazoo.models.card")
-#: the modules of the skipped packages that are exported all the same: the kernels' limits, which the ops read
-EXPORTED_ANYWAY = ("lazoo.kernels.limits",)
+#: the modules of the skipped packages that are exported all the same (they import no Triton): the kernels' limits,
+#: which the ops read, and the tables kept on a `cu_seqlens` tensor, which the packing checks use
+EXPORTED_ANYWAY = ("lazoo.kernels.limits", "lazoo.kernels._tensor_cache")
 
 NO_TRITON_REASON = ("lazoo's Triton kernels are not part of this exported model folder "
                     "(install lazoo to use them)")

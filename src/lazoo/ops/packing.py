@@ -73,6 +73,15 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | N
     return torch.cat([edge, starts.to(torch.int64), edge + T])
 
 
+def packed_row_starts(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """``[T]`` int32 on ``device``: the first position of every packed position's sequence (the short convolution
+    kernel's packed form), kept on ``cu_seqlens`` for the layers after the first."""
+    def build():
+        t = torch.arange(T, device=device)
+        return (t - packed_offsets(cu_seqlens.to(device), T)).to(torch.int32)
+    return cached_on(cu_seqlens, ("row_starts", T, str(device)), build)
+
+
 def packed_offsets(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """``[T]`` int64: the offset of every packed position within its own sequence (0 at each start)."""
     t = torch.arange(T, device=cu_seqlens.device)
