@@ -43,9 +43,8 @@ class ShortConvolution(nn.Conv1d):
         if cu_seqlens is not None:
             if state is not None or output_state or mask is not None:
                 raise ValueError("ShortConvolution: packed sequences (cu_seqlens) take no mask and no state")
-            backend = resolve_backend("ShortConvolution", backend, x.device, self.triton_unsupported(x),
-                                      log_fallback=False)
-            if PACKED_KERNEL and backend == "triton" and x.shape[0] == 1:
+            if PACKED_KERNEL and x.shape[0] == 1 and resolve_backend(
+                    "ShortConvolution", backend, x.device, self.triton_unsupported(x), log_fallback=False) == "triton":
                 from ..kernels.short_conv import short_conv
 
                 starts = packed_row_starts(cu_seqlens, x.shape[1], x.device)
