@@ -77,16 +77,14 @@ def packed_row_starts(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
     """``[T]`` int32 on ``device``: the first position of every packed position's sequence (the short convolution
     kernel's packed form), kept on ``cu_seqlens`` for the layers after the first."""
     def build():
-        t = torch.arange(T, device=device)
-        return (t - packed_offsets(cu_seqlens.to(device), T)).to(torch.int32)
+        cu = cu_seqlens.to(device)
+        return cu[packed_sequence_ids(cu, T)].to(torch.int32)
     return cached_on(cu_seqlens, ("row_starts", T, str(device)), build)
 
 
 def packed_offsets(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """``[T]`` int64: the offset of every packed position within its own sequence (0 at each start)."""
-    t = torch.arange(T, device=cu_seqlens.device)
-    seq = torch.searchsorted(cu_seqlens[1:], t, right=True)  # the sequence each position belongs to
-    return t - cu_seqlens[seq]
+    return torch.arange(T, device=cu_seqlens.device) - cu_seqlens[packed_sequence_ids(cu_seqlens, T)]
 
 
 def packed_sequence_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
