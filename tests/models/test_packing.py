@@ -1,6 +1,7 @@
 """Packed sequences without padding (transformers' `DataCollatorWithFlattening`: one row, `position_ids`
 restarting at 0 at every sequence): every mechanism gives the logits, the loss and the gradients of the
-sequences run one by one, and a Trainer run with the flattening collator works (CPU, fp32, tiny models)."""
+sequences run one by one, and a Trainer run with the flattening collator works (CPU, fp32, tiny models;
+the delta rules and KDA on a GPU too, through their kernels)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,39 @@ def test_boundaries_from_position_ids():
 def test_packed_batch_equals_the_sequences_one_by_one(name):
     model = tiny_model(name, eval=False)
     model.eval()  # no dropout; gradients still flow
+    assert_packed_equals_separate(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("packed_kernel", [False, True])
+@pytest.mark.parametrize("name", ["delta_net", "gated_delta_net", "kda"])
+def test_gpu_packed_batch_equals_the_sequences_one_by_one(name, packed_kernel, monkeypatch):
+    """On CUDA: the Triton kernels, and the short convolutions in the masked PyTorch form or the kernel's packed
+    form (`lazoo.layers.short_conv.PACKED_KERNEL`), which must run there."""
+    from lazoo.kernels import short_conv as kernel
+    from lazoo.layers import short_conv as layer
+
+    monkeypatch.delenv("LAZOO_BACKEND", raising=False)
+    monkeypatch.setattr(layer, "PACKED_KERNEL", packed_kernel)
+    packed_calls, run = [], kernel.short_conv
+
+    def counted(*args, **kwargs):
+        packed_calls.append(kwargs.get("starts") is not None)
+        return run(*args, **kwargs)
+    monkeypatch.setattr(kernel, "short_conv", counted)
+    model = tiny_model(name, eval=False).cuda()
+    model.eval()
+    assert_packed_equals_separate(model, rtol=1e-3, atol=1e-4)
+    assert any(packed_calls) is packed_kernel
+
+
+def assert_packed_equals_separate(model, rtol: float = 1e-4, atol: float = 1e-6):
+    """The packed batch's logits, loss and gradients are the sequences' run one by one (to ``rtol``, ``atol``
+    for logits and gradients, a tenth of them for the loss); without the restarting positions they differ."""
+    device = model.device
     features = _features()
-    batch = _packed(features)
+    batch = {n: t.to(device) for n, t in _packed(features).items()}
     n_items = sum(n - 1 for n in LENGTHS)  # predicted tokens: the first of each sequence has label -100
 
     model.zero_grad()
@@ -51,24 +83,24 @@ def test_packed_batch_equals_the_sequences_one_by_one(name):
     model.zero_grad()
     logits, loss = [], 0.0
     for f in features:
-        ids = torch.tensor([f["input_ids"]])
+        ids = torch.tensor([f["input_ids"]], device=device)
         o = model(ids, labels=ids, num_items_in_batch=n_items, use_cache=False)
         o.loss.backward()
         logits.append(o.logits.detach())
         loss = loss + o.loss.detach()
     separate = torch.cat(logits, dim=1)
 
-    torch.testing.assert_close(out.logits.detach(), separate, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out.loss.detach(), loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logits.detach(), separate, rtol=rtol, atol=10 * atol)
+    torch.testing.assert_close(out.loss.detach(), loss, rtol=rtol / 10, atol=atol)
     # the packed mean loss (no num_items_in_batch) is the mean over all predicted tokens
     with torch.no_grad():
         mean = model(**batch).loss
-    torch.testing.assert_close(mean, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mean, loss, rtol=rtol / 10, atol=atol)
     assert packed_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
     assert packed_grads, "no parameter got a gradient"
     grads = dict(model.named_parameters())
     for n, g in packed_grads.items():
-        torch.testing.assert_close(g, grads[n].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(g, grads[n].grad, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
     # without the restarting positions (one long sequence) the logits differ: the test can see leaks
     with torch.no_grad():
         joined = model(batch["input_ids"], use_cache=False).logits
