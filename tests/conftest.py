@@ -96,6 +96,15 @@ def left_padded(batch: int = 3, length: int = 9, seed: int = 3) -> tuple[torch.T
     return ids, mask
 
 
+@pytest.fixture
+def kernel_cache_env(monkeypatch):
+    """The kernel-cache variables unset for the test and put back after it (their absence too): what the code under
+    test writes to os.environ reaches no later test."""
+    for name in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "TILELANG_CACHE_DIR"):
+        monkeypatch.setenv(name, "")  # recorded, so that undoing it removes a variable that was not set
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core CI machine OpenMP threads

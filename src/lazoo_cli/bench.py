@@ -255,8 +255,9 @@ def add_delta_frontier_options(ap: argparse.ArgumentParser) -> None:
                     help="comma-separated B:H:HV of the one-token decode rows (default 32:16:32, Qwen3-Next's layer "
                          "at batch 32; '' for none)")
     ap.add_argument("--triton-cache", default=None,
-                    help="a folder for Triton's kernels and autotuning choices, kept across runs on one machine "
-                         "(fla autotunes its first call at each shape)")
+                    help="a folder for Triton's kernels and autotuning choices and TileLang's compiled kernels "
+                         "(FlashQLA's; in DIR/tilelang unless TILELANG_CACHE_DIR is set), kept across runs and "
+                         "machines (fla autotunes and TileLang compiles at the first call of each shape)")
 
 
 #: `lazoo bench NAME` -> lazoo.bench.NAME

@@ -86,3 +86,14 @@ def test_decode_shapes_parse():
     assert frontier.decode_shapes(None) == frontier.DECODE_SHAPES == [(32, 16, 32)]
     assert frontier.decode_shapes("") == []
     assert frontier.decode_shapes("8:16:16,32:16:32") == [(8, 16, 16), (32, 16, 32)]
+
+
+def test_the_cache_folder_keeps_tilelang_s_kernels_too(monkeypatch, tmp_path, kernel_cache_env):
+    """--triton-cache DIR: Triton's cache and autotuning in DIR, TileLang's in DIR/tilelang unless already set."""
+    cache = frontier.use_kernel_caches(tmp_path / "tc")
+    assert cache["dir"] == str(tmp_path / "tc") and cache["tilelang"] == str(tmp_path / "tc" / "tilelang")
+    import os
+
+    assert os.environ["TRITON_CACHE_DIR"] == cache["dir"] and os.environ["TILELANG_CACHE_DIR"] == cache["tilelang"]
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "mine"))
+    assert frontier.use_kernel_caches(tmp_path / "tc")["tilelang"] == str(tmp_path / "mine")

@@ -56,9 +56,7 @@ def test_targets_are_marked_against_what_the_run_has():
     assert marks[("delta_rule", 8192)] is None  # no fla row in the run: nothing to compare with
 
 
-def test_triton_cache_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+def test_triton_cache_folder(tmp_path, kernel_cache_env):
     folder = tmp_path / "triton" / "cache"
     info = kernels.use_triton_cache(folder)
     assert folder.is_dir() and info == {"dir": str(folder.resolve()), "files_at_start": 0}

@@ -21,13 +21,15 @@ alone: ``--ops '' --decode 32:16:32``.
 
 FlashQLA and fla are optional: a missing one gives rows with its import error. Neither is a dependency of lazoo.
 FlashQLA's TileLang kernels compile at the first call of each shape (about 2.5 minutes for its forward and backward
-on an H200 with 16 cores) and are cached on the machine: ``--shapes`` runs a few at a time; ``--triton-cache DIR``
-keeps fla's autotuning (and Triton's kernels) in DIR for the next run on the same machine.
+on an H200 with 16 cores) and are cached: ``--shapes`` runs a few at a time; ``--triton-cache DIR`` keeps fla's
+autotuning, Triton's kernels and TileLang's (in DIR/tilelang, unless ``TILELANG_CACHE_DIR`` says otherwise) in DIR
+for the next run, which may be on another machine of the same card and versions (copy DIR there).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import time
 
 import torch
@@ -224,6 +226,14 @@ def print_table(rows: list[dict]) -> None:
               + (f"  {r['error'][:90]}" if r.get("error") else ""))
 
 
+def use_kernel_caches(path) -> dict:
+    """Keep Triton's kernels and autotuning choices in ``path`` and TileLang's compiled kernels in ``path``/tilelang
+    (unless ``TILELANG_CACHE_DIR`` is set): call before FlashQLA first imports TileLang, which reads it then."""
+    cache = use_triton_cache(path)
+    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(cache["dir"], "tilelang"))
+    return {**cache, "tilelang": os.environ["TILELANG_CACHE_DIR"]}
+
+
 def main(argv=None) -> None:
     from lazoo_cli.bench import bench_parser
 
@@ -231,7 +241,7 @@ def main(argv=None) -> None:
     require_cuda("delta_frontier")
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     device, dtype = torch.device("cuda"), torch.bfloat16
-    triton_cache = use_triton_cache(args.triton_cache) if args.triton_cache else None
+    triton_cache = use_kernel_caches(args.triton_cache) if args.triton_cache else None
     env = {**gpu_environment(), **installed_versions("flash-qla", "flash-linear-attention", "fla-core", "tilelang"),
            "command": command_line("delta_frontier", argv), "triton_cache": triton_cache,
            "ceilings": card_ceilings(device)}
