@@ -21,6 +21,7 @@ import torch
 
 from lazoo import ops
 from lazoo.bench.delta_frontier import make_inputs
+from lazoo.bench.report import gpu_environment
 from lazoo.bench.timing import call_ms, kernel_ms, median_ms
 from lazoo.bench.variants import variant_settings
 from lazoo.kernels import _tensor_cache
@@ -42,16 +43,9 @@ def stack(x, cu, layers: int, fresh: bool):
 
 def model_step_ms(name: str, documents: int = 32, length: int = 512) -> dict:
     """Median ms of a packed training step's forward + backward, tables kept and built every layer."""
-    from lazoo.bench.models import MODEL_SIZES, lazoo_model
+    from lazoo.bench.models import MODEL_SIZES, lazoo_model, packed_training_step
 
-    model = lazoo_model(name, MODEL_SIZES).cuda()
-    ids = torch.randint(0, MODEL_SIZES["vocab_size"], (1, documents * length), device="cuda")
-    position_ids = torch.arange(length, device="cuda").repeat(documents)[None]
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            model(input_ids=ids, position_ids=position_ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
+    step = packed_training_step(lazoo_model(name, MODEL_SIZES).cuda(), documents, length)
     out = {}
     for r in range(2):
         for keep in (True, False):
@@ -67,8 +61,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"packed_host_reads.py times kernels on a CUDA GPU; torch {torch.__version__} sees none")
-    print(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                          triton=__import__("triton").__version__, layers=args.layers)), flush=True)
+    print(json.dumps(dict(gpu_environment(), layers=args.layers)), flush=True)
     for r in range(2):
         for name, lens in BATCHES.items():
             x = make_inputs(sum(lens), 1, 16, 16, torch.bfloat16, "cuda")

@@ -18,6 +18,7 @@ import json
 
 import torch
 
+from lazoo.bench.report import gpu_environment
 from lazoo.bench.timing import call_ms, kernel_ms, median_ms
 from lazoo.bench.variants import variant_settings
 from lazoo.layers import short_conv as short_conv_layer
@@ -66,18 +67,9 @@ def layer_rows(channels: int, lens: list, r: int):
 
 def model_step_ms(name: str, documents: int = 32, length: int = 512) -> dict:
     """Median ms of a training step's forward + backward: packed with each form, and as a batch."""
-    from lazoo.bench.models import MODEL_SIZES, lazoo_model
+    from lazoo.bench.models import MODEL_SIZES, lazoo_model, packed_training_step
 
-    model = lazoo_model(name, MODEL_SIZES).cuda()
-    ids = torch.randint(0, MODEL_SIZES["vocab_size"], (1, documents * length), device="cuda")
-    position_ids = torch.arange(length, device="cuda").repeat(documents)[None]
-
-    def step(batched: bool):
-        inputs = dict(input_ids=ids.view(documents, length)) if batched else dict(
-            input_ids=ids, position_ids=position_ids)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            model(**inputs, labels=inputs["input_ids"]).loss.backward()
-        model.zero_grad(set_to_none=True)
+    step = packed_training_step(lazoo_model(name, MODEL_SIZES).cuda(), documents, length)
     out = {}
     for r in range(2):
         for form, kernel in FORMS.items():
@@ -94,8 +86,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"short_conv_packed.py times kernels on a CUDA GPU; torch {torch.__version__} sees none")
-    print(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                          triton=__import__("triton").__version__)), flush=True)
+    print(json.dumps(gpu_environment()), flush=True)
     for r in range(2):
         for lens in BATCHES.values():
             for row in layer_rows(args.channels, lens, r):

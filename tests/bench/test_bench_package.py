@@ -43,3 +43,21 @@ def test_the_wheel_ships_the_benchmarks_and_not_the_experiments():
     assert {"lazoo", "lazoo.bench", "lazoo_cli"} <= packages
     assert not any(p.startswith(("experiments", "scripts", "tests")) for p in packages)
     assert (ROOT / "experiments").is_dir() and not (ROOT / "src" / "experiments").exists()
+
+
+def test_packed_training_step_runs_packed_and_batched_and_clears_the_gradients():
+    """lazoo.bench.models.packed_training_step on the CPU: both forms step through forward + backward (the packed one
+    through the model's packed path), and no gradient is left behind."""
+    from lazoo.bench.models import TINY_SIZES, lazoo_model, packed_training_step
+
+    model = lazoo_model("gated_delta_net", TINY_SIZES)
+    step = packed_training_step(model, documents=3, length=8, device="cpu")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    for batched in (False, True):
+        step(batched)
+        assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    packed, batched = calls
+    assert packed["input_ids"].shape == (1, 24) and packed["position_ids"][0, :9].tolist() == [*range(8), 0]
+    assert batched["input_ids"].shape == (3, 8) and "position_ids" not in batched

@@ -8,7 +8,8 @@ import inspect
 
 from lazoo_cli.bench import MODEL_SIZES
 
-__all__ = ["MODEL_SIZES", "TINY_SIZES", "TIE", "lazoo_model", "llama_model", "config_fields", "count_params"]
+__all__ = ["MODEL_SIZES", "TINY_SIZES", "TIE", "lazoo_model", "llama_model", "packed_training_step", "config_fields",
+           "count_params"]
 
 #: tiny sizes for the CPU smoke tests
 TINY_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=256)
@@ -24,6 +25,25 @@ def lazoo_model(name, sizes):
     from lazoo.presets import build_config
 
     return AutoModelForCausalLM.from_config(build_config(name, **sizes, tie_word_embeddings=TIE))
+
+
+def packed_training_step(model, documents: int = 32, length: int = 512, device="cuda"):
+    """``step(batched=False)``: one forward + backward of ``model`` under bf16 autocast on ``documents`` random
+    documents of ``length`` tokens, packed in one row with ``position_ids`` restarting at each (as transformers'
+    ``DataCollatorWithFlattening`` makes them), or with ``batched`` as a ``[documents, length]`` batch; gradients
+    cleared after each step."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (1, documents * length), device=device)
+    position_ids = torch.arange(length, device=device).repeat(documents)[None]
+
+    def step(batched: bool = False):
+        inputs = (dict(input_ids=ids.view(documents, length)) if batched
+                  else dict(input_ids=ids, position_ids=position_ids))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
 
 
 def llama_model(sizes, max_len, **fields):
