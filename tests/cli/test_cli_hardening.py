@@ -339,7 +339,8 @@ def test_a_users_folder_named_like_a_checkpoint_is_refused(text, tmp_path, capsy
 # ----------------------------------------------------------------------------- a real Ctrl-C (SIGINT)
 def _sigint_run(text, out: Path, moment: str) -> subprocess.CompletedProcess | None:
     """`lazoo train` in a process of its own, sent SIGINT at `moment`: "saving" (as soon as the staging folder
-    of a checkpoint after the first appears) or "after-save" (once checkpoint-10 is complete). None where the run
+    of a checkpoint after the first and before the last appears: the last one's save ends the run, and a signal
+    then can land after the run has ended) or "after-save" (once checkpoint-10 is complete). None where the run
     ended before the moment was seen (a save can be over between two looks at the folder)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
@@ -349,7 +350,8 @@ def _sigint_run(text, out: Path, moment: str) -> subprocess.CompletedProcess | N
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
         names = os.listdir(out) if out.is_dir() else []
-        if (moment == "saving" and any(n.startswith(".lazoo-saving-") and not n.endswith("-5") for n in names)) or \
+        mid_save = any(n.startswith(".lazoo-saving-") and not n.endswith(("-5", "-40")) for n in names)
+        if (moment == "saving" and mid_save) or \
                 (moment == "after-save" and (out / "checkpoint-10" / "trainer_state.json").is_file()):
             proc.send_signal(signal.SIGINT)
             break
