@@ -86,6 +86,19 @@ def test_kda_value_block_set_in_the_option_table():
     assert not any("BV" in cfg for t in (kk.LAUNCH, kk.LAUNCH_FP32) for cfg in t.values())
 
 
+def test_kda_wy_backward_takes_fewer_warps_at_dk_16():
+    """_bwd_wy at dk = 16 launches at no more than SMALL_DK_WY_WARPS warps on a GPU (at 8, fp32, Triton 3.6 faulted
+    on an H200); wider keys and the interpreter keep the table's options."""
+    from lazoo.kernels import kda as kk
+
+    for table in (kk.LAUNCH, kk.LAUNCH_FP32):
+        assert table["bwd_wy"]["num_warps"] > kk.SMALL_DK_WY_WARPS  # else the rule below tests nothing
+        assert kk.wy_launch(table, 16, 16, 16, interp=False)[1]["num_warps"] == kk.SMALL_DK_WY_WARPS
+        assert kk.wy_launch(table, 32, 32, 32, interp=False)[1] == table["bwd_wy"]
+        assert kk.wy_launch(table, 128, 64, 128, interp=False) == (64, table["bwd_wy"])
+        assert kk.wy_launch(table, 16, 16, 16, interp=True)[1] == table["bwd_wy"]
+
+
 # ============================================================================ CPU: the interpreter
 @needs_interp
 def test_interp_kda_chunk_ragged_padded_strong(chunk_launches):
@@ -392,3 +405,20 @@ def test_cuda_kda_packed_and_decode_match_float64():
                        backend="recurrent")
     assert_close(o.cpu(), o_r, 1e-4, "decode output")
     assert_close(s.cpu(), s_r, 1e-4, "decode state")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,rtol,grad_rtol", [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 2e-2, 3e-2)])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_cuda_kda_head_dim_16_over_several_chunks(dtype, rtol, grad_rtol, packed):
+    """dk = dv = 16 (a tiny model's heads) over several 64-token chunks: _bwd_wy at its launch for dk = 16 (at 8
+    warps its fp32 build faulted with an illegal memory access on an H200), outputs and every gradient against
+    float64."""
+    if packed:
+        x = kda_inputs(1, 270, 2, 16, 16, seed=13)
+        x["S0"] = torch.randn(3, 2, 16, 16, dtype=torch.float64)
+        check(x, dtype, rtol, grad_rtol, device="cuda", cu_seqlens=torch.tensor([0, 90, 140, 270]))
+    else:
+        x = kda_inputs(2, 270, 2, 16, 16, seed=13)
+        check(x, dtype, rtol, grad_rtol, device="cuda")

@@ -790,6 +790,10 @@ LAUNCH = {
 #: (_bwd_dhu, _bwd_inter) or buy nothing, more warps for the tiles
 LAUNCH_FP32 = {**LAUNCH, **{name: dict(num_warps=8, num_stages=1) for name in (
     "fwd_intra", "fwd_wu", "fwd_h", "bwd_du_local", "bwd_dhu", "bwd_inter", "bwd_wy")}}
+#: the most warps _bwd_wy takes at dk = 16 (BK = 16): at 8 warps, fp32 inputs and more than one chunk, Triton 3.6's
+#: compiled kernel faulted on an H200 with an illegal memory access (packed and batched alike; dk = 32 and bf16 ran);
+#: at 4 it ran, 1.1e-6 off float64 (T = 270, H = 2)
+SMALL_DK_WY_WARPS = 4
 #: channels of _fwd_diag's gathered [128, BKP] pair tiles
 DIAG_CHANNELS = 16
 #: the largest |G_t - G_m| (base 2) over a 16-row sub-chunk and its middle row m with which its diagonal block is
@@ -819,6 +823,14 @@ def _with_bv(opts: dict, name: str, BV: int, V: int, interp: bool) -> tuple[int,
     cfg = dict(opts[name])
     bv = cfg.pop("BV", None)
     return (BV if bv is None or interp else min(bv, next_pow2(V))), cfg
+
+
+def wy_launch(opts: dict, BK: int, BV: int, V: int, interp: bool) -> tuple[int, dict]:
+    """(value block, launch options) of ``_bwd_wy``: the table's, at most ``SMALL_DK_WY_WARPS`` warps at dk = 16."""
+    bv, cfg = _with_bv(opts, "bwd_wy", BV, V, interp)
+    if BK <= 16 and not interp:
+        cfg["num_warps"] = min(cfg.get("num_warps", 4), SMALL_DK_WY_WARPS)
+    return bv, cfg
 
 
 def chunk_fwd(q, k, v, g, beta, S0, scale: float, seqs: _Seqs, output_final_state: bool, gate_check=None):
@@ -901,7 +913,7 @@ def chunk_bwd(q, k, v, g, beta, S0, scale, seqs: _Seqs, saved, do, dsT, need_ds0
     dv = torch.empty_like(v)
     dbeta = torch.empty(TT, H, device=dev, dtype=f32)
     dMkk = torch.empty(TT, H, BT, device=dev, dtype=f32)
-    bv, cfg = _with_bv(opts, "bwd_wy", BV, V, interp)
+    bv, cfg = wy_launch(opts, BK, BV, V, interp)
     _bwd_wy_kernel[(NT, H)](k, v, beta, Gc, A, Mkk, dw, du, dkp, dv, dbeta, dMkk, seqs.chunks, seqs.cu, H=H, HK=HK,
                             K=K, V=V, BK=BK, BV=bv, PREC=PREC, **cfg)
     grouped = H != HK
