@@ -301,8 +301,9 @@ def test_interp_forced_triton_names_what_the_kernel_does_not_take():
 @needs_interp
 def test_interp_a_cached_state_runs_the_kernel_over_the_cached_inputs(kernel_calls, monkeypatch):
     """Decoding with forced "triton" (or LAZOO_BACKEND=triton): the kernel runs over the K − 1 cached inputs and
-    the new ones, exactly as conv1d does; packed sequences take the PyTorch form, or with PACKED_KERNEL the
-    kernel's packed form, which agrees with it."""
+    the new ones, exactly as conv1d does; packed sequences take the kernel's packed form, or with PACKED_KERNEL off
+    the PyTorch form, which agrees with it."""
+    from lazoo.layers import short_conv as sc
     from lazoo.layers.short_conv import ShortConvolution
 
     monkeypatch.delenv("LAZOO_BACKEND", raising=False)
@@ -322,12 +323,10 @@ def test_interp_a_cached_state_runs_the_kernel_over_the_cached_inputs(kernel_cal
     cu = torch.tensor([0, 2, 5])
     calls = len(kernel_calls)
     packed = conv(x[:1], cu_seqlens=cu, backend="triton")[0]
-    assert len(kernel_calls) == calls  # the PyTorch form unless PACKED_KERNEL
-    from lazoo.layers import short_conv as sc
-
-    monkeypatch.setattr(sc, "PACKED_KERNEL", True)
+    assert len(kernel_calls) == calls + 1  # the packed kernel form, the default
+    monkeypatch.setattr(sc, "PACKED_KERNEL", False)
     torch.testing.assert_close(conv(x[:1], cu_seqlens=cu, backend="triton")[0], packed, rtol=1e-5, atol=1e-6)
-    assert len(kernel_calls) == calls + 1
+    assert len(kernel_calls) == calls + 1  # switched off: the PyTorch form
     torch.testing.assert_close(packed, conv(x[:1], cu_seqlens=cu, backend="chunk")[0], rtol=1e-5, atol=1e-6)
 
 
