@@ -1,13 +1,16 @@
 """Where the gated delta rule's forward + backward time goes, kernel by kernel, at the frontier's inputs.
 
     PYTHONPATH=src python experiments/gdn_kernel_profile.py [--out F] [--set LABEL:module.ATTR=value,...] [--no-grad]
-        [--shapes T:B:H:HV,...]
+        [--shapes T:B:H:HV,...] [--impl lazoo,fla,flashqla] [--triton-cache DIR]
 
 On a CUDA GPU: for the frontier's shapes (T = 1k B = 32, 8k B = 4 with HV = H and 2H, 32k B = 1; H = 16), D = 128, bf16
 (``lazoo.bench.delta_frontier.make_inputs``: raw q and k, normalised inside the op), five warm-up steps of
 ``gated_delta_rule(...).backward(do)`` (``--no-grad``: of the forward without autograd), then torch.profiler over
 ten: each GPU kernel's time a step (ms) and their sum, one JSON line a shape, for the tree as it is and for each
 ``--set`` of module settings (``lazoo.bench.variants``, e.g. ``gluon:lazoo.kernels.delta.USE_GLUON_WALK=True``).
+``--impl`` adds the anchors of ``lazoo.bench.delta_frontier`` (fla, FlashQLA; where installed), profiled the same
+way on the same inputs, so that each of their kernels can be set beside lazoo's; the ``--set`` variants apply to
+lazoo's rows alone.
 """
 from __future__ import annotations
 
@@ -17,20 +20,25 @@ import json
 import torch
 
 from lazoo import ops
-from lazoo.bench.delta_frontier import make_inputs
+from lazoo.bench.delta_frontier import implementations, make_inputs, use_kernel_caches
+from lazoo.bench.report import error_text
 from lazoo.bench.timing import kernel_ms
 from lazoo.bench.variants import parse_variant, variant_settings
 
 SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
 
 
-def kernel_times(T, B, H, HV, steps=10, grad=True) -> dict:
+def lazoo_gated(x):
+    return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=128 ** -0.5, backend="triton")[0]
+
+
+def kernel_times(T, B, H, HV, steps=10, grad=True, fn=lazoo_gated) -> dict:
     x = make_inputs(T, B, H, HV, torch.bfloat16, "cuda", seed=0)
     leaves = [x[n].requires_grad_(grad) for n in ("q", "k", "v", "beta", "g")]
     do = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        o = ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=128 ** -0.5, backend="triton")[0]
+        o = fn(x)
         if grad:
             o.backward(do)
             for t in leaves:
@@ -46,9 +54,18 @@ def main(argv=None):
                    help="a variant of module settings to profile too (repeat for more)")
     p.add_argument("--no-grad", action="store_true", help="profile the forward without autograd")
     p.add_argument("--shapes", default="", help="T:B:H:HV,... in place of the frontier's four")
+    p.add_argument("--impl", default="lazoo", help="implementations to profile, of lazoo, fla and flashqla")
+    p.add_argument("--triton-cache", default="", help="keep Triton's and TileLang's compiled kernels in this folder")
     args = p.parse_args(argv)
+    impls = [i.strip() for i in args.impl.split(",") if i.strip()]
+    unknown = sorted(set(impls) - {"lazoo", "fla", "flashqla"})
+    if unknown or not impls:
+        raise SystemExit(f"--impl {args.impl!r}: expected some of lazoo, fla, flashqla")
     if not torch.cuda.is_available():
         raise SystemExit("gdn_kernel_profile: needs a CUDA GPU")
+    if args.triton_cache:
+        use_kernel_caches(args.triton_cache)
+    anchors = implementations(gated=True) if set(impls) - {"lazoo"} else {}
     runs = [("default", [])] + [parse_variant(s) for s in args.set]
     try:
         shapes = [tuple(int(n) for n in s.split(":")) for s in args.shapes.split(",") if s] or SHAPES
@@ -57,13 +74,24 @@ def main(argv=None):
     if any(len(s) != 4 for s in shapes):
         raise SystemExit(f"--shapes {args.shapes!r}: expected integers T:B:H:HV[,T:B:H:HV...]")
     with open(args.out, "a") if args.out else open("/dev/null", "w") as out:
-        for label, settings in runs:
-            with variant_settings(settings):
-                for shape in shapes:
-                    line = json.dumps(dict(variant=label, grad=not args.no_grad,
-                                           **kernel_times(*shape, grad=not args.no_grad)))
-                    print(line, flush=True)
-                    out.write(line + "\n")
+        def record(row):
+            line = json.dumps(row)
+            print(line, flush=True)
+            out.write(line + "\n")
+
+        for impl in impls:
+            for label, settings in runs if impl == "lazoo" else [("default", [])]:
+                fn = lazoo_gated if impl == "lazoo" else anchors[impl]
+                with variant_settings(settings):
+                    for shape in shapes:
+                        row = dict(impl=impl, variant=label, grad=not args.no_grad)
+                        if isinstance(fn, str):  # the anchor's import error
+                            record({**row, "T": shape[0], "B": shape[1], "HV": shape[3], "error": fn})
+                            continue
+                        try:
+                            record({**row, **kernel_times(*shape, grad=not args.no_grad, fn=fn)})
+                        except Exception as e:  # noqa: BLE001 - e.g. fla's backward refusing Triton 3.6 on Hopper
+                            record({**row, "T": shape[0], "B": shape[1], "HV": shape[3], "error": error_text(e)})
 
 
 if __name__ == "__main__":
