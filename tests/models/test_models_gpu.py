@@ -15,9 +15,9 @@ pytestmark = [
 LAYOUTS = [*lazoo.list_mechanisms(), "hybrid"]
 
 
-def make_model(name):
-    kw = dict(vocab_size=211, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
-              sliding_window=16, pad_token_id=0)
+def make_model(name, hidden_size=128):
+    kw = dict(vocab_size=211, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
+              intermediate_size=2 * hidden_size, sliding_window=16, pad_token_id=0)
     if name == "hybrid":
         cfg = AutoConfig.for_model("lazoo_hybrid", layer_types=["sliding_window", "vla"], **kw)
     else:
@@ -28,11 +28,22 @@ def make_model(name):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_auto_backend_matches_chunk_forms(name, monkeypatch):
-    model = make_model(name)
+    assert_auto_matches_chunk_forms(make_model(name), name, monkeypatch)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_auto_backend_matches_chunk_forms_at_head_dim_16(name, monkeypatch):
+    """Heads of 16 over several chunks (a tiny model's): KDA's WY backward faulted there at its 8-warp launch
+    (fp32, Triton 3.6, H200), where heads of 64 ran."""
+    assert_auto_matches_chunk_forms(make_model(name, hidden_size=32), name, monkeypatch)
+
+
+def assert_auto_matches_chunk_forms(model, name, monkeypatch):
     x = torch.randint(1, 211, (2, 150), device="cuda")
     labels = x.clone()
     out = model(x, labels=labels)
     out.loss.backward()
+    torch.cuda.synchronize()  # a kernel's fault shows here, named by this test
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     monkeypatch.setenv("LAZOO_BACKEND", "chunk")
