@@ -105,6 +105,18 @@ def kernel_cache_env(monkeypatch):
         monkeypatch.delenv(name)
 
 
+@pytest.fixture(autouse=True)
+def _stop_after_a_lost_cuda_context(request):
+    """A GPU test whose kernel faulted ends its process (``cuda_guard``), so no later test inherits the fault."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None:
+        from cuda_guard import lost_cuda_context, stop_process
+
+        why = lost_cuda_context()
+        if why:
+            stop_process(request.node.nodeid, why)
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core CI machine OpenMP threads
