@@ -19,8 +19,7 @@ import json
 
 import torch
 
-from lazoo import ops
-from lazoo.bench.delta_frontier import implementations, make_inputs, use_kernel_caches
+from lazoo.bench.delta_frontier import implementations, lazoo_op, make_inputs, use_kernel_caches
 from lazoo.bench.report import error_text
 from lazoo.bench.timing import kernel_ms
 from lazoo.bench.variants import parse_variant, variant_settings
@@ -28,11 +27,7 @@ from lazoo.bench.variants import parse_variant, variant_settings
 SHAPES = [(1024, 32, 16, 16), (8192, 4, 16, 16), (8192, 4, 16, 32), (32768, 1, 16, 16)]
 
 
-def lazoo_gated(x):
-    return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=128 ** -0.5, backend="triton")[0]
-
-
-def kernel_times(T, B, H, HV, steps=10, grad=True, fn=lazoo_gated) -> dict:
+def kernel_times(T, B, H, HV, fn, steps=10, grad=True) -> dict:
     x = make_inputs(T, B, H, HV, torch.bfloat16, "cuda", seed=0)
     leaves = [x[n].requires_grad_(grad) for n in ("q", "k", "v", "beta", "g")]
     do = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
@@ -44,7 +39,7 @@ def kernel_times(T, B, H, HV, steps=10, grad=True, fn=lazoo_gated) -> dict:
             for t in leaves:
                 t.grad = None
     rows = kernel_ms(step, steps)
-    return dict(T=T, B=B, HV=HV, kernels_ms=rows, total=round(sum(rows.values()), 4))
+    return dict(kernels_ms=rows, total=round(sum(rows.values()), 4))
 
 
 def main(argv=None):
@@ -65,8 +60,10 @@ def main(argv=None):
         raise SystemExit("gdn_kernel_profile: needs a CUDA GPU")
     if args.triton_cache:
         use_kernel_caches(args.triton_cache)
-    anchors = implementations(gated=True) if set(impls) - {"lazoo"} else {}
-    runs = [("default", [])] + [parse_variant(s) for s in args.set]
+    fns = implementations(gated=True) if set(impls) - {"lazoo"} else {"lazoo": lazoo_op(gated=True)}
+    variants = [("default", [])] + [parse_variant(s) for s in args.set]
+    runs = [(impl, label, settings) for impl in impls  # the --set variants are lazoo's
+            for label, settings in (variants if impl == "lazoo" else variants[:1])]
     try:
         shapes = [tuple(int(n) for n in s.split(":")) for s in args.shapes.split(",") if s] or SHAPES
     except ValueError:
@@ -79,20 +76,17 @@ def main(argv=None):
             print(line, flush=True)
             out.write(line + "\n")
 
-        for impl in impls:
-            for label, settings in runs if impl == "lazoo" else [("default", [])]:
-                fn = lazoo_gated if impl == "lazoo" else anchors[impl]
-                with variant_settings(settings):
-                    for shape in shapes:
-                        row = dict(impl=impl, variant=label, grad=not args.no_grad)
-                        if isinstance(fn, str):  # the anchor's import error
-                            record({**row, "T": shape[0], "B": shape[1], "HV": shape[3], "error": fn})
-                            continue
-                        try:
-                            record({**row, **kernel_times(*shape, grad=not args.no_grad, fn=fn)})
-                        except Exception as e:  # noqa: BLE001 - e.g. fla's backward refusing Triton 3.6 on Hopper
-                            record({**row, "T": shape[0], "B": shape[1], "HV": shape[3], "error": error_text(e)})
-
+        for impl, label, settings in runs:
+            with variant_settings(settings):
+                for T, B, H, HV in shapes:
+                    row = dict(impl=impl, variant=label, grad=not args.no_grad, T=T, B=B, HV=HV)
+                    if isinstance(fns[impl], str):  # the anchor's import error
+                        record({**row, "error": fns[impl]})
+                        continue
+                    try:
+                        record({**row, **kernel_times(T, B, H, HV, fns[impl], grad=not args.no_grad)})
+                    except Exception as e:  # noqa: BLE001 - e.g. fla's backward refusing Triton 3.6 on Hopper
+                        record({**row, "error": error_text(e)})
 
 if __name__ == "__main__":
     main()

@@ -29,13 +29,16 @@ def test_without_a_gpu_it_says_so(prof):
 
 def test_an_anchor_that_fails_gives_its_error_row(prof, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(prof.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(prof, "implementations", lambda gated: {"fla": "ImportError: no fla",
+
+    def lazoo(x):
+        return x
+    monkeypatch.setattr(prof, "implementations", lambda gated: {"lazoo": lazoo, "fla": "ImportError: no fla",
                                                                 "flashqla": lambda x: x})
 
-    def kernel_times(T, B, H, HV, steps=10, grad=True, fn=None):
-        if fn is not prof.lazoo_gated:
+    def kernel_times(T, B, H, HV, fn, steps=10, grad=True):
+        if fn is not lazoo:
             raise RuntimeError("the backward refuses this Triton")
-        return dict(T=T, B=B, HV=HV, kernels_ms={"k": 1.0}, total=1.0)
+        return dict(kernels_ms={"k": 1.0}, total=1.0)
     monkeypatch.setattr(prof, "kernel_times", kernel_times)
     out = tmp_path / "rows.jsonl"
     prof.main(["--impl", "lazoo,fla,flashqla", "--shapes", "64:1:2:2", "--out", str(out)])

@@ -56,18 +56,21 @@ def make_inputs(T, B, H, HV, dtype, device, seed=0) -> dict:
     return {"q": q, "k": k, "v": v, "beta": beta, "g": g}
 
 
-def implementations(gated: bool) -> dict:
-    """impl name -> (callable of the inputs returning the output, or the error text of its import)."""
+def lazoo_op(gated: bool):
+    """lazoo's Triton (gated) delta rule as a callable of the inputs (``make_inputs``) returning the output."""
     from lazoo import ops
 
     scale = D ** -0.5
-    impls = {}
     if gated:
-        impls["lazoo"] = lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
-                                                        backend="triton")[0]
-    else:
-        impls["lazoo"] = lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], scale=scale,
-                                                  backend="triton")[0]
+        return lambda x: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
+                                              backend="triton")[0]
+    return lambda x: ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], scale=scale, backend="triton")[0]
+
+
+def implementations(gated: bool) -> dict:
+    """impl name -> (callable of the inputs returning the output, or the error text of its import)."""
+    scale = D ** -0.5
+    impls = {"lazoo": lazoo_op(gated)}
     if gated:
         try:
             flash_qla = importlib.import_module("flash_qla")
