@@ -12,6 +12,8 @@ file with ``TRITON_INTERPRET=1`` runs them in-process. GPU: ``-m gpu`` at real s
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,6 +144,42 @@ def test_gluon_walk_by_default_where_it_has_programs_for_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert delta.gluon_walk(q, 128, 128, 64, False, 512, switch=None) == 0
     assert delta.gluon_walk(q, 128, 128, 64, False, 512, switch=True) == 0
+
+
+def test_fused_forward_only_where_asked_and_supported(monkeypatch):
+    """The forward takes the fused kernel on a GPU that runs it unless switched off, says once why not where it was
+    asked for and cannot run, and never on the CPU (the interpreter runs the Triton kernels)."""
+    from lazoo.kernels import delta, delta_fused
+
+    q = torch.empty(1, 4, 128)
+    assert not delta.fused_forward(q, 128, 128, 64, False, switch=True)  # CPU
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(delta_fused, "supported", lambda *a: None)
+    assert delta.fused_forward(q, 128, 128, 64, False, switch=True)
+    assert delta.fused_forward(q, 128, 128, 64, False, switch=None)
+    assert not delta.fused_forward(q, 128, 128, 64, False, switch=False)
+    monkeypatch.setattr(delta_fused, "supported", lambda *a: "needs a Hopper GPU (sm_90)")
+    monkeypatch.setattr(delta, "_FUSED_REFUSALS", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not delta.fused_forward(q, 128, 128, 64, False, switch=None)  # not asked for: nothing said
+    with pytest.warns(UserWarning, match="fused forward was asked for but needs a Hopper GPU"):
+        assert not delta.fused_forward(q, 128, 128, 64, False, switch=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not delta.fused_forward(q, 128, 128, 64, False, switch=True)  # said once
+
+
+def test_fused_forward_takes_whole_heads_once_the_pairs_fill_the_gpu(monkeypatch):
+    from lazoo.kernels import delta_fused
+
+    monkeypatch.setattr(delta_fused, "num_sms", lambda device: 132)
+    dev = torch.device("cuda")
+    assert delta_fused.block(128, 512, dev) == 128  # T = 1k, B = 32, 16 heads
+    assert delta_fused.block(128, 128, dev) == 128  # T = 8k, B = 4, 32 value heads
+    assert delta_fused.block(128, 64, dev) == 64  # T = 8k, B = 4, 16 heads
+    assert delta_fused.block(192, 512, dev) == 64
+    assert delta_fused.block(96, 512, dev) == 32
 
 
 def test_triangular_products_take_16_bit_operands_only_where_measured(monkeypatch):
@@ -707,12 +745,49 @@ def test_gpu_backward_variants(monkeypatch, local_du, norms_inside):
                             cu_seqlens=torch.tensor([0, 1, 400, 1000]))
 
 
-def _needs_gluon_walk():
-    from lazoo.kernels import delta_gluon
+def _needs_hopper_kernel(module: str = "delta_gluon", check: str = "walk_supported", what: str = "the Gluon walk"):
+    """Skip unless ``lazoo.kernels.<module>.<check>`` runs bf16 heads of 128 on this GPU."""
+    import importlib
 
-    why = delta_gluon.walk_supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128, 128, 64, False)
+    supported = getattr(importlib.import_module(f"lazoo.kernels.{module}"), check)
+    why = supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128, 128, 64, False)
     if why is not None:
-        pytest.skip(f"the Gluon walk does not run here: {why}")
+        pytest.skip(f"{what} does not run here: {why}")
+
+
+def _needs_gluon_walk():
+    _needs_hopper_kernel()
+
+
+def _check_packed_and_grouped_against_float64(op, seed):
+    """``check_against_reference`` on the GPU in bf16 (float64 chunk form): three packed sequences (one of a token)
+    of 4 heads of 128 with a carried state, then a batch of 2 with two value heads a key head and fp32 β and g."""
+    H, D = 4, 128
+    x = inputs(1, 1000, H, D, D, seed=seed)
+    check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
+                            cu_seqlens=torch.tensor([0, 1, 400, 1000]))
+    x = inputs(2, 1000, 2, D, D, seed=seed + 1, value_heads=4)
+    check_against_reference(op, x, torch.randn(2, 4, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
+                            device="cuda", dtype=torch.bfloat16, scalar_dtype=torch.float32, ref_backend="chunk",
+                            ref_device="cuda")
+
+
+def _packed_gpu_inputs(seed, op, dtype=torch.bfloat16):
+    """Flattened inputs as ``delta.chunk_fwd`` takes them, on the GPU: four packed sequences of 1, 62, 337 and 600
+    tokens (one shorter than a chunk), two key heads of normalised q and k, four value heads with fp32 β and g
+    (gated), a carried state; returns q, k, v, beta, g, S0 and the sequences' table."""
+    from lazoo.kernels import delta
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T, HK, H, D = 1000, 2, 4, 128
+    cu = torch.tensor([0, 1, 63, 400, 1000], device="cuda")
+    q, k = (F.normalize(torch.randn(T, HK, D, device="cuda", generator=gen), dim=-1).to(dtype) for _ in range(2))
+    v = torch.randn(T, H, D, device="cuda", generator=gen).to(dtype)
+    beta = torch.rand(T, H, device="cuda", generator=gen)
+    g = F.logsigmoid(torch.randn(T, H, device="cuda", generator=gen) + 2) if op == "gated" else None
+    S0 = torch.randn(4, H, D, D, device="cuda", generator=gen) * 0.5
+    return q, k, v, beta, g, S0, delta.seqs_for(1, T, cu, 64, q.device)
 
 
 @pytest.mark.gpu
@@ -730,15 +805,10 @@ def test_gpu_gluon_walk_matches_the_triton_kernels(monkeypatch, op, dtype, bv):
     _needs_gluon_walk()
     monkeypatch.setattr(delta_gluon, "walk_block", lambda V: bv)
     monkeypatch.setattr(delta, "GLUON_WALK_IN_PREFILL", True)  # off by default; kept working
-    gen = torch.Generator(device="cuda").manual_seed(41)
-    T, HK, H, D = 1000, 2, 4, 128
-    cu = torch.tensor([0, 1, 63, 400, 1000], device="cuda")
-    q, k = (F.normalize(torch.randn(T, HK, D, device="cuda", generator=gen), dim=-1).to(dtype) for _ in range(2))
-    v = torch.randn(T, H, D, device="cuda", generator=gen).to(dtype)
-    beta = torch.rand(T, H, device="cuda", generator=gen)
-    g = F.logsigmoid(torch.randn(T, H, device="cuda", generator=gen) + 2) if op == "gated" else None
-    S0 = torch.randn(4, H, D, D, device="cuda", generator=gen) * 0.5
-    seqs = delta.seqs_for(1, T, cu, 64, q.device)
+    monkeypatch.setattr(delta, "USE_FUSED_TRAINING", False)  # the fused forward would stand in for the walk
+    monkeypatch.setattr(delta, "USE_FUSED_PREFILL", False)
+    q, k, v, beta, g, S0, seqs = _packed_gpu_inputs(41, op, dtype)
+    D = q.shape[-1]
     runs = {}
     for gluon in (False, True):
         monkeypatch.setattr(delta, "USE_GLUON_WALK", gluon)
@@ -805,16 +875,9 @@ def test_gpu_gluon_walk_matches_float64(monkeypatch, op, bv, walks):
     _needs_gluon_walk()
     monkeypatch.setattr(delta, "USE_GLUON_WALK", walks in ("forward", "both"))
     monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", walks in ("backward", "both"))
+    monkeypatch.setattr(delta, "USE_FUSED_TRAINING", False)  # the fused forward would stand in for the walk
     monkeypatch.setattr(delta_gluon, "walk_block", lambda V: bv)
-    H, D = 4, 128
-    x = inputs(1, 1000, H, D, D, seed=43)
-    check_against_reference(op, x, torch.randn(3, H, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
-                            device="cuda", dtype=torch.bfloat16, ref_backend="chunk", ref_device="cuda",
-                            cu_seqlens=torch.tensor([0, 1, 400, 1000]))
-    x = inputs(2, 1000, 2, D, D, seed=44, value_heads=4)
-    check_against_reference(op, x, torch.randn(2, 4, D, D, dtype=F64) * 0.5, *GPU_RTOL[torch.bfloat16],
-                            device="cuda", dtype=torch.bfloat16, scalar_dtype=torch.float32, ref_backend="chunk",
-                            ref_device="cuda")
+    _check_packed_and_grouped_against_float64(op, seed=43)
 
 
 @pytest.mark.gpu
@@ -919,3 +982,82 @@ def test_gpu_decode_matches_float64(dtype):
 def test_gpu_generalized_matches_float64():
     check_generalized(300, False, 64, dtype=torch.float32, rtol=5e-5, device="cuda")
     check_generalized(300, False, 64, dtype=torch.bfloat16, rtol=2e-2, device="cuda", cu=[0, 100, 101, 300])
+
+
+def _needs_fused_forward():
+    _needs_hopper_kernel("delta_fused", "supported", "the fused forward")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["packed", "batch"])
+@pytest.mark.parametrize("bv", [64, 128], ids=["dv_blocks_64", "dv_blocks_128"])
+def test_gpu_fused_forward_matches_the_triton_kernels_and_float64(monkeypatch, op, dtype, layout, bv):
+    """The forward without autograd as one warp-specialised kernel (``delta_fused``) against ``_fwd_mix`` +
+    ``_fwd_walk`` on the same inputs and against the float64 recurrence: packed sequences of ragged lengths (one of a
+    single token, one shorter than a chunk; the last chunk's spare rows are the next sequence's) or a batch whose
+    length is no multiple of a chunk (the last rows past the tensor's end), a carried state, two value heads a key
+    head, β in q's dtype and g in fp32: outputs and final states, in dv blocks of 64 and of 128."""
+    from lazoo.kernels import delta, delta_fused
+
+    _needs_fused_forward()
+    monkeypatch.setattr(delta_fused, "DV_BLOCK", bv)
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    HK, H, D = 2, 4, 128
+    B, T, cu = (1, 1000, torch.tensor([0, 1, 63, 400, 1000], device="cuda")) if layout == "packed" else (2, 300, None)
+    N = 4 if cu is not None else B
+    q, k = (torch.randn(B, T, HK, D, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, H, D, device="cuda", generator=gen).to(dtype)
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 2)
+    S0 = torch.randn(N, H, D, D, device="cuda", generator=gen) * 0.5
+    x = {"q": q, "k": k, "v": v, "beta": beta, "g": g}
+    kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu, scale=D ** -0.5)
+    runs = {}
+    with torch.no_grad():
+        for fused in (False, True):
+            monkeypatch.setattr(delta, "USE_FUSED_PREFILL", fused)
+            runs[fused] = call(op, x, backend="triton", **kw)
+        x64 = {n: t.double() for n, t in x.items()}
+        ref = call(op, x64, backend="recurrent", **{**kw, "initial_state": S0.double()})
+    for name, base, got, want in zip(["output", "final state"], runs[False], runs[True], ref):
+        assert got.dtype == base.dtype and got.shape == base.shape and torch.isfinite(got).all(), name
+        err, base_err = rel_err(got.double(), want), rel_err(base.double(), want)
+        print(f"{op} {dtype} {layout} dv blocks of {bv} {name}: fused {err:.1e}, Triton kernels {base_err:.1e}, "
+              f"between {rel_err(got.double(), base.double()):.1e}")
+        assert err < 1.5 * base_err + 1e-3, (name, err, base_err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("bv", [64, 128], ids=["dv_blocks_64", "dv_blocks_128"])
+def test_gpu_fused_training_forward_matches_the_walk_and_float64(monkeypatch, op, bv):
+    """The training forward through the fused kernel (storing the chunk states and pseudo-values) against the Gluon
+    walk's on the same inputs (packed ragged sequences, one shorter than a chunk, a carried state, two value heads a
+    key head with fp32 β and g): outputs, final state and what the backward reads; then forward and backward
+    against float64 with the fused forward forced (packed, and grouped value heads)."""
+    from lazoo.kernels import delta, delta_fused
+
+    _needs_fused_forward()
+    monkeypatch.setattr(delta_fused, "DV_BLOCK", bv)
+    monkeypatch.setattr(delta, "USE_GLUON_WALK", True)
+    q, k, v, beta, g, S0, seqs = _packed_gpu_inputs(47, op)
+    D = q.shape[-1]
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(delta, "USE_FUSED_TRAINING", fused)
+        o, sT, saved = delta.chunk_fwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, True)
+        runs[fused] = (o, sT, saved[2], saved[3], saved[4])
+    # the same W~ (one kernel); the rest within bf16 rounding of each other (U = A X here in tf32 from fp32 A, there
+    # U~ - W~ Sᵀ from A rounded to bf16), each checked against float64 below
+    for name, ref, got in zip(["output", "final state", "W~", "pseudo-values", "chunk states"], runs[False],
+                              runs[True]):
+        err = rel_err(got.double(), ref.double())
+        print(f"{op} dv blocks of {bv} {name}: {err:.1e}")
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert err < (1e-6 if name == "W~" else 1e-2), (name, err)
+    monkeypatch.setattr(delta, "USE_FUSED_TRAINING", True)
+    _check_packed_and_grouped_against_float64(op, seed=48)

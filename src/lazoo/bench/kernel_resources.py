@@ -596,6 +596,40 @@ def delta_gluon_report(dk: int = 128, dv: int = 128, dtype: str = "bf16") -> dic
     return report
 
 
+def delta_fused_report(dk: int = 128, dtype: str = "bf16") -> dict:
+    """The (gated) delta rule's fused forward (``lazoo.kernels.delta_fused``: a loader, a state and an output
+    partition) without autograd at dv blocks of 64 and 128, gated and not, A in the dtype it runs with (fp32: tf32 A X)
+    and in 16 bits, and for training (storing the chunk states and pseudo-values) at both blocks; empty where this
+    Triton lacks what it needs. The registers are the kernel's limit (each partition then takes its own share: the
+    output partition ``OUT_REGS`` or ``OUT_REGS_SAVE``, the loader ``LOAD_REGS``, the state the rest)."""
+
+    from lazoo.kernels import delta_fused as kf
+
+    if kf.FUSED_ERROR is not None:
+        return {}
+    from triton.experimental.gluon import language as gl
+
+    def desc(cols, gdt, name):
+        return f"tensordesc<{name}[{kf.CHUNK},{cols}],{gl.NVMMASharedLayout.get_default_for([kf.CHUNK, cols], gdt)!r}>"
+
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    fn = kf._fused_fwd_kernel
+    report = {}
+    for bv, gated, a, save in ((64, True, "fp32", False), (128, True, "fp32", False), (128, False, "fp32", False),
+                               (128, True, dtype, False), (64, True, "fp32", True), (128, True, "fp32", True)):
+        a_desc = desc(kf.CHUNK, gl.float32 if a == "fp32" else gdt, a)
+        sig = {"q_d": desc(dk, gdt, dtype), "k_d": desc(dk, gdt, dtype), "v_d": desc(bv, gdt, dtype), "a_d": a_desc,
+               "beta": f"*{dtype}", "Gc": "*fp32", "o": f"*{dtype}", "h": f"*{dtype}", "vnew": f"*{dtype}",
+               "s0": "*fp32", "sT": "*fp32", "cu": "*i32", "coff": "*i32", "scale": "fp32"}
+        sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
+        c = dict(H=16, HK=16, K=dk, V=128, C=kf.CHUNK, BV=bv, HAS_G=gated, USE_S0=True, STORE_S=True, SAVE=save,
+                 OUT_REGS=kf.OUT_REGS_SAVE if save else kf.OUT_REGS, LOAD_REGS=kf.LOAD_REGS,
+                 num_warps=kf.PART_WARPS)
+        name = f"dv blocks of {bv}" + ("" if gated else ", ungated") + f", A in {a}" + (", training" if save else "")
+        report[name] = measure(fn, sig, c, num_warps=kf.PART_WARPS, maxnreg=kf.MAX_REGS)
+    return report
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -635,6 +669,7 @@ def main() -> None:
         _print(f"(Gated) delta rule without autograd (dk = dv = 128, {dtype}):", delta_prefill_report(dtype=dtype))
     _print("Gated delta rule's training kernels (dk = dv = 128, bf16):", delta_training_report())
     _print("Gated delta rule's Gluon kernels (dk = dv = 128, bf16):", delta_gluon_report())
+    _print("(Gated) delta rule's fused forward without autograd (dk = dv = 128, bf16):", delta_fused_report())
     for dtype in ("bf16", "fp32"):
         _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 

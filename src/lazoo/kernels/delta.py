@@ -260,11 +260,11 @@ def _fwd_solve_kernel(
 def _fwd_wu_kernel(
     k, v, Gc, A, wt, ut, chunks, cu,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, HAS_G: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, HAS_G: tl.constexpr, TDT: tl.constexpr, PREC: tl.constexpr, STORE_U: tl.constexpr = True,
 ):
-    """W~ = A Γ K and U~ = A V of one chunk from the stored A, as whole-chunk products (formed from A's 16x16
-    tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused kernel
-    against 0.20 + 0.29 for the two)."""
+    """W~ = A Γ K and (where STORE_U) U~ = A V of one chunk from the stored A, as whole-chunk products (formed from
+    A's 16x16 tiles inside the solve, they kept the tensor cores idle: H200, bf16, T = 8k, 0.70 ms for the fused
+    kernel against 0.20 + 0.29 for the two)."""
     i_c, _, i_h = parallel_ids(1, H)
     t0, eos = chunk_info(chunks, cu, i_c)
     b_A = load_tile(A + i_h * C, t0, eos, H * C, 0, C, C, C)
@@ -276,9 +276,10 @@ def _fwd_wu_kernel(
         if HAS_G:
             x = x * e
         _store_tile(wt + i_h * K, dot(b_A, x, TDT, PREC), t0, eos, H * K, kb, K, C, BK)
-    for vb in range(0, V, BV):
-        y = load_tile(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
-        _store_tile(ut + i_h * V, dot(b_A, y, TDT, PREC), t0, eos, H * V, vb, V, C, BV)
+    if STORE_U:
+        for vb in range(0, V, BV):
+            y = load_tile(v + i_h * V, t0, eos, H * V, vb, V, C, BV)
+            _store_tile(ut + i_h * V, dot(b_A, y, TDT, PREC), t0, eos, H * V, vb, V, C, BV)
 
 
 @triton.jit
@@ -1012,6 +1013,32 @@ def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, 
     return BV if switch or programs >= GLUON_WALK_MIN_PROGRAMS_PER_SM * num_sms(q.device) else 0
 
 
+#: the forward as one warp-specialised Hopper kernel after the solve (``delta_fused``: the state chain, the outputs
+#: and the loads in partitions of their own), where no split runs: without autograd in place of ``_fwd_mix`` and
+#: ``_fwd_walk``; with autograd, storing the chunk states and pseudo-values, in place of the state walk and U~ (W~
+#: still from ``_fwd_wu``). None (where it runs), True, False
+USE_FUSED_PREFILL: bool | None = None
+USE_FUSED_TRAINING: bool | None = None
+_FUSED_REFUSALS: set = set()
+
+
+def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, switch: bool | None) -> bool:
+    """Whether the forward runs ``delta_fused``, by ``switch`` (``USE_FUSED_PREFILL`` or ``USE_FUSED_TRAINING``);
+    where it was asked for and cannot run, says why once."""
+    if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
+        return False
+    if torch.compiler.is_compiling() and not GLUON_WALK_UNDER_COMPILE:
+        return False
+    from . import delta_fused
+
+    why = delta_fused.supported(q, K, V, C, given_write_keys)
+    if why is not None and switch and why not in _FUSED_REFUSALS:
+        _FUSED_REFUSALS.add(why)
+        warnings.warn(f"lazoo: the fused forward was asked for but {why}: the Triton kernels run instead",
+                      stacklevel=3)
+    return why is None
+
+
 def _triangular_type(q: torch.Tensor, DT, given_write_keys: bool):
     """Operand type of ``_fwd_wu``'s and ``_bwd_wy``'s triangular products for inputs like q: the 16-bit type, but
     fp32 (tf32; tf32x3 for fp32 inputs) for given write keys, whose 16-bit prefill gave non-finite outputs on an H200
@@ -1083,15 +1110,31 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     f32 = torch.float32
     TDT = _triangular_type(q, DT, HAS_W)
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
-    A = torch.empty(TT, H, C, device=dev, dtype=f32)
+    segs = split_segments(seqs, H, V, q, C)
+    fused = not segs and fused_forward(q, K, V, C, HAS_W, USE_FUSED_TRAINING if save else USE_FUSED_PREFILL)
+    if fused:
+        from . import delta_fused
+
+        fused = not save or delta_fused.AX_TF32  # the backward reads A in fp32
+    A = torch.empty(TT, H, C, device=dev, dtype=delta_fused.a_dtype(q) if fused else f32)
     NT, N = seqs.NT, seqs.N
     _fwd_solve_kernel[(NT * H,)](
         k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
         H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
+    if fused:
+        wt = None
+        if save:  # the backward's W~ (U~ the kernel forms itself)
+            wt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
+            _fwd_wu_kernel[(NT * H,)](k, v, Gc, A, wt, wt, seqs.chunks, seqs.cu, H=H, HK=HK, K=K, V=V, C=C, BK=BK,
+                                    BV=BV, HAS_G=HAS_G, TDT=TDT, PREC=PREC, STORE_U=False,
+                                    **_opts("wu", interp, FP32))
+        o, h, vnew = delta_fused.fused_fwd(q, k, v, beta, Gc if HAS_G else None, A, S0, sT, seqs, scale,
+                                           output_final_state, save)
+        return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h, None)
+                                                          if save else None)
     use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
-    segs = split_segments(seqs, H, V, q, C)
     walk = segs or seqs  # the sequences the state walk runs over (segments of them, their starts chained first)
     BVg = gluon_walk(q, K, V, C, HAS_W, walk.N * H, USE_GLUON_WALK) if save or GLUON_WALK_IN_PREFILL else 0
     gluon = BVg > 0  # 0: the Triton kernels
