@@ -158,6 +158,9 @@ def test_fused_forward_only_where_asked_and_supported(monkeypatch):
     assert delta.fused_forward(q, 128, 128, 64, False, switch=True)
     assert delta.fused_forward(q, 128, 128, 64, False, switch=None)
     assert not delta.fused_forward(q, 128, 128, 64, False, switch=False)
+    small = delta.FUSED_MIN_TOKEN_HEADS - 1  # a call too small for the fused launch to pay, unless asked for
+    assert not delta.fused_forward(q, 128, 128, 64, False, switch=None, token_heads=small)
+    assert delta.fused_forward(q, 128, 128, 64, False, switch=True, token_heads=small)
     monkeypatch.setattr(delta_fused, "supported", lambda *a: "needs a Hopper GPU (sm_90)")
     monkeypatch.setattr(delta, "_FUSED_REFUSALS", set())
     with warnings.catch_warnings():

@@ -1019,13 +1019,21 @@ def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, 
 #: still from ``_fwd_wu``). None (where it runs), True, False
 USE_FUSED_PREFILL: bool | None = None
 USE_FUSED_TRAINING: bool | None = None
+#: where not asked for, the fused forward only from this many (token, value head) pairs: its launch takes more host
+#: time than the Triton kernels' (H200 machine: ``chunk_fwd`` without autograd 227 against 151 µs a call, the TMA
+#: descriptors' handling most of it), which a small call, whose kernels take less GPU time than that, would wait on
+FUSED_MIN_TOKEN_HEADS = 1 << 16
 _FUSED_REFUSALS: set = set()
 
 
-def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, switch: bool | None) -> bool:
-    """Whether the forward runs ``delta_fused``, by ``switch`` (``USE_FUSED_PREFILL`` or ``USE_FUSED_TRAINING``);
-    where it was asked for and cannot run, says why once."""
+def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, switch: bool | None,
+                  token_heads: int = FUSED_MIN_TOKEN_HEADS) -> bool:
+    """Whether the forward runs ``delta_fused`` for ``token_heads`` (token, value head) pairs, by ``switch``
+    (``USE_FUSED_PREFILL`` or ``USE_FUSED_TRAINING``: None where it pays); where it was asked for and cannot run,
+    says why once."""
     if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
+        return False
+    if switch is None and token_heads < FUSED_MIN_TOKEN_HEADS:
         return False
     if torch.compiler.is_compiling() and not GLUON_WALK_UNDER_COMPILE:
         return False
@@ -1111,7 +1119,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     TDT = _triangular_type(q, DT, HAS_W)
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     segs = split_segments(seqs, H, V, q, C)
-    fused = not segs and fused_forward(q, K, V, C, HAS_W, USE_FUSED_TRAINING if save else USE_FUSED_PREFILL)
+    fused = not segs and fused_forward(q, K, V, C, HAS_W, USE_FUSED_TRAINING if save else USE_FUSED_PREFILL, TT * H)
     if fused:
         from . import delta_fused
 
