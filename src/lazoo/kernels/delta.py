@@ -1130,7 +1130,6 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
         H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
-    o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     if fused:
         wt = None
         if save:  # the backward's W~ (U~ the kernel forms itself)
@@ -1142,6 +1141,7 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
                                            output_final_state, save)
         return o, (sT if output_final_state else None), ((Gc if HAS_G else None, A, wt, vnew, h, None)
                                                           if save else None)
+    o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     use_s0, S0 = S0 is not None, (S0 if S0 is not None else A)
     walk = segs or seqs  # the sequences the state walk runs over (segments of them, their starts chained first)
     BVg = gluon_walk(q, K, V, C, HAS_W, walk.N * H, USE_GLUON_WALK) if save or GLUON_WALK_IN_PREFILL else 0
