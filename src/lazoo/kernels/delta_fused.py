@@ -84,10 +84,10 @@ WIDE_PAIRS_PER_SM = 0.75
 
 def block(V: int, pairs: int, device) -> int:
     """The dv block for ``pairs`` (sequence, value head) pairs: 128 where dv allows and the pairs fill the GPU
-    (``WIDE_PAIRS_PER_SM``), else 64, or 32 where dv is no multiple of 64."""
+    (``WIDE_PAIRS_PER_SM``), else 64 (``supported`` asks dv to be a multiple of 64)."""
     if V % 128 == 0 and pairs >= WIDE_PAIRS_PER_SM * num_sms(device):
         return 128
-    return 64 if V % 64 == 0 else 32
+    return 64
 
 
 def supported(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -> str | None:
@@ -95,8 +95,8 @@ def supported(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -
     if FUSED_ERROR is not None:
         return f"Triton's Gluon dialect lacks what the fused forward needs ({FUSED_ERROR})"
     why = dg.walk_supported(q, K, V, C, given_write_keys)
-    if why is None and K != 128:
-        why = f"needs dk = 128 (got {K})"
+    if why is None and (K != 128 or V % 64):
+        why = f"needs dk = 128 and dv a multiple of 64 (got {K}, {V})"
     return why
 
 
