@@ -103,7 +103,7 @@ register(Mechanism(
     source="Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hidden States",
     state='{"op": {"W", "W_start", "n"} (inner weights now and at the mini-batch start), "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.ttt", "lazoo.kernels.delta", "lazoo.kernels.delta_gluon",
+    kernels=("lazoo.kernels.ttt", "lazoo.kernels.delta", "lazoo.kernels.delta_fused", "lazoo.kernels.delta_gluon",
              "lazoo.kernels.delta_split"),
     tiny_options={"mini_batch_size": 4},
     class_prefix="LazooTTTLinear",

@@ -88,8 +88,8 @@ register(Mechanism(
     source="Pandey, Singh 2026, Variational Linear Attention: Stable Associative Memory for Long-Context Transformers",
     state='{"op": {"S" [B, H, dv, dk], "A" [B, H, dk, dk], "z" [B, H, dk], "t" [B]}, "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.delta", "lazoo.kernels.delta_gluon", "lazoo.kernels.delta_split",
-             "lazoo.kernels.vla.token", "lazoo.kernels.vla.split",
+    kernels=("lazoo.kernels.delta", "lazoo.kernels.delta_fused", "lazoo.kernels.delta_gluon",
+             "lazoo.kernels.delta_split", "lazoo.kernels.vla.token", "lazoo.kernels.vla.split",
              "lazoo.kernels.vla.chunk", "lazoo.kernels.vla.features"),
     option_docs={
         "lambda0": "λ₀, A's initial scale (A_0 = λ₀⁻¹ I)",
