@@ -125,7 +125,8 @@ if FUSED_ERROR is None:
     def _loader(bufs, bars, descs, o, h, vnew, beta, Gc, scale, bos, eos, n_chunks, c0, i_h, i_k, v0,
                 H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
                 BV: gl.constexpr, HAS_G: gl.constexpr, SAVE: gl.constexpr):
-        """Each chunk's q, k, v block and A into buffer j % 2, once both partitions have freed it."""
+        """Each chunk's q, k, v block and A into buffer j % 2, once both partitions have freed it. (The worker
+        partitions take one argument list, so this one receives the output partition's too.)"""
         q_s, k_s, v_s, a_s, s_s, x_s, u_s, uf_s = bufs
         ready, free, s_ready, s_free, u_ready, u_free = bars
         q_d, k_d, v_d, a_d = descs
