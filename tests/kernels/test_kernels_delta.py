@@ -173,6 +173,15 @@ def test_fused_forward_only_where_asked_and_supported(monkeypatch):
         assert not delta.fused_forward(q, 128, 128, 64, False, switch=True)  # said once
 
 
+def test_fused_forward_only_for_inputs_on_16_byte_boundaries():
+    from lazoo.kernels import delta
+
+    buf = torch.zeros(1 + 4 * 128, dtype=torch.bfloat16)
+    aligned, shifted = buf[:-1].view(4, 128), buf[1:].view(4, 128)  # the second starts 2 bytes in
+    assert delta.tma_aligned(aligned, aligned)
+    assert not delta.tma_aligned(aligned, shifted)
+
+
 def test_fused_forward_takes_whole_heads_once_the_pairs_fill_the_gpu_and_heads_it_was_tested_on(monkeypatch):
     from lazoo.kernels import delta_fused
 

@@ -1047,6 +1047,12 @@ def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: boo
     return why is None
 
 
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether each tensor starts on a 16-byte boundary, as a TMA descriptor's base must (a view into a larger
+    buffer may not: the Triton kernels take it, the fused forward does not)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _triangular_type(q: torch.Tensor, DT, given_write_keys: bool):
     """Operand type of ``_fwd_wu``'s and ``_bwd_wy``'s triangular products for inputs like q: the 16-bit type, but
     fp32 (tf32; tf32x3 for fp32 inputs) for given write keys, whose 16-bit prefill gave non-finite outputs on an H200
@@ -1119,7 +1125,9 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     TDT = _triangular_type(q, DT, HAS_W)
     Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     segs = split_segments(seqs, H, V, q, C)
-    fused = not segs and fused_forward(q, K, V, C, HAS_W, USE_FUSED_TRAINING if save else USE_FUSED_PREFILL, TT * H)
+    fused = not segs and tma_aligned(q, k, v) and fused_forward(q, K, V, C, HAS_W,
+                                                                USE_FUSED_TRAINING if save else USE_FUSED_PREFILL,
+                                                                TT * H)
     if fused:
         from . import delta_fused
 
