@@ -13,6 +13,7 @@ import json
 import torch
 import triton
 
+from lazoo.bench import timing
 from lazoo.bench.delta_frontier import SHAPES, lazoo_op, make_inputs, reference, relative_error
 from lazoo.bench.variants import parse_variant, variant_settings
 from lazoo.kernels import delta, delta_split
@@ -63,7 +64,7 @@ def main(argv=None):
                 for label, settings in runs:
                     with variant_settings(settings):
                         try:
-                            ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+                            ms = timing.median_ms(step)
                             with torch.no_grad():
                                 err = None if args.grad else relative_error(run(first), reference(first, gated))
                         except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal

@@ -40,7 +40,7 @@ def test_a_failing_run_gives_its_error_row(fp, monkeypatch, capsys):
 
     monkeypatch.setattr(fp, "lazoo_op", op)
     monkeypatch.setattr(fp, "reference", lambda x, gated: x["v"].double())
-    monkeypatch.setattr(fp.triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.5)[1])
+    monkeypatch.setattr(fp.timing, "median_ms", lambda fn: (fn(), 1.5)[1])
     fp.main(["--rounds", "1", "--ops", "gated", "--shapes", "64:1:2:2"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in rows] == ["triton", "fused"]

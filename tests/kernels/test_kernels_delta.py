@@ -110,15 +110,13 @@ def test_gluon_walk_only_where_asked_and_supported(monkeypatch):
     """The Gluon walks run by default where they pay (enough programs), never in the interpreter or while
     torch.compile traces; asked for where they cannot run (no Hopper GPU here), they say why once and the Triton
     kernels run; where they were not asked for, nothing is said."""
-    import warnings
-
     from lazoo.kernels import delta
 
     assert delta.USE_GLUON_WALK is None and delta.USE_GLUON_BWD_WALK is None
     assert delta.GLUON_WALK_IN_PREFILL is False
     q = torch.empty(10, 4, 128, dtype=torch.bfloat16, device="meta")
     assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=False) == 0
-    monkeypatch.setattr(delta, "_GLUON_WALK_REFUSALS", set())
+    monkeypatch.setattr(delta, "_HOPPER_REFUSALS", set())
     assert delta.gluon_walk(torch.empty(1, 4, 128), 128, 128, 64, False, 10_000, switch=True) == 0  # CPU
     with pytest.warns(UserWarning, match="Gluon state walk was asked for but"):
         assert delta.gluon_walk(q, 128, 128, 64, False, 10_000, switch=True) == 0
@@ -162,7 +160,7 @@ def test_fused_forward_only_where_asked_and_supported(monkeypatch):
     assert not delta.fused_forward(q, 128, 128, 64, False, switch=None, token_heads=small)
     assert delta.fused_forward(q, 128, 128, 64, False, switch=True, token_heads=small)
     monkeypatch.setattr(delta_fused, "supported", lambda *a: "needs a Hopper GPU (sm_90)")
-    monkeypatch.setattr(delta, "_FUSED_REFUSALS", set())
+    monkeypatch.setattr(delta, "_HOPPER_REFUSALS", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not delta.fused_forward(q, 128, 128, 64, False, switch=None)  # not asked for: nothing said
@@ -762,18 +760,17 @@ def test_gpu_backward_variants(monkeypatch, local_du, norms_inside):
                             cu_seqlens=torch.tensor([0, 1, 400, 1000]))
 
 
-def _needs_hopper_kernel(module: str = "delta_gluon", check: str = "walk_supported", what: str = "the Gluon walk"):
-    """Skip unless ``lazoo.kernels.<module>.<check>`` runs bf16 heads of 128 on this GPU."""
-    import importlib
-
-    supported = getattr(importlib.import_module(f"lazoo.kernels.{module}"), check)
+def _needs_hopper_kernel(supported, what: str):
+    """Skip unless ``supported`` (a kernel module's check) takes bf16 heads of 128 on this GPU."""
     why = supported(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128, 128, 64, False)
     if why is not None:
         pytest.skip(f"{what} does not run here: {why}")
 
 
 def _needs_gluon_walk():
-    _needs_hopper_kernel()
+    from lazoo.kernels import delta_gluon
+
+    _needs_hopper_kernel(delta_gluon.walk_supported, "the Gluon walk")
 
 
 def _check_packed_and_grouped_against_float64(op, seed):
@@ -1002,7 +999,9 @@ def test_gpu_generalized_matches_float64():
 
 
 def _needs_fused_forward():
-    _needs_hopper_kernel("delta_fused", "supported", "the fused forward")
+    from lazoo.kernels import delta_fused
+
+    _needs_hopper_kernel(delta_fused.supported, "the fused forward")
 
 
 @pytest.mark.gpu

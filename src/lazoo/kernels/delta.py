@@ -987,7 +987,7 @@ USE_GLUON_BWD_WALK: bool | None = None
 #: whether the walks run while torch.compile traces: off, since Dynamo does not trace a Gluon kernel (torch 2.11:
 #: a graph break, "triton kernel unsupported feature"); a compiled model runs the Triton kernels
 GLUON_WALK_UNDER_COMPILE = False
-_GLUON_WALK_REFUSALS: set = set()
+_HOPPER_REFUSALS: set = set()  # (kernel, reason) pairs said once
 
 
 def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, seq_heads: int,
@@ -995,19 +995,10 @@ def gluon_walk(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, 
     """The dv block a ``delta_gluon`` walk runs for these inputs, or 0 for the Triton kernels, by ``switch``
     (``USE_GLUON_WALK`` or ``USE_GLUON_BWD_WALK``: True, False, or None for where it pays); where it was asked for and
     cannot run, says why once."""
-    if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
+    if not _hopper_kernel_runs(q, switch, lambda: _gluon().walk_supported(q, K, V, C, given_write_keys),
+                               "the Gluon state walk"):
         return 0
-    if torch.compiler.is_compiling() and not GLUON_WALK_UNDER_COMPILE:
-        return 0
-    from . import delta_gluon  # here, not at import: Gluon's modules load only where a walk was asked for
-
-    why = delta_gluon.walk_supported(q, K, V, C, given_write_keys)
-    if why is not None:
-        if switch and why not in _GLUON_WALK_REFUSALS:
-            _GLUON_WALK_REFUSALS.add(why)
-            warnings.warn(f"lazoo: the Gluon state walk was asked for but {why}: the Triton kernels run instead",
-                          stacklevel=3)
-        return 0
+    delta_gluon = _gluon()
     BV = delta_gluon.walk_block(V)
     programs = seq_heads * triton.cdiv(V, BV)
     return BV if switch or programs >= GLUON_WALK_MIN_PROGRAMS_PER_SM * num_sms(q.device) else 0
@@ -1023,7 +1014,6 @@ USE_FUSED_TRAINING: bool | None = None
 #: time than the Triton kernels' (H200 machine: ``chunk_fwd`` without autograd 227 against 151 µs a call, the TMA
 #: descriptors' handling most of it), which a small call, whose kernels take less GPU time than that, would wait on
 FUSED_MIN_TOKEN_HEADS = 1 << 16
-_FUSED_REFUSALS: set = set()
 
 
 def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool, switch: bool | None,
@@ -1031,19 +1021,36 @@ def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: boo
     """Whether the forward runs ``delta_fused`` for ``token_heads`` (token, value head) pairs, by ``switch``
     (``USE_FUSED_PREFILL`` or ``USE_FUSED_TRAINING``: None where it pays); where it was asked for and cannot run,
     says why once."""
-    if switch is False or q.device.type == "cpu":  # the interpreter runs the Triton kernels
-        return False
     if switch is None and token_heads < FUSED_MIN_TOKEN_HEADS:
+        return False
+
+    def why_not():
+        from . import delta_fused
+
+        return delta_fused.supported(q, K, V, C, given_write_keys)
+
+    return _hopper_kernel_runs(q, switch, why_not, "the fused forward")
+
+
+def _gluon():
+    """``delta_gluon``, imported where a walk is asked for (Gluon's modules load only then)."""
+    from . import delta_gluon
+
+    return delta_gluon
+
+
+def _hopper_kernel_runs(q: torch.Tensor, switch: bool | None, why_not, what: str) -> bool:
+    """Whether a Hopper kernel (``what``) runs for inputs like q under its ``switch`` (True, False, None): never on
+    the CPU (the interpreter runs the Triton kernels) nor while torch.compile traces (``GLUON_WALK_UNDER_COMPILE``),
+    else where ``why_not()`` has no reason against it; where it was asked for and cannot run, says why once."""
+    if switch is False or q.device.type == "cpu":
         return False
     if torch.compiler.is_compiling() and not GLUON_WALK_UNDER_COMPILE:
         return False
-    from . import delta_fused
-
-    why = delta_fused.supported(q, K, V, C, given_write_keys)
-    if why is not None and switch and why not in _FUSED_REFUSALS:
-        _FUSED_REFUSALS.add(why)
-        warnings.warn(f"lazoo: the fused forward was asked for but {why}: the Triton kernels run instead",
-                      stacklevel=3)
+    why = why_not()
+    if why is not None and switch and (what, why) not in _HOPPER_REFUSALS:
+        _HOPPER_REFUSALS.add((what, why))
+        warnings.warn(f"lazoo: {what} was asked for but {why}: the Triton kernels run instead", stacklevel=4)
     return why is None
 
 

@@ -54,10 +54,10 @@ if FUSED_ERROR is None:
 
 CHUNK = dg.CHUNK
 
-#: warps of the state and the output partitions (one warpgroup each) and the loader's; the output partition's
-#: registers (the state partition takes what the kernel's limit leaves)
+#: warps of the state and the output partitions (one warpgroup each; the loader has one warp, the kernel's
+#: ``gl.warp_specialize`` call says so, as a Gluon kernel reads no plain global); the output partition's registers
+#: (the state partition takes what the kernel's limit leaves)
 PART_WARPS = 4
-LOAD_WARPS = 1
 OUT_REGS = 152
 #: the output partition's registers where it also stores the chunk states and pseudo-values (H200, bf16, fwd + bwd
 #: against 152: T = 1k B = 32 2.71 -> 2.58 ms, 8k B = 4 with HV = 2H 5.40 -> 5.06)
