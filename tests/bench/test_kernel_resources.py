@@ -75,6 +75,20 @@ def test_delta_fused_forward_fits_hopper(single_thread):
         assert r["spill_stores"] <= 160, (name, r)
 
 
+def test_delta_chunk_backward_fits_and_does_not_spill(single_thread):
+    """The Gluon chunk backward's shared tiles fit a Hopper block and its registers hold every product at two
+    warpgroups (a spill here cost the plain-Triton fused form of this backward its speed)."""
+    from lazoo.kernels import delta_chunk_bwd
+
+    if delta_chunk_bwd.CHUNK_BWD_ERROR is not None:
+        pytest.skip(f"this Triton lacks what the chunk backward needs: {delta_chunk_bwd.CHUNK_BWD_ERROR}")
+    report = kernel_resources.delta_chunk_bwd_report()
+    assert len(report) == 3, report
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
+        assert r["spill_stores"] == 0, (name, r)
+
+
 @pytest.mark.slow  # shows once that the check can fail; the default run keeps the checks themselves
 def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
     """A matrix product over 256 × 256 fp32 tiles in 3 pipeline stages needs far more than a Hopper block has."""

@@ -171,6 +171,33 @@ def test_fused_forward_only_where_asked_and_supported(monkeypatch):
         assert not delta.fused_forward(q, 128, 128, 64, False, switch=True)  # said once
 
 
+def test_chunk_backward_kernel_only_where_asked_and_supported(monkeypatch):
+    """The backward's chunk-parallel part takes the Gluon kernel on a GPU that runs it unless switched off, says once
+    why not where it was asked for and cannot run, and never on the CPU; the kernel takes heads of 128 only."""
+    from lazoo.kernels import delta, delta_chunk_bwd
+
+    q = torch.empty(1, 4, 128)
+    monkeypatch.setattr(delta, "USE_CHUNK_BWD", True)
+    assert not delta.chunk_bwd_kernel(q, 128, 128, 64, False)  # CPU
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(delta_chunk_bwd, "supported", lambda *a: None)
+    assert delta.chunk_bwd_kernel(q, 128, 128, 64, False)
+    monkeypatch.setattr(delta, "USE_CHUNK_BWD", None)
+    assert delta.chunk_bwd_kernel(q, 128, 128, 64, False)
+    monkeypatch.setattr(delta, "USE_CHUNK_BWD", False)
+    assert not delta.chunk_bwd_kernel(q, 128, 128, 64, False)
+    monkeypatch.setattr(delta_chunk_bwd, "supported", lambda *a: "needs dk = dv = 128 (got 64, 128)")
+    monkeypatch.setattr(delta, "_HOPPER_REFUSALS", set())
+    monkeypatch.setattr(delta, "USE_CHUNK_BWD", True)
+    with pytest.warns(UserWarning, match="chunk backward was asked for but needs dk = dv = 128"):
+        assert not delta.chunk_bwd_kernel(q, 64, 128, 64, False)
+    monkeypatch.undo()
+    if delta_chunk_bwd.CHUNK_BWD_ERROR is None:
+        monkeypatch.setattr(delta_chunk_bwd.gw, "walk_supported", lambda *a: None)
+        assert delta_chunk_bwd.supported(None, 128, 128, 64, False) is None
+        assert "dk = dv = 128" in delta_chunk_bwd.supported(None, 128, 64, 64, False)
+
+
 def test_fused_forward_only_for_inputs_on_16_byte_boundaries():
     from lazoo.kernels import delta
 
@@ -787,6 +814,25 @@ def _check_packed_and_grouped_against_float64(op, seed):
                             ref_device="cuda")
 
 
+def _backward_with_and_without(monkeypatch, switch, label, q, k, v, beta, g, S0, seqs, saved, do, dsT):
+    """``delta.chunk_bwd`` on the same saved forward and upstream gradients with ``delta.<switch>`` off and on: every
+    gradient finite, of the same dtype and shape, within 1e-2 of the other (relative, Frobenius)."""
+    from lazoo.kernels import delta
+
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(delta, switch, on)
+        runs[on] = delta.chunk_bwd(q, k, v, beta, g, S0, q.shape[-1] ** -0.5, seqs, 64, saved, do, dsT, True)
+    for name, ref, got in zip(["dq", "dk", "dv", "dbeta", "dg", "ds0"], runs[False], runs[True]):
+        if ref is None:
+            assert got is None, name
+            continue
+        err = rel_err(got.double(), ref.double())
+        print(f"{label} {name}: {err:.1e}")
+        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.isfinite(got).all(), name
+        assert err < 1e-2, (name, err)
+
+
 def _packed_gpu_inputs(seed, op, dtype=torch.bfloat16):
     """Flattened inputs as ``delta.chunk_fwd`` takes them, on the GPU: four packed sequences of 1, 62, 337 and 600
     tokens (one shorter than a chunk), two key heads of normalised q and k, four value heads with fp32 β and g
@@ -862,18 +908,8 @@ def test_gpu_gluon_backward_walk_matches_the_triton_kernels(monkeypatch, op, bv)
     S0, dsT = (torch.randn(4, H, D, D, device="cuda", generator=gen) * 0.5 for _ in range(2))
     seqs = delta.seqs_for(1, T, cu, 64, q.device)
     _, _, saved = delta.chunk_fwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, False)
-    runs = {}
-    for gluon in (False, True):
-        monkeypatch.setattr(delta, "USE_GLUON_BWD_WALK", gluon)
-        runs[gluon] = delta.chunk_bwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, saved, do, dsT, True)
-    for name, ref, got in zip(["dq", "dk", "dv", "dbeta", "dg", "ds0"], runs[False], runs[True]):
-        if ref is None:
-            assert got is None, name
-            continue
-        err = rel_err(got.double(), ref.double())
-        print(f"{op} dv blocks of {bv} {name}: {err:.1e}")
-        assert got.dtype == ref.dtype and got.shape == ref.shape and torch.isfinite(got).all(), name
-        assert err < 1e-2, (name, err)
+    _backward_with_and_without(monkeypatch, "USE_GLUON_BWD_WALK", f"{op} dv blocks of {bv}",
+                               q, k, v, beta, g, S0, seqs, saved, do, dsT)
 
 
 @pytest.mark.gpu
@@ -1044,6 +1080,33 @@ def test_gpu_fused_forward_matches_the_triton_kernels_and_float64(monkeypatch, o
         print(f"{op} {dtype} {layout} dv blocks of {bv} {name}: fused {err:.1e}, Triton kernels {base_err:.1e}, "
               f"between {rel_err(got.double(), base.double()):.1e}")
         assert err < 1.5 * base_err + 1e-3, (name, err, base_err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_chunk_backward_matches_the_triton_kernels_and_float64(monkeypatch, op, dtype):
+    """The backward's chunk-parallel part as one Gluon kernel (``delta_chunk_bwd``) against ``_bwd_dqkw`` +
+    ``_bwd_wy`` on the same saved forward and upstream gradients (packed sequences of ragged lengths, one of a token,
+    one shorter than a chunk, a carried state, two value heads a key head with fp32 β and g): every gradient; then
+    forward and backward against float64 with it forced (packed, with the norms' backward inside the kernel, and
+    grouped value heads)."""
+    from lazoo.kernels import delta, delta_chunk_bwd
+
+    _needs_hopper_kernel(delta_chunk_bwd.supported, "the Gluon chunk backward")
+    q, k, v, beta, g, S0, seqs = _packed_gpu_inputs(53, op, dtype)
+    D = q.shape[-1]
+    o, sT, saved = delta.chunk_fwd(q, k, v, beta, g, S0, D ** -0.5, seqs, 64, True)
+    gen = torch.Generator(device="cuda").manual_seed(54)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dsT = torch.randn(sT.shape, device="cuda", generator=gen)
+    # 16-bit rounding apart: the Triton kernels round dW and dW~ between them, the Gluon kernel keeps dW in fp32
+    _backward_with_and_without(monkeypatch, "USE_CHUNK_BWD", f"{op} {dtype}", q, k, v, beta, g, S0, seqs, saved, do,
+                               dsT)
+    if dtype == torch.bfloat16:  # the float64 checks run in bf16
+        monkeypatch.setattr(delta, "USE_CHUNK_BWD", True)
+        _check_packed_and_grouped_against_float64(op, seed=55)
 
 
 @pytest.mark.gpu

@@ -630,6 +630,29 @@ def delta_fused_report(dk: int = 128, dtype: str = "bf16") -> dict:
     return report
 
 
+def delta_chunk_bwd_report(dtype: str = "bf16") -> dict:
+    """The (gated) delta rule's chunk-parallel backward (``lazoo.kernels.delta_chunk_bwd``) at dk = dv = 128, gated with
+    and without the norms' backward inside, and ungated; empty where this Triton lacks what it needs."""
+    import torch
+
+    from lazoo.kernels import delta_chunk_bwd as kb
+
+    if kb.CHUNK_BWD_ERROR is not None:
+        return {}
+    fn = kb._chunk_bwd_kernel
+    lay = kb.layouts(128, 128, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    sig = {n: f"*{dtype}" for n in ("q", "k", "v", "beta", "h", "dh", "vnew", "do", "du", "dq", "dk", "dv")}
+    sig.update({n: "*fp32" for n in ("Gc", "A", "dbeta", "dg", "rq", "rk")})
+    sig.update({"chunks": "*i32", "cu": "*i32", "scale": "fp32"})
+    sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
+    report = {}
+    for gated, norm in ((True, True), (True, False), (False, True)):
+        c = dict(H=16, HK=16, K=128, V=128, C=kb.CHUNK, HAS_G=gated, NORM=norm, num_warps=kb.WARPS, **lay)
+        name = ("gated" if gated else "ungated") + (", norms inside" if norm else "")
+        report[name] = measure(fn, sig, c, num_warps=kb.WARPS)
+    return report
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -670,6 +693,7 @@ def main() -> None:
     _print("Gated delta rule's training kernels (dk = dv = 128, bf16):", delta_training_report())
     _print("Gated delta rule's Gluon kernels (dk = dv = 128, bf16):", delta_gluon_report())
     _print("(Gated) delta rule's fused forward without autograd (dk = dv = 128, bf16):", delta_fused_report())
+    _print("(Gated) delta rule's chunk-parallel backward (dk = dv = 128, bf16):", delta_chunk_bwd_report())
     for dtype in ("bf16", "fp32"):
         _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 

@@ -1032,6 +1032,23 @@ def fused_forward(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: boo
     return _hopper_kernel_runs(q, switch, why_not, "the fused forward")
 
 
+#: the backward's chunk-parallel part (after the reverse walk) as one Hopper kernel (``delta_chunk_bwd``, Gluon) in
+#: place of ``_bwd_dqkw`` and ``_bwd_wy``: None (where it runs), True, False
+USE_CHUNK_BWD: bool | None = None
+
+
+def chunk_bwd_kernel(q: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -> bool:
+    """Whether ``chunk_bwd`` runs ``delta_chunk_bwd`` for inputs like q (``USE_CHUNK_BWD``); where it was asked for
+    and cannot run, says why once."""
+
+    def why_not():
+        from . import delta_chunk_bwd
+
+        return delta_chunk_bwd.supported(q, K, V, C, given_write_keys)
+
+    return _hopper_kernel_runs(q, USE_CHUNK_BWD, why_not, "the Gluon chunk backward")
+
+
 def _gluon():
     """``delta_gluon``, imported where a walk is asked for (Gluon's modules load only then)."""
     from . import delta_gluon
@@ -1286,6 +1303,15 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
             STORE_DS0=need_walk_ds0, LOCAL_DU=local_du, DT=DT, PREC=PREC, **dhu_opts)
     if not segs:
         ds0 = walk_ds0
+    NORM = norms is not None
+    if NORM and (HK != H or HAS_W):
+        raise ValueError("chunk_bwd: the norms' backward in the kernels needs one value head a key head")
+    if chunk_bwd_kernel(q, K, V, C, HAS_W):
+        from . import delta_chunk_bwd
+
+        dq, dk, dv, dbeta, dg = delta_chunk_bwd.chunk_bwd(q, k, v, beta, Gc if HAS_G else None, A, h, dh, vnew, do,
+                                                          du, seqs, scale, norms)
+        return dq, dk, dv, dbeta, dg, (ds0 if need_ds0 else None)
     BKq = BKF if (interp or (BKF <= 128 and not FP32)) else 64  # dqkw: all of dk in one program up to 128
     if not interp and CONFIGS["dqkw"].get("BK"):
         BKq = CONFIGS["dqkw"]["BK"]
@@ -1296,9 +1322,8 @@ def chunk_bwd(q, k, v, beta, g, S0, scale, seqs: _Seqs, C: int, saved, do, dsT, 
     dw = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dwt = torch.empty(TT, H, K, device=dev, dtype=q.dtype)
     dgp = torch.empty(NK, TT, H, device=dev, dtype=f32) if HAS_G else A
-    NORM = norms is not None
-    if NORM and (NK != 1 or HK != H or HAS_W):
-        raise ValueError("chunk_bwd: the norms' backward in the kernels needs one value head a key head and dk whole")
+    if NORM and NK != 1:
+        raise ValueError("chunk_bwd: the norms' backward in the kernels needs dk whole")
     rq, rk = norms if NORM else (A, A)
     _bwd_dqkw_kernel[(NT * NK * H,)](
         q, kw, beta, Gc, h, dh, vnew, do, du, dq, dw, dwt, dgp, rq, seqs.chunks, seqs.cu, scale, TT,
