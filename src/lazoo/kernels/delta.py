@@ -20,7 +20,10 @@ parallel) and ``_fwd_walk`` (per chunk X = V - Γ K S^T, O = scale (diag(γ) Q S
 chunk state, W~ or U reaches memory. It is the same rule regrouped (U = A X); FlashQLA's fused forward (the Qwen
 team's TileLang kernels) walks the chunks with the same X.
 Backward: ``_bwd_dv_local`` (P^T dO), ``_bwd_dhu`` (sequential, reverse: state gradients and dU), ``_bwd_dqkw``
-(dq, dW, dW~ and part of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg).
+(dq, dW, dW~ and part of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg). On Hopper the walks, the forward and
+the backward's chunk-parallel part (``_bwd_dqkw`` + ``_bwd_wy``) have Gluon kernels of their own (``delta_gluon``,
+``delta_fused``, ``delta_chunk_bwd``), taken where they run; these Triton kernels stay the reference and serve
+every other GPU, dtype and head size.
 
 Layout inside: tokens flattened, ``[TT, H, d]`` (B·T tokens, or the packed ``cu_seqlens`` batch); chunks
 never straddle sequences. Per-chunk states are stored transposed, ``[NT, H, dk, dv]``.
