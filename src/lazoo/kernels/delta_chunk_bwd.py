@@ -77,11 +77,11 @@ if CHUNK_BWD_ERROR is None:
                  gl.convert_layout(x.to(ptr.dtype.element_ty), LD), mask=(r < eos - t0)[:, None])
 
     @gluon.jit
-    def _item(item, chunks, cu, H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
-        """(value head, its key head, first row, end of its sequence, offset of its chunk state) of work item ``item``
-        (chunk ``item // H``, value head ``item % H``)."""
-        i_c = item // H
-        i_h = item % H
+    def _program_chunk(pid, chunks, cu, H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+        """(value head, its key head, first row, end of its sequence, offset of its chunk state) of program ``pid``:
+        chunk ``pid // H``, value head ``pid % H``."""
+        i_c = pid // H
+        i_h = pid % H
         i_n = gl.load(chunks + i_c * 2).to(gl.int64)
         t0 = gl.load(chunks + i_c * 2 + 1).to(gl.int64)
         eos = gl.load(cu + i_n + 1).to(gl.int64)
@@ -121,7 +121,7 @@ if CHUNK_BWD_ERROR is None:
         DT: gl.constexpr = q.dtype.element_ty
         f32: gl.constexpr = gl.float32
         scale = scale.to(f32)
-        i_h, i_k, t0, eos, hb = _item(gl.program_id(0), chunks, cu, H, HK, K, V)
+        i_h, i_k, t0, eos, hb = _program_chunk(gl.program_id(0), chunks, cu, H, HK, K, V)
 
         do_s = gl.allocate_shared_memory(DT, [C, V], SH_V)
         u_s = gl.allocate_shared_memory(DT, [C, V], SH_V)
@@ -204,8 +204,8 @@ if CHUNK_BWD_ERROR is None:
         dq_t, dw, da = warpgroup_mma_wait(0, deps=(dq_t, dw, da))
         qf = q_s.load(ACC_CK).to(f32)
         if HAS_G:
-            # dG: Γ in the inter-chunk output, E in M and in L, Γ K in W~, D and γ_C in the state update; the first
-            # three sum to q · dq + k · dk - 2 β (k · dW_total) per row (dq, dk before the norms)
+            # dG from Γ in the inter-chunk output, E in M and in L and Γ K in W~ sums to q · dq + k · dk - 2 β (k ·
+            # dW_total) per row (dq, dk before the norms); D and γ_C in the state update add x at the last row
             dgv = gl.sum(qf * dq_t, 1)
             last = gl.minimum(t0 + C, eos) - 1 - t0
             dgv += gl.where(rows == last, x, 0.0)
