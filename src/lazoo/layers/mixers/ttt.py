@@ -20,6 +20,7 @@ from ...ops.norms import l2norm
 from ...ops.ttt import ttt_linear_decode_step, ttt_mlp_decode_step
 from ...registry import Mechanism, register
 from .base import normal_parameter
+from .delta import DELTA_KERNELS
 from .recurrent import RecurrentMixer
 
 
@@ -103,8 +104,7 @@ register(Mechanism(
     source="Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hidden States",
     state='{"op": {"W", "W_start", "n"} (inner weights now and at the mini-batch start), "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.ttt", "lazoo.kernels.delta", "lazoo.kernels.delta_fused", "lazoo.kernels.delta_gluon",
-             "lazoo.kernels.delta_split"),
+    kernels=("lazoo.kernels.ttt", *DELTA_KERNELS),
     tiny_options={"mini_batch_size": 4},
     class_prefix="LazooTTTLinear",
 ))

@@ -13,6 +13,7 @@ from torch import nn
 from ... import ops
 from ...registry import Mechanism, register
 from .base import set_parameter
+from .delta import DELTA_KERNELS
 from .recurrent import RecurrentMixer, check_option_choice
 
 #: the lengths of the penalty directions û (the option `penalty_norm`)
@@ -88,9 +89,8 @@ register(Mechanism(
     source="Pandey, Singh 2026, Variational Linear Attention: Stable Associative Memory for Long-Context Transformers",
     state='{"op": {"S" [B, H, dv, dk], "A" [B, H, dk, dk], "z" [B, H, dk], "t" [B]}, "conv": short-conv tails}',
     backends=("recurrent", "chunk", "triton"),
-    kernels=("lazoo.kernels.delta", "lazoo.kernels.delta_fused", "lazoo.kernels.delta_gluon",
-             "lazoo.kernels.delta_split", "lazoo.kernels.vla.token", "lazoo.kernels.vla.split",
-             "lazoo.kernels.vla.chunk", "lazoo.kernels.vla.features"),
+    kernels=(*DELTA_KERNELS, "lazoo.kernels.vla.token", "lazoo.kernels.vla.split", "lazoo.kernels.vla.chunk",
+             "lazoo.kernels.vla.features"),
     option_docs={
         "lambda0": "λ₀, A's initial scale (A_0 = λ₀⁻¹ I)",
         "refresh_period": "P: A is refreshed towards I every P real tokens",
