@@ -9,23 +9,25 @@ pytest.importorskip("triton.backends.nvidia.compiler", reason="this Triton has n
 from lazoo.bench import kernel_resources  # noqa: E402
 
 
-def test_short_conv_kernels_fit_hopper(single_thread):
-    report = kernel_resources.short_conv_report()
-    assert set(report) == {"forward", "backward", "forward (packed)", "backward (packed)"}
+def _assert_fits_without_spill(report: dict) -> None:
+    """Every kernel of ``report`` fits a Hopper block's shared memory, within 255 registers, spilling nothing."""
     for name, r in report.items():
         assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
         assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
         assert r["spill_stores"] == 0, (name, r)
+
+
+def test_short_conv_kernels_fit_hopper(single_thread):
+    report = kernel_resources.short_conv_report()
+    assert set(report) == {"forward", "backward", "forward (packed)", "backward (packed)"}
+    _assert_fits_without_spill(report)
 
 
 def test_ssd_io_kernels_fit_hopper(single_thread):
     """Mamba-2's element-wise kernels (dt·x and the D skip, both directions) compile for sm_90 without spilling."""
     report = kernel_resources.ssd_io_report()
     assert len(report) == 4, report
-    for name, r in report.items():
-        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
-        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
-        assert r["spill_stores"] == 0, (name, r)
+    _assert_fits_without_spill(report)
 
 
 @pytest.mark.parametrize("rows", [1, 64])
@@ -34,10 +36,7 @@ def test_decode_linear_kernels_fit_hopper(single_thread, rows):
     spilling, at one row and at the most rows they take."""
     report = kernel_resources.decode_linear_report(rows=rows)
     assert len(report) == 2, report
-    for name, r in report.items():
-        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
-        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
-        assert r["spill_stores"] == 0, (name, r)
+    _assert_fits_without_spill(report)
 
 
 def test_delta_gluon_kernels_fit_hopper(single_thread):
@@ -52,10 +51,7 @@ def test_delta_gluon_kernels_fit_hopper(single_thread):
     assert set(report) == {"training walk", "training walk, ungated", "walk without autograd",
                            "training walk, dv blocks of 32", "backward walk", "backward walk, ungated",
                            "backward walk, dv blocks of 32"}, report
-    for name, r in report.items():
-        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
-        assert r["regs"] is not None and 0 < r["regs"] <= 255, (name, r)
-        assert r["spill_stores"] == 0, (name, r)
+    _assert_fits_without_spill(report)
 
 
 def test_delta_fused_forward_fits_hopper(single_thread):
@@ -84,9 +80,7 @@ def test_delta_chunk_backward_fits_and_does_not_spill(single_thread):
         pytest.skip(f"this Triton lacks what the chunk backward needs: {delta_chunk_bwd.CHUNK_BWD_ERROR}")
     report = kernel_resources.delta_chunk_bwd_report()
     assert len(report) == 3, report
-    for name, r in report.items():
-        assert r["shared"] <= kernel_resources.SHARED_LIMIT, (name, r)
-        assert r["spill_stores"] == 0, (name, r)
+    _assert_fits_without_spill(report)
 
 
 @pytest.mark.slow  # shows once that the check can fail; the default run keeps the checks themselves
