@@ -526,7 +526,7 @@ def delta_training_report(dk: int = 128, dv: int = 128, dtype: str = "bf16", chu
     norms = kd.NORM_BACKWARD_IN_KERNELS and BKF <= 128 and not fp32
     base = dict(H=16, HK=16, K=dk, V=dv, C=chunk, BK=BK, BKF=BKF, BV=BV, NK=1, HAS_G=True, HAS_W=False,
                 USE_S0=True, STORE_S=True, USE_DST=True, STORE_DS0=True, LOCAL_DU=False, NORM_Q=norms,
-                NORM_K=norms, DT=DT, TDT=TDT, PREC=PREC)
+                NORM_K=norms, STORE_U=True, DT=DT, TDT=TDT, PREC=PREC)
 
     def compile_one(fn, opts, **over):
         sig, c = {}, {}
