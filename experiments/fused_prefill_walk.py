@@ -113,14 +113,10 @@ def fused_prefill(q, k, v, beta, g=None, *, scale: float, initial_state=None, ou
     gf = None if g is None else g.reshape(TT, H).contiguous()
     DT, PREC = dot_types(qf)
     FP32 = qf.dtype == torch.float32
-    BKF, BK, _ = kd._blocks(K, V, interp)
+    BKF = kd._blocks(K, V, interp)[0]
     f32 = torch.float32
-    Gc = torch.empty(TT, H, device=dev, dtype=f32) if gf is not None else bf
-    A = torch.empty(TT, H, C, device=dev, dtype=f32)
-    kd._fwd_solve_kernel[(seqs.NT * H,)](
-        kf, kf, bf, gf if gf is not None else bf, Gc, A, seqs.chunks, seqs.cu,
-        H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=gf is not None, HAS_W=False, DT=DT, PREC=PREC,
-        **kd._opts("solve", interp, FP32))
+    Gc, A = kd.fwd_solve(kf, bf, gf, seqs, C, H, V, f32)
+    Gc = Gc if gf is not None else bf
     o = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     sT = torch.empty(seqs.N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     S0 = None if initial_state is None else initial_state.contiguous()

@@ -83,6 +83,20 @@ def test_delta_chunk_backward_fits_and_does_not_spill(single_thread):
     _assert_fits_without_spill(report)
 
 
+def test_delta_solve_fits_and_does_not_spill(single_thread):
+    """The Gluon solve's shared tiles fit a Hopper block with room for several programs a multiprocessor (what the
+    one-warp Triton solve lacks) and its one warpgroup holds the products without spilling."""
+    from lazoo.kernels import delta_solve
+
+    if delta_solve.SOLVE_ERROR is not None:
+        pytest.skip(f"this Triton lacks what the solve needs: {delta_solve.SOLVE_ERROR}")
+    report = kernel_resources.delta_solve_report()
+    assert len(report) == 3, report
+    _assert_fits_without_spill(report)
+    for name, r in report.items():
+        assert r["shared"] <= kernel_resources.SHARED_LIMIT // 3 and r["regs"] <= 168, (name, r)
+
+
 @pytest.mark.slow  # shows once that the check can fail; the default run keeps the checks themselves
 def test_a_tile_too_large_for_shared_memory_is_seen(single_thread):
     """A matrix product over 256 × 256 fp32 tiles in 3 pipeline stages needs far more than a Hopper block has."""

@@ -171,31 +171,50 @@ def test_fused_forward_only_where_asked_and_supported(monkeypatch):
         assert not delta.fused_forward(q, 128, 128, 64, False, switch=True)  # said once
 
 
-def test_chunk_backward_kernel_only_where_asked_and_supported(monkeypatch):
-    """The backward's chunk-parallel part takes the Gluon kernel on a GPU that runs it unless switched off, says once
-    why not where it was asked for and cannot run, and never on the CPU; the kernel takes heads of 128 only."""
-    from lazoo.kernels import delta, delta_chunk_bwd
+@pytest.mark.parametrize("switch,dispatch,module,what", [
+    ("USE_CHUNK_BWD", "chunk_bwd_kernel", "delta_chunk_bwd", "the Gluon chunk backward"),
+    ("USE_GLUON_SOLVE", "solve_kernel", "delta_solve", "the Gluon solve"),
+], ids=["chunk_backward", "solve"])
+def test_hopper_kernel_only_where_asked_and_supported(monkeypatch, switch, dispatch, module, what):
+    """A Hopper kernel behind its switch runs on a GPU that runs it where asked for (True) or wherever it is supported
+    (None), not where switched off, never on the CPU (the interpreter runs the Triton kernels); where it was asked for
+    and cannot run, it says why once, and where it was not asked for, nothing."""
+    import importlib
 
-    q = torch.empty(1, 4, 128)
-    monkeypatch.setattr(delta, "USE_CHUNK_BWD", True)
-    assert not delta.chunk_bwd_kernel(q, 128, 128, 64, False)  # CPU
+    from lazoo.kernels import delta
+
+    kernel = importlib.import_module(f"lazoo.kernels.{module}")
+    runs = getattr(delta, dispatch)
+    x = torch.empty(1, 4, 128)
+    monkeypatch.setattr(delta, switch, True)
+    assert not runs(x, 128, 128, 64, False)  # CPU
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr(delta_chunk_bwd, "supported", lambda *a: None)
-    assert delta.chunk_bwd_kernel(q, 128, 128, 64, False)
-    monkeypatch.setattr(delta, "USE_CHUNK_BWD", None)
-    assert delta.chunk_bwd_kernel(q, 128, 128, 64, False)
-    monkeypatch.setattr(delta, "USE_CHUNK_BWD", False)
-    assert not delta.chunk_bwd_kernel(q, 128, 128, 64, False)
-    monkeypatch.setattr(delta_chunk_bwd, "supported", lambda *a: "needs dk = dv = 128 (got 64, 128)")
+    monkeypatch.setattr(kernel, "supported", lambda *a: None)
+    for on, want in ((True, True), (None, True), (False, False)):
+        monkeypatch.setattr(delta, switch, on)
+        assert runs(x, 128, 128, 64, False) == want, on
+    monkeypatch.setattr(kernel, "supported", lambda *a: "needs dk = dv = 128 (got 64, 128)")
     monkeypatch.setattr(delta, "_HOPPER_REFUSALS", set())
-    monkeypatch.setattr(delta, "USE_CHUNK_BWD", True)
-    with pytest.warns(UserWarning, match="chunk backward was asked for but needs dk = dv = 128"):
-        assert not delta.chunk_bwd_kernel(q, 64, 128, 64, False)
-    monkeypatch.undo()
-    if delta_chunk_bwd.CHUNK_BWD_ERROR is None:
-        monkeypatch.setattr(delta_chunk_bwd.gw, "walk_supported", lambda *a: None)
-        assert delta_chunk_bwd.supported(None, 128, 128, 64, False) is None
-        assert "dk = dv = 128" in delta_chunk_bwd.supported(None, 128, 64, 64, False)
+    monkeypatch.setattr(delta, switch, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not runs(x, 64, 128, 64, False)  # not asked for: nothing said
+    monkeypatch.setattr(delta, switch, True)
+    with pytest.warns(UserWarning, match=f"{what} was asked for but needs dk = dv = 128"):
+        assert not runs(x, 64, 128, 64, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not runs(x, 64, 128, 64, False)  # said once
+
+
+def test_chunk_backward_kernel_takes_heads_of_128_only(monkeypatch):
+    from lazoo.kernels import delta_chunk_bwd
+
+    if delta_chunk_bwd.CHUNK_BWD_ERROR is not None:
+        pytest.skip(f"this Triton lacks what the chunk backward needs: {delta_chunk_bwd.CHUNK_BWD_ERROR}")
+    monkeypatch.setattr(delta_chunk_bwd.gw, "walk_supported", lambda *a: None)
+    assert delta_chunk_bwd.supported(None, 128, 128, 64, False) is None
+    assert "dk = dv = 128" in delta_chunk_bwd.supported(None, 128, 64, 64, False)
 
 
 def test_fused_forward_only_for_inputs_on_16_byte_boundaries():
@@ -1080,6 +1099,60 @@ def test_gpu_fused_forward_matches_the_triton_kernels_and_float64(monkeypatch, o
         print(f"{op} {dtype} {layout} dv blocks of {bv} {name}: fused {err:.1e}, Triton kernels {base_err:.1e}, "
               f"between {rel_err(got.double(), base.double()):.1e}")
         assert err < 1.5 * base_err + 1e-3, (name, err, base_err)
+
+
+def _solve_float64(k, beta, g, seqs, C=64):
+    """G and A = (I + strict_tril(E ⊙ K Kᵀ) diag(β))⁻¹ of every chunk in float64, by each chunk's own inverse."""
+    TT, HK, D = k.shape
+    H = beta.shape[1]
+    kv = k.double()[:, torch.arange(H, device=k.device) // (H // HK)]  # each value head's key head
+    G = torch.zeros(TT, H, dtype=F64, device=k.device)
+    A = torch.zeros(TT, H, C, dtype=F64, device=k.device)
+    cu = seqs.cu.tolist()
+    for b, e in zip(cu[:-1], cu[1:]):
+        for t0 in range(b, e, C):
+            n = min(C, e - t0)
+            rows = slice(t0, t0 + n)
+            Gc = torch.cumsum(g[rows].double(), 0) if g is not None else torch.zeros(n, H, dtype=F64,
+                                                                                     device=k.device)
+            G[rows] = Gc
+            kc = kv[rows].transpose(0, 1)  # [H, n, D]
+            L = (kc @ kc.transpose(1, 2)) * beta[rows].double().T[:, None, :]
+            L = L * torch.exp(Gc.T[:, :, None] - Gc.T[:, None, :])
+            L = torch.tril(L, -1) + torch.eye(n, dtype=F64, device=k.device)
+            A[rows, :, :n] = torch.linalg.inv(L).transpose(0, 1)
+    return G, A
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op", ["delta", "gated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_gluon_solve_matches_the_triton_kernel_and_float64(monkeypatch, op, dtype):
+    """The solve as one Gluon kernel (``delta_solve``) against ``_fwd_solve`` and against each chunk's float64
+    inverse: packed ragged sequences (one of a single token, one shorter than a chunk), two value heads a key head,
+    fp32 β and g; A stored in fp32 and in q's dtype. Then forward and backward against float64 with it forced."""
+    from lazoo.kernels import delta, delta_solve
+
+    _needs_hopper_kernel(delta_solve.supported, "the Gluon solve")
+    q, k, v, beta, g, S0, seqs = _packed_gpu_inputs(51, op, dtype)
+    H, V = v.shape[1:]
+    want_G, want_A = _solve_float64(k, beta, g, seqs)
+    for a_dtype in (torch.float32, dtype):
+        runs = {}
+        for on in (False, True):
+            monkeypatch.setattr(delta, "USE_GLUON_SOLVE", on)
+            runs[on] = delta.fwd_solve(k, beta, g, seqs, 64, H, V, a_dtype)
+        for name, base, got, want in zip(["G", "A"], runs[False], runs[True], [want_G, want_A]):
+            if base is None:
+                assert got is None and op == "delta"
+                continue
+            assert got.dtype == base.dtype and got.shape == base.shape and torch.isfinite(got).all(), name
+            err, base_err = rel_err(got.double(), want), rel_err(base.double(), want)
+            print(f"{op} {dtype} A in {a_dtype} {name}: Gluon {err:.1e}, Triton {base_err:.1e}")
+            assert err <= 1.5 * base_err + 1e-6, (name, err, base_err)
+    monkeypatch.setattr(delta, "USE_GLUON_SOLVE", True)
+    _check_packed_and_grouped_against_float64(op, seed=53)
 
 
 @pytest.mark.gpu

@@ -653,6 +653,27 @@ def delta_chunk_bwd_report(dtype: str = "bf16") -> dict:
     return report
 
 
+def delta_solve_report(dtype: str = "bf16") -> dict:
+    """The (gated) delta rule's per-chunk solve on Hopper (``lazoo.kernels.delta_solve``) at dk = 128, gated and not,
+    A in fp32 (as the training kernels read it) and in q's dtype; empty where this Triton lacks what it needs."""
+    import torch
+
+    from lazoo.kernels import delta_solve as ks
+
+    if ks.SOLVE_ERROR is not None:
+        return {}
+    fn = ks._solve_kernel
+    lay = ks.layouts(128, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    report = {}
+    for gated, a in ((True, "fp32"), (False, "fp32"), (True, dtype)):
+        sig = {"k": f"*{dtype}", "beta": f"*{dtype}", "g": "*fp32", "Gc": "*fp32", "A": f"*{a}", "chunks": "*i32",
+               "cu": "*i32"}
+        sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
+        c = dict(H=16, HK=16, K=128, C=ks.CHUNK, HAS_G=gated, num_warps=ks.WARPS, **lay)
+        report[("gated" if gated else "ungated") + f", A in {a}"] = measure(fn, sig, c, num_warps=ks.WARPS)
+    return report
+
+
 class _FakeDevice:
     """A CUDA device for the launchers' option tables (which give the interpreter no options)."""
 
@@ -694,6 +715,7 @@ def main() -> None:
     _print("Gated delta rule's Gluon kernels (dk = dv = 128, bf16):", delta_gluon_report())
     _print("(Gated) delta rule's fused forward without autograd (dk = dv = 128, bf16):", delta_fused_report())
     _print("(Gated) delta rule's chunk-parallel backward (dk = dv = 128, bf16):", delta_chunk_bwd_report())
+    _print("(Gated) delta rule's solve on Hopper (dk = 128, bf16):", delta_solve_report())
     for dtype in ("bf16", "fp32"):
         _print(f"Kimi Delta Attention (dk = dv = 128, {dtype}, g and beta fp32):", kda_report(dtype=dtype))
 

@@ -1132,6 +1132,50 @@ def _dhu_launch(K: int, V: int, parallel: int, device, interpret: bool, fp32: bo
     return _seq_bv(K, V, parallel, device, interpret, fp32), opts
 
 
+#: the solve (G and A of every chunk) as one Hopper kernel (``delta_solve``: a warpgroup a chunk and value head) in
+#: place of ``_fwd_solve`` (one warp): True, False (the default), or None for wherever it is supported. Off, as it is
+#: slower: H200, bf16, gated, the kernel's time (torch.profiler, forward without autograd) 0.186 -> 0.240 ms at T = 1k
+#: B = 32, 0.337 -> 0.478 at 8k with HV = 2H. Its parts, each left out in turn: the two merges 0.062 / 0.152 ms, the
+#: substitution 0.014 / 0.030, and the rest (K's rows in, K Kᵀ, L, A out) 0.180 / 0.329, as long as the whole Triton
+#: kernel: one chunk a program and a few programs a multiprocessor leave the loads' latency open
+USE_GLUON_SOLVE: bool | None = False
+
+
+def solve_kernel(k: torch.Tensor, K: int, V: int, C: int, given_write_keys: bool) -> bool:
+    """Whether ``fwd_solve`` runs ``delta_solve`` for keys like k (``USE_GLUON_SOLVE``); where it was asked for and
+    cannot run, says why once."""
+
+    def why_not():
+        from . import delta_solve
+
+        return delta_solve.supported(k, K, V, C, given_write_keys)
+
+    return _hopper_kernel_runs(k, USE_GLUON_SOLVE, why_not, "the Gluon solve")
+
+
+def fwd_solve(k, beta, g, seqs: _Seqs, C: int, H: int, V: int, a_dtype: torch.dtype, w=None):
+    """``(G, A)`` of every chunk on flattened inputs as ``chunk_fwd`` takes them: G ``[TT, H]`` fp32 (None without
+    g), A = (I + strict_tril(E ⊙ K Wᵀ))⁻¹ ``[TT, H, C]`` in ``a_dtype`` (W = β K, or the given write keys w)."""
+    TT, HK, K = k.shape
+    HAS_G, HAS_W = g is not None, w is not None
+    if solve_kernel(k, K, V, C, HAS_W):
+        from . import delta_solve
+
+        return delta_solve.solve(k, beta, g, seqs, H, a_dtype)
+    dev, f32 = k.device, torch.float32
+    interp = dev.type == "cpu"
+    DT, PREC = dot_types(k)
+    BK = _blocks(K, V, interp)[1]
+    Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else None
+    A = torch.empty(TT, H, C, device=dev, dtype=a_dtype)
+    beta = w if HAS_W else beta  # a placeholder pointer when unused
+    _fwd_solve_kernel[(seqs.NT * H,)](
+        k, w if HAS_W else k, beta, g if HAS_G else beta, Gc if HAS_G else beta, A, seqs.chunks, seqs.cu,
+        H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC,
+        **_opts("solve", interp, k.dtype == f32))
+    return Gc, A
+
+
 def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_final_state: bool, w=None,
               save: bool = True):
     """Forward on flattened inputs q/k ``[TT, HK, dk]``, v ``[TT, H, dv]``, beta/g ``[TT, H]`` (or write
@@ -1150,7 +1194,6 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
     kw = w if HAS_W else k  # the write key (β applied in the kernels when it is k)
     f32 = torch.float32
     TDT = _triangular_type(q, DT, HAS_W)
-    Gc = torch.empty(TT, H, device=dev, dtype=f32) if HAS_G else beta
     segs = split_segments(seqs, H, V, q, C)
     fused = not segs and tma_aligned(q, k, v) and fused_forward(q, K, V, C, HAS_W,
                                                                 USE_FUSED_TRAINING if save else USE_FUSED_PREFILL,
@@ -1159,11 +1202,9 @@ def chunk_fwd(q, k, v, beta, g, S0, scale: float, seqs: _Seqs, C: int, output_fi
         from . import delta_fused
 
         fused = not save or delta_fused.AX_TF32  # the backward reads A in fp32
-    A = torch.empty(TT, H, C, device=dev, dtype=delta_fused.a_dtype(q) if fused else f32)
     NT, N = seqs.NT, seqs.N
-    _fwd_solve_kernel[(NT * H,)](
-        k, kw, beta, g if HAS_G else beta, Gc, A, seqs.chunks, seqs.cu,
-        H=H, HK=HK, K=K, C=C, BK=BK, HAS_G=HAS_G, HAS_W=HAS_W, DT=DT, PREC=PREC, **_opts("solve", interp, FP32))
+    Gc, A = fwd_solve(k, beta, g, seqs, C, H, V, delta_fused.a_dtype(q) if fused else f32, w=w)
+    Gc = Gc if HAS_G else beta  # a placeholder pointer when unused
     sT = torch.empty(N, H, V, K, device=dev, dtype=f32) if output_final_state else A
     if fused:
         wt = None

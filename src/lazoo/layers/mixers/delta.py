@@ -215,7 +215,7 @@ class DeltaProductMixer(RecurrentMixer):
 #: the kernel modules the (gated) delta rule ops reach on the triton backend
 #: (the TTT and VLA mixers reach them too, through the delta rule's op)
 DELTA_KERNELS = ("lazoo.kernels.delta", "lazoo.kernels.delta_chunk_bwd", "lazoo.kernels.delta_fused",
-                 "lazoo.kernels.delta_gluon", "lazoo.kernels.delta_split")
+                 "lazoo.kernels.delta_gluon", "lazoo.kernels.delta_solve", "lazoo.kernels.delta_split")
 DELTA_OPTION_DOCS = {
     **RECURRENT_OPTION_DOCS,
     "use_beta": "a learned write strength β = sigmoid(b_proj(x)) per head (False: β = 1, no b_proj)",
