@@ -22,8 +22,8 @@ team's TileLang kernels) walks the chunks with the same X.
 Backward: ``_bwd_dv_local`` (P^T dO), ``_bwd_dhu`` (sequential, reverse: state gradients and dU), ``_bwd_dqkw``
 (dq, dW, dW~ and part of dG), ``_bwd_wy`` (back through A: dk, dv, dβ, dg). On Hopper the walks, the forward and
 the backward's chunk-parallel part (``_bwd_dqkw`` + ``_bwd_wy``) have Gluon kernels of their own (``delta_gluon``,
-``delta_fused``, ``delta_chunk_bwd``), taken where they run; these Triton kernels stay the reference and serve
-every other GPU, dtype and head size.
+``delta_fused``, ``delta_chunk_bwd``), taken where they run, and the solve one taken only where asked for
+(``delta_solve``: slower); these Triton kernels stay the reference and serve every other GPU, dtype and head size.
 
 Layout inside: tokens flattened, ``[TT, H, d]`` (B·T tokens, or the packed ``cu_seqlens`` batch); chunks
 never straddle sequences. Per-chunk states are stored transposed, ``[NT, H, dk, dv]``.
