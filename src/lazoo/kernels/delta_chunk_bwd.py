@@ -68,26 +68,6 @@ if CHUNK_BWD_ERROR is None:
         return gw._rows(x, t0, eos, i_h, H, C, LAYOUT, 0.0)
 
     @gluon.jit
-    def _store_rows(ptr, x, t0, eos, stride, col0, R: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr):
-        """Rows ``t0 + [0, R)`` before ``eos``, columns ``col0 + [0, BC)``, of ``x`` (any layout) into a row-major
-        tensor (row stride ``stride``) at ``ptr``, in its dtype."""
-        r = gl.arange(0, R, layout=gl.SliceLayout(1, LD))
-        c = gl.arange(0, BC, layout=gl.SliceLayout(0, LD))
-        gl.store(ptr + t0 * stride + (r[:, None] * stride + (col0 + c)[None, :]),
-                 gl.convert_layout(x.to(ptr.dtype.element_ty), LD), mask=(r < eos - t0)[:, None])
-
-    @gluon.jit
-    def _program_chunk(pid, chunks, cu, H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
-        """(value head, its key head, first row, end of its sequence, offset of its chunk state) of program ``pid``:
-        chunk ``pid // H``, value head ``pid % H``."""
-        i_c = pid // H
-        i_h = pid % H
-        i_n = gl.load(chunks + i_c * 2).to(gl.int64)
-        t0 = gl.load(chunks + i_c * 2 + 1).to(gl.int64)
-        eos = gl.load(cu + i_n + 1).to(gl.int64)
-        return i_h, i_h // (H // HK), t0, eos, (i_c.to(gl.int64) * H + i_h) * (K * V)
-
-    @gluon.jit
     def _issue_copies(do_s, u_s, du_s, h_s, dh_s, q_s, k_s, v_s, do, vnew, du, h, dh, q, k, v, i_h, i_k, t0, eos, hb,
                       H: gl.constexpr, HK: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
                       LD_K: gl.constexpr, LD_V: gl.constexpr):
@@ -121,7 +101,8 @@ if CHUNK_BWD_ERROR is None:
         DT: gl.constexpr = q.dtype.element_ty
         f32: gl.constexpr = gl.float32
         scale = scale.to(f32)
-        i_h, i_k, t0, eos, hb = _program_chunk(gl.program_id(0), chunks, cu, H, HK, K, V)
+        i_c, i_h, i_k, t0, eos = gw._chunk_program(gl.program_id(0), chunks, cu, H, HK)
+        hb = (i_c.to(gl.int64) * H + i_h) * (K * V)  # the chunk's state in h and dh
 
         do_s = gl.allocate_shared_memory(DT, [C, V], SH_V)
         u_s = gl.allocate_shared_memory(DT, [C, V], SH_V)
@@ -212,14 +193,14 @@ if CHUNK_BWD_ERROR is None:
             da = da * gam_c[None, :]
         if NORM:  # dq_x = rstd (dq - q (q · dq))
             dq_t = (dq_t - qf * gl.sum(qf * dq_t, 1)[:, None]) * _vec(rq, t0, eos, i_h, H, C, ROW)[:, None]
-        _store_rows(dq, dq_t, t0, eos, H * K, i_h * K, C, K, LD_K)
+        gw._store_rows(dq, dq_t, t0, eos, H * K, i_h * K, C, K, LD_K)
 
         # the rest of dA; dv = Aᵀ dU
         da = warpgroup_mma(du_s, v_s.permute((1, 0)), da, is_async=True)
         dv_t = warpgroup_mma(a_s.permute((1, 0)), du_s, gl.zeros([C, V], f32, ACC_CK), use_acc=False,
                              is_async=True)
         da, dv_t = warpgroup_mma_wait(0, deps=(da, dv_t))
-        _store_rows(dv, dv_t, t0, eos, H * V, i_h * V, C, V, LD_V)
+        gw._store_rows(dv, dv_t, t0, eos, H * V, i_h * V, C, V, LD_V)
         strict = pr[:, None] > pc[None, :]
         da = gl.where(strict, da, 0.0)
 
@@ -254,7 +235,7 @@ if CHUNK_BWD_ERROR is None:
             dgv += gl.sum(kf * dk_t, 1) - 2.0 * beta_r * db
         if NORM:  # dk_x = rstd (dk - k (k · dk))
             dk_t = (dk_t - kf * gl.sum(kf * dk_t, 1)[:, None]) * _vec(rk, t0, eos, i_h, H, C, ROW)[:, None]
-        _store_rows(dk, dk_t, t0, eos, H * K, i_h * K, C, K, LD_K)
+        gw._store_rows(dk, dk_t, t0, eos, H * K, i_h * K, C, K, LD_K)
         ok = rows < eos - t0
         gl.store(dbeta + (t0 + rows) * H + i_h, db, mask=ok)
         if HAS_G:  # g_t feeds G_s for every s >= t of its chunk: reverse cumulative sum

@@ -168,6 +168,26 @@ if gluon is not None:
         return st
 
     @gluon.jit
+    def _chunk_program(pid, chunks, cu, H: gl.constexpr, HK: gl.constexpr):
+        """(chunk, value head, its key head, first row, end of its sequence) of program ``pid`` of a grid over
+        (chunk, value head): chunk ``pid // H``, value head ``pid % H``."""
+        i_c = pid // H
+        i_h = pid % H
+        i_n = gl.load(chunks + i_c * 2).to(gl.int64)
+        t0 = gl.load(chunks + i_c * 2 + 1).to(gl.int64)
+        eos = gl.load(cu + i_n + 1).to(gl.int64)
+        return i_c, i_h, i_h // (H // HK), t0, eos
+
+    @gluon.jit
+    def _store_rows(ptr, x, t0, eos, stride, col0, R: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr):
+        """Rows ``t0 + [0, R)`` before ``eos``, columns ``col0 + [0, BC)``, of ``x`` (any layout) into a row-major
+        tensor (row stride ``stride``) at ``ptr``, in its dtype."""
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, LD))
+        c = gl.arange(0, BC, layout=gl.SliceLayout(0, LD))
+        gl.store(ptr + t0 * stride + (r[:, None] * stride + (col0 + c)[None, :]),
+                 gl.convert_layout(x.to(ptr.dtype.element_ty), LD), mask=(r < eos - t0)[:, None])
+
+    @gluon.jit
     def _rows(x, t0, eos, i_h, H: gl.constexpr, C: gl.constexpr, LAYOUT: gl.constexpr, pad):
         """Column ``i_h`` of ``[TT, H]`` ``x`` at rows ``t0 + [0, C)`` as fp32, in ``LAYOUT``; ``pad`` past ``eos``."""
         r = gl.arange(0, C, layout=LAYOUT)

@@ -78,13 +78,7 @@ if SOLVE_ERROR is None:
                       COL3: gl.constexpr, ROW3: gl.constexpr, BLK3: gl.constexpr, SH_K: gl.constexpr,
                       SH_OP: gl.constexpr, SH_2: gl.constexpr, SH_3: gl.constexpr, num_warps: gl.constexpr):
         """One program a (chunk, value head): chunk ``pid // H``, value head ``pid % H``; see the module docstring."""
-        pid = gl.program_id(0)
-        i_c = pid // H
-        i_h = pid % H
-        i_k = i_h // (H // HK)  # the key head of value head i_h
-        i_n = gl.load(chunks + i_c * 2).to(gl.int64)
-        t0 = gl.load(chunks + i_c * 2 + 1).to(gl.int64)
-        eos = gl.load(cu + i_n + 1).to(gl.int64)
+        _, i_h, i_k, t0, eos = gw._chunk_program(gl.program_id(0), chunks, cu, H, HK)
         n_ok = (eos - t0).to(gl.int32)
         DT: gl.constexpr = k.dtype.element_ty
         f32: gl.constexpr = gl.float32
@@ -159,10 +153,7 @@ if SOLVE_ERROR is None:
         if NB >= 4:
             D = _merge(D, gl.where((bi >= 2) & (bj < 2), Lt, 0.0), a_op, b_op, ACC_T)
 
-        r = gl.arange(0, C, layout=gl.SliceLayout(1, LD_C))
-        c = gl.arange(0, C, layout=gl.SliceLayout(0, LD_C))
-        gl.store(A + t0 * (H * C) + (r[:, None] * (H * C) + (i_h * C + c)[None, :]),
-                 gl.convert_layout(D.to(A.dtype.element_ty), LD_C), mask=(r < n_ok)[:, None])
+        gw._store_rows(A, D, t0, eos, H * C, i_h * C, C, C, LD_C)
 
 
 @functools.cache
